@@ -1,0 +1,121 @@
+"""One error hierarchy for all of Hourglass.
+
+Errors are named by what the caller should do about them:
+
+* ``InvalidArgument`` and its children: the request is wrong; fix it, do not retry.
+* ``NotFound`` / ``TooLate``: the answer to a cancel or lookup; nothing to retry.
+* ``Unavailable`` and its children (``NotLeader``, ``Overloaded``, ``ReplicationTimeout``):
+  try again later, possibly elsewhere.
+* ``StorageError`` and its children: a file on disk is broken; an operator must look.
+  These name the file and the byte offset.
+
+The mapping of these errors to gRPC status codes lives in one table
+(``cluster.status``), so servicers never pick status codes themselves.
+"""
+
+from __future__ import annotations
+
+
+class HourglassError(Exception):
+    """Base class of every error Hourglass raises on purpose."""
+
+
+# --- the caller's request is wrong -------------------------------------------------
+
+
+class InvalidArgument(HourglassError):
+    """A request or record is malformed; nothing was changed."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"invalid {field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class PayloadTooLarge(InvalidArgument):
+    pass
+
+
+class UnknownSubject(InvalidArgument):
+    def __init__(self, subject: str) -> None:
+        super().__init__("subject", f"unknown subject {subject!r}")
+        self.subject = subject
+
+
+# --- answers to cancel / lookup ---------------------------------------------------
+
+
+class NotFound(HourglassError):
+    """No message with that id is known."""
+
+
+class TooLate(HourglassError):
+    """The message was already dispatched; it can no longer be cancelled."""
+
+
+class AlreadyExists(HourglassError):
+    """A message with this id exists with different content."""
+
+
+# --- try again, maybe elsewhere ---------------------------------------------------
+
+
+class Unavailable(HourglassError):
+    """The server cannot serve this now; retry with backoff."""
+
+
+class NotLeader(Unavailable):
+    """This node is not the master of its group; retry at ``leader_hint``."""
+
+    def __init__(self, leader_hint: str | None = None) -> None:
+        super().__init__(f"not the master; leader_hint={leader_hint or 'unknown'}")
+        self.leader_hint = leader_hint
+
+
+class StaleEpoch(HourglassError):
+    """A request carried an epoch older than the current term (fencing)."""
+
+    def __init__(self, got: int, current: int) -> None:
+        super().__init__(f"stale epoch {got}, current epoch is {current}")
+        self.got = got
+        self.current = current
+
+
+class Overloaded(Unavailable):
+    """A bounded queue is full; retry after a pause."""
+
+
+class ReplicationTimeout(Unavailable):
+    """Sync ack mode: no slave confirmed the bytes in time. The write is not acknowledged."""
+
+
+class Closed(Unavailable):
+    """The component is shutting down."""
+
+
+# --- disk state is broken ---------------------------------------------------------
+
+
+class StorageError(HourglassError):
+    pass
+
+
+class CorruptRecord(StorageError):
+    """A record failed its checks somewhere other than a torn tail."""
+
+    def __init__(self, path: str, offset: int, reason: str) -> None:
+        super().__init__(f"corrupt record in {path} at offset {offset}: {reason}")
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+
+
+class OffsetOutOfRange(StorageError):
+    """A read asked for an offset outside [start, end) or not on a record boundary."""
+
+    def __init__(self, offset: int, start: int, end: int, reason: str = "") -> None:
+        msg = f"offset {offset} out of range [{start}, {end})"
+        super().__init__(msg + (f": {reason}" if reason else ""))
+        self.offset = offset
+        self.start = start
+        self.end = end

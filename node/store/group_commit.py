@@ -1,0 +1,96 @@
+"""Group commit: many appends share one fsync.
+
+``await GroupCommitter.append(bodies)`` writes the records to the log at once
+(page cache, in arrival order) and returns their offsets only after an fsync
+that covers them. One flusher task runs fsync in a worker thread; while it runs,
+new appends pile up and the next fsync covers all of them. ``durable_offset``
+is the end of the bytes known to be on disk: the iterator and replication never
+go past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cluster.errors import Closed
+
+from .log import SegmentedLog
+
+log = logging.getLogger("hourglass.store.group_commit")
+
+
+class GroupCommitter:
+    def __init__(self, seglog: SegmentedLog) -> None:
+        self.log = seglog
+        self.durable_offset = seglog.end_offset
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._dirty = asyncio.Event()
+        self._durable_changed = asyncio.Condition()
+        self._closed = False
+        self._task: asyncio.Task | None = None
+        self.fsyncs = 0
+
+    def start(self) -> asyncio.Task:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
+        return self._task
+
+    def append_nowait(self, bodies: list[bytes]) -> tuple[list[int], asyncio.Future]:
+        """Write now; return offsets and a future resolved when they are durable."""
+        if self._closed:
+            raise Closed("log is closed")
+        offsets = self.log.append(bodies)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((self.log.end_offset, fut))
+        self._dirty.set()
+        return offsets, fut
+
+    async def append(self, bodies: list[bytes]) -> list[int]:
+        offsets, fut = self.append_nowait(bodies)
+        await fut
+        return offsets
+
+    async def wait_durable(self, offset: int, timeout_s: float | None = None) -> bool:
+        """Wait until ``durable_offset >= offset``; False on timeout."""
+        async def _wait() -> None:
+            async with self._durable_changed:
+                await self._durable_changed.wait_for(lambda: self.durable_offset >= offset or self._closed)
+        try:
+            await asyncio.wait_for(_wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return self.durable_offset >= offset
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            target = self.log.end_offset
+            waiters, self._waiters = self._waiters, []
+            try:
+                await loop.run_in_executor(None, self.log.flush)
+            except Exception as e:  # fsync failed: nothing in this group is acknowledged
+                log.error("fsync failed path=%s error=%r", self.log.directory, e)
+                for _, fut in waiters:
+                    if not fut.done():
+                        fut.set_exception(e)
+                raise
+            self.fsyncs += 1
+            self.durable_offset = max(self.durable_offset, target)
+            for _, fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            async with self._durable_changed:
+                self._durable_changed.notify_all()
+            if self._closed and not self._waiters:
+                return
+
+    async def close(self) -> None:
+        self._closed = True
+        self._dirty.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.CancelledError, TimeoutError):
+                self._task.cancel()

@@ -1,0 +1,548 @@
+"""Segmented append-only log: the one storage abstraction under every Hourglass log.
+
+Owns a folder of segment files ``{base_offset:020d}.log``. Every record is
+addressed by its *global byte offset*: the base offset of its segment plus its
+position inside the file. Segments hold whole records only; a record that does
+not fit in the current segment starts a new one whose base offset is the
+current end offset, so offsets are dense and ``read_bytes`` can ship raw bytes
+to a replica that appends them and ends up byte-identical.
+
+Frame (little-endian, see docs/format.md)::
+
+    u32 body_len | u32 body_crc | u32 header_crc | body
+    body_crc   = zlib.crc32(body)
+    header_crc = zlib.crc32(first 8 header bytes)
+
+Invariants:
+
+* ``start_offset <= end_offset``; every segment's base equals the previous
+  segment's base plus its size (checked at open).
+* Bytes below ``end_offset`` are whole, checked records.
+* ``append`` writes through ``os.write`` (page cache, survives a process kill);
+  only ``flush()`` makes bytes durable against power loss. Callers acknowledge
+  after ``flush()`` (see ``node.store.group_commit``).
+
+Recovery (``open``): the last segment is scanned from its start.
+
+* fewer bytes than a header remain, or a valid header announces a body running
+  past end of file, or everything left is zero bytes -> torn tail: truncated,
+  and logged with file, offset and bytes dropped;
+* anything else that fails a check -> ``CorruptRecord(path, offset)``: the node
+  refuses to start rather than guess. Sealed segments are checked lazily on
+  read (``verify()`` checks everything).
+
+Example::
+
+    log = SegmentedLog.open(path, segment_bytes_max=1 << 20)
+    offs = log.append([b"a", b"bc"])    # -> [0, 13]
+    log.flush()
+    log.read_bytes(0, 1 << 16)          # -> both frames, raw
+    list(log.iterate(13))               # -> [(13, b"bc")]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
+
+log = logging.getLogger("hourglass.store.log")
+
+HEADER = struct.Struct("<III")
+HEADER_SIZE = HEADER.size  # 12
+PREFIX = struct.Struct("<II")
+SUFFIX = ".log"
+RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
+SEGMENT_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
+READ_CHUNK_BYTES = 1 << 20
+OPEN_READERS_MAX = 16
+
+
+def frame(body: bytes) -> bytes:
+    """Encode one record frame (header + body)."""
+    prefix = PREFIX.pack(len(body), zlib.crc32(body))
+    return prefix + struct.pack("<I", zlib.crc32(prefix)) + body
+
+
+def frame_many(bodies: Iterable[bytes]) -> tuple[bytes, list[int]]:
+    """Encode several frames; return the bytes and each frame's relative position."""
+    parts: list[bytes] = []
+    positions: list[int] = []
+    pos = 0
+    pack_prefix = PREFIX.pack
+    pack_u32 = struct.Struct("<I").pack
+    crc = zlib.crc32
+    for body in bodies:
+        prefix = pack_prefix(len(body), crc(body))
+        parts.append(prefix)
+        parts.append(pack_u32(crc(prefix)))
+        parts.append(body)
+        positions.append(pos)
+        pos += HEADER_SIZE + len(body)
+    return b"".join(parts), positions
+
+
+class TornRecord(Exception):
+    """Internal: the bytes end in the middle of a record."""
+
+
+def decode_frame(buf: bytes | memoryview, pos: int, path: str, base: int, record_bytes_max: int) -> tuple[bytes, int]:
+    """Decode the frame at ``buf[pos:]``; return (body, next_pos).
+
+    Raises TornRecord when the buffer ends inside the frame (only meaningful at
+    the end of a file) and CorruptRecord when a check fails.
+    """
+    end = len(buf)
+    if end - pos < HEADER_SIZE:
+        raise TornRecord()
+    body_len, body_crc, header_crc = HEADER.unpack_from(buf, pos)
+    if zlib.crc32(bytes(buf[pos : pos + 8])) != header_crc:
+        raise CorruptRecord(path, base + pos, "header checksum mismatch")
+    if body_len > record_bytes_max:
+        raise CorruptRecord(path, base + pos, f"record length {body_len} exceeds {record_bytes_max}")
+    start = pos + HEADER_SIZE
+    stop = start + body_len
+    if stop > end:
+        raise TornRecord()
+    body = bytes(buf[start:stop])
+    if zlib.crc32(body) != body_crc:
+        raise CorruptRecord(path, base + pos, "body checksum mismatch")
+    return body, stop
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    path: str
+    offset: int
+    bytes_dropped: int
+
+
+@dataclass(slots=True)
+class _Segment:
+    base: int
+    path: Path
+    size: int
+    mtime: float
+
+
+def _segment_name(base: int) -> str:
+    return f"{base:020d}{SUFFIX}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SegmentedLog:
+    """See module docstring. Not thread-safe, except ``flush`` may run in a worker thread."""
+
+    def __init__(self, directory: Path, segments: list[_Segment], *, segment_bytes_max: int,
+                 record_bytes_max: int, recovery: RecoveryReport | None) -> None:
+        self.directory = directory
+        self.segment_bytes_max = segment_bytes_max
+        self.record_bytes_max = record_bytes_max
+        self.recovery = recovery
+        self._segments = segments
+        self._readers: OrderedDict[int, int] = OrderedDict()  # base -> fd
+        self._active_fd = -1
+        self._closed = False
+        self._open_active()
+
+    # ------------------------------------------------------------------ open/close
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike, *, segment_bytes_max: int = SEGMENT_BYTES_MAX_DEFAULT,
+             record_bytes_max: int = RECORD_BYTES_MAX_DEFAULT, start_offset: int = 0) -> "SegmentedLog":
+        """Open (creating if needed) the log in ``directory`` and recover its tail.
+
+        ``start_offset`` is the base of the first segment of a brand-new log
+        (a replica that joins late starts where its master's log starts).
+        """
+        if segment_bytes_max < HEADER_SIZE + 1:
+            raise ValueError("segment_bytes_max too small")
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        segments: list[_Segment] = []
+        for p in sorted(d.glob("*" + SUFFIX)):
+            try:
+                base = int(p.stem)
+            except ValueError:
+                continue
+            st = p.stat()
+            segments.append(_Segment(base, p, st.st_size, st.st_mtime))
+        for tmp in d.glob("*.tmp"):
+            tmp.unlink()
+        recovery = None
+        if not segments:
+            p = d / _segment_name(start_offset)
+            p.touch()
+            _fsync_dir(d)
+            segments.append(_Segment(start_offset, p, 0, time.time()))
+        else:
+            for prev, seg in zip(segments, segments[1:]):
+                if prev.base + prev.size != seg.base:
+                    raise CorruptRecord(str(prev.path), prev.base + prev.size,
+                                        f"segment ends at {prev.base + prev.size} but next segment starts at {seg.base}")
+            recovery = cls._recover_tail(segments[-1], record_bytes_max)
+        return cls(d, segments, segment_bytes_max=segment_bytes_max,
+                   record_bytes_max=record_bytes_max, recovery=recovery)
+
+    @staticmethod
+    def _recover_tail(seg: _Segment, record_bytes_max: int) -> RecoveryReport | None:
+        data = seg.path.read_bytes()
+        pos = 0
+        path = str(seg.path)
+        while pos < len(data):
+            try:
+                _, pos = decode_frame(data, pos, path, seg.base, record_bytes_max)
+            except TornRecord:
+                break
+            except CorruptRecord:
+                if data.count(0, pos) == len(data) - pos:
+                    break  # zero-filled tail (preallocation / lost page): torn, not corrupt
+                raise
+        if pos == len(data):
+            return None
+        dropped = len(data) - pos
+        with open(seg.path, "r+b") as f:
+            f.truncate(pos)
+            f.flush()
+            os.fsync(f.fileno())
+        seg.size = pos
+        log.warning("torn tail truncated path=%s offset=%d bytes_dropped=%d", path, seg.base + pos, dropped)
+        return RecoveryReport(path, seg.base + pos, dropped)
+
+    def _open_active(self) -> None:
+        seg = self._segments[-1]
+        self._active_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        os.close(self._active_fd)
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
+        self._closed = True
+
+    def __enter__(self) -> "SegmentedLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ positions
+
+    @property
+    def start_offset(self) -> int:
+        return self._segments[0].base
+
+    @property
+    def end_offset(self) -> int:
+        seg = self._segments[-1]
+        return seg.base + seg.size
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end_offset - self.start_offset
+
+    def segment_bases(self) -> list[int]:
+        return [s.base for s in self._segments]
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, bodies: list[bytes]) -> list[int]:
+        """Append records; return their offsets. Durable only after ``flush()``."""
+        for b in bodies:
+            if len(b) > self.record_bytes_max:
+                raise InvalidArgument("record", f"{len(b)} bytes exceeds record_bytes_max {self.record_bytes_max}")
+        offsets: list[int] = []
+        i = 0
+        n = len(bodies)
+        while i < n:
+            seg = self._segments[-1]
+            room = self.segment_bytes_max - seg.size
+            # take as many records as fit in the active segment (at least one if it is empty)
+            j = i
+            used = 0
+            while j < n:
+                need = HEADER_SIZE + len(bodies[j])
+                if used + need > room and not (j == i and seg.size == 0):
+                    break
+                used += need
+                j += 1
+            if j == i:
+                self._roll()
+                continue
+            data, positions = frame_many(bodies[i:j])
+            self._write(data)
+            base = seg.base + seg.size
+            offsets.extend(base + p for p in positions)
+            seg.size += len(data)
+            seg.mtime = time.time()
+            i = j
+        return offsets
+
+    def append_raw(self, offset: int, data: bytes) -> int:
+        """Append already-framed records (replication). Checks every record; returns new end offset.
+
+        ``offset`` must equal ``end_offset``. Records are split over segments exactly
+        as ``append`` would, so a replica stays byte-identical with its source.
+        """
+        if offset != self.end_offset:
+            raise OffsetOutOfRange(offset, self.start_offset, self.end_offset + 1, "append_raw must continue at end")
+        bodies: list[bytes] = []
+        pos = 0
+        while pos < len(data):
+            try:
+                body, pos = decode_frame(data, pos, "<replicated>", offset, self.record_bytes_max)
+            except TornRecord:
+                raise CorruptRecord("<replicated>", offset + pos, "chunk ends inside a record") from None
+            bodies.append(body)
+        self.append(bodies)
+        return self.end_offset
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self._active_fd, view)
+            view = view[n:]
+
+    def _roll(self) -> None:
+        """Seal the active segment (fsync) and start a new one at end_offset."""
+        os.fsync(self._active_fd)
+        os.close(self._active_fd)
+        base = self.end_offset
+        p = self.directory / _segment_name(base)
+        p.touch()
+        _fsync_dir(self.directory)
+        self._segments.append(_Segment(base, p, 0, time.time()))
+        self._open_active()
+
+    def flush(self) -> None:
+        """fsync the active segment. Safe to call from a worker thread."""
+        os.fsync(self._active_fd)
+
+    def truncate(self, offset: int) -> int:
+        """Drop every byte at or after ``offset`` (a record boundary). Returns bytes dropped."""
+        if not self.start_offset <= offset <= self.end_offset:
+            raise OffsetOutOfRange(offset, self.start_offset, self.end_offset + 1)
+        if offset < self.end_offset:
+            self._check_boundary(offset)
+        dropped = self.end_offset - offset
+        os.close(self._active_fd)
+        self._drop_readers()
+        while len(self._segments) > 1 and self._segments[-1].base > offset:
+            self._segments.pop().path.unlink()
+        seg = self._segments[-1]
+        with open(seg.path, "r+b") as f:
+            f.truncate(offset - seg.base)
+            os.fsync(f.fileno())
+        seg.size = offset - seg.base
+        _fsync_dir(self.directory)
+        self._open_active()
+        log.warning("log truncated path=%s offset=%d bytes_dropped=%d", self.directory, offset, dropped)
+        return dropped
+
+    def reset(self, start_offset: int) -> None:
+        """Delete everything and restart the log empty at ``start_offset`` (a replica too far behind)."""
+        os.close(self._active_fd)
+        self._drop_readers()
+        for s in self._segments:
+            s.path.unlink()
+        p = self.directory / _segment_name(start_offset)
+        p.touch()
+        _fsync_dir(self.directory)
+        self._segments = [_Segment(start_offset, p, 0, time.time())]
+        self._open_active()
+
+    # ------------------------------------------------------------------ retention
+
+    def delete_before(self, offset: int) -> int:
+        """Delete whole sealed segments that end at or before ``offset``. Returns bytes freed."""
+        freed = 0
+        while len(self._segments) > 1 and self._segments[1].base <= offset:
+            seg = self._segments.pop(0)
+            self._close_reader(seg.base)
+            seg.path.unlink()
+            freed += seg.size
+        if freed:
+            _fsync_dir(self.directory)
+        return freed
+
+    def apply_retention(self, *, now_s: float, age_s_max: float | None, bytes_max: int | None,
+                        keep_from_offset: int) -> int:
+        """Delete sealed segments older than ``age_s_max`` (by last write) or beyond ``bytes_max``
+        in total, but never one holding bytes at or after ``keep_from_offset``
+        (not yet iterated or replicated). Returns bytes freed."""
+        cut = self.start_offset
+        total = self.size_bytes
+        for seg, nxt in zip(self._segments, self._segments[1:]):
+            end = nxt.base
+            if end > keep_from_offset:
+                break
+            too_old = age_s_max is not None and now_s - seg.mtime > age_s_max
+            too_big = bytes_max is not None and total > bytes_max
+            if not (too_old or too_big):
+                break
+            total -= seg.size
+            cut = end
+        return self.delete_before(cut)
+
+    # ------------------------------------------------------------------ reading
+
+    def _segment_for(self, offset: int) -> _Segment:
+        segs = self._segments
+        lo, hi = 0, len(segs) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if segs[mid].base <= offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        return segs[lo]
+
+    def _reader(self, seg: _Segment) -> int:
+        fd = self._readers.get(seg.base)
+        if fd is None:
+            fd = os.open(seg.path, os.O_RDONLY)
+            self._readers[seg.base] = fd
+            if len(self._readers) > OPEN_READERS_MAX:
+                _, old = self._readers.popitem(last=False)
+                os.close(old)
+        else:
+            self._readers.move_to_end(seg.base)
+        return fd
+
+    def _close_reader(self, base: int) -> None:
+        fd = self._readers.pop(base, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _drop_readers(self) -> None:
+        for fd in self._readers.values():
+            os.close(fd)
+        self._readers.clear()
+
+    def _check_range(self, offset: int) -> None:
+        if not self.start_offset <= offset < self.end_offset:
+            raise OffsetOutOfRange(offset, self.start_offset, self.end_offset)
+
+    def _check_boundary(self, offset: int) -> None:
+        seg = self._segment_for(offset)
+        hdr = os.pread(self._reader(seg), HEADER_SIZE, offset - seg.base)
+        if len(hdr) < HEADER_SIZE or zlib.crc32(hdr[:8]) != struct.unpack_from("<I", hdr, 8)[0]:
+            raise OffsetOutOfRange(offset, self.start_offset, self.end_offset, "not a record boundary")
+
+    def read(self, offset: int) -> tuple[bytes, int]:
+        """Read one record; return (body, next_offset)."""
+        self._check_range(offset)
+        seg = self._segment_for(offset)
+        fd = self._reader(seg)
+        pos = offset - seg.base
+        hdr = os.pread(fd, HEADER_SIZE, pos)
+        if len(hdr) < HEADER_SIZE or zlib.crc32(hdr[:8]) != struct.unpack_from("<I", hdr, 8)[0]:
+            raise OffsetOutOfRange(offset, self.start_offset, self.end_offset, "not a record boundary")
+        body_len = struct.unpack_from("<I", hdr, 0)[0]
+        buf = hdr + os.pread(fd, body_len, pos + HEADER_SIZE)
+        try:
+            body, nxt = decode_frame(buf, 0, str(seg.path), offset, self.record_bytes_max)
+        except TornRecord:
+            raise CorruptRecord(str(seg.path), offset, "record ends past end of segment") from None
+        return body, offset + nxt
+
+    def read_at(self, offset: int, size: int) -> bytes:
+        """Read one record whose framed size is known (index lookups); checks its CRCs."""
+        self._check_range(offset)
+        seg = self._segment_for(offset)
+        buf = os.pread(self._reader(seg), size, offset - seg.base)
+        try:
+            body, nxt = decode_frame(buf, 0, str(seg.path), offset, self.record_bytes_max)
+        except TornRecord:
+            raise CorruptRecord(str(seg.path), offset, "record ends past end of segment") from None
+        if nxt != size:
+            raise CorruptRecord(str(seg.path), offset, f"index says {size} bytes, record is {nxt}")
+        return body
+
+    def read_bytes(self, offset: int, max_bytes: int) -> bytes:
+        """Raw framed bytes of whole records from ``offset``, at most ``max_bytes``
+        (but always at least one record), never crossing a segment boundary.
+        Returns b"" at end_offset. This is what replication ships."""
+        if offset == self.end_offset:
+            return b""
+        self._check_range(offset)
+        seg = self._segment_for(offset)
+        fd = self._reader(seg)
+        pos = offset - seg.base
+        avail = seg.size - pos
+        want = min(avail, max(max_bytes, HEADER_SIZE))
+        buf = os.pread(fd, want, pos)
+        cut = 0
+        path = str(seg.path)
+        while cut < len(buf):
+            try:
+                _, nxt = decode_frame(buf, cut, path, offset, self.record_bytes_max)
+            except TornRecord:
+                if cut == 0:  # first record larger than max_bytes: read it whole
+                    body_len = HEADER.unpack_from(buf if len(buf) >= HEADER_SIZE else os.pread(fd, HEADER_SIZE, pos), 0)[0]
+                    buf = os.pread(fd, HEADER_SIZE + body_len, pos)
+                    _, nxt = decode_frame(buf, 0, path, offset, self.record_bytes_max)
+                    return buf[:nxt]
+                break
+            except CorruptRecord as e:
+                if cut == 0 and e.reason == "header checksum mismatch":
+                    raise OffsetOutOfRange(offset, self.start_offset, self.end_offset, "not a record boundary") from None
+                raise
+            cut = nxt
+        return buf[:cut]
+
+    def iterate(self, offset: int | None = None, end_offset: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """Yield (offset, body) for every record from ``offset`` up to the end (as of the call)."""
+        offset = self.start_offset if offset is None else offset
+        stop = self.end_offset if end_offset is None else end_offset
+        if offset == stop:
+            return
+        self._check_range(offset)
+        while offset < stop:
+            seg = self._segment_for(offset)
+            fd = self._reader(seg)
+            seg_end = min(seg.base + seg.size, stop)
+            pos = offset - seg.base
+            carry = b""
+            path = str(seg.path)
+            while seg.base + pos < seg_end:
+                chunk = os.pread(fd, min(READ_CHUNK_BYTES, seg_end - seg.base - pos), pos)
+                if not chunk:
+                    raise CorruptRecord(path, seg.base + pos, "segment shorter than expected")
+                buf = carry + chunk if carry else chunk
+                buf_base = seg.base + pos - len(carry)
+                cut = 0
+                while True:
+                    try:
+                        body, nxt = decode_frame(buf, cut, path, buf_base, self.record_bytes_max)
+                    except TornRecord:
+                        break
+                    yield buf_base + cut, body
+                    cut = nxt
+                carry = buf[cut:]
+                pos += len(chunk)
+            if carry:
+                raise CorruptRecord(path, seg_end - len(carry), "record ends past end of segment")
+            offset = seg_end
+
+    def verify(self) -> int:
+        """Check every record of every segment; return the record count."""
+        return sum(1 for _ in self.iterate())

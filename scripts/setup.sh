@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs everything Hourglass needs on a fresh Debian 12 machine (idempotent).
+# Debian packages when root (apt-get), Python packages with pip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+want_apt=()
+command -v redis-server >/dev/null 2>&1 || want_apt+=(redis-server)
+command -v etcd >/dev/null 2>&1 || want_apt+=(etcd-server)
+if [ ${#want_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: apt-get install ${want_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null 2>&1 || true
+  apt-get install -y -qq --no-install-recommends "${want_apt[@]}" >/dev/null 2>&1 \
+    || echo "setup: apt-get install failed; tests needing ${want_apt[*]} will say so"
+  # Debian starts the services it installs; Hourglass starts its own on free ports.
+  for svc in redis-server etcd; do
+    if command -v systemctl >/dev/null 2>&1; then systemctl stop "$svc" >/dev/null 2>&1 || true; fi
+  done
+fi
+if ! $PY -c "import cluster, node, grpc, hypothesis, pytest_asyncio" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt .setup-stamp ]; then
+  echo "setup: pip install -e .[test]"
+  $PY -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".[test]"
+  touch .setup-stamp
+fi

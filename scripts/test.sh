@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets everything up and runs the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=${PYTHON:-python3}
+set +e
+$PY -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then echo "test.sh: pytest collected no tests: failing"; exit 1; fi
+exit "$rc"
