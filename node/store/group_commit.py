@@ -32,7 +32,8 @@ class GroupCommitter:
         self.fsyncs = 0
 
     def start(self) -> asyncio.Task:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="group-commit")
+        """Run the flusher as a free task (benchmarks); services use ``run()`` in their TaskGroup."""
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="group-commit")
         return self._task
 
     def append_nowait(self, bodies: list[bytes]) -> tuple[list[int], asyncio.Future]:
@@ -44,6 +45,19 @@ class GroupCommitter:
         self._waiters.append((self.log.end_offset, fut))
         self._dirty.set()
         return offsets, fut
+
+    def sync_to(self, offset: int) -> asyncio.Future:
+        """A future resolved once an fsync covers every byte before ``offset``
+        (bytes the caller already wrote with ``log.append``)."""
+        fut = asyncio.get_running_loop().create_future()
+        if offset <= self.durable_offset:
+            fut.set_result(None)
+            return fut
+        if self._closed:
+            raise Closed("log is closed")
+        self._waiters.append((offset, fut))
+        self._dirty.set()
+        return fut
 
     async def append(self, bodies: list[bytes]) -> list[int]:
         offsets, fut = self.append_nowait(bodies)
@@ -61,7 +75,7 @@ class GroupCommitter:
             return False
         return self.durable_offset >= offset
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self._dirty.wait()

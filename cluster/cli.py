@@ -1,0 +1,383 @@
+"""The ``hourglass`` command line (typer).
+
+    hourglass demo                      start a local cluster, schedule, show deliveries, stop
+    hourglass dev up                    a local cluster that runs until Ctrl-C
+    hourglass node --role delay ...     one node process (what containers run)
+    hourglass send SUBJECT PAYLOAD --delay-ms 5000 [--count N]
+    hourglass consume SUBJECT --group G [--count N]
+    hourglass cancel ID | lookup ID | status
+
+Client commands find the cluster through ``--delay``/``--realtime`` addresses, the
+``HOURGLASS_DELAY_NODES``/``HOURGLASS_REALTIME_NODES`` variables, or the
+``cluster.json`` that ``hourglass dev up`` writes (``--cluster-file``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hourglass: a broker for delayed messages.")
+dev = typer.Typer(help="Local development cluster.")
+app.add_typer(dev, name="dev")
+console = Console()
+
+DEFAULT_CLUSTER_FILE = Path("var/dev/cluster.json")
+
+
+def _split(v: str | None) -> list[str]:
+    return [a.strip() for a in (v or "").split(",") if a.strip()]
+
+
+def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None):
+    from cluster.client import StaticResolver
+
+    d = _split(delay or os.environ.get("HOURGLASS_DELAY_NODES"))
+    r = _split(realtime or os.environ.get("HOURGLASS_REALTIME_NODES"))
+    cf = cluster_file or DEFAULT_CLUSTER_FILE
+    if (not d or not r) and cf.exists():
+        info = json.loads(cf.read_text())
+        d = d or info["delay"]
+        r = r or info["realtime"]
+    if not d and not r:
+        console.print("[red]no cluster: give --delay/--realtime, set HOURGLASS_DELAY_NODES/REALTIME_NODES, "
+                      "or run `hourglass dev up`[/red]")
+        raise typer.Exit(2)
+    return StaticResolver(delay=d, realtime=r)
+
+
+DelayOpt = typer.Option(None, "--delay", help="delay node addresses, comma separated")
+RealtimeOpt = typer.Option(None, "--realtime", help="real-time node addresses, comma separated")
+ClusterFileOpt = typer.Option(None, "--cluster-file", help="cluster.json written by `hourglass dev up`")
+
+
+# ---------------------------------------------------------------------- node
+
+
+@app.command()
+def node(
+    role: str = typer.Option(..., help="delay | realtime"),
+    node_id: str = typer.Option("node-1"),
+    group: str = typer.Option("g1"),
+    data_dir: Path = typer.Option(..., help="where this node keeps its files"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(0),
+    metrics_port: Optional[int] = typer.Option(None),
+    realtime_nodes: str = typer.Option("", help="(delay) real-time node addresses"),
+    delay_nodes: str = typer.Option("", help="(realtime) delay node addresses for retries"),
+    ready_file: Optional[Path] = typer.Option(None),
+) -> None:
+    """Run one node until SIGINT/SIGTERM. Other settings come from HOURGLASS_* variables."""
+    from pydantic import ValidationError
+
+    from node.config import NodeSettings
+    from node.server import configure_logging, serve
+
+    overrides = dict(role=role, node_id=node_id, group=group, data_dir=data_dir, host=host, port=port,
+                     ready_file=ready_file)
+    if metrics_port is not None:
+        overrides["metrics_port"] = metrics_port
+    if realtime_nodes:
+        overrides["realtime_nodes"] = _split(realtime_nodes)
+    if delay_nodes:
+        overrides["delay_nodes"] = _split(delay_nodes)
+    try:
+        settings = NodeSettings(**overrides)
+    except ValidationError as e:
+        console.print(f"[red]bad settings:[/red] {e}")
+        raise typer.Exit(2)
+    configure_logging(settings.log_level)
+    asyncio.run(serve(settings))
+
+
+# ---------------------------------------------------------------------- dev cluster
+
+
+@dev.command("up")
+def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the whole cluster")) -> None:
+    """Start a local cluster (one delay node, one real-time node) and run until Ctrl-C."""
+    from cluster.devcluster import LocalCluster
+
+    cluster = LocalCluster(data)
+    cluster.start()
+    info = cluster.describe()
+    console.print(f"[green]cluster up[/green]  delay={info['delay']}  realtime={info['realtime']}  data={data}")
+    console.print(f"try:  hourglass send demo.hello 'hi' --delay-ms 3000 --cluster-file {data}/cluster.json")
+    console.print(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
+    stop = {"now": False}
+
+    def _stop(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        while not stop["now"]:
+            for n in cluster.nodes:
+                if not n.running:
+                    console.print(f"[red]{n.name} exited[/red]; log:\n{n.tail_log()}")
+                    stop["now"] = True
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+        console.print("cluster stopped")
+
+
+@app.command()
+def demo(
+    messages: int = typer.Option(20, help="how many messages to schedule"),
+    spread_s: float = typer.Option(5.0, help="due times spread over this many seconds"),
+    data: Optional[Path] = typer.Option(None, help="data folder (default: a temporary one, removed after)"),
+) -> None:
+    """Start a local cluster, schedule messages a few seconds ahead, show them delivered, stop."""
+    from cluster.devcluster import LocalCluster
+
+    tmp = None
+    if data is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hourglass-demo-")
+        data = Path(tmp.name)
+    cluster = LocalCluster(data)
+    console.print("[bold]Hourglass demo[/bold]: starting a delay node and a real-time node ...")
+    try:
+        cluster.start()
+        info = cluster.describe()
+        console.print(f"  delay node {info['delay'][0]}, real-time node {info['realtime'][0]}")
+        ok = asyncio.run(_demo(info, messages, spread_s))
+    finally:
+        cluster.stop()
+        console.print("cluster stopped")
+        if tmp is not None:
+            tmp.cleanup()
+    if not ok:
+        raise typer.Exit(1)
+
+
+async def _demo(info: dict, n: int, spread_s: float) -> bool:
+    from cluster.client import Consumer, Producer, StaticResolver
+
+    resolver = StaticResolver(delay=info["delay"], realtime=info["realtime"])
+    subject = "demo.orders"
+    now = time.time_ns() // 1_000_000
+    due = {f"order-{i:03d}": now + 1000 + int(i * spread_s * 1000 / max(1, n - 1)) for i in range(n)}
+    async with Producer(resolver) as p:
+        futs = [await p.send(subject, f"cancel unpaid order {mid}", deliver_at_ms=at, id=mid, tags=["demo"])
+                for mid, at in due.items()]
+        await asyncio.gather(*futs)
+        cancelled = "order-005" if n > 5 else None
+        if cancelled:
+            await p.cancel(cancelled)
+            due.pop(cancelled)
+    console.print(f"scheduled {n} messages due in 1..{1 + spread_s:.0f} s"
+                  + (f"; cancelled {cancelled}" if cancelled else ""))
+    table = Table("id", "due (UTC)", "received", "lateness ms")
+    got: dict[str, int] = {}
+    deadline = time.monotonic() + spread_s + 15
+    async with Consumer(resolver, subject, group="demo", wait_ms=500) as c:
+        while len(got) < len(due) and time.monotonic() < deadline:
+            for m in await c.pull():
+                if m.id not in got:
+                    got[m.id] = m.lateness_ms
+                    table.add_row(m.id, time.strftime("%H:%M:%S", time.gmtime(m.deliver_at_ms / 1000))
+                                  + f".{m.deliver_at_ms % 1000:03d}",
+                                  time.strftime("%H:%M:%S", time.gmtime(m.received_ms / 1000))
+                                  + f".{m.received_ms % 1000:03d}", str(m.lateness_ms))
+                    console.print(f"  delivered {m.id}  lateness {m.lateness_ms} ms")
+                await m.ack()
+    console.print(table)
+    missing = sorted(set(due) - set(got))
+    if missing:
+        console.print(f"[red]{len(missing)} messages not delivered: {missing[:10]}[/red]")
+        return False
+    late = sorted(got.values())
+    console.print(f"[green]all {len(got)} messages delivered[/green]; lateness median {late[len(late) // 2]} ms, "
+                  f"max {late[-1]} ms")
+    return True
+
+
+# ---------------------------------------------------------------------- client commands
+
+
+@app.command()
+def send(
+    subject: str,
+    payload: str = typer.Argument(""),
+    delay_ms: int = typer.Option(0, help="deliver this many ms from now"),
+    at: Optional[str] = typer.Option(None, help="deliver at this UTC time (ISO 8601) or epoch ms"),
+    id: str = typer.Option("", help="message id (idempotent); with --count, a prefix"),
+    tag: list[str] = typer.Option([], help="tags (repeatable)"),
+    count: int = typer.Option(1, help="send this many copies (ids get a -N suffix)"),
+    delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+    cluster_file: Optional[Path] = ClusterFileOpt,
+) -> None:
+    """Schedule a message (or --count of them, with a progress bar)."""
+    deliver_at = _parse_at(at) if at else 0
+    resolver = _resolver(delay, realtime, cluster_file)
+    asyncio.run(_send(resolver, subject, payload, delay_ms, deliver_at, id, tag, count))
+
+
+def _parse_at(at: str) -> int:
+    from datetime import datetime, timezone
+
+    if at.isdigit():
+        return int(at)
+    dt = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1000)
+
+
+async def _send(resolver, subject, payload, delay_ms, deliver_at, id, tags, count) -> None:
+    from cluster.client import Producer
+    from cluster.errors import HourglassError
+
+    immediate = not delay_ms and not deliver_at
+    async with Producer(resolver) as p:
+        futs = []
+        with Progress(console=console, transient=True, disable=count < 1000) as prog:
+            task = prog.add_task("sending", total=count)
+            for i in range(count):
+                mid = (f"{id}-{i}" if id else "") if count > 1 else id
+                futs.append(await p.send(subject, payload, delay_ms=delay_ms, deliver_at_ms=deliver_at, id=mid,
+                                         tags=tag_list(tags), immediate=immediate))
+                if i % 1000 == 0:
+                    prog.update(task, completed=i)
+            results = await asyncio.gather(*futs, return_exceptions=True)
+            prog.update(task, completed=count)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for r in results[:10]:
+        if isinstance(r, HourglassError):
+            console.print(f"[red]rejected:[/red] {r}")
+        elif not isinstance(r, BaseException):
+            console.print(f"accepted id={r.id} seq={r.seq} deliver_at_ms={r.deliver_at_ms}"
+                          + (" (duplicate)" if r.duplicate else ""))
+    if count > 10:
+        console.print(f"{count - len(errors)} accepted, {len(errors)} rejected")
+    if errors:
+        raise typer.Exit(1)
+
+
+def tag_list(tags) -> list[str]:
+    return [t for t in tags if t]
+
+
+@app.command()
+def consume(
+    subject: str,
+    group: str = typer.Option(..., help="consumer group"),
+    count: int = typer.Option(0, help="stop after this many messages (0 = until Ctrl-C or --idle-s)"),
+    idle_s: float = typer.Option(0, help="stop after this many seconds without a message (0 = never)"),
+    tag: list[str] = typer.Option([], help="only messages with one of these tags"),
+    delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+    cluster_file: Optional[Path] = ClusterFileOpt,
+) -> None:
+    """Pull messages, print them and ack them."""
+    resolver = _resolver(delay, realtime, cluster_file)
+    asyncio.run(_consume(resolver, subject, group, count, idle_s, tag_list(tag)))
+
+
+async def _consume(resolver, subject, group, count, idle_s, tags) -> None:
+    from cluster.client import Consumer
+
+    n = 0
+    last = time.monotonic()
+    async with Consumer(resolver, subject, group=group, tags=tags, wait_ms=500) as c:
+        while not count or n < count:
+            batch = await c.pull()
+            for m in batch:
+                console.print(f"{m.id}  subject={m.subject}  lateness={m.lateness_ms}ms  "
+                              f"payload={m.payload[:80]!r}")
+            await c.ack(batch)
+            n += len(batch)
+            if batch:
+                last = time.monotonic()
+            elif idle_s and time.monotonic() - last > idle_s:
+                break
+
+
+@app.command()
+def cancel(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+           cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Cancel a scheduled message by id."""
+    from cluster.errors import HourglassError
+
+    async def _run():
+        from cluster.client import Producer
+        async with Producer(_resolver(delay, realtime, cluster_file)) as p:
+            return await p.cancel(id)
+    try:
+        r = asyncio.run(_run())
+    except HourglassError as e:
+        console.print(f"[red]{type(e).__name__}:[/red] {e}")
+        raise typer.Exit(1)
+    console.print(f"cancelled id={r.id} seq={r.seq}")
+
+
+@app.command()
+def lookup(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+           cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Show the state of a scheduled message."""
+    from cluster.errors import HourglassError
+
+    async def _run():
+        from cluster.client import Producer
+        async with Producer(_resolver(delay, realtime, cluster_file)) as p:
+            return await p.lookup(id)
+    try:
+        r = asyncio.run(_run())
+    except HourglassError as e:
+        console.print(f"[red]{type(e).__name__}:[/red] {e}")
+        raise typer.Exit(1)
+    console.print(json.dumps(r.model_dump()))
+
+
+@app.command()
+def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+           cluster_file: Optional[Path] = ClusterFileOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Role, epoch, counters and lag of every node."""
+    resolver = _resolver(delay, realtime, cluster_file)
+
+    async def _run():
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.transport import Channels
+        ch = Channels()
+        out = []
+        try:
+            for address in resolver.delay + resolver.realtime:
+                try:
+                    r = await ch.admin(address).Status(pb.StatusRequest(), timeout=5)
+                    out.append(json.loads(r.json))
+                except Exception as e:  # a dead node is reported, not fatal
+                    out.append({"address": address, "error": str(e)[:200]})
+        finally:
+            await ch.close()
+        return out
+    rows = asyncio.run(_run())
+    if as_json:
+        console.print_json(json.dumps(rows))
+        return
+    t = Table("node", "role", "address", "epoch", "details")
+    for r in rows:
+        details = {k: v for k, v in r.items() if k not in ("node_id", "role", "address", "epoch", "group")}
+        t.add_row(r.get("node_id", "?"), r.get("role", "?"), r.get("address", "?"), str(r.get("epoch", "")),
+                  json.dumps(details)[:200])
+    console.print(t)
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(app())

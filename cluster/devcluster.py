@@ -1,0 +1,169 @@
+"""A local cluster of real node processes on 127.0.0.1: for the demo, ``hourglass dev up``,
+tests and benchmarks.
+
+Every process is started with a ready file and stopped by its PID (SIGTERM, then
+SIGKILL after ``stop_timeout_s``), never by name. ``cluster.json`` in the data root
+lists the addresses so CLI commands find the cluster without flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.errors import Unavailable
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    role: str
+    data_dir: Path
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.data_dir.parent / f"{self.name}.ready"
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.ready_file.exists():
+            self.ready_file.unlink()
+        self.log_path = self.data_dir.parent / f"{self.name}.log"
+        logf = open(self.log_path, "ab")
+        env = dict(os.environ)
+        env.update(self.env)
+        cmd = [sys.executable, "-m", "cluster.cli", "node", "--role", self.role, "--node-id", self.name,
+               "--data-dir", str(self.data_dir), "--port", str(self.port), "--ready-file", str(self.ready_file),
+               *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+        logf.close()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise Unavailable(f"{self.name} exited with {self.proc.returncode}; log:\n{self.tail_log()}")
+            time.sleep(0.02)
+        raise Unavailable(f"{self.name} not ready after {timeout_s}s; log:\n{self.tail_log()}")
+
+    def tail_log(self, n: int = 40) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL by PID and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)  # a frozen process cannot handle SIGTERM
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=timeout_s)
+        return self.proc.returncode
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalCluster:
+    """``n_delay`` delay nodes and ``n_realtime`` real-time nodes, each its own process."""
+
+    def __init__(self, root: str | os.PathLike, *, n_delay: int = 1, n_realtime: int = 1,
+                 env: dict[str, str] | None = None, delay_args: list[str] | None = None,
+                 realtime_args: list[str] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.env = env or {}
+        self.realtime = [NodeProcess(f"realtime-{i + 1}", "realtime", self.root / f"realtime-{i + 1}", free_port(),
+                                     dict(self.env), list(realtime_args or [])) for i in range(n_realtime)]
+        self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
+                                  dict(self.env), list(delay_args or [])) for i in range(n_delay)]
+        rt = ",".join(n.address for n in self.realtime)
+        dl = ",".join(n.address for n in self.delay)
+        for n in self.delay:
+            n.args += ["--realtime-nodes", rt]
+        for n in self.realtime:
+            n.args += ["--delay-nodes", dl]
+
+    @property
+    def nodes(self) -> list[NodeProcess]:
+        return self.realtime + self.delay
+
+    def start(self) -> "LocalCluster":
+        try:
+            for n in self.nodes:
+                n.start()
+            for n in self.nodes:
+                n.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        (self.root / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
+        return self
+
+    def describe(self) -> dict:
+        return {"delay": [n.address for n in self.delay], "realtime": [n.address for n in self.realtime],
+                "pids": {n.name: n.proc.pid for n in self.nodes if n.proc}}
+
+    def restart(self, node: NodeProcess) -> None:
+        node.stop()
+        node.start()
+        node.wait_ready()
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            try:
+                n.stop()
+            except Exception:  # keep stopping the others
+                n.kill()
+        cj = self.root / "cluster.json"
+        if cj.exists():
+            cj.unlink()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,220 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Code(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OK: _ClassVar[Code]
+    INVALID_ARGUMENT: _ClassVar[Code]
+    PAYLOAD_TOO_LARGE: _ClassVar[Code]
+    UNKNOWN_SUBJECT: _ClassVar[Code]
+    ALREADY_EXISTS: _ClassVar[Code]
+    OVERLOADED: _ClassVar[Code]
+    NOT_LEADER: _ClassVar[Code]
+    NOT_FOUND: _ClassVar[Code]
+    TOO_LATE: _ClassVar[Code]
+    INTERNAL: _ClassVar[Code]
+    REPLICATION_TIMEOUT: _ClassVar[Code]
+OK: Code
+INVALID_ARGUMENT: Code
+PAYLOAD_TOO_LARGE: Code
+UNKNOWN_SUBJECT: Code
+ALREADY_EXISTS: Code
+OVERLOADED: Code
+NOT_LEADER: Code
+NOT_FOUND: Code
+TOO_LATE: Code
+INTERNAL: Code
+REPLICATION_TIMEOUT: Code
+
+class Message(_message.Message):
+    __slots__ = ("id", "subject", "tags", "properties", "payload", "deliver_at_ms", "delay_ms", "attempts")
+    class PropertiesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    subject: str
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    properties: _containers.ScalarMap[str, str]
+    payload: bytes
+    deliver_at_ms: int
+    delay_ms: int
+    attempts: int
+    def __init__(self, id: _Optional[str] = ..., subject: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., properties: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ..., deliver_at_ms: _Optional[int] = ..., delay_ms: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
+
+class SendStatus(_message.Message):
+    __slots__ = ("code", "id", "seq", "deliver_at_ms", "duplicate", "error")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    code: Code
+    id: str
+    seq: int
+    deliver_at_ms: int
+    duplicate: bool
+    error: str
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., id: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., duplicate: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SendBatchRequest(_message.Message):
+    __slots__ = ("messages", "immediate", "epoch")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    immediate: bool
+    epoch: int
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., immediate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SendBatchResponse(_message.Message):
+    __slots__ = ("statuses",)
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedCompositeFieldContainer[SendStatus]
+    def __init__(self, statuses: _Optional[_Iterable[_Union[SendStatus, _Mapping]]] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("code", "seq", "error")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    code: Code
+    seq: int
+    error: str
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., seq: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    code: Code
+    status: str
+    seq: int
+    deliver_at_ms: int
+    subject: str
+    error: str
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    group: str
+    consumer_id: str
+    max_messages: int
+    wait_ms: int
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Delivery(_message.Message):
+    __slots__ = ("message", "handle", "deliver_at_ms", "available_ms")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_MS_FIELD_NUMBER: _ClassVar[int]
+    message: Message
+    handle: int
+    deliver_at_ms: int
+    available_ms: int
+    def __init__(self, message: _Optional[_Union[Message, _Mapping]] = ..., handle: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., available_ms: _Optional[int] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("deliveries",)
+    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
+    deliveries: _containers.RepeatedCompositeFieldContainer[Delivery]
+    def __init__(self, deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("subject", "group", "handles")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    group: str
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AckResponse(_message.Message):
+    __slots__ = ("acked",)
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    acked: int
+    def __init__(self, acked: _Optional[int] = ...) -> None: ...
+
+class NackRequest(_message.Message):
+    __slots__ = ("subject", "group", "handles", "retry_after_ms")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    group: str
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    retry_after_ms: int
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., handles: _Optional[_Iterable[int]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class NackResponse(_message.Message):
+    __slots__ = ("retried", "dead_lettered")
+    RETRIED_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    retried: int
+    dead_lettered: int
+    def __init__(self, retried: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("node_id", "role", "group", "master", "epoch", "json")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: str
+    group: str
+    master: bool
+    epoch: int
+    json: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., group: _Optional[str] = ..., master: _Optional[bool] = ..., epoch: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,90 @@
+"""The one table between domain errors, protocol ``Code`` values and gRPC status codes.
+
+Per-message results (SendBatch statuses, Cancel, Lookup) carry a ``Code``;
+whole-call failures are gRPC statuses. Servicers and clients never choose codes
+themselves: they call these functions.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from cluster import errors as E
+from cluster.proto import hourglass_pb2 as pb
+
+# domain error class -> (protocol Code, gRPC status); most specific first
+TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
+    (E.PayloadTooLarge, pb.PAYLOAD_TOO_LARGE, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.UnknownSubject, pb.UNKNOWN_SUBJECT, grpc.StatusCode.NOT_FOUND),
+    (E.InvalidArgument, pb.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+    (E.AlreadyExists, pb.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS),
+    (E.NotFound, pb.NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+    (E.TooLate, pb.TOO_LATE, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.NotLeader, pb.NOT_LEADER, grpc.StatusCode.UNAVAILABLE),
+    (E.ReplicationTimeout, pb.REPLICATION_TIMEOUT, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (E.Overloaded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
+    (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
+    (E.OffsetOutOfRange, pb.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE),
+]
+
+# codes a client may retry (possibly elsewhere); everything else is final
+RETRYABLE_CODES = {pb.OVERLOADED, pb.NOT_LEADER, pb.REPLICATION_TIMEOUT, pb.INTERNAL}
+
+
+def to_code(exc: BaseException) -> int:
+    for cls, code, _ in TABLE:
+        if isinstance(exc, cls):
+            return code
+    return pb.INTERNAL
+
+
+def to_grpc(exc: BaseException) -> grpc.StatusCode:
+    for cls, _, status in TABLE:
+        if isinstance(exc, cls):
+            return status
+    return grpc.StatusCode.INTERNAL
+
+
+def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.HourglassError:
+    """Rebuild the domain error a per-message ``Code`` stands for (client side)."""
+    if code == pb.PAYLOAD_TOO_LARGE:
+        return E.PayloadTooLarge("payload", message)
+    if code == pb.UNKNOWN_SUBJECT:
+        err = E.UnknownSubject(message)
+        return err
+    if code == pb.INVALID_ARGUMENT:
+        return E.InvalidArgument("request", message)
+    if code == pb.ALREADY_EXISTS:
+        return E.AlreadyExists(message)
+    if code == pb.NOT_FOUND:
+        return E.NotFound(message)
+    if code == pb.TOO_LATE:
+        return E.TooLate(message)
+    if code == pb.NOT_LEADER:
+        return E.NotLeader(leader_hint)
+    if code == pb.REPLICATION_TIMEOUT:
+        return E.ReplicationTimeout(message)
+    if code == pb.OVERLOADED:
+        return E.Overloaded(message)
+    return E.HourglassError(message or f"code {code}")
+
+
+def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
+    """Map a failed call to a domain error (client side)."""
+    status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    detail = err.details() if hasattr(err, "details") else str(err)
+    if status == grpc.StatusCode.INVALID_ARGUMENT:
+        return E.InvalidArgument("request", detail or "")
+    if status == grpc.StatusCode.NOT_FOUND:
+        return E.NotFound(detail or "")
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return E.Overloaded(detail or "")
+    if status == grpc.StatusCode.FAILED_PRECONDITION and detail and detail.startswith("stale epoch"):
+        return E.StaleEpoch(0, 0)
+    if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        if detail and detail.startswith("not the master"):
+            hint = detail.split("leader_hint=", 1)[-1] if "leader_hint=" in detail else None
+            return E.NotLeader(None if hint in (None, "unknown") else hint)
+        return E.Unavailable(f"{status.name}: {detail}")
+    return E.HourglassError(f"{status.name}: {detail}")

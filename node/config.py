@@ -1,0 +1,86 @@
+"""Settings of one node process: one typed model, environment prefix ``HOURGLASS_``.
+
+Every queue, batch, retry and wait has a named maximum here. ``hourglass node``
+maps its options onto this model; anything not given comes from the environment
+(``HOURGLASS_DATA_DIR=/var/lib/hourglass``, ``HOURGLASS_ROLE=delay`` ...) or the default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from node.delay.store import StoreSettings
+from node.realtime.store import RealtimeSettings
+from node.store.records import Limits
+
+
+class NodeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HOURGLASS_", extra="forbid")
+
+    role: Literal["delay", "realtime"] = "delay"
+    node_id: str = "node-1"
+    group: str = "g1"
+    data_dir: Path = Path("./var/node-1")
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one")
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; 0 = free one")
+    advertise: str | None = None  # address others use to reach this node (default host:port)
+    ready_file: Path | None = None  # written with "host:port" once serving (tests, dev up)
+
+    # routing before the meta server exists (static); realtime nodes for a delay node, delay nodes for nacks
+    realtime_nodes: list[str] = []
+    delay_nodes: list[str] = []
+    meta_servers: list[str] = []
+
+    # limits a producer can hit
+    payload_bytes_max: int = 4 * 1024 * 1024
+    subject_bytes_max: int = 200
+    id_bytes_max: int = 128
+    delay_horizon_ms: int = 2 * 366 * 24 * 3600 * 1000
+    batch_messages_max: int = 10_000
+    request_bytes_max: int = 64 * 1024 * 1024
+
+    # delay node
+    tick_ms: int = 10
+    window_ms: int = 2000
+    bucket_ms: int = 3_600_000
+    checkpoint_interval_ms: int = 200
+    iterate_interval_ms: int = 2
+    dispatch_batch_max: int = 500
+    dispatch_concurrency_max: int = 8
+    dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
+    dispatch_backoff_ms_max: int = 2000
+    inflight_max: int = 100_000
+    unfiled_max: int = 1_000_000
+
+    # real-time node
+    dedup_window_ms: int = 600_000
+    ack_timeout_ms: int = 30_000
+    pull_max: int = 1000
+    pull_wait_ms_max: int = 30_000
+    max_attempts: int = 16
+    auto_create_subjects: bool = True
+    subjects: list[str] = []
+
+    # clock (tests inject skew; allow_clock_control lets an admin call move it forward)
+    clock_offset_ms: int = 0
+    allow_clock_control: bool = False
+
+    log_level: str = "INFO"
+
+    def limits(self) -> Limits:
+        return Limits(subject_bytes_max=self.subject_bytes_max, id_bytes_max=self.id_bytes_max,
+                      payload_bytes_max=self.payload_bytes_max, delay_horizon_ms=self.delay_horizon_ms)
+
+    def store_settings(self) -> StoreSettings:
+        return StoreSettings(tick_ms=self.tick_ms, window_ms=self.window_ms, bucket_ms=self.bucket_ms,
+                             inflight_max=self.inflight_max, unfiled_max=self.unfiled_max, limits=self.limits())
+
+    def realtime_settings(self) -> RealtimeSettings:
+        return RealtimeSettings(dedup_window_ms=self.dedup_window_ms, ack_timeout_ms=self.ack_timeout_ms,
+                                pull_max=self.pull_max, auto_create_subjects=self.auto_create_subjects,
+                                max_attempts=self.max_attempts, limits=self.limits())

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one node process, on its own registry (several nodes may share a test process)."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("hourglass.metrics")
+
+LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class NodeMetrics:
+    def __init__(self, role: str, node_id: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = {"role": role, "node": node_id}
+        self.ingested = Counter("hourglass_ingested_messages", "Messages accepted (durable)", registry=r)
+        self.dispatched = Counter("hourglass_dispatched_messages", "Delayed messages handed to real-time nodes",
+                                  registry=r)
+        self.dead_lettered = Counter("hourglass_dead_lettered_messages", "Messages sent to the dead-letter subject",
+                                     registry=r)
+        self.delivered = Counter("hourglass_pulled_messages", "Messages handed to consumers", registry=r)
+        self.acked = Counter("hourglass_acked_messages", "Messages acknowledged by consumers", registry=r)
+        self.errors = Counter("hourglass_errors", "Rejected messages and failed calls", ["kind"], registry=r)
+        self.lateness = Histogram("hourglass_delivery_lateness_seconds", "Dispatch time minus due time",
+                                  buckets=LATENESS_BUCKETS_S, registry=r)
+        self.wheel_held = Gauge("hourglass_wheel_entries", "Entries held in the in-memory wheel", registry=r)
+        self.in_flight = Gauge("hourglass_in_flight_messages", "Fired, not yet confirmed by a real-time node",
+                               registry=r)
+        self.dispatch_lag = Gauge("hourglass_dispatch_lag_seconds", "Wall clock minus completed_ms", registry=r)
+        self.pending_by_bucket = Gauge("hourglass_pending_messages", "Messages filed and not yet dispatched, by bucket",
+                                       ["bucket"], registry=r)
+        self.consumer_lag = Gauge("hourglass_consumer_lag_messages", "Entries not yet acked", ["subject", "group"],
+                                  registry=r)
+        self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
+        self.info.labels(**labels).set(1)
+        self._server = None
+        self.port: int | None = None
+
+    def start(self, port: int | None) -> None:
+        if port is None:
+            return
+        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        self._server = server
+        self.port = server.server_port
+        log.info("metrics endpoint port=%d", self.port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

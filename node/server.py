@@ -1,0 +1,68 @@
+"""Process root of a node: settings -> the role's node object -> gRPC server -> run until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.transport import CHANNEL_OPTIONS
+from node.config import NodeSettings
+
+log = logging.getLogger("hourglass.node")
+
+
+async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, admin=None, extra=()) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", settings.request_bytes_max),
+        ("grpc.max_receive_message_length", settings.request_bytes_max),
+        ("grpc.so_reuseport", 0),
+    ])
+    if producer is not None:
+        rpc.add_ProducerServicer_to_server(producer, server)
+    if consumer is not None:
+        rpc.add_ConsumerServicer_to_server(consumer, server)
+    if admin is not None:
+        rpc.add_AdminServicer_to_server(admin, server)
+    for add in extra:
+        add(server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    return server, settings.advertise or f"{settings.host}:{port}"
+
+
+def build(settings: NodeSettings):
+    if settings.role == "delay":
+        from node.delay.service import DelayNode
+        return DelayNode(settings)
+    from node.realtime.service import RealtimeNode
+    return RealtimeNode(settings)
+
+
+async def serve(settings: NodeSettings) -> None:
+    """Run one node until SIGINT/SIGTERM; then stop cleanly (checkpoint, close files)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    node = build(settings)
+
+    def ready(address: str) -> None:
+        if settings.ready_file:
+            tmp = f"{settings.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(address)
+            os.replace(tmp, settings.ready_file)
+
+    await node.run(stop, on_ready=ready)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")

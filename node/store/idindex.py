@@ -1,0 +1,512 @@
+"""Id index: message id -> location, on disk, in the style of RocketMQ's IndexFile.
+
+Owns one folder (``{root}/ids/``) of index files. Cancel and lookup by message id
+need to find a message among millions of pending ones without a dict in RAM: each
+file is a fixed-size hash table whose slots head a chain of append-only entries,
+memory-mapped, so RAM holds only the pages the kernel chooses to cache.
+
+Files are named by the seq of their first entry, zero padded so names sort::
+
+    ids/00000000000000000000.idx     entries for seq 0 .. 4_194_303 (full, sealed)
+    ids/00000000000004194304.idx     the newest file: the only one written to
+
+File layout (version 1, little-endian; files are created sparse at full size)::
+
+    offset 0     header, 64 bytes:
+                   4s  magic        b"HGIX"
+                   u32 version      1
+                   u32 slots_count
+                   u32 entries_max
+                   u32 entries_used  as of the last flush / roll (recovered by scan on open)
+                   u64 first_seq     seq of entry 0; equals the number in the file name
+                   u64 last_seq      seq of entry entries_used-1 (0 while entries_used == 0)
+                   24 bytes zero
+                   u32 crc32 of header bytes [0, 60)
+    offset 64    slots_count x u32 slot head: entry number + 1 of the newest entry whose
+                 key hash maps to the slot (hash % slots_count), 0 = empty
+    offset 64 + 4 * slots_count
+                 entries_max x 40-byte entry (``<QqQQII``):
+                   u64 key_hash        first 8 bytes of blake2b(id utf-8, digest_size=8), as u64 LE
+                   i64 bucket_start_ms
+                   u64 data_offset
+                   u64 seq             the seq given to put
+                   u32 frame_size      > 0 for a written entry; written last (the commit mark)
+                   u32 prev            entry number + 1 of the previous entry in the same slot
+                                       (0 = none); always < own number + 1
+
+    file size = 64 + 4 * slots_count + 40 * entries_max
+    (defaults 1<<20 slots, 4<<20 entries: 164 MiB sparse per file, ~44 bytes touched per id)
+
+Writing an entry (``put``), in this order, each step a plain store into the shared map:
+
+1. the entry with ``frame_size = 0`` and ``prev`` = the slot's current head;
+2. ``frame_size`` (one aligned 4-byte store: the entry now counts);
+3. the slot head = entry number + 1 (the entry is now linked).
+
+Invariants:
+
+* only the newest file is written; a file is sealed (header written, synced) before
+  the next one is created, and a file is full when the next one starts;
+* entries of a file are in put order, so their seqs are non-decreasing and every
+  ``prev`` points backwards; a chain walk from a slot head visits that slot's entries
+  newest first;
+* ``seq`` is non-decreasing across puts (checked), so ``last_seq()`` is a high-water
+  mark: a caller replaying its log after a crash skips records with ``seq <= last_seq()``
+  and nothing is indexed twice. This needs distinct seqs per put, as the message log's are;
+  at most ``entries_max`` puts may share one seq (a file's name is its first seq).
+
+Crash recovery (``open``): a killed process leaves its writes in the page cache, so
+they survive. The header of the newest file may be behind: entries after its
+``entries_used`` are scanned while ``frame_size > 0``, ``prev`` points backwards and
+seqs do not decrease; the scan stops at the first entry failing that (a torn tail,
+never linked since step 3 follows step 2). The one entry a kill can leave unlinked
+(between steps 2 and 3) is linked again: its stored ``prev`` is still the slot's head.
+An empty newest file (a kill between creating it and its first entry) is removed.
+Walks are defensive all the same: a head beyond ``entries_used`` is treated as empty,
+a walk stops at a ``prev`` not below its own number and takes at most ``entries_used``
+steps. A header failing its CRC or its checks raises ``CorruptRecord`` naming the file.
+Header updates go through ``pwrite`` (one syscall, atomic against a kill); ``flush``
+syncs the entries before writing the header, so after a power loss the header never
+vouches for entries that did not reach the disk.
+
+Lookups return candidates, not answers: two ids can share an 8-byte hash. ``get_all``
+returns every location whose hash matches, newest first across files (newest file
+first); the caller confirms the id by reading the record at the location.
+
+Only ``open_files_max`` files stay mapped (LRU, the newest always among them); older
+files are mapped read-only on demand. One process writes a folder at a time (not locked).
+
+Example, with 4 slots::
+
+    ids = IdIndex.open(root / "ids", slots_count=4, entries_max=3)
+    ids.put("a", IdLocation(bucket_start_ms=3_600_000, data_offset=0, frame_size=90, seq=7))
+        # file 00000000000000000007.idx, entry 0 (number 1); slot h("a") % 4 -> head 1
+    ids.put("b", IdLocation(3_600_000, 90, 80, seq=8))
+        # entry 1; if "b" shares a's slot, entry 1 gets prev=1 and the head becomes 2
+    ids.put("a", IdLocation(7_200_000, 0, 95, seq=9))        # entry 2 shadows entry 0
+    ids.get_all("a")
+        # walk head -> entry 2 (hash match), -> entry 1 ("b": hash differs, skipped),
+        # -> entry 0 (match): [IdLocation(7_200_000, 0, 95, 9), IdLocation(3_600_000, 0, 90, 7)]
+    ids.put("c", IdLocation(7_200_000, 95, 70, seq=10))      # file full: seal it, start ...0010.idx
+    ids.last_seq()                                           # 10
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.errors import Closed, CorruptRecord, InvalidArgument
+
+log = logging.getLogger("hourglass.store.idindex")
+
+MAGIC = b"HGIX"
+VERSION = 1
+HEADER = struct.Struct("<4sIIIIQQ")  # 36 bytes, zero padded to 60, then u32 crc
+HEADER_SIZE = 64
+HEADER_CRC_OFFSET = 60
+U32 = struct.Struct("<I")
+SLOT_SIZE = U32.size
+ENTRY = struct.Struct("<QqQQII")
+ENTRY_SIZE = ENTRY.size  # 40
+ENTRY_FRAME_SIZE_OFFSET = 32
+SUFFIX = ".idx"
+
+SLOTS_COUNT_DEFAULT = 1 << 20
+ENTRIES_MAX_DEFAULT = 4 << 20
+OPEN_FILES_MAX_DEFAULT = 8
+
+_U32_MAX = (1 << 32) - 1
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_U64_MAX = (1 << 64) - 1
+_SEQ_MAX = (1 << 63) - 1  # last_seq() uses -1 for "none", so keep seqs in the signed range
+
+
+@dataclass(frozen=True, slots=True)
+class IdLocation:
+    """Where a message id was filed: a frame in a schedule-log bucket, and its seq."""
+
+    bucket_start_ms: int
+    data_offset: int
+    frame_size: int
+    seq: int
+
+
+def key_hash(msg_id: str) -> int:
+    """The 8-byte key hash stored in entries (collisions possible; callers confirm)."""
+    if not isinstance(msg_id, str) or not msg_id:
+        raise InvalidArgument("msg_id", "must be a non-empty str")
+    try:
+        raw = msg_id.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument("msg_id", f"not encodable as utf-8: {e.reason}") from None
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def file_size(slots_count: int, entries_max: int) -> int:
+    return HEADER_SIZE + SLOT_SIZE * slots_count + ENTRY_SIZE * entries_max
+
+
+def file_name(first_seq: int) -> str:
+    return f"{first_seq:020d}{SUFFIX}"
+
+
+def pack_header(slots_count: int, entries_max: int, entries_used: int, first_seq: int, last_seq: int) -> bytes:
+    buf = bytearray(HEADER_SIZE)
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, slots_count, entries_max, entries_used, first_seq,
+                     max(last_seq, 0) if entries_used else 0)
+    U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
+    return bytes(buf)
+
+
+@dataclass(slots=True, eq=False)
+class _IndexFile:
+    """One index file: header fields plus, while mapped, its fd and map."""
+
+    path: Path
+    first_seq: int
+    slots_count: int
+    entries_max: int
+    entries_used: int
+    last_seq: int  # -1 while entries_used == 0
+    fd: int = -1
+    mm: mmap.mmap | None = None
+    writable: bool = False
+    dirty: bool = False
+
+    @property
+    def entries_offset(self) -> int:
+        return HEADER_SIZE + SLOT_SIZE * self.slots_count
+
+    @property
+    def size(self) -> int:
+        return file_size(self.slots_count, self.entries_max)
+
+    def header(self) -> bytes:
+        return pack_header(self.slots_count, self.entries_max, self.entries_used, self.first_seq, self.last_seq)
+
+
+def _read_header(path: Path, first_seq: int) -> _IndexFile:
+    """Read and check a file's header; any failure is corruption of that file."""
+    where = str(path)
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_SIZE)
+        actual_size = os.fstat(f.fileno()).st_size
+    if len(raw) < HEADER_SIZE:
+        raise CorruptRecord(where, 0, f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
+    (crc,) = U32.unpack_from(raw, HEADER_CRC_OFFSET)
+    if crc != zlib.crc32(raw[:HEADER_CRC_OFFSET]):
+        raise CorruptRecord(where, 0, "header crc mismatch")
+    magic, version, slots_count, entries_max, entries_used, hdr_first_seq, last_seq = HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise CorruptRecord(where, 0, f"bad magic {magic!r}")
+    if version != VERSION:
+        raise CorruptRecord(where, 4, f"unsupported version {version}")
+    if slots_count < 1 or entries_max < 1 or entries_max >= _U32_MAX:
+        raise CorruptRecord(where, 8, f"bad geometry slots_count={slots_count} entries_max={entries_max}")
+    if entries_used > entries_max:
+        raise CorruptRecord(where, 16, f"entries_used {entries_used} > entries_max {entries_max}")
+    if hdr_first_seq != first_seq:
+        raise CorruptRecord(where, 20, f"first_seq {hdr_first_seq} does not match the file name")
+    if entries_used and last_seq < first_seq:
+        raise CorruptRecord(where, 28, f"last_seq {last_seq} < first_seq {first_seq}")
+    want = file_size(slots_count, entries_max)
+    if actual_size != want:
+        raise CorruptRecord(where, 0, f"file size {actual_size}, header geometry says {want}")
+    return _IndexFile(path, first_seq, slots_count, entries_max, entries_used, last_seq if entries_used else -1)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class IdIndex:
+    """Message id -> ``IdLocation`` candidates, in rolling mmap'd hash-slot files."""
+
+    def __init__(self, directory: Path, files: list[_IndexFile], *, slots_count: int, entries_max: int,
+                 open_files_max: int) -> None:
+        self.directory = directory
+        self.slots_count = slots_count
+        self.entries_max = entries_max
+        self.open_files_max = open_files_max
+        self._files = files  # ascending first_seq; the last one is the active (writable) file
+        self._mapped: OrderedDict[int, _IndexFile] = OrderedDict()  # first_seq -> file, LRU order
+        self._closed = False
+        self._last_seq = -1
+
+    # -- opening and recovery ------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], *, slots_count: int = SLOTS_COUNT_DEFAULT,
+             entries_max: int = ENTRIES_MAX_DEFAULT, open_files_max: int = OPEN_FILES_MAX_DEFAULT) -> IdIndex:
+        """Open (or create) the folder; ``slots_count``/``entries_max`` apply to new files."""
+        for name, value, lo, hi in (("slots_count", slots_count, 1, _U32_MAX),
+                                    ("entries_max", entries_max, 1, _U32_MAX - 1),
+                                    ("open_files_max", open_files_max, 1, 1 << 16)):
+            if not isinstance(value, int) or not lo <= value <= hi:
+                raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        for tmp in path.glob(f"*{SUFFIX}.tmp"):  # a kill while creating a file: never named, never used
+            log.warning("id index removing unfinished file path=%s", tmp)
+            tmp.unlink()
+        files = []
+        for p in sorted(path.glob(f"*{SUFFIX}")):
+            stem = p.name[: -len(SUFFIX)]
+            if len(stem) != 20 or not stem.isdigit():
+                raise CorruptRecord(str(p), 0, "file name is not a 20-digit first seq")
+            files.append(_read_header(p, int(stem)))
+        self = cls(path, files, slots_count=slots_count, entries_max=entries_max, open_files_max=open_files_max)
+        try:
+            self._recover_newest()
+        except BaseException:
+            self._unmap_all()
+            raise
+        return self
+
+    def _recover_newest(self) -> None:
+        while self._files:
+            f = self._files[-1]
+            self._map(f, writable=True)
+            self._recover(f)
+            if f.entries_used:
+                self._last_seq = f.last_seq
+                return
+            # created, then killed before its first entry was committed
+            log.warning("id index removing empty newest file path=%s", f.path)
+            self._unmap(f)
+            f.path.unlink()
+            _fsync_dir(self.directory)
+            self._files.pop()
+
+    def _recover(self, f: _IndexFile) -> None:
+        mm = f.mm
+        assert mm is not None
+        start = n = f.entries_used
+        last = f.last_seq
+        relinked = 0
+        base = f.entries_offset
+        while n < f.entries_max:
+            h, _bucket, _off, seq, frame_size, prev = ENTRY.unpack_from(mm, base + n * ENTRY_SIZE)
+            if frame_size == 0 or prev > n or seq < last or seq < f.first_seq:
+                break  # not committed (or torn): the tail ends here
+            slot_off = HEADER_SIZE + SLOT_SIZE * (h % f.slots_count)
+            (head,) = U32.unpack_from(mm, slot_off)
+            if head < n + 1:
+                # committed but killed before the link; its prev is the slot's head of then, still current
+                U32.pack_into(mm, slot_off, n + 1)
+                relinked += 1
+            last = seq
+            n += 1
+        if n != start or relinked:
+            f.entries_used, f.last_seq = n, last
+            f.dirty = True
+            self._write_header(f)
+            log.warning("id index recovered path=%s entries_header=%d entries_recovered=%d relinked=%d",
+                        f.path, start, n, relinked)
+
+    # -- mapping (LRU) -----------------------------------------------------------------
+
+    def _map(self, f: _IndexFile, *, writable: bool = False) -> mmap.mmap:
+        if f.mm is not None:
+            self._mapped.move_to_end(f.first_seq)
+            return f.mm
+        fd = os.open(f.path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size != f.size:
+                raise CorruptRecord(str(f.path), 0, f"file size changed, want {f.size}")
+            f.mm = mmap.mmap(fd, f.size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        except BaseException:
+            os.close(fd)
+            raise
+        f.fd, f.writable = fd, writable
+        self._mapped[f.first_seq] = f
+        active = self._files[-1] if self._files else None
+        while len(self._mapped) > self.open_files_max:
+            victim = next((v for v in self._mapped.values() if v is not active and v is not f), None)
+            if victim is None:
+                break
+            self._unmap(victim)
+        return f.mm
+
+    def _unmap(self, f: _IndexFile) -> None:
+        if f.mm is None:
+            return
+        if f.dirty:
+            self._sync(f)
+        f.mm.close()
+        os.close(f.fd)
+        f.mm, f.fd, f.writable = None, -1, False
+        self._mapped.pop(f.first_seq, None)
+
+    def _unmap_all(self) -> None:
+        for f in list(self._mapped.values()):
+            self._unmap(f)
+
+    def _write_header(self, f: _IndexFile) -> None:
+        # pwrite, not a store into the map: one syscall cannot be torn by a kill
+        os.pwrite(f.fd, f.header(), 0)
+
+    def _sync(self, f: _IndexFile) -> None:
+        """Entries and heads to disk first, then the header that vouches for them."""
+        assert f.mm is not None
+        f.mm.flush()
+        self._write_header(f)
+        os.fsync(f.fd)
+        f.dirty = False
+
+    # -- writing -------------------------------------------------------------------------
+
+    def put(self, msg_id: str, loc: IdLocation) -> None:
+        """Append ``msg_id -> loc``; it shadows earlier puts of the id. Not durable until ``flush``."""
+        self._check_open()
+        h = key_hash(msg_id)
+        if not isinstance(loc, IdLocation):
+            raise InvalidArgument("loc", f"must be an IdLocation, got {type(loc).__name__}")
+        for name, value, lo, hi in (("bucket_start_ms", loc.bucket_start_ms, _I64_MIN, _I64_MAX),
+                                    ("data_offset", loc.data_offset, 0, _U64_MAX),
+                                    ("frame_size", loc.frame_size, 1, _U32_MAX),
+                                    ("seq", loc.seq, 0, _SEQ_MAX)):
+            if not isinstance(value, int) or not lo <= value <= hi:
+                raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
+        if loc.seq < self._last_seq:
+            raise InvalidArgument("seq", f"{loc.seq} < last_seq {self._last_seq}: seqs must not decrease")
+        f = self._files[-1] if self._files else None
+        if f is None or f.entries_used >= f.entries_max:
+            f = self._roll(loc.seq)
+        mm = f.mm
+        assert mm is not None and f.writable
+        n = f.entries_used
+        slot_off = HEADER_SIZE + SLOT_SIZE * (h % f.slots_count)
+        (head,) = U32.unpack_from(mm, slot_off)
+        if head > n:
+            head = 0  # never link to an entry that does not exist (cannot happen with the write order)
+        entry_off = f.entries_offset + n * ENTRY_SIZE
+        ENTRY.pack_into(mm, entry_off, h, loc.bucket_start_ms, loc.data_offset, loc.seq, 0, head)
+        U32.pack_into(mm, entry_off + ENTRY_FRAME_SIZE_OFFSET, loc.frame_size)  # commit
+        U32.pack_into(mm, slot_off, n + 1)  # link
+        f.entries_used = n + 1
+        f.last_seq = loc.seq
+        f.dirty = True
+        self._last_seq = loc.seq
+
+    def _roll(self, seq: int) -> _IndexFile:
+        old = self._files[-1] if self._files else None
+        if old is not None:
+            if seq == old.first_seq:
+                raise InvalidArgument("seq", f"more than entries_max={old.entries_max} puts share seq {seq}")
+            self._map(old, writable=True)
+            self._sync(old)  # sealed: the header now covers every entry
+        path = self.directory / file_name(seq)
+        tmp = path.with_name(path.name + ".tmp")
+        size = file_size(self.slots_count, self.entries_max)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)  # sparse: untouched slots and entries cost no disk
+            os.pwrite(fd, pack_header(self.slots_count, self.entries_max, 0, seq, -1), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        _fsync_dir(self.directory)
+        f = _IndexFile(path, seq, self.slots_count, self.entries_max, 0, -1)
+        self._files.append(f)
+        if old is not None and old.writable:
+            self._unmap(old)  # remapped read-only if a lookup needs it
+        self._map(f, writable=True)
+        log.info("id index rolled path=%s first_seq=%d", path, seq)
+        return f
+
+    def flush(self) -> None:
+        """Make every put so far durable (msync, then header entries_used/last_seq, fsync)."""
+        self._check_open()
+        for f in list(self._mapped.values()):
+            if f.dirty:
+                self._sync(f)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get_all(self, msg_id: str) -> list[IdLocation]:
+        """Every location put under ``msg_id``'s key hash, newest first (newest file first).
+
+        Candidates only: a different id with the same 8-byte hash also matches, so the
+        caller reads the record at each location and compares ids."""
+        self._check_open()
+        h = key_hash(msg_id)
+        found: list[IdLocation] = []
+        for f in reversed(self._files):
+            used = f.entries_used
+            if not used:
+                continue
+            mm = self._map(f)
+            (cur,) = U32.unpack_from(mm, HEADER_SIZE + SLOT_SIZE * (h % f.slots_count))
+            base = f.entries_offset
+            steps = 0
+            while 0 < cur <= used and steps < used:
+                eh, bucket_start_ms, data_offset, seq, frame_size, prev = ENTRY.unpack_from(
+                    mm, base + (cur - 1) * ENTRY_SIZE)
+                if eh == h:
+                    found.append(IdLocation(bucket_start_ms, data_offset, frame_size, seq))
+                if prev >= cur:
+                    break  # a chain only points backwards
+                cur = prev
+                steps += 1
+        return found
+
+    def last_seq(self) -> int:
+        """Highest seq put (-1 if none); puts with ``seq <= last_seq()`` are already indexed."""
+        return self._last_seq
+
+    def file_count(self) -> int:
+        return len(self._files)
+
+    # -- retention and lifecycle -----------------------------------------------------------
+
+    def delete_before_seq(self, seq: int) -> int:
+        """Delete whole files whose last_seq < seq; the newest file is always kept
+        (it is the one written to and carries ``last_seq``). Returns files deleted."""
+        self._check_open()
+        keep: list[_IndexFile] = []
+        deleted = 0
+        for i, f in enumerate(self._files):
+            if i < len(self._files) - 1 and f.entries_used and f.last_seq < seq:
+                self._unmap(f)
+                f.path.unlink()
+                deleted += 1
+                log.info("id index deleted path=%s last_seq=%d", f.path, f.last_seq)
+            else:
+                keep.append(f)
+        if deleted:
+            self._files = keep
+            _fsync_dir(self.directory)
+        return deleted
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._unmap_all()
+
+    def __enter__(self) -> IdIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("id index is closed")

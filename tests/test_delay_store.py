@@ -1,0 +1,210 @@
+"""DelayStore on real files with a fake clock: ingest -> schedule -> wheel -> dispatch -> restart."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.errors import AlreadyExists, InvalidArgument, NotFound, PayloadTooLarge, TooLate
+from node.delay.store import DelayStore, StoreSettings
+from node.store.records import Limits, Message
+
+T0 = 1_800_000_000_000
+SMALL = StoreSettings(message_segment_bytes=1 << 16, dispatch_segment_bytes=1 << 14, schedule_segment_bytes=1 << 16,
+                      id_slots=256, id_entries_max=4096, limits=Limits(payload_bytes_max=1024))
+
+
+def msg(i, due, subject="orders.cancel", payload=b"x", **kw):
+    return Message(seq=0, store_ms=0, deliver_at_ms=due, msg_id=f"m{i}", subject=subject, payload=payload, **kw)
+
+
+class Harness:
+    """Drives a store like the service does, with time passed in."""
+
+    def __init__(self, path, settings=SMALL, now=T0):
+        self.path = path
+        self.settings = settings
+        self.now = now
+        self.store = DelayStore.open(path, settings, now_ms=now)
+        self.delivered: list[str] = []
+
+    def send(self, msgs):
+        res = self.store.accept(msgs, now_ms=self.now)
+        self.store.flush_messages()
+        self.store.iterate(limit=None)
+        return res
+
+    def run_until(self, t, step=10):
+        while self.now < t:
+            self.now = min(t, self.now + step)
+            due = self.store.poll_due(now_ms=self.now)
+            for d in due:
+                assert d.effective_ms <= self.now
+                self.delivered.append(d.message.msg_id)
+            self.store.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=self.now)
+
+    def crash(self):
+        """Reopen without close(): whatever was written is in the page cache, as after a kill."""
+        self.store = DelayStore.open(self.path, self.settings, now_ms=self.now)
+
+    def restart(self):
+        self.store.close()
+        self.store = DelayStore.open(self.path, self.settings, now_ms=self.now)
+
+
+def test_delivers_each_message_at_its_time_in_order(tmp_path):
+    h = Harness(tmp_path)
+    rnd = random.Random(3)
+    dues = {f"m{i}": T0 + rnd.randrange(0, 10_000) for i in range(500)}
+    h.send([msg(i, dues[f"m{i}"]) for i in range(500)])
+    fired_at = {}
+    while h.now < T0 + 11_000:
+        h.now += 10
+        for d in h.store.poll_due(now_ms=h.now):
+            fired_at[d.message.msg_id] = h.now
+            h.store.ack_dispatched([(d.seq, d.effective_ms)], now_ms=h.now)
+    assert set(fired_at) == set(dues)
+    for mid, t in fired_at.items():
+        assert dues[mid] <= t < dues[mid] + 10  # fired within one poll step of its due time
+
+
+def test_past_due_means_now(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 - 3_600_000)])
+    h.run_until(T0 + 10)
+    assert h.delivered == ["m1"]
+
+
+def test_restart_delivers_pending_and_never_redelivers_dispatched(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + 100 * i) for i in range(100)])
+    h.run_until(T0 + 5_000)
+    first = list(h.delivered)
+    assert first == [f"m{i}" for i in range(51)]
+    h.crash()
+    h.run_until(T0 + 20_000)
+    assert h.delivered[len(first):] == [f"m{i}" for i in range(51, 100)]
+
+
+def test_crash_before_checkpoint_replays_without_duplicates(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + 2_000 + i) for i in range(50)])
+    h.store.checkpoint()
+    h.send([msg(i, T0 + 2_000 + i) for i in range(50, 80)])  # filed, not checkpointed
+    h.crash()
+    h.run_until(T0 + 5_000)
+    assert sorted(h.delivered) == sorted(f"m{i}" for i in range(80))
+    assert len(h.delivered) == 80
+
+
+def test_long_delays_cross_buckets(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 3 * 3_600_000 + 5), msg(2, T0 + 3_599_999), msg(3, T0 + 3_600_000)])
+    h.restart()
+    h.run_until(T0 + 3 * 3_600_000 + 100, step=1000)
+    assert h.delivered == ["m2", "m3", "m1"]
+
+
+def test_cancel_before_and_after_due(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 500), msg(2, T0 + 600), msg(3, T0 + 30_000)])
+    h.run_until(T0 + 100)  # m1, m2 are in the wheel window now
+    assert h.store.cancel("m1", now_ms=h.now) > 0
+    assert h.store.cancel("m3", now_ms=h.now) > 0  # still on disk only
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    assert h.store.lookup("m1").status == "cancelled"
+    h.run_until(T0 + 1_000)
+    assert h.delivered == ["m2"]
+    with pytest.raises(TooLate):
+        h.store.cancel("m2", now_ms=h.now)
+    with pytest.raises(NotFound):
+        h.store.cancel("nope", now_ms=h.now)
+    h.crash()  # tombstones survive a restart
+    h.run_until(T0 + 40_000, step=100)
+    assert h.delivered == ["m2"]
+    assert h.store.lookup("m2").status == "dispatched"
+    assert h.store.lookup("m3").status == "cancelled"
+
+
+def test_cancel_of_unfiled_message(tmp_path):
+    h = Harness(tmp_path)
+    h.store.accept([msg(1, T0 + 200)], now_ms=h.now)
+    h.store.cancel("m1", now_ms=h.now)  # before the iterator filed it
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    h.run_until(T0 + 1_000)
+    assert h.delivered == []
+
+
+def test_idempotent_ids(tmp_path):
+    h = Harness(tmp_path)
+    (a,) = h.send([msg(1, T0 + 100)])
+    (b,) = h.send([msg(1, T0 + 100)])
+    assert b.duplicate and b.seq == a.seq
+    (c,) = h.send([msg(1, T0 + 200)])
+    assert isinstance(c, AlreadyExists)
+    h.run_until(T0 + 1000)
+    (d,) = h.send([msg(1, T0 + 100)])  # resend after dispatch: still a duplicate, not a second delivery
+    assert d.duplicate
+    h.run_until(T0 + 2000)
+    assert h.delivered == ["m1"]
+
+
+def test_bad_input_changes_nothing(tmp_path):
+    h = Harness(tmp_path)
+    end = h.store.messages.end_offset
+    res = h.store.accept([msg(1, T0, subject=""), msg(2, T0, payload=b"x" * 2000),
+                          msg(3, T0 + 10 ** 12), Message(0, 0, T0, "bad id", "s")], now_ms=h.now)
+    assert [type(r) for r in res] == [InvalidArgument, PayloadTooLarge, InvalidArgument, InvalidArgument]
+    assert h.store.messages.end_offset == end
+    (ok,) = h.send([msg(5, T0 + 10)])
+    assert ok.seq > 0
+
+
+def test_seq_never_reused_across_restarts(tmp_path):
+    h = Harness(tmp_path)
+    (a,) = h.send([msg(1, T0 + 10)])
+    h.crash()
+    (b,) = h.send([msg(2, T0 + 10)])
+    h.restart()
+    (c,) = h.send([msg(3, T0 + 10)])
+    assert a.seq < b.seq < c.seq
+
+
+def test_message_arriving_after_its_second_was_dispatched_survives_a_crash(tmp_path):
+    h = Harness(tmp_path)
+    h.run_until(T0 + 2_000)
+    h.store.checkpoint()  # persisted completed_ms is now about T0 + 2000
+    h.send([msg(1, T0 + 500)])  # due in an already dispatched second
+    h.crash()
+    h.run_until(T0 + 3_000)
+    assert h.delivered == ["m1"]
+
+
+def test_in_flight_message_is_redelivered_after_crash(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 100)])
+    h.now = T0 + 200
+    (d,) = h.store.poll_due(now_ms=h.now)  # fired, never acknowledged by the real-time side
+    h.store.checkpoint()
+    h.crash()
+    h.run_until(T0 + 1_000)
+    assert h.delivered == ["m1"]
+
+
+def test_restart_after_long_downtime_catches_up(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + i * 60_000) for i in range(60)])  # one a minute for an hour
+    h.restart()
+    h.now = T0 + 2 * 3_600_000  # the node was down for two hours
+    h.store = DelayStore.open(tmp_path, SMALL, now_ms=h.now)
+    got = []
+    for _ in range(100):
+        due = h.store.poll_due(now_ms=h.now)
+        got += [d.message.msg_id for d in due]
+        h.store.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=h.now)
+        if len(got) == 60:
+            break
+    assert got == [f"m{i}" for i in range(60)]

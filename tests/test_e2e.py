@@ -1,0 +1,217 @@
+"""End to end with real processes, real gRPC, real files: SDK producer -> delay node ->
+real-time node -> SDK consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import grpc
+import pytest
+
+from cluster import errors as E
+from cluster.client import Consumer, Producer, StaticResolver
+from cluster.devcluster import LocalCluster
+from cluster.proto import hourglass_pb2 as pb
+from cluster.transport import Channels
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("e2e"), env={"HOURGLASS_PAYLOAD_BYTES_MAX": str(64 * 1024),
+                                                          "HOURGLASS_ACK_TIMEOUT_MS": "2000",
+                                                          "HOURGLASS_DISPATCH_ATTEMPTS_MAX": "2",
+                                                          "HOURGLASS_MAX_ATTEMPTS": "3"})
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def resolver(cluster):
+    return StaticResolver(delay=[n.address for n in cluster.delay], realtime=[n.address for n in cluster.realtime])
+
+
+async def collect(resolver, subject, group, n, timeout_s=15.0, tags=(), ack=True):
+    got = []
+    deadline = time.monotonic() + timeout_s
+    async with Consumer(resolver, subject, group=group, wait_ms=300, tags=tags) as c:
+        while len(got) < n and time.monotonic() < deadline:
+            batch = await c.pull()
+            got += batch
+            if ack:
+                await c.ack(batch)
+    return got
+
+
+async def test_delays_from_already_due_to_seconds(resolver):
+    t = now_ms()
+    async with Producer(resolver) as p:
+        futs = [await p.send("e2e.delays", f"m{i}", deliver_at_ms=t + d, id=f"delays-{i}")
+                for i, d in enumerate([-60_000, 0, 300, 1000, 2500])]
+        res = await asyncio.gather(*futs)
+    assert all(r.seq for r in res)
+    got = await collect(resolver, "e2e.delays", "g", 5)
+    assert sorted(m.id for m in got) == [f"delays-{i}" for i in range(5)]
+    for m in got:
+        assert m.received_ms >= m.deliver_at_ms - 5  # never early (5 ms of clock granularity)
+        assert m.lateness_ms < 1000
+
+
+async def test_cancel_lookup_and_too_late(resolver):
+    async with Producer(resolver) as p:
+        await p.send_and_wait("e2e.cancel", "keep", delay_ms=500, id="keep-1")
+        await p.send_and_wait("e2e.cancel", "drop", delay_ms=1500, id="drop-1")
+        assert (await p.lookup("drop-1")).status == "pending"
+        await p.cancel("drop-1")
+        assert (await p.lookup("drop-1")).status == "cancelled"
+        with pytest.raises(E.NotFound):
+            await p.cancel("never-sent")
+        got = await collect(resolver, "e2e.cancel", "g", 1)
+        assert [m.id for m in got] == ["keep-1"]
+        await asyncio.sleep(2)
+        assert await collect(resolver, "e2e.cancel", "g", 1, timeout_s=1) == []
+        with pytest.raises(E.TooLate):
+            await p.cancel("keep-1")
+        assert (await p.lookup("keep-1")).status == "dispatched"
+
+
+async def test_tag_filter(resolver):
+    async with Producer(resolver) as p:
+        await asyncio.gather(*[await p.send("e2e.tags", str(i), tags=["red" if i % 2 else "blue"], id=f"tag-{i}")
+                               for i in range(10)])
+    got = await collect(resolver, "e2e.tags", "reds", 5, tags=["red"])
+    assert sorted(m.id for m in got) == [f"tag-{i}" for i in range(1, 10, 2)]
+
+
+async def test_group_with_two_consumers_shares_work(resolver):
+    async with Producer(resolver) as p:
+        await asyncio.gather(*[await p.send("e2e.share", str(i), delay_ms=200, id=f"share-{i}") for i in range(40)])
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+
+    async def consumer(name):
+        async with Consumer(resolver, "e2e.share", group="workers", consumer_id=name, batch_max=5,
+                            wait_ms=300) as c:
+            deadline = time.monotonic() + 10
+            while sum(map(len, seen.values())) < 40 and time.monotonic() < deadline:
+                batch = await c.pull()
+                seen[name] += [m.id for m in batch]
+                await c.ack(batch)
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(consumer("a"), consumer("b"))
+    assert sorted(seen["a"] + seen["b"]) == sorted(f"share-{i}" for i in range(40))
+    assert seen["a"] and seen["b"], "both consumers got work"
+    # another group sees everything too
+    assert len(await collect(resolver, "e2e.share", "auditors", 40)) == 40
+
+
+async def test_nack_retries_then_dead_letters(resolver):
+    async with Producer(resolver) as p:
+        await p.send_and_wait("e2e.nack", "fails", id="nack-1", immediate=True)
+    attempts = []
+    async with Consumer(resolver, "e2e.nack", group="g", wait_ms=300) as c:
+        deadline = time.monotonic() + 15
+        while len(attempts) < 3 and time.monotonic() < deadline:
+            for m in await c.pull():
+                attempts.append(m.attempts)
+                await m.nack(retry_after_ms=100)
+    assert attempts == [0, 1, 2]
+    dead = await collect(resolver, "hourglass.dlq", "ops", 1)
+    assert dead and dead[0].properties["hourglass.origin_id"] == "nack-1"
+
+
+async def test_unknown_subject_goes_to_dead_letter(tmp_path):
+    with LocalCluster(tmp_path, env={"HOURGLASS_AUTO_CREATE_SUBJECTS": "false",
+                                     "HOURGLASS_DISPATCH_ATTEMPTS_MAX": "2"}) as c:
+        r = StaticResolver(delay=[c.delay[0].address], realtime=[c.realtime[0].address])
+        async with Producer(r) as p:
+            await p.send_and_wait("no.such.subject", "x", delay_ms=100, id="orphan-1")
+        dead = await collect(r, "hourglass.dlq", "ops", 1)
+        assert [m.properties.get("dlq.subject") for m in dead] == ["no.such.subject"]
+
+
+async def test_bad_input_gets_clear_errors_and_node_keeps_serving(cluster, resolver):
+    delay = cluster.delay[0].address
+    ch = Channels()
+    try:
+        stub = ch.producer(delay)
+        resp = await stub.SendBatch(pb.SendBatchRequest(messages=[
+            pb.Message(id="bad id", subject="s", delay_ms=10),
+            pb.Message(id="ok-id", subject="", delay_ms=10),
+            pb.Message(id="big", subject="s", payload=b"x" * (64 * 1024 + 1), delay_ms=10),
+            pb.Message(id="far", subject="s", delay_ms=3 * 366 * 24 * 3600 * 1000),
+            pb.Message(id="both", subject="s", delay_ms=5, deliver_at_ms=now_ms()),
+            pb.Message(id="fine", subject="e2e.bad", delay_ms=10),
+        ]))
+        codes = [s.code for s in resp.statuses]
+        assert codes == [pb.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.INVALID_ARGUMENT,
+                         pb.INVALID_ARGUMENT, pb.OK]
+        assert all(s.error for s in resp.statuses[:5])
+        with pytest.raises(grpc.RpcError) as e:
+            await stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject="s")] * 10_001))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as e:
+            await ch.consumer(cluster.realtime[0].address).Pull(pb.PullRequest(subject="x"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await ch.close()
+    # garbage bytes on the gRPC port
+    host, port = delay.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 4)
+        s.settimeout(2)
+        try:
+            s.recv(1024)
+        except OSError:
+            pass
+    got_status = None
+    ch = Channels()
+    try:
+        got_status = json.loads((await ch.admin(delay).Status(pb.StatusRequest(), timeout=5)).json)
+    finally:
+        await ch.close()
+    assert got_status["role"] == "delay"
+    assert [m.id for m in await collect(resolver, "e2e.bad", "g", 1)] == ["fine"]
+
+
+async def test_each_node_sigkilled_mid_flow_loses_nothing_and_no_double_delivery(tmp_path):
+    with LocalCluster(tmp_path) as c:
+        r = StaticResolver(delay=[c.delay[0].address], realtime=[c.realtime[0].address])
+        t = now_ms()
+        async with Producer(r) as p:
+            futs = [await p.send("e2e.kill", str(i), deliver_at_ms=t + 500 + (i % 40) * 100, id=f"kill-{i}")
+                    for i in range(400)]
+            await asyncio.gather(*futs)
+        got: list[str] = []
+        async with Consumer(r, "e2e.kill", group="g", wait_ms=200) as cons:
+            batch = await cons.pull()
+            got += [m.id for m in batch]
+            await cons.ack(batch)
+            c.delay[0].kill()
+            c.delay[0].start()
+            c.delay[0].wait_ready()
+            await asyncio.sleep(0.5)
+            c.realtime[0].kill()
+            c.realtime[0].start()
+            c.realtime[0].wait_ready()
+            deadline = time.monotonic() + 20
+            while len(set(got)) < 400 and time.monotonic() < deadline:
+                try:
+                    batch = await cons.pull()
+                except E.Unavailable:
+                    await asyncio.sleep(0.1)
+                    continue
+                got += [m.id for m in batch]
+                await cons.ack(batch)
+        assert sorted(set(got)) == sorted(f"kill-{i}" for i in range(400))
+        # acks are durable before they are answered and both sides de-duplicate by id:
+        # nothing reaches the group twice
+        dupes = len(got) - len(set(got))
+        assert dupes == 0, f"{dupes} duplicates"
