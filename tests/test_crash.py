@@ -83,6 +83,11 @@ def test_sigkill_loop_loses_nothing_and_redelivers_nothing(tmp_path):
     lost = sorted(acked - cancelled - set(delivered))
     assert not lost, f"{len(lost)} acknowledged messages never delivered, e.g. {lost[:5]}"
     assert not violations, violations[:10]
+    # no delivery printed after the cancel of that id was acknowledged
+    cxl_at = {ln.split()[1]: i for i, ln in enumerate(lines) if ln.startswith("CXL ")}
+    late = [ln for i, ln in enumerate(lines) if ln.startswith("DLV ") and cxl_at.get(ln.split()[1], 1 << 60) < i]
+    assert not late, f"delivered after an acknowledged cancel: {late[:5]}"
+    assert cxl_at, "the workload cancelled nothing"
     # each message is filed in the schedule log once
     seqs: Counter[int] = Counter()
     for bucket in (data / "schedule").iterdir():

@@ -24,8 +24,9 @@ Invariants that make restart exact:
 
 * ``completed_ms``: every message whose effective due time is before it has been
   dispatched (its Dispatched record is in the dispatch log). It is
-  ``min(wheel cursor, effective time of anything fired but not acknowledged or
-  held overdue)``.
+  ``min(wheel cursor, effective time of anything fired but not acknowledged)``
+  rounded down to a tick, and it steps back when a message is filed behind it
+  (never below the persisted value, which a filed message's time never is).
 * A message is filed under ``effective_ms = max(deliver_at_ms, persisted
   completed_ms)``, so a restart that reloads seconds from the persisted
   ``completed_ms`` sees every undispatched message (a past-due message that
@@ -152,7 +153,6 @@ class DelayStore:
                 self._dispatched[d.seq] = d.deliver_at_ms
                 self._dispatch_trail.append((d.deliver_at_ms, off))
         self._inflight: dict[int, int] = {}  # seq -> effective_ms
-        self._overdue_held_min_ms: int | None = None
         self._unfiled: dict[str, tuple[int, int]] = {}  # msg_id -> (seq, message-log offset)
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
@@ -336,9 +336,10 @@ class DelayStore:
             elif placed is not None and seq not in self._dispatched:
                 bucket_start, data_off, fsize = placed
                 if self.wheel.add(WheelEntry(effective, seq, str(seq), (bucket_start, data_off, fsize))):
-                    if effective < self.wheel.cursor_ms:
-                        cur = self._overdue_held_min_ms
-                        self._overdue_held_min_ms = effective if cur is None else min(cur, effective)
+                    if effective < self.completed_ms:
+                        # filed behind the wheel (effective >= persisted completed_ms): completed_ms
+                        # steps back so a checkpoint cannot skip it before it is dispatched
+                        self.completed_ms = effective - effective % self.settings.tick_ms
             hit = self._unfiled.get(msg_id)
             if hit is not None and hit[0] == seq:
                 del self._unfiled[msg_id]
@@ -378,7 +379,6 @@ class DelayStore:
             return []
         self._load_seconds()
         fired = self.wheel.advance(now_ms)
-        self._overdue_held_min_ms = None
         # a catch-up may need more seconds than one load allowed
         while not fired and self.wheel.cursor_ms <= now_ms and self.wheel.seconds_to_load(1):
             self._load_seconds()
@@ -431,15 +431,17 @@ class DelayStore:
         c = self.wheel.cursor_ms
         if self._inflight:
             c = min(c, min(self._inflight.values()))
-        if self._overdue_held_min_ms is not None:
-            c = min(c, self._overdue_held_min_ms)
+        c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
         if c > self.completed_ms:
             self.completed_ms = c
+        # completed_ms may step back (see iterate), never below the persisted value: keep the
+        # dispatch records a restart from the persisted value needs
+        floor = self.persisted_completed_ms
         trail = self._dispatch_trail
-        while trail and trail[0][0] < self.completed_ms:
+        while trail and trail[0][0] < floor:
             trail.popleft()
         if len(self._dispatched) > 4 * max(1024, len(trail)):
-            self._dispatched = {s: e for s, e in self._dispatched.items() if e >= self.completed_ms}
+            self._dispatched = {s: e for s, e in self._dispatched.items() if e >= floor}
 
     def tick_state(self) -> TickState:
         offset = self._dispatch_trail[0][1] if self._dispatch_trail else self.dispatch.end_offset
