@@ -476,3 +476,16 @@ class RealtimeModel(RuleBasedStateMachine):
 TestRealtimeModel = RealtimeModel.TestCase
 TestRealtimeModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_persisted_ack_survives_a_kill_without_flush(tmp_path):
+    st_ = open_store(tmp_path)
+    st_.append([msg(i) for i in range(5)], now_ms=T0)
+    st_.flush()
+    got = st_.pull("orders", "g", "c", max_messages=5, now_ms=T0)
+    st_.ack("orders", "g", [d.handle for d in got[:3]], now_ms=T0)
+    assert st_.persist_group("orders", "g")
+    assert not st_.persist_group("orders", "g")  # unchanged: nothing written
+    st2 = open_store(tmp_path, now=T0 + 5)  # abandoned without flush or close, as after kill -9
+    assert ids(st2.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 5)) == ["m3", "m4"]
+    st2.close()

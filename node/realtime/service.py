@@ -117,6 +117,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
+        if self.settings.auto_create_subjects:
+            # consumers may subscribe before the first message of a subject arrives
+            try:
+                self.store.create_subject(request.subject)
+            except HourglassError as e:
+                await context.abort(status.to_grpc(e), str(e))
         while True:
             ev = self._new_data.setdefault(request.subject, asyncio.Event())
             try:
@@ -140,6 +146,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         try:
             n = self.store.ack(request.subject, request.group, list(request.handles), now_ms=self.clock.now_ms())
+            self.store.persist_group(request.subject, request.group)  # durable before the answer
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
         self.metrics.acked.inc(n)
@@ -169,6 +176,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if ev:
                 ev.set()
         self.store.ack(request.subject, request.group, [d.handle for d, _ in retried + dead], now_ms=now)
+        self.store.persist_group(request.subject, request.group)
         return pb.NackResponse(retried=len(retried), dead_lettered=len(dead))
 
     async def _send_to_delay(self, msgs: list[Message]) -> None:

@@ -619,6 +619,20 @@ class RealtimeStore:
         dedup_offset = self._dedup_order[0][3] if self._dedup_order else indexed
         self._save_checkpoint(indexed, dedup_offset)
 
+    def persist_group(self, subject: str, group: str) -> bool:
+        """Write one group's file now if it changed (the service calls it before answering
+        an Ack, so an acknowledged ack survives a crash). True if a file was written."""
+        self._check_open()
+        g = self._groups.get((subject, group))
+        if g is None or not g.dirty:
+            return False
+        doc = g.doc()
+        g.dirty = False
+        if doc == g.persisted:
+            return False
+        self._write_group(g, doc)
+        return True
+
     def _save_checkpoint(self, indexed: int, dedup_offset: int) -> None:
         doc = {"epoch": self.epoch, "indexed_offset": indexed, "dedup_offset": dedup_offset}
         if doc != self._ckpt_saved:
@@ -714,7 +728,7 @@ class RealtimeStore:
 
     def ack(self, subject: str, group: str, handles: Iterable[int], *, now_ms: int) -> int:
         """Drop handles from the group's in-flight set; returns how many were in flight.
-        The committed position (lowest unacked) is persisted by ``flush``."""
+        The group file is written by ``persist_group`` or ``flush``."""
         self._check_open()
         self._index(subject)
         g = self._groups.get((subject, group))
