@@ -86,6 +86,10 @@ class LookupResult(BaseModel):
 
 
 class Received(BaseModel):
+    """A delivered message. ``id`` is the id the producer gave (a retry after a nack travels
+    as ``{id}~r{n}`` with the original in property ``hourglass.origin_id``; ``id`` shows the
+    original, ``wire_id`` the one on the wire)."""
+
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     id: str
@@ -97,6 +101,7 @@ class Received(BaseModel):
     attempts: int
     handle: int
     received_ms: int
+    wire_id: str = ""
     consumer: object = Field(default=None, exclude=True, repr=False)
 
     @property
@@ -395,7 +400,7 @@ class Consumer:
         out, skip = [], []
         for d in resp.deliveries:
             m = d.message
-            r = Received(id=m.id, subject=m.subject, payload=m.payload, tags=tuple(m.tags),
+            r = Received(id=m.properties.get("hourglass.origin_id", m.id), wire_id=m.id, subject=m.subject, payload=m.payload, tags=tuple(m.tags),
                          properties=dict(m.properties), deliver_at_ms=d.deliver_at_ms, attempts=m.attempts,
                          handle=d.handle, received_ms=now, consumer=self)
             if self.tags and not set(self.tags) & set(r.tags):

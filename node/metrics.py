@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -37,6 +38,17 @@ class NodeMetrics:
         self.info.labels(**labels).set(1)
         self._server = None
         self.port: int | None = None
+        self._buckets_shown: set[str] = set()
+
+    def set_pending(self, by_bucket_start_ms: dict[int, int]) -> None:
+        """Replace the pending-by-bucket series (label: bucket start, UTC ISO, e.g. 2026-11-23T12:00Z)."""
+        now = {(_dt.datetime.fromtimestamp(b / 1000, _dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")): n
+               for b, n in by_bucket_start_ms.items()}
+        for gone in self._buckets_shown - now.keys():
+            self.pending_by_bucket.remove(gone)
+        for label, n in now.items():
+            self.pending_by_bucket.labels(bucket=label).set(n)
+        self._buckets_shown = set(now)
 
     def start(self, port: int | None) -> None:
         if port is None:

@@ -208,3 +208,26 @@ def test_restart_after_long_downtime_catches_up(tmp_path):
         if len(got) == 60:
             break
     assert got == [f"m{i}" for i in range(60)]
+
+
+def test_pending_by_bucket_counts_survive_restart_and_crash(tmp_path):
+    s = StoreSettings(message_segment_bytes=1 << 16, dispatch_segment_bytes=1 << 14, schedule_segment_bytes=1 << 16,
+                      id_slots=256, id_entries_max=4096, bucket_ms=10_000)
+    h = Harness(tmp_path, settings=s)
+    # 30 in the first bucket (due 1..3 s), 20 in the next one
+    h.send([msg(i, T0 + 1000 + i * 60) for i in range(30)] + [msg(100 + i, T0 + 12_000 + i) for i in range(20)])
+    b0, b1 = T0 - T0 % 10_000, T0 - T0 % 10_000 + 10_000
+    assert h.store.pending_by_bucket() == {b0: 30, b1: 20}
+    h.store.cancel("m100", now_ms=h.now)
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    assert h.store.pending_by_bucket() == {b0: 30, b1: 19}
+    h.run_until(T0 + 1000 + 15 * 60)  # m0..m15 fired
+    assert h.store.pending_by_bucket() == {b0: 14, b1: 19}
+    h.store.checkpoint()
+    h.crash()
+    assert h.store.pending_by_bucket() == {b0: 14, b1: 19}
+    h.restart()
+    assert h.store.pending_by_bucket() == {b0: 14, b1: 19}
+    h.run_until(T0 + 13_000)
+    assert h.store.pending_by_bucket() == {}

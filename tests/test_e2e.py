@@ -121,6 +121,7 @@ async def test_nack_retries_then_dead_letters(resolver):
         while len(attempts) < 3 and time.monotonic() < deadline:
             for m in await c.pull():
                 attempts.append(m.attempts)
+                assert m.id == "nack-1"  # the producer's id, also on retries
                 await m.nack(retry_after_ms=100)
     assert attempts == [0, 1, 2]
     dead = await collect(resolver, "hourglass.dlq", "ops", 1)

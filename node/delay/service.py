@@ -168,6 +168,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _wheel_loop(self) -> None:
         interval = self.settings.tick_ms / 2000
+        next_pending_update = 0.0
+        loop = asyncio.get_running_loop()
         while True:
             due = self.store.poll_due(now_ms=self.clock.now_ms())
             if due:
@@ -180,6 +182,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self.metrics.wheel_held.set(len(self.store.wheel))
             self.metrics.in_flight.set(self.store.inflight)
             self.metrics.dispatch_lag.set(max(0, self.clock.now_ms() - self.store.completed_ms) / 1000)
+            if loop.time() >= next_pending_update:
+                self.metrics.set_pending(self.store.pending_by_bucket())
+                next_pending_update = loop.time() + 1.0
             await asyncio.sleep(interval)
 
     async def _dispatch_worker(self) -> None:

@@ -156,6 +156,7 @@ class DelayStore:
         self._unfiled: dict[str, tuple[int, int]] = {}  # msg_id -> (seq, message-log offset)
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
+        self._pending = self._count_pending()
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.iterate(limit=None)  # replay: file everything the crash left unfiled
 
@@ -163,6 +164,49 @@ class DelayStore:
     def open(cls, root: str | os.PathLike, settings: StoreSettings | None = None, *, now_ms: int,
              bump_epoch: bool = True) -> "DelayStore":
         return cls(Path(root), settings or StoreSettings(), now_ms, bump_epoch=bump_epoch)
+
+    # ------------------------------------------------------------------ pending counts (metrics)
+
+    def _count_pending(self) -> dict[int, int]:
+        """Messages filed and not dispatched nor cancelled, by bucket start, read from the
+        schedule index files of buckets not yet completed (kind byte and rel_ms of each
+        40-byte entry, sliced in C: about 50 ms per million entries)."""
+        out: dict[int, int] = {}
+        c = self.completed_ms
+        for start in self.schedule.bucket_starts():
+            if start + self.settings.bucket_ms <= c:
+                continue
+            try:
+                raw = (self.schedule.root / f"{start:018d}" / "index").read_bytes()
+            except FileNotFoundError:
+                continue
+            raw = raw[: len(raw) - len(raw) % 40]
+            if start < c:  # the current bucket: only entries at or after completed_ms
+                rel = memoryview(raw).cast("I")[8::10]
+                kinds = raw[36::40]
+                threshold = c - start
+                n = sum((1 if kinds[i] == records.KIND_MESSAGE else -1) for i, r in enumerate(rel) if r >= threshold)
+            else:
+                kinds = raw[36::40]
+                n = kinds.count(records.KIND_MESSAGE) - kinds.count(records.KIND_CANCEL)
+            out[start] = n
+        for eff in self._dispatched.values():
+            if eff >= c:
+                b = self.schedule.bucket_start(eff)
+                out[b] = out.get(b, 0) - 1
+        return {b: n for b, n in out.items() if n > 0}
+
+    def pending_by_bucket(self) -> dict[int, int]:
+        """Bucket start ms -> messages filed there and not yet dispatched or cancelled."""
+        return {b: n for b, n in self._pending.items() if n > 0}
+
+    def _pending_add(self, effective_ms: int, n: int) -> None:
+        b = self.schedule.bucket_start(effective_ms)
+        v = self._pending.get(b, 0) + n
+        if v > 0:
+            self._pending[b] = v
+        else:
+            self._pending.pop(b, None)
 
     # ------------------------------------------------------------------ ingest
 
@@ -331,6 +375,8 @@ class DelayStore:
                 if loc is not None:
                     self.ids.put(msg_id, loc)
                     last_ids_seq = seq
+            if placed is not None:
+                self._pending_add(effective, -1 if kind == records.KIND_CANCEL else 1)
             if kind == records.KIND_CANCEL:
                 self.wheel.cancel_seq(ref_seq)
             elif placed is not None and seq not in self._dispatched:
@@ -405,6 +451,7 @@ class DelayStore:
             self._inflight.pop(seq, None)
             self._dispatched[seq] = eff
             self._dispatch_trail.append((eff, off))
+            self._pending_add(eff, -1)
         self.counters["dead_lettered" if outcome == Dispatched.DEAD_LETTER else "dispatched"] += len(items)
         self._advance_completed()
 
