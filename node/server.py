@@ -30,6 +30,9 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
         rpc.add_AdminServicer_to_server(admin, server)
     for add in extra:
         add(server)
+    # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
+    from grpc_health.v1 import health, health_pb2_grpc
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
