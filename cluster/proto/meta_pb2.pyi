@@ -1,0 +1,216 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KIND_UNSPECIFIED: _ClassVar[Kind]
+    DELAYED_PRODUCER: _ClassVar[Kind]
+    IMMEDIATE_PRODUCER: _ClassVar[Kind]
+    CONSUMER: _ClassVar[Kind]
+KIND_UNSPECIFIED: Kind
+DELAYED_PRODUCER: Kind
+IMMEDIATE_PRODUCER: Kind
+CONSUMER: Kind
+
+class NodeInfo(_message.Message):
+    __slots__ = ("role", "group", "node_id", "address", "master", "offsets", "lag_ms", "lag_bytes", "epoch", "updated_ms")
+    class OffsetsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_MS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    node_id: str
+    address: str
+    master: bool
+    offsets: _containers.ScalarMap[str, int]
+    lag_ms: int
+    lag_bytes: int
+    epoch: int
+    updated_ms: int
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., address: _Optional[str] = ..., master: _Optional[bool] = ..., offsets: _Optional[_Mapping[str, int]] = ..., lag_ms: _Optional[int] = ..., lag_bytes: _Optional[int] = ..., epoch: _Optional[int] = ..., updated_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("node", "ttl_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeInfo
+    ttl_ms: int
+    def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_id", "ttl_ms", "heartbeat_ms")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    ttl_ms: int
+    heartbeat_ms: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("lease_id", "node")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    node: NodeInfo
+    def __init__(self, lease_id: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("ttl_ms",)
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ttl_ms: int
+    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("lease_id", "node_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    node_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("role", "name", "master", "epoch", "members")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    name: str
+    master: str
+    epoch: int
+    members: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., master: _Optional[str] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class GetServersRequest(_message.Message):
+    __slots__ = ("kind",)
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: Kind
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
+
+class GetServersResponse(_message.Message):
+    __slots__ = ("groups", "revision")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    revision: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("kind", "subject")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    kind: Kind
+    subject: str
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., subject: _Optional[str] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: Group
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
+
+class CampaignRequest(_message.Message):
+    __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    node_id: str
+    lease_id: int
+    wait_ms: int
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class Leader(_message.Message):
+    __slots__ = ("node_id", "address", "epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CampaignResponse(_message.Message):
+    __slots__ = ("elected", "leader")
+    ELECTED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    elected: bool
+    leader: Leader
+    def __init__(self, elected: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ...) -> None: ...
+
+class ResignRequest(_message.Message):
+    __slots__ = ("role", "group", "node_id", "epoch")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    node_id: str
+    epoch: int
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ResignResponse(_message.Message):
+    __slots__ = ("resigned",)
+    RESIGNED_FIELD_NUMBER: _ClassVar[int]
+    resigned: bool
+    def __init__(self, resigned: _Optional[bool] = ...) -> None: ...
+
+class LeaderRequest(_message.Message):
+    __slots__ = ("role", "group")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+
+class LeaderResponse(_message.Message):
+    __slots__ = ("present", "leader")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    leader: Leader
+    def __init__(self, present: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("healthy", "etcd_endpoint", "error")
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    ETCD_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    healthy: bool
+    etcd_endpoint: str
+    error: str
+    def __init__(self, healthy: _Optional[bool] = ..., etcd_endpoint: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
