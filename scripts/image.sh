@@ -62,7 +62,7 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print("\n".join(deps + ["setuptools>=68", "wheel"]))
 PYEOF
   log "pip wheel dependencies into .cache/wheelhouse"
-  $PY -m pip wheel -q --disable-pip-version-check --root-user-action=ignore \
+  $PY -m pip wheel -q --disable-pip-version-check \
     --wheel-dir .cache/wheelhouse -r .cache/requirements.txt >&2
 }
 
