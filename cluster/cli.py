@@ -77,6 +77,7 @@ def node(
     metrics_port: Optional[int] = typer.Option(None),
     realtime_nodes: str = typer.Option("", help="(delay) real-time node addresses"),
     delay_nodes: str = typer.Option("", help="(realtime) delay node addresses for retries"),
+    meta: str = typer.Option("", help="meta server addresses: register there and discover through them"),
     ready_file: Optional[Path] = typer.Option(None),
 ) -> None:
     """Run one node until SIGINT/SIGTERM. Other settings come from HOURGLASS_* variables."""
@@ -93,8 +94,40 @@ def node(
         overrides["realtime_nodes"] = _split(realtime_nodes)
     if delay_nodes:
         overrides["delay_nodes"] = _split(delay_nodes)
+    if meta:
+        overrides["meta_servers"] = _split(meta)
     try:
         settings = NodeSettings(**overrides)
+    except ValidationError as e:
+        console.print(f"[red]bad settings:[/red] {e}")
+        raise typer.Exit(2)
+    configure_logging(settings.log_level)
+    asyncio.run(serve(settings))
+
+
+# ---------------------------------------------------------------------- meta server
+
+
+@app.command()
+def metaserver(
+    port: int = typer.Option(0, help="gRPC port (0 = a free one)"),
+    host: str = typer.Option("127.0.0.1"),
+    etcd_endpoints: str = typer.Option("127.0.0.1:2379", help="etcd client endpoints host:port, comma separated"),
+    node_ttl_ms: Optional[int] = typer.Option(None, help="default lease TTL of node registrations"),
+    ready_file: Optional[Path] = typer.Option(None),
+) -> None:
+    """Run one meta server (stateless; all state in etcd) until SIGINT/SIGTERM."""
+    from pydantic import ValidationError
+
+    from metaserver.config import MetaSettings
+    from metaserver.server import serve
+    from node.server import configure_logging
+
+    overrides = dict(host=host, port=port, etcd_endpoints=_split(etcd_endpoints), ready_file=ready_file)
+    if node_ttl_ms is not None:
+        overrides["node_ttl_ms"] = node_ttl_ms
+    try:
+        settings = MetaSettings(**overrides)
     except ValidationError as e:
         console.print(f"[red]bad settings:[/red] {e}")
         raise typer.Exit(2)

@@ -107,25 +107,70 @@ class NodeProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
+@dataclass
+class MetaProcess(NodeProcess):
+    """A meta server process (``hourglass metaserver``); same start/stop/kill by PID as a node."""
+
+    etcd_endpoints: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.ready_file.exists():
+            self.ready_file.unlink()
+        self.log_path = self.data_dir.parent / f"{self.name}.log"
+        logf = open(self.log_path, "ab")
+        env = dict(os.environ)
+        env.update(self.env)
+        cmd = [sys.executable, "-m", "cluster.cli", "metaserver", "--port", str(self.port),
+               "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                     cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+        logf.close()
+
+
 class LocalCluster:
-    """``n_delay`` delay nodes and ``n_realtime`` real-time nodes, each its own process."""
+    """``n_delay`` delay nodes and ``n_realtime`` real-time nodes, each its own process.
+
+    With ``meta=True`` (or ``n_meta > 0``) it also starts a real etcd (``cluster.etcdproc``,
+    ``etcd_members`` members; or uses ``etcd_endpoints`` given) and ``n_meta`` meta
+    servers; every node then gets its own group (``delay-1``, ``realtime-1`` ...),
+    registers through the meta servers and discovers through them (no static lists).
+    """
 
     def __init__(self, root: str | os.PathLike, *, n_delay: int = 1, n_realtime: int = 1,
                  env: dict[str, str] | None = None, delay_args: list[str] | None = None,
-                 realtime_args: list[str] | None = None) -> None:
+                 realtime_args: list[str] | None = None, meta: bool = False, n_meta: int = 0,
+                 etcd_members: int = 1, etcd_endpoints: list[str] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
+        n_meta = n_meta or (1 if meta else 0)
+        self.etcd = None
+        self.etcd_endpoints = list(etcd_endpoints or [])
+        if n_meta and not self.etcd_endpoints:
+            from cluster.etcdproc import EtcdCluster
+            self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members)
+            self.etcd_endpoints = self.etcd.endpoints
+        self.meta = [MetaProcess(f"meta-{i + 1}", "meta", self.root / f"meta-{i + 1}", free_port(), dict(self.env),
+                                 etcd_endpoints=self.etcd_endpoints) for i in range(n_meta)]
         self.realtime = [NodeProcess(f"realtime-{i + 1}", "realtime", self.root / f"realtime-{i + 1}", free_port(),
                                      dict(self.env), list(realtime_args or [])) for i in range(n_realtime)]
         self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
                                   dict(self.env), list(delay_args or [])) for i in range(n_delay)]
-        rt = ",".join(n.address for n in self.realtime)
-        dl = ",".join(n.address for n in self.delay)
-        for n in self.delay:
-            n.args += ["--realtime-nodes", rt]
-        for n in self.realtime:
-            n.args += ["--delay-nodes", dl]
+        if self.meta:
+            for n in self.delay + self.realtime:
+                n.args += ["--meta", ",".join(self.meta_addresses), "--group", n.name]
+        else:
+            rt = ",".join(n.address for n in self.realtime)
+            dl = ",".join(n.address for n in self.delay)
+            for n in self.delay:
+                n.args += ["--realtime-nodes", rt]
+            for n in self.realtime:
+                n.args += ["--delay-nodes", dl]
+
+    @property
+    def meta_addresses(self) -> list[str]:
+        return [m.address for m in self.meta]
 
     @property
     def nodes(self) -> list[NodeProcess]:
@@ -133,6 +178,12 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         try:
+            if self.etcd is not None:
+                self.etcd.start()
+            for m in self.meta:
+                m.start()
+            for m in self.meta:
+                m.wait_ready()
             for n in self.nodes:
                 n.start()
             for n in self.nodes:
@@ -143,9 +194,42 @@ class LocalCluster:
         (self.root / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
         return self
 
+    def wait_registered(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until every running node is listed by the meta servers (meta mode)."""
+        if not self.meta:
+            return
+        import asyncio
+
+        from cluster.discovery import MetaResolver
+
+        want = {n.address for n in self.nodes if n.running}
+
+        async def listed() -> set[str]:
+            r = MetaResolver(self.meta_addresses)
+            try:
+                await r.load()
+                return set(r.delay) | set(r.realtime)
+            finally:
+                await r.close()
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if want <= asyncio.run(listed()):
+                    return
+            except Unavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise Unavailable(f"nodes not registered after {timeout_s}s")
+            time.sleep(0.1)
+
     def describe(self) -> dict:
-        return {"delay": [n.address for n in self.delay], "realtime": [n.address for n in self.realtime],
-                "pids": {n.name: n.proc.pid for n in self.nodes if n.proc}}
+        out = {"delay": [n.address for n in self.delay], "realtime": [n.address for n in self.realtime],
+               "pids": {n.name: n.proc.pid for n in self.meta + self.nodes if n.proc}}
+        if self.meta:
+            out["meta"] = self.meta_addresses
+            out["etcd"] = self.etcd_endpoints
+        return out
 
     def restart(self, node: NodeProcess) -> None:
         node.stop()
@@ -153,11 +237,13 @@ class LocalCluster:
         node.wait_ready()
 
     def stop(self) -> None:
-        for n in self.nodes:
+        for n in self.nodes + self.meta:
             try:
                 n.stop()
             except Exception:  # keep stopping the others
                 n.kill()
+        if self.etcd is not None:
+            self.etcd.stop()
         cj = self.root / "cluster.json"
         if cj.exists():
             cj.unlink()

@@ -35,6 +35,11 @@ class NodeSettings(BaseSettings):
     realtime_nodes: list[str] = []
     delay_nodes: list[str] = []
     meta_servers: list[str] = []
+    # with meta_servers: registration under an etcd lease (node/registration.py) and discovery
+    meta_lease_ttl_ms: int = Field(default=5000, ge=2000, le=300_000)
+    meta_heartbeat_ms: int = Field(default=0, ge=0, description="0 = a third of the granted TTL")
+    meta_timeout_ms: int = Field(default=2000, ge=100)
+    meta_refresh_ms: int = Field(default=5000, ge=100, description="routes are asked again after this long")
 
     # limits a producer can hit
     payload_bytes_max: int = 4 * 1024 * 1024

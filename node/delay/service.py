@@ -19,6 +19,7 @@ and translate back through ``cluster.status``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import zlib
@@ -68,7 +69,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
         self.channels = Channels()
+        if router is None and settings.meta_servers:
+            from cluster.discovery import MetaResolver  # subject -> real-time group through the meta server
+            router = MetaResolver(settings.meta_servers, refresh_ms=settings.meta_refresh_ms,
+                                  timeout_s=settings.meta_timeout_ms / 1000)
         self.router = router or StaticRouter(settings.realtime_nodes)
+        self.registrar = None
         self.metrics = NodeMetrics("delay", settings.node_id)
         self._filed = asyncio.Event()
         self._durable_moved = asyncio.Event()
@@ -144,6 +150,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
         }
 
+    def registration_info(self) -> dict:
+        s = self.stats()
+        return {"master": True, "epoch": s["epoch"], "lag_ms": s["dispatch_lag_ms"],
+                "offsets": {"message_log_end": s["message_log_end"], "iterate_offset": s["iterate_offset"],
+                            "dispatch_log_end": s["dispatch_log_end"]}}
+
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="delay", group=self.settings.group,
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
@@ -200,6 +212,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _send(self, subject: str, msgs: list[Message]) -> pb.SendBatchResponse:
         address = self.router.realtime_for(subject)
+        if inspect.isawaitable(address):  # MetaResolver answers asynchronously
+            address = await address
         stub = self.channels.producer(address)
         req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs], immediate=True,
                                   epoch=self.store.epoch)
@@ -298,17 +312,25 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
                       for i in range(self.settings.dispatch_concurrency_max)],
                 ]
+                if self.settings.meta_servers:
+                    from node.registration import Registrar
+                    self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
+                    tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 self.metrics.start(self.settings.metrics_port)
                 log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,
                          self.address, self.store.epoch, self.settings.data_dir)
                 if on_ready:
                     on_ready(self.address)
                 await stop.wait()
+                if self.registrar is not None:
+                    await self.registrar.close()
                 await self.server.stop(grace=1.0)
                 for t in tasks:
                     t.cancel()
         finally:
             await self.channels.close()
+            if hasattr(self.router, "close"):
+                await self.router.close()
             if self.server is not None:
                 await self.server.stop(grace=None)
             self.store.close()

@@ -61,6 +61,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.metrics = NodeMetrics("realtime", settings.node_id)
         self._new_data: dict[str, asyncio.Event] = {}
         self.address = ""
+        self.registrar = None
+        self.resolver = None
+        if settings.meta_servers:
+            from cluster.discovery import MetaResolver  # delay nodes for nacks through the meta server
+            self.resolver = MetaResolver(settings.meta_servers, refresh_ms=settings.meta_refresh_ms,
+                                         timeout_s=settings.meta_timeout_ms / 1000)
 
     # ------------------------------------------------------------------ producer side
 
@@ -181,6 +187,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
 
     async def _send_to_delay(self, msgs: list[Message]) -> None:
         nodes = self.settings.delay_nodes
+        if not nodes and self.resolver is not None:
+            nodes = await self.resolver.delay_nodes()
         if not nodes:
             raise Unavailable("no delay node configured for retries")
         req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs])
@@ -205,6 +213,10 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
                 "fsyncs": self.committer.fsyncs}
 
+    def registration_info(self) -> dict:
+        return {"master": True, "epoch": self.store.epoch,
+                "offsets": {"message_log_end": self.store.messages.end_offset}}
+
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="realtime", group=self.settings.group,
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
@@ -224,17 +236,25 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.committer.run(), name="group-commit"),
                          tg.create_task(self._flush_loop(), name="flush")]
+                if self.settings.meta_servers:
+                    from node.registration import Registrar
+                    self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
+                    tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 self.metrics.start(self.settings.metrics_port)
                 log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,
                          self.address, self.store.epoch)
                 if on_ready:
                     on_ready(self.address)
                 await stop.wait()
+                if self.registrar is not None:
+                    await self.registrar.close()
                 await server.stop(grace=1.0)
                 for t in tasks:
                     t.cancel()
         finally:
             await self.channels.close()
+            if self.resolver is not None:
+                await self.resolver.close()
             await server.stop(grace=None)
             self.store.close()
             self.metrics.stop()

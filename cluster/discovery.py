@@ -1,0 +1,187 @@
+"""Discovery through the meta servers: ``MetaResolver``, a drop-in for ``StaticResolver``.
+
+    resolver = MetaResolver(["127.0.0.1:7100", "127.0.0.1:7101"])
+    async with Producer(resolver) as p: ...
+    async with Consumer(resolver, "orders.cancel", group="billing") as c: ...
+
+It offers what ``cluster.client`` asks of a resolver: ``delay_nodes()`` (masters
+of the delay groups, for producers of delayed messages), ``realtime_for(subject)``
+(master of the real-time group that owns the subject, for immediate producers,
+consumers and delay nodes dispatching), ``refresh()`` (called after a failed
+call), ``close()``; and ``invalidate(subject)`` for the delay node's router.
+
+Caching rules (all times monotonic, limits named):
+
+* an answer is reused for ``refresh_ms``; after that the next call asks again
+  (the "period"); ``refresh()`` marks everything stale so the next call asks
+  again, but never more often than every ``refresh_min_ms`` (a dead node makes
+  every client call refresh; the meta servers must not be hammered);
+* meta servers are tried in order starting at the last one that answered; one
+  that does not answer (connection refused, deadline, UNAVAILABLE) is skipped
+  and the next is tried, so a dead meta server costs one timeout at most;
+* if no meta server answers (all dead, or etcd down behind them) the cached
+  answer is used as long as there is one: nodes keep serving with the routes
+  they have. Only with nothing cached is ``Unavailable`` raised;
+* subject routes are cached up to ``routes_max`` subjects (oldest dropped).
+
+Consumers never see delay nodes: ``realtime_for`` asks ``Route`` with kind
+CONSUMER or IMMEDIATE_PRODUCER, which only ever answers real-time groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import grpc
+
+from cluster import errors as E
+from cluster import status
+from cluster.proto import meta_pb2 as mpb
+from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.transport import CHANNEL_OPTIONS
+
+log = logging.getLogger("hourglass.discovery")
+
+SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class MetaClient:
+    """Calls one RPC on the first meta server that answers, remembering which one did."""
+
+    def __init__(self, meta_servers: list[str], *, timeout_s: float = 2.0) -> None:
+        servers = [a.strip() for a in meta_servers if a.strip()]
+        if not servers:
+            raise E.InvalidArgument("meta_servers", "give at least one meta server address")
+        self.servers = servers
+        self.timeout_s = timeout_s
+        self._current = 0
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> mrpc.MetaStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return mrpc.MetaStub(ch)
+
+    @property
+    def current(self) -> str:
+        return self.servers[self._current]
+
+    async def call(self, method: str, request, *, timeout_s: float | None = None):
+        last: BaseException | None = None
+        for i in range(len(self.servers)):
+            index = (self._current + i) % len(self.servers)
+            address = self.servers[index]
+            try:
+                resp = await getattr(self.stub(address), method)(request, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as e:
+                if e.code() not in SKIP_CODES:
+                    raise status.from_rpc_error(e) from None
+                last = e
+                log.info("meta server %s did not answer %s (%s); trying the next", address, method, e.code().name)
+                continue
+            self._current = index
+            return resp
+        detail = last.details() if isinstance(last, grpc.RpcError) else last
+        raise E.Unavailable(f"no meta server answered {method} ({', '.join(self.servers)}): {detail}")
+
+    async def close(self) -> None:
+        chans, self._channels = list(self._channels.values()), {}
+        for ch in chans:
+            await ch.close()
+
+
+class MetaResolver:
+    def __init__(self, meta_servers: list[str] | str, *, refresh_ms: int = 5000, refresh_min_ms: int = 200,
+                 timeout_s: float = 2.0, routes_max: int = 100_000,
+                 realtime_kind: int = mpb.IMMEDIATE_PRODUCER) -> None:
+        if isinstance(meta_servers, str):
+            meta_servers = meta_servers.split(",")
+        self.meta = MetaClient(list(meta_servers), timeout_s=timeout_s)
+        self.refresh_ms = refresh_ms
+        self.refresh_min_ms = refresh_min_ms
+        self.routes_max = routes_max
+        self.realtime_kind = realtime_kind
+        self._delay: list[str] = []
+        self._delay_at = float("-inf")
+        self._routes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # subject -> (master, fetched_at)
+        self._stale_since: float | None = None
+        self._last_fetch = float("-inf")
+        self.delay: list[str] = []     # every delay node seen by the last load() (status, tools)
+        self.realtime: list[str] = []  # every real-time node seen by the last load()
+
+    # ------------------------------------------------------------------ cache policy
+
+    def _due(self, fetched_at: float) -> bool:
+        now = time.monotonic()
+        if now - fetched_at >= self.refresh_ms / 1000:
+            return True
+        stale = self._stale_since is not None and fetched_at <= self._stale_since
+        return stale and now - self._last_fetch >= self.refresh_min_ms / 1000
+
+    # ------------------------------------------------------------------ resolver interface
+
+    async def delay_nodes(self) -> list[str]:
+        if self._delay and not self._due(self._delay_at):
+            return self._delay
+        try:
+            self._last_fetch = time.monotonic()
+            resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+        except E.Unavailable as e:
+            if self._delay:
+                log.warning("keeping cached delay groups: %s", e)
+                return self._delay
+            raise
+        masters = [g.master for g in resp.groups if g.master]
+        self._delay_at = time.monotonic()
+        if not masters:
+            self._delay = []
+            raise E.Unavailable("no delay group has a live master")
+        self._delay = masters
+        return masters
+
+    async def realtime_for(self, subject: str) -> str:
+        cached = self._routes.get(subject)
+        if cached is not None and not self._due(cached[1]):
+            return cached[0]
+        try:
+            self._last_fetch = time.monotonic()
+            resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
+        except E.Unavailable as e:
+            if cached is not None:
+                log.warning("keeping cached route subject=%s: %s", subject, e)
+                return cached[0]
+            raise
+        master = resp.group.master
+        if not master:
+            self._routes.pop(subject, None)
+            raise E.Unavailable(f"real-time group {resp.group.name!r} of subject {subject!r} has no live master")
+        self._routes[subject] = (master, time.monotonic())
+        self._routes.move_to_end(subject)
+        while len(self._routes) > self.routes_max:
+            self._routes.popitem(last=False)
+        return master
+
+    async def refresh(self) -> None:
+        """A call failed: the next lookup asks a meta server again (rate limited)."""
+        self._stale_since = time.monotonic()
+
+    def invalidate(self, subject: str) -> None:
+        self._stale_since = time.monotonic()
+
+    async def load(self) -> dict:
+        """Fetch every group of both roles (for status pages); fills ``delay``/``realtime``."""
+        out = {}
+        for kind, role in ((mpb.DELAYED_PRODUCER, "delay"), (mpb.CONSUMER, "realtime")):
+            resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=kind))
+            out[role] = [{"group": g.name, "master": g.master, "epoch": g.epoch,
+                          "members": [m.address for m in g.members]} for g in resp.groups]
+        self.delay = [a for g in out["delay"] for a in g["members"]]
+        self.realtime = [a for g in out["realtime"] for a in g["members"]]
+        return out
+
+    async def close(self) -> None:
+        await self.meta.close()

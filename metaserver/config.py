@@ -1,0 +1,23 @@
+"""Settings of one meta server process (prefix ``HOURGLASS_META_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MetaSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HOURGLASS_META_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one")
+    advertise: str | None = None
+    etcd_endpoints: list[str] = ["127.0.0.1:2379"]
+    etcd_timeout_ms: int = Field(default=2000, ge=100)
+    node_ttl_ms: int = Field(default=5000, ge=2000, le=300_000, description="default node lease TTL")
+    campaign_wait_ms_max: int = Field(default=30_000, ge=0)
+    health_check_interval_ms: int = Field(default=1000, ge=100)
+    ready_file: Path | None = None
+    log_level: str = "INFO"

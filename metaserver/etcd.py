@@ -1,0 +1,90 @@
+"""A thin shell over ``aetcd``: several endpoints, bounded retries, one error type.
+
+``aetcd.Client`` talks to one endpoint. ``EtcdClient`` holds the list and, when a
+call fails with a connection error or timeout, closes the client, moves to the
+next endpoint and tries again, at most ``attempts_max`` times with a short
+backoff (tenacity). What still fails is ``cluster.errors.Unavailable`` naming the
+endpoint, so callers see one error type for "etcd cannot be reached".
+
+Errors that are answers (a lease that is gone, a compacted revision) are not
+retried: they come back as the aetcd exception for the caller to translate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aetcd
+from aetcd import exceptions as aex
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from cluster.errors import Unavailable
+
+log = logging.getLogger("hourglass.etcd")
+T = TypeVar("T")
+
+CALL_TIMEOUT_S = 2.0
+RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.TimeoutError)
+
+
+class EtcdClient:
+    def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None):
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint")
+        self.endpoints = list(endpoints)
+        self.timeout_s = timeout_s
+        self.attempts_max = attempts_max or 2 * len(self.endpoints) + 1
+        self._index = 0
+        self._client: aetcd.Client | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._index]
+
+    def client(self) -> aetcd.Client:
+        if self._client is None:
+            host, _, port = self.endpoint.rpartition(":")
+            self._client = aetcd.Client(host=host, port=int(port), timeout=self.timeout_s)
+        return self._client
+
+    async def rotate(self) -> None:
+        """Drop the current connection and use the next endpoint."""
+        old, self._client = self._client, None
+        self._index = (self._index + 1) % len(self.endpoints)
+        if old is not None:
+            try:
+                await old.close()
+            except Exception:  # closing a broken channel may fail; it is gone either way
+                pass
+
+    async def call(self, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run ``fn(client)``; on connection errors rotate and retry, then raise Unavailable."""
+        try:
+            async for attempt in AsyncRetrying(retry=retry_if_exception_type(RETRYABLE),
+                                               stop=stop_after_attempt(self.attempts_max),
+                                               wait=wait_exponential(multiplier=0.05, max=0.5), reraise=True):
+                with attempt:
+                    try:
+                        return await asyncio.wait_for(fn(self.client()), self.timeout_s * 2)
+                    except RETRYABLE:
+                        log.info("etcd endpoint=%s failed; trying the next one", self.endpoint)
+                        await self.rotate()
+                        raise
+        except RETRYABLE as e:
+            raise Unavailable(f"etcd unavailable (last endpoint {self.endpoint}): {e}") from None
+        except aex.ClientError as e:
+            if "leader" in str(e) or "timed out" in str(e) or "too many requests" in str(e):
+                raise Unavailable(f"etcd unavailable: {e}") from None
+            raise
+        raise AssertionError("unreachable")
+
+    async def status(self):
+        return await self.call(lambda c: c.status())
+
+    async def close(self) -> None:
+        if self._client is not None:
+            c, self._client = self._client, None
+            await c.close()

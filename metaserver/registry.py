@@ -1,0 +1,176 @@
+"""Registration, discovery and subject routing on etcd (the shell around ``keyspace``).
+
+Register: check the node's claim key; if free, grant a lease and, in one
+transaction guarded by ``version(claim) == 0``, write the claim and the node
+record under that lease. If the id is held by a live lease, the request is
+refused with ``AlreadyExists`` and nothing is written, unless the holder has the
+same role, group and address (the same node restarted before its old lease ran
+out): then the claim moves to the new lease in a transaction guarded by the old
+claim's value, and the old lease is revoked.
+
+Heartbeat: refresh the lease (a lease that is gone is ``NotFound``: register
+again), then rewrite the record in a transaction guarded by the claim's value,
+so a node can only ever write its own record.
+
+Route: read ``/hourglass/subjects/{subject}``; if absent, choose among the live
+real-time groups (``keyspace.choose_group``) and create the key if still absent
+(a concurrent first use reads the winner's choice). Routes are never rewritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from aetcd import exceptions as aex
+
+from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from metaserver import keyspace as ks
+from metaserver.etcd import EtcdClient
+
+log = logging.getLogger("hourglass.registry")
+
+TTL_S_MIN = 2
+TTL_S_MAX = 300
+
+
+class Registry:
+    def __init__(self, etcd: EtcdClient, *, default_ttl_s: int = 5) -> None:
+        self.etcd = etcd
+        self.default_ttl_s = default_ttl_s
+
+    @staticmethod
+    def ttl_s(ttl_ms: int, default_s: int) -> int:
+        if ttl_ms < 0:
+            raise InvalidArgument("ttl_ms", "must be >= 0")
+        s = math.ceil(ttl_ms / 1000) if ttl_ms else default_s
+        if not TTL_S_MIN <= s <= TTL_S_MAX:
+            raise InvalidArgument("ttl_ms", f"{ttl_ms} ms is outside [{TTL_S_MIN}, {TTL_S_MAX}] s")
+        return s
+
+    # ------------------------------------------------------------------ registration
+
+    async def register(self, node: ks.NodeRecord, *, ttl_s: int) -> int:
+        claim_k = ks.id_key(node.node_id)
+        node = node.model_copy(update={"updated_ms": time.time_ns() // 1_000_000})
+        existing = await self.etcd.call(lambda c: c.get(claim_k))
+        takeover: tuple[bytes, int] | None = None
+        if existing is not None:
+            takeover = (existing.value, await self._check_takeover(node, existing.value))
+        lease = await self.etcd.call(lambda c: c.lease(ttl_s))
+        new_claim = ks.claim_value(lease.id, node.role, node.group)
+
+        def txn(c):
+            guard = (c.transactions.version(claim_k) == 0 if takeover is None
+                     else c.transactions.value(claim_k) == takeover[0])
+            return c.transaction(compare=[guard], success=[
+                c.transactions.put(claim_k, new_claim, lease=lease.id),
+                c.transactions.put(ks.node_key(node.role, node.group, node.node_id), node.to_value(), lease=lease.id),
+            ], failure=[])
+        ok, _ = await self.etcd.call(txn)
+        if not ok:
+            await self._revoke(lease.id)
+            raise AlreadyExists(f"node id {node.node_id!r} was registered concurrently by another process")
+        if takeover is not None:
+            await self._revoke(takeover[1])
+            log.info("re-registered node_id=%s lease=%x (old lease %x revoked)", node.node_id, lease.id, takeover[1])
+        else:
+            log.info("registered node_id=%s role=%s group=%s address=%s lease=%x", node.node_id, node.role,
+                     node.group, node.address, lease.id)
+        return lease.id
+
+    async def _check_takeover(self, node: ks.NodeRecord, claim_raw: bytes) -> int:
+        """The id is held: allow only the same node (role, group, address) restarting."""
+        claim = ks.parse_claim(claim_raw)
+        old = None
+        if claim["role"] == node.role and claim["group"] == node.group:
+            kv = await self.etcd.call(lambda c: c.get(ks.node_key(node.role, node.group, node.node_id)))
+            old = ks.NodeRecord.from_value(kv.value) if kv is not None else None
+        if old is None or old.address != node.address:
+            where = f"{claim['role']}/{claim['group']}" + (f" at {old.address}" if old else "")
+            raise AlreadyExists(f"node id {node.node_id!r} is held by a live registration ({where}); "
+                                f"choose another id or wait for its lease to expire")
+        return int(claim["lease"])
+
+    async def _revoke(self, lease_id: int) -> None:
+        try:
+            await self.etcd.call(lambda c: c.revoke_lease(lease_id))
+        except aex.ClientError as e:  # already gone: fine
+            log.debug("revoke lease=%x: %s", lease_id, e)
+
+    async def heartbeat(self, lease_id: int, node: ks.NodeRecord) -> int:
+        """Keep the registration alive and store the fresh record. Returns the remaining TTL (s)."""
+        try:
+            reply = await self.etcd.call(lambda c: c.refresh_lease(lease_id))
+        except aex.ClientError as e:
+            raise NotFound(f"lease {lease_id:x} unknown: {e}; register again") from None
+        if reply is None or reply.TTL <= 0:
+            raise NotFound(f"lease {lease_id:x} expired; register again")
+        claim_k = ks.id_key(node.node_id)
+        expected = ks.claim_value(lease_id, node.role, node.group)
+        node = node.model_copy(update={"updated_ms": time.time_ns() // 1_000_000})
+        ok, resps = await self.etcd.call(lambda c: c.transaction(
+            compare=[c.transactions.value(claim_k) == expected],
+            success=[c.transactions.put(ks.node_key(node.role, node.group, node.node_id), node.to_value(),
+                                        lease=lease_id)],
+            failure=[c.transactions.get(claim_k)]))
+        if not ok:
+            kvs = resps[0] if resps else []
+            if not kvs:
+                raise NotFound(f"node id {node.node_id!r} is not registered (lease expired?); register again")
+            claim = ks.parse_claim(kvs[0][0])
+            if claim["lease"] != lease_id:
+                raise AlreadyExists(f"node id {node.node_id!r} is held by another registration")
+            raise InvalidArgument("node", f"registered as {claim['role']}/{claim['group']}, heartbeat says "
+                                          f"{node.role}/{node.group}; register again to move")
+        return int(reply.TTL)
+
+    async def deregister(self, lease_id: int, node_id: str) -> None:
+        claim = await self.etcd.call(lambda c: c.get(ks.id_key(node_id)))
+        if claim is None or ks.parse_claim(claim.value)["lease"] != lease_id:
+            raise NotFound(f"node id {node_id!r} holds no lease {lease_id:x}")
+        await self._revoke(lease_id)
+
+    # ------------------------------------------------------------------ discovery
+
+    async def groups(self, role: str) -> tuple[list[ks.GroupView], int]:
+        nodes = await self.etcd.call(lambda c: c.get_prefix(ks.nodes_prefix(role)))
+        leaders = await self.etcd.call(lambda c: c.get_prefix(ks.leaders_prefix(role)))
+        records = []
+        for kv in nodes:
+            try:
+                records.append(ks.NodeRecord.from_value(kv.value))
+            except ValueError:
+                log.error("unreadable node record key=%s", kv.key)  # written by something else: skip it
+        lead: dict[str, ks.LeaderInfo] = {}
+        plen = len(ks.leaders_prefix(role))
+        for kv in leaders:
+            try:
+                lead[kv.key[plen:].decode()] = ks.LeaderInfo.from_kv(kv.value, kv.create_revision)
+            except ValueError:
+                log.error("unreadable leader key=%s", kv.key)
+        return ks.build_groups(role, records, lead), max(nodes.header.revision, leaders.header.revision)
+
+    async def route(self, subject: str) -> ks.GroupView:
+        ks.check_subject(subject)
+        key = ks.subject_key(subject)
+        groups, _ = await self.groups("realtime")
+        kv = await self.etcd.call(lambda c: c.get(key))
+        if kv is None:
+            chosen = ks.choose_group(subject, groups)
+            if chosen is None:
+                raise Unavailable("no live real-time group to route the subject to")
+            ok, resps = await self.etcd.call(lambda c: c.transaction(
+                compare=[c.transactions.version(key) == 0],
+                success=[c.transactions.put(key, chosen.name.encode())],
+                failure=[c.transactions.get(key)]))
+            name = chosen.name if ok else resps[0][0][0].decode()
+            if ok:
+                log.info("routed subject=%s group=%s", subject, name)
+        else:
+            name = kv.value.decode()
+        for g in groups:
+            if g.name == name:
+                return g
+        return ks.GroupView("realtime", name)  # routed to a group with no live node: no master now

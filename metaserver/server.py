@@ -1,0 +1,63 @@
+"""Process root of a meta server: settings -> etcd client -> gRPC server -> run until a signal.
+
+Stateless: every answer is read from etcd, so any number of replicas can run
+behind a list of addresses; clients move to the next one when one dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.transport import CHANNEL_OPTIONS
+from metaserver.config import MetaSettings
+from metaserver.etcd import EtcdClient
+from metaserver.service import MetaService
+
+log = logging.getLogger("hourglass.meta")
+
+
+async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> None:
+    etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000)
+    service = MetaService(settings, etcd)
+    server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)])
+    mrpc.add_MetaServicer_to_server(service, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    address = settings.advertise or f"{settings.host}:{port}"
+    try:
+        async with asyncio.TaskGroup() as tg:
+            health = tg.create_task(service.health_loop(), name="health")
+            log.info("meta server serving address=%s etcd=%s", address, ",".join(settings.etcd_endpoints))
+            if on_ready:
+                on_ready(address)
+            await stop.wait()
+            await server.stop(grace=1.0)
+            health.cancel()
+    finally:
+        await server.stop(grace=None)
+        await etcd.close()
+        log.info("meta server stopped address=%s", address)
+
+
+async def serve(settings: MetaSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(address: str) -> None:
+        if settings.ready_file:
+            tmp = f"{settings.ready_file}.tmp"
+            with open(tmp, "w") as f:
+                f.write(address)
+            os.replace(tmp, settings.ready_file)
+
+    await run(settings, stop, on_ready=ready)
