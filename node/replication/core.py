@@ -1,0 +1,262 @@
+"""Pure replication core: epoch history, divergence, sync-ack tracking, candidate ranking.
+
+Nothing here does I/O or reads a clock; the asyncio shell (``node/replication/shell.py``)
+and the deterministic simulation (``tests/test_replication_sim.py``) drive the same code.
+
+Vocabulary
+----------
+* A group has one master per *term*; every term has an *epoch* (strictly increasing,
+  from the election). Requests and replication calls carry the caller's epoch;
+  anything older than what a node has seen is refused (``StaleEpoch``).
+* Each replicated log (message log, dispatch log) keeps an **epoch history**: the list of
+  ``(epoch, start_offset)`` pairs, one per term that wrote to it, like Kafka's leader
+  epoch file. A slave copies its master's history as it copies bytes.
+* A returning old master (or any slave) asks, before fetching: "where does *my last
+  epoch* end in your log?" If its own log is longer than that, the suffix was never
+  part of the new master's log: it is truncated (``divergence``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+
+from cluster.errors import Overloaded
+
+
+@dataclass
+class EpochHistory:
+    """``(epoch, start_offset)`` pairs, epochs strictly increasing, offsets non-decreasing."""
+
+    entries: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def last_epoch(self) -> int:
+        return self.entries[-1][0] if self.entries else -1
+
+    def begin(self, epoch: int, offset: int) -> None:
+        """A term ``epoch`` starts writing at ``offset`` (called by a new master, and by a slave
+        when its master's history says so). Idempotent for the same pair."""
+        if self.entries and epoch < self.entries[-1][0]:
+            raise ValueError(f"epoch {epoch} is older than the last one {self.entries[-1][0]}")
+        if self.entries and epoch == self.entries[-1][0]:
+            return
+        if self.entries and offset < self.entries[-1][1]:
+            raise ValueError(f"epoch {epoch} starts at {offset}, before the previous term's start")
+        self.entries.append((epoch, offset))
+
+    def end_offset_for(self, epoch: int, log_end: int) -> tuple[int, int]:
+        """For a follower whose last epoch is ``epoch``: ``(the largest epoch <= epoch this
+        history knows, the offset where that epoch's writes end)``. With no such epoch:
+        ``(-1, 0)``, meaning "nothing you hold is known to be mine"."""
+        epochs = [e for e, _ in self.entries]
+        i = bisect.bisect_right(epochs, epoch) - 1
+        if i < 0:
+            return -1, self.entries[0][1] if self.entries else 0
+        if i + 1 < len(self.entries):
+            return self.entries[i][0], self.entries[i + 1][1]
+        return self.entries[i][0], log_end
+
+    def truncate(self, offset: int) -> None:
+        """The log was cut at ``offset``: terms starting at or after it hold nothing any more."""
+        self.entries = [(e, o) for e, o in self.entries if o < offset]
+
+    def adopt(self, master: list[tuple[int, int]], upto: int) -> None:
+        """Copy the master's terms that start at or before ``upto`` (what this log now holds)."""
+        for e, o in master:
+            if o <= upto and e > self.last_epoch:
+                self.begin(e, max(o, self.entries[-1][1] if self.entries else o))
+
+    def encode(self) -> str:
+        return json.dumps([[e, o] for e, o in self.entries])
+
+    @classmethod
+    def decode(cls, text: str) -> "EpochHistory":
+        raw = json.loads(text)
+        h = cls()
+        for e, o in raw:
+            h.begin(int(e), int(o))
+        return h
+
+
+def divergence(slave: EpochHistory, slave_end: int, master: EpochHistory, master_end: int) -> int | None:
+    """Offset the slave must truncate its log to before fetching, or None if it is a prefix.
+
+    Terms are written by one master each, so the slave's bytes equal the master's up to
+    where their common epoch ends in *both* histories (Kafka's OffsetsForLeaderEpoch):
+    take the newest epoch the master knows that is not newer than the slave's last one,
+    and cut at the smaller of the two ends of that epoch. Anything beyond was never in
+    the master's log.
+    """
+    epoch, end = master.end_offset_for(slave.last_epoch, master_end)
+    if epoch >= 0:
+        _, own_end = slave.end_offset_for(epoch, slave_end)
+        end = min(end, own_end)
+    if slave_end > end:
+        return end
+    return None
+
+
+class SyncTracker:
+    """Sync-mode acknowledgement: a write ending at offset ``x`` is acknowledged once every
+    slave of the group holds it (a slave's next fetch offset is its acknowledgement).
+
+    "Every slave" is the set the shell keeps from the group's registrations
+    (``set_slaves``): with master + one slave that is "at least one slave"; with more,
+    whichever slave wins the next election holds every acknowledged write. With no
+    slave at all nothing is acknowledged: the writes time out (``ReplicationTimeout``),
+    never a silent downgrade to async. A slave whose registration expired (dead) leaves
+    the set; one that returns is required again once it registers.
+
+    Pure: callers pass ``now_ms``; waiters are ids the shell maps to futures.
+    ``waiters_max`` bounds what may wait at once.
+    """
+
+    def __init__(self, *, timeout_ms: int, waiters_max: int = 100_000) -> None:
+        self.timeout_ms = timeout_ms
+        self.waiters_max = waiters_max
+        self.slave_offsets: dict[str, tuple[int, int]] = {}  # slave_id -> (offset, at_ms)
+        self.slaves: set[str] | None = None  # None: whoever fetches (until the shell knows the group)
+        self._waiters: list[tuple[int, int, int]] = []  # (offset, deadline_ms, ticket) sorted by offset
+        self._next_ticket = 0
+
+    def set_slaves(self, slave_ids: set[str] | frozenset[str]) -> list[int]:
+        """The group's slaves changed; returns tickets released by the change."""
+        self.slaves = set(slave_ids)
+        return self._release()
+
+    @property
+    def acked_offset(self) -> int:
+        """The offset every required slave holds (-1 when none is known)."""
+        if self.slaves is None:
+            return max((o for o, _ in self.slave_offsets.values()), default=-1)
+        if not self.slaves:
+            return -1
+        return min(self.slave_offsets.get(s, (-1, 0))[0] for s in self.slaves)
+
+    def wait(self, offset: int, now_ms: int) -> int | None:
+        """Register a waiter for ``offset``; returns a ticket, or None when already acknowledged."""
+        if self.acked_offset >= offset:
+            return None
+        if len(self._waiters) >= self.waiters_max:
+            raise Overloaded(f"{len(self._waiters)} writes wait for a slave (waiters_max={self.waiters_max})")
+        t = self._next_ticket
+        self._next_ticket += 1
+        bisect.insort(self._waiters, (offset, now_ms + self.timeout_ms, t))
+        return t
+
+    def on_fetch(self, slave_id: str, offset: int, now_ms: int) -> list[int]:
+        """A slave asked for ``offset`` (so it holds everything before). Returns released tickets."""
+        prev = self.slave_offsets.get(slave_id, (-1, 0))[0]
+        self.slave_offsets[slave_id] = (max(prev, offset), now_ms)
+        return self._release()
+
+    def _release(self) -> list[int]:
+        acked = self.acked_offset
+        i = bisect.bisect_right(self._waiters, (acked, 1 << 62, 1 << 62))
+        done = [t for _, _, t in self._waiters[:i]]
+        del self._waiters[:i]
+        return done
+
+    def expire(self, now_ms: int) -> list[int]:
+        """Tickets whose deadline passed: the shell answers them with ``ReplicationTimeout``."""
+        gone = [w for w in self._waiters if w[1] <= now_ms]
+        if gone:
+            self._waiters = [w for w in self._waiters if w[1] > now_ms]
+        return [t for _, _, t in gone]
+
+    def forget_slave(self, slave_id: str) -> None:
+        self.slave_offsets.pop(slave_id, None)
+
+    def drop_all(self) -> list[int]:
+        """The node stopped being master: every waiter fails (the shell answers NotLeader)."""
+        out = [t for _, _, t in self._waiters]
+        self._waiters.clear()
+        return out
+
+
+def campaign_delay_ms(my_end: int, peer_ends: dict[str, int], *, step_ms: int) -> int:
+    """How long a slave waits before campaigning after the master's key vanished: zero for
+    the most caught-up slave, one ``step_ms`` per peer that holds more (ties: by id, so
+    equal candidates do not all wait). The election still decides; this only makes the
+    most caught-up slave the likely winner."""
+    ahead = sum(1 for end in peer_ends.values() if end > my_end)
+    return ahead * step_ms
+
+
+@dataclass(frozen=True)
+class FencingDecision:
+    ok: bool
+    reason: str = ""
+
+
+def check_epoch(request_epoch: int, known_epoch: int) -> FencingDecision:
+    """A request (or a replication call) carrying an older epoch than the newest this node
+    has seen is refused; 0 means "client does not know" and is accepted."""
+    if request_epoch and request_epoch < known_epoch:
+        return FencingDecision(False, f"epoch {request_epoch} is older than {known_epoch}")
+    return FencingDecision(True)
+
+
+class Member:
+    """One node's view of its group: who is master, in which epoch, and whether this node
+    may act as master *now*.
+
+    A master acts only while its lease is surely alive by its own clock: a keepalive
+    sent at ``t`` keeps it master until ``t + ttl - margin``; etcd deletes the leader key
+    no earlier than ``t + ttl``, so an old master has stopped before a new one can be
+    elected (with clock rates within the margin). A frozen master that wakes after its
+    lease ran out stops acting at once, before it has heard of the new term.
+    """
+
+    def __init__(self, node_id: str, *, lease_ttl_ms: int, margin_ms: int) -> None:
+        if margin_ms >= lease_ttl_ms:
+            raise ValueError("margin_ms must be smaller than lease_ttl_ms")
+        self.node_id = node_id
+        self.lease_ttl_ms = lease_ttl_ms
+        self.margin_ms = margin_ms
+        self.epoch = 0                  # newest epoch seen
+        self.leader: str | None = None  # node id of the master of ``epoch``
+        self.leader_address: str = ""
+        self._lease_ok_until = -1
+        self._won_epoch = -1            # the epoch this incarnation won (a restart forgets it)
+
+    def keepalive_sent(self, sent_at_ms: int) -> None:
+        """A keepalive sent at ``sent_at_ms`` was confirmed."""
+        self._lease_ok_until = max(self._lease_ok_until, sent_at_ms + self.lease_ttl_ms - self.margin_ms)
+
+    def lease_lost(self) -> None:
+        self._lease_ok_until = -1
+
+    def won(self, epoch: int, address: str, now_ms: int) -> None:
+        if epoch <= self.epoch:
+            raise ValueError(f"won epoch {epoch} is not newer than {self.epoch}")
+        self.epoch, self.leader, self.leader_address = epoch, self.node_id, address
+        self._won_epoch = epoch
+        self.keepalive_sent(now_ms)
+
+    def observed(self, leader: str | None, address: str, epoch: int) -> bool:
+        """The election says ``leader`` is master of ``epoch`` (None: nobody). True if news."""
+        if epoch < self.epoch or (epoch == self.epoch and leader == self.leader):
+            return False
+        if epoch == self.epoch and self.leader is not None and leader is not None:
+            return False  # one master per epoch: a different name for it cannot be news
+        if leader == self.node_id and epoch != self._won_epoch:
+            leader, address = None, ""  # a key left by this node's previous life: wait for it to expire
+        self.epoch = epoch
+        self.leader, self.leader_address = leader, address
+        if leader != self.node_id:
+            self._lease_ok_until = -1
+        return True
+
+    def deposed(self, epoch: int) -> None:
+        """A peer showed a newer epoch: stop acting as master at once."""
+        if epoch > self.epoch:
+            self.epoch = epoch
+            self.leader = None
+            self.leader_address = ""
+        self._lease_ok_until = -1
+
+    def is_master(self, now_ms: int) -> bool:
+        return self.leader == self.node_id and self._won_epoch == self.epoch and now_ms < self._lease_ok_until
