@@ -1,0 +1,18 @@
+"""Hourglass on Spark: a data source over node log segments, an audit job and a bulk-schedule job.
+
+Modules (one concept each):
+
+* ``layout``  - which files: node folders, their role, one read task per segment file;
+* ``scan``    - read-only frame scanner; torn and corrupt bytes become rows, never exceptions;
+* ``source``  - the ``hourglass`` PySpark data source (schemas, partitions, filter pushdown);
+* ``audit``   - scheduled vs cancelled vs dispatched vs received: lost, duplicated,
+  delivered after cancel, lateness per subject and hour;
+* ``report``  - the audit's summary, plots and HTML page;
+* ``bulk``    - bulk-schedule: validate rows, send them with the producer SDK from executors;
+* ``session`` - SparkSession with ``local[*]`` by default and the data source registered;
+* ``cli``     - ``hourglass spark audit|bulk-schedule``.
+
+Only ``cli`` and ``session``-free pure modules import without pyspark; everything that
+touches Spark imports it inside functions, so ``hourglass`` works without the extra.
+See docs/spark.md.
+"""
