@@ -1,0 +1,322 @@
+"""The Helm chart, rendered by a real helm and checked the way an API server would.
+
+helm is built from source with ``go install`` (scripts/helm-tools.sh, cached between runs);
+every rendered manifest is validated offline with ``kubernetes-validate --strict`` against
+Kubernetes 1.30 and 1.37; the objects of several values files are asserted on; bad values
+must be refused at install time with a message that names the offending key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "hourglass"
+VALUES = {
+    "default": [],
+    "large": [CHART / "ci" / "large-values.yaml"],
+    "external-etcd": [CHART / "ci" / "external-etcd-values.yaml"],
+}
+KUBE_VERSIONS = ["1.30.0", "1.37.0"]
+RELEASE, NAMESPACE = "hg", "brokers"
+DOMAIN = f"{NAMESPACE}.svc.cluster.local"
+CRD_KINDS = {"ServiceMonitor"}  # not in Kubernetes' own schemas; asserted on below instead
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    if shutil.which("go") is None and not (ROOT / ".cache/tools/bin/helm").exists():
+        pytest.skip("no Go toolchain to build helm with (scripts/helm-tools.sh needs `go`)")
+    r = subprocess.run(["bash", str(ROOT / "scripts/helm-tools.sh")], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"scripts/helm-tools.sh failed:\n{r.stderr[-3000:]}"
+    return r.stdout.strip().splitlines()[-1]
+
+
+def run_helm(helm: str, *args: str, chart: Path = CHART) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, cwd=chart.parent)
+
+
+def render(helm: str, values: list[Path] = (), sets: list[str] = (), kube: str = "1.37.0",
+           chart: Path = CHART) -> list[dict]:
+    args = ["template", RELEASE, str(chart), "--namespace", NAMESPACE, "--kube-version", kube]
+    for v in values:
+        args += ["-f", str(v)]
+    for s in sets:
+        args += ["--set", s]
+    r = run_helm(helm, *args, chart=chart)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def by_kind(objs: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
+
+
+def container(obj: dict) -> dict:
+    (c,) = obj["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict) -> dict[str, object]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+# ------------------------------------------------------------------ lint and offline validation
+
+
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_helm_lint(helm, name):
+    args = ["lint", str(CHART), "--strict", "--namespace", NAMESPACE]
+    for v in VALUES[name]:
+        args += ["-f", str(v)]
+    r = run_helm(helm, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 chart(s) failed" in r.stdout
+
+
+@pytest.mark.parametrize("kube", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", sorted(VALUES))
+def test_rendered_manifests_pass_strict_validation(helm, tmp_path, name, kube):
+    objs = render(helm, VALUES[name], kube=kube)
+    out = tmp_path / "manifests.yaml"
+    out.write_text(yaml.safe_dump_all(objs))
+    r = subprocess.run(["kubernetes-validate", "--strict", "-k", kube, str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ERROR" not in r.stdout
+    passed = re.findall(r"^INFO .* passed for resource (\S+) against version (\S+)$", r.stdout, re.M)
+    core = [o for o in objs if o["kind"] not in CRD_KINDS]
+    assert len(passed) == len(core), r.stdout
+    assert {v for _, v in passed} == {kube.rsplit(".", 1)[0]}, "validated against another version than asked"
+    warned = re.findall(r"^WARN .*kind (\S+) with api version", r.stdout, re.M)
+    assert set(warned) <= CRD_KINDS, r.stdout
+
+
+def test_strict_validation_rejects_an_unknown_field(helm, tmp_path):
+    """Negative control: the validation above can fail."""
+    objs = render(helm)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    container(sts)["livenesProbe"] = {"grpc": {"port": 7000}}  # typo a user could make in a fork
+    out = tmp_path / "bad.yaml"
+    out.write_text(yaml.safe_dump(sts))
+    r = subprocess.run(["kubernetes-validate", "--strict", "-k", "1.30.0", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "livenesProbe" in r.stdout, r.stdout
+
+
+# ------------------------------------------------------------------ objects of each values file
+
+
+def test_default_install(helm):
+    objs = render(helm)
+    sts = by_kind(objs, "StatefulSet")
+    assert set(sts) == {"hg-hourglass-delay-d1", "hg-hourglass-realtime-r1", "hg-hourglass-etcd"}
+    d1 = sts["hg-hourglass-delay-d1"]
+    assert d1["spec"]["replicas"] == 2  # master + one slave
+    assert d1["spec"]["serviceName"] == "hg-hourglass-delay-d1"
+    assert d1["spec"]["podManagementPolicy"] == "Parallel"
+    c = container(d1)
+    assert c["image"] == "hourglass:0.1.0"
+    assert c["args"][:2] == ["node", "--role=delay"]
+    env = env_of(c)
+    assert env["HOURGLASS_ROLE"] == "delay" and env["HOURGLASS_GROUP"] == "d1"
+    # node id = pod name; master comes from the election, so nothing depends on the ordinal
+    assert env["HOURGLASS_NODE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["HOURGLASS_ADVERTISE"] == f"$(HOURGLASS_NODE_ID).hg-hourglass-delay-d1.{DOMAIN}:7000"
+    assert json.loads(env["HOURGLASS_META_SERVERS"]) == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
+    assert env["HOURGLASS_ACK_MODE"] == "async"
+    assert env["HOURGLASS_DATA_DIR"] == "/var/lib/hourglass" and env["HOURGLASS_METRICS_PORT"] == "9100"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert c[probe]["grpc"] == {"port": 7000}, probe
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert d1["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {"data": "/var/lib/hourglass", "tmp": "/tmp"}
+    (pvc,) = d1["spec"]["volumeClaimTemplates"]
+    assert pvc["metadata"]["name"] == "data"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert "storageClassName" not in pvc["spec"]  # the cluster's default class
+    aff = d1["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert aff[0]["podAffinityTerm"]["labelSelector"]["matchLabels"]["hourglass.io/group"] == "d1"
+    assert container(sts["hg-hourglass-realtime-r1"])["args"][:2] == ["node", "--role=realtime"]
+
+    svc = by_kind(objs, "Service")
+    for name in ("hg-hourglass-delay-d1", "hg-hourglass-realtime-r1", "hg-hourglass-etcd-headless",
+                 "hg-hourglass-metaserver-headless"):
+        assert svc[name]["spec"]["clusterIP"] == "None", name
+    assert svc["hg-hourglass-delay-d1"]["spec"]["publishNotReadyAddresses"] is True
+    assert svc["hg-hourglass-delay-d1"]["spec"]["selector"] == d1["spec"]["selector"]["matchLabels"]
+
+    ms = by_kind(objs, "Deployment")["hg-hourglass-metaserver"]
+    assert ms["spec"]["replicas"] == 2
+    mc = container(ms)
+    assert mc["args"] == ["metaserver", "--port=7100", f"--etcd-endpoints=http://hg-hourglass-etcd.{DOMAIN}:2379"]
+    assert mc["readinessProbe"]["grpc"] == {"port": 7100} and mc["livenessProbe"]["grpc"] == {"port": 7100}
+
+    pdb = by_kind(objs, "PodDisruptionBudget")
+    assert pdb["hg-hourglass-metaserver"]["spec"]["minAvailable"] == 1
+    assert pdb["hg-hourglass-delay-d1"]["spec"]["maxUnavailable"] == 1
+    assert pdb["hg-hourglass-delay-d1"]["spec"]["selector"] == d1["spec"]["selector"]
+
+    etcd = sts["hg-hourglass-etcd"]
+    assert etcd["spec"]["replicas"] == 3
+    ec = container(etcd)
+    assert ec["image"] == "quay.io/coreos/etcd:v3.5.17"
+    cluster = next(a for a in ec["args"] if a.startswith("--initial-cluster="))
+    assert cluster.count("=http://") == 3 and f"hg-hourglass-etcd-2.hg-hourglass-etcd-headless.{DOMAIN}:2380" in cluster
+    assert "ServiceMonitor" not in {o["kind"] for o in objs}
+
+
+def test_large_install(helm):
+    objs = render(helm, VALUES["large"])
+    sts = by_kind(objs, "StatefulSet")
+    want = {"hg-hourglass-delay-d1": 3, "hg-hourglass-delay-d2": 2, "hg-hourglass-delay-d3": 4,
+            "hg-hourglass-realtime-r1": 3, "hg-hourglass-realtime-r2": 2, "hg-hourglass-etcd": 5}
+    assert {n: s["spec"]["replicas"] for n, s in sts.items()} == want
+    env = {n: env_of(container(s)) for n, s in sts.items() if "etcd" not in n}
+    assert env["hg-hourglass-delay-d1"]["HOURGLASS_ACK_MODE"] == "sync"  # chart-wide
+    assert env["hg-hourglass-delay-d3"]["HOURGLASS_ACK_MODE"] == "async"  # group override
+    assert env["hg-hourglass-delay-d2"]["HOURGLASS_DISPATCH_CONCURRENCY_MAX"] == "16"  # extraEnv
+    assert env["hg-hourglass-realtime-r2"]["HOURGLASS_GROUP"] == "r2"
+
+    def pvc(name):
+        (t,) = sts[name]["spec"]["volumeClaimTemplates"]
+        return t["spec"]["storageClassName"], t["spec"]["resources"]["requests"]["storage"]
+    assert pvc("hg-hourglass-delay-d1") == ("fast-ssd", "100Gi")
+    assert pvc("hg-hourglass-delay-d2") == ("fast-ssd", "500Gi")  # size overridden, class inherited
+    assert container(sts["hg-hourglass-delay-d2"])["resources"]["limits"]["memory"] == "8Gi"
+    assert container(sts["hg-hourglass-delay-d1"])["resources"]["limits"]["memory"] == "1Gi"
+
+    spec = sts["hg-hourglass-realtime-r1"]["spec"]["template"]["spec"]
+    (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"]["hourglass.io/group"] == "r1"
+    assert spec["nodeSelector"] == {"workload": "brokers"} and spec["tolerations"][0]["key"] == "dedicated"
+    assert spec["imagePullSecrets"] == [{"name": "registry-pull"}]
+    assert container(sts["hg-hourglass-realtime-r1"])["image"] == "registry.example.com/hourglass:0.1.0-rc1"
+    assert container(sts["hg-hourglass-etcd"])["image"] == "registry.example.com/etcd:v3.5.17"
+    assert by_kind(objs, "Deployment")["hg-hourglass-metaserver"]["spec"]["replicas"] == 3
+    assert len(by_kind(objs, "PodDisruptionBudget")) == 1 + 5 + 1  # meta servers, groups, etcd
+
+    (sm,) = by_kind(objs, "ServiceMonitor").values()
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["interval"] == "30s"
+    scraped = [s for s in by_kind(objs, "Service").values()
+               if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(n for n in want if "etcd" not in n)
+    assert all(any(p["name"] == "metrics" for p in s["spec"]["ports"]) for s in scraped)
+
+
+def test_external_etcd_install(helm):
+    objs = render(helm, VALUES["external-etcd"])
+    assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
+    assert "PodDisruptionBudget" not in {o["kind"] for o in objs}
+    mc = container(by_kind(objs, "Deployment")["hg-hourglass-metaserver"])
+    assert "--etcd-endpoints=http://etcd-0.etcd.infra.svc:2379,https://etcd-1.etcd.infra.svc:2379" in mc["args"]
+    sts = by_kind(objs, "StatefulSet")
+    assert {n: s["spec"]["replicas"] for n, s in sts.items()} == {"hg-hourglass-delay-d1": 1,
+                                                                  "hg-hourglass-realtime-r1": 1}
+    d1 = sts["hg-hourglass-delay-d1"]["spec"]
+    assert "affinity" not in d1["template"]["spec"]
+    assert d1["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Delete"}
+
+
+# ------------------------------------------------------------------ the chart matches the real CLI and settings
+
+
+def _cli_options(command: str) -> set[str]:
+    import typer.main
+
+    from cluster.cli import app
+    cmd = typer.main.get_command(app).commands[command]
+    return {o for p in cmd.params for o in getattr(p, "opts", [])}
+
+
+def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
+    """What Kubernetes would start: every flag exists on `hourglass node`, every HOURGLASS_*
+    variable (after Kubernetes' substitutions) lands in NodeSettings."""
+    from node.config import NodeSettings
+
+    objs = render(helm, VALUES["large"])
+    sts = by_kind(objs, "StatefulSet")["hg-hourglass-realtime-r2"]
+    c = container(sts)
+    pod = "hg-hourglass-realtime-r2-1"
+    resolved: dict[str, str] = {}
+    for e in c["env"]:  # Kubernetes expands $(VAR) from variables defined earlier in the list
+        v = pod if e.get("valueFrom") == {"fieldRef": {"fieldPath": "metadata.name"}} else e["value"]
+        resolved[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: resolved[m.group(1)], v)
+    flags = [a.split("=", 1)[0] for a in c["args"][1:]]
+    assert c["args"][0] == "node" and set(flags) <= _cli_options("node"), flags
+    for k in list(__import__("os").environ):
+        if k.startswith("HOURGLASS_"):
+            monkeypatch.delenv(k)
+    for k, v in resolved.items():
+        monkeypatch.setenv(k, v)
+    s = NodeSettings()
+    assert (s.role, s.node_id, s.group, s.port, s.metrics_port) == ("realtime", pod, "r2", 7000, 9100)
+    assert s.advertise == f"{pod}.hg-hourglass-realtime-r2.{DOMAIN}:7000"
+    assert s.meta_servers == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
+    assert str(s.data_dir) == "/var/lib/hourglass" and s.host == "0.0.0.0"
+    assert s.dispatch_concurrency_max == 16
+    if "ack_mode" in NodeSettings.model_fields:  # the replication work adds it
+        assert s.ack_mode == "sync"
+    known = {f"HOURGLASS_{f.upper()}" for f in NodeSettings.model_fields} | {"HOURGLASS_ACK_MODE"}
+    assert set(resolved) <= known, set(resolved) - known
+
+
+def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
+    chart = tmp_path / "hourglass"
+    shutil.copytree(CHART, chart)
+    # helm template does not print NOTES.txt; include it (it is a template like any other) in a ConfigMap
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+        '  notes: {{ include "hourglass/templates/NOTES.txt" . | quote }}\n')
+    objs = render(helm, chart=chart)
+    notes = by_kind(objs, "ConfigMap")["notes"]["data"]["notes"]
+    assert f"hg-hourglass-metaserver.{DOMAIN}:7100" in notes
+    assert f"hg-hourglass-delay-d1-1.hg-hourglass-delay-d1.{DOMAIN}:7000" in notes
+    send = re.search(r"-- send (.*)", notes).group(1)
+    consume = re.search(r"-- consume (.*)", notes).group(1)
+    send_opts, consume_opts = _cli_options("send"), _cli_options("consume")
+    assert set(re.findall(r"--[\w-]+", send)) <= send_opts, send
+    assert set(re.findall(r"--[\w-]+", consume)) <= consume_opts, consume
+    assert send.split()[0] == consume.split()[0] == "hello.world"
+
+
+# ------------------------------------------------------------------ bad values are refused
+
+
+# (--set on a list element replaces the whole element, hence the names)
+BAD = [
+    (["delayGroups[0].name=d1", "delayGroups[0].replicas=0"], "at '/delayGroups/0/replicas': minimum: got 0, want 1"),
+    (["realtimeGroups[0].name=Orders_EU"], "at '/realtimeGroups/0/name'"),
+    (["delayGroups[0].name=a-very-long-group-name"], "maxLength"),
+    (["nodes.ackMode=eventually"], "at '/nodes/ackMode'"),
+    (["etcd.bundled=false"], "at '/etcd/externalEndpoints': minItems"),
+    (["etcd.replicas=2"], "at '/etcd/replicas'"),
+    (["etcd.bundled=false", "etcd.externalEndpoints[0]=etcd:2379"], "at '/etcd/externalEndpoints/0'"),
+    (["metaservers.replicas=3"], "additional properties 'metaservers' not allowed"),
+    (["nodes.storage.size=lots"], "at '/nodes/storage/size'"),
+    (["antiAffinity=sometimes"], "at '/antiAffinity'"),
+    (["delayGroups[0].name=d1", "delayGroups[0].ackMode=sync", "delayGroups[0].replicas=1"], "at '/delayGroups/0/replicas'"),
+    (["nodes.ackMode=sync", "realtimeGroups[0].name=r1", "realtimeGroups[0].replicas=1"],
+     "realtimeGroups[r1]: ackMode sync waits for a slave, so replicas must be at least 2"),
+    (["delayGroups[0].name=d1", "delayGroups[0].replicas=2", "delayGroups[1].name=d1", "delayGroups[1].replicas=3"],
+     'group name "d1" appears twice'),
+]
+
+
+@pytest.mark.parametrize("sets,message", BAD, ids=[";".join(s) for s, _ in BAD])
+def test_bad_values_are_refused(helm, sets, message):
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    for s in sets:
+        args += ["--set", s]
+    r = run_helm(helm, *args)
+    assert r.returncode != 0, f"accepted: {sets}"
+    assert message in r.stderr, r.stderr
+    assert r.stdout == ""  # nothing rendered, so nothing would be installed
