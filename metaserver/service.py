@@ -127,7 +127,8 @@ class MetaService(mrpc.MetaServicer):
                 raise InvalidArgument("lease_id", "campaign with the node's registration lease")
             node = await self.etcd.call(lambda c: c.get(ks.node_key(request.role, request.group, request.node_id)))
             claim = ks.claim_value(request.lease_id, request.role, request.group)
-            if node is None:
+            held = await self.etcd.call(lambda c: c.get(ks.id_key(request.node_id)))
+            if node is None or held is None or held.value != claim:
                 raise InvalidArgument("node_id", f"{request.node_id!r} is not registered in "
                                                  f"{request.role}/{request.group} under lease {request.lease_id:x}")
             address = ks.NodeRecord.from_value(node.value).address
