@@ -10,7 +10,7 @@
 #      build installs offline (this host reaches the package index only through its own
 #      certificate store). The Dockerfile uses it when present and the index otherwise.
 #   4. `docker build --build-arg BASE_IMAGE=$BASE -t $IMAGE .`
-#   5. `docker run --rm --network host $IMAGE demo ...` (the daemon runs without a bridge).
+#   5. `docker run --rm --network host --read-only $IMAGE demo ...` (the daemon runs without a bridge).
 # Usage: scripts/image.sh [build|demo|all] (default all); extra args after `--` go to `hourglass demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +76,8 @@ build() {
 
 demo() {
   log "docker run --network host $IMAGE demo $*"
-  docker run --rm --network host "$IMAGE" demo "$@"
+  # read-only root and a tmpfs /tmp, as the chart runs it (readOnlyRootFilesystem)
+  docker run --rm --network host --read-only --tmpfs /tmp "$IMAGE" demo "$@"
 }
 
 case "$what" in

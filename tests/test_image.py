@@ -1,0 +1,142 @@
+"""The container image, built here without pulling anything, runs the demo and answers health probes.
+
+scripts/image.sh starts Docker (scripts/dockerd.sh), makes a Debian bookworm base image with
+debootstrap + ``docker import`` (cached: the daemon's image, else .cache/image/*.tar.gz), builds
+the Dockerfile on it and runs ``hourglass demo`` with host networking and a read-only root. When
+no Docker daemon can be started the tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = os.environ.get("HOURGLASS_IMAGE", "hourglass:dev")
+UID = 10001  # the Dockerfile's user; the chart's podSecurityContext.runAsUser
+READY_WAIT_S_MAX = 60
+
+
+def _image_sh(*args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HOURGLASS_IMAGE=IMAGE)
+    return subprocess.run(["bash", str(ROOT / "scripts/image.sh"), *args], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=ROOT)
+
+
+def _docker_answers() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="module")
+def image():
+    daemon_was_running = _docker_answers()
+    try:
+        r = _image_sh("build", timeout_s=1200)
+        if "image.sh: SKIP:" in r.stdout:
+            reason = r.stdout.split("image.sh: SKIP:", 1)[1].strip()
+            print(f"skipping image tests: {reason}")
+            pytest.skip(reason)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        yield IMAGE
+    finally:
+        if not daemon_was_running:  # leave no daemon behind that these tests started
+            subprocess.run(["bash", str(ROOT / "scripts/dockerd.sh"), "stop"], capture_output=True, timeout=120)
+
+
+def test_image_config(image):
+    r = subprocess.run(["docker", "image", "inspect", image], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (cfg,) = json.loads(r.stdout)
+    assert cfg["Config"]["User"] == f"{UID}:{UID}"
+    assert cfg["Config"]["Entrypoint"] == ["/opt/hourglass/bin/hourglass"]
+    whoami = subprocess.run(["docker", "run", "--rm", "--network", "host", "--entrypoint", "id", image, "-u"],
+                            capture_output=True, text=True, timeout=60)
+    assert whoami.stdout.strip() == str(UID), whoami.stderr
+
+
+def test_demo_runs_inside_the_image(image):
+    r = _image_sh("demo", "--", "--messages", "10", "--spread-s", "2", timeout_s=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "all 9 messages delivered" in out, out[-4000:]  # 10 scheduled, one cancelled
+    assert "cluster stopped" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+
+
+def _wait_serving(address: str, alive) -> int:
+    deadline = time.monotonic() + READY_WAIT_S_MAX
+    while time.monotonic() < deadline and alive():
+        try:
+            return _health(address)
+        except grpc.RpcError:
+            time.sleep(0.2)
+    raise AssertionError(f"no grpc.health.v1 answer from {address}")
+
+
+def test_node_in_the_image_answers_kubernetes_grpc_probe(image):
+    """What the chart's `grpc:` probes call, against a node started as the chart starts it."""
+    port = _free_port()
+    name = f"hourglass-probe-{os.getpid()}-{port}"
+    cid = subprocess.run(
+        ["docker", "run", "-d", "--rm", "--name", name, "--network", "host", "--read-only", "--tmpfs", "/tmp",
+         "--tmpfs", f"/var/lib/hourglass:uid={UID},gid={UID}",
+         "-e", f"HOURGLASS_NODE_ID={name}", "-e", "HOURGLASS_ACK_MODE=async",
+         image, "node", "--role=delay", f"--node-id={name}", "--group=d1", "--data-dir=/var/lib/hourglass",
+         "--host=127.0.0.1", f"--port={port}"],
+        capture_output=True, text=True, timeout=60)
+    assert cid.returncode == 0, cid.stderr
+    container_id = cid.stdout.strip()
+
+    def alive() -> bool:
+        r = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", container_id],
+                           capture_output=True, text=True, timeout=30)
+        return r.stdout.strip() == "true"
+    try:
+        assert _wait_serving(f"127.0.0.1:{port}", alive) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        logs = subprocess.run(["docker", "logs", container_id], capture_output=True, text=True, timeout=30)
+        subprocess.run(["docker", "stop", "-t", "10", container_id], capture_output=True, timeout=60)
+    assert "Traceback" not in logs.stdout + logs.stderr, logs.stderr[-3000:]
+
+
+def test_node_process_answers_grpc_health(tmp_path):
+    """The same probe against a node process on this machine (runs without Docker too)."""
+    port = _free_port()
+    log = open(tmp_path / "node.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "node", "--role=realtime", "--node-id=probe-1", "--group=r1",
+         f"--data-dir={tmp_path / 'data'}", "--host=127.0.0.1", f"--port={port}"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert _wait_serving(f"127.0.0.1:{port}", lambda: proc.poll() is None) == \
+            health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
