@@ -212,10 +212,20 @@ class LocalCluster:
             finally:
                 await r.close()
 
+        def run_listed() -> set[str]:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return asyncio.run(listed())
+            # called from async code (a test): run the check on its own loop in a thread
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(1) as ex:
+                return ex.submit(asyncio.run, listed()).result()
+
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if want <= asyncio.run(listed()):
+                if want <= run_listed():
                     return
             except Unavailable:
                 pass
