@@ -41,16 +41,21 @@ def _split(v: str | None) -> list[str]:
     return [a.strip() for a in (v or "").split(",") if a.strip()]
 
 
-def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None):
+def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None, meta: str | None = None):
     from cluster.client import StaticResolver
 
     d = _split(delay or os.environ.get("HOURGLASS_DELAY_NODES"))
     r = _split(realtime or os.environ.get("HOURGLASS_REALTIME_NODES"))
+    m = _split(meta or os.environ.get("HOURGLASS_META_SERVERS"))
     cf = cluster_file or DEFAULT_CLUSTER_FILE
-    if (not d or not r) and cf.exists():
+    if not d and not r and not m and cf.exists():
         info = json.loads(cf.read_text())
+        m = info.get("meta", [])
         d = d or info["delay"]
         r = r or info["realtime"]
+    if m and not (delay or realtime):
+        from cluster.discovery import MetaResolver
+        return MetaResolver(m)
     if not d and not r:
         console.print("[red]no cluster: give --delay/--realtime, set HOURGLASS_DELAY_NODES/REALTIME_NODES, "
                       "or run `hourglass dev up`[/red]")
@@ -61,6 +66,7 @@ def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None
 DelayOpt = typer.Option(None, "--delay", help="delay node addresses, comma separated")
 RealtimeOpt = typer.Option(None, "--realtime", help="real-time node addresses, comma separated")
 ClusterFileOpt = typer.Option(None, "--cluster-file", help="cluster.json written by `hourglass dev up`")
+MetaOpt = typer.Option(None, "--meta", help="meta server addresses, comma separated (discover through them)")
 
 
 # ---------------------------------------------------------------------- node
@@ -139,14 +145,18 @@ def metaserver(
 
 
 @dev.command("up")
-def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the whole cluster")) -> None:
-    """Start a local cluster (one delay node, one real-time node) and run until Ctrl-C."""
+def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the whole cluster"),
+           meta: bool = typer.Option(True, "--meta/--static",
+                                     help="start etcd and a meta server; nodes register and discover there")) -> None:
+    """Start a local cluster (etcd, a meta server, one delay node, one real-time node) and run until Ctrl-C."""
     from cluster.devcluster import LocalCluster
 
-    cluster = LocalCluster(data)
+    cluster = LocalCluster(data, meta=meta)
     cluster.start()
+    cluster.wait_registered()
     info = cluster.describe()
-    console.print(f"[green]cluster up[/green]  delay={info['delay']}  realtime={info['realtime']}  data={data}")
+    console.print(f"[green]cluster up[/green]  delay={info['delay']}  realtime={info['realtime']}  "
+                  f"meta={info.get('meta', [])}  etcd={info.get('etcd', [])}  data={data}")
     console.print(f"try:  hourglass send demo.hello 'hi' --delay-ms 3000 --cluster-file {data}/cluster.json")
     console.print(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
     stop = {"now": False}
@@ -158,7 +168,7 @@ def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the w
     signal.signal(signal.SIGTERM, _stop)
     try:
         while not stop["now"]:
-            for n in cluster.nodes:
+            for n in cluster.meta + cluster.nodes:
                 if not n.running:
                     console.print(f"[red]{n.name} exited[/red]; log:\n{n.tail_log()}")
                     stop["now"] = True
@@ -173,6 +183,7 @@ def demo(
     messages: int = typer.Option(20, help="how many messages to schedule"),
     spread_s: float = typer.Option(5.0, help="due times spread over this many seconds"),
     data: Optional[Path] = typer.Option(None, help="data folder (default: a temporary one, removed after)"),
+    meta: bool = typer.Option(True, "--meta/--static", help="discover everything through etcd + a meta server"),
 ) -> None:
     """Start a local cluster, schedule messages a few seconds ahead, show them delivered, stop."""
     from cluster.devcluster import LocalCluster
@@ -181,12 +192,15 @@ def demo(
     if data is None:
         tmp = tempfile.TemporaryDirectory(prefix="hourglass-demo-")
         data = Path(tmp.name)
-    cluster = LocalCluster(data)
-    console.print("[bold]Hourglass demo[/bold]: starting a delay node and a real-time node ...")
+    cluster = LocalCluster(data, meta=meta)
+    console.print("[bold]Hourglass demo[/bold]: starting "
+                  + ("etcd, a meta server, " if meta else "") + "a delay node and a real-time node ...")
     try:
         cluster.start()
+        cluster.wait_registered()
         info = cluster.describe()
-        console.print(f"  delay node {info['delay'][0]}, real-time node {info['realtime'][0]}")
+        console.print(f"  delay node {info['delay'][0]}, real-time node {info['realtime'][0]}"
+                      + (f", meta server {info['meta'][0]} (the client knows only this address)" if meta else ""))
         ok = asyncio.run(_demo(info, messages, spread_s))
     finally:
         cluster.stop()
@@ -200,7 +214,11 @@ def demo(
 async def _demo(info: dict, n: int, spread_s: float) -> bool:
     from cluster.client import Consumer, Producer, StaticResolver
 
-    resolver = StaticResolver(delay=info["delay"], realtime=info["realtime"])
+    if info.get("meta"):
+        from cluster.discovery import MetaResolver
+        resolver = MetaResolver(info["meta"])
+    else:
+        resolver = StaticResolver(delay=info["delay"], realtime=info["realtime"])
     subject = "demo.orders"
     now = time.time_ns() // 1_000_000
     due = {f"order-{i:03d}": now + 1000 + int(i * spread_s * 1000 / max(1, n - 1)) for i in range(n)}
@@ -252,11 +270,11 @@ def send(
     tag: list[str] = typer.Option([], help="tags (repeatable)"),
     count: int = typer.Option(1, help="send this many copies (ids get a -N suffix)"),
     delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
-    cluster_file: Optional[Path] = ClusterFileOpt,
+    cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt,
 ) -> None:
     """Schedule a message (or --count of them, with a progress bar)."""
     deliver_at = _parse_at(at) if at else 0
-    resolver = _resolver(delay, realtime, cluster_file)
+    resolver = _resolver(delay, realtime, cluster_file, meta)
     asyncio.run(_send(resolver, subject, payload, delay_ms, deliver_at, id, tag, count))
 
 
@@ -313,10 +331,10 @@ def consume(
     idle_s: float = typer.Option(0, help="stop after this many seconds without a message (0 = never)"),
     tag: list[str] = typer.Option([], help="only messages with one of these tags"),
     delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
-    cluster_file: Optional[Path] = ClusterFileOpt,
+    cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt,
 ) -> None:
     """Pull messages, print them and ack them."""
-    resolver = _resolver(delay, realtime, cluster_file)
+    resolver = _resolver(delay, realtime, cluster_file, meta)
     asyncio.run(_consume(resolver, subject, group, count, idle_s, tag_list(tag)))
 
 
@@ -341,13 +359,13 @@ async def _consume(resolver, subject, group, count, idle_s, tags) -> None:
 
 @app.command()
 def cancel(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
-           cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+           cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt) -> None:
     """Cancel a scheduled message by id."""
     from cluster.errors import HourglassError
 
     async def _run():
         from cluster.client import Producer
-        async with Producer(_resolver(delay, realtime, cluster_file)) as p:
+        async with Producer(_resolver(delay, realtime, cluster_file, meta)) as p:
             return await p.cancel(id)
     try:
         r = asyncio.run(_run())
@@ -359,13 +377,13 @@ def cancel(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = R
 
 @app.command()
 def lookup(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
-           cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+           cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt) -> None:
     """Show the state of a scheduled message."""
     from cluster.errors import HourglassError
 
     async def _run():
         from cluster.client import Producer
-        async with Producer(_resolver(delay, realtime, cluster_file)) as p:
+        async with Producer(_resolver(delay, realtime, cluster_file, meta)) as p:
             return await p.lookup(id)
     try:
         r = asyncio.run(_run())
@@ -377,9 +395,9 @@ def lookup(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = R
 
 @app.command()
 def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
-           cluster_file: Optional[Path] = ClusterFileOpt, as_json: bool = typer.Option(False, "--json")) -> None:
+           cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt, as_json: bool = typer.Option(False, "--json")) -> None:
     """Role, epoch, counters and lag of every node."""
-    resolver = _resolver(delay, realtime, cluster_file)
+    resolver = _resolver(delay, realtime, cluster_file, meta)
 
     async def _run():
         from cluster.proto import hourglass_pb2 as pb
@@ -387,6 +405,8 @@ def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOp
         ch = Channels()
         out = []
         try:
+            if hasattr(resolver, "load"):  # MetaResolver: every registered node
+                await resolver.load()
             for address in resolver.delay + resolver.realtime:
                 try:
                     r = await ch.admin(address).Status(pb.StatusRequest(), timeout=5)
