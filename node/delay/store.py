@@ -111,7 +111,8 @@ def _same_content(a: Message, b: Message) -> bool:
 
 
 class DelayStore:
-    def __init__(self, root: Path, settings: StoreSettings, now_ms: int, *, bump_epoch: bool = True) -> None:
+    def __init__(self, root: Path, settings: StoreSettings, now_ms: int, *, bump_epoch: bool = True,
+                 follower: bool = False) -> None:
         self.root = root
         self.settings = settings
         root.mkdir(parents=True, exist_ok=True)
@@ -156,14 +157,28 @@ class DelayStore:
         self._unfiled: dict[str, tuple[int, int]] = {}  # msg_id -> (seq, message-log offset)
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
+        self._voided_path = root / "voided.json"
+        self.voided: list[tuple[int, int]] = [tuple(r) for r in (checkpoint.read(self._voided_path) or {}).get(
+            "ranges", [])]
+        # follower (slave) mode: the master's checkpoint, replicated (see follow())
+        self.follower = follower
+        self.replicated: dict | None = ck.get("replicated") if follower else None
         self._pending = self._count_pending()
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.iterate(limit=None)  # replay: file everything the crash left unfiled
+        # a promoted slave holds records of the old master's epochs: never reuse their seqs
+        last = self.ids.last_seq()
+        if last >= 0 and (last >> SEQ_EPOCH_SHIFT) >= self.epoch:
+            self.epoch = (last >> SEQ_EPOCH_SHIFT) + 1
+            self.wheel.epoch = self.epoch
+            self._save_checkpoint()
 
     @classmethod
     def open(cls, root: str | os.PathLike, settings: StoreSettings | None = None, *, now_ms: int,
-             bump_epoch: bool = True) -> "DelayStore":
-        return cls(Path(root), settings or StoreSettings(), now_ms, bump_epoch=bump_epoch)
+             bump_epoch: bool = True, follower: bool = False) -> "DelayStore":
+        """``follower``: open as a slave (files only what the master's checkpoint covers,
+        keeps no wheel); a promotion closes it and opens it again as a master."""
+        return cls(Path(root), settings or StoreSettings(), now_ms, bump_epoch=bump_epoch, follower=follower)
 
     # ------------------------------------------------------------------ pending counts (metrics)
 
@@ -278,6 +293,8 @@ class DelayStore:
             body, _ = self.messages.read(hit[1])
             return records.decode(body)
         for loc in self.ids.get_all(msg_id):
+            if self._voided(loc.seq):
+                continue
             body = self.schedule.read(loc.bucket_start_ms, loc.data_offset, loc.frame_size)
             if records.peek_id(body) == msg_id:
                 return records.decode(body)
@@ -348,8 +365,15 @@ class DelayStore:
     # ------------------------------------------------------------------ iterator
 
     def iterate(self, limit: int | None = 10_000) -> int:
-        """File durable records from the message log into the schedule log; returns count."""
+        """File durable records from the message log into the schedule log; returns count.
+
+        A follower files only up to the master's checkpointed iterate offset, under the
+        master's checkpointed completed_ms (see ``follow``), so that every message the
+        master had not dispatched is filed at or after the completed_ms a promotion
+        restores from."""
         end = self.durable_offset
+        if self.follower:
+            end = min(end, self.replicated["iterate_offset"] if self.replicated else self.iterate_offset)
         if self.iterate_offset >= end:
             return 0
         n = 0
@@ -377,7 +401,9 @@ class DelayStore:
                     last_ids_seq = seq
             if placed is not None:
                 self._pending_add(effective, -1 if kind == records.KIND_CANCEL else 1)
-            if kind == records.KIND_CANCEL:
+            if self.follower:
+                pass  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
+            elif kind == records.KIND_CANCEL:
                 self.wheel.cancel_seq(ref_seq)
             elif placed is not None and seq not in self._dispatched:
                 bucket_start, data_off, fsize = placed
@@ -410,11 +436,13 @@ class DelayStore:
     def _load_seconds(self) -> None:
         for second in self.wheel.seconds_to_load(self.settings.seconds_load_max):
             chain = self.schedule.load_second(second)
-            cancelled = {e.ref_seq for e in chain if e.kind == records.KIND_CANCEL}
+            voided = self._voided
+            cancelled = {e.ref_seq for e in chain if e.kind == records.KIND_CANCEL and not voided(e.seq)}
             entries = [
                 WheelEntry(e.deliver_at_ms, e.seq, str(e.seq), (e.bucket_start_ms, e.data_offset, e.frame_size))
                 for e in chain
                 if e.kind == records.KIND_MESSAGE and e.seq not in cancelled and e.seq not in self._dispatched
+                and not voided(e.seq)
                 and e.deliver_at_ms >= self._restored_completed_ms and e.seq not in self._inflight
             ]
             self.wheel.load_second(second, entries)
@@ -512,6 +540,20 @@ class DelayStore:
         self._save_checkpoint()
 
     def _save_checkpoint(self) -> None:
+        if self.follower and self.replicated is None:
+            return  # nothing from a master yet: keep the checkpoint as it is
+        if self.follower and self.replicated is not None:
+            # a follower persists the master's tick state with its own iterate offset:
+            # a promotion restores the wheel from exactly what the master had completed
+            r = self.replicated
+            completed = int(r["completed_ms"])
+            dispatch_offset = min(int(r["dispatch_offset"]), self.dispatch.end_offset)
+            checkpoint.write_atomic(self._ckpt_path, {
+                "version": 1, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
+                "completed_ms": completed, "dispatch_offset": dispatch_offset,
+                "tick": completed // self.settings.tick_ms - 1, "replicated": r,
+            })
+            return
         st = self.tick_state()
         completed = (st.tick + 1) * self.settings.tick_ms
         checkpoint.write_atomic(self._ckpt_path, {
@@ -519,6 +561,59 @@ class DelayStore:
             "completed_ms": completed, "dispatch_offset": st.dispatch_offset, "tick": st.tick,
         })
         self.persisted_completed_ms = completed
+        self.last_checkpoint = {"iterate_offset": self.iterate_offset, "completed_ms": completed,
+                                "dispatch_offset": st.dispatch_offset}
+
+    # ------------------------------------------------------------------ replication (follower side)
+
+    def follow(self, master_checkpoint: dict | None = None) -> None:
+        """Become (or stay) a follower; ``master_checkpoint`` is the master's last checkpoint
+        (iterate_offset, completed_ms, dispatch_offset), shipped with its tick state."""
+        self.follower = True
+        self._inflight.clear()
+        if master_checkpoint is not None:
+            self.replicated = dict(master_checkpoint)
+            self.persisted_completed_ms = self.completed_ms = int(master_checkpoint["completed_ms"])
+
+    def appended(self) -> None:
+        """Replicated bytes were appended and fsynced: they are durable here."""
+        self.durable_offset = self.messages.end_offset
+
+    def _voided(self, seq: int) -> bool:
+        for lo, hi in self.voided:
+            if lo <= seq < hi:
+                return True
+        return False
+
+    def truncate_messages(self, cut: int) -> int:
+        """Drop a divergent message-log suffix (records the new master never had). Records
+        already filed stay in the schedule log but their seqs are voided (persisted), so
+        they are never loaded, found or counted. Returns bytes dropped."""
+        if cut >= self.messages.end_offset:
+            return 0
+        seqs = [records.peek_header(body)[1] for _, body in self.messages.iterate(cut)]
+        if seqs:
+            # seqs of one store epoch grow with the log: the suffix is one range per epoch
+            for ep in sorted({q >> SEQ_EPOCH_SHIFT for q in seqs}):
+                lo = min(q for q in seqs if q >> SEQ_EPOCH_SHIFT == ep)
+                self.voided.append((lo, (ep + 1) << SEQ_EPOCH_SHIFT))
+            checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
+        dropped = self.messages.truncate(cut)
+        self.messages.flush()
+        self.iterate_offset = min(self.iterate_offset, cut)
+        self.durable_offset = min(self.durable_offset, cut)
+        self._unfiled = {k: v for k, v in self._unfiled.items() if v[1] < cut}
+        log.warning("message log truncated to %d (divergent suffix, %d bytes, %d records voided)",
+                    cut, dropped, len(seqs))
+        return dropped
+
+    def truncate_dispatch(self, cut: int) -> int:
+        if cut >= self.dispatch.end_offset:
+            return 0
+        dropped = self.dispatch.truncate(cut)
+        self.dispatch.flush()
+        log.warning("dispatch log truncated to %d (divergent suffix, %d bytes)", cut, dropped)
+        return dropped
 
     def close(self) -> None:
         self.flush_messages()
