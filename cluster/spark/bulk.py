@@ -1,0 +1,322 @@
+"""The bulk-schedule job: a dataset of rows becomes delayed messages, sent from the executors.
+
+Input: CSV (with a header), JSON lines or Parquet with columns
+
+=============  ==================================================================================
+column         accepted values
+=============  ==================================================================================
+``id``         required; the message id (printable ASCII, no spaces, <= 128 bytes). It makes a
+               rerun idempotent: the delay node answers "duplicate" for an id it already holds
+               with the same content, and ``AlreadyExists`` (a reject) for different content.
+``subject``    required
+``deliver_at`` required; epoch milliseconds (number or digits), an ISO-8601 string (no zone
+               means UTC), or a timestamp/date column. A time in the past means "now".
+``payload``    optional; bytes (Parquet binary) or text (UTF-8, or base64 with
+               ``payload_encoding="base64"``)
+``tags``       optional; a list, or one string of tags separated by ``,``
+=============  ==================================================================================
+
+Each Spark task (``mapInArrow``) validates its rows with the broker's own limits
+(``node.store.records.validate_message``), then sends the good ones with the producer SDK
+(``cluster.client.Producer``) in chunks of ``batch_max``, waiting on a token bucket so the
+whole job stays under ``rate_per_s`` (each of the N tasks gets ``rate_per_s / N``). A row's
+delay node is chosen from its id (``crc32(id) % len(delay_nodes)``), so a rerun sends every
+id to the node that already has it and is answered "duplicate" instead of scheduling it twice.
+
+Every row ends with one outcome in ``out/results`` (Parquet): ``scheduled``, ``duplicate``
+(already scheduled by an earlier run), ``rejected`` (bad row or refused by the node; not
+worth retrying) or ``failed`` (node unavailable after the SDK's retries; rerun the job).
+``rejected`` and ``failed`` rows also go to ``out/rejects`` (JSON lines: the reason and the
+original row), so nothing is dropped silently. ``out/summary.json`` has the counts and rate.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from cluster.errors import HourglassError
+from node.store import records
+from node.store.records import Message
+
+FORMATS = ("csv", "json", "parquet")
+CORRUPT_COLUMN = "_corrupt_record"
+RESULT_SCHEMA = ("id string, subject string, deliver_at_ms bigint, status string, reason string, seq bigint, "
+                 "delay_node string, source string")
+OUTCOMES = ("scheduled", "duplicate", "rejected", "failed")
+
+
+class BulkSettings(BaseModel):
+    input: str
+    out: str
+    delay_nodes: list[str] = Field(min_length=1)
+    format: str | None = None                       # csv | json | parquet; default: from the file name
+    rate_per_s: float = Field(default=0, ge=0)      # whole job; 0 = unlimited
+    batch_max: int = Field(default=500, ge=1, le=10_000)
+    partitions: int = Field(default=0, ge=0)        # 0: as read
+    payload_encoding: str = "utf8"                  # utf8 | base64
+    timeout_s: float = Field(default=10.0, gt=0)
+    retries_max: int = Field(default=8, ge=0)
+
+
+# ---------------------------------------------------------------------- pure parts
+
+
+class BadRow(Exception):
+    """A row that cannot become a message; the text is the reject reason."""
+
+
+def parse_deliver_at(v) -> int:
+    if v is None or v == "":
+        raise BadRow("deliver_at is missing")
+    if isinstance(v, bool):
+        raise BadRow(f"deliver_at {v!r} is not a time")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise BadRow(f"deliver_at {v!r} is not a time")
+        return int(v)
+    if isinstance(v, datetime):
+        dt = v if v.tzinfo else v.replace(tzinfo=timezone.utc)
+        return int(dt.timestamp() * 1000)
+    if isinstance(v, date):
+        return int(datetime(v.year, v.month, v.day, tzinfo=timezone.utc).timestamp() * 1000)
+    if isinstance(v, str):
+        s = v.strip()
+        if s.lstrip("-").isdigit():
+            return int(s)
+        try:
+            dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
+        except ValueError:
+            raise BadRow(f"deliver_at {v[:64]!r} is neither epoch milliseconds nor ISO-8601") from None
+        return parse_deliver_at(dt)
+    raise BadRow(f"deliver_at of type {type(v).__name__} is not a time")
+
+
+def parse_tags(v) -> tuple[str, ...]:
+    if v is None or v == "":
+        return ()
+    if isinstance(v, str):
+        return tuple(t.strip() for t in v.split(",") if t.strip())
+    if isinstance(v, (list, tuple)):
+        if not all(isinstance(t, str) for t in v):
+            raise BadRow("tags must be strings")
+        return tuple(v)
+    raise BadRow(f"tags of type {type(v).__name__}")
+
+
+def parse_payload(v, encoding: str) -> bytes:
+    if v is None:
+        return b""
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v)
+    if isinstance(v, str):
+        if encoding == "base64":
+            try:
+                return base64.b64decode(v, validate=True)
+            except ValueError:
+                raise BadRow("payload is not valid base64") from None
+        return v.encode("utf-8")
+    raise BadRow(f"payload of type {type(v).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    msg_id: str
+    subject: str
+    deliver_at_ms: int
+    payload: bytes
+    tags: tuple[str, ...]
+
+
+def plan_row(row: dict, *, now_ms: int, payload_encoding: str = "utf8",
+             limits: records.Limits = records.DEFAULT_LIMITS) -> Planned:
+    """Validate one input row against the broker's limits; ``BadRow(reason)`` if it cannot be sent."""
+    if row.get(CORRUPT_COLUMN):
+        raise BadRow("malformed input line")
+    msg_id, subject = row.get("id"), row.get("subject")
+    if msg_id is None or msg_id == "":
+        raise BadRow("id is missing (ids make reruns idempotent)")
+    if subject is None or subject == "":
+        raise BadRow("subject is missing")
+    if not isinstance(msg_id, str):
+        msg_id = str(msg_id)
+    p = Planned(msg_id, str(subject), parse_deliver_at(row.get("deliver_at")),
+                parse_payload(row.get("payload"), payload_encoding), parse_tags(row.get("tags")))
+    try:
+        records.validate_message(Message(seq=0, store_ms=now_ms, deliver_at_ms=p.deliver_at_ms, msg_id=p.msg_id,
+                                         subject=p.subject, payload=p.payload, tags=p.tags),
+                                 now_ms=now_ms, limits=limits)
+    except HourglassError as e:
+        raise BadRow(str(e)) from None
+    return p
+
+
+def node_for(msg_id: str, delay_nodes: list[str]) -> str:
+    """The delay node of an id: the same on every run, so reruns meet their earlier copy."""
+    return delay_nodes[zlib.crc32(msg_id.encode()) % len(delay_nodes)]
+
+
+class TokenBucket:
+    """``rate_per_s`` tokens a second, at most ``burst`` saved. Pure: time comes in as ``now_s``."""
+
+    def __init__(self, rate_per_s: float, burst: float, now_s: float) -> None:
+        self.rate = rate_per_s
+        self.burst = max(burst, 1.0)
+        self.tokens = self.burst
+        self.at = now_s
+
+    def wait_s(self, n: int, now_s: float) -> float:
+        """Take ``n`` tokens; return how long to wait before sending them (0 = now)."""
+        if self.rate <= 0:
+            return 0.0
+        self.tokens = min(self.burst, self.tokens + (now_s - self.at) * self.rate)
+        self.at = now_s
+        self.tokens -= n
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
+def _source(row: dict) -> str:
+    def enc(v):
+        if isinstance(v, (bytes, bytearray)):
+            return base64.b64encode(bytes(v)).decode()
+        if isinstance(v, (datetime, date)):
+            return v.isoformat()
+        return v
+    return json.dumps({k: enc(v) for k, v in row.items() if v is not None}, default=str)[:4096]
+
+
+# ---------------------------------------------------------------------- executor side
+
+
+def send_rows(rows: list[dict], s: BulkSettings, rate_per_task: float) -> list[dict]:
+    """Validate and send one task's rows; one result dict per row (see ``RESULT_SCHEMA``)."""
+    import asyncio
+
+    return asyncio.run(_send_rows(rows, s, rate_per_task))
+
+
+async def _send_rows(rows: list[dict], s: BulkSettings, rate_per_task: float) -> list[dict]:
+    import asyncio
+
+    from cluster import errors as E
+    from cluster.client import Producer, StaticResolver
+
+    now_ms = int(time.time() * 1000)
+    results: list[dict] = []
+    by_node: dict[str, list[tuple[Planned, dict]]] = {}
+    for row in rows:
+        try:
+            p = plan_row(row, now_ms=now_ms, payload_encoding=s.payload_encoding)
+        except BadRow as e:
+            results.append({"id": None if row.get("id") is None else str(row.get("id")), "subject": row.get("subject"),
+                            "deliver_at_ms": None, "status": "rejected", "reason": str(e), "seq": None,
+                            "delay_node": None, "source": _source(row)})
+            continue
+        by_node.setdefault(node_for(p.msg_id, s.delay_nodes), []).append((p, row))
+
+    bucket = TokenBucket(rate_per_task, burst=min(s.batch_max, max(rate_per_task, 1.0)), now_s=time.monotonic())
+    producers = {n: Producer(StaticResolver(delay=[n]), batch_max=s.batch_max, timeout_s=s.timeout_s,
+                             retries_max=s.retries_max) for n in by_node}
+    try:
+        work = [(n, item) for n, items in by_node.items() for item in items]
+        for i in range(0, len(work), s.batch_max):
+            chunk = work[i:i + s.batch_max]
+            wait = bucket.wait_s(len(chunk), time.monotonic())
+            if wait:
+                await asyncio.sleep(wait)
+            futs = [await producers[n].send(p.subject, p.payload, deliver_at_ms=max(p.deliver_at_ms, 0), id=p.msg_id,
+                                            tags=p.tags) for n, (p, _) in chunk]
+            answers = await asyncio.gather(*futs, return_exceptions=True)
+            for (n, (p, row)), a in zip(chunk, answers):
+                r = {"id": p.msg_id, "subject": p.subject, "deliver_at_ms": p.deliver_at_ms, "seq": None,
+                     "delay_node": n, "reason": None, "source": None}
+                if isinstance(a, BaseException):
+                    retryable = isinstance(a, E.Unavailable)
+                    r.update(status="failed" if retryable else "rejected",
+                             reason=f"{type(a).__name__}: {a}", source=_source(row))
+                else:
+                    r.update(status="duplicate" if a.duplicate else "scheduled", seq=a.seq)
+                results.append(r)
+    finally:
+        for p in producers.values():
+            await p.close()
+    return results
+
+
+def _map_partitions(s: BulkSettings, rate_per_task: float):
+    def fn(batches):
+        import pyarrow as pa
+
+        rows: list[dict] = []
+        for b in batches:
+            rows.extend(b.to_pylist())
+        out = send_rows(rows, s, rate_per_task)
+        if out:
+            yield pa.RecordBatch.from_pylist(out, schema=pa.schema([
+                ("id", pa.string()), ("subject", pa.string()), ("deliver_at_ms", pa.int64()),
+                ("status", pa.string()), ("reason", pa.string()), ("seq", pa.int64()),
+                ("delay_node", pa.string()), ("source", pa.string())]))
+    return fn
+
+
+# ---------------------------------------------------------------------- driver side
+
+
+def read_input(spark, path: str, fmt: str | None):
+    """The input rows as a DataFrame; malformed lines are kept in ``_corrupt_record``."""
+    fmt = (fmt or Path(path.rstrip("/")).suffix.lstrip(".") or "").lower()
+    if fmt == "jsonl":
+        fmt = "json"
+    if fmt not in FORMATS:
+        raise HourglassError(f"unknown input format {fmt!r}: give --format {'|'.join(FORMATS)}")
+    if fmt == "parquet":
+        return spark.read.parquet(path)
+    if fmt == "json":
+        return spark.read.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", CORRUPT_COLUMN).json(path)
+    header = spark.read.option("header", True).csv(path).schema
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    schema = StructType([StructField(f.name, StringType()) for f in header] + [StructField(CORRUPT_COLUMN, StringType())])
+    return (spark.read.option("header", True).option("mode", "PERMISSIVE").option("enforceSchema", False)
+            .option("columnNameOfCorruptRecord", CORRUPT_COLUMN).schema(schema).csv(path))
+
+
+def run(spark, s: BulkSettings) -> dict:
+    """Send every row; write ``results``, ``rejects`` and ``summary.json`` under ``s.out``."""
+    from pyspark.sql import functions as F
+
+    started = time.time()
+    out = Path(s.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df = read_input(spark, s.input, s.format)
+    if CORRUPT_COLUMN in df.columns:
+        df = df.cache()  # Spark refuses queries on raw JSON/CSV that touch only the corrupt column
+    if s.partitions:
+        df = df.repartition(s.partitions)
+    n_tasks = max(1, df.rdd.getNumPartitions())
+    rate_per_task = s.rate_per_s / n_tasks if s.rate_per_s else 0.0
+    results = df.mapInArrow(_map_partitions(s, rate_per_task), RESULT_SCHEMA)
+    # one pass over the input: results land in Parquet, everything else reads them back
+    results.write.mode("overwrite").parquet(str(out / "results"))
+    res = spark.read.parquet(str(out / "results"))
+    (res.where(F.col("status").isin("rejected", "failed"))
+     .select("id", "subject", "status", "reason", "source").coalesce(1)
+     .write.mode("overwrite").json(str(out / "rejects")))
+    counts = {r["status"]: r["count"] for r in res.groupBy("status").count().collect()}
+    seconds = time.time() - started
+    total = sum(counts.values())
+    summary = {"input": s.input, "rows": total, **{k: counts.get(k, 0) for k in OUTCOMES},
+               "seconds": round(seconds, 3), "rows_per_s": round(total / max(seconds, 1e-9)),
+               "rate_per_s_limit": s.rate_per_s, "tasks": n_tasks, "delay_nodes": s.delay_nodes}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
