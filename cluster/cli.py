@@ -32,6 +32,8 @@ from rich.table import Table
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hourglass: a broker for delayed messages.")
 dev = typer.Typer(help="Local development cluster.")
 app.add_typer(dev, name="dev")
+from cluster.spark.cli import app as spark_app  # noqa: E402  (imports pyspark only when a command runs)
+app.add_typer(spark_app, name="spark")
 console = Console()
 
 DEFAULT_CLUSTER_FILE = Path("var/dev/cluster.json")
