@@ -20,7 +20,7 @@ if [ ${#want_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
 fi
 if ! $PY -c "import cluster, node, grpc, hypothesis, pytest_asyncio" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .setup-stamp ]; then
-  echo "setup: pip install -e .[test]"
-  $PY -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".[test]"
+  echo "setup: pip install -e .[test,spark]"
+  $PY -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".[test,spark]"
   touch .setup-stamp
 fi
