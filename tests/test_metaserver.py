@@ -299,3 +299,35 @@ async def test_three_member_etcd_loses_a_member(tmp_path):
                 assert [m.id for m in got] == ["three-1"]
         finally:
             await resolver.close()
+
+
+# ---------------------------------------------------------------------- pure keyspace rules, docs
+
+
+def test_groups_prefer_the_leader_key_and_routes_skip_dead_groups():
+    from metaserver import keyspace as ks
+
+    rec = lambda nid, group, port, master: ks.NodeRecord(role="realtime", group=group, node_id=nid,  # noqa: E731
+                                                         address=f"127.0.0.1:{port}", master=master)
+    records = [rec("b", "g1", 2, True), rec("a", "g1", 1, True), rec("c", "g2", 3, False)]
+    groups = ks.build_groups("realtime", records, {})
+    assert [(g.name, g.master) for g in groups] == [("g1", "127.0.0.1:1"), ("g2", "")]
+    groups = ks.build_groups("realtime", records, {"g1": ks.LeaderInfo("b", "127.0.0.1:2", 77)})
+    assert (groups[0].master, groups[0].epoch) == ("127.0.0.1:2", 77)
+    assert ks.build_groups("delay", records, {}) == []
+    # g2 has no master: every subject routes to g1
+    assert {ks.choose_group(f"s{i}", groups).name for i in range(50)} == {"g1"}
+    assert ks.choose_group("s", [groups[1]]) is None
+
+
+def test_operations_doc_names_every_key_and_kind():
+    from pathlib import Path
+
+    from metaserver import keyspace as ks
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    for key in (ks.id_key("{node_id}"), ks.node_key("{role}", "{group}", "{node_id}"),
+                ks.leader_key("{role}", "{group}"), ks.subject_key("{subject}")):
+        assert f"`{key.decode()}`" in doc
+    for kind in ("DELAYED_PRODUCER", "IMMEDIATE_PRODUCER", "CONSUMER", "KIND_UNSPECIFIED"):
+        assert kind in doc
