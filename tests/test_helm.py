@@ -156,8 +156,10 @@ def test_default_install(helm):
     ms = by_kind(objs, "Deployment")["hg-hourglass-metaserver"]
     assert ms["spec"]["replicas"] == 2
     mc = container(ms)
-    assert mc["args"] == ["metaserver", "--port=7100", f"--etcd-endpoints=http://hg-hourglass-etcd.{DOMAIN}:2379"]
-    assert mc["readinessProbe"]["grpc"] == {"port": 7100} and mc["livenessProbe"]["grpc"] == {"port": 7100}
+    members = ",".join(f"hg-hourglass-etcd-{i}.hg-hourglass-etcd-headless.{DOMAIN}:2379" for i in range(3))
+    assert mc["args"] == ["metaserver", "--host=0.0.0.0", "--port=7100", f"--etcd-endpoints={members}"]
+    assert mc["livenessProbe"]["grpc"] == {"port": 7100}  # "" = the process answers
+    assert mc["readinessProbe"]["grpc"] == {"port": 7100, "service": "hourglass.meta.v1.Meta"}  # etcd reachable
 
     pdb = by_kind(objs, "PodDisruptionBudget")
     assert pdb["hg-hourglass-metaserver"]["spec"]["minAvailable"] == 1
@@ -217,7 +219,7 @@ def test_external_etcd_install(helm):
     assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
     assert "PodDisruptionBudget" not in {o["kind"] for o in objs}
     mc = container(by_kind(objs, "Deployment")["hg-hourglass-metaserver"])
-    assert "--etcd-endpoints=http://etcd-0.etcd.infra.svc:2379,https://etcd-1.etcd.infra.svc:2379" in mc["args"]
+    assert "--etcd-endpoints=etcd-0.etcd.infra.svc:2379,etcd-1.etcd.infra.svc:2379" in mc["args"]
     sts = by_kind(objs, "StatefulSet")
     assert {n: s["spec"]["replicas"] for n, s in sts.items()} == {"hg-hourglass-delay-d1": 1,
                                                                   "hg-hourglass-realtime-r1": 1}
@@ -269,6 +271,38 @@ def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
     assert set(resolved) <= known, set(resolved) - known
 
 
+def _resolve_env(c: dict, fields: dict[str, str]) -> dict[str, str]:
+    """A container's env as Kubernetes hands it over: fieldRefs filled in, $(VAR) expanded in order."""
+    resolved: dict[str, str] = {}
+    for e in c["env"]:
+        v = fields[e["valueFrom"]["fieldRef"]["fieldPath"]] if "valueFrom" in e else e["value"]
+        resolved[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: resolved[m.group(1)], v)
+    return resolved
+
+
+def test_metaserver_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
+    from metaserver.config import MetaSettings
+
+    objs = render(helm, VALUES["external-etcd"])
+    c = container(by_kind(objs, "Deployment")["hg-hourglass-metaserver"])
+    assert c["args"][0] == "metaserver"
+    flags = dict(a.split("=", 1) for a in c["args"][1:])
+    assert set(flags) <= _cli_options("metaserver"), flags
+    env = _resolve_env(c, {"status.podIP": "10.1.2.3"})
+    for k in list(__import__("os").environ):
+        if k.startswith("HOURGLASS_"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # the CLI hands its flags over as these overrides (cluster/cli.py metaserver)
+    s = MetaSettings(host=flags["--host"], port=int(flags["--port"]),
+                     etcd_endpoints=flags["--etcd-endpoints"].split(","))
+    assert (s.host, s.port, s.advertise) == ("0.0.0.0", 7100, "10.1.2.3:7100")
+    assert s.etcd_endpoints == ["etcd-0.etcd.infra.svc:2379", "etcd-1.etcd.infra.svc:2379"]
+    assert all(k.removeprefix("HOURGLASS_META_").lower() in MetaSettings.model_fields
+               for k in env if k.startswith("HOURGLASS_META_")), env
+
+
 def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
     chart = tmp_path / "hourglass"
     shutil.copytree(CHART, chart)
@@ -277,7 +311,7 @@ def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "hourglass/templates/NOTES.txt" . | quote }}\n')
     objs = render(helm, chart=chart)
-    notes = by_kind(objs, "ConfigMap")["notes"]["data"]["notes"]
+    notes = re.sub(r"\\\n\s*", " ", by_kind(objs, "ConfigMap")["notes"]["data"]["notes"])  # join continued lines
     assert f"hg-hourglass-metaserver.{DOMAIN}:7100" in notes
     assert f"hg-hourglass-delay-d1-1.hg-hourglass-delay-d1.{DOMAIN}:7000" in notes
     send = re.search(r"-- send (.*)", notes).group(1)
@@ -286,6 +320,7 @@ def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
     assert set(re.findall(r"--[\w-]+", send)) <= send_opts, send
     assert set(re.findall(r"--[\w-]+", consume)) <= consume_opts, consume
     assert send.split()[0] == consume.split()[0] == "hello.world"
+    assert f"--meta hg-hourglass-metaserver.{DOMAIN}:7100" in send and "--meta" in consume
 
 
 # ------------------------------------------------------------------ bad values are refused
@@ -299,7 +334,7 @@ BAD = [
     (["nodes.ackMode=eventually"], "at '/nodes/ackMode'"),
     (["etcd.bundled=false"], "at '/etcd/externalEndpoints': minItems"),
     (["etcd.replicas=2"], "at '/etcd/replicas'"),
-    (["etcd.bundled=false", "etcd.externalEndpoints[0]=etcd:2379"], "at '/etcd/externalEndpoints/0'"),
+    (["etcd.bundled=false", "etcd.externalEndpoints[0]=https://etcd:2379"], "at '/etcd/externalEndpoints/0'"),
     (["metaservers.replicas=3"], "additional properties 'metaservers' not allowed"),
     (["nodes.storage.size=lots"], "at '/nodes/storage/size'"),
     (["antiAffinity=sometimes"], "at '/antiAffinity'"),

@@ -56,15 +56,24 @@ app.kubernetes.io/part-of: hourglass
 {{- printf "%s-etcd" (include "hourglass.fullname" .) -}}
 {{- end -}}
 
-{{/* comma-separated etcd client URLs for the meta servers */}}
+{{/* comma-separated etcd client endpoints (host:port) for the meta servers, which fail over between them */}}
 {{- define "hourglass.etcdEndpoints" -}}
 {{- if .Values.etcd.bundled -}}
-{{- printf "http://%s.%s:%d" (include "hourglass.etcdName" .) (include "hourglass.svcDomain" .) (int .Values.etcd.clientPort) -}}
+{{- $name := include "hourglass.etcdName" . -}}
+{{- $out := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $out = append $out (printf "%s-%d.%s-headless.%s:%d" $name $i $name (include "hourglass.svcDomain" $) (int $.Values.etcd.clientPort)) -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- else -}}
 {{- if not .Values.etcd.externalEndpoints -}}
-{{- fail "etcd.bundled is false: set etcd.externalEndpoints to the client URLs of your etcd cluster" -}}
+{{- fail "etcd.bundled is false: set etcd.externalEndpoints to the client endpoints (host:port) of your etcd cluster" -}}
 {{- end -}}
-{{- join "," .Values.etcd.externalEndpoints -}}
+{{- $out := list -}}
+{{- range .Values.etcd.externalEndpoints -}}
+{{- $out = append $out (trimPrefix "http://" . | trimSuffix "/") -}}
+{{- end -}}
+{{- join "," $out -}}
 {{- end -}}
 {{- end -}}
 
