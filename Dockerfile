@@ -33,6 +33,14 @@ RUN /opt/hourglass/bin/pip install -q --no-deps --no-build-isolation /src \
 # ---------------------------------------------------------------- runtime: venv only, non-root
 FROM ${BASE_IMAGE} AS runtime
 ARG UID=10001
+# `hourglass demo` and `hourglass dev up` start a local etcd (/usr/bin/etcd). Debian's etcd-server is
+# installed unless the base has it already; --build-arg ETCD_PACKAGE= leaves it out (Kubernetes
+# installs never run etcd from this image).
+ARG ETCD_PACKAGE=etcd-server
+RUN if [ -n "${ETCD_PACKAGE}" ] && [ ! -x /usr/bin/etcd ]; then \
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${ETCD_PACKAGE}" >/dev/null && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN (command -v useradd >/dev/null && useradd --uid "${UID}" --user-group --home-dir /home/hourglass \
         --create-home --shell /usr/sbin/nologin hourglass) \
  && mkdir -p /var/lib/hourglass && chown "${UID}:${UID}" /var/lib/hourglass

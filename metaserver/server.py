@@ -27,6 +27,11 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     service = MetaService(settings, etcd)
     server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)])
     mrpc.add_MetaServicer_to_server(service, server)
+    # grpc.health.v1 for Kubernetes probes: "" (liveness) SERVING while the process runs;
+    # "hourglass.meta.v1.Meta" (readiness) follows the etcd health check
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    probes = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     if port == 0:
         raise OSError(f"cannot bind {settings.host}:{settings.port}")
@@ -35,16 +40,25 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     try:
         async with asyncio.TaskGroup() as tg:
             health = tg.create_task(service.health_loop(), name="health")
+            mirror = tg.create_task(_mirror_health(service, probes, settings.health_check_interval_ms / 1000,
+                                                   health_pb2.HealthCheckResponse), name="health-mirror")
             log.info("meta server serving address=%s etcd=%s", address, ",".join(settings.etcd_endpoints))
             if on_ready:
                 on_ready(address)
             await stop.wait()
             await server.stop(grace=1.0)
             health.cancel()
+            mirror.cancel()
     finally:
         await server.stop(grace=None)
         await etcd.close()
         log.info("meta server stopped address=%s", address)
+
+
+async def _mirror_health(service: MetaService, probes, interval_s: float, status) -> None:
+    while True:
+        await probes.set("hourglass.meta.v1.Meta", status.SERVING if service.healthy else status.NOT_SERVING)
+        await asyncio.sleep(interval_s)
 
 
 async def serve(settings: MetaSettings) -> None:

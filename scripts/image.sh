@@ -3,9 +3,10 @@
 #
 #   1. Docker: `scripts/dockerd.sh start`. When no daemon can be started, prints
 #      "image.sh: SKIP: <reason>" and exits 0 (nothing else to do on this machine).
-#   2. Base image $BASE (default hourglass-base:bookworm): reused when the daemon has it, else
-#      imported from the cached root-filesystem tar .cache/image/, else made with
-#      `debootstrap --variant=minbase bookworm` (python3 + venv + CA certificates) and `docker import`.
+#   2. Base image $BASE (default hourglass-base:bookworm-<hash of $PACKAGES>): reused when the daemon
+#      has it, else imported from the cached root-filesystem tar .cache/image/, else made with
+#      `debootstrap --variant=minbase bookworm` (python3, venv, CA certificates, etcd-server) and
+#      `docker import`.
 #   3. Wheelhouse .cache/wheelhouse: `pip wheel` of the dependencies on the host, so the image
 #      build installs offline (this host reaches the package index only through its own
 #      certificate store). The Dockerfile uses it when present and the index otherwise.
@@ -16,11 +17,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
 [ "${1:-}" = "--" ] && shift
-BASE=${HOURGLASS_BASE_IMAGE:-hourglass-base:bookworm}
+# what the base holds: python3 for Hourglass, etcd-server for `hourglass demo`/`dev up` (they start etcd)
+PACKAGES=python3,python3-venv,ca-certificates,etcd-server
+KEY=$(echo "$PACKAGES" | sha256sum | cut -c1-8)
+BASE=${HOURGLASS_BASE_IMAGE:-hourglass-base:bookworm-$KEY}
 IMAGE=${HOURGLASS_IMAGE:-hourglass:dev}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=.cache/image
-BASE_TAR=$CACHE/bookworm-base.tar.gz
+BASE_TAR=$CACHE/bookworm-base-$KEY.tar.gz
 PY=${PYTHON:-python3}
 log() { echo "image.sh: $*" >&2; }
 
@@ -39,7 +43,7 @@ base_image() {
     root=$(mktemp -d /tmp/hourglass-rootfs.XXXXXX)
     trap 'rm -rf "$root"' EXIT
     log "debootstrap bookworm from $MIRROR (first time: a few minutes)"
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    debootstrap --variant=minbase --include="$PACKAGES" \
       bookworm "$root" "$MIRROR" > "$CACHE/debootstrap.log" 2>&1 \
       || { log "debootstrap failed; last lines:"; tail -n 20 "$CACHE/debootstrap.log" >&2; exit 1; }
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/tmp/*

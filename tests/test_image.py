@@ -140,3 +140,59 @@ def test_node_process_answers_grpc_health(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
         log.close()
+
+
+@pytest.mark.skipif(not Path("/usr/bin/etcd").exists(), reason="no /usr/bin/etcd (Debian: etcd-server)")
+def test_metaserver_health_follows_etcd(tmp_path):
+    """The chart's meta server probes: "" (liveness) answers while the process runs; the Meta
+    service (readiness) is SERVING with etcd reachable and NOT_SERVING once etcd is gone."""
+    client, peer, port = _free_port(), _free_port(), _free_port()
+    etcd_log, meta_log = open(tmp_path / "etcd.log", "wb"), open(tmp_path / "meta.log", "wb")
+    etcd = subprocess.Popen(
+        ["/usr/bin/etcd", "--name=m0", f"--data-dir={tmp_path / 'etcd'}",
+         f"--listen-client-urls=http://127.0.0.1:{client}", f"--advertise-client-urls=http://127.0.0.1:{client}",
+         f"--listen-peer-urls=http://127.0.0.1:{peer}", f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+         f"--initial-cluster=m0=http://127.0.0.1:{peer}"],
+        stdout=etcd_log, stderr=subprocess.STDOUT, start_new_session=True)
+    meta = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "metaserver", "--host=127.0.0.1", f"--port={port}",
+         f"--etcd-endpoints=127.0.0.1:{client}"],
+        cwd=ROOT, stdout=meta_log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+
+    def meta_status() -> int:
+        with grpc.insecure_channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="hourglass.meta.v1.Meta"), timeout=2).status
+
+    def wait_for(status: int) -> None:
+        deadline = time.monotonic() + READY_WAIT_S_MAX
+        last = None
+        while time.monotonic() < deadline and meta.poll() is None:
+            try:
+                last = meta_status()
+                if last == status:
+                    return
+            except grpc.RpcError as e:
+                last = e.code()
+            time.sleep(0.2)
+        raise AssertionError(f"Meta health stayed {last}, wanted {status}; log:\n"
+                             + (tmp_path / "meta.log").read_text()[-2000:])
+    try:
+        assert _wait_serving(address, lambda: meta.poll() is None) == health_pb2.HealthCheckResponse.SERVING
+        wait_for(health_pb2.HealthCheckResponse.SERVING)
+        etcd.terminate()
+        etcd.wait(timeout=30)
+        wait_for(health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _health(address) == health_pb2.HealthCheckResponse.SERVING  # alive: no restart for etcd's outage
+    finally:
+        for proc in (meta, etcd):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        etcd_log.close()
+        meta_log.close()
