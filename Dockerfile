@@ -12,6 +12,7 @@ ARG BASE_IMAGE=python:3.11-slim
 
 # ---------------------------------------------------------------- build: a virtualenv in /opt/hourglass
 FROM ${BASE_IMAGE} AS build
+LABEL org.hourglass.stage=build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python3 -m venv /opt/hourglass
 WORKDIR /src

@@ -75,6 +75,8 @@ build() {
   wheelhouse
   log "docker build $IMAGE on $BASE"
   docker build -q --network host --build-arg "BASE_IMAGE=$BASE" -t "$IMAGE" . >&2
+  # the legacy builder keeps every build stage as a dangling image: drop day-old ones (recent ones are the layer cache)
+  docker image prune -f --filter label=org.hourglass.stage=build --filter until=24h >/dev/null 2>&1 || true
   docker image inspect "$IMAGE" --format 'image.sh: built {{.RepoTags}} user={{.Config.User}} entrypoint={{.Config.Entrypoint}}' >&2
 }
 
