@@ -71,7 +71,9 @@ def main() -> None:
     ap.add_argument("--encode", action="store_true", help="encode full message records (id, subject, ...)")
     ap.add_argument("--dir", default=None, help="where to write (default: system temp)")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(run(args))))
+    out = asyncio.run(run(args))
+    out["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ def main() -> None:
         "rss_anon_growth_bytes_per_id": round((anon1 - anon0) / a.ids, 2),
         "disk_bytes_per_id": round(disk_bytes / a.ids, 1),
         "python": platform.python_version(),
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
     }))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import sys
@@ -102,6 +103,7 @@ def main() -> None:
                 "advance_us_per_step": round(advance_ns / steps / 1000, 1),
                 "load_second_ns_per_entry": round(load_ns / n, 1),
                 "python": platform.python_version(),
+                "loadavg": [round(x, 2) for x in os.getloadavg()],
             }
         )
     )
