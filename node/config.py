@@ -40,6 +40,14 @@ class NodeSettings(BaseSettings):
     meta_heartbeat_ms: int = Field(default=0, ge=0, description="0 = a third of the granted TTL")
     meta_timeout_ms: int = Field(default=2000, ge=100)
     meta_refresh_ms: int = Field(default=5000, ge=100, description="routes are asked again after this long")
+    # replication (node/replication/): with ``replicated`` the node joins its group's election
+    replicated: bool = False
+    ack_mode: Literal["async", "sync"] = "async"
+    sync_timeout_ms: int = Field(default=5000, ge=100)
+    replication_wait_ms: int = Field(default=50, ge=5, le=1000, description="long-poll cap = tick state period")
+    replication_chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    campaign_step_ms: int = Field(default=200, ge=0)
+    leader_poll_ms: int = Field(default=100, ge=10)
 
     # limits a producer can hit
     payload_bytes_max: int = 4 * 1024 * 1024

@@ -24,6 +24,7 @@ Answers and what the task does about them:
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from collections.abc import Callable
 
@@ -55,11 +56,18 @@ class Registrar:
         self.heartbeat_ms = settings.meta_heartbeat_ms or max(BACKOFF_MS_MIN, settings.meta_lease_ttl_ms // 3)
         self.registered = asyncio.Event()
         self.heartbeats = 0
+        self.on_beat: Callable[[int], None] | None = None  # called with the send time (monotonic ms) of a confirmed beat
 
     def _info(self) -> mpb.NodeInfo:
         return node_info(self.settings, self.address, self.describe())
 
     async def _beat(self) -> None:
+        sent_ms = time.monotonic_ns() // 1_000_000
+        await self._beat_once()
+        if self.on_beat is not None:
+            self.on_beat(sent_ms)
+
+    async def _beat_once(self) -> None:
         if self.lease_id is None:
             resp = await self.meta.call("Register", mpb.RegisterRequest(node=self._info(),
                                                                         ttl_ms=self.settings.meta_lease_ttl_ms))

@@ -41,6 +41,9 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
 
 
 def build(settings: NodeSettings):
+    if settings.role == "delay" and settings.replicated:
+        from node.replication.delay import ReplicatedDelayNode
+        return ReplicatedDelayNode(settings)
     if settings.role == "delay":
         from node.delay.service import DelayNode
         return DelayNode(settings)

@@ -218,3 +218,59 @@ class StatusResponse(_message.Message):
     epoch: int
     json: str
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., group: _Optional[str] = ..., master: _Optional[bool] = ..., epoch: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("node_id", "epoch", "log", "offset", "max_bytes", "wait_ms", "history")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    epoch: int
+    log: str
+    offset: int
+    max_bytes: int
+    wait_ms: int
+    history: str
+    def __init__(self, node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., log: _Optional[str] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., wait_ms: _Optional[int] = ..., history: _Optional[str] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("epoch", "offset", "data", "end_offset", "truncate_to", "history", "checkpoint", "tick_state", "reset_to")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TICK_STATE_FIELD_NUMBER: _ClassVar[int]
+    RESET_TO_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    offset: int
+    data: bytes
+    end_offset: int
+    truncate_to: int
+    history: str
+    checkpoint: str
+    tick_state: bytes
+    reset_to: int
+    def __init__(self, epoch: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., end_offset: _Optional[int] = ..., truncate_to: _Optional[int] = ..., history: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tick_state: _Optional[bytes] = ..., reset_to: _Optional[int] = ...) -> None: ...
+
+class HandoverRequest(_message.Message):
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: int
+    def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
+
+class HandoverResponse(_message.Message):
+    __slots__ = ("done", "new_master", "error")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    NEW_MASTER_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    new_master: str
+    error: str
+    def __init__(self, done: _Optional[bool] = ..., new_master: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

@@ -25,6 +25,121 @@ if _version_not_supported:
     )
 
 
+class ReplicationStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Replicate = channel.stream_stream(
+                '/hourglass.v1.Replication/Replicate',
+                request_serializer=hourglass__pb2.FetchRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.FetchResponse.FromString,
+                _registered_method=True)
+        self.Handover = channel.unary_unary(
+                '/hourglass.v1.Replication/Handover',
+                request_serializer=hourglass__pb2.HandoverRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.HandoverResponse.FromString,
+                _registered_method=True)
+
+
+class ReplicationServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Replicate(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Handover(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=hourglass__pb2.FetchRequest.FromString,
+                    response_serializer=hourglass__pb2.FetchResponse.SerializeToString,
+            ),
+            'Handover': grpc.unary_unary_rpc_method_handler(
+                    servicer.Handover,
+                    request_deserializer=hourglass__pb2.HandoverRequest.FromString,
+                    response_serializer=hourglass__pb2.HandoverResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'hourglass.v1.Replication', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('hourglass.v1.Replication', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replication:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hourglass.v1.Replication/Replicate',
+            hourglass__pb2.FetchRequest.SerializeToString,
+            hourglass__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Handover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.v1.Replication/Handover',
+            hourglass__pb2.HandoverRequest.SerializeToString,
+            hourglass__pb2.HandoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ProducerStub:
     """Missing associated documentation comment in .proto file."""
 
