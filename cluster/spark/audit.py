@@ -4,17 +4,22 @@ Inputs are node data folders (copies are fine: nothing is written to them), read
 the ``hourglass`` data source:
 
 * **scheduled** - ``message`` records of the delay nodes' message logs (kind ``message``);
-  a message is identified by ``(node, seq)`` and matched downstream by ``(subject, id)``;
+  a message is identified by ``(subject, id, seq)`` - the same record found on several
+  nodes (a master and its replicas hold byte-identical logs) is one message - and matched
+  downstream by ``(subject, id)``;
   its **due time** is ``max(deliver_at_ms, store_ms)`` (a due time in the past means
   "now", docs/api.md);
 * **cancelled** - tombstones (kind ``cancel``) in the same logs; ``cancels_seq`` names the
   message, the tombstone's ``store_ms`` is when the cancel was accepted;
-* **dispatched** - the delay nodes' dispatch logs, by ``(node, seq)``;
+* **dispatched** - the delay nodes' dispatch logs, by ``(node, seq)``, counted once per
+  distinct ``dispatched_ms`` (replicas again);
 * **received** - the real-time nodes' message logs. A message counts as *delivered* when
   the real-time side stored it: that is the durable hand-over (consumers pull from that
   log) and the record keeps the original ``deliver_at_ms`` next to the real-time node's
   ``store_ms``. A dead-lettered message (subject ``hourglass.dlq``, original subject in
-  property ``dlq.subject``) counts as received for its original subject.
+  property ``dlq.subject``) counts as received for its original subject. Copies are
+  counted by distinct ``(seq, store_ms)`` of the real-time record, so a replica's copy
+  is not a duplicate while a second hand-over (new seq) is.
 
 Status of each scheduled message (first rule that applies):
 
@@ -78,7 +83,7 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
     disp = read_log(spark, s.paths, "dispatch").select(
         "node", "log", "segment", "offset", "error", "seq", "dispatched_ms", "outcome").persist(mem)
     recv = read_log(spark, s.paths, "realtime").select(
-        "node", "log", "segment", "offset", "error", "kind", "id", "subject", "store_ms",
+        "node", "log", "segment", "offset", "error", "kind", "seq", "id", "subject", "store_ms",
         F.col("properties").getItem("dlq.subject").alias("dlq_subject")).persist(mem)
 
     corrupt = (sched.select("node", "log", "segment", "offset", "error")
@@ -86,29 +91,37 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
                .unionByName(recv.select("node", "log", "segment", "offset", "error"))
                .where(F.col("error").isNotNull()))
 
-    msgs = (sched.where("error is null and kind = 'message'")
-            .select("node", "seq", "id", "subject", F.col("store_ms").alias("accepted_ms"), "deliver_at_ms",
-                    F.greatest("deliver_at_ms", "store_ms").alias("due_ms")))
+    # one row per message-log record; replicas of a group hold byte-identical logs, so the
+    # same (subject, id, seq) found on several nodes is one message (see module docstring)
+    rows = (sched.where("error is null and kind = 'message'")
+            .select("node", "seq", "id", "subject", "store_ms", "deliver_at_ms"))
     cancels = (sched.where("error is null and kind = 'cancel'")
                .groupBy("node", F.col("cancels_seq").alias("seq"))
-               .agg(F.min("store_ms").alias("cancelled_ms")))
-    dispatched = (disp.where("error is null")
-                  .groupBy("node", "seq")
-                  .agg(F.count(F.lit(1)).alias("dispatched"), F.min("dispatched_ms").alias("first_dispatched_ms"),
-                       F.max(F.col("outcome") == "dead_letter").alias("dead_lettered")))
+               .agg(F.min("store_ms").alias("cancel_ms")))
+    dispatched = disp.where("error is null").select("node", "seq", "dispatched_ms", "outcome")
+    msgs = (rows.join(cancels, ["node", "seq"], "left")
+            .join(dispatched, ["node", "seq"], "left")
+            .groupBy("subject", "id", "seq")
+            .agg(F.concat_ws(",", F.array_sort(F.collect_set("node"))).alias("nodes"),
+                 F.min("store_ms").alias("accepted_ms"), F.min("deliver_at_ms").alias("deliver_at_ms"),
+                 F.min("cancel_ms").alias("cancelled_ms"),
+                 F.count_distinct("dispatched_ms").alias("dispatched"),
+                 F.min("dispatched_ms").alias("first_dispatched_ms"),
+                 F.coalesce(F.max(F.col("outcome") == "dead_letter"), F.lit(False)).alias("dead_lettered"))
+            .withColumn("due_ms", F.greatest("deliver_at_ms", "accepted_ms")))
     received = (recv.where("error is null and kind = 'message'")
                 .withColumn("rsubject", F.when((F.col("subject") == DLQ_SUBJECT) & F.col("dlq_subject").isNotNull(),
                                                F.col("dlq_subject")).otherwise(F.col("subject")))
                 .groupBy(F.col("rsubject"), F.col("id").alias("rid"))
-                .agg(F.count(F.lit(1)).alias("received"), F.min("store_ms").alias("first_received_ms"),
+                # a replica's copy has the same (seq, store_ms); a second delivery does not
+                .agg(F.count_distinct("seq", "store_ms").alias("received"),
+                     F.min("store_ms").alias("first_received_ms"),
                      F.max("store_ms").alias("last_received_ms"),
                      F.concat_ws(",", F.array_sort(F.collect_set("node"))).alias("received_on")))
 
-    j = (msgs.join(cancels, ["node", "seq"], "left")
-         .join(dispatched, ["node", "seq"], "left")
-         .join(received, (msgs.subject == received.rsubject) & (msgs.id == received.rid), "left")
+    j = (msgs.join(received, (msgs.subject == received.rsubject) & (msgs.id == received.rid), "left")
          .drop("rsubject", "rid")
-         .fillna({"received": 0, "dispatched": 0}))
+         .fillna({"received": 0}))
     overdue = F.col("due_ms") + F.lit(s.grace_ms) < F.lit(as_of_ms)
     status = (F.when(F.col("cancelled_ms").isNotNull() & (F.col("received") > 0), "delivered_after_cancel")
               .when(F.col("cancelled_ms").isNotNull(), "cancelled")
@@ -171,24 +184,27 @@ def run(spark, s: AuditSettings) -> dict:
     for name in ("messages", "problems", "lateness", "hourly", "corrupt"):
         dfs[name].write.mode("overwrite").parquet(str(out / name))
 
-    def counts(df):
-        return {r["log"] or "?": (r["records"], r["errors"]) for r in df.groupBy("log").agg(
-            F.count(F.lit(1)).alias("records"), F.count_if(F.col("error").isNotNull()).alias("errors")).collect()}
-
-    logs = {}
-    for key in ("_sched", "_disp", "_recv"):
-        logs.update({k: {"records": v[0], "errors": v[1]} for k, v in counts(dfs[key]).items()})
-    by_status = {r["status"]: r["count"] for r in dfs["messages"].groupBy("status").count().collect()}
-    late = dfs["messages"].where("late").count()
+    logs = {r["log"]: {"records": r["records"], "errors": r["errors"]} for r in (
+        dfs["_sched"].select("log", "error").unionByName(dfs["_disp"].select("log", "error"))
+        .unionByName(dfs["_recv"].select("log", "error"))
+        .groupBy("log").agg(F.count(F.lit(1)).alias("records"),
+                            F.count_if(F.col("error").isNotNull()).alias("errors")).collect())}
+    by_status, late = {}, 0
+    for r in dfs["messages"].groupBy("status").agg(F.count(F.lit(1)).alias("n"),
+                                                   F.count_if("late").alias("late")).collect():
+        by_status[r["status"]] = r["n"]
+        late += r["late"]
     lateness_rows = [r.asDict() for r in spark.read.parquet(str(out / "lateness")).collect()]
     hourly_rows = [r.asDict() for r in spark.read.parquet(str(out / "hourly")).orderBy("hour").collect()]
-    examples = {}
-    pr = spark.read.parquet(str(out / "problems"))
-    for kind in ("lost", "duplicated", "delivered_after_cancel", "late"):
-        rows = (pr.where(F.col("problem") == kind).orderBy("due_ms")
-                .select("node", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
-                        "lateness_ms", "reason").limit(EXAMPLES_MAX).collect())
-        examples[kind] = [r.asDict() for r in rows]
+    from pyspark.sql.window import Window
+
+    first = Window.partitionBy("problem").orderBy("due_ms", "id")
+    examples: dict[str, list[dict]] = {}
+    for r in (spark.read.parquet(str(out / "problems")).withColumn("n", F.row_number().over(first))
+              .where(F.col("n") <= EXAMPLES_MAX).orderBy("problem", "n")
+              .select("problem", "nodes", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
+                      "lateness_ms", "reason").collect()):
+        examples.setdefault(r["problem"], []).append(r.asDict())
     corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
     records_read = sum(v["records"] for v in logs.values())
     summary = {

@@ -151,7 +151,7 @@ def write_report(out: Path, summary: dict, lateness: list[dict], hourly: list[di
                     f"{html.escape(k.replace('_', ' '))}</div>" for k, v in list(st.items()) + [("late", summary["late"])])
     imgs = "".join(f"<figure><img src='{p}' alt='{html.escape(t)}'><figcaption>{html.escape(t)}</figcaption></figure>"
                    for p, t in plots)
-    cols = ["subject", "id", "node", "seq", "due_ms", "received", "dispatched", "lateness_ms", "reason"]
+    cols = ["subject", "id", "nodes", "seq", "due_ms", "received", "dispatched", "lateness_ms", "reason"]
     sections = "".join(f"<h3>{html.escape(k.replace('_', ' '))} (first {len(examples.get(k, []))})</h3>"
                        + _table(examples.get(k, []), cols) for k in PROBLEM_KINDS)
     worst = [dict(r, hour=_hour_label(r["hour"])) for r in
