@@ -357,3 +357,42 @@ def test_scan_buffer_examples():
     assert z[-1].error.startswith("torn tail") and z[-1].size == 40
     assert struct.calcsize("<Qqqb") == 25
     assert records.KIND_CANCEL == 2
+
+
+def test_fast_decoder_agrees_with_engine_codec():
+    """``scan.decode_message`` (the audit's hot path) accepts exactly what ``records.decode`` accepts."""
+    import random
+
+    from cluster.spark.scan import Undecodable, decode_message
+
+    rnd = random.Random(7)
+    for i in range(300):
+        kind = records.KIND_CANCEL if i % 7 == 0 else records.KIND_MESSAGE
+        m = Message(seq=rnd.randrange(1 << 50), store_ms=rnd.randrange(-5, 1 << 42),
+                    deliver_at_ms=rnd.randrange(1 << 42), msg_id=f"id-{i}-é", subject=f"s.{i % 5}",
+                    payload=struct.pack("<Q", i) if kind == records.KIND_CANCEL else rnd.randbytes(rnd.randrange(40)),
+                    tags=tuple(f"t{j}" for j in range(rnd.randrange(3))),
+                    properties=tuple((f"k{j}", "v" * j) for j in range(rnd.randrange(3))),
+                    attempts=rnd.randrange(5), kind=kind)
+        body = records.encode(m)
+        ref = records.decode(body)
+        got = decode_message(body, True)
+        assert got[:7] == (ref.kind, ref.attempts, ref.seq, ref.store_ms, ref.deliver_at_ms, ref.msg_id, ref.subject)
+        assert tuple(got[7]) == ref.tags and tuple(got[8]) == ref.properties
+        if kind == records.KIND_MESSAGE:
+            assert got[10] == ref.payload and got[9] == len(ref.payload)
+        else:
+            assert got[11] == i
+        for bad in [body[:k] for k in range(0, len(body), 3)] + [body + b"\0", b"\x02" + body[1:],
+                                                                 body[:1] + b"\x09" + body[2:]]:
+            try:
+                records.decode(bad)
+                engine_ok = True
+            except Exception:
+                engine_ok = False
+            try:
+                decode_message(bad, True)
+                fast_ok = True
+            except Undecodable:
+                fast_ok = False
+            assert fast_ok == engine_ok or (engine_ok and kind == records.KIND_CANCEL), bad

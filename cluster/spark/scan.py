@@ -38,7 +38,6 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cluster.errors import HourglassError
 from node.store import records
 from node.store.log import HEADER, HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT
 
@@ -156,6 +155,88 @@ DISPATCH_COLUMNS = ("node", "log", "segment", "offset", "frame_bytes", "seq", "e
                     "outcome", "error")
 
 
+_FIXED = struct.Struct("<BBHQqq")
+_FIXED_SIZE = _FIXED.size
+_U16 = struct.Struct("<H")
+
+
+class Undecodable(Exception):
+    pass
+
+
+def decode_message(body: bytes, with_payload: bool) -> tuple:
+    """``(kind, attempts, seq, store_ms, deliver_at_ms, id, subject, tags, properties, payload_len,
+    payload | None, cancels_seq | None)`` of a message-log record body.
+
+    The same format and the same strictness as ``node.store.records.decode`` (unknown
+    version or kind, truncation, bad UTF-8 and trailing bytes are errors; a test checks the
+    two agree), about four times faster: no Message object, no reader object, and the
+    payload copied only when asked for. The audit reads billions of these.
+    """
+    n = len(body)
+    try:
+        version, kind, attempts, seq, store_ms, deliver_at_ms = _FIXED.unpack_from(body, 0)
+        if version != records.VERSION:
+            raise Undecodable(f"unknown format version {version}")
+        if kind != records.KIND_MESSAGE and kind != records.KIND_CANCEL:
+            raise Undecodable(f"unknown kind {kind}")
+        pos = _FIXED_SIZE
+        ln = body[pos] | body[pos + 1] << 8
+        pos += 2
+        end = pos + ln
+        if end > n:
+            raise Undecodable("truncated id")
+        msg_id = body[pos:end].decode()
+        ln = body[end] | body[end + 1] << 8
+        pos = end + 2
+        end = pos + ln
+        if end > n:
+            raise Undecodable("truncated subject")
+        subject = body[pos:end].decode()
+        count = body[end]
+        pos = end + 1
+        tags = []
+        for _ in range(count):
+            ln = body[pos]
+            end = pos + 1 + ln
+            if end > n:
+                raise Undecodable("truncated tag")
+            tags.append(body[pos + 1:end].decode())
+            pos = end
+        count = body[pos]
+        pos += 1
+        props = []
+        for _ in range(count):
+            ln = body[pos] | body[pos + 1] << 8
+            end = pos + 2 + ln
+            key = body[pos + 2:end].decode()
+            (vl,) = _U32.unpack_from(body, end)
+            pos = end + 4
+            end = pos + vl
+            if end > n:
+                raise Undecodable("truncated property")
+            props.append((key, body[pos:end].decode()))
+            pos = end
+        (plen,) = _U32.unpack_from(body, pos)
+        pos += 4
+        if pos + plen != n:
+            raise Undecodable("truncated payload" if pos + plen > n else f"{n - pos - plen} trailing bytes")
+        cancels = None
+        if kind == records.KIND_CANCEL:
+            if plen != 8:
+                raise Undecodable("tombstone payload must hold the cancelled seq")
+            cancels = _U64.unpack_from(body, pos)[0]
+            plen = 0
+            payload = None
+        else:
+            payload = body[pos:] if with_payload else None
+    except (IndexError, struct.error):
+        raise Undecodable("truncated") from None
+    except UnicodeDecodeError:
+        raise Undecodable("text is not UTF-8") from None
+    return kind, attempts, seq, store_ms, deliver_at_ms, msg_id, subject, tags, props, plen, payload, cancels
+
+
 def message_row(node: str, log: str, segment: str, fr: Frame, *, schedule: bool, bucket_start_ms: int | None,
                 with_payload: bool) -> tuple:
     """One row of ``MESSAGE_COLUMNS`` for a frame of the message, schedule or real-time log."""
@@ -167,22 +248,16 @@ def message_row(node: str, log: str, segment: str, fr: Frame, *, schedule: bool,
     try:
         if schedule:
             if len(body) < _I64.size:
-                raise HourglassError("schedule record shorter than its effective time")
+                raise Undecodable("schedule record shorter than its effective time")
             effective_ms = _I64.unpack_from(body)[0]
             body = body[_I64.size:]
-        m = records.decode(body)
-        cancels = None
-        if m.kind == records.KIND_CANCEL:
-            if len(m.payload) != 8:
-                raise HourglassError("tombstone payload must hold the cancelled seq")
-            cancels = _U64.unpack(m.payload)[0]
-    except HourglassError as e:
+        kind, attempts, seq, store_ms, deliver_at_ms, msg_id, subject, tags, props, plen, payload, cancels = \
+            decode_message(body, with_payload)
+    except Undecodable as e:
         return (node, log, segment, fr.offset, fr.size, None, None, None, None, None, None, bucket_start_ms,
                 None, None, None, None, None, None, None, f"undecodable: {e}")
-    payload = m.payload if with_payload and m.kind == records.KIND_MESSAGE else None
-    return (node, log, segment, fr.offset, fr.size, KINDS[m.kind], m.seq, m.attempts, m.store_ms,
-            m.deliver_at_ms, effective_ms, bucket_start_ms, m.msg_id, m.subject, list(m.tags),
-            list(m.properties), len(m.payload) if m.kind == records.KIND_MESSAGE else 0, payload, cancels, None)
+    return (node, log, segment, fr.offset, fr.size, KINDS[kind], seq, attempts, store_ms, deliver_at_ms,
+            effective_ms, bucket_start_ms, msg_id, subject, tags, props, plen, payload, cancels, None)
 
 
 def dispatch_row(node: str, log: str, segment: str, fr: Frame) -> tuple:
