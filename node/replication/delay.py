@@ -147,6 +147,11 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         return await super().Lookup(request, context)
 
     async def _wait_replicated(self, offset: int, context) -> None:
+        if self.tracker.slaves is not None and not self.tracker.slaves:
+            err = E.ReplicationTimeout("no live slave in the group (ack_mode=sync): the message is stored on the "
+                                       "master and may still be delivered; retry with the same id")
+            self.metrics.errors.labels(kind=type(err).__name__).inc()
+            await context.abort(status.to_grpc(err), str(err))
         t = self.tracker.wait(offset, _mono_ms())
         if t is None:
             return
