@@ -149,11 +149,15 @@ def metaserver(
 @dev.command("up")
 def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the whole cluster"),
            meta: bool = typer.Option(True, "--meta/--static",
-                                     help="start etcd and a meta server; nodes register and discover there")) -> None:
+                                     help="start etcd and a meta server; nodes register and discover there"),
+           replicas: int = typer.Option(1, help="delay nodes in the delay group (2 = master + slave, by election)"),
+           ack_mode: str = typer.Option("async", help="async | sync (sync: acknowledged once a slave holds it)"),
+           ) -> None:
     """Start a local cluster (etcd, a meta server, one delay node, one real-time node) and run until Ctrl-C."""
     from cluster.devcluster import LocalCluster
 
-    cluster = LocalCluster(data, meta=meta)
+    cluster = LocalCluster(data, meta=meta, delay_replicas=replicas if meta else 1,
+                           n_delay=replicas if meta else 1, ack_mode=ack_mode)
     cluster.start()
     cluster.wait_registered()
     info = cluster.describe()
@@ -398,7 +402,7 @@ def lookup(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = R
 @app.command()
 def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
            cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt, as_json: bool = typer.Option(False, "--json")) -> None:
-    """Role, epoch, counters and lag of every node."""
+    """Role, group, master/slave, epoch and replication lag of every node (--json: every counter)."""
     resolver = _resolver(delay, realtime, cluster_file, meta)
 
     async def _run():
@@ -422,12 +426,49 @@ def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOp
     if as_json:
         console.print_json(json.dumps(rows))
         return
-    t = Table("node", "role", "address", "epoch", "details")
+    t = Table("node", "role", "group", "mode", "address", "epoch", "repl lag")
     for r in rows:
-        details = {k: v for k, v in r.items() if k not in ("node_id", "role", "address", "epoch", "group")}
-        t.add_row(r.get("node_id", "?"), r.get("role", "?"), r.get("address", "?"), str(r.get("epoch", "")),
-                  json.dumps(details)[:200])
+        lag = "" if r.get("mode") != "slave" else f"{r.get('replication_lag_bytes', 0)} B / {r.get('replication_lag_ms', 0)} ms"
+        t.add_row(r.get("node_id", "?"), r.get("role", "?"), str(r.get("group", "")), r.get("mode", "master"),
+                  r.get("address", "?"), str(r.get("election_epoch", r.get("epoch", ""))), lag)
     console.print(t)
+
+
+admin = typer.Typer(help="Operations on a running cluster (handover).", no_args_is_help=True)
+app.add_typer(admin, name="admin")
+
+
+@admin.command("handover")
+def admin_handover(group: str = typer.Argument(..., help="delay group whose master hands over"),
+                   meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt,
+                   wait_ms: int = typer.Option(5000, help="how long the master waits for a slave to catch up")) -> None:
+    """Graceful handover: the master of GROUP stops dispatching, lets a slave take the final bytes and
+    tick state, and resigns; the slave becomes master with no duplicates."""
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.proto import hourglass_pb2_grpc as rpc
+        from cluster.proto import meta_pb2 as mpb
+        from cluster.transport import Channels
+        if not hasattr(resolver, "meta"):
+            raise typer.BadParameter("handover needs the meta servers (--meta or a cluster file with meta)")
+        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+        groups = {g.name: g for g in resp.groups}
+        if group not in groups or not groups[group].master:
+            raise typer.BadParameter(f"no delay group {group!r} with a live master (known: {sorted(groups)})")
+        ch = Channels()
+        try:
+            return groups[group].master, await rpc.ReplicationStub(ch.get(groups[group].master)).Handover(
+                pb.HandoverRequest(wait_ms=wait_ms), timeout=wait_ms / 1000 + 10)
+        finally:
+            await ch.close()
+            await resolver.close()
+    old, r = asyncio.run(_run())
+    if not r.done:
+        console.print(f"[red]handover refused[/red] by {old}: {r.error}")
+        raise typer.Exit(1)
+    console.print(f"[green]handed over[/green]: {old} is now a slave of group {group}")
 
 
 def main() -> None:  # pragma: no cover

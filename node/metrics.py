@@ -34,6 +34,14 @@ class NodeMetrics:
                                        ["bucket"], registry=r)
         self.consumer_lag = Gauge("hourglass_consumer_lag_messages", "Entries not yet acked", ["subject", "group"],
                                   registry=r)
+        self.is_master = Gauge("hourglass_is_master", "1 when this node is its group's master, 0 for a slave",
+                               registry=r)
+        self.replication_lag_bytes = Gauge("hourglass_replication_lag_bytes",
+                                           "Slave: message-log bytes the master has and this node has not", registry=r)
+        self.replication_lag_seconds = Gauge("hourglass_replication_lag_seconds",
+                                             "Slave: time since it was last caught up with the master (0 = caught up)",
+                                             registry=r)
+        self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)
         self._server = None

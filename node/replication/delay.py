@@ -87,6 +87,7 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         self._lease_seen: int | None = None
         self.slave_offsets: dict[str, dict[str, int]] = {}   # slave -> log -> offset (master view)
         self.lag_bytes = 0
+        self._caught_up_at = time.monotonic()
         self.failovers = 0
 
     # ------------------------------------------------------------------ helpers
@@ -102,6 +103,19 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         super()._note_durable()
         self._changed.set()
 
+    def lag_ms(self) -> int:
+        if self.mode == "master" or self.lag_bytes == 0:
+            return 0
+        return int((time.monotonic() - self._caught_up_at) * 1000)
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            self.metrics.is_master.set(1 if self.is_master() else 0)
+            self.metrics.replication_lag_bytes.set(0 if self.mode == "master" else self.lag_bytes)
+            self.metrics.replication_lag_seconds.set(self.lag_ms() / 1000)
+            self.metrics.election_epoch.set(self.member.epoch)
+            await asyncio.sleep(0.5)
+
     def registration_info(self) -> dict:
         info = super().registration_info()
         info["master"] = self.mode == "master"
@@ -113,6 +127,7 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         s = super().stats()
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
                   "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
+                  "replication_lag_ms": self.lag_ms(),
                   "slaves": self.slave_offsets, "failovers": self.failovers})
         return s
 
@@ -281,6 +296,8 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
                         if resp.checkpoint:
                             self.store.follow(json.loads(resp.checkpoint))
                         self.lag_bytes = max(0, resp.end_offset - lg.end_offset)
+                        if self.lag_bytes == 0:
+                            self._caught_up_at = time.monotonic()
                         self._durable_moved.set()
                     backoff = 0.05
             except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
@@ -468,7 +485,8 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
-                         tg.create_task(self._role_loop(), name="roles")]
+                         tg.create_task(self._role_loop(), name="roles"),
+                         tg.create_task(self._metrics_loop(), name="metrics")]
                 self.metrics.start(self.settings.metrics_port)
                 log.info("replicated delay node serving node_id=%s group=%s address=%s ack_mode=%s",
                          self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)
