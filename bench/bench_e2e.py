@@ -175,8 +175,12 @@ class Hourglass:
     def __init__(self, work: Path, args) -> None:
         from cluster.devcluster import LocalCluster
 
+        from common import free_port
+
         self.root = work / "hourglass"
         self.cluster = LocalCluster(self.root, env={"HOURGLASS_LOG_LEVEL": "WARNING"})
+        self.metrics_port = free_port()
+        self.cluster.delay[0].env["HOURGLASS_METRICS_PORT"] = str(self.metrics_port)
         self.args = args
 
     def start(self):
@@ -195,6 +199,18 @@ class Hourglass:
 
     def data_dirs(self) -> list[Path]:
         return [n.data_dir for n in self.cluster.nodes]
+
+    def dispatch_histogram(self) -> dict[float, float]:
+        """The delay node's "due -> stored on the real-time node" histogram: {upper bound s: count}."""
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("hourglass_delivery_lateness_seconds_bucket"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+        return out
 
     def settings(self) -> dict:
         return {"producer": {"linger_ms": 2, "batch_max": self.args.batch, "inflight_max": self.args.inflight},
@@ -296,10 +312,22 @@ def payloads() -> list[bytes]:
     return [rnd.randbytes(256) for _ in range(PAYLOAD_POOL)]
 
 
+def dispatch_split(before: dict[float, float], after: dict[float, float]) -> dict:
+    """Quantiles (as histogram bucket upper bounds, ms) of the delay node's due -> dispatched time."""
+    delta = sorted((le, after[le] - before.get(le, 0.0)) for le in after)
+    total = delta[-1][1] if delta else 0
+    out = {"count": int(total)}
+    for name, q in (("p50", 0.5), ("p99", 0.99), ("p999", 0.999)):
+        le = next((le for le, c in delta if c >= q * total), None) if total else None
+        out[f"{name}_le_ms"] = None if le is None else ("inf" if le == float("inf") else round(le * 1000, 1))
+    return out
+
+
 def phase1(system, work: Path, args) -> dict:
     pool = payloads()
     rnd = random.Random(args.seed)
     horizon_s = 13 + args.n / 5000 + LOST_AFTER_MS / 1000 + 30  # sending time is bounded by ~5k/s at worst
+    hist0 = system.dispatch_histogram() if hasattr(system, "dispatch_histogram") else None
     cons = ConsumerProcess(work, f"{system.name}-p1", system.target(), SUBJECTS, args.n, horizon_s)
     try:
         msgs = ((f"p1-{i:08d}", SUBJECTS[i % 16], pool[i % PAYLOAD_POOL],
@@ -309,13 +337,18 @@ def phase1(system, work: Path, args) -> dict:
         got = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
     finally:
         cons.kill()
-    return {"bench": "e2e", "phase": "1", "system": system.name, "n": args.n, "acked": len(acked),
-            "send_errors": errors, "accepted_per_s": round(len(acked) / seconds) if seconds else None,
-            "send_seconds": round(seconds, 2), **score(acked, got)}
+    out = {"bench": "e2e", "phase": "1", "system": system.name, "n": args.n, "acked": len(acked),
+           "send_errors": errors, "accepted_per_s": round(len(acked) / seconds) if seconds else None,
+           "send_seconds": round(seconds, 2), **score(acked, got)}
+    if hist0 is not None:
+        # the part of the lateness spent before the real-time node had the message stored
+        out["delay_node_due_to_dispatched"] = dispatch_split(hist0, system.dispatch_histogram())
+    return out
 
 
 def phase1b(system, work: Path, args) -> dict:
     pool = payloads()
+    hist0 = system.dispatch_histogram() if hasattr(system, "dispatch_histogram") else None
     cons = ConsumerProcess(work, f"{system.name}-p1b", system.target(), [HOL_SUBJECT], 1000, 60)
     try:
         async def go():
@@ -328,7 +361,10 @@ def phase1b(system, work: Path, args) -> dict:
     finally:
         cons.kill()
     got = [(m, t) for m, t in got if m != "hol-head"]
-    return {"bench": "e2e", "phase": "1b", "system": system.name, "short_acked": len(acked), **score(acked, got)}
+    out = {"bench": "e2e", "phase": "1b", "system": system.name, "short_acked": len(acked), **score(acked, got)}
+    if hist0 is not None:
+        out["delay_node_due_to_dispatched"] = dispatch_split(hist0, system.dispatch_histogram())
+    return out
 
 
 def phase2(system, args) -> dict:
