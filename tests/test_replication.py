@@ -182,3 +182,94 @@ async def test_slave_logs_are_byte_identical_and_handover_has_no_duplicates(grou
             _log_bytes(b / "data" / name if (b / "data").exists() else b / name)
         short, long_ = sorted((x, y), key=len)
         assert long_[: len(short)] == short and len(short) > 0
+
+
+async def _stop_start_with_env(node, env: dict) -> None:
+    node.stop()
+    node.env.update(env)
+    node.start()
+    await asyncio.to_thread(node.wait_ready)
+
+
+@pytest.mark.parametrize("skew_ms", [-1500, 1500])
+async def test_failover_to_a_skewed_slave(tmp_path, skew_ms):
+    """The slave's clock is behind (-) or ahead (+) of the master's. Behind: the new master
+    waits for its own clock (never fires before due on its clock, so real lateness >= skew);
+    ahead: everything overdue fires at once. Nothing acknowledged is lost either way."""
+    with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
+                      lease_ttl_ms=2000) as c:
+        c.wait_registered()
+        master = await master_of(c)
+        slave = next(n for n in c.delay if n.name != master)
+        await _stop_start_with_env(slave, {"HOURGLASS_CLOCK_OFFSET_MS": str(skew_ms)})
+        await master_of(c)
+        resolver = MetaResolver(c.meta_addresses, refresh_ms=500)
+        try:
+            t = now_ms()
+            async with Producer(resolver, retries_max=20) as p:
+                futs = [await p.send("rep.skew", str(k), id=f"s{k}", deliver_at_ms=t + 1500 + k * 20)
+                        for k in range(100)]
+                await asyncio.gather(*futs)
+            next(n for n in c.delay if n.name == master).kill()
+            killed = now_ms()
+            received: dict[str, int] = {}
+            async with Consumer(resolver, "rep.skew", group="g", wait_ms=300) as cons:
+                deadline = time.monotonic() + 30
+                while len(received) < 100 and time.monotonic() < deadline:
+                    try:
+                        batch = await cons.pull()
+                    except E.Unavailable:
+                        await asyncio.sleep(0.2)
+                        continue
+                    for m in batch:
+                        received.setdefault(m.id, m.received_ms)
+                    await cons.ack(batch)
+            assert len(received) == 100, f"{100 - len(received)} acknowledged messages lost"
+            due = {f"s{k}": t + 1500 + k * 20 for k in range(100)}
+            after_kill = [i for i in due if due[i] > killed + 100]
+            if skew_ms < 0:
+                early = [i for i in after_kill if received[i] < due[i] - skew_ms - 100]
+                assert not early, f"fired before due on the new master's clock: {early[:5]}"
+        finally:
+            await resolver.close()
+
+
+async def test_returning_master_truncates_its_divergent_suffix(tmp_path):
+    """async mode: the master takes writes while its slave is frozen, then dies; the slave
+    wins without them. The old master returns, truncates the suffix the new master never
+    had, and ends byte-identical with it."""
+    import signal as _signal
+    with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="async",
+                      lease_ttl_ms=2000) as c:
+        c.wait_registered()
+        master = await master_of(c)
+        m = next(n for n in c.delay if n.name == master)
+        s = next(n for n in c.delay if n.name != master)
+        resolver = MetaResolver(c.meta_addresses, refresh_ms=500)
+        try:
+            async with Producer(resolver) as p:
+                await asyncio.gather(*[await p.send("rep.div", "x", id=f"a{k}", delay_ms=60_000) for k in range(50)])
+            await asyncio.sleep(1.0)  # the slave has them
+            s.proc.send_signal(_signal.SIGSTOP)
+            async with Producer(resolver) as p:
+                await asyncio.gather(*[await p.send("rep.div", "y", id=f"b{k}", delay_ms=60_000) for k in range(50)])
+            m.kill()
+            s.proc.send_signal(_signal.SIGCONT)
+
+            async def slave_is_master():
+                st = await statuses(c)
+                return st.get(s.name, {}).get("master")
+            await wait_for(slave_is_master, 30, "the slave to take over")
+            m.start()
+            await asyncio.to_thread(m.wait_ready)
+
+            async def caught_up():
+                st = await statuses(c)
+                return st.get(m.name, {}).get("mode") == "slave" and st[m.name].get("replication_lag_bytes", 1) == 0
+            await wait_for(caught_up, 30, "old master caught up as a slave")
+            await asyncio.sleep(0.5)
+        finally:
+            await resolver.close()
+        assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
+        x, y = _log_bytes(m.data_dir / "messages"), _log_bytes(s.data_dir / "messages")
+        assert x == y[: len(x)] and len(x) > 0

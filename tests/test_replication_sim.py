@@ -116,7 +116,8 @@ class Sim:
     def win(self, n: Node, epoch: int) -> None:
         assert not self.epochs_won or epoch > self.epochs_won[-1], "epochs must strictly increase"
         self.epochs_won.append(epoch)
-        n.member.won(epoch, n.id, self.now)
+        n.member.won(epoch, n.id)
+        n.member.keepalive_sent(self.now)  # the model's campaign also renews the lease
         n.history.begin(epoch, len(n.log))
         n.tracker = SyncTracker(timeout_ms=1000)
         n.tickets = {}

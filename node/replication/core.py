@@ -229,12 +229,15 @@ class Member:
     def lease_lost(self) -> None:
         self._lease_ok_until = -1
 
-    def won(self, epoch: int, address: str, now_ms: int) -> None:
-        if epoch <= self.epoch:
+    def won(self, epoch: int, address: str) -> None:
+        """This node holds the leader key of ``epoch`` (its campaign answered, or the key it
+        finds names it under its current lease after a lost answer). It acts as master
+        only while its registration lease is surely alive (``keepalive_sent``): attaching
+        the key to the lease does not extend the lease."""
+        if epoch < self.epoch or (epoch == self.epoch and self.leader not in (None, self.node_id)):
             raise ValueError(f"won epoch {epoch} is not newer than {self.epoch}")
         self.epoch, self.leader, self.leader_address = epoch, self.node_id, address
         self._won_epoch = epoch
-        self.keepalive_sent(now_ms)
 
     def observed(self, leader: str | None, address: str, epoch: int) -> bool:
         """The election says ``leader`` is master of ``epoch`` (None: nobody). True if news."""

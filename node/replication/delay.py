@@ -85,6 +85,7 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
         self._lease_seen: int | None = None
+        self._campaigned_lease: int | None = None
         self.slave_offsets: dict[str, dict[str, int]] = {}   # slave -> log -> offset (master view)
         self.lag_bytes = 0
         self._caught_up_at = time.monotonic()
@@ -400,7 +401,12 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
                         self._release(self.tracker.set_slaves(set(peers)))
                     next_peers = loop_now + 1.0
                 lr = await meta.call("Leader", mpb.LeaderRequest(role=role, group=group))
-                if lr.present:
+                if lr.present and lr.leader.node_id == self.settings.node_id and self.mode != "master" \
+                        and lease is not None and self._campaigned_lease == lease:
+                    # our campaign won but its answer was lost (timeout): the key is ours, on our lease
+                    self.member.won(lr.leader.epoch, self.address)
+                    await self._switch("master")
+                elif lr.present:
                     self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
                 elif self.member.leader is not None and self.member.leader != self.settings.node_id:
                     self.member.observed(None, "", self.member.epoch)
@@ -410,12 +416,12 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
                                              step_ms=self.settings.campaign_step_ms)
                     if wait:
                         await asyncio.sleep(wait / 1000)
-                    sent = _mono_ms()
+                    self._campaigned_lease = lease
                     cr = await meta.call("Campaign", mpb.CampaignRequest(role=role, group=group,
                                                                          node_id=self.settings.node_id,
                                                                          lease_id=lease, wait_ms=0))
                     if cr.elected:
-                        self.member.won(cr.leader.epoch, self.address, sent)
+                        self.member.won(cr.leader.epoch, self.address)
                         await self._switch("master")
                     else:
                         self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
