@@ -1,0 +1,80 @@
+"""Chaos: a real cluster under load, masters killed and frozen, an independent check of the records.
+
+The default run is short (about 60 s of workload; cluster start and drain included it stays
+under ~3 minutes). Long runs: ``bash scripts/chaos.sh SEED DURATION_S`` (or ``HOURGLASS_CHAOS=1``
+with ``HOURGLASS_CHAOS_DURATION_S`` for ``test_chaos_long``). A failing run names its seed; the
+same seed gives the same fault schedule (``python -m tests.chaos.harness --schedule-only --seed N``).
+
+Open broker bugs this suite found are listed in ``KNOWN_OPEN`` and docs/reliability.md: the
+default run leaves out the fault kind that triggers the first (an etcd member kill), and the
+second (a receive after an acknowledged cancel) turns the test into an xfail naming the bug,
+never a pass; any other violation (a lost message, restart or corruption errors, no traffic,
+no master fault) fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.chaos.checker import summarize
+from tests.chaos.harness import FAULT_KINDS, ChaosConfig, fault_schedule, run_chaos
+
+pytestmark = pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+
+# fault kinds of the default CI run: etcd_kill is left out while KNOWN_OPEN[0] is open
+CI_KINDS = ("delay_master_kill", "delay_master_stop", "realtime_kill", "meta_kill")
+KNOWN_OPEN = (
+    "etcd_kill: a master whose lease keep-alive is late demotes itself but stays the elected leader in "
+    "etcd; the group has no master until the lease dies (docs/reliability.md, finding 1)",
+    "received_after_cancel: a sync-mode send retried on another delay group is stored in both; cancel stops "
+    "at the first group that answers OK (docs/reliability.md, finding 2)",
+)
+KNOWN_MARKERS = ("after the cancel was acknowledged",)
+
+
+def test_schedule_is_a_pure_function_of_the_seed():
+    a = fault_schedule(123, 600)
+    assert a == fault_schedule(123, 600)
+    assert a != fault_schedule(124, 600)
+    assert {f.kind for f in a} == set(FAULT_KINDS)
+    assert {f.kind for f in fault_schedule(5, 60, kinds=CI_KINDS)} <= set(CI_KINDS)
+
+
+def _run(tmp_path, seed: int, duration_s: float, kinds) -> dict:
+    report = run_chaos(ChaosConfig(seed=seed, duration_s=duration_s, out_dir=tmp_path / f"chaos-{seed}",
+                                   kinds=tuple(kinds)))
+    print(summarize(report))
+    print(f"files: {tmp_path / f'chaos-{seed}'}")
+    return report
+
+
+def _judge(report: dict) -> None:
+    seed = report["seed"]
+    assert report["messages"]["acked"] > 0, f"seed={seed}: nothing acknowledged"
+    assert report["faults"]["master_kills"] + report["faults"]["by_kind"].get("delay_master_stop", 0) > 0, \
+        f"seed={seed}: no master fault injected"
+    others = [v for v in report["violations"] if not any(k in v for k in KNOWN_MARKERS)]
+    assert not others, f"seed={seed} (rerun: bash scripts/chaos.sh {seed}): " + "; ".join(report["violations"]) \
+        + "\n" + summarize(report)
+    if report["violations"]:
+        pytest.xfail(f"seed={seed}: known open bugs (docs/reliability.md): {report['violations']}; "
+                     f"lost examples {report['lost']['examples'][:3]}; "
+                     f"after-cancel examples {report['received_after_cancel']['examples'][:3]}")
+
+
+@pytest.mark.timeout(420)
+def test_chaos_short(tmp_path):
+    seed = int(os.environ.get("HOURGLASS_CHAOS_SEED", "11"))
+    _judge(_run(tmp_path, seed, float(os.environ.get("HOURGLASS_CHAOS_SHORT_S", "60")), CI_KINDS))
+
+
+@pytest.mark.chaos
+@pytest.mark.skipif(os.environ.get("HOURGLASS_CHAOS") != "1", reason="long chaos run: set HOURGLASS_CHAOS=1")
+@pytest.mark.timeout(0)
+def test_chaos_long(tmp_path):
+    seed = int(os.environ.get("HOURGLASS_CHAOS_SEED", "1"))
+    kinds = os.environ.get("HOURGLASS_CHAOS_KINDS", ",".join(FAULT_KINDS)).split(",")
+    _judge(_run(tmp_path, seed, float(os.environ.get("HOURGLASS_CHAOS_DURATION_S", "1200")), kinds))
