@@ -194,8 +194,8 @@ class Hourglass:
         return {"system": "hourglass", "delay": [n.address for n in self.cluster.delay],
                 "realtime": [n.address for n in self.cluster.realtime]}
 
-    def pids(self) -> list[int]:
-        return [n.proc.pid for n in self.cluster.nodes]
+    def pids(self) -> dict[str, int]:
+        return {n.name: n.proc.pid for n in self.cluster.nodes}
 
     def data_dirs(self) -> list[Path]:
         return [n.data_dir for n in self.cluster.nodes]
@@ -274,8 +274,8 @@ class Redis:
     def target(self) -> dict:
         return {"system": "redis", "url": self.server.url}
 
-    def pids(self) -> list[int]:
-        return [self.server.proc.pid]
+    def pids(self) -> dict[str, int]:
+        return {"redis-server": self.server.proc.pid}
 
     def data_dirs(self) -> list[Path]:
         return [self.root]
@@ -372,7 +372,7 @@ def phase2(system, args) -> dict:
     # warm the path once (connections, subject creation) so "before" is a serving server
     asyncio.run(system.produce(iter([("p2-warm", SUBJECTS[0], pool[0], lambda: now_ms() + 3_600_000)])))
     time.sleep(1)
-    before = {p: tree_mem(p) for p in system.pids()}
+    before = {name: tree_mem(p) for name, p in system.pids().items()}
     disk0 = sum(dir_bytes(d) for d in system.data_dirs())
     used0 = system.used_memory() if hasattr(system, "used_memory") else None
     m = args.backlog
@@ -380,7 +380,7 @@ def phase2(system, args) -> dict:
             for i in range(m))
     acked, seconds, errors = asyncio.run(system.produce(msgs, keep=False))
     time.sleep(SETTLE_S)
-    after = {p: tree_mem(p) for p in system.pids()}
+    after = {name: tree_mem(p) for name, p in system.pids().items()}
     disk1 = sum(dir_bytes(d) for d in system.data_dirs())
     n = len(acked)
 
@@ -394,7 +394,8 @@ def phase2(system, args) -> dict:
            "tree_rss_mb_after": {k: round(v / 2**20, 1) for k, v in a.items()},
            "memory_bytes_per_pending": {k: round((a[k] - b[k]) / max(1, n), 1) for k in ("rss", "anon", "file")},
            "disk_bytes_per_pending": round((disk1 - disk0) / max(1, n), 1),
-           "per_process_rss_mb_after": {str(p): round(v["rss"] / 2**20, 1) for p, v in after.items()}}
+           "per_process_rss_mb_after": {name: {k: round(v[k] / 2**20, 1) for k in ("rss", "anon", "file")}
+                                         for name, v in after.items()}}
     if used0 is not None:
         out["redis_used_memory_bytes_per_pending"] = round((system.used_memory() - used0) / max(1, n), 1)
     return out
