@@ -152,6 +152,17 @@ def test_idempotent_ids(tmp_path):
     assert h.delivered == ["m1"]
 
 
+def test_retry_of_a_relative_delay_is_a_duplicate(tmp_path):
+    # delay_ms=5000 sent at T0 and retried 700 ms later: the absolute time moved with the arrival
+    h = Harness(tmp_path)
+    (a,) = h.send([msg(7, h.now + 5000)])
+    h.now += 700
+    (b,) = h.send([msg(7, h.now + 5000)])
+    assert b.duplicate and b.seq == a.seq
+    (c,) = h.send([msg(7, h.now + 6000)])  # another delay: a different message
+    assert isinstance(c, AlreadyExists)
+
+
 def test_bad_input_changes_nothing(tmp_path):
     h = Harness(tmp_path)
     end = h.store.messages.end_offset

@@ -106,8 +106,12 @@ class LookupResult:
 
 
 def _same_content(a: Message, b: Message) -> bool:
-    return (a.subject, a.payload, a.tags, a.properties, a.deliver_at_ms) == (
-        b.subject, b.payload, b.tags, b.properties, b.deliver_at_ms)
+    """A re-send of the same message: same content and the same due time, absolute or
+    relative (a retry of ``delay_ms=d`` arrives later, so its absolute time moved by exactly
+    the time between the two arrivals)."""
+    if (a.subject, a.payload, a.tags, a.properties) != (b.subject, b.payload, b.tags, b.properties):
+        return False
+    return a.deliver_at_ms == b.deliver_at_ms or a.deliver_at_ms - a.store_ms == b.deliver_at_ms - b.store_ms
 
 
 class DelayStore:
