@@ -141,7 +141,8 @@ class LocalCluster:
                  env: dict[str, str] | None = None, delay_args: list[str] | None = None,
                  realtime_args: list[str] | None = None, meta: bool = False, n_meta: int = 0,
                  etcd_members: int = 1, etcd_endpoints: list[str] | None = None,
-                 delay_replicas: int = 1, ack_mode: str = "async", lease_ttl_ms: int | None = None) -> None:
+                 delay_replicas: int = 1, ack_mode: str = "async", lease_ttl_ms: int | None = None,
+                 realtime_replicas: int = 1) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
@@ -159,8 +160,12 @@ class LocalCluster:
         self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
                                   dict(self.env), list(delay_args or [])) for i in range(n_delay)]
         if self.meta:
-            for n in self.realtime:
-                n.args += ["--meta", ",".join(self.meta_addresses), "--group", n.name]
+            for i, n in enumerate(self.realtime):
+                # realtime_replicas > 1: real-time groups of a master and slaves (node/replication/realtime.py)
+                group = n.name if realtime_replicas <= 1 else f"realtime-g{i // realtime_replicas + 1}"
+                n.args += ["--meta", ",".join(self.meta_addresses), "--group", group]
+                if realtime_replicas > 1:
+                    n.env.update({"HOURGLASS_REPLICATED": "true", "HOURGLASS_ACK_MODE": ack_mode})
             for i, n in enumerate(self.delay):
                 # delay_replicas > 1: groups of a master and slaves, roles by election (node/replication/)
                 group = n.name if delay_replicas <= 1 else f"delay-g{i // delay_replicas + 1}"

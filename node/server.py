@@ -44,6 +44,9 @@ def build(settings: NodeSettings):
     if settings.role == "delay" and settings.replicated:
         from node.replication.delay import ReplicatedDelayNode
         return ReplicatedDelayNode(settings)
+    if settings.role == "realtime" and settings.replicated:
+        from node.replication.realtime import ReplicatedRealtimeNode
+        return ReplicatedRealtimeNode(settings)
     if settings.role == "delay":
         from node.delay.service import DelayNode
         return DelayNode(settings)

@@ -129,7 +129,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 self.store.create_subject(request.subject)
             except HourglassError as e:
                 await context.abort(status.to_grpc(e), str(e))
-        while True:
+        store = self.store  # a replicated node may reopen its store (role change): stop polling then
+        got = []
+        while self.store is store:
             ev = self._new_data.setdefault(request.subject, asyncio.Event())
             try:
                 got = self.store.pull(request.subject, request.group, request.consumer_id or "anonymous",

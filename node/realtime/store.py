@@ -265,6 +265,9 @@ class RealtimeStore:
         # dedup: (subject, id) -> (seq, store_ms); order: (store_ms, key, seq, log offset) in append order
         self._dedup: dict[tuple[str, str], tuple[int, int]] = {}
         self._dedup_order: deque[tuple[int, tuple[str, str], int, int]] = deque()
+        # replication: every group file write gets a seq; (subject, group) -> seq of its last write, oldest first
+        self.group_seq = 0
+        self._group_changes: OrderedDict[tuple[str, str], int] = OrderedDict()
 
         doc = checkpoint.read(root / "subjects.json") or {}
         reindex_from = self.indexed_offset
@@ -347,6 +350,27 @@ class RealtimeStore:
 
     def _replay(self, reindex_from: int, dedup_offset: int, now_ms: int) -> None:
         """Re-index records missing from their subject index and rebuild the dedup map."""
+        last_seq, dropped = self._index_records(reindex_from, dedup_offset, now_ms)
+        if dropped:
+            log.warning("dedup map full at recovery path=%s dedup_entries_max=%d entries_dropped=%d",
+                        self.root, self.settings.dedup_entries_max, dropped)
+        if self.counters["reindexed"]:
+            log.info("re-indexed path=%s from_offset=%d entries=%d", self.messages.directory, reindex_from,
+                     self.counters["reindexed"])
+        if last_seq is None and self.messages.end_offset > self.messages.start_offset:
+            last_off = max((ix.last_offset for ix in self._subjects.values()), default=-1)
+            if last_off >= 0:
+                last_seq = records.peek_header(self.messages.read(last_off)[0])[1]
+        if last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT > self.epoch:
+            # a replica's log holds seqs of its masters' epochs: stay above all of them
+            self.epoch = (last_seq >> SEQ_EPOCH_SHIFT) + 1
+            self._save_checkpoint(self.indexed_offset, dedup_offset)
+        elif last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT == self.epoch:
+            self._counter = (last_seq & SEQ_COUNTER_MAX) + 1  # bump_epoch=False: never reuse a seq
+
+    def _index_records(self, reindex_from: int, dedup_offset: int, now_ms: int) -> tuple[int | None, int]:
+        """Index records from ``reindex_from`` on that their subject index lacks, and put records
+        from ``dedup_offset`` on back in the dedup map. Returns (last seq seen, dedup entries dropped)."""
         start = min(reindex_from, dedup_offset)
         cutoff = now_ms - self.settings.dedup_window_ms
         buffers: dict[str, list[bytes]] = {}
@@ -380,18 +404,7 @@ class RealtimeStore:
         for s, buf in buffers.items():
             if buf:
                 self._write_entries(self._subjects[s], buf)
-        if dropped:
-            log.warning("dedup map full at recovery path=%s dedup_entries_max=%d entries_dropped=%d",
-                        self.root, self.settings.dedup_entries_max, dropped)
-        if self.counters["reindexed"]:
-            log.info("re-indexed path=%s from_offset=%d entries=%d", self.messages.directory, reindex_from,
-                     self.counters["reindexed"])
-        if last_seq is None and self.messages.end_offset > self.messages.start_offset:
-            last_off = max((ix.last_offset for ix in self._subjects.values()), default=-1)
-            if last_off >= 0:
-                last_seq = records.peek_header(self.messages.read(last_off)[0])[1]
-        if last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT == self.epoch:
-            self._counter = (last_seq & SEQ_COUNTER_MAX) + 1  # bump_epoch=False: never reuse a seq
+        return last_seq, dropped
 
     def _load_groups(self) -> None:
         for sd in sorted((self.root / "groups").iterdir()):
@@ -402,16 +415,27 @@ class RealtimeStore:
                 log.warning("group folder of unknown subject ignored path=%s", sd)
                 continue
             for p in sorted(sd.glob("*.json")):
-                doc = checkpoint.read(p)
-                g = _Group(sd.name, p.stem, doc.get("start", START_EARLIEST), 0)
-                g.next_pos = min(int(doc.get("next", doc.get("committed", 0))), ix.count)
-                committed = min(int(doc.get("committed", 0)), g.next_pos)
-                for a, b in doc.get("pending", []):
-                    for h in range(max(a, committed), min(b, g.next_pos)):
-                        g.inflight[h] = _DUE_NOW_MS
-                g.persisted = doc
-                g.dirty = False
+                g = self._group_from_doc(sd.name, p.stem, checkpoint.read(p), ix)
                 self._groups[(g.subject, g.name)] = g
+                self._note_group_write(g)
+
+    @staticmethod
+    def _group_from_doc(subject: str, name: str, doc: dict, ix: _SubjectIndex) -> _Group:
+        g = _Group(subject, name, doc.get("start", START_EARLIEST), 0)
+        g.next_pos = min(int(doc.get("next", doc.get("committed", 0))), ix.count)
+        committed = min(int(doc.get("committed", 0)), g.next_pos)
+        for a, b in doc.get("pending", []):
+            for h in range(max(a, committed), min(b, g.next_pos)):
+                g.inflight[h] = _DUE_NOW_MS
+        g.persisted = doc
+        g.dirty = False
+        return g
+
+    def _note_group_write(self, g: _Group) -> None:
+        self.group_seq += 1
+        key = (g.subject, g.name)
+        self._group_changes[key] = self.group_seq
+        self._group_changes.move_to_end(key)
 
     # ------------------------------------------------------------------ index files
 
@@ -647,6 +671,7 @@ class RealtimeStore:
             _fsync_dir(d.parent)
         checkpoint.write_atomic(d / f"{g.name}.json", doc)
         g.persisted = doc
+        self._note_group_write(g)
 
     # ------------------------------------------------------------------ consume
 
@@ -781,3 +806,97 @@ class RealtimeStore:
     def groups(self, subject: str) -> list[str]:
         self._index(subject)
         return sorted(name for (s, name) in self._groups if s == subject)
+
+    # ------------------------------------------------------------------ replication (node/replication/realtime.py)
+
+    def index_appended(self, *, now_ms: int) -> int:
+        """A replica appended records to ``messages`` (``append_raw``): index them and put
+        them in the dedup map, exactly as ``open`` replays a log. Returns entries added."""
+        self._check_open()
+        start = self._indexed_upto
+        end = self.messages.end_offset
+        if start >= end:
+            return 0
+        self._expire_dedup(now_ms)
+        before = self.counters["reindexed"]
+        _, dropped = self._index_records(start, start, now_ms)
+        if dropped:
+            log.warning("dedup map full path=%s dedup_entries_max=%d entries_dropped=%d",
+                        self.root, self.settings.dedup_entries_max, dropped)
+        self._indexed_upto = end
+        return self.counters["reindexed"] - before
+
+    def truncate_log(self, cut: int) -> int:
+        """Drop a divergent suffix of the message log (records a new master never had): the
+        log, the index entries pointing at or past ``cut``, their dedup entries; groups are
+        clamped to what their indexes still hold. Returns bytes dropped."""
+        self._check_open()
+        if cut >= self.messages.end_offset:
+            return 0
+        for ix in self._subjects.values():
+            if ix.last_offset < cut:
+                continue
+            lo, hi = 0, ix.count  # entries are in log order: first entry with offset >= cut
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._read_entries(ix, mid, 1)[0][0] < cut:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            fd = self._fd(ix)
+            os.ftruncate(fd, lo * ENTRY_SIZE)
+            os.fsync(fd)
+            ix.dirty = False
+            ix.count = lo
+            ix.last_offset = self._read_entries(ix, lo - 1, 1)[0][0] if lo else -1
+            for g in self._groups.values():
+                if g.subject == ix.subject and g.next_pos > lo:
+                    g.next_pos = lo
+                    for h in [h for h in g.inflight if h >= lo]:
+                        del g.inflight[h]
+                    g.dirty = True
+        while self._dedup_order and self._dedup_order[-1][3] >= cut:
+            _, key, seq, _ = self._dedup_order.pop()
+            if self._dedup.get(key, (None,))[0] == seq:
+                del self._dedup[key]
+        dropped = self.messages.truncate(cut)
+        self.messages.flush()
+        self._indexed_upto = min(self._indexed_upto, cut)
+        self._save_checkpoint(min(self.indexed_offset, cut),
+                              self._dedup_order[0][3] if self._dedup_order else self._indexed_upto)
+        log.warning("message log truncated to %d (divergent suffix, %d bytes)", cut, dropped)
+        return dropped
+
+    def changed_groups(self, since_seq: int) -> list[tuple[str, str]]:
+        """Groups whose file was written after ``since_seq`` (all of them for -1), oldest first."""
+        out = []
+        for key in reversed(self._group_changes):
+            if self._group_changes[key] <= since_seq:
+                break
+            out.append(key)
+        out.reverse()
+        return out
+
+    def group_doc(self, subject: str, group: str) -> dict | None:
+        """The group's document as last written to its file (what a replica must hold)."""
+        g = self._groups.get((subject, group))
+        return None if g is None else g.persisted
+
+    def group_written_seq(self, subject: str, group: str) -> int:
+        """``group_seq`` of the group's last file write (0 if never written by this store)."""
+        return self._group_changes.get((subject, group), 0)
+
+    def apply_group_doc(self, doc: dict) -> None:
+        """A replica takes its master's group document: the file is written as given (so it
+        survives a promotion), the in-memory group follows it."""
+        self._check_open()
+        subject, name = doc["subject"], doc["group"]
+        _check_name("group", name, self.settings.limits.subject_bytes_max)
+        if subject not in self._subjects:
+            _check_name("subject", subject, self.settings.limits.subject_bytes_max)
+            self._create_subject(subject)
+        g = self._group_from_doc(subject, name, doc, self._subjects[subject])
+        if (subject, name) not in self._groups and len(self._groups) >= self.settings.groups_max:
+            raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
+        self._write_group(g, doc)
+        self._groups[(subject, name)] = g
