@@ -188,6 +188,7 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
                 await cons.ack(await cons.pull())  # 20 acked
             await asyncio.sleep(1.0)  # the slave has the bytes and the group document
             s.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(0.3)  # its pending long poll is answered (into its socket buffer) before b*
             async with Producer(resolver) as p:
                 await asyncio.gather(*[await p.send("rt.div", "y", id=f"b{k}", immediate=True) for k in range(50)])
             m.kill()
