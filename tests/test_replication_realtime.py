@@ -24,9 +24,11 @@ from cluster.devcluster import LocalCluster
 from cluster.discovery import MetaResolver
 from cluster.proto import hourglass_pb2 as pb
 from cluster.transport import Channels
+from node.realtime.store import RealtimeStore
 from node.store.log import SegmentedLog
+from node.store.records import Message
 
-pytestmark = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
+needs_etcd = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
 BATCH = 50  # consumer pull size: bounds the duplicates a failover may cause
 
@@ -91,6 +93,7 @@ def index_bytes(node, subject: str) -> bytes:
     return (node.data_dir / "index" / subject / "entries").read_bytes()
 
 
+@needs_etcd
 async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_path):
     with LocalCluster(tmp_path, n_delay=0, n_realtime=2, meta=True, realtime_replicas=2, ack_mode="sync",
                       lease_ttl_ms=2000) as c:
@@ -169,6 +172,7 @@ async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_pa
         assert ia == ib, "consume indexes differ"
 
 
+@needs_etcd
 async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
     """async mode: the master takes writes while its slave is frozen, then dies; the slave
     wins without them. The old master returns, truncates its log and consume index to what
@@ -221,3 +225,56 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
         assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
         assert log_bytes(m.data_dir / "messages") == log_bytes(s.data_dir / "messages")
         assert index_bytes(m, "rt.div") == index_bytes(s, "rt.div")
+
+
+def _ship(master: RealtimeStore, replica: RealtimeStore, since_seq: int, now: int) -> int:
+    """What the Replicate stream does, without the network: bytes, then changed group docs."""
+    lg = replica.messages
+    while lg.end_offset < master.messages.end_offset:
+        lg.append_raw(lg.end_offset, master.messages.read_bytes(lg.end_offset, 4096))
+    lg.flush()
+    replica.index_appended(now_ms=now)
+    for key in master.changed_groups(since_seq):
+        replica.apply_group_doc(master.group_doc(*key))
+    return master.group_seq
+
+
+def test_replica_store_indexes_shipped_bytes_keeps_group_offsets_and_cuts_a_divergent_tail(tmp_path):
+    t = 1_000_000
+    for _ in range(3):  # the master's store epoch (3) is above the replica's own (1)
+        RealtimeStore.open(tmp_path / "m", now_ms=t).close()
+    m = RealtimeStore.open(tmp_path / "m", now_ms=t)
+    r = RealtimeStore.open(tmp_path / "r", now_ms=t)
+    m.append([Message(0, 0, t, f"a{k}", "s1" if k % 3 else "s2", b"x" * k) for k in range(60)], now_ms=t)
+    got = m.pull("s1", "g", "c", max_messages=10, now_ms=t)
+    m.ack("s1", "g", [d.handle for d in got[:6]], now_ms=t)   # 4 stay in flight
+    m.persist_group("s1", "g")
+    seq = _ship(m, r, -1, t)
+    assert r.messages.end_offset == m.messages.end_offset
+    for s in ("s1", "s2"):
+        assert (tmp_path / "r" / "index" / s / "entries").read_bytes() == \
+            (tmp_path / "m" / "index" / s / "entries").read_bytes()
+    assert r.append([Message(0, 0, t, "a5", "s1", b"dup")], now_ms=t)[0].duplicate  # dedup map rebuilt
+    # divergent tail: the replica (an old master) holds records the new master never had
+    cut = r.messages.end_offset
+    r.append([Message(0, 0, t, f"b{k}", "s1", b"y") for k in range(5)], now_ms=t)
+    r.flush()
+    assert r.truncate_log(cut) > 0
+    assert r.messages.end_offset == cut
+    assert (tmp_path / "r" / "index" / "s1" / "entries").read_bytes() == \
+        (tmp_path / "m" / "index" / "s1" / "entries").read_bytes()
+    assert not r.append([Message(0, 0, t, "b0", "s1", b"y")], now_ms=t)[0].duplicate  # its dedup entry went too
+    r.truncate_log(cut)
+    m.ack("s1", "g", [got[6].handle], now_ms=t)
+    m.persist_group("s1", "g")
+    _ship(m, r, seq, t)
+    r.close()
+    m.close()
+    # promotion: reopen; the acked handles never come back, the 3 still in flight come at once
+    p = RealtimeStore.open(tmp_path / "r", now_ms=t + 1)
+    again = p.pull("s1", "g", "c", max_messages=100, now_ms=t + 1)
+    assert {d.handle for d in again[:3]} == {d.handle for d in got[7:]}
+    assert not {d.handle for d in again} & {d.handle for d in got[:7]}
+    assert [d.message.msg_id for d in again[3:]] == [f"a{k}" for k in range(60) if k % 3][10:]
+    assert p.epoch > max(d.message.seq for d in again) >> 40
+    p.close()
