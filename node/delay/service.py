@@ -215,8 +215,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         if inspect.isawaitable(address):  # MetaResolver answers asynchronously
             address = await address
         stub = self.channels.producer(address)
-        req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs], immediate=True,
-                                  epoch=self.store.epoch)
+        req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs], immediate=True)
         try:
             return await stub.SendBatch(req, timeout=10)
         except grpc.RpcError as e:

@@ -185,20 +185,6 @@ def campaign_delay_ms(my_end: int, peer_ends: dict[str, int], *, step_ms: int) -
     return ahead * step_ms
 
 
-@dataclass(frozen=True)
-class FencingDecision:
-    ok: bool
-    reason: str = ""
-
-
-def check_epoch(request_epoch: int, known_epoch: int) -> FencingDecision:
-    """A request (or a replication call) carrying an older epoch than the newest this node
-    has seen is refused; 0 means "client does not know" and is accepted."""
-    if request_epoch and request_epoch < known_epoch:
-        return FencingDecision(False, f"epoch {request_epoch} is older than {known_epoch}")
-    return FencingDecision(True)
-
-
 class Member:
     """One node's view of its group: who is master, in which epoch, and whether this node
     may act as master *now*.

@@ -37,7 +37,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
-from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, check_epoch, divergence
+from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
 from node.store import checkpoint
 from node.store.group_commit import GroupCommitter
 
@@ -142,8 +142,10 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
     async def SendBatch(self, request, context):
         if not self.is_master():
             await self._not_master(context)
-        if not check_epoch(request.epoch, self.member.epoch).ok and request.epoch > (1 << 40):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {request.epoch}")
+        if request.epoch > self.member.epoch:
+            # the caller has seen a newer term than this node: this node was deposed
+            self.member.deposed(request.epoch)
+            await self._not_master(context)
         resp = await super().SendBatch(request, context)
         if self.settings.ack_mode == "sync":
             await self._wait_replicated(self.store.messages.end_offset, context)
@@ -161,6 +163,13 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
         if not self.is_master():
             await self._not_master(context)
         return await super().Lookup(request, context)
+
+    async def _dispatch(self, batch) -> None:
+        # fencing: a deposed master (lease not surely alive, e.g. after a long pause) sends
+        # nothing; the messages stay in flight until the demotion reopens the store
+        if not self.is_master():
+            return
+        await super()._dispatch(batch)
 
     async def _wait_replicated(self, offset: int, context) -> None:
         if self.tracker.slaves is not None and not self.tracker.slaves:
