@@ -94,6 +94,8 @@ class MemorySampler:
     def __init__(self) -> None:
         self.me = psutil.Process()
         self.peak = {"jvm_rss_mb": 0.0, "driver_rss_mb": 0.0, "workers_rss_mb": 0.0}
+        self.cpu_start = self._cpu_now()
+        self.cpu: dict[int, float] = {}   # pid -> last seen user+system seconds
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -105,6 +107,8 @@ class MemorySampler:
                     try:
                         name = p.name()
                         rss = p.memory_info().rss
+                        t = p.cpu_times()
+                        self.cpu[p.pid] = t.user + t.system
                     except psutil.Error:
                         continue
                     if name == "java":
@@ -116,6 +120,22 @@ class MemorySampler:
                 continue
             for k, v in (("jvm_rss_mb", jvm), ("driver_rss_mb", drv), ("workers_rss_mb", workers)):
                 self.peak[k] = max(self.peak[k], v / 2**20)
+
+    def _cpu_now(self) -> dict[int, float]:
+        out = {}
+        for p in [self.me, *self.me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    def cpu_s(self) -> float:
+        """CPU seconds used by the driver, the JVM and the workers while sampling (load-independent)."""
+        t = self.me.cpu_times()
+        self.cpu[self.me.pid] = t.user + t.system
+        return sum(v - self.cpu_start.get(pid, 0.0) for pid, v in self.cpu.items())
 
     def __enter__(self) -> "MemorySampler":
         self._t.start()
@@ -140,6 +160,8 @@ def bench_audit(args, spark) -> dict:
     disk = sum(f.stat().st_size for f in data.rglob("*.log"))
     return {"bench": "spark_audit", "records": s["records_read"], "seconds": s["seconds"],
             "records_per_s": s["records_per_s"], **{k: round(v) for k, v in mem.peak.items()},
+            "cpu_s": round(mem.cpu_s(), 1), "records_per_cpu_s": round(s["records_read"] / max(mem.cpu_s(), 1e-9)),
+            "phases_s": s["phases_s"],
             "log_bytes": disk, "lost": s["status"]["lost"], "duplicated": s["status"]["duplicated"],
             "cores": os.cpu_count(), "master": args.master, "driver_memory": args.driver_memory,
             "generate_s": info["generate_s"]}

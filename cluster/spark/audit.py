@@ -181,8 +181,12 @@ def run(spark, s: AuditSettings) -> dict:
     out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
     dfs = build(spark, s, as_of_ms)
+    phases: dict[str, float] = {}
+    mark = time.time()
     for name in ("messages", "problems", "lateness", "hourly", "corrupt"):
         dfs[name].write.mode("overwrite").parquet(str(out / name))
+        phases[f"write_{name}"] = round(time.time() - mark, 3)
+        mark = time.time()
 
     logs = {r["log"]: {"records": r["records"], "errors": r["errors"]} for r in (
         dfs["_sched"].select("log", "error").unionByName(dfs["_disp"].select("log", "error"))
@@ -206,6 +210,7 @@ def run(spark, s: AuditSettings) -> dict:
                       "lateness_ms", "reason").collect()):
         examples.setdefault(r["problem"], []).append(r.asDict())
     corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
+    phases["summaries"] = round(time.time() - mark, 3)
     records_read = sum(v["records"] for v in logs.values())
     summary = {
         "as_of_ms": as_of_ms, "grace_ms": s.grace_ms, "late_ms": s.late_ms, "paths": s.paths,
@@ -216,6 +221,7 @@ def run(spark, s: AuditSettings) -> dict:
         "received_not_scheduled": dfs["_unmatched"].count(),
         "corrupt_records": sum(v["errors"] for v in logs.values()),
         "seconds": round(time.time() - started, 3),
+        "phases_s": phases,
     }
     summary["records_per_s"] = round(records_read / max(summary["seconds"], 1e-9))
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
