@@ -132,6 +132,10 @@ class ReplicatedRealtimeNode(RealtimeNode, rpc.ReplicationServicer):
     async def SendBatch(self, request, context):
         if not self._may_serve():
             await self._not_master(context)
+        if request.epoch > self.member.epoch:
+            # the caller has seen a newer term of this group than this node: it was deposed
+            self.member.deposed(request.epoch)
+            await self._not_master(context)
         resp = await super().SendBatch(request, context)
         self._changed.set()
         if self.settings.ack_mode == "sync":
