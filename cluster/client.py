@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import random
 import time
@@ -131,6 +130,12 @@ class StaticResolver:
             raise E.Unavailable("no delay node known")
         return self.delay
 
+    async def delay_groups(self) -> list[tuple[str, str]]:
+        """Without a meta server each delay node is a group of its own."""
+        if not self.delay:
+            raise E.Unavailable("no delay node known")
+        return [(a, a) for a in self.delay]
+
     async def realtime_for(self, subject: str) -> str:
         if not self.realtime:
             raise E.Unavailable("no real-time node known")
@@ -145,6 +150,13 @@ class StaticResolver:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def group_for(msg_id: str, groups: list[tuple[str, str]]) -> str:
+    """The delay group a message id belongs to: a stable hash over the sorted group names.
+    Sends, retries and re-sends of one id go to one group (ids are de-duplicated per group),
+    and cancel/lookup ask that group first."""
+    return groups[zlib.crc32(msg_id.encode()) % len(groups)][0]
 
 
 # ---------------------------------------------------------------------- producer
@@ -165,7 +177,6 @@ class Producer:
         self._inflight = asyncio.Semaphore(inflight_max)
         self._batcher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
-        self._rr = itertools.count(random.randrange(1 << 16))
 
     async def __aenter__(self) -> "Producer":
         return self
@@ -226,10 +237,45 @@ class Producer:
     async def _target(self, key: tuple, attempt: int) -> str:
         if key[0] == "rt":
             return await self.resolver.realtime_for(key[1])
-        nodes = await self.resolver.delay_nodes()
-        return nodes[(next(self._rr) + attempt) % len(nodes)]
+        # a delayed batch stays with its group: after a failover, the group's new master
+        master = dict(await self.resolver.delay_groups()).get(key[1], "")
+        if not master:
+            raise E.Unavailable(f"delay group {key[1]!r} has no live master now")
+        return master
 
     async def _send_batch(self, key: tuple, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
+        try:
+            if key == ("delay",):
+                await self._send_delayed(items)
+            else:
+                await self._send_keyed(key, items)
+        finally:
+            self._inflight.release()
+
+    async def _send_delayed(self, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
+        """Split a delayed batch by the group each id belongs to, send each part to its group."""
+        last: BaseException | None = None
+        for attempt in range(self.retries_max + 1):
+            try:
+                groups = await self.resolver.delay_groups()
+                if groups:
+                    break
+                last = E.Unavailable("no delay group known")
+            except E.Unavailable as err:
+                last = err
+                await self.resolver.refresh()
+            await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** attempt) / 1000 * random.uniform(0.5, 1))
+        else:
+            for _, f in items:
+                if not f.done():
+                    f.set_exception(E.Unavailable(f"gave up after {self.retries_max} retries: {last}"))
+            return
+        parts: dict[str, list] = {}
+        for m, f in items:
+            parts.setdefault(group_for(m.id, groups), []).append((m, f))
+        await asyncio.gather(*(self._send_keyed(("delay", g), part) for g, part in parts.items()))
+
+    async def _send_keyed(self, key: tuple, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
         try:
             pending = items
             for attempt in range(self.retries_max + 1):
@@ -279,8 +325,6 @@ class Producer:
                 if not f.done():
                     f.set_exception(E.Closed("producer closed before the message was acknowledged"))
             raise
-        finally:
-            self._inflight.release()
 
     async def flush(self) -> None:
         """Wait until everything queued so far has an answer."""
@@ -290,50 +334,48 @@ class Producer:
             else:
                 await asyncio.sleep(self.linger_ms / 1000)
 
-    async def _delay_call(self, method: str, request):
+    async def _groups_for_id(self, msg_id: str) -> list[str]:
+        """Masters to ask about an id: its own group's first, then every other group's (an id
+        sent before the set of groups changed may live elsewhere)."""
+        groups = await self.resolver.delay_groups()
+        mine = group_for(msg_id, groups)
+        ordered = [m for g, m in groups if g == mine] + [m for g, m in groups if g != mine]
+        if not ordered[0]:
+            raise E.Unavailable(f"delay group {mine!r} of id {msg_id!r} has no live master now")
+        return [m for m in ordered if m]
+
+    async def _ask_groups(self, msg_id: str, method: str, request):
+        """The first OK answer; an error other than NotFound from any group wins over NotFound."""
         last: BaseException | None = None
         for attempt in range(self.retries_max + 1):
             try:
-                nodes = await self.resolver.delay_nodes()
-                stub = self.channels.producer(nodes[attempt % len(nodes)])
-                return await getattr(stub, method)(request, timeout=self.timeout_s)
-            except grpc.RpcError as e:
-                last = status.from_rpc_error(e)
-                if not isinstance(last, E.Unavailable):
-                    raise last from None
+                nodes = await self._groups_for_id(msg_id)
+                not_found: BaseException | None = None
+                for address in nodes:
+                    resp = await self._call_node(address, method, request)
+                    if resp.code == pb.OK:
+                        return resp
+                    err = status.from_code(resp.code, resp.error)
+                    if not isinstance(err, E.NotFound):
+                        raise err
+                    not_found = err
+                raise not_found or E.NotFound(msg_id)
+            except E.Unavailable as err:
+                last = err
                 await self.resolver.refresh()
                 await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** attempt) / 1000)
         raise E.Unavailable(f"gave up: {last}")
 
     async def cancel(self, msg_id: str) -> CancelResult:
         """Cancel a scheduled message. NotFound for an unknown id, TooLate once dispatched.
-
-        With several delay groups the id is asked of each (the id says nothing of where it went)."""
-        nodes = await self.resolver.delay_nodes()
-        not_found: BaseException | None = None
-        for i in range(len(nodes)):
-            resp = await self._call_node(nodes[i], "Cancel", pb.CancelRequest(id=msg_id))
-            if resp.code == pb.OK:
-                return CancelResult(id=msg_id, seq=resp.seq)
-            err = status.from_code(resp.code, resp.error)
-            if not isinstance(err, E.NotFound):
-                raise err
-            not_found = err
-        raise not_found or E.NotFound(msg_id)
+        Asked of the id's group (and, for ids sent before the groups changed, the others)."""
+        resp = await self._ask_groups(msg_id, "Cancel", pb.CancelRequest(id=msg_id))
+        return CancelResult(id=msg_id, seq=resp.seq)
 
     async def lookup(self, msg_id: str) -> LookupResult:
-        nodes = await self.resolver.delay_nodes()
-        not_found: BaseException | None = None
-        for address in nodes:
-            resp = await self._call_node(address, "Lookup", pb.LookupRequest(id=msg_id))
-            if resp.code == pb.OK:
-                return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
-                                    subject=resp.subject)
-            err = status.from_code(resp.code, resp.error)
-            if not isinstance(err, E.NotFound):
-                raise err
-            not_found = err
-        raise not_found or E.NotFound(msg_id)
+        resp = await self._ask_groups(msg_id, "Lookup", pb.LookupRequest(id=msg_id))
+        return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
+                            subject=resp.subject)
 
     async def _call_node(self, address: str, method: str, request):
         try:

@@ -106,6 +106,7 @@ class MetaResolver:
         self.routes_max = routes_max
         self.realtime_kind = realtime_kind
         self._delay: list[str] = []
+        self._delay_groups: list[tuple[str, str]] = []
         self._delay_at = float("-inf")
         self._routes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # subject -> (master, fetched_at)
         self._stale_since: float | None = None
@@ -124,24 +125,40 @@ class MetaResolver:
 
     # ------------------------------------------------------------------ resolver interface
 
+    async def delay_groups(self) -> list[tuple[str, str]]:
+        """Every delay group as ``(name, master address or "")``, sorted by name. Producers pin
+        a message id to one group by hash (``cluster.client.group_for``), so a retry never
+        lands in a second group; a group without a live master makes its ids wait."""
+        if self._delay_groups and not self._due(self._delay_at):
+            return self._delay_groups
+        try:
+            await self._fetch_delay()
+        except E.Unavailable:
+            if self._delay_groups:
+                return self._delay_groups
+            raise
+        return self._delay_groups
+
+    async def _fetch_delay(self) -> None:
+        self._last_fetch = time.monotonic()
+        resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+        self._delay_groups = sorted((g.name, g.master) for g in resp.groups)
+        self._delay = [m for _, m in self._delay_groups if m]
+        self._delay_at = time.monotonic()
+
     async def delay_nodes(self) -> list[str]:
         if self._delay and not self._due(self._delay_at):
             return self._delay
         try:
-            self._last_fetch = time.monotonic()
-            resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+            await self._fetch_delay()
         except E.Unavailable as e:
             if self._delay:
                 log.warning("keeping cached delay groups: %s", e)
                 return self._delay
             raise
-        masters = [g.master for g in resp.groups if g.master]
-        self._delay_at = time.monotonic()
-        if not masters:
-            self._delay = []
+        if not self._delay:
             raise E.Unavailable("no delay group has a live master")
-        self._delay = masters
-        return masters
+        return self._delay
 
     async def realtime_for(self, subject: str) -> str:
         cached = self._routes.get(subject)

@@ -216,3 +216,28 @@ async def test_each_node_sigkilled_mid_flow_loses_nothing_and_no_double_delivery
         # nothing reaches the group twice
         dupes = len(got) - len(set(got))
         assert dupes == 0, f"{dupes} duplicates"
+
+
+async def test_an_id_always_goes_to_one_delay_group(tmp_path):
+    """Sends, retries and re-sends of one id go to one delay group: a re-send is a duplicate
+    there (never a second copy in another group) and a cancel finds it."""
+    with LocalCluster(tmp_path, n_delay=2) as c:
+        r = StaticResolver(delay=[n.address for n in c.delay], realtime=[c.realtime[0].address])
+        async with Producer(r) as p:
+            first = [await p.send_and_wait("e2e.pin", "x", id=f"p{i}", delay_ms=60_000) for i in range(20)]
+            again = [await p.send_and_wait("e2e.pin", "x", id=f"p{i}", delay_ms=60_000) for i in range(20)]
+            assert not any(a.duplicate for a in first) and all(a.duplicate for a in again)
+            for i in range(20):
+                assert (await p.cancel(f"p{i}")).seq == first[i].seq
+                assert (await p.lookup(f"p{i}")).status == "cancelled"
+        stores = []
+        for n in c.delay:
+            ch = Channels()
+            try:
+                st = json.loads((await ch.admin(n.address).Status(pb.StatusRequest())).json)
+            finally:
+                await ch.close()
+            stores.append((st["counters"]["accepted"], st["counters"]["cancelled"]))
+        # 20 messages stored once each, spread over both groups, each cancelled where it lives
+        assert sum(a for a, _ in stores) == 20 and all(a for a, _ in stores)
+        assert [a for a, _ in stores] == [c_ for _, c_ in stores]

@@ -273,3 +273,24 @@ async def test_returning_master_truncates_its_divergent_suffix(tmp_path):
         assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
         x, y = _log_bytes(m.data_dir / "messages"), _log_bytes(s.data_dir / "messages")
         assert x == y[: len(x)] and len(x) > 0
+
+
+async def test_group_has_a_master_again_after_the_meta_server_stalls(group):
+    """Regression (chaos finding 1): heartbeat confirmations come late (the meta server is
+    frozen for longer than the lease margin) so the master steps down while the leader key
+    and its lease live on; it must take the seat back instead of leaving the group empty."""
+    import signal as _signal
+    await master_of(group)
+    meta = group.meta[0]
+    meta.proc.send_signal(_signal.SIGSTOP)
+    await asyncio.sleep(1.5)
+    meta.proc.send_signal(_signal.SIGCONT)
+    await asyncio.sleep(0.5)
+    await master_of(group)
+    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
+    try:
+        async with Producer(resolver, retries_max=40) as p:
+            r = await p.send_and_wait("rep.stall", "x", id="after-stall", delay_ms=100)
+        assert r.seq
+    finally:
+        await resolver.close()

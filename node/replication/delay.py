@@ -412,9 +412,12 @@ class ReplicatedDelayNode(DelayNode, rpc.ReplicationServicer):
                 lr = await meta.call("Leader", mpb.LeaderRequest(role=role, group=group))
                 if lr.present and lr.leader.node_id == self.settings.node_id and self.mode != "master" \
                         and lease is not None and self._campaigned_lease == lease:
-                    # our campaign won but its answer was lost (timeout): the key is ours, on our lease
+                    # the key is ours, on our lease: our campaign's answer was lost, or we stepped down
+                    # because a heartbeat confirmation came late (etcd busy) while the lease lived on.
+                    # Take the seat back once the lease is confirmed again; never leave it empty.
                     self.member.won(lr.leader.epoch, self.address)
-                    await self._switch("master")
+                    if self.member.is_master(_mono_ms()):
+                        await self._switch("master")
                 elif lr.present:
                     self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
                 elif self.member.leader is not None and self.member.leader != self.settings.node_id:
