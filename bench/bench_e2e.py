@@ -60,6 +60,7 @@ def now_ms() -> int:
 
 async def _consume_hourglass(target: dict, subjects: list[str], expect: int, deadline: float, stop_file: str,
                              got: list[tuple[str, int]]) -> None:
+    ack_interval_s = target.get("ack_interval_ms", 0) / 1000
     from cluster.client import Consumer, StaticResolver
     from cluster.errors import HourglassError
 
@@ -70,6 +71,8 @@ async def _consume_hourglass(target: dict, subjects: list[str], expect: int, dea
     async def one(subject: str) -> None:
         async with Consumer(resolver, subject, group="bench", consumer_id=f"bench-{subject}", batch_max=1000,
                             wait_ms=200) as c:
+            unacked: list = []
+            last_ack = [0.0]
             while not done.is_set() and time.monotonic() < deadline:
                 try:
                     batch = await c.pull()
@@ -79,8 +82,11 @@ async def _consume_hourglass(target: dict, subjects: list[str], expect: int, dea
                 for m in batch:
                     got.append((m.id, m.received_ms))
                     seen.add(m.id)
-                if batch:
-                    await c.ack(batch)
+                unacked.extend(batch)
+                if unacked and time.monotonic() - last_ack[0] >= ack_interval_s:
+                    await c.ack(unacked)
+                    unacked.clear()
+                    last_ack[0] = time.monotonic()
                 if len(seen) >= expect or os.path.exists(stop_file):
                     done.set()
 
@@ -199,7 +205,7 @@ class Hourglass:
 
     def target(self) -> dict:
         return {"system": "hourglass", "delay": [n.address for n in self.cluster.delay],
-                "realtime": [n.address for n in self.cluster.realtime]}
+                "realtime": [n.address for n in self.cluster.realtime], "ack_interval_ms": self.args.ack_interval_ms}
 
     def pids(self) -> dict[str, int]:
         return {n.name: n.proc.pid for n in self.cluster.nodes}
@@ -221,6 +227,9 @@ class Hourglass:
 
     def settings(self) -> dict:
         return {"producer": {"linger_ms": 2, "batch_max": self.args.batch, "inflight_max": self.args.inflight},
+                "consumer": {"subjects": 16, "batch_max": 1000, "wait_ms": 200,
+                             "ack": f"every {self.args.ack_interval_ms} ms" if self.args.ack_interval_ms
+                             else "after every pull"},
                 "nodes": "1 delay + 1 real-time (LocalCluster defaults: tick 10 ms, fsync group commit)"}
 
     async def produce(self, msgs, *, keep: bool = True) -> tuple[list[tuple[str, int]], float, int]:
@@ -440,6 +449,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=500, help="client batch (Hourglass batch_max, Redis pipeline)")
     p.add_argument("--inflight", type=int, default=8, help="batches in flight")
     p.add_argument("--redis-poll-ms", type=int, default=10, help="Redis poller interval (Hourglass tick is 10 ms)")
+    p.add_argument("--ack-interval-ms", type=int, default=0,
+                   help="Hourglass consumer: ack at most this often per subject (0: after every pull)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
