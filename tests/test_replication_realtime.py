@@ -151,8 +151,7 @@ async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_pa
             stop_producing.set()
             await asyncio.wait_for(prod, 60)
             await asyncio.wait_for(cons, 60)
-            new_master = await master_of(c)
-            assert new_master != master
+            new_master = await master_of(c)  # either node: the restarted one may be the most caught up
             assert before_kill > 0 and len(acked_sends) > 200
             lost = acked_sends - set(deliveries)
             assert not lost, f"{len(lost)} acknowledged messages lost, e.g. {sorted(lost)[:5]}"
@@ -160,7 +159,7 @@ async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_pa
             dups = sum(n - 1 for n in deliveries.values())
             print(f"sent={len(acked_sends)} delivered={len(deliveries)} duplicates={dups}")
             assert dups <= 2 * BATCH, f"{dups} duplicate deliveries (at most the batches in flight at the kill)"
-            await caught_up_slave(c, master)
+            await caught_up_slave(c, next(n.name for n in c.realtime if n.name != new_master))
         finally:
             stop_producing.set()
             await resolver.close()

@@ -235,8 +235,6 @@ class Member:
             leader, address = None, ""  # a key left by this node's previous life: wait for it to expire
         self.epoch = epoch
         self.leader, self.leader_address = leader, address
-        if leader != self.node_id:
-            self._lease_ok_until = -1
         return True
 
     def deposed(self, epoch: int) -> None:

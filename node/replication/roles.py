@@ -1,0 +1,422 @@
+"""What every replicated node shares: election role loop, fencing answers, sync-ack waits,
+the master's side of the fetch preamble, metrics, status and lifecycle.
+
+``ReplicaRoles`` is a mixin for a node class (``ReplicatedDelayNode``,
+``ReplicatedRealtimeNode``) that provides:
+
+* ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
+  its groups);
+* ``_switch(mode)``: close and reopen the store as master or slave and start that mode's
+  tasks in ``self._role_task``;
+* ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
+* ``_on_peers(peers)``: the group's other members changed (sync trackers);
+* ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
+
+The pure rules are in ``node/replication/core.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from cluster import errors as E
+from cluster import status
+from cluster.proto import hourglass_pb2 as pb
+from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.proto import meta_pb2 as mpb
+from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
+from node.store import checkpoint
+
+log = logging.getLogger("hourglass.replication")
+
+
+def mono_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+class HistoryFile:
+    """A log's epoch history, persisted atomically beside the data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        doc = checkpoint.read(path)
+        self.history = EpochHistory([tuple(x) for x in doc["entries"]]) if doc else EpochHistory()
+
+    def save(self) -> None:
+        checkpoint.write_atomic(self.path, {"entries": [list(x) for x in self.history.entries]})
+
+    def adopt(self, master_history_json: str, log_end: int) -> None:
+        before = list(self.history.entries)
+        self.history.adopt([tuple(x) for x in json.loads(master_history_json)], log_end)
+        if self.history.entries != before:
+            self.save()
+
+    def truncate(self, cut: int) -> None:
+        self.history.truncate(cut)
+        self.save()
+
+
+class ReplicaRoles:
+    ROLE = ""
+    DISCOVERY_KIND = 0
+
+    # ------------------------------------------------------------------ state
+
+    def _init_replica(self, settings, histories: dict[str, HistoryFile]) -> None:
+        self.mode = "slave"
+        self.member = Member(settings.node_id, lease_ttl_ms=settings.meta_lease_ttl_ms,
+                             margin_ms=max(200, settings.meta_lease_ttl_ms // 5))
+        self.histories = histories
+        known = [h.history.last_epoch for h in histories.values() if h.history.entries]
+        self.member.epoch = max(known) if known else 0
+        self._tickets: dict[tuple[str, int], asyncio.Future] = {}
+        self._changed = asyncio.Event()
+        self._role_task: asyncio.Task | None = None
+        self._switch_lock = asyncio.Lock()
+        self._no_campaign_until = 0
+        self._lease_seen: int | None = None
+        self._campaigned_lease: int | None = None
+        self._peers: dict[str, int] = {}
+        self.slave_offsets: dict[str, dict[str, int]] = {}   # slave -> log -> offset (master view)
+        self.lag_bytes = 0
+        self._caught_up_at = time.monotonic()
+        self.failovers = 0
+
+    def is_master(self) -> bool:
+        return self.mode == "master" and self.member.is_master(mono_ms())
+
+    async def _not_master(self, context):
+        hint = self.member.leader_address if self.member.leader and self.member.leader != self.settings.node_id else ""
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the master; leader_hint={hint or 'unknown'}")
+
+    async def _refuse_newer_term(self, request_epoch: int, context) -> None:
+        """The caller has seen a newer term of this group than this node: it was deposed."""
+        if request_epoch > self.member.epoch:
+            self.member.deposed(request_epoch)
+            await self._not_master(context)
+
+    def _caught_up(self, master_end: int, own_end: int) -> None:
+        self.lag_bytes = max(0, master_end - own_end)
+        if self.lag_bytes == 0:
+            self._caught_up_at = time.monotonic()
+
+    def lag_ms(self) -> int:
+        if self.mode == "master" or self.lag_bytes == 0:
+            return 0
+        return int((time.monotonic() - self._caught_up_at) * 1000)
+
+    # ------------------------------------------------------------------ visibility
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            self.metrics.is_master.set(1 if self.is_master() else 0)
+            self.metrics.replication_lag_bytes.set(0 if self.mode == "master" else self.lag_bytes)
+            self.metrics.replication_lag_seconds.set(self.lag_ms() / 1000)
+            self.metrics.election_epoch.set(self.member.epoch)
+            await asyncio.sleep(0.5)
+
+    def registration_info(self) -> dict:
+        info = super().registration_info()
+        info.update(master=self.mode == "master", epoch=self.member.epoch, lag_bytes=self.lag_bytes)
+        return info
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
+                  "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
+                  "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers})
+        return s
+
+    async def Status(self, request, context) -> pb.StatusResponse:
+        return pb.StatusResponse(node_id=self.settings.node_id, role=self.ROLE, group=self.settings.group,
+                                 master=self.mode == "master", epoch=self.member.epoch,
+                                 json=json.dumps(self.stats()))
+
+    # ------------------------------------------------------------------ sync acknowledgements
+
+    async def _wait(self, tracker: SyncTracker, kind: str, offset: int, context) -> None:
+        """Answer only once every slave holds ``offset`` (sync ack mode); abort otherwise."""
+        if tracker.slaves is not None and not tracker.slaves:
+            err = E.ReplicationTimeout("no live slave in the group (ack_mode=sync): stored on the master only "
+                                       "and may still take effect; retry (ids and acks are idempotent)")
+            self.metrics.errors.labels(kind=type(err).__name__).inc()
+            await context.abort(status.to_grpc(err), str(err))
+        t = tracker.wait(offset, mono_ms())
+        if t is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._tickets[(kind, t)] = fut
+        try:
+            err = await fut
+        finally:
+            self._tickets.pop((kind, t), None)
+        if err is not None:
+            self.metrics.errors.labels(kind=type(err).__name__).inc()
+            await context.abort(status.to_grpc(err), str(err))
+
+    def _release(self, kind: str, tickets: list[int], err: Exception | None = None) -> None:
+        for t in tickets:
+            fut = self._tickets.get((kind, t))
+            if fut is not None and not fut.done():
+                fut.set_result(err)
+
+    def _trackers(self) -> dict[str, SyncTracker]:
+        """kind -> tracker of this node's sync acknowledgements."""
+        raise NotImplementedError
+
+    async def _sync_expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            now = mono_ms()
+            err = E.ReplicationTimeout(f"no slave confirmed within {self.settings.sync_timeout_ms} ms "
+                                       "(ack_mode=sync); stored on the master and may still take effect: retry")
+            for kind, tr in self._trackers().items():
+                self._release(kind, tr.expire(now), err)
+            if not self.is_master():
+                self._release_all(E.NotLeader(self.member.leader_address or None))
+
+    def _release_all(self, err: Exception) -> None:
+        for kind, tr in self._trackers().items():
+            self._release(kind, tr.drop_all(), err)
+
+    # ------------------------------------------------------------------ master side of a fetch
+
+    async def _fetch_preamble(self, req, context, logs: dict) -> tuple[dict, pb.FetchResponse | None]:
+        """Fencing, divergence and retention checks every fetch goes through. Returns the
+        fields every answer carries and, when the slave must first truncate or reset, that
+        answer (the caller yields it and goes on with the next request)."""
+        if req.epoch > self.member.epoch:
+            self.member.deposed(req.epoch)  # someone saw a newer term: stop acting at once
+        if not self.is_master() or req.epoch < self.member.epoch:
+            await self._not_master(context)
+        if req.log not in logs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown log {req.log!r}")
+        lg = logs[req.log]
+        hist = self.histories[req.log].history
+        try:
+            theirs = EpochHistory.decode(req.history or "[]")
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad history: {e}")
+        base = dict(epoch=self.member.epoch, offset=req.offset, end_offset=lg.end_offset, truncate_to=-1,
+                    reset_to=-1, history=json.dumps(hist.entries))
+        cut = divergence(theirs, req.offset, hist, lg.end_offset)
+        if cut is None and req.offset > lg.end_offset:
+            cut = lg.end_offset
+        if cut is not None:
+            return base, pb.FetchResponse(**dict(base, truncate_to=cut))
+        if req.offset < lg.start_offset:
+            return base, pb.FetchResponse(**dict(base, reset_to=lg.start_offset))
+        self.slave_offsets.setdefault(req.node_id, {})[req.log] = req.offset
+        return base, None
+
+    async def _wait_for_change(self, req, lg, idle: bool = True) -> None:
+        """Long poll of a caught-up slave, at most ``replication_wait_ms`` (the tick-state period)."""
+        if req.offset >= lg.end_offset and req.wait_ms and idle:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(req.wait_ms, self.settings.replication_wait_ms) / 1000)
+            except TimeoutError:
+                pass
+
+    def _fetch_request(self, name: str, lg) -> pb.FetchRequest:
+        return pb.FetchRequest(node_id=self.settings.node_id, epoch=self.member.epoch, log=name, offset=lg.end_offset,
+                               max_bytes=self.settings.replication_chunk_bytes,
+                               wait_ms=self.settings.replication_wait_ms,
+                               history=self.histories[name].history.encode())
+
+    # ------------------------------------------------------------------ slave side
+
+    def _log(self, name: str):
+        """The SegmentedLog replicated as ``name`` (the store may have been reopened)."""
+        raise NotImplementedError
+
+    def _on_truncate(self, name: str, cut: int) -> None:
+        raise NotImplementedError
+
+    def _on_reset(self, name: str, offset: int) -> None:
+        raise E.StorageError(f"the master no longer holds the bytes this replica of {name} needs (it starts at "
+                             f"{offset}): rebuild this replica from an empty data folder")
+
+    async def _on_data(self, name: str) -> None:
+        """Replicated bytes of ``name`` were appended and fsynced."""
+
+    def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
+        """Whatever else an answer carries (tick state, group documents)."""
+
+    async def _follow(self, name: str) -> None:
+        """Fetch ``name`` from the master over one stream: truncate when told, append CRC-checked
+        whole records, fsync, then ask for the next offset (the acknowledgement)."""
+        backoff = 0.05
+        while True:
+            addr = self.member.leader_address
+            if not addr or self.member.leader == self.settings.node_id:
+                await asyncio.sleep(0.05)
+                continue
+            call = rpc.ReplicationStub(self.channels.get(addr)).Replicate()
+            try:
+                while True:
+                    lg = self._log(name)
+                    await call.write(self._fetch_request(name, lg))
+                    resp = await asyncio.wait_for(call.read(), 10)
+                    if resp is grpc.aio.EOF or resp.epoch < self.member.epoch:
+                        break
+                    self.member.epoch = max(self.member.epoch, resp.epoch)
+                    if resp.truncate_to >= 0:
+                        self._on_truncate(name, resp.truncate_to)
+                        self.histories[name].truncate(resp.truncate_to)
+                        continue
+                    if resp.reset_to >= 0:
+                        self._on_reset(name, resp.reset_to)
+                        continue
+                    if resp.data:
+                        lg.append_raw(resp.offset, resp.data)  # checks every record's CRC
+                        await asyncio.to_thread(lg.flush)
+                        await self._on_data(name)
+                    self.histories[name].adopt(resp.history, lg.end_offset)
+                    self._on_answer(name, resp)
+                    backoff = 0.05
+            except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
+                log.info("replication of %s from %s interrupted: %s", name, addr, e)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+            finally:
+                call.cancel()
+
+    def _master_history_begins(self, ends: dict[str, int]) -> None:
+        for name, end in ends.items():
+            self.histories[name].history.begin(self.member.epoch, end)
+            self.histories[name].save()
+
+    # ------------------------------------------------------------------ roles
+
+    async def _stop_role_task(self) -> None:
+        if self._role_task is not None:
+            self._role_task.cancel()
+            try:
+                await self._role_task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _role_loop(self) -> None:
+        meta = self.registrar.meta
+        group, me = self.settings.group, self.settings.node_id
+        await self._switch("slave")
+        next_peers = 0.0
+        while True:
+            await self.registrar.registered.wait()
+            lease = self.registrar.lease_id
+            if lease != self._lease_seen:
+                if self._lease_seen is not None:
+                    self.member.lease_lost()  # leadership died with the old lease
+                self._lease_seen = lease
+            loop_now = time.monotonic()
+            try:
+                if loop_now >= next_peers:
+                    resp = await meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND))
+                    peers = {}
+                    for g in resp.groups:
+                        if g.name == group:
+                            peers = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in g.members
+                                     if m.node_id != me}
+                    self._peers = peers
+                    if self.mode == "master":
+                        for kind, tr in self._trackers().items():
+                            self._release(kind, tr.set_slaves(set(peers)))
+                    next_peers = loop_now + 1.0
+                lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group))
+                if lr.present and lr.leader.node_id == me and self.mode != "master" \
+                        and lease is not None and self._campaigned_lease == lease:
+                    # the key is ours, on our lease: our campaign's answer was lost, or we stepped down
+                    # because a heartbeat confirmation came late (etcd busy) while the lease lived on.
+                    # Take the seat back once the lease is confirmed again; never leave it empty.
+                    self.member.won(lr.leader.epoch, self.address)
+                    if self.member.is_master(mono_ms()):
+                        await self._switch("master")
+                elif lr.present:
+                    self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
+                elif self.member.leader is not None and self.member.leader != me:
+                    self.member.observed(None, "", self.member.epoch)
+                if not lr.present and self.mode != "master" and mono_ms() >= self._no_campaign_until \
+                        and lease is not None:
+                    wait = campaign_delay_ms(self._role_log_end(), self._peers, step_ms=self.settings.campaign_step_ms)
+                    if wait:
+                        await asyncio.sleep(wait / 1000)
+                    self._campaigned_lease = lease
+                    cr = await meta.call("Campaign", mpb.CampaignRequest(role=self.ROLE, group=group, node_id=me,
+                                                                         lease_id=lease, wait_ms=0))
+                    if cr.elected:
+                        self.member.won(cr.leader.epoch, self.address)
+                        await self._switch("master")
+                    else:
+                        self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
+            except E.HourglassError as e:
+                log.info("role loop: %s", e)
+            if self.mode == "master" and not self.member.is_master(mono_ms()):
+                await self._switch("slave")
+            elif self.mode != "slave" and self.member.leader not in (None, me):
+                await self._switch("slave")
+            await asyncio.sleep(self.settings.leader_poll_ms / 1000)
+
+    def _on_beat(self, sent_at_ms: int) -> None:
+        self.member.keepalive_sent(sent_at_ms)
+
+    async def _resign_and_follow(self) -> pb.HandoverResponse:
+        """Last step of a graceful handover: give up the seat, become a slave, and stay out of
+        the next elections for three lease periods so a caught-up slave wins."""
+        self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
+        try:
+            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.group,
+                                                                       node_id=self.settings.node_id,
+                                                                       epoch=self.member.epoch))
+        except E.HourglassError as e:
+            return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
+        self.member.lease_lost()
+        self._role_task = None
+        self.mode = "handing-over"
+        await self._switch("slave")
+        return pb.HandoverResponse(done=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
+        from node.registration import Registrar
+        from node.server import start_grpc
+
+        if not self.settings.meta_servers:
+            raise E.InvalidArgument("meta_servers", "a replicated node needs meta servers (election)")
+        self.server, self.address = await start_grpc(
+            self.settings, **self._grpc_services(), extra=[lambda srv: rpc.add_ReplicationServicer_to_server(self, srv)])
+        self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
+        self.registrar.on_beat = self._on_beat
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.registrar.run(), name="registration"),
+                         tg.create_task(self._role_loop(), name="roles"),
+                         tg.create_task(self._metrics_loop(), name="metrics")]
+                self.metrics.start(self.settings.metrics_port)
+                log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
+                         self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)
+                if on_ready:
+                    on_ready(self.address)
+                await stop.wait()
+                await self.registrar.close()
+                await self.server.stop(grace=1.0)
+                for t in tasks:
+                    t.cancel()
+                if self._role_task is not None:
+                    self._role_task.cancel()
+        finally:
+            await self._stop_role_task()
+            await self.channels.close()
+            await self._close_clients()
+            if self.server is not None:
+                await self.server.stop(grace=None)
+            self.store.close()
+            self.metrics.stop()
+            log.info("%s node stopped node_id=%s", self.ROLE, self.settings.node_id)
