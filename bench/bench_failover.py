@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -39,8 +38,6 @@ from cluster import errors as E  # noqa: E402
 from cluster.client import Consumer, Producer  # noqa: E402
 from cluster.devcluster import LocalCluster  # noqa: E402
 from cluster.discovery import MetaResolver  # noqa: E402
-from cluster.proto import hourglass_pb2 as pb  # noqa: E402
-from cluster.transport import Channels  # noqa: E402
 
 SUBJECTS = [f"bench.fo.{i}" for i in range(16)]
 
@@ -88,31 +85,15 @@ def consumer_main(a) -> None:
 # ---------------------------------------------------------------------- helpers
 
 async def delay_statuses(cluster) -> dict[str, dict]:
-    ch = Channels()
-    out = {}
-    try:
-        for n in cluster.delay:
-            if n.running:
-                try:
-                    r = await ch.admin(n.address).Status(pb.StatusRequest(), timeout=2)
-                    out[n.name] = json.loads(r.json) | {"master": r.master}
-                except Exception:
-                    pass
-    finally:
-        await ch.close()
-    return out
+    return await cluster.statuses("delay")
 
 
 async def wait_master(cluster, timeout_s: float = 30) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = await delay_statuses(cluster)
-        ms = [k for k, v in st.items() if v["master"]]
-        if len(ms) == 1 and all(v.get("mode") == "slave" and v.get("replication_lag_bytes", 1) == 0
-                                for k, v in st.items() if k != ms[0]) and len(st) == 2:
-            return ms[0]
-        await asyncio.sleep(0.1)
-    raise RuntimeError("no master with a caught-up slave")
+    master = await cluster.wait_master("delay", timeout_s)
+    for n in cluster.delay:
+        if n.name != master:
+            await cluster.wait_caught_up_slave(n.name, "delay", timeout_s)
+    return master
 
 
 def group(root: Path, ack_mode: str) -> LocalCluster:

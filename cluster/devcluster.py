@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def wait_until(pred, timeout_s: float, what: str):
+    """Poll the async predicate every 100 ms until it returns something true (returned)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+
+
 @dataclass
 class NodeProcess:
     name: str
@@ -190,6 +203,43 @@ class LocalCluster:
     @property
     def nodes(self) -> list[NodeProcess]:
         return self.realtime + self.delay
+
+    # ------------------------------------------------------------------ roles (replicated groups)
+
+    async def statuses(self, role: str = "delay") -> dict[str, dict]:
+        """Admin Status of every running node of ``role``: name -> JSON stats plus ``master``."""
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.transport import Channels
+
+        ch = Channels()
+        out: dict[str, dict] = {}
+        try:
+            for n in (self.delay if role == "delay" else self.realtime):
+                if n.running:
+                    try:
+                        r = await ch.admin(n.address).Status(pb.StatusRequest(), timeout=2)
+                        out[n.name] = json.loads(r.json) | {"master": r.master}
+                    except Exception:  # a node that does not answer is simply not listed
+                        pass
+        finally:
+            await ch.close()
+        return out
+
+    async def wait_master(self, role: str = "delay", timeout_s: float = 30) -> str:
+        """Name of the one master once every other running node of ``role`` is its slave."""
+        async def find():
+            st = await self.statuses(role)
+            ms = [k for k, v in st.items() if v["master"]]
+            running = [n for n in (self.delay if role == "delay" else self.realtime) if n.running]
+            slaves = all(v.get("mode") == "slave" for k, v in st.items() if k not in ms)
+            return ms[0] if len(ms) == 1 and slaves and len(st) == len(running) else None
+        return await wait_until(find, timeout_s, f"one {role} master")
+
+    async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = 30) -> None:
+        async def ok():
+            st = (await self.statuses(role)).get(name, {})
+            return st.get("mode") == "slave" and st.get("replication_lag_bytes", 1) == 0
+        await wait_until(ok, timeout_s, f"{name} as a caught-up slave")
 
     def start(self) -> "LocalCluster":
         try:

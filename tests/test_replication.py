@@ -9,18 +9,17 @@ master returns as a slave; graceful handover.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 
 from cluster import errors as E
 from cluster.client import Consumer, Producer
-from cluster.devcluster import LocalCluster
+from cluster.devcluster import LocalCluster, wait_until as wait_for
+from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
 from cluster.proto import hourglass_pb2 as pb
 from cluster.transport import Channels
-from node.store.log import SegmentedLog
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
@@ -30,52 +29,11 @@ def now_ms() -> int:
 
 
 async def statuses(cluster) -> dict[str, dict]:
-    ch = Channels()
-    out = {}
-    try:
-        for n in cluster.delay:
-            if n.running:
-                try:
-                    r = await ch.admin(n.address).Status(pb.StatusRequest(), timeout=2)
-                    out[n.name] = json.loads(r.json) | {"master": r.master}
-                except Exception:
-                    pass
-    finally:
-        await ch.close()
-    return out
+    return await cluster.statuses("delay")
 
 
-async def wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-async def master_of(cluster):
-    async def find():
-        st = await statuses(cluster)
-        ms = [k for k, v in st.items() if v["master"]]
-        slaves_caught_up = all(v.get("mode") == "slave" for k, v in st.items() if k not in ms)
-        return ms[0] if len(ms) == 1 and slaves_caught_up and len(st) == len([n for n in cluster.delay if n.running]) \
-            else None
-    return await wait_for(find, 30, "one master")
-
-
-def _log_bytes(path) -> bytes:
-    lg = SegmentedLog.open(path, segment_bytes_max=64 * 1024 * 1024)
-    try:
-        out, off = bytearray(), lg.start_offset
-        while off < lg.end_offset:
-            chunk = lg.read_bytes(off, 1 << 20)
-            out += chunk
-            off += len(chunk)
-        return bytes(out)
-    finally:
-        lg.close()
+async def master_of(cluster) -> str:
+    return await cluster.wait_master("delay")
 
 
 @pytest.fixture
@@ -178,8 +136,8 @@ async def test_slave_logs_are_byte_identical_and_handover_has_no_duplicates(grou
     # byte-identical logs (prefix: the slave may trail by what arrived in the last instant)
     a, b = (group.root / n.name for n in group.delay)
     for name in ("messages", "dispatch"):
-        x, y = _log_bytes(a / "data" / name if (a / "data").exists() else a / name), \
-            _log_bytes(b / "data" / name if (b / "data").exists() else b / name)
+        x, y = log_bytes(a / "data" / name if (a / "data").exists() else a / name), \
+            log_bytes(b / "data" / name if (b / "data").exists() else b / name)
         short, long_ = sorted((x, y), key=len)
         assert long_[: len(short)] == short and len(short) > 0
 
@@ -271,7 +229,7 @@ async def test_returning_master_truncates_its_divergent_suffix(tmp_path):
         finally:
             await resolver.close()
         assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
-        x, y = _log_bytes(m.data_dir / "messages"), _log_bytes(s.data_dir / "messages")
+        x, y = log_bytes(m.data_dir / "messages"), log_bytes(s.data_dir / "messages")
         assert x == y[: len(x)] and len(x) > 0
 
 

@@ -12,7 +12,6 @@ the new master's. In ``async`` mode a returning old master truncates the diverge
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -20,12 +19,10 @@ import pytest
 
 from cluster import errors as E
 from cluster.client import Consumer, Producer
-from cluster.devcluster import LocalCluster
+from cluster.devcluster import LocalCluster, wait_until as wait_for
+from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
-from cluster.proto import hourglass_pb2 as pb
-from cluster.transport import Channels
 from node.realtime.store import RealtimeStore
-from node.store.log import SegmentedLog
 from node.store.records import Message
 
 needs_etcd = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
@@ -34,59 +31,15 @@ BATCH = 50  # consumer pull size: bounds the duplicates a failover may cause
 
 
 async def statuses(cluster) -> dict[str, dict]:
-    ch = Channels()
-    out = {}
-    try:
-        for n in cluster.realtime:
-            if n.running:
-                try:
-                    r = await ch.admin(n.address).Status(pb.StatusRequest(), timeout=2)
-                    out[n.name] = json.loads(r.json) | {"master": r.master}
-                except Exception:
-                    pass
-    finally:
-        await ch.close()
-    return out
-
-
-async def wait_for(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    return await cluster.statuses("realtime")
 
 
 async def master_of(cluster) -> str:
-    async def find():
-        st = await statuses(cluster)
-        ms = [k for k, v in st.items() if v["master"]]
-        running = [n for n in cluster.realtime if n.running]
-        others_slaves = all(v.get("mode") == "slave" for k, v in st.items() if k not in ms)
-        return ms[0] if len(ms) == 1 and others_slaves and len(st) == len(running) else None
-    return await wait_for(find, 30, "one real-time master")
+    return await cluster.wait_master("realtime")
 
 
 async def caught_up_slave(cluster, name: str) -> None:
-    async def ok():
-        st = await statuses(cluster)
-        return st.get(name, {}).get("mode") == "slave" and st[name].get("replication_lag_bytes", 1) == 0
-    await wait_for(ok, 30, f"{name} as a caught-up slave")
-
-
-def log_bytes(path) -> bytes:
-    lg = SegmentedLog.open(path, segment_bytes_max=64 * 1024 * 1024)
-    try:
-        out, off = bytearray(), lg.start_offset
-        while off < lg.end_offset:
-            chunk = lg.read_bytes(off, 1 << 20)
-            out += chunk
-            off += len(chunk)
-        return bytes(out)
-    finally:
-        lg.close()
+    await cluster.wait_caught_up_slave(name, "realtime")
 
 
 def index_bytes(node, subject: str) -> bytes:
