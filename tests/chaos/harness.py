@@ -43,7 +43,7 @@ FAULT_KINDS = ("delay_master_kill", "delay_master_stop", "realtime_kill", "meta_
 FAULT_WEIGHTS = {"delay_master_kill": 6, "delay_master_stop": 2, "realtime_kill": 2, "meta_kill": 1,
                  "etcd_kill": 1}
 N_DELAY_GROUPS = 2
-N_REALTIME = 2
+N_REALTIME = 2  # real-time groups, each a master + slave
 N_META = 2
 ETCD_MEMBERS = 3
 MASTER_FIND_TIMEOUT_S = 30.0
@@ -186,6 +186,9 @@ class ChaosRun:
     def delay_group(self, g: int):
         return self.cluster.delay[g * 2: g * 2 + 2]
 
+    def realtime_group(self, g: int):
+        return self.cluster.realtime[g * 2: g * 2 + 2]
+
     # ------------------------------------------------------------ workload
 
     def _delay_ms(self) -> int:
@@ -305,15 +308,20 @@ class ChaosRun:
             nodes = self.delay_group(g)
             if not all(n.running for n in nodes) or await group_master(channels, nodes) is None:
                 return False
-        return all(n.running for n in self.cluster.realtime + self.cluster.meta)
+        for g in range(N_REALTIME):
+            nodes = self.realtime_group(g)
+            if not all(n.running for n in nodes) or await group_master(channels, nodes) is None:
+                return False
+        return all(n.running for n in self.cluster.meta)
 
     async def inject(self, fault: Fault, channels) -> dict:
         c = self.cluster
         ev = {"index": fault.index, "kind": fault.kind, "target": fault.target, "hold_s": fault.hold_s,
                "at_s": fault.at_s}
         t_start = now_ms()
-        if fault.kind in ("delay_master_kill", "delay_master_stop"):
-            nodes = self.delay_group(fault.target)
+        if fault.kind in ("delay_master_kill", "delay_master_stop", "realtime_kill"):
+            nodes = (self.realtime_group(fault.target) if fault.kind == "realtime_kill"
+                     else self.delay_group(fault.target))
             master = await wait_until(lambda: group_master(channels, nodes), MASTER_FIND_TIMEOUT_S)
             if master is None:
                 return ev | {"skipped": "no master found", "t_start": t_start, "t_end": now_ms()}
@@ -321,7 +329,7 @@ class ChaosRun:
             other = [n for n in nodes if n.name != master]
             ev["process"] = master
             t_start = now_ms()
-            if fault.kind == "delay_master_kill":
+            if fault.kind in ("delay_master_kill", "realtime_kill"):
                 await asyncio.to_thread(node.kill)
             else:
                 node.signal(signal.SIGSTOP)
@@ -330,20 +338,18 @@ class ChaosRun:
             async def promoted():
                 st = await delay_statuses(channels, other)
                 return any(v["master"] for v in st.values())
-            wait_s = RECOVERY_TIMEOUT_S if fault.kind == "delay_master_kill" else fault.hold_s
+            wait_s = fault.hold_s if fault.kind == "delay_master_stop" else RECOVERY_TIMEOUT_S
             got = await wait_until(promoted, wait_s)
             ev["failover_ms"] = now_ms() - t_start if got else None
             elapsed = (now_ms() - t_start) / 1000
             await asyncio.sleep(max(0.0, fault.hold_s - elapsed))
-            if fault.kind == "delay_master_kill":
+            if fault.kind != "delay_master_stop":
                 ev["restart_error"] = await self._restart(node)
             else:
                 node.signal(signal.SIGCONT)
                 self.frozen.discard(node.name)
         else:
-            if fault.kind == "realtime_kill":
-                proc = c.realtime[fault.target]
-            elif fault.kind == "meta_kill":
+            if fault.kind == "meta_kill":
                 proc = c.meta[fault.target]
             else:
                 proc = c.etcd.members[fault.target]
@@ -411,7 +417,8 @@ class ChaosRun:
 
         cfg = self.cfg
         cluster_root = self.out / "cluster"
-        self.cluster = LocalCluster(cluster_root, n_delay=2 * N_DELAY_GROUPS, delay_replicas=2, n_realtime=N_REALTIME,
+        self.cluster = LocalCluster(cluster_root, n_delay=2 * N_DELAY_GROUPS, delay_replicas=2,
+                                    n_realtime=2 * N_REALTIME, realtime_replicas=2,
                                     meta=True, n_meta=N_META, etcd_members=ETCD_MEMBERS, ack_mode="sync",
                                     lease_ttl_ms=cfg.lease_ttl_ms)
         t_cluster = time.monotonic()

@@ -5,11 +5,9 @@ under ~3 minutes). Long runs: ``bash scripts/chaos.sh SEED DURATION_S`` (or ``HO
 with ``HOURGLASS_CHAOS_DURATION_S`` for ``test_chaos_long``). A failing run names its seed; the
 same seed gives the same fault schedule (``python -m tests.chaos.harness --schedule-only --seed N``).
 
-Open broker bugs this suite found are listed in ``KNOWN_OPEN`` and docs/reliability.md: the
-default run leaves out the fault kind that triggers the first (an etcd member kill), and the
-second (a receive after an acknowledged cancel) turns the test into an xfail naming the bug,
-never a pass; any other violation (a lost message, restart or corruption errors, no traffic,
-no master fault) fails.
+Any violation (a lost message, a receive after an acknowledged cancel, restart or corruption
+errors, no traffic, no master fault) fails the run and names its seed. The bugs this suite
+found are in docs/reliability.md with the regression tests that now guard them.
 """
 
 from __future__ import annotations
@@ -24,15 +22,9 @@ from tests.chaos.harness import FAULT_KINDS, ChaosConfig, fault_schedule, run_ch
 
 pytestmark = pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
 
-# fault kinds of the default CI run: etcd_kill is left out while KNOWN_OPEN[0] is open
-CI_KINDS = ("delay_master_kill", "delay_master_stop", "realtime_kill", "meta_kill")
-KNOWN_OPEN = (
-    "etcd_kill: a master whose lease keep-alive is late demotes itself but stays the elected leader in "
-    "etcd; the group has no master until the lease dies (docs/reliability.md, finding 1)",
-    "received_after_cancel: a sync-mode send retried on another delay group is stored in both; cancel stops "
-    "at the first group that answers OK (docs/reliability.md, finding 2)",
-)
-KNOWN_MARKERS = ("after the cancel was acknowledged",)
+# the default CI run plays every fault kind (findings 1 and 2 of docs/reliability.md are fixed,
+# with regression tests in tests/test_replication.py and tests/test_e2e.py)
+CI_KINDS = FAULT_KINDS
 
 
 def test_schedule_is_a_pure_function_of_the_seed():
@@ -56,13 +48,8 @@ def _judge(report: dict) -> None:
     assert report["messages"]["acked"] > 0, f"seed={seed}: nothing acknowledged"
     assert report["faults"]["master_kills"] + report["faults"]["by_kind"].get("delay_master_stop", 0) > 0, \
         f"seed={seed}: no master fault injected"
-    others = [v for v in report["violations"] if not any(k in v for k in KNOWN_MARKERS)]
-    assert not others, f"seed={seed} (rerun: bash scripts/chaos.sh {seed}): " + "; ".join(report["violations"]) \
-        + "\n" + summarize(report)
-    if report["violations"]:
-        pytest.xfail(f"seed={seed}: known open bugs (docs/reliability.md): {report['violations']}; "
-                     f"lost examples {report['lost']['examples'][:3]}; "
-                     f"after-cancel examples {report['received_after_cancel']['examples'][:3]}")
+    assert not report["violations"], f"seed={seed} (rerun: bash scripts/chaos.sh {seed}): " \
+        + "; ".join(report["violations"]) + "\n" + summarize(report)
 
 
 @pytest.mark.timeout(420)
