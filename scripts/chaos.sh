@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long chaos run: a real local cluster (3-member etcd, 2 meta servers, 2 replicated delay groups,
-# 2 real-time nodes), continuous delayed traffic, seeded faults, independent invariant check.
+# 2 replicated real-time groups), continuous delayed traffic, seeded faults, independent invariant check.
 #
 #   bash scripts/chaos.sh [SEED] [DURATION_S]           # defaults: SEED=$RANDOM, DURATION_S=1200
 #   HOURGLASS_CHAOS_KINDS=delay_master_kill,realtime_kill bash scripts/chaos.sh 3 600
