@@ -40,6 +40,7 @@ Invariants that make restart exact:
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import struct
@@ -158,6 +159,7 @@ class DelayStore:
                 self._dispatched[d.seq] = d.deliver_at_ms
                 self._dispatch_trail.append((d.deliver_at_ms, off))
         self._inflight: dict[int, int] = {}  # seq -> effective_ms
+        self._inflight_heap: list[tuple[int, int]] = []  # (effective_ms, seq), lazily pruned
         self._unfiled: dict[str, tuple[int, int]] = {}  # msg_id -> (seq, message-log offset)
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
@@ -468,6 +470,7 @@ class DelayStore:
             bucket_start, data_off, fsize = e.ref
             body = self.schedule.read(bucket_start, data_off, fsize)
             self._inflight[e.seq] = e.deliver_at_ms
+            heapq.heappush(self._inflight_heap, (e.deliver_at_ms, e.seq))
             out.append(Due(e.seq, e.deliver_at_ms, records.decode(body)))
         self._advance_completed()
         return out
@@ -508,8 +511,14 @@ class DelayStore:
 
     def _advance_completed(self) -> None:
         c = self.wheel.cursor_ms
-        if self._inflight:
-            c = min(c, min(self._inflight.values()))
+        heap, inflight = self._inflight_heap, self._inflight
+        if len(heap) > 2 * len(inflight) + 1024:  # stale entries below the top: rebuild
+            heap[:] = [(e, q) for q, e in inflight.items()]
+            heapq.heapify(heap)
+        while heap and inflight.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # acknowledged or released since
+        if heap:
+            c = min(c, heap[0][0])
         c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
         if c > self.completed_ms:
             self.completed_ms = c
@@ -575,6 +584,7 @@ class DelayStore:
         (iterate_offset, completed_ms, dispatch_offset), shipped with its tick state."""
         self.follower = True
         self._inflight.clear()
+        self._inflight_heap.clear()
         if master_checkpoint is not None:
             self.replicated = dict(master_checkpoint)
             self.persisted_completed_ms = self.completed_ms = int(master_checkpoint["completed_ms"])

@@ -60,6 +60,10 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
         self._new_data: dict[str, asyncio.Event] = {}
+        self._groups_dirty: set[tuple[str, str]] = set()
+        self._groups_lock = asyncio.Lock()
+        self._groups_rounds_started = 0
+        self._groups_rounds_done = 0
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -154,11 +158,27 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         try:
             n = self.store.ack(request.subject, request.group, list(request.handles), now_ms=self.clock.now_ms())
-            self.store.persist_group(request.subject, request.group)  # durable before the answer
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
+        await self._groups_durable(request.subject, request.group)  # durable before the answer
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
+
+    async def _groups_durable(self, subject: str, group: str) -> None:
+        """Group commit of consumer-group files: acks that arrive while a write is running are
+        written together by the next one (one file write per group per round, on the store's
+        group-writer thread, never blocking the event loop)."""
+        self._groups_dirty.add((subject, group))
+        registered_at = self._groups_rounds_started
+        async with self._groups_lock:
+            if self._groups_rounds_done > registered_at:
+                return  # a round that started after this ack was registered has written it
+            self._groups_rounds_started += 1
+            keys, self._groups_dirty = self._groups_dirty, set()
+            items = self.store.snapshot_groups(keys)
+            if items:
+                await asyncio.wrap_future(self.store.write_groups_async(items))
+            self._groups_rounds_done = self._groups_rounds_started
 
     async def Nack(self, request: pb.NackRequest, context) -> pb.NackResponse:
         now = self.clock.now_ms()
@@ -184,7 +204,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if ev:
                 ev.set()
         self.store.ack(request.subject, request.group, [d.handle for d, _ in retried + dead], now_ms=now)
-        self.store.persist_group(request.subject, request.group)
+        await self._groups_durable(request.subject, request.group)
         return pb.NackResponse(retried=len(retried), dead_lettered=len(dead))
 
     async def _send_to_delay(self, msgs: list[Message]) -> None:

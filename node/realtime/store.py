@@ -94,6 +94,7 @@ import struct
 import uuid
 import zlib
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,6 +190,14 @@ def _runs(handles: Iterable[int]) -> list[list[int]]:
     return out
 
 
+def _write_group_files(jobs: list[tuple[Path, str, dict]]) -> None:
+    for d, name, doc in jobs:
+        if not d.exists():
+            d.mkdir(parents=True)
+            _fsync_dir(d.parent)
+        checkpoint.write_atomic(d / f"{name}.json", doc)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -247,6 +256,7 @@ class RealtimeStore:
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.segment_bytes,
                                           record_bytes_max=record_bytes_max)
         self._closed = False
+        self._group_writer: ThreadPoolExecutor | None = None
         self._ckpt_path = root / "checkpoint"
         ck = checkpoint.read(self._ckpt_path) or {}
         self.epoch = int(ck.get("epoch", 0)) + (1 if bump_epoch else 0)
@@ -293,6 +303,8 @@ class RealtimeStore:
         self.flush()
         for s in list(self._open_fds):
             self._close_fd(self._subjects[s])
+        if self._group_writer is not None:
+            self._group_writer.shutdown(wait=True)
         self.messages.close()
         self._closed = True
 
@@ -644,18 +656,14 @@ class RealtimeStore:
         self._save_checkpoint(indexed, dedup_offset)
 
     def persist_group(self, subject: str, group: str) -> bool:
-        """Write one group's file now if it changed (the service calls it before answering
-        an Ack, so an acknowledged ack survives a crash). True if a file was written."""
+        """Write one group's file now if it changed (an acknowledged ack survives a crash).
+        True if a file was written. The service batches many acks into one write per group
+        with ``snapshot_groups`` + ``write_groups_async`` instead."""
         self._check_open()
-        g = self._groups.get((subject, group))
-        if g is None or not g.dirty:
-            return False
-        doc = g.doc()
-        g.dirty = False
-        if doc == g.persisted:
-            return False
-        self._write_group(g, doc)
-        return True
+        items = self.snapshot_groups([(subject, group)])
+        if items:
+            self.write_groups_async(items).result()
+        return bool(items)
 
     def _save_checkpoint(self, indexed: int, dedup_offset: int) -> None:
         doc = {"epoch": self.epoch, "indexed_offset": indexed, "dedup_offset": dedup_offset}
@@ -665,13 +673,33 @@ class RealtimeStore:
         self.indexed_offset = indexed
 
     def _write_group(self, g: _Group, doc: dict) -> None:
-        d = self.root / "groups" / g.subject
-        if not d.exists():
-            d.mkdir(parents=True)
-            _fsync_dir(d.parent)
-        checkpoint.write_atomic(d / f"{g.name}.json", doc)
-        g.persisted = doc
-        self._note_group_write(g)
+        self.write_groups_async([(g, doc)]).result()
+
+    def write_groups_async(self, items: list[tuple["_Group", dict]]) -> Future:
+        """Write group files on the one group-writer thread, in submission order (so a newer
+        document of a group never lands before an older one). The in-memory state moves at
+        once; the returned future completes when the files are fsynced."""
+        jobs = []
+        for g, doc in items:
+            g.persisted = doc
+            self._note_group_write(g)
+            jobs.append((self.root / "groups" / g.subject, g.name, doc))
+        if self._group_writer is None:
+            self._group_writer = ThreadPoolExecutor(1, thread_name_prefix="group-writer")
+        return self._group_writer.submit(_write_group_files, jobs)
+
+    def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple["_Group", dict]]:
+        """Documents of the given groups that changed since they were last written."""
+        out = []
+        for key in keys:
+            g = self._groups.get(key)
+            if g is None or not g.dirty:
+                continue
+            doc = g.doc()
+            g.dirty = False
+            if doc != g.persisted:
+                out.append((g, doc))
+        return out
 
     # ------------------------------------------------------------------ consume
 
