@@ -132,6 +132,7 @@ def test_default_install(helm):
     assert env["HOURGLASS_ADVERTISE"] == f"$(HOURGLASS_NODE_ID).hg-hourglass-delay-d1.{DOMAIN}:7000"
     assert json.loads(env["HOURGLASS_META_SERVERS"]) == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
     assert env["HOURGLASS_ACK_MODE"] == "async"
+    assert env["HOURGLASS_REPLICATED"] == "true"  # master chosen by election, not by pod name
     assert env["HOURGLASS_DATA_DIR"] == "/var/lib/hourglass" and env["HOURGLASS_METRICS_PORT"] == "9100"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": 7000}, probe
