@@ -252,3 +252,22 @@ async def test_group_has_a_master_again_after_the_meta_server_stalls(group):
         assert r.seq
     finally:
         await resolver.close()
+
+
+async def test_a_clean_stop_of_the_master_hands_over(group):
+    """SIGTERM (rolling upgrade) of the master: it hands over before it exits, so the slave
+    becomes master with every byte, even in async mode nothing has to be truncated later."""
+    master = await master_of(group)
+    node = next(n for n in group.delay if n.name == master)
+    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
+    try:
+        async with Producer(resolver) as p:
+            await asyncio.gather(*[await p.send("rep.term", "x", id=f"t{k}", delay_ms=60_000) for k in range(100)])
+        node.stop()  # SIGTERM and wait
+        assert "stop: handover done" in node.log_path.read_text()
+        new = await master_of(group)
+        assert new != master
+        async with Producer(resolver, retries_max=40) as p:
+            assert (await p.lookup("t99")).status == "pending"
+    finally:
+        await resolver.close()

@@ -405,6 +405,14 @@ class ReplicaRoles:
                 if on_ready:
                     on_ready(self.address)
                 await stop.wait()
+                if self.is_master() and self._peers:
+                    # a clean stop (SIGTERM, rolling upgrade) of a master hands over first: a slave
+                    # takes the last bytes and tick state and wins at once; nothing is lost or repeated
+                    try:
+                        r = await asyncio.wait_for(self.Handover(pb.HandoverRequest(wait_ms=10_000), None), 20)
+                        log.warning("stop: handover %s%s", "done" if r.done else "refused: ", r.error)
+                    except (TimeoutError, E.HourglassError) as e:
+                        log.warning("stop: handover failed: %s", e)
                 await self.registrar.close()
                 await self.server.stop(grace=1.0)
                 for t in tasks:
