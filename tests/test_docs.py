@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from node.store import log, records, schedule
+from node.realtime import store as rt_store
+from node.store import idindex, log, records, schedule
 from node import wheel
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
@@ -32,3 +33,19 @@ def test_record_fields_documented():
 def test_tick_state_documented():
     assert '"HGTS"' in DOC
     assert len(wheel.TickState(1, 2, 3, 4).encode()) == 37
+
+
+def test_id_index_layout_documented():
+    assert idindex.ENTRY.format in DOC and idindex.ENTRY_SIZE == 40
+    assert f'"{idindex.MAGIC.decode()}"' in DOC
+
+
+def test_realtime_layout_documented():
+    assert rt_store.ENTRY.format in DOC and rt_store.ENTRY.size == 32 and "32 bytes" in DOC
+    for field in ('"committed"', '"next"', '"pending"'):
+        assert field in DOC
+
+
+def test_replication_files_documented():
+    for name in ("messages.epochs", "dispatch.epochs", "voided.json", '"replicated"'):
+        assert name in DOC
