@@ -21,6 +21,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_DOCKER_WAS_RUNNING: bool | None = None
+
+
+def pytest_sessionstart(session) -> None:
+    global _DOCKER_WAS_RUNNING
+    try:
+        _DOCKER_WAS_RUNNING = subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except Exception:
+        _DOCKER_WAS_RUNNING = False
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Leave no process behind: stop a Docker daemon that this test session started."""
+    if _DOCKER_WAS_RUNNING is False and Path("/tmp/hourglass-dockerd.pid").exists():
+        subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop"], capture_output=True, timeout=120)
+
+
 def _docker_available() -> str | None:
     """None when a Docker daemon answers (started if needed), else the reason."""
     try:
