@@ -1,6 +1,11 @@
 """A local cluster of real node processes on 127.0.0.1: for the demo, ``hourglass dev up``,
 tests and benchmarks.
 
+Placement (network-partition tests, ``tests/chaos/netns.py``): ``hosts`` gives a process
+(by name: ``meta-1``, ``realtime-1``, ``delay-2`` ...) its bind/advertise address instead of
+127.0.0.1 and ``prefixes`` a command prefix such as ``["ip", "netns", "exec", ns]``; the
+prefix execs, so the PID stays the node's and stop/kill by PID still work.
+
 Every process is started with a ready file and stopped by its PID (SIGTERM, then
 SIGKILL after ``stop_timeout_s``), never by name. ``cluster.json`` in the data root
 lists the addresses so CLI commands find the cluster without flags.
@@ -53,10 +58,12 @@ class NodeProcess:
     args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    host: str = "127.0.0.1"  # bind and advertise address
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", ns]; must exec
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def ready_file(self) -> Path:
@@ -70,9 +77,9 @@ class NodeProcess:
         logf = open(self.log_path, "ab")
         env = dict(os.environ)
         env.update(self.env)
-        cmd = [sys.executable, "-m", "cluster.cli", "node", "--role", self.role, "--node-id", self.name,
-               "--data-dir", str(self.data_dir), "--port", str(self.port), "--ready-file", str(self.ready_file),
-               *self.args]
+        cmd = [*self.prefix, sys.executable, "-m", "cluster.cli", "node", "--role", self.role, "--node-id", self.name,
+               "--data-dir", str(self.data_dir), "--host", self.host, "--port", str(self.port),
+               "--ready-file", str(self.ready_file), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
         logf.close()
@@ -134,7 +141,8 @@ class MetaProcess(NodeProcess):
         logf = open(self.log_path, "ab")
         env = dict(os.environ)
         env.update(self.env)
-        cmd = [sys.executable, "-m", "cluster.cli", "metaserver", "--port", str(self.port),
+        cmd = [*self.prefix, sys.executable, "-m", "cluster.cli", "metaserver", "--host", self.host,
+               "--port", str(self.port),
                "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                      cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
@@ -155,7 +163,8 @@ class LocalCluster:
                  realtime_args: list[str] | None = None, meta: bool = False, n_meta: int = 0,
                  etcd_members: int = 1, etcd_endpoints: list[str] | None = None,
                  delay_replicas: int = 1, ack_mode: str = "async", lease_ttl_ms: int | None = None,
-                 realtime_replicas: int = 1) -> None:
+                 realtime_replicas: int = 1, hosts: dict[str, str] | None = None,
+                 prefixes: dict[str, list[str]] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
@@ -166,12 +175,20 @@ class LocalCluster:
             from cluster.etcdproc import EtcdCluster
             self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members)
             self.etcd_endpoints = self.etcd.endpoints
+        hosts, prefixes = hosts or {}, prefixes or {}
+
+        def place(name: str) -> dict:
+            return {"host": hosts.get(name, "127.0.0.1"), "prefix": list(prefixes.get(name, []))}
+
         self.meta = [MetaProcess(f"meta-{i + 1}", "meta", self.root / f"meta-{i + 1}", free_port(), dict(self.env),
-                                 etcd_endpoints=self.etcd_endpoints) for i in range(n_meta)]
+                                 etcd_endpoints=self.etcd_endpoints, **place(f"meta-{i + 1}"))
+                     for i in range(n_meta)]
         self.realtime = [NodeProcess(f"realtime-{i + 1}", "realtime", self.root / f"realtime-{i + 1}", free_port(),
-                                     dict(self.env), list(realtime_args or [])) for i in range(n_realtime)]
+                                     dict(self.env), list(realtime_args or []), **place(f"realtime-{i + 1}"))
+                         for i in range(n_realtime)]
         self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
-                                  dict(self.env), list(delay_args or [])) for i in range(n_delay)]
+                                  dict(self.env), list(delay_args or []), **place(f"delay-{i + 1}"))
+                      for i in range(n_delay)]
         if self.meta:
             for i, n in enumerate(self.realtime):
                 # realtime_replicas > 1: real-time groups of a master and slaves (node/replication/realtime.py)
