@@ -213,6 +213,10 @@ async def run(net: dict, root: Path) -> dict:
     cluster = LocalCluster(root, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
                            lease_ttl_ms=2000, hosts=hosts, prefixes=prefixes)
     cluster.start()
+    # for the test's clean-up if this driver is killed: every PID with its command line
+    (root / "pids.json").write_text(json.dumps(
+        [n.proc.pid for n in cluster.meta + cluster.nodes if n.proc]
+        + [m.proc.pid for m in (cluster.etcd.members if cluster.etcd else []) if m.proc]))
     try:
         await asyncio.to_thread(cluster.wait_registered)
         master = await cluster.wait_master("delay", timeout_s=WAIT_S_MAX)
@@ -249,6 +253,15 @@ async def run(net: dict, root: Path) -> dict:
                     return st.get("master")
                 await wait_until(slave_is_master, WAIT_S_MAX, f"{slave} to take over")
                 event("failover", new_master=slave, failover_ms=now_ms() - t_cut)
+                # hold the cut until the new master delivered what was acknowledged before it
+                before = {x["id"] for x in traffic.sends if x["result"] == "OK" and x["answered"] < t_cut}
+
+                async def delivered():
+                    return before <= {x["id"] for x in traffic.receives}
+                try:
+                    await wait_until(delivered, WAIT_S_MAX, "deliveries during the partition")
+                except TimeoutError:
+                    event("not_delivered_during_partition")  # the test sees it in the numbers
                 await asyncio.sleep(max(0.0, MASTER_PARTITION_S - (now_ms() - t_cut) / 1000))
                 cut(master, False)
                 t_heal = now_ms()

@@ -75,6 +75,27 @@ def summarize(r: dict) -> dict:
     }
 
 
+def _kill_leftovers(driver: subprocess.Popen, cluster_root: Path) -> None:
+    """After a driver that timed out or crashed: SIGKILL it and every process it started that is
+    still alive, by PID (listed in pids.json), only if its command line names this run's files."""
+    import os
+    import signal
+
+    if driver.poll() is None:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(10)
+    pids = cluster_root / "pids.json"
+    if not pids.exists():
+        return
+    for pid in json.loads(pids.read_text()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # gone
+        if str(cluster_root) in cmd:
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def partition_run(tmp_path_factory) -> dict:
     if not shutil.which("etcd"):
@@ -86,11 +107,20 @@ def partition_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("partition")
     with netns.Netns(["core", "delay-1", "delay-2"]) as net:
         (root / "net.json").write_text(json.dumps(net.describe()))
-        out = root / "out.json"
-        r = subprocess.run([*net.exec_prefix("core"), sys.executable, "-m", "tests.chaos.partition_driver", "run",
-                            "--net", str(root / "net.json"), "--root", str(root / "cluster"), "--out", str(out)],
-                           cwd=REPO, capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
-        assert r.returncode == 0 and out.exists(), f"driver failed ({r.returncode}):\n{r.stderr[-4000:]}"
+        out, log = root / "out.json", root / "driver.log"
+        with open(log, "wb") as logf:
+            driver = subprocess.Popen(
+                [*net.exec_prefix("core"), sys.executable, "-m", "tests.chaos.partition_driver", "run",
+                 "--net", str(root / "net.json"), "--root", str(root / "cluster"), "--out", str(out)],
+                cwd=REPO, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = driver.wait(timeout=DRIVER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _kill_leftovers(driver, root / "cluster")
+        tail = log.read_text(errors="replace")[-4000:]
+        assert rc == 0 and out.exists(), f"driver failed (exit {rc}):\n{tail}"
     result = json.loads(out.read_text())
     summary = summarize(result)
     (root / "summary.json").write_text(json.dumps(summary, indent=2))
