@@ -308,6 +308,20 @@ class RealtimeStore:
         self.messages.close()
         self._closed = True
 
+    def __del__(self) -> None:
+        # dropped without close() (a crash simulation): give the index descriptors back
+        if getattr(self, "_closed", True):
+            return
+        try:
+            for ix in getattr(self, "_subjects", {}).values():
+                if ix.fd >= 0:
+                    os.close(ix.fd)
+                    ix.fd = -1
+            if self._group_writer is not None:
+                self._group_writer.shutdown(wait=False)
+        except Exception:
+            pass
+
     def __enter__(self) -> "RealtimeStore":
         return self
 

@@ -501,6 +501,16 @@ class IdIndex:
             self._closed = True
             self._unmap_all()
 
+    def __del__(self) -> None:
+        # dropped without close(): give the maps and descriptors back, write nothing
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            self._unmap_all()
+        except Exception:
+            pass
+
     def __enter__(self) -> IdIndex:
         return self
 

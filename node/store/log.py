@@ -238,6 +238,19 @@ class SegmentedLog:
         self._readers.clear()
         self._closed = True
 
+    def __del__(self) -> None:
+        # an object dropped without close() (a crash simulation, a failed open) gives its
+        # descriptors back; nothing is flushed or written
+        if getattr(self, "_closed", True):
+            return
+        try:
+            os.close(self._active_fd)
+            for fd in self._readers.values():
+                os.close(fd)
+        except OSError:
+            pass
+        self._closed = True
+
     def __enter__(self) -> "SegmentedLog":
         return self
 

@@ -260,7 +260,19 @@ class Bucket:
         self.heads.release()
         self._heads_map.close()
         os.close(self._index_fd)
+        self._index_fd = -1
         self.data.close()
+
+    def __del__(self) -> None:
+        # dropped without close(): give the descriptors back, write nothing
+        try:
+            if getattr(self, "_index_fd", -1) >= 0:
+                os.close(self._index_fd)
+                self._index_fd = -1
+            self.heads.release()
+            self._heads_map.close()
+        except Exception:
+            pass
 
 
 _EFFECTIVE = struct.Struct("<q")
