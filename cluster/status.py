@@ -82,6 +82,8 @@ def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
         return E.Overloaded(detail or "")
     if status == grpc.StatusCode.FAILED_PRECONDITION and detail and detail.startswith("stale epoch"):
         return E.StaleEpoch(0, 0)
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED and detail and "ack_mode=sync" in detail:
+        return E.ReplicationTimeout(detail)  # the server's own sync-mode answer, not a client deadline
     if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         if detail and detail.startswith("not the master"):
             hint = detail.split("leader_hint=", 1)[-1] if "leader_hint=" in detail else None
