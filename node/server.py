@@ -54,12 +54,20 @@ def build(settings: NodeSettings):
     return RealtimeNode(settings)
 
 
+def dump_tasks() -> None:
+    """Log the stack of every asyncio task (a stuck node tells where it waits)."""
+    for t in asyncio.all_tasks():
+        frames = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in t.get_stack(limit=30)]
+        logging.getLogger("hourglass.tasks").warning("task %s:\n  %s", t.get_name(), "\n  ".join(frames))
+
+
 async def serve(settings: NodeSettings) -> None:
     """Run one node until SIGINT/SIGTERM; then stop cleanly (checkpoint, close files)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # operators: `kill -USR1 <pid>` logs every task's stack
     node = build(settings)
 
     def ready(address: str) -> None:

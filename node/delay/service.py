@@ -41,6 +41,7 @@ from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
 from node.store.group_commit import GroupCommitter
 from node.store.records import Dispatched, Message
+from node.aio import wait_event
 
 log = logging.getLogger("hourglass.delay")
 
@@ -170,7 +171,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def _iterator_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._durable_moved.wait(), self.settings.iterate_interval_ms / 1000 * 50)
+                await wait_event(self._durable_moved, self.settings.iterate_interval_ms / 1000 * 50)
             except TimeoutError:
                 pass
             self._durable_moved.clear()

@@ -31,6 +31,7 @@ from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
 from node.store.group_commit import GroupCommitter
 from node.store.records import Message
+from node.aio import wait_event
 
 log = logging.getLogger("hourglass.realtime")
 
@@ -147,7 +148,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 break
             try:
                 # wake at new data, or at least every second (ack timeouts make redeliveries due)
-                await asyncio.wait_for(ev.wait(), min(left, 1.0))
+                await wait_event(ev, min(left, 1.0))
             except TimeoutError:
                 pass
         self.metrics.delivered.inc(len(got))

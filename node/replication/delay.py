@@ -37,6 +37,7 @@ from node.delay.store import DelayStore
 from node.replication.core import SyncTracker
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store.group_commit import GroupCommitter
+from node.aio import wait_event
 
 log = logging.getLogger("hourglass.replication")
 
@@ -162,7 +163,7 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
     async def _slave_iterate_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._durable_moved.wait(), 0.2)
+                await wait_event(self._durable_moved, 0.2)
             except TimeoutError:
                 pass
             self._durable_moved.clear()

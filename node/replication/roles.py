@@ -32,6 +32,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
 from node.store import checkpoint
+from node.aio import wait_event, within
 
 log = logging.getLogger("hourglass.replication")
 
@@ -220,7 +221,7 @@ class ReplicaRoles:
         if req.offset >= lg.end_offset and req.wait_ms and idle:
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), min(req.wait_ms, self.settings.replication_wait_ms) / 1000)
+                await wait_event(self._changed, min(req.wait_ms, self.settings.replication_wait_ms) / 1000)
             except TimeoutError:
                 pass
 
@@ -263,7 +264,7 @@ class ReplicaRoles:
                 while True:
                     lg = self._log(name)
                     await call.write(self._fetch_request(name, lg))
-                    resp = await asyncio.wait_for(call.read(), 10)
+                    resp = await within(call.read(), 10)
                     if resp is grpc.aio.EOF or resp.epoch < self.member.epoch:
                         break
                     self.member.epoch = max(self.member.epoch, resp.epoch)
@@ -409,7 +410,7 @@ class ReplicaRoles:
                     # a clean stop (SIGTERM, rolling upgrade) of a master hands over first: a slave
                     # takes the last bytes and tick state and wins at once; nothing is lost or repeated
                     try:
-                        r = await asyncio.wait_for(self.Handover(pb.HandoverRequest(wait_ms=10_000), None), 20)
+                        r = await within(self.Handover(pb.HandoverRequest(wait_ms=10_000), None), 20)
                         log.warning("stop: handover %s%s", "done" if r.done else "refused: ", r.error)
                     except (TimeoutError, E.HourglassError) as e:
                         log.warning("stop: handover failed: %s", e)

@@ -70,7 +70,8 @@ class GroupCommitter:
             async with self._durable_changed:
                 await self._durable_changed.wait_for(lambda: self.durable_offset >= offset or self._closed)
         try:
-            await asyncio.wait_for(_wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancellation on 3.11
+                await _wait()
         except TimeoutError:
             return False
         return self.durable_offset >= offset
