@@ -102,7 +102,7 @@ from pathlib import Path
 from cluster.errors import Closed, CorruptRecord, HourglassError, InvalidArgument, Overloaded, PayloadTooLarge, \
     UnknownSubject
 from node.store import checkpoint, records
-from node.store.log import HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, SegmentedLog
+from node.store.log import HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
 from node.store.records import Limits, Message
 
 log = logging.getLogger("hourglass.realtime.store")
@@ -194,16 +194,8 @@ def _write_group_files(jobs: list[tuple[Path, str, dict]]) -> None:
     for d, name, doc in jobs:
         if not d.exists():
             d.mkdir(parents=True)
-            _fsync_dir(d.parent)
+            fsync_dir(d.parent)
         checkpoint.write_atomic(d / f"{name}.json", doc)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _SubjectIndex:
@@ -529,7 +521,7 @@ class RealtimeStore:
         if len(self._subjects) >= self.settings.subjects_max:
             raise Overloaded(f"{len(self._subjects)} subjects (subjects_max={self.settings.subjects_max})")
         self._load_index(subject)  # creates index/{subject}/entries; adopts a leftover file, cut as at open
-        _fsync_dir(self.root / "index")
+        fsync_dir(self.root / "index")
         checkpoint.write_atomic(self.root / "subjects.json", {"subjects": sorted(self._subjects)})
 
     def subjects(self) -> list[str]:

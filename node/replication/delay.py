@@ -28,7 +28,6 @@ import logging
 import time
 from pathlib import Path
 
-from cluster import errors as E
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
@@ -189,34 +188,23 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             tg.create_task(self._slave_iterate_loop(), name="slave-iterate")
             tg.create_task(self._checkpoint_loop(), name="checkpoint")
 
-    async def _switch(self, mode: str) -> None:
-        async with self._switch_lock:
-            if self.mode == mode and self._role_task is not None:
-                return
-            await self._stop_role_task()
-            self._release_all(E.NotLeader(self.member.leader_address or None))
-            self._dispatch_q = asyncio.Queue(maxsize=self.settings.dispatch_concurrency_max * 4)
-            self.store.checkpoint()
-            self.store.close()
-            now = self.clock.now_ms()
-            if mode == "master":
-                self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now)
-                self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
-                self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-                self.tracker.set_slaves(set(self._peers))
-                self.failovers += 1
-                log.warning("became MASTER group=%s epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d",
-                            self.settings.group, self.member.epoch, self.store.completed_ms, now,
-                            now - self.store.completed_ms, sum(self.store.pending_by_bucket().values()))
-            else:
-                self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
-                                             follower=True)
-                self.store.follow()
-                log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
-                            self.member.leader_address)
-            self.committer = GroupCommitter(self.store.messages)
-            self.mode = mode
-            self._role_task = asyncio.create_task(self._master_tasks() if mode == "master" else self._slave_tasks())
+    def _reopen(self, mode: str) -> None:
+        self._dispatch_q = asyncio.Queue(maxsize=self.settings.dispatch_concurrency_max * 4)
+        self.store.checkpoint()
+        self.store.close()
+        now = self.clock.now_ms()
+        self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
+                                     follower=mode != "master")
+        if mode == "master":
+            self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
+            self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+            self.tracker.set_slaves(set(self._peers))
+            log.warning("became MASTER group=%s epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d",
+                        self.settings.group, self.member.epoch, self.store.completed_ms, now,
+                        now - self.store.completed_ms, sum(self.store.pending_by_bucket().values()))
+        else:
+            self.store.follow()
+        self.committer = GroupCommitter(self.store.messages)
 
     # ------------------------------------------------------------------ handover
 

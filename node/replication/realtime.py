@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 
-from cluster import errors as E
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
@@ -209,35 +208,24 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
             tg.create_task(self._follow(LOG), name="follow")
             tg.create_task(self._flush_loop(), name="flush")
 
-    async def _switch(self, mode: str) -> None:
-        async with self._switch_lock:
-            if self.mode == mode and self._role_task is not None:
-                return
-            await self._stop_role_task()
-            self._release_all(E.NotLeader(self.member.leader_address or None))
-            self.store.close()
-            self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
-                                            now_ms=self.clock.now_ms())
-            self.committer = GroupCommitter(self.store.messages)
-            for ev in self._new_data.values():
-                ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)
-            self._new_data.clear()
-            if mode == "master":
-                self._master_history_begins({LOG: self.store.messages.end_offset})
-                self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-                self.gtracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-                self.tracker.set_slaves(set(self._peers))
-                self.gtracker.set_slaves(set(self._peers))
-                self.slave_offsets = {}
-                self.failovers += 1
-                log.warning("became MASTER group=%s epoch=%d store_epoch=%d log_end=%d groups=%d",
-                            self.settings.group, self.member.epoch, self.store.epoch,
-                            self.store.messages.end_offset, self.store.group_seq)
-            else:
-                log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
-                            self.member.leader_address)
-            self.mode = mode
-            self._role_task = asyncio.create_task(self._master_tasks() if mode == "master" else self._slave_tasks())
+    def _reopen(self, mode: str) -> None:
+        self.store.close()
+        self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
+                                        now_ms=self.clock.now_ms())
+        self.committer = GroupCommitter(self.store.messages)
+        for ev in self._new_data.values():
+            ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)
+        self._new_data.clear()
+        if mode == "master":
+            self._master_history_begins({LOG: self.store.messages.end_offset})
+            self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+            self.gtracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+            self.tracker.set_slaves(set(self._peers))
+            self.gtracker.set_slaves(set(self._peers))
+            self.slave_offsets = {}
+            log.warning("became MASTER group=%s epoch=%d store_epoch=%d log_end=%d groups=%d",
+                        self.settings.group, self.member.epoch, self.store.epoch,
+                        self.store.messages.end_offset, self.store.group_seq)
 
     # ------------------------------------------------------------------ handover
 

@@ -296,6 +296,23 @@ class ReplicaRoles:
 
     # ------------------------------------------------------------------ roles
 
+    async def _switch(self, mode: str) -> None:
+        """Become master or slave: stop the current mode's tasks, fail waiting sync acks, reopen
+        the store for ``mode`` (``_reopen``), start the new mode's tasks."""
+        async with self._switch_lock:
+            if self.mode == mode and self._role_task is not None:
+                return
+            await self._stop_role_task()
+            self._release_all(E.NotLeader(self.member.leader_address or None))
+            self._reopen(mode)
+            if mode == "master":
+                self.failovers += 1
+            else:
+                log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
+                            self.member.leader_address)
+            self.mode = mode
+            self._role_task = asyncio.create_task(self._master_tasks() if mode == "master" else self._slave_tasks())
+
     async def _stop_role_task(self) -> None:
         if self._role_task is not None:
             self._role_task.cancel()

@@ -104,6 +104,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import Closed, CorruptRecord, InvalidArgument
+from node.store.log import fsync_dir
 
 log = logging.getLogger("hourglass.store.idindex")
 
@@ -223,14 +224,6 @@ def _read_header(path: Path, first_seq: int) -> _IndexFile:
     return _IndexFile(path, first_seq, slots_count, entries_max, entries_used, last_seq if entries_used else -1)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class IdIndex:
     """Message id -> ``IdLocation`` candidates, in rolling mmap'd hash-slot files."""
 
@@ -287,7 +280,7 @@ class IdIndex:
             log.warning("id index removing empty newest file path=%s", f.path)
             self._unmap(f)
             f.path.unlink()
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._files.pop()
 
     def _recover(self, f: _IndexFile) -> None:
@@ -419,7 +412,7 @@ class IdIndex:
         finally:
             os.close(fd)
         os.rename(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         f = _IndexFile(path, seq, self.slots_count, self.entries_max, 0, -1)
         self._files.append(f)
         if old is not None and old.writable:
@@ -489,7 +482,7 @@ class IdIndex:
                 keep.append(f)
         if deleted:
             self._files = keep
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return deleted
 
     def close(self) -> None:

@@ -137,7 +137,8 @@ def _segment_name(base: int) -> str:
     return f"{base:020d}{SUFFIX}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (a created, renamed or deleted entry is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -188,7 +189,7 @@ class SegmentedLog:
         if not segments:
             p = d / _segment_name(start_offset)
             p.touch()
-            _fsync_dir(d)
+            fsync_dir(d)
             segments.append(_Segment(start_offset, p, 0, time.time()))
         else:
             for prev, seg in zip(segments, segments[1:]):
@@ -341,7 +342,7 @@ class SegmentedLog:
         base = self.end_offset
         p = self.directory / _segment_name(base)
         p.touch()
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._segments.append(_Segment(base, p, 0, time.time()))
         self._open_active()
 
@@ -365,7 +366,7 @@ class SegmentedLog:
             f.truncate(offset - seg.base)
             os.fsync(f.fileno())
         seg.size = offset - seg.base
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._open_active()
         log.warning("log truncated path=%s offset=%d bytes_dropped=%d", self.directory, offset, dropped)
         return dropped
@@ -378,7 +379,7 @@ class SegmentedLog:
             s.path.unlink()
         p = self.directory / _segment_name(start_offset)
         p.touch()
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         self._segments = [_Segment(start_offset, p, 0, time.time())]
         self._open_active()
 
@@ -393,7 +394,7 @@ class SegmentedLog:
             seg.path.unlink()
             freed += seg.size
         if freed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         return freed
 
     def apply_retention(self, *, now_s: float, age_s_max: float | None, bytes_max: int | None,
