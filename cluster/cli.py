@@ -363,21 +363,26 @@ async def _consume(resolver, subject, group, count, idle_s, tags) -> None:
                 break
 
 
+def _producer_call(method: str, id: str, resolver_args: tuple):
+    """Run ``Producer.<method>(id)`` once; a domain error is printed and exits 1."""
+    from cluster.client import Producer
+    from cluster.errors import HourglassError
+
+    async def _run():
+        async with Producer(_resolver(*resolver_args)) as p:
+            return await getattr(p, method)(id)
+    try:
+        return asyncio.run(_run())
+    except HourglassError as e:
+        console.print(f"[red]{type(e).__name__}:[/red] {e}")
+        raise typer.Exit(1)
+
+
 @app.command()
 def cancel(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
            cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt) -> None:
     """Cancel a scheduled message by id."""
-    from cluster.errors import HourglassError
-
-    async def _run():
-        from cluster.client import Producer
-        async with Producer(_resolver(delay, realtime, cluster_file, meta)) as p:
-            return await p.cancel(id)
-    try:
-        r = asyncio.run(_run())
-    except HourglassError as e:
-        console.print(f"[red]{type(e).__name__}:[/red] {e}")
-        raise typer.Exit(1)
+    r = _producer_call("cancel", id, (delay, realtime, cluster_file, meta))
     console.print(f"cancelled id={r.id} seq={r.seq}")
 
 
@@ -385,17 +390,7 @@ def cancel(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = R
 def lookup(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
            cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt) -> None:
     """Show the state of a scheduled message."""
-    from cluster.errors import HourglassError
-
-    async def _run():
-        from cluster.client import Producer
-        async with Producer(_resolver(delay, realtime, cluster_file, meta)) as p:
-            return await p.lookup(id)
-    try:
-        r = asyncio.run(_run())
-    except HourglassError as e:
-        console.print(f"[red]{type(e).__name__}:[/red] {e}")
-        raise typer.Exit(1)
+    r = _producer_call("lookup", id, (delay, realtime, cluster_file, meta))
     console.print(json.dumps(r.model_dump()))
 
 

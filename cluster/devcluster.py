@@ -69,20 +69,21 @@ class NodeProcess:
     def ready_file(self) -> Path:
         return self.data_dir.parent / f"{self.name}.ready"
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "cluster.cli", "node", "--role", self.role, "--node-id", self.name,
+                "--data-dir", str(self.data_dir), "--host", self.host, "--port", str(self.port),
+                "--ready-file", str(self.ready_file), *self.args]
+
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.ready_file.exists():
             self.ready_file.unlink()
         self.log_path = self.data_dir.parent / f"{self.name}.log"
-        logf = open(self.log_path, "ab")
         env = dict(os.environ)
         env.update(self.env)
-        cmd = [*self.prefix, sys.executable, "-m", "cluster.cli", "node", "--role", self.role, "--node-id", self.name,
-               "--data-dir", str(self.data_dir), "--host", self.host, "--port", str(self.port),
-               "--ready-file", str(self.ready_file), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
-        logf.close()
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen([*self.prefix, *self.command()], stdout=logf, stderr=subprocess.STDOUT,
+                                         env=env, cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -133,20 +134,9 @@ class MetaProcess(NodeProcess):
 
     etcd_endpoints: list[str] = field(default_factory=list)
 
-    def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if self.ready_file.exists():
-            self.ready_file.unlink()
-        self.log_path = self.data_dir.parent / f"{self.name}.log"
-        logf = open(self.log_path, "ab")
-        env = dict(os.environ)
-        env.update(self.env)
-        cmd = [*self.prefix, sys.executable, "-m", "cluster.cli", "metaserver", "--host", self.host,
-               "--port", str(self.port),
-               "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
-        logf.close()
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "cluster.cli", "metaserver", "--host", self.host, "--port", str(self.port),
+                "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
 
 
 class LocalCluster:
