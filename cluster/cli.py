@@ -74,6 +74,21 @@ MetaOpt = typer.Option(None, "--meta", help="meta server addresses, comma separa
 # ---------------------------------------------------------------------- node
 
 
+def _serve(settings_cls, overrides: dict, serve) -> None:
+    """Validate settings (a clear message and exit 2 when bad), then serve until SIGINT/SIGTERM."""
+    from pydantic import ValidationError
+
+    from node.server import configure_logging
+
+    try:
+        settings = settings_cls(**overrides)
+    except ValidationError as e:
+        console.print(f"[red]bad settings:[/red] {e}")
+        raise typer.Exit(2)
+    configure_logging(settings.log_level)
+    asyncio.run(serve(settings))
+
+
 @app.command()
 def node(
     role: str = typer.Option(..., help="delay | realtime"),
@@ -89,10 +104,8 @@ def node(
     ready_file: Optional[Path] = typer.Option(None),
 ) -> None:
     """Run one node until SIGINT/SIGTERM. Other settings come from HOURGLASS_* variables."""
-    from pydantic import ValidationError
-
     from node.config import NodeSettings
-    from node.server import configure_logging, serve
+    from node.server import serve
 
     overrides = dict(role=role, node_id=node_id, group=group, data_dir=data_dir, host=host, port=port,
                      ready_file=ready_file)
@@ -104,13 +117,7 @@ def node(
         overrides["delay_nodes"] = _split(delay_nodes)
     if meta:
         overrides["meta_servers"] = _split(meta)
-    try:
-        settings = NodeSettings(**overrides)
-    except ValidationError as e:
-        console.print(f"[red]bad settings:[/red] {e}")
-        raise typer.Exit(2)
-    configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    _serve(NodeSettings, overrides, serve)
 
 
 # ---------------------------------------------------------------------- meta server
@@ -125,22 +132,13 @@ def metaserver(
     ready_file: Optional[Path] = typer.Option(None),
 ) -> None:
     """Run one meta server (stateless; all state in etcd) until SIGINT/SIGTERM."""
-    from pydantic import ValidationError
-
     from metaserver.config import MetaSettings
     from metaserver.server import serve
-    from node.server import configure_logging
 
     overrides = dict(host=host, port=port, etcd_endpoints=_split(etcd_endpoints), ready_file=ready_file)
     if node_ttl_ms is not None:
         overrides["node_ttl_ms"] = node_ttl_ms
-    try:
-        settings = MetaSettings(**overrides)
-    except ValidationError as e:
-        console.print(f"[red]bad settings:[/red] {e}")
-        raise typer.Exit(2)
-    configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    _serve(MetaSettings, overrides, serve)
 
 
 # ---------------------------------------------------------------------- dev cluster

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from cluster.errors import InvalidArgument
 from cluster.proto import hourglass_pb2 as pb
 from node.store.records import Message
@@ -25,3 +27,24 @@ def message_from_pb(m: pb.Message, *, now_ms: int, immediate: bool = False) -> M
 def message_to_pb(m: Message) -> pb.Message:
     return pb.Message(id=m.msg_id, subject=m.subject, tags=list(m.tags), properties=dict(m.properties),
                       payload=m.payload, deliver_at_ms=m.deliver_at_ms, attempts=m.attempts)
+
+
+def batch_from_pb(messages: Iterable[pb.Message], *, now_ms: int, immediate: bool,
+                  check: Callable[[pb.Message], None] | None = None) -> list[Message | InvalidArgument]:
+    """One entry per message of a SendBatch: the domain Message, or the InvalidArgument that
+    refuses it (``check`` may refuse more). A bad message never fails the others."""
+    out: list[Message | InvalidArgument] = []
+    for m in messages:
+        try:
+            if check is not None:
+                check(m)
+            out.append(message_from_pb(m, now_ms=now_ms, immediate=immediate))
+        except InvalidArgument as e:
+            out.append(e)
+    return out
+
+
+def merge_results(converted: list, stored: list) -> list:
+    """Put the store's results (one per converted Message, in order) back among the refusals."""
+    results = iter(stored)
+    return [c if isinstance(c, Exception) else next(results) for c in converted]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 
 import grpc
@@ -67,11 +66,6 @@ async def serve(settings: MetaSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    def ready(address: str) -> None:
-        if settings.ready_file:
-            tmp = f"{settings.ready_file}.tmp"
-            with open(tmp, "w") as f:
-                f.write(address)
-            os.replace(tmp, settings.ready_file)
+    from node.server import write_ready_file
 
-    await run(settings, stop, on_ready=ready)
+    await run(settings, stop, on_ready=lambda address: write_ready_file(settings.ready_file, address))

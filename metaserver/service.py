@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import grpc
 
 from cluster import status
 from cluster.errors import HourglassError, InvalidArgument, NotLeader, Unavailable

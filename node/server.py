@@ -10,7 +10,6 @@ import signal
 import grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
-from cluster.transport import CHANNEL_OPTIONS
 from node.config import NodeSettings
 
 log = logging.getLogger("hourglass.node")
@@ -54,6 +53,15 @@ def build(settings: NodeSettings):
     return RealtimeNode(settings)
 
 
+def write_ready_file(path, address: str) -> None:
+    """Atomically write "host:port" once serving (``hourglass dev``/tests wait for it)."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(address)
+        os.replace(tmp, path)
+
+
 def dump_tasks() -> None:
     """Log the stack of every asyncio task (a stuck node tells where it waits)."""
     for t in asyncio.all_tasks():
@@ -70,14 +78,7 @@ async def serve(settings: NodeSettings) -> None:
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # operators: `kill -USR1 <pid>` logs every task's stack
     node = build(settings)
 
-    def ready(address: str) -> None:
-        if settings.ready_file:
-            tmp = f"{settings.ready_file}.tmp"
-            with open(tmp, "w") as f:
-                f.write(address)
-            os.replace(tmp, settings.ready_file)
-
-    await node.run(stop, on_ready=ready)
+    await node.run(stop, on_ready=lambda address: write_ready_file(settings.ready_file, address))
 
 
 def configure_logging(level: str) -> None:

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cluster.errors import InvalidArgument, Overloaded, PayloadTooLarge, UnknownSubject
-from node.realtime.store import (DLQ_SUBJECT, ENTRY_SIZE, SEQ_EPOCH_SHIFT, RealtimeSettings, RealtimeStore,
+from node.realtime.store import (DLQ_SUBJECT, ENTRY_SIZE, RealtimeSettings, RealtimeStore,
                                  Stored, tags_mask)
-from node.store.records import Limits, Message
+from node.store.records import SEQ_EPOCH_SHIFT, Limits, Message
 
 T0 = 1_800_000_000_000
 SMALL = RealtimeSettings(segment_bytes=1 << 14, ack_timeout_ms=1_000, dedup_window_ms=60_000,

@@ -30,8 +30,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from cluster import status
 from cluster.clock import Clock, SystemClock
-from cluster.convert import message_from_pb, message_to_pb
-from cluster.errors import HourglassError, InvalidArgument, Unavailable
+from cluster.convert import batch_from_pb, merge_results, message_to_pb
+from cluster.errors import HourglassError, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
@@ -92,18 +92,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                                 f"{len(request.messages)} messages exceeds batch_messages_max "
                                 f"{self.settings.batch_messages_max}")
         now = self.clock.now_ms()
-        converted: list[Message | Exception] = []
-        for m in request.messages:
-            try:
-                converted.append(message_from_pb(m, now_ms=now, immediate=request.immediate))
-            except InvalidArgument as e:
-                converted.append(e)
-        good = [m for m in converted if isinstance(m, Message)]
+        converted = batch_from_pb(request.messages, now_ms=now, immediate=request.immediate)
         try:
-            results = iter(self.store.accept(good, now_ms=now))
+            stored = self.store.accept([m for m in converted if isinstance(m, Message)], now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        merged = [c if isinstance(c, Exception) else next(results) for c in converted]
+        merged = merge_results(converted, stored)
         end = self.store.messages.end_offset
         await self.committer.sync_to(end)
         self._note_durable()

@@ -53,14 +53,12 @@ from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Overloaded,
 from node.store import checkpoint, records
 from node.store.idindex import IdIndex, IdLocation
 from node.store.log import SegmentedLog
-from node.store.records import Dispatched, Limits, Message
+from node.store.records import SEQ_EPOCH_SHIFT, Dispatched, Limits, Message
 from node.store.schedule import ScheduleLog
 from node.wheel import TickState, TimingWheel, WheelEntry
 
 log = logging.getLogger("hourglass.delay.store")
 
-SEQ_EPOCH_SHIFT = 40
-SEQ_COUNTER_MAX = (1 << SEQ_EPOCH_SHIFT) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +230,7 @@ class DelayStore:
     # ------------------------------------------------------------------ ingest
 
     def _next_seq(self) -> int:
-        if self._counter > SEQ_COUNTER_MAX:
-            raise Overloaded("sequence space of this epoch is exhausted; restart the node")
-        seq = (self.epoch << SEQ_EPOCH_SHIFT) | self._counter
+        seq = records.make_seq(self.epoch, self._counter)
         self._counter += 1
         return seq
 
@@ -384,7 +380,6 @@ class DelayStore:
             return 0
         n = 0
         last_ids_seq = self.ids.last_seq()
-        next_off = self.iterate_offset
         for off, body in self.messages.iterate(self.iterate_offset, end):
             kind, seq, deliver_at_ms, _ = records.peek_header(body)
             msg_id = records.peek_id(body)
@@ -421,7 +416,6 @@ class DelayStore:
             hit = self._unfiled.get(msg_id)
             if hit is not None and hit[0] == seq:
                 del self._unfiled[msg_id]
-            next_off = off  # updated below to the end of this record
             n += 1
             self.iterate_offset = off + 12 + len(body)
             if limit is not None and n >= limit:

@@ -21,7 +21,7 @@ import grpc
 
 from cluster import status
 from cluster.clock import Clock, SystemClock
-from cluster.convert import message_from_pb, message_to_pb
+from cluster.convert import batch_from_pb, merge_results, message_to_pb
 from cluster.errors import HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
@@ -80,21 +80,17 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{len(request.messages)} messages exceeds batch_messages_max")
         now = self.clock.now_ms()
-        converted: list[Message | Exception] = []
-        for m in request.messages:
-            try:
-                if not request.immediate and (m.delay_ms or m.deliver_at_ms > now):
-                    raise InvalidArgument("delay_ms", "a real-time node takes immediate messages; "
-                                                      "send delayed ones to a delay node")
-                converted.append(message_from_pb(m, now_ms=now, immediate=True))
-            except InvalidArgument as e:
-                converted.append(e)
-        good = [m for m in converted if isinstance(m, Message)]
+        def immediate_only(m: pb.Message) -> None:
+            if not request.immediate and (m.delay_ms or m.deliver_at_ms > now):
+                raise InvalidArgument("delay_ms", "a real-time node takes immediate messages; "
+                                                  "send delayed ones to a delay node")
+
+        converted = batch_from_pb(request.messages, now_ms=now, immediate=True, check=immediate_only)
         try:
-            results = iter(self.store.append(good, now_ms=now))
+            stored = self.store.append([m for m in converted if isinstance(m, Message)], now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        merged = [c if isinstance(c, Exception) else next(results) for c in converted]
+        merged = merge_results(converted, stored)
         await self.committer.sync_to(self.store.messages.end_offset)
         out = pb.SendBatchResponse()
         subjects = set()

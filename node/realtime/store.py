@@ -103,13 +103,11 @@ from cluster.errors import Closed, CorruptRecord, HourglassError, InvalidArgumen
     UnknownSubject
 from node.store import checkpoint, records
 from node.store.log import HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
-from node.store.records import Limits, Message
+from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Limits, Message
 
 log = logging.getLogger("hourglass.realtime.store")
 
 DLQ_SUBJECT = "hourglass.dlq"
-SEQ_EPOCH_SHIFT = 40
-SEQ_COUNTER_MAX = (1 << SEQ_EPOCH_SHIFT) - 1
 
 ENTRY = struct.Struct("<QIIqQ")
 ENTRY_SIZE = ENTRY.size  # 32
@@ -536,9 +534,7 @@ class RealtimeStore:
     # ------------------------------------------------------------------ append
 
     def _next_seq(self) -> int:
-        if self._counter > SEQ_COUNTER_MAX:
-            raise Overloaded("sequence space of this epoch is exhausted; restart the node")
-        seq = (self.epoch << SEQ_EPOCH_SHIFT) | self._counter
+        seq = records.make_seq(self.epoch, self._counter)
         self._counter += 1
         return seq
 

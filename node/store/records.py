@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from cluster.errors import InvalidArgument, PayloadTooLarge
+from cluster.errors import InvalidArgument, Overloaded, PayloadTooLarge
 
 VERSION = 1
 KIND_MESSAGE = 1
@@ -219,3 +219,18 @@ def decode_dispatched(body: bytes) -> Dispatched:
     if len(body) != _DISPATCH.size:
         raise InvalidArgument("dispatch record", f"{len(body)} bytes, expected {_DISPATCH.size}")
     return Dispatched(*_DISPATCH.unpack(body))
+
+
+# ---------------------------------------------------------------------- sequences
+
+SEQ_EPOCH_SHIFT = 40
+SEQ_COUNTER_MAX = (1 << SEQ_EPOCH_SHIFT) - 1
+
+
+def make_seq(epoch: int, counter: int) -> int:
+    """``(epoch << 40) | counter``: never reused across restarts (the epoch is checkpointed
+    before use) and increasing in log order. ``Overloaded`` once an epoch's 2^40 are used."""
+    if counter > SEQ_COUNTER_MAX:
+        raise Overloaded("sequence space of this epoch is exhausted; restart the node")
+    return (epoch << SEQ_EPOCH_SHIFT) | counter
+
