@@ -22,7 +22,7 @@ import grpc
 from cluster import status
 from cluster.clock import Clock, SystemClock
 from cluster.convert import batch_from_pb, merge_results, message_to_pb
-from cluster.errors import HourglassError, InvalidArgument, Unavailable
+from cluster.errors import HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
@@ -124,29 +124,30 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
-        if self.settings.auto_create_subjects:
-            # consumers may subscribe before the first message of a subject arrives
-            try:
-                self.store.create_subject(request.subject)
-            except HourglassError as e:
-                await context.abort(status.to_grpc(e), str(e))
         store = self.store  # a replicated node may reopen its store (role change): stop polling then
         got = []
+        created = False
         while self.store is store:
             ev = self._new_data.setdefault(request.subject, asyncio.Event())
             try:
                 got = self.store.pull(request.subject, request.group, request.consumer_id or "anonymous",
                                       max_messages=max_messages, tags=list(request.tags), now_ms=self.clock.now_ms())
+            except UnknownSubject as e:
+                if not self.settings.auto_create_subjects or created:
+                    await context.abort(status.to_grpc(e), str(e))
+                try:  # consumers may subscribe before the first message of a subject arrives
+                    self.store.create_subject(request.subject)
+                except HourglassError as e2:
+                    await context.abort(status.to_grpc(e2), str(e2))
+                created = True
+                continue
             except HourglassError as e:
                 await context.abort(status.to_grpc(e), str(e))
             left = deadline - loop.time()
             if got or left <= 0:
                 break
-            try:
-                # wake at new data, or at least every second (ack timeouts make redeliveries due)
-                await wait_event(ev, min(left, 1.0))
-            except TimeoutError:
-                pass
+            # wake at new data, or at least every second (ack timeouts make redeliveries due)
+            await wait_event(ev, min(left, 1.0))
         self.metrics.delivered.inc(len(got))
         return pb.PullResponse(deliveries=[
             pb.Delivery(message=message_to_pb(d.message), handle=d.handle, deliver_at_ms=d.message.deliver_at_ms,
