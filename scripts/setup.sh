@@ -19,8 +19,12 @@ if [ ${#want_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
   echo "setup: apt-get install ${want_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null 2>&1 || true
-  apt-get install -y -qq --no-install-recommends "${want_apt[@]}" >/dev/null 2>&1 \
-    || echo "setup: apt-get install failed; tests needing ${want_apt[*]} will say so"
+  if ! apt-get install -y -qq --no-install-recommends "${want_apt[@]}" >/dev/null 2>&1; then
+    for pkg in "${want_apt[@]}"; do  # one refused package must not stop the others
+      apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null 2>&1 \
+        || echo "setup: apt-get install $pkg failed; the tests that need it will skip and say why"
+    done
+  fi
   # Debian starts the services it installs; Hourglass starts its own on free ports.
   for svc in redis-server etcd docker containerd; do
     if command -v systemctl >/dev/null 2>&1; then systemctl stop "$svc" >/dev/null 2>&1 || true; fi
