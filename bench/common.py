@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import sys
 from pathlib import Path
 
@@ -80,9 +79,9 @@ def machine() -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from cluster.devcluster import free_port as fp  # below the ephemeral range (restarts rebind)
+
+    return fp()
 
 
 def emit(record: dict) -> None:

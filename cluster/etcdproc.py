@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster import devcluster
 from cluster.errors import Unavailable
 
 ETCD_BINARY = os.environ.get("HOURGLASS_ETCD_BINARY", "/usr/bin/etcd")
@@ -43,12 +44,6 @@ STOP_TIMEOUT_S = 10.0
 # minimum lease TTL etcd grants (ceil(1.5 x election timeout)) drops to 1 s.
 HEARTBEAT_MS = 100
 ELECTION_MS = 500
-
-
-def free_port() -> int:
-    from cluster.devcluster import free_port as fp
-
-    return fp()
 
 
 def _member_args(name: str, data_dir: str, client_port: int, peer_port: int, initial_cluster: str,
@@ -125,7 +120,7 @@ class EtcdCluster:
         if not Path(ETCD_BINARY).exists():
             raise Unavailable(f"no etcd binary at {ETCD_BINARY} (Debian: apt-get install etcd-server)")
         self.root = Path(root)
-        self.members = [EtcdMember(f"etcd-{i + 1}", self.root / f"etcd-{i + 1}", free_port(), free_port())
+        self.members = [EtcdMember(f"etcd-{i + 1}", self.root / f"etcd-{i + 1}", devcluster.free_port(), devcluster.free_port())
                         for i in range(members)]
         initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
         for m in self.members:
@@ -214,8 +209,8 @@ class EtcdContainer:
     def __init__(self, *, image: str | None = None) -> None:
         os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
         self.image = image or build_image()
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.client_port = devcluster.free_port()
+        self.peer_port = devcluster.free_port()
         self.container = None
 
     @property
