@@ -32,64 +32,39 @@ TOO_LATE: Code
 INTERNAL: Code
 REPLICATION_TIMEOUT: Code
 
-class Message(_message.Message):
-    __slots__ = ("id", "subject", "tags", "properties", "payload", "deliver_at_ms", "delay_ms", "attempts")
-    class PropertiesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    ID_FIELD_NUMBER: _ClassVar[int]
-    SUBJECT_FIELD_NUMBER: _ClassVar[int]
-    TAGS_FIELD_NUMBER: _ClassVar[int]
-    PROPERTIES_FIELD_NUMBER: _ClassVar[int]
-    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
-    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    DELAY_MS_FIELD_NUMBER: _ClassVar[int]
-    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
-    id: str
-    subject: str
-    tags: _containers.RepeatedScalarFieldContainer[str]
-    properties: _containers.ScalarMap[str, str]
-    payload: bytes
-    deliver_at_ms: int
-    delay_ms: int
-    attempts: int
-    def __init__(self, id: _Optional[str] = ..., subject: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., properties: _Optional[_Mapping[str, str]] = ..., payload: _Optional[bytes] = ..., deliver_at_ms: _Optional[int] = ..., delay_ms: _Optional[int] = ..., attempts: _Optional[int] = ...) -> None: ...
-
-class SendStatus(_message.Message):
-    __slots__ = ("code", "id", "seq", "deliver_at_ms", "duplicate", "error")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    ID_FIELD_NUMBER: _ClassVar[int]
-    SEQ_FIELD_NUMBER: _ClassVar[int]
-    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    code: Code
-    id: str
-    seq: int
-    deliver_at_ms: int
-    duplicate: bool
-    error: str
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., id: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., duplicate: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
-
 class SendBatchRequest(_message.Message):
-    __slots__ = ("messages", "immediate", "epoch")
-    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("immediate", "epoch", "batch", "delay_ms")
     IMMEDIATE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
-    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    DELAY_MS_FIELD_NUMBER: _ClassVar[int]
     immediate: bool
     epoch: int
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., immediate: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    batch: bytes
+    delay_ms: bytes
+    def __init__(self, immediate: _Optional[bool] = ..., epoch: _Optional[int] = ..., batch: _Optional[bytes] = ..., delay_ms: _Optional[bytes] = ...) -> None: ...
+
+class BatchError(_message.Message):
+    __slots__ = ("index", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    error: str
+    def __init__(self, index: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SendBatchResponse(_message.Message):
-    __slots__ = ("statuses",)
-    STATUSES_FIELD_NUMBER: _ClassVar[int]
-    statuses: _containers.RepeatedCompositeFieldContainer[SendStatus]
-    def __init__(self, statuses: _Optional[_Iterable[_Union[SendStatus, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("codes", "seqs", "deliver_at_ms", "duplicates", "errors")
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    codes: bytes
+    seqs: bytes
+    deliver_at_ms: bytes
+    duplicates: bytes
+    errors: _containers.RepeatedCompositeFieldContainer[BatchError]
+    def __init__(self, codes: _Optional[bytes] = ..., seqs: _Optional[bytes] = ..., deliver_at_ms: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("id",)
@@ -130,48 +105,46 @@ class LookupResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags")
+    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
+    SUBJECTS_FIELD_NUMBER: _ClassVar[int]
     subject: str
     group: str
     consumer_id: str
     max_messages: int
     wait_ms: int
     tags: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
-
-class Delivery(_message.Message):
-    __slots__ = ("message", "handle", "deliver_at_ms", "available_ms")
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    HANDLE_FIELD_NUMBER: _ClassVar[int]
-    DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    AVAILABLE_MS_FIELD_NUMBER: _ClassVar[int]
-    message: Message
-    handle: int
-    deliver_at_ms: int
-    available_ms: int
-    def __init__(self, message: _Optional[_Union[Message, _Mapping]] = ..., handle: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., available_ms: _Optional[int] = ...) -> None: ...
+    subjects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("deliveries",)
-    DELIVERIES_FIELD_NUMBER: _ClassVar[int]
-    deliveries: _containers.RepeatedCompositeFieldContainer[Delivery]
-    def __init__(self, deliveries: _Optional[_Iterable[_Union[Delivery, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("batch", "handles")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    batch: bytes
+    handles: bytes
+    def __init__(self, batch: _Optional[bytes] = ..., handles: _Optional[bytes] = ...) -> None: ...
+
+class SubjectHandles(_message.Message):
+    __slots__ = ("subject", "ranges")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    ranges: bytes
+    def __init__(self, subject: _Optional[str] = ..., ranges: _Optional[bytes] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("subject", "group", "handles")
-    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("group", "acks")
     GROUP_FIELD_NUMBER: _ClassVar[int]
-    HANDLES_FIELD_NUMBER: _ClassVar[int]
-    subject: str
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     group: str
-    handles: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., handles: _Optional[_Iterable[int]] = ...) -> None: ...
+    acks: _containers.RepeatedCompositeFieldContainer[SubjectHandles]
+    def __init__(self, group: _Optional[str] = ..., acks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ...) -> None: ...
 
 class AckResponse(_message.Message):
     __slots__ = ("acked",)
@@ -180,16 +153,14 @@ class AckResponse(_message.Message):
     def __init__(self, acked: _Optional[int] = ...) -> None: ...
 
 class NackRequest(_message.Message):
-    __slots__ = ("subject", "group", "handles", "retry_after_ms")
-    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("group", "retry_after_ms", "nacks")
     GROUP_FIELD_NUMBER: _ClassVar[int]
-    HANDLES_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
-    subject: str
+    NACKS_FIELD_NUMBER: _ClassVar[int]
     group: str
-    handles: _containers.RepeatedScalarFieldContainer[int]
     retry_after_ms: int
-    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., handles: _Optional[_Iterable[int]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    nacks: _containers.RepeatedCompositeFieldContainer[SubjectHandles]
+    def __init__(self, group: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., nacks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ...) -> None: ...
 
 class NackResponse(_message.Message):
     __slots__ = ("retried", "dead_lettered")

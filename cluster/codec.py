@@ -1,0 +1,600 @@
+"""The one record codec of Hourglass: a columnar *batch* of messages.
+
+Every hop handles batches, never single messages (``shared/ARCHITECTURE.md``, "Hot
+path"): the SDK builds one ``Batch``, ``SendBatch`` carries its bytes, the delay node
+appends them to its message log as one frame, files sub-batches per due second,
+fires and forwards sub-batches, the real-time node stores them as they arrive and
+``Pull`` hands them to the consumer SDK, which decodes lazily. Per-message work
+happens only inside C-speed calls (numpy, ``bytes.join``, ``struct``).
+
+Body layout, version 2 (little-endian; ``docs/format.md`` is the reference)::
+
+    off  size
+    0    u8   version (= 2)
+    1    u8   flags (0; reserved)
+    2    u16  n_subjects
+    4    u32  n                 messages in the batch
+    8    u32  ids_len           bytes of the id blob
+    12   u32  payloads_len      bytes of the payload blob
+    16   u32  extras_len        bytes of the extras blob (tags, properties)
+    20   u32  subjects_len      bytes of the subject table
+    24   columns, each n entries, in this order:
+           u64 seq               sequence given by the node that stored it (0 on the wire)
+           i64 deliver_at_ms     due time, absolute UTC ms
+           i64 effective_ms      schedule time (>= deliver_at_ms on a delay node; = deliver_at_ms elsewhere)
+           i64 store_ms          when the node storing this copy accepted it
+           u32 id_end            end of message i's id in the id blob (start = previous end)
+           u32 payload_end       end of its payload in the payload blob
+           u32 extra_end         end of its extras in the extras blob
+           u16 attempts          delivery attempts so far
+           u16 subject_idx       index into the subject table
+           u8  kind              1 message, 2 cancel tombstone (payload = u64 target seq)
+         subject table: n_subjects x (u16 len + UTF-8 bytes)
+         id blob (ASCII), payload blob, extras blob
+
+    49 bytes of columns per message; every message of a batch is addressed by its
+    index. Extras of one message: ``u8 ntags, ntags x (u8 len + bytes), u8 nprops,
+    nprops x (u16 len + key, u32 len + value)``; empty when it has neither.
+
+``Batch.decode`` checks the structure (sizes add up, ends do not go backwards, every
+subject index and kind is valid) and raises ``InvalidArgument`` otherwise; a frame's
+CRC (``node.store.log``) guards the bytes on disk. ``validate`` applies the producer
+limits to a whole batch with numpy and returns one code per message.
+
+Example::
+
+    b = Batch.build(["orders"] * 2, [b"a", b"bc"], ["id-1", "id-2"], [1000, 2000])
+    raw = b.encode()
+    c = Batch.decode(raw)
+    c.id(1), c.payload(1), c.subject(1)      # -> ('id-2', b'bc', 'orders')
+    c.take(np.array([1])).id_list()          # -> ['id-2']
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.errors import InvalidArgument
+
+VERSION = 2
+KIND_MESSAGE = 1
+KIND_CANCEL = 2
+
+HEADER = struct.Struct("<BBHIIIII")
+HEADER_SIZE = HEADER.size  # 24
+COLUMN_BYTES = 8 * 4 + 4 * 3 + 2 * 2 + 1  # 49 per message
+N_MAX = 1 << 20
+SUBJECTS_MAX = 65535
+
+# codes per message (the values of hourglass.v1.Code)
+OK = 0
+INVALID_ARGUMENT = 1
+PAYLOAD_TOO_LARGE = 2
+
+SUBJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_EMPTY_U32 = np.zeros(0, np.uint32)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Every producer-visible limit, with a name. Defaults are the documented ones."""
+
+    subject_bytes_max: int = 200
+    id_bytes_max: int = 128
+    payload_bytes_max: int = 4 * 1024 * 1024
+    tags_max: int = 16
+    tag_bytes_max: int = 64
+    properties_max: int = 32
+    property_key_bytes_max: int = 128
+    property_value_bytes_max: int = 4096
+    delay_horizon_ms: int = 2 * 366 * 24 * 3600 * 1000  # two years
+    batch_messages_max: int = 10_000
+    batch_bytes_max: int = 64 * 1024 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _starts(ends: np.ndarray) -> np.ndarray:
+    out = np.empty(len(ends), np.int64)
+    if len(ends):
+        out[0] = 0
+        out[1:] = ends[:-1]
+    return out
+
+
+def _ends_of(lengths: Iterable[int], n: int) -> np.ndarray:
+    lens = np.fromiter(lengths, np.int64, n)
+    ends = np.cumsum(lens)
+    if n and ends[-1] >= 1 << 32:
+        raise InvalidArgument("batch", "a blob exceeds 4 GiB")
+    return ends.astype(np.uint32)
+
+
+def _col(v, n: int, dtype, default=0) -> np.ndarray:
+    if v is None:
+        return np.full(n, default, dtype)
+    if isinstance(v, (int, np.integer)):
+        return np.full(n, v, dtype)
+    a = np.asarray(v, dtype=dtype)
+    if a.shape != (n,):
+        raise InvalidArgument("batch", f"column has {a.shape} entries, expected {n}")
+    return a
+
+
+def encode_extra(tags: Sequence[str] = (), properties: Iterable[tuple[str, str]] = ()) -> bytes:
+    """Extras of one message (tags, properties); b"" when it has neither."""
+    props = list(properties.items() if isinstance(properties, dict) else properties)
+    if not tags and not props:
+        return b""
+    if len(tags) > 255 or len(props) > 255:
+        raise InvalidArgument("tags", "at most 255 tags and 255 properties")
+    parts = [bytes([len(tags)])]
+    for t in tags:
+        tb = t.encode()
+        if len(tb) > 255:
+            raise InvalidArgument("tag", f"{len(tb)} bytes exceeds 255")
+        parts += (bytes([len(tb)]), tb)
+    parts.append(bytes([len(props)]))
+    for k, v in props:
+        kb, vb = str(k).encode(), str(v).encode()
+        if len(kb) > 65535:
+            raise InvalidArgument("property key", f"{len(kb)} bytes exceeds 65535")
+        parts += (_U16.pack(len(kb)), kb, _U32.pack(len(vb)), vb)
+    return b"".join(parts)
+
+
+def decode_extra(raw: bytes) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    if not raw:
+        return (), ()
+    try:
+        pos = 0
+        nt = raw[pos]
+        pos += 1
+        tags = []
+        for _ in range(nt):
+            ln = raw[pos]
+            tags.append(raw[pos + 1:pos + 1 + ln].decode())
+            pos += 1 + ln
+        npr = raw[pos]
+        pos += 1
+        props = []
+        for _ in range(npr):
+            (kl,) = _U16.unpack_from(raw, pos)
+            k = raw[pos + 2:pos + 2 + kl].decode()
+            pos += 2 + kl
+            (vl,) = _U32.unpack_from(raw, pos)
+            v = raw[pos + 4:pos + 4 + vl].decode()
+            pos += 4 + vl
+            props.append((k, v))
+        if pos != len(raw):
+            raise ValueError("trailing bytes")
+    except (IndexError, struct.error, UnicodeDecodeError, ValueError) as e:
+        raise InvalidArgument("extras", f"malformed tags/properties: {e}") from None
+    return tuple(tags), tuple(props)
+
+
+class Batch:
+    """A columnar batch (see module docstring). Columns are numpy arrays (read-only
+    views of the decoded bytes, or arrays built by ``build``); blobs are ``bytes``."""
+
+    __slots__ = ("n", "seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end",
+                 "attempts", "subject_idx", "kind", "subjects", "ids", "payloads", "extras", "_id_str")
+
+    def __init__(self, *, seq, deliver_at_ms, effective_ms, store_ms, id_end, payload_end, extra_end, attempts,
+                 subject_idx, kind, subjects: tuple[str, ...], ids: bytes, payloads: bytes, extras: bytes) -> None:
+        self.n = len(seq)
+        self.seq = seq
+        self.deliver_at_ms = deliver_at_ms
+        self.effective_ms = effective_ms
+        self.store_ms = store_ms
+        self.id_end = id_end
+        self.payload_end = payload_end
+        self.extra_end = extra_end
+        self.attempts = attempts
+        self.subject_idx = subject_idx
+        self.kind = kind
+        self.subjects = subjects
+        self.ids = ids
+        self.payloads = payloads
+        self.extras = extras
+        self._id_str: str | None = None
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, subjects: Sequence[str] | str, payloads: Sequence[bytes], ids: Sequence[str],
+              deliver_at_ms, *, seq=None, effective_ms=None, store_ms=None, attempts=None, kind=None,
+              extras: Sequence[bytes] | None = None) -> "Batch":
+        """A batch from per-message sequences (the SDK's and the tests' way in).
+        ``subjects`` is one subject for all or one per message; ``extras`` one
+        ``encode_extra`` blob per message (or None)."""
+        n = len(payloads)
+        if len(ids) != n:
+            raise InvalidArgument("batch", f"{len(ids)} ids for {n} payloads")
+        if n > N_MAX:
+            raise InvalidArgument("batch", f"{n} messages exceeds {N_MAX}")
+        if isinstance(subjects, str):
+            table: tuple[str, ...] = (subjects,)
+            sidx = np.zeros(n, np.uint16)
+        else:
+            if len(subjects) != n:
+                raise InvalidArgument("batch", f"{len(subjects)} subjects for {n} payloads")
+            lookup: dict[str, int] = {}
+            sidx = np.fromiter((lookup.setdefault(s, len(lookup)) for s in subjects), np.int64, n)
+            if len(lookup) > SUBJECTS_MAX:
+                raise InvalidArgument("batch", f"more than {SUBJECTS_MAX} subjects in one batch")
+            table = tuple(lookup)
+            sidx = sidx.astype(np.uint16)
+        id_blob = "".join(ids).encode()
+        id_end = _ends_of(map(len, ids), n)
+        if n and int(id_end[-1]) != len(id_blob):  # non-ASCII ids: byte lengths differ from str lengths
+            enc = [i.encode() for i in ids]
+            id_blob = b"".join(enc)
+            id_end = _ends_of(map(len, enc), n)
+        payload_blob = b"".join(payloads)
+        payload_end = _ends_of(map(len, payloads), n)
+        if extras is None:
+            extra_blob, extra_end = b"", np.zeros(n, np.uint32)
+        else:
+            extra_blob = b"".join(extras)
+            extra_end = _ends_of(map(len, extras), n)
+        deliver = _col(deliver_at_ms, n, np.int64)
+        return cls(seq=_col(seq, n, np.uint64), deliver_at_ms=deliver,
+                   effective_ms=deliver if effective_ms is None else _col(effective_ms, n, np.int64),
+                   store_ms=_col(store_ms, n, np.int64), id_end=id_end, payload_end=payload_end,
+                   extra_end=extra_end, attempts=_col(attempts, n, np.uint16),
+                   subject_idx=sidx, kind=_col(kind, n, np.uint8, KIND_MESSAGE), subjects=table,
+                   ids=id_blob, payloads=payload_blob, extras=extra_blob)
+
+    @classmethod
+    def empty(cls) -> "Batch":
+        return cls.build((), [], [], [])
+
+    def replace(self, **columns) -> "Batch":
+        """A copy with some columns (or blobs) replaced; the others are shared."""
+        kw = {k: getattr(self, k) for k in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end",
+                                             "payload_end", "extra_end", "attempts", "subject_idx", "kind",
+                                             "subjects", "ids", "payloads", "extras")}
+        for k, v in columns.items():
+            if k not in kw:
+                raise TypeError(f"unknown column {k}")
+            if isinstance(v, (int, np.integer)) and k not in ("subjects", "ids", "payloads", "extras"):
+                v = np.full(self.n, v, kw[k].dtype)
+            kw[k] = v
+        return Batch(**kw)
+
+    # ------------------------------------------------------------------ bytes
+
+    def encode(self) -> bytes:
+        n = self.n
+        table = b"".join(_U16.pack(len(sb)) + sb for sb in (s.encode() for s in self.subjects))
+        head = HEADER.pack(VERSION, 0, len(self.subjects), n, len(self.ids), len(self.payloads), len(self.extras),
+                           len(table))
+        return b"".join((
+            head,
+            np.ascontiguousarray(self.seq, "<u8").tobytes(),
+            np.ascontiguousarray(self.deliver_at_ms, "<i8").tobytes(),
+            np.ascontiguousarray(self.effective_ms, "<i8").tobytes(),
+            np.ascontiguousarray(self.store_ms, "<i8").tobytes(),
+            np.ascontiguousarray(self.id_end, "<u4").tobytes(),
+            np.ascontiguousarray(self.payload_end, "<u4").tobytes(),
+            np.ascontiguousarray(self.extra_end, "<u4").tobytes(),
+            np.ascontiguousarray(self.attempts, "<u2").tobytes(),
+            np.ascontiguousarray(self.subject_idx, "<u2").tobytes(),
+            np.ascontiguousarray(self.kind, "u1").tobytes(),
+            table, self.ids, self.payloads, self.extras,
+        ))
+
+    @classmethod
+    def decode(cls, body: bytes | bytearray | memoryview) -> "Batch":
+        """Parse and check the structure of a batch body; columns are views of ``body``."""
+        if isinstance(body, (bytearray, memoryview)):
+            body = bytes(body)
+        if len(body) < HEADER_SIZE:
+            raise InvalidArgument("batch", f"{len(body)} bytes is shorter than the {HEADER_SIZE}-byte header")
+        version, _flags, nsub, n, ids_len, pay_len, ext_len, sub_len = HEADER.unpack_from(body, 0)
+        if version != VERSION:
+            raise InvalidArgument("batch", f"unknown batch version {version} (this node reads {VERSION})")
+        if n > N_MAX:
+            raise InvalidArgument("batch", f"{n} messages exceeds {N_MAX}")
+        want = HEADER_SIZE + n * COLUMN_BYTES + sub_len + ids_len + pay_len + ext_len
+        if want != len(body):
+            raise InvalidArgument("batch", f"sizes add up to {want} bytes, the batch has {len(body)}")
+        pos = HEADER_SIZE
+
+        def col(dtype: str, width: int) -> np.ndarray:
+            nonlocal pos
+            a = np.frombuffer(body, dtype, n, pos)
+            pos += n * width
+            return a
+
+        seq = col("<u8", 8)
+        deliver = col("<i8", 8)
+        effective = col("<i8", 8)
+        store = col("<i8", 8)
+        id_end = col("<u4", 4)
+        payload_end = col("<u4", 4)
+        extra_end = col("<u4", 4)
+        attempts = col("<u2", 2)
+        sidx = col("<u2", 2)
+        kind = col("u1", 1)
+        subjects = []
+        end_table = pos + sub_len
+        try:
+            for _ in range(nsub):
+                (ln,) = _U16.unpack_from(body, pos)
+                if pos + 2 + ln > end_table:
+                    raise ValueError("subject table overruns")
+                subjects.append(body[pos + 2:pos + 2 + ln].decode())
+                pos += 2 + ln
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            raise InvalidArgument("batch", f"bad subject table: {e}") from None
+        if pos != end_table:
+            raise InvalidArgument("batch", "subject table size does not match")
+        ids = body[pos:pos + ids_len]
+        pos += ids_len
+        payloads = body[pos:pos + pay_len]
+        pos += pay_len
+        extras = body[pos:pos + ext_len]
+        if n:
+            for name, ends, total in (("id", id_end, ids_len), ("payload", payload_end, pay_len),
+                                      ("extras", extra_end, ext_len)):
+                if int(ends[-1]) != total or (n > 1 and bool((np.diff(ends.astype(np.int64)) < 0).any())):
+                    raise InvalidArgument("batch", f"{name} ends are not a partition of the {name} blob")
+            if nsub == 0 or int(sidx.max()) >= nsub:
+                raise InvalidArgument("batch", "a subject index points past the subject table")
+            if bool(((kind != KIND_MESSAGE) & (kind != KIND_CANCEL)).any()):
+                raise InvalidArgument("batch", "unknown record kind")
+        return cls(seq=seq, deliver_at_ms=deliver, effective_ms=effective, store_ms=store, id_end=id_end,
+                   payload_end=payload_end, extra_end=extra_end, attempts=attempts, subject_idx=sidx, kind=kind,
+                   subjects=tuple(subjects), ids=ids, payloads=payloads, extras=extras)
+
+    # ------------------------------------------------------------------ per message (lazy)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _ids_text(self) -> str:
+        if self._id_str is None:
+            self._id_str = self.ids.decode("utf-8", "replace")
+        return self._id_str
+
+    def id(self, i: int) -> str:
+        a = int(self.id_end[i - 1]) if i else 0
+        return self.ids[a:int(self.id_end[i])].decode("utf-8", "replace")
+
+    def id_list(self) -> list[str]:
+        """Every id, in order (one decode of the blob, then slices)."""
+        if not self.n:
+            return []
+        ends = self.id_end.tolist()
+        text = self._ids_text()
+        if len(text) == len(self.ids):  # ASCII: byte offsets are character offsets
+            starts = [0] + ends[:-1]
+            return [text[a:b] for a, b in zip(starts, ends)]
+        ids = self.ids
+        starts = [0] + ends[:-1]
+        return [ids[a:b].decode("utf-8", "replace") for a, b in zip(starts, ends)]
+
+    def id_bytes_list(self) -> list[bytes]:
+        if not self.n:
+            return []
+        ends = self.id_end.tolist()
+        ids = self.ids
+        return [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+    def payload(self, i: int) -> bytes:
+        a = int(self.payload_end[i - 1]) if i else 0
+        return self.payloads[a:int(self.payload_end[i])]
+
+    def payload_list(self) -> list[bytes]:
+        if not self.n:
+            return []
+        ends = self.payload_end.tolist()
+        p = self.payloads
+        return [p[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+    def subject(self, i: int) -> str:
+        return self.subjects[int(self.subject_idx[i])]
+
+    def subject_list(self) -> list[str]:
+        t = self.subjects
+        return [t[i] for i in self.subject_idx.tolist()]
+
+    def extra(self, i: int) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+        a = int(self.extra_end[i - 1]) if i else 0
+        b = int(self.extra_end[i])
+        return decode_extra(self.extras[a:b]) if b > a else ((), ())
+
+    def has_extras(self) -> bool:
+        return bool(self.extras)
+
+    def cancel_target(self, i: int) -> int:
+        """The seq a cancel tombstone cancels (its payload)."""
+        p = self.payload(i)
+        if len(p) != 8:
+            raise InvalidArgument("batch", "a cancel tombstone's payload must be the u64 target seq")
+        return _U64.unpack(p)[0]
+
+    def cancel_targets(self) -> np.ndarray:
+        """Target seq of every record (0 for messages): payloads of tombstones are u64s."""
+        out = np.zeros(self.n, np.uint64)
+        sel = np.flatnonzero(self.kind == KIND_CANCEL)
+        for i in sel.tolist():
+            out[i] = self.cancel_target(i)
+        return out
+
+    # ------------------------------------------------------------------ subsets
+
+    def take(self, idx) -> "Batch":
+        """The messages at ``idx`` (an index array or a slice), in that order."""
+        if isinstance(idx, slice):
+            idx = np.arange(self.n)[idx]
+        idx = np.asarray(idx, np.int64)
+        m = len(idx)
+        if m == self.n and (m == 0 or (idx[0] == 0 and bool((np.diff(idx) == 1).all()))):
+            return self
+        cols = {}
+        for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "subject_idx", "kind"):
+            cols[name] = getattr(self, name)[idx]
+        contiguous = m > 0 and int(idx[-1]) - int(idx[0]) == m - 1 and bool((np.diff(idx) == 1).all())
+        for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
+            ends = getattr(self, name).astype(np.int64)
+            blob = getattr(self, blob_name)
+            starts = _starts(ends)
+            s, e = starts[idx], ends[idx]
+            if m == 0:
+                cols[name], cols[blob_name] = _EMPTY_U32, b""
+            elif contiguous:
+                a = int(s[0])
+                cols[blob_name] = blob[a:int(e[-1])]
+                cols[name] = (e - a).astype(np.uint32)
+            elif not blob:
+                cols[name], cols[blob_name] = np.zeros(m, np.uint32), b""
+            else:
+                cols[blob_name] = b"".join([blob[a:b] for a, b in zip(s.tolist(), e.tolist())])
+                cols[name] = np.cumsum(e - s).astype(np.uint32)
+        return Batch(subjects=self.subjects, **cols)
+
+    @staticmethod
+    def concat(batches: Sequence["Batch"]) -> "Batch":
+        """One batch of every message of ``batches``, in order (subject tables merged)."""
+        batches = [b for b in batches if b.n]
+        if not batches:
+            return Batch.empty()
+        if len(batches) == 1:
+            return batches[0]
+        table: dict[str, int] = {}
+        sidx = []
+        for b in batches:
+            remap = np.array([table.setdefault(s, len(table)) for s in b.subjects], np.uint16)
+            sidx.append(remap[b.subject_idx])
+        cols = {name: np.concatenate([getattr(b, name) for b in batches])
+                for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
+        for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
+            shift, parts = 0, []
+            for b in batches:
+                parts.append(getattr(b, name).astype(np.int64) + shift)
+                shift += len(getattr(b, blob_name))
+            if shift >= 1 << 32:
+                raise InvalidArgument("batch", "a blob exceeds 4 GiB")
+            cols[name] = np.concatenate(parts).astype(np.uint32)
+            cols[blob_name] = b"".join(getattr(b, blob_name) for b in batches)
+        return Batch(subject_idx=np.concatenate(sidx), subjects=tuple(table), **cols)
+
+    def split_by_subject(self) -> dict[str, np.ndarray]:
+        """subject -> indices of its messages, in batch order."""
+        if not self.n:
+            return {}
+        order = np.argsort(self.subject_idx, kind="stable")
+        keys = self.subject_idx[order]
+        cuts = np.flatnonzero(np.diff(keys.astype(np.int64))) + 1
+        out = {}
+        for part in np.split(order, cuts):
+            out[self.subjects[int(self.subject_idx[part[0]])]] = part
+        return out
+
+    # ------------------------------------------------------------------ producer limits
+
+    def validate(self, *, now_ms: int, limits: Limits = DEFAULT_LIMITS) -> tuple[np.ndarray, dict[int, str]]:
+        """Apply the producer limits to every message at once. Returns ``codes`` (u8 per
+        message: OK, INVALID_ARGUMENT, PAYLOAD_TOO_LARGE) and index -> reason for the
+        refused ones. Messages refused here change nothing; the others go on."""
+        n = self.n
+        codes = np.zeros(n, np.uint8)
+        reasons: dict[int, str] = {}
+        if not n:
+            return codes, reasons
+
+        def refuse(mask: np.ndarray, code: int, reason) -> None:
+            for i in np.flatnonzero(mask & (codes == OK)).tolist():
+                codes[i] = code
+                reasons[i] = reason(i) if callable(reason) else reason
+
+        for k, s in enumerate(self.subjects):
+            raw = s.encode()
+            bad = ("must not be empty" if not raw else
+                   f"{len(raw)} bytes exceeds {limits.subject_bytes_max}" if len(raw) > limits.subject_bytes_max else
+                   f"{s[:64]!r} does not match {SUBJECT_RE.pattern}" if not SUBJECT_RE.match(s) else None)
+            if bad:
+                refuse(self.subject_idx == k, INVALID_ARGUMENT, f"subject: {bad}")
+        id_ends = self.id_end.astype(np.int64)
+        id_lens = id_ends - _starts(id_ends)
+        refuse(id_lens == 0, INVALID_ARGUMENT, "id: must not be empty")
+        refuse(id_lens > limits.id_bytes_max, INVALID_ARGUMENT,
+               lambda i: f"id: {int(id_lens[i])} bytes exceeds {limits.id_bytes_max}")
+        if self.ids:
+            blob = np.frombuffer(self.ids, np.uint8)
+            bad_pos = np.flatnonzero((blob < 0x21) | (blob > 0x7E))
+            if len(bad_pos):
+                owners = np.searchsorted(id_ends, bad_pos, side="right")
+                mask = np.zeros(n, bool)
+                mask[owners] = True
+                refuse(mask, INVALID_ARGUMENT, "id: must be printable ASCII without spaces")
+        pay_ends = self.payload_end.astype(np.int64)
+        pay_lens = pay_ends - _starts(pay_ends)
+        refuse(pay_lens > limits.payload_bytes_max, PAYLOAD_TOO_LARGE,
+               lambda i: f"payload: {int(pay_lens[i])} bytes exceeds {limits.payload_bytes_max}")
+        d = self.deliver_at_ms
+        refuse(d < 0, INVALID_ARGUMENT, "deliver_at_ms: must not be negative")
+        refuse(d - now_ms > limits.delay_horizon_ms, INVALID_ARGUMENT,
+               f"deliver_at_ms: more than {limits.delay_horizon_ms} ms in the future (delay horizon)")
+        refuse(self.kind != KIND_MESSAGE, INVALID_ARGUMENT, "kind: producers send messages only")
+        if self.extras:
+            ext_ends = self.extra_end.astype(np.int64)
+            has = np.flatnonzero((ext_ends - _starts(ext_ends)) > 0)
+            for i in has.tolist():
+                if codes[i] != OK:
+                    continue
+                try:
+                    tags, props = self.extra(i)
+                    _check_extra(tags, props, limits)
+                except InvalidArgument as e:
+                    codes[i] = INVALID_ARGUMENT
+                    reasons[i] = str(e)
+        return codes, reasons
+
+
+def _check_extra(tags, props, limits: Limits) -> None:
+    if len(tags) > limits.tags_max:
+        raise InvalidArgument("tags", f"{len(tags)} tags exceeds {limits.tags_max}")
+    for t in tags:
+        if not t or len(t.encode()) > limits.tag_bytes_max:
+            raise InvalidArgument("tag", f"must be 1..{limits.tag_bytes_max} bytes")
+    if len(props) > limits.properties_max:
+        raise InvalidArgument("properties", f"{len(props)} exceeds {limits.properties_max}")
+    for k, v in props:
+        if not k or len(k.encode()) > limits.property_key_bytes_max:
+            raise InvalidArgument("property key", f"must be 1..{limits.property_key_bytes_max} bytes")
+        if len(v.encode()) > limits.property_value_bytes_max:
+            raise InvalidArgument("property value", f"must be at most {limits.property_value_bytes_max} bytes")
+
+
+def pack_u64(values) -> bytes:
+    return np.ascontiguousarray(values, "<u8").tobytes()
+
+
+def unpack_u64(raw: bytes) -> np.ndarray:
+    if len(raw) % 8:
+        raise InvalidArgument("u64 array", f"{len(raw)} bytes is not a multiple of 8")
+    return np.frombuffer(raw, "<u8")
+
+
+def pack_i64(values) -> bytes:
+    return np.ascontiguousarray(values, "<i8").tobytes()
+
+
+def unpack_i64(raw: bytes) -> np.ndarray:
+    if len(raw) % 8:
+        raise InvalidArgument("i64 array", f"{len(raw)} bytes is not a multiple of 8")
+    return np.frombuffer(raw, "<i8")
