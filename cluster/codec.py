@@ -598,3 +598,49 @@ def unpack_i64(raw: bytes) -> np.ndarray:
     if len(raw) % 8:
         raise InvalidArgument("i64 array", f"{len(raw)} bytes is not a multiple of 8")
     return np.frombuffer(raw, "<i8")
+
+
+# ---------------------------------------------------------------------- dispatch-log batches
+
+DISPATCH_HEADER = struct.Struct("<BBHIq")  # version, outcome, pad, n, dispatched_ms
+OUTCOME_OK = 0
+OUTCOME_DEAD_LETTER = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchBatch:
+    """One dispatch-log record: messages delivered (or dead-lettered) together.
+
+    Body (little-endian): ``u8 version (=2) | u8 outcome | u16 pad | u32 n |
+    i64 dispatched_ms | u64 seq[n] | i64 effective_ms[n] | i64 deliver_at_ms[n]``."""
+
+    seq: np.ndarray
+    effective_ms: np.ndarray
+    deliver_at_ms: np.ndarray
+    dispatched_ms: int
+    outcome: int = OUTCOME_OK
+
+    @property
+    def n(self) -> int:
+        return len(self.seq)
+
+    def encode(self) -> bytes:
+        return b"".join((DISPATCH_HEADER.pack(VERSION, self.outcome, 0, self.n, self.dispatched_ms),
+                         np.ascontiguousarray(self.seq, "<u8").tobytes(),
+                         np.ascontiguousarray(self.effective_ms, "<i8").tobytes(),
+                         np.ascontiguousarray(self.deliver_at_ms, "<i8").tobytes()))
+
+    @classmethod
+    def decode(cls, body: bytes) -> "DispatchBatch":
+        if len(body) < DISPATCH_HEADER.size:
+            raise InvalidArgument("dispatch record", f"{len(body)} bytes is shorter than its header")
+        version, outcome, _pad, n, dispatched_ms = DISPATCH_HEADER.unpack_from(body, 0)
+        if version != VERSION:
+            raise InvalidArgument("dispatch record", f"unknown version {version}")
+        if len(body) != DISPATCH_HEADER.size + 24 * n:
+            raise InvalidArgument("dispatch record", f"{len(body)} bytes, expected {DISPATCH_HEADER.size + 24 * n}")
+        if outcome not in (OUTCOME_OK, OUTCOME_DEAD_LETTER):
+            raise InvalidArgument("dispatch record", f"unknown outcome {outcome}")
+        p = DISPATCH_HEADER.size
+        return cls(np.frombuffer(body, "<u8", n, p), np.frombuffer(body, "<i8", n, p + 8 * n),
+                   np.frombuffer(body, "<i8", n, p + 16 * n), dispatched_ms, outcome)
