@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 
+import numpy as np
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger("hourglass.metrics")
@@ -47,6 +49,21 @@ class NodeMetrics:
         self._server = None
         self.port: int | None = None
         self._buckets_shown: set[str] = set()
+
+    def observe_lateness(self, lateness_s: np.ndarray) -> None:
+        """Observe a whole batch of lateness values at once (one bucket count per bucket,
+        not one ``observe`` per message). Uses the histogram's bucket counters the way
+        ``Histogram.observe`` does: a value goes to the first bucket whose bound it does
+        not exceed."""
+        if not len(lateness_s):
+            return
+        h = self.lateness
+        bounds = np.asarray(h._upper_bounds, float)
+        counts = np.bincount(np.searchsorted(bounds, lateness_s, side="left"), minlength=len(bounds))
+        for bucket, c in zip(h._buckets, counts.tolist()):
+            if c:
+                bucket.inc(c)
+        h._sum.inc(float(np.sum(lateness_s)))
 
     def set_pending(self, by_bucket_start_ms: dict[int, int]) -> None:
         """Replace the pending-by-bucket series (label: bucket start, UTC ISO, e.g. 2026-11-23T12:00Z)."""

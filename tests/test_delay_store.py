@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
+from cluster import status
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, PayloadTooLarge, TooLate
 from node.delay.store import DelayStore, StoreSettings
 from node.store.records import Limits, Message
@@ -17,6 +20,29 @@ SMALL = StoreSettings(message_segment_bytes=1 << 16, dispatch_segment_bytes=1 <<
 
 def msg(i, due, subject="orders.cancel", payload=b"x", **kw):
     return Message(seq=0, store_ms=0, deliver_at_ms=due, msg_id=f"m{i}", subject=subject, payload=payload, **kw)
+
+
+@dataclass
+class Accepted:
+    seq: int
+    deliver_at_ms: int
+    duplicate: bool
+
+
+def per_message(res) -> list:
+    """A batch answer as one Accepted or exception per message (what a producer sees)."""
+    return [Accepted(int(res.seqs[i]), int(res.deliver_at_ms[i]), bool(res.duplicates[i])) if res.codes[i] == 0
+            else status.from_code(int(res.codes[i]), res.errors.get(i, "")) for i in range(res.n)]
+
+
+def fire(store, now):
+    """poll_due and acknowledge everything: the ids fired, in order."""
+    ids = []
+    for d in store.poll_due(now_ms=now):
+        assert (d.batch.effective_ms <= now).all()
+        ids += d.batch.id_list()
+        store.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    return ids
 
 
 class Harness:
@@ -33,16 +59,12 @@ class Harness:
         res = self.store.accept(msgs, now_ms=self.now)
         self.store.flush_messages()
         self.store.iterate(limit=None)
-        return res
+        return per_message(res)
 
     def run_until(self, t, step=10):
         while self.now < t:
             self.now = min(t, self.now + step)
-            due = self.store.poll_due(now_ms=self.now)
-            for d in due:
-                assert d.effective_ms <= self.now
-                self.delivered.append(d.message.msg_id)
-            self.store.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=self.now)
+            self.delivered += fire(self.store, self.now)
 
     def crash(self):
         """Reopen without close(): whatever was written is in the page cache, as after a kill."""
@@ -61,9 +83,8 @@ def test_delivers_each_message_at_its_time_in_order(tmp_path):
     fired_at = {}
     while h.now < T0 + 11_000:
         h.now += 10
-        for d in h.store.poll_due(now_ms=h.now):
-            fired_at[d.message.msg_id] = h.now
-            h.store.ack_dispatched([(d.seq, d.effective_ms)], now_ms=h.now)
+        for mid in fire(h.store, h.now):
+            fired_at[mid] = h.now
     assert set(fired_at) == set(dues)
     for mid, t in fired_at.items():
         assert dues[mid] <= t < dues[mid] + 10  # fired within one poll step of its due time
@@ -131,6 +152,7 @@ def test_cancel_before_and_after_due(tmp_path):
 def test_cancel_of_unfiled_message(tmp_path):
     h = Harness(tmp_path)
     h.store.accept([msg(1, T0 + 200)], now_ms=h.now)
+    assert h.store.lookup("m1").status == "pending"
     h.store.cancel("m1", now_ms=h.now)  # before the iterator filed it
     h.store.flush_messages()
     h.store.iterate(limit=None)
@@ -166,8 +188,8 @@ def test_retry_of_a_relative_delay_is_a_duplicate(tmp_path):
 def test_bad_input_changes_nothing(tmp_path):
     h = Harness(tmp_path)
     end = h.store.messages.end_offset
-    res = h.store.accept([msg(1, T0, subject=""), msg(2, T0, payload=b"x" * 2000),
-                          msg(3, T0 + 10 ** 12), Message(0, 0, T0, "bad id", "s")], now_ms=h.now)
+    res = per_message(h.store.accept([msg(1, T0, subject=""), msg(2, T0, payload=b"x" * 2000),
+                                      msg(3, T0 + 10 ** 12), Message(0, 0, T0, "bad id", "s")], now_ms=h.now))
     assert [type(r) for r in res] == [InvalidArgument, PayloadTooLarge, InvalidArgument, InvalidArgument]
     assert h.store.messages.end_offset == end
     (ok,) = h.send([msg(5, T0 + 10)])
@@ -199,6 +221,7 @@ def test_in_flight_message_is_redelivered_after_crash(tmp_path):
     h.send([msg(1, T0 + 100)])
     h.now = T0 + 200
     (d,) = h.store.poll_due(now_ms=h.now)  # fired, never acknowledged by the real-time side
+    assert d.batch.id_list() == ["m1"]
     h.store.checkpoint()
     h.crash()
     h.run_until(T0 + 1_000)
@@ -213,9 +236,7 @@ def test_restart_after_long_downtime_catches_up(tmp_path):
     h.store = DelayStore.open(tmp_path, SMALL, now_ms=h.now)
     got = []
     for _ in range(100):
-        due = h.store.poll_due(now_ms=h.now)
-        got += [d.message.msg_id for d in due]
-        h.store.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=h.now)
+        got += fire(h.store, h.now)
         if len(got) == 60:
             break
     assert got == [f"m{i}" for i in range(60)]
@@ -242,3 +263,35 @@ def test_pending_by_bucket_counts_survive_restart_and_crash(tmp_path):
     assert h.store.pending_by_bucket() == {b0: 14, b1: 19}
     h.run_until(T0 + 13_000)
     assert h.store.pending_by_bucket() == {}
+
+
+def test_one_frame_per_batch_and_one_schedule_frame_per_second(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + 1_000 + 250 * i) for i in range(8)])  # due over two seconds
+    assert sum(1 for _ in h.store.messages.iterate()) == 1
+    frames = h.store.schedule.load_second((T0 + 1_000) // 1000) + h.store.schedule.load_second((T0 + 2_000) // 1000)
+    assert sorted(f.batch.n for f in frames) == [4, 4]
+    h.run_until(T0 + 3_000)
+    assert h.delivered == [f"m{i}" for i in range(8)]
+    assert sum(1 for _ in h.store.dispatch.iterate()) <= 3  # one record per fired group
+
+
+def test_release_gives_messages_back_and_partial_acks_settle_once(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + 100) for i in range(4)])
+    h.now = T0 + 100
+    (d,) = h.store.poll_due(now_ms=h.now)
+    assert h.store.inflight == 4
+    assert h.store.ack_dispatched(d.unit, np.array([0, 1]), now_ms=h.now) == 2
+    assert h.store.ack_dispatched(d.unit, np.array([1]), now_ms=h.now) == 0  # settled already
+    h.store.release(d.unit, np.array([2, 3]))
+    assert h.store.inflight == 0
+    h.run_until(T0 + 200)
+    assert sorted(h.delivered) == ["m2", "m3"]
+    assert h.store.lookup("m0").status == "dispatched"
+
+
+def test_duplicate_id_inside_one_batch_is_refused(tmp_path):
+    h = Harness(tmp_path)
+    a, b = h.send([msg(1, T0 + 100), msg(1, T0 + 100)])
+    assert a.seq > 0 and isinstance(b, AlreadyExists)

@@ -1,47 +1,61 @@
-"""Schedule log: buckets, per-second chains, replay high-water mark, recovery."""
+"""Schedule log v2: one frame per (batch, due second), per-second frame chains, replay
+high-water mark, recovery."""
 
 from __future__ import annotations
 
-import os
 import random
-import struct
 
-import pytest
+import numpy as np
 
-from node.store import records
-from node.store.records import Message
+from cluster.codec import Batch
 from node.store.schedule import ENTRY_SIZE, ScheduleLog
 
 H = 3_600_000
 T0 = 1_795_424_400_000  # an hour boundary (UTC)
 
 
-def body(seq, due, kind=records.KIND_MESSAGE, payload=b"p"):
-    return records.encode(Message(seq=seq, store_ms=0, deliver_at_ms=due, msg_id=f"m{seq}", subject="s",
-                                  payload=payload, kind=kind))
+def batch(seqs, dues, payload=b"p"):
+    seqs = list(seqs)
+    return Batch.build("s", [payload] * len(seqs), [f"m{q}" for q in seqs], np.array(dues, np.int64),
+                       seq=np.array(seqs, np.uint64))
 
 
 def put(sched, seq, due, **kw):
-    return sched.append(body(seq, due, **kw), seq=seq, ref_seq=seq, effective_ms=due, kind=records.KIND_MESSAGE)
+    """File one record; (bucket, offset, size) or None when it was filed before."""
+    f = sched.file(batch([seq], [due], **kw))
+    return (int(f.bucket_start_ms[0]), int(f.data_offset[0]), int(f.frame_size[0])) if f.filed[0] else None
 
 
-def test_chain_per_second_newest_first_across_buckets(tmp_path):
+def seqs_of(frames):
+    """Seqs of a second's frames, newest frame first, each frame's records in order."""
+    return [q for f in frames for q in f.batch.seq.tolist()]
+
+
+def test_batches_filed_per_second_and_chained_newest_first_across_buckets(tmp_path):
     s = ScheduleLog(tmp_path)
     rnd = random.Random(1)
-    model = {}
-    for seq in range(1, 2001):
-        due = T0 + rnd.randrange(0, 3 * H)
-        put(s, seq, due)
-        model.setdefault(due // 1000, []).append((due, seq))
+    model: dict[int, list[list[int]]] = {}
+    seq = 1
+    for _ in range(200):  # 200 batches of 10 records due anywhere in three hours
+        dues = sorted(T0 + rnd.randrange(0, 3 * H) for _ in range(10))
+        seqs = list(range(seq, seq + 10))
+        seq += 10
+        f = s.file(batch(seqs, dues))
+        assert f.filed.all()
+        per_second: dict[int, list[int]] = {}
+        for q, d in zip(seqs, dues):
+            per_second.setdefault(d // 1000, []).append(q)
+        assert len(f.frames) == len(per_second)  # one frame per second touched
+        for sec, qs in per_second.items():
+            model.setdefault(sec, []).append(qs)
     assert len(s.bucket_starts()) == 3
-    for second, want in model.items():
-        got = [(e.deliver_at_ms, e.seq) for e in s.load_second(second)]
-        assert got == list(reversed(want))
-    assert s.load_second(T0 // 1000 + 10 * 3600) == []
-    s.close()
-    s2 = ScheduleLog(tmp_path)
-    for second, want in model.items():
-        assert [(e.deliver_at_ms, e.seq) for e in s2.load_second(second)] == list(reversed(want))
+    for s2 in (s, None):
+        if s2 is None:
+            s.close()
+            s2 = ScheduleLog(tmp_path)
+        for second, frames in model.items():
+            assert seqs_of(s2.load_second(second)) == [q for qs in reversed(frames) for q in qs]
+    assert s2.load_second(T0 // 1000 + 10 * 3600) == []
 
 
 def test_bucket_size_fixed_at_creation(tmp_path):
@@ -54,16 +68,23 @@ def test_replay_does_not_file_twice(tmp_path):
     assert put(s, 1, T0 + 5) is not None
     assert put(s, 2, T0 + 6) is not None
     assert put(s, 1, T0 + 5) is None and put(s, 2, T0 + 6) is None
+    f = s.file(batch([2, 3], [T0 + 6, T0 + 7]))  # half filed before: only the new half is filed
+    assert f.filed.tolist() == [False, True]
     s.close()
     s = ScheduleLog(tmp_path)
     assert put(s, 2, T0 + 6) is None
-    assert [e.seq for e in s.load_second(T0 // 1000)] == [2, 1]
+    assert seqs_of(s.load_second(T0 // 1000)) == [3, 2, 1]
 
 
-def test_read_back_record(tmp_path):
+def test_read_back_record_and_locate(tmp_path):
     s = ScheduleLog(tmp_path)
     b, off, size = put(s, 9, T0 + 1500, payload=b"hello")
-    assert records.decode(s.read(b, off, size)).payload == b"hello"
+    s.close()
+    s = ScheduleLog(tmp_path)  # no cache: read from disk
+    ref, i = s.find(b, off, size, 9)
+    assert ref.batch.payload(i) == b"hello" and ref.batch.id(i) == "m9"
+    assert s.locate(T0 + 1500, 9)[0].data_offset == off
+    assert s.locate(T0 + 1500, 10) is None
 
 
 def _bucket_dir(tmp_path):
@@ -78,10 +99,9 @@ def test_crash_after_data_before_index_reindexes(tmp_path):
     idx = _bucket_dir(tmp_path) / "index"
     with open(idx, "r+b") as f:  # lose the last three index entries and a torn half entry
         f.truncate(7 * ENTRY_SIZE + 13)
-    # note: the process is not closed cleanly (simulates a kill)
-    s2 = ScheduleLog(tmp_path)
-    assert sorted(e.seq for e in s2.load_second(T0 // 1000)) == list(range(1, 10))
-    assert [e.seq for e in s2.load_second(T0 // 1000 + 1)] == [10]
+    s2 = ScheduleLog(tmp_path)  # the first one was never closed (a kill)
+    assert sorted(seqs_of(s2.load_second(T0 // 1000))) == list(range(1, 10))
+    assert seqs_of(s2.load_second(T0 // 1000 + 1)) == [10]
     assert put(s2, 10, T0 + 1000) is None  # high-water mark recovered
     assert put(s2, 11, T0 + 1000) is not None
 
@@ -97,7 +117,7 @@ def test_heads_rebuilt_when_header_is_bad(tmp_path):
     raw[32:] = bytes(len(raw) - 32)
     heads.write_bytes(bytes(raw))
     s2 = ScheduleLog(tmp_path)
-    assert [e.seq for e in s2.load_second(T0 // 1000 + 2)] == [5, 4, 3, 2, 1]
+    assert seqs_of(s2.load_second(T0 // 1000 + 2)) == [5, 4, 3, 2, 1]
 
 
 def test_heads_partially_applied_after_kill_are_not_double_linked(tmp_path):
@@ -108,7 +128,7 @@ def test_heads_partially_applied_after_kill_are_not_double_linked(tmp_path):
     for seq in range(6, 9):
         put(s, seq, T0 + 3000)  # linked in the mmap, header still says 5
     s2 = ScheduleLog(tmp_path)
-    assert [e.seq for e in s2.load_second(T0 // 1000 + 3)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert seqs_of(s2.load_second(T0 // 1000 + 3)) == [8, 7, 6, 5, 4, 3, 2, 1]
 
 
 def test_index_entry_past_data_end_is_dropped(tmp_path):
@@ -119,10 +139,10 @@ def test_index_entry_past_data_end_is_dropped(tmp_path):
     data_dir = _bucket_dir(tmp_path) / "data"
     seg = sorted(data_dir.iterdir())[0]
     size = seg.stat().st_size
-    with open(seg, "r+b") as f:  # the last record never reached the disk
+    with open(seg, "r+b") as f:  # the last frame never reached the disk
         f.truncate(size - 5)
     s2 = ScheduleLog(tmp_path)
-    assert [e.seq for e in s2.load_second(T0 // 1000)] == [2, 1]
+    assert seqs_of(s2.load_second(T0 // 1000)) == [2, 1]
     assert put(s2, 3, T0 + 100) is not None
 
 

@@ -3,17 +3,19 @@
 Background loops, all children of one TaskGroup owned by ``run``:
 
 * group commit  - one fsync for many SendBatch calls (``GroupCommitter``);
-* iterator      - files durable records into the schedule log;
-* wheel         - every ``tick_ms / 2``: loads seconds ahead, takes what is due;
-* dispatcher    - sends due messages to the real-time node of their subject, in
-                  batches, retrying transient failures with backoff for as long as it
-                  takes (the message stays in flight; nothing is dropped) and permanent
-                  ones (unknown subject, rejected message) at most
-                  ``dispatch_attempts_max`` times before the dead-letter subject;
+* iterator      - files durable batches into the schedule log;
+* wheel         - sleeps until the earliest due message (at most ``tick_ms``: seconds are
+                  loaded ahead on that beat), takes what is due as one batch;
+* dispatcher    - splits a due batch by the real-time node of each subject and sends
+                  **one SendBatch per real-time node** carrying every subject, retrying
+                  transient failures with backoff for as long as it takes (the messages
+                  stay in flight; nothing is dropped) and permanent ones (unknown
+                  subject, rejected message) at most ``dispatch_attempts_max`` times
+                  before the dead-letter subject;
 * checkpoint    - every ``checkpoint_interval_ms``: flush and record tick state.
 
 No business rule lives in the servicer methods: they translate, call the store,
-and translate back through ``cluster.status``.
+and translate back through ``cluster.wire`` / ``cluster.status``.
 """
 
 from __future__ import annotations
@@ -23,29 +25,31 @@ import inspect
 import json
 import logging
 import zlib
-from collections import defaultdict
 
 import grpc
+import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from cluster import status
 from cluster.clock import Clock, SystemClock
-from cluster.convert import batch_from_pb, merge_results, message_to_pb
-from cluster.errors import HourglassError, Unavailable
+from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
+from cluster.errors import HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
+from cluster.wire import BatchResult, make_request, request_batch
+from node.aio import wait_event
 from node.config import NodeSettings
-from node.delay.store import DelayStore, Due
+from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
 from node.store.group_commit import GroupCommitter
-from node.store.records import Dispatched, Message
-from node.aio import wait_event
 
 log = logging.getLogger("hourglass.delay")
 
-PERMANENT_CODES = {pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS}
+PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS],
+                           np.uint8)
+METRICS_INTERVAL_S = 0.1
 
 
 class StaticRouter:
@@ -77,42 +81,41 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.router = router or StaticRouter(settings.realtime_nodes)
         self.registrar = None
         self.metrics = NodeMetrics("delay", settings.node_id)
-        self._filed = asyncio.Event()
         self._durable_moved = asyncio.Event()
-        self._dispatch_q: asyncio.Queue[list[Due]] = asyncio.Queue(maxsize=settings.dispatch_concurrency_max * 4)
-        self._permanent_failures: dict[int, int] = {}
+        self._wheel_wake = asyncio.Event()
+        self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray]] = asyncio.Queue(
+            maxsize=settings.dispatch_concurrency_max * 4)
+        self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
         self.address = ""
         self.server: grpc.aio.Server | None = None
 
     # ------------------------------------------------------------------ gRPC: producer
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
-        if len(request.messages) > self.settings.batch_messages_max:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.messages)} messages exceeds batch_messages_max "
-                                f"{self.settings.batch_messages_max}")
         now = self.clock.now_ms()
-        converted = batch_from_pb(request.messages, now_ms=now, immediate=request.immediate)
         try:
-            stored = self.store.accept([m for m in converted if isinstance(m, Message)], now_ms=now)
+            batch = request_batch(request, now_ms=now)
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if batch.n > self.settings.batch_messages_max:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
+        try:
+            res = self.store.accept(batch, now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        merged = merge_results(converted, stored)
-        end = self.store.messages.end_offset
-        await self.committer.sync_to(end)
+        await self.committer.sync_to(self.store.messages.end_offset)
         self._note_durable()
-        out = pb.SendBatchResponse()
-        accepted = 0
-        for r in merged:
-            if isinstance(r, Exception):
-                self.metrics.errors.labels(kind=type(r).__name__).inc()
-                out.statuses.add(code=status.to_code(r), error=str(r))
-            else:
-                accepted += 0 if r.duplicate else 1
-                out.statuses.add(code=pb.OK, id=r.msg_id, seq=r.seq, deliver_at_ms=r.deliver_at_ms,
-                                 duplicate=r.duplicate)
-        self.metrics.ingested.inc(accepted)
-        return out
+        self._count_refusals(res)
+        self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
+        return res.to_pb()
+
+    def _count_refusals(self, res: BatchResult) -> None:
+        if not res.errors:
+            return
+        codes, counts = np.unique(res.codes[res.codes != pb.OK], return_counts=True)
+        for code, n in zip(codes.tolist(), counts.tolist()):
+            self.metrics.errors.labels(kind=pb.Code.Name(code)).inc(n)
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         try:
@@ -164,126 +167,178 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _iterator_loop(self) -> None:
         while True:
-            try:
-                await wait_event(self._durable_moved, self.settings.iterate_interval_ms / 1000 * 50)
-            except TimeoutError:
-                pass
+            await wait_event(self._durable_moved, self.settings.iterate_interval_ms / 1000 * 50)
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
-            while self.store.iterate(limit=5000):
+            while self.store.iterate(limit=20_000):
+                self._wake_wheel()
                 await asyncio.sleep(0)
+            self._wake_wheel()
+
+    def _wake_wheel(self) -> None:
+        if self.store.wheel_changed:
+            self.store.wheel_changed = False
+            self._wheel_wake.set()
 
     async def _wheel_loop(self) -> None:
-        interval = self.settings.tick_ms / 2000
-        next_pending_update = 0.0
+        """Fire at the due time: sleep until the earliest held entry is due (woken early
+        when filing puts an earlier one in the wheel), at most one tick (seconds ahead are
+        loaded on that beat)."""
+        tick_s = self.settings.tick_ms / 1000
         loop = asyncio.get_running_loop()
+        next_metrics = next_pending = 0.0
         while True:
-            due = self.store.poll_due(now_ms=self.clock.now_ms())
-            if due:
-                by_target: dict[str, list[Due]] = defaultdict(list)
-                for d in due:
-                    by_target[d.message.subject].append(d)
-                for items in by_target.values():
-                    for i in range(0, len(items), self.settings.dispatch_batch_max):
-                        await self._dispatch_q.put(items[i:i + self.settings.dispatch_batch_max])
-            self.metrics.wheel_held.set(len(self.store.wheel))
-            self.metrics.in_flight.set(self.store.inflight)
-            self.metrics.dispatch_lag.set(max(0, self.clock.now_ms() - self.store.completed_ms) / 1000)
-            if loop.time() >= next_pending_update:
+            self._wheel_wake.clear()
+            now = self.clock.now_ms()
+            for due in self.store.poll_due(now_ms=now):
+                await self._dispatch_q.put((due.unit, np.arange(due.batch.n)))
+            t = loop.time()
+            if t >= next_metrics:
+                self.metrics.wheel_held.set(len(self.store.wheel))
+                self.metrics.in_flight.set(self.store.inflight)
+                self.metrics.dispatch_lag.set(max(0, now - self.store.completed_ms) / 1000)
+                next_metrics = t + METRICS_INTERVAL_S
+            if t >= next_pending:
                 self.metrics.set_pending(self.store.pending_by_bucket())
-                next_pending_update = loop.time() + 1.0
-            await asyncio.sleep(interval)
+                next_pending = t + 1.0
+            nxt = self.store.next_due_ms()
+            wait = tick_s if nxt is None else min(tick_s, max(0, nxt - self.clock.now_ms()) / 1000)
+            if wait > 0:
+                await wait_event(self._wheel_wake, wait)
+            else:
+                await asyncio.sleep(0)
 
     async def _dispatch_worker(self) -> None:
         while True:
-            batch = await self._dispatch_q.get()
+            unit, idx = await self._dispatch_q.get()
             try:
-                await self._dispatch(batch)
+                await self._deliver(unit, idx)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug: give the messages back rather than lose them
                 log.exception("dispatch failed; messages go back to the wheel")
-                self.store.release([d.seq for d in batch])
+                self.store.release(unit, idx)
 
-    async def _send(self, subject: str, msgs: list[Message]) -> pb.SendBatchResponse:
+    async def _route(self, subject: str) -> str:
         address = self.router.realtime_for(subject)
         if inspect.isawaitable(address):  # MetaResolver answers asynchronously
             address = await address
-        stub = self.channels.producer(address)
-        req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs], immediate=True)
-        try:
-            return await stub.SendBatch(req, timeout=10)
-        except grpc.RpcError as e:
-            self.router.invalidate(subject)
-            raise status.from_rpc_error(e) from None
+        return address
 
-    async def _dispatch(self, batch: list[Due]) -> None:
-        subject = batch[0].message.subject
+    async def _deliver(self, unit: int, idx: np.ndarray) -> None:
+        """Deliver messages ``idx`` of an in-flight unit: one SendBatch per real-time node,
+        transient failures retried (only the parts that failed) until they go through."""
+        b = self.store.unit_batch(unit)
+        if b is None:
+            return
+        left = [idx]
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(Unavailable),
             wait=wait_exponential(multiplier=0.05, max=self.settings.dispatch_backoff_ms_max / 1000),
             reraise=True,
         )
-        async for attempt in retrying:  # transient failures: keep trying, the message stays in flight
+        async for attempt in retrying:  # transient failures: keep trying, the messages stay in flight
             with attempt:
-                resp = await self._send(subject, [d.message for d in batch])
-        now = self.clock.now_ms()
-        delivered, failed = [], []
-        for d, st in zip(batch, resp.statuses):
-            if st.code == pb.OK:
-                delivered.append(d)
-            elif st.code in PERMANENT_CODES:
-                failed.append((d, st))
-            else:
-                self.store.release([d.seq])
-        if delivered:
-            self.store.ack_dispatched([(d.seq, d.effective_ms) for d in delivered], now_ms=now)
-            for d in delivered:
-                self.metrics.lateness.observe(max(0, now - d.message.deliver_at_ms) / 1000)
-                self._permanent_failures.pop(d.seq, None)
-            self.metrics.dispatched.inc(len(delivered))
-        if failed:
-            await self._handle_permanent(failed)
+                left[0] = await self._deliver_once(unit, b, left[0])
+                if len(left[0]):
+                    raise Unavailable(f"{len(left[0])} messages not delivered yet")
 
-    async def _handle_permanent(self, failed: list[tuple[Due, pb.SendStatus]]) -> None:
-        dead: list[tuple[Due, pb.SendStatus]] = []
-        for d, st in failed:
-            n = self._permanent_failures.get(d.seq, 0) + 1
-            self._permanent_failures[d.seq] = n
-            self.metrics.errors.labels(kind=pb.Code.Name(st.code)).inc()
-            if n >= self.settings.dispatch_attempts_max or d.message.subject == DLQ_SUBJECT:
-                dead.append((d, st))
-            else:
-                delay = min(self.settings.dispatch_backoff_ms_max, 50 * 2 ** n) / 1000
-                asyncio.get_running_loop().call_later(delay, self._requeue, d)
-        if dead:
-            msgs = [Message(seq=0, store_ms=0, deliver_at_ms=d.message.deliver_at_ms, msg_id=d.message.msg_id,
-                            subject=DLQ_SUBJECT, payload=d.message.payload, tags=d.message.tags,
-                            properties=tuple(sorted(dict(d.message.properties, **{
-                                "dlq.subject": d.message.subject, "dlq.reason": st.error[:500],
-                                "dlq.code": pb.Code.Name(st.code)}).items())),
-                            attempts=d.message.attempts) for d, st in dead]
-            retrying = AsyncRetrying(retry=retry_if_exception_type(Unavailable),
-                                     wait=wait_exponential(multiplier=0.05, max=2), reraise=True)
-            async for attempt in retrying:
-                with attempt:
-                    resp = await self._send(DLQ_SUBJECT, msgs)
-            ok = [(d.seq, d.effective_ms) for (d, _), st in zip(dead, resp.statuses) if st.code == pb.OK]
-            self.store.ack_dispatched(ok, now_ms=self.clock.now_ms(), outcome=Dispatched.DEAD_LETTER)
-            self.metrics.dead_lettered.inc(len(ok))
-            for (d, _), st in zip(dead, resp.statuses):
-                self._permanent_failures.pop(d.seq, None)
-                if st.code != pb.OK:  # even the dead-letter subject refused: keep it, log loudly
-                    log.error("dead letter refused seq=%d id=%s code=%s", d.seq, d.message.msg_id, st.code)
-                    self.store.release([d.seq])
-            for d, _ in dead:
-                log.warning("dead-lettered id=%s subject=%s", d.message.msg_id, d.message.subject)
+    async def _deliver_once(self, unit: int, b: Batch, idx: np.ndarray) -> np.ndarray:
+        """One round: route, send every target its part at once; returns what is left."""
+        sub = b.take(idx) if len(idx) != b.n else b
+        targets: dict[str, list[np.ndarray]] = {}
+        for subject, part in sub.split_by_subject().items():
+            targets.setdefault(await self._route(subject), []).append(idx[part])
+        parts = {addr: np.sort(np.concatenate(p)) for addr, p in targets.items()}
+        results = await asyncio.gather(*(self._send_part(addr, unit, b, part) for addr, part in parts.items()),
+                                       return_exceptions=True)
+        left = []
+        for (addr, part), r in zip(parts.items(), results):
+            if isinstance(r, Unavailable):
+                for s in {b.subject(int(i)) for i in part[:64]}:
+                    self.router.invalidate(s)
+                left.append(part)
+            elif isinstance(r, BaseException):
+                raise r
+        return np.concatenate(left) if left else np.zeros(0, np.int64)
 
-    def _requeue(self, d: Due) -> None:
+    async def _send_part(self, address: str, unit: int, b: Batch, part: np.ndarray) -> None:
+        sub = b.take(part)
         try:
-            self._dispatch_q.put_nowait([d])
+            resp = await self.channels.producer(address).SendBatch(make_request(sub, immediate=True), timeout=10)
+            res = BatchResult.from_pb(resp, sub.n)
+        except grpc.RpcError as e:
+            err = status.from_rpc_error(e)
+            if isinstance(err, Unavailable):
+                raise err from None
+            res = BatchResult.sized(sub.n)  # the whole request was refused: every message is
+            res.codes[:] = status.to_code(err)
+            res.errors = {i: str(err) for i in range(sub.n)}
+        now = self.clock.now_ms()
+        ok = res.codes == pb.OK
+        if ok.any():
+            self.store.ack_dispatched(unit, part[ok], now_ms=now)
+            self.metrics.dispatched.inc(int(ok.sum()))
+            self.metrics.observe_lateness(np.maximum(0, now - sub.deliver_at_ms[ok]) / 1000)
+        perm = np.isin(res.codes, PERMANENT_CODES)
+        if perm.any():
+            await self._handle_permanent(unit, b, part[perm], {int(part[i]): (int(res.codes[i]), res.errors.get(i, ""))
+                                                              for i in np.flatnonzero(perm).tolist()})
+        rest = ~ok & ~perm
+        if rest.any():
+            self.store.release(unit, part[rest])
+
+    async def _handle_permanent(self, unit: int, b: Batch, idx: np.ndarray, why: dict[int, tuple[int, str]]) -> None:
+        """Refused for good by the real-time side (rare): retry a few times, then dead letter."""
+        dead, again = [], []
+        for i in idx.tolist():
+            seq = int(b.seq[i])
+            n = self._permanent_failures.get(seq, 0) + 1
+            self._permanent_failures[seq] = n
+            self.metrics.errors.labels(kind=pb.Code.Name(why[i][0])).inc()
+            (dead if n >= self.settings.dispatch_attempts_max or b.subject(i) == DLQ_SUBJECT else again).append(i)
+        if again:
+            n = max(self._permanent_failures[int(b.seq[i])] for i in again)
+            delay = min(self.settings.dispatch_backoff_ms_max, 50 * 2 ** n) / 1000
+            asyncio.get_running_loop().call_later(delay, self._requeue, unit, np.array(again, np.int64))
+        if not dead:
+            return
+        extras = []
+        for i in dead:
+            tags, props = b.extra(i)
+            code, error = why[i]
+            extras.append(encode_extra(tags, sorted(dict(props, **{
+                "dlq.subject": b.subject(i), "dlq.reason": error[:500], "dlq.code": pb.Code.Name(code)}).items())))
+        dlq = Batch.build(DLQ_SUBJECT, [b.payload(i) for i in dead], [b.id(i) for i in dead],
+                          b.deliver_at_ms[dead], attempts=b.attempts[dead], extras=extras)
+        retrying = AsyncRetrying(retry=retry_if_exception_type(Unavailable),
+                                 wait=wait_exponential(multiplier=0.05, max=2), reraise=True)
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    resp = await self.channels.producer(await self._route(DLQ_SUBJECT)).SendBatch(
+                        make_request(dlq, immediate=True), timeout=10)
+                except grpc.RpcError as e:
+                    raise status.from_rpc_error(e) from None
+        res = BatchResult.from_pb(resp, dlq.n)
+        dead_idx = np.array(dead, np.int64)
+        ok = res.codes == pb.OK
+        self.store.ack_dispatched(unit, dead_idx[ok], now_ms=self.clock.now_ms(), outcome=OUTCOME_DEAD_LETTER)
+        self.metrics.dead_lettered.inc(int(ok.sum()))
+        for i, good in zip(dead, ok.tolist()):
+            self._permanent_failures.pop(int(b.seq[i]), None)
+            if good:
+                log.warning("dead-lettered id=%s subject=%s", b.id(i), b.subject(i))
+            else:  # even the dead-letter subject refused: keep it, log loudly
+                log.error("dead letter refused seq=%d id=%s", int(b.seq[i]), b.id(i))
+        if not ok.all():
+            self.store.release(unit, dead_idx[~ok])
+
+    def _requeue(self, unit: int, idx: np.ndarray) -> None:
+        try:
+            self._dispatch_q.put_nowait((unit, idx))
         except asyncio.QueueFull:
-            self.store.release([d.seq])
+            self.store.release(unit, idx)
 
     async def _checkpoint_loop(self) -> None:
         while True:

@@ -1,64 +1,77 @@
-"""DelayStore: the delay node's storage engine, message log to dispatch log.
+"""DelayStore: the delay node's storage engine, message log to dispatch log, batch by batch.
 
 Owns a data folder::
 
-    {root}/messages/   SegmentedLog (WAL) of message and cancel records, in seq order
-    {root}/schedule/   ScheduleLog: records filed by due-time bucket, per-second chains
-    {root}/ids/        IdIndex: message id -> place in the schedule log
-    {root}/dispatch/   SegmentedLog of Dispatched records (one per delivered message)
+    {root}/messages/   SegmentedLog (WAL): one frame per accepted batch (a ``cluster.codec.Batch``)
+    {root}/schedule/   ScheduleLog: one frame per (batch, due second), per-second frame chains
+    {root}/ids/        IdIndex: message id hash -> schedule frame holding it
+    {root}/dispatch/   SegmentedLog of ``DispatchBatch`` records (one per delivered group)
     {root}/checkpoint  epoch, iterate offset, tick state (atomic JSON)
 
-Flow (every step takes ``now_ms`` from the caller; nothing here reads a clock):
+The unit of work is the batch (``shared/ARCHITECTURE.md``, "Hot path"). Every step
+takes ``now_ms`` from the caller; nothing here reads a clock, and no step makes a
+Python object per message: per-message work is numpy, ``bytes.join`` or one
+comprehension over a hash function.
 
-1. ``accept`` validates, de-duplicates by id, gives each message a seq
-   ``(epoch << 40) | counter`` and appends it to the message log. The caller makes
-   it durable (``flush`` or a GroupCommitter) before acknowledging.
-2. ``iterate`` files durable records into the schedule log and the id index, and
-   offers each to the wheel (held if its second is already loaded).
-3. ``poll_due`` loads seconds into the wheel ahead of time and returns what is due,
-   marking it in flight. ``ack_dispatched`` appends to the dispatch log.
+1. ``accept(batch)`` validates the whole batch with numpy, hashes its ids (one
+   comprehension over blake2b), finds possible duplicates with one vectorised probe
+   of the id index plus the not-yet-filed map, gives the new records contiguous seqs
+   ``(epoch << 40) | counter`` and appends them as **one frame**. The caller makes it
+   durable (a ``GroupCommitter``) before acknowledging. The decoded batch and its id
+   hashes stay in memory until filed (``unfiled_max`` records at most).
+2. ``iterate`` files durable batches: one schedule frame per due second (from the
+   batch in memory, no re-read and no re-decode), one id-index write per batch, and
+   offers each new frame to the wheel as one chunk.
+3. ``poll_due`` loads seconds into the wheel ahead of time (one read per frame, or
+   none: recently filed frames are cached) and returns what is due as **one batch**
+   (an in-flight *unit*). ``ack_dispatched(unit, idx)`` appends one dispatch record
+   for the delivered part; ``release(unit, idx)`` gives a part back to the wheel.
 4. ``checkpoint`` flushes schedule, ids and dispatch log, then records the iterate
    offset and the tick state.
 
-Invariants that make restart exact:
+Invariants that make restart exact (unchanged from the per-message design):
 
 * ``completed_ms``: every message whose effective due time is before it has been
-  dispatched (its Dispatched record is in the dispatch log). It is
-  ``min(wheel cursor, effective time of anything fired but not acknowledged)``
-  rounded down to a tick, and it steps back when a message is filed behind it
-  (never below the persisted value, which a filed message's time never is).
-* A message is filed under ``effective_ms = max(deliver_at_ms, persisted
-  completed_ms)``, so a restart that reloads seconds from the persisted
-  ``completed_ms`` sees every undispatched message (a past-due message that
-  arrives late is not filed in a second that will never be reloaded).
-* ``dispatch_offset`` in the tick state is the offset of the first Dispatched
-  record whose effective time is ``>= completed_ms``: after a restart the records
-  from there on name the messages already delivered in the reloaded seconds.
-* replaying the message log after a crash skips what each bucket already holds
+  dispatched (it is in a dispatch record). It is ``min(wheel cursor, effective time of
+  anything in flight)`` rounded down to a tick, and it steps back when a message is
+  filed behind it (never below the persisted value, which a filed message's time never is).
+* A message is filed under ``effective_ms = max(deliver_at_ms, persisted completed_ms)``,
+  so a restart that reloads seconds from the persisted ``completed_ms`` sees every
+  undispatched message.
+* ``dispatch_offset`` in the tick state is the offset of the first dispatch record
+  holding a message whose effective time is ``>= completed_ms``: after a restart the
+  records from there on name the messages already delivered in the reloaded seconds.
+* Replaying the message log after a crash skips what each bucket already holds
   (per-bucket seq high-water mark) and what the id index already holds.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import struct
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 
-from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Overloaded, TooLate
+import numpy as np
+
+from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch,
+                           Limits)
+from cluster.errors import AlreadyExists, NotFound, Overloaded, TooLate
+from cluster.wire import BatchResult
 from node.store import checkpoint, records
-from node.store.idindex import IdIndex, IdLocation
+from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
 from node.store.log import SegmentedLog
-from node.store.records import SEQ_EPOCH_SHIFT, Dispatched, Limits, Message
-from node.store.schedule import ScheduleLog
-from node.wheel import TickState, TimingWheel, WheelEntry
+from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Message
+from node.store.schedule import FrameRef, ScheduleLog
+from node.wheel import Chunk, TickState, TimingWheel
 
 log = logging.getLogger("hourglass.delay.store")
 
+ALREADY_EXISTS = 4  # hourglass.v1.Code
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,30 +82,15 @@ class StoreSettings:
     message_segment_bytes: int = 64 * 1024 * 1024
     dispatch_segment_bytes: int = 16 * 1024 * 1024
     schedule_segment_bytes: int = 256 * 1024 * 1024
+    schedule_cache_bytes_max: int = 64 * 1024 * 1024  # decoded schedule frames kept for the wheel
     wheel_entries_max: int = 2_000_000
     unfiled_max: int = 1_000_000          # accepted but not yet iterated into the schedule log
     inflight_max: int = 100_000           # fired but not yet acknowledged by the real-time side
     seconds_load_max: int = 64            # seconds loaded from disk per poll (catch-up is gradual)
+    frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
     id_slots: int = 1 << 20
     id_entries_max: int = 4 << 20
     limits: Limits = field(default_factory=Limits)
-
-
-@dataclass(frozen=True, slots=True)
-class Accepted:
-    msg_id: str
-    seq: int
-    deliver_at_ms: int
-    duplicate: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Due:
-    """A message to dispatch now."""
-
-    seq: int
-    effective_ms: int
-    message: Message
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +102,28 @@ class LookupResult:
     subject: str
 
 
+@dataclass(frozen=True, slots=True)
+class DueBatch:
+    """Messages to dispatch now: one in-flight unit (``batch.effective_ms`` = schedule time)."""
+
+    unit: int
+    batch: Batch
+
+
+@dataclass(slots=True)
+class _Unit:
+    batch: Batch
+    live: np.ndarray  # bool: not yet acknowledged or released
+
+
+@dataclass(frozen=True, slots=True)
+class _Unfiled:
+    offset: int
+    end: int
+    batch: Batch
+    hashes: np.ndarray
+
+
 def _same_content(a: Message, b: Message) -> bool:
     """A re-send of the same message: same content and the same due time, absolute or
     relative (a retry of ``delay_ms=d`` arrives later, so its absolute time moved by exactly
@@ -111,6 +131,21 @@ def _same_content(a: Message, b: Message) -> bool:
     if (a.subject, a.payload, a.tags, a.properties) != (b.subject, b.payload, b.tags, b.properties):
         return False
     return a.deliver_at_ms == b.deliver_at_ms or a.deliver_at_ms - a.store_ms == b.deliver_at_ms - b.store_ms
+
+
+def _split_frames(batch: Batch, bytes_max: int) -> list[Batch]:
+    """Cut a batch so that no frame's payload bytes exceed ``bytes_max`` (one message may)."""
+    if len(batch.payloads) <= bytes_max:
+        return [batch]
+    ends = batch.payload_end.astype(np.int64)
+    out, start = [], 0
+    while start < batch.n:
+        base = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, base + bytes_max, side="right"))
+        stop = max(stop, start + 1)
+        out.append(batch.take(slice(start, stop)))
+        start = stop
+    return out
 
 
 class DelayStore:
@@ -122,7 +157,8 @@ class DelayStore:
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.message_segment_bytes)
         self.dispatch = SegmentedLog.open(root / "dispatch", segment_bytes_max=settings.dispatch_segment_bytes)
         self.schedule = ScheduleLog(root / "schedule", bucket_ms=settings.bucket_ms,
-                                    data_segment_bytes=settings.schedule_segment_bytes)
+                                    data_segment_bytes=settings.schedule_segment_bytes,
+                                    cache_bytes_max=settings.schedule_cache_bytes_max)
         self.ids = IdIndex.open(root / "ids", slots_count=settings.id_slots, entries_max=settings.id_entries_max)
         self._ckpt_path = root / "checkpoint"
         ck = checkpoint.read(self._ckpt_path) or {}
@@ -150,20 +186,24 @@ class DelayStore:
         self.persisted_completed_ms = self.completed_ms
         # messages delivered at or after completed_ms (reloaded seconds must skip them)
         self._dispatched: dict[int, int] = {}
-        self._dispatch_trail: deque[tuple[int, int]] = deque()  # (effective_ms, offset) in log order
+        self._dispatch_trail: deque[tuple[int, int]] = deque()  # (max effective_ms, offset) per record
         if dispatch_offset < self.dispatch.end_offset:
             for off, body in self.dispatch.iterate(dispatch_offset):
-                d = records.decode_dispatched(body)
-                self._dispatched[d.seq] = d.deliver_at_ms
-                self._dispatch_trail.append((d.deliver_at_ms, off))
-        self._inflight: dict[int, int] = {}  # seq -> effective_ms
-        self._inflight_heap: list[tuple[int, int]] = []  # (effective_ms, seq), lazily pruned
-        self._unfiled: dict[str, tuple[int, int]] = {}  # msg_id -> (seq, message-log offset)
+                d = DispatchBatch.decode(body)
+                self._dispatched.update(zip(d.seq.tolist(), d.effective_ms.tolist()))
+                self._dispatch_trail.append((int(d.effective_ms.max()) if d.n else 0, off))
+        self._units: dict[int, _Unit] = {}
+        self._unit_counter = 0
+        self._inflight_count = 0
+        self._unfiled: deque[_Unfiled] = deque()
+        self._unfiled_ids: dict[int, tuple[int, int]] = {}  # id hash -> (seq, message-log offset)
+        self._unfiled_count = 0
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
         self._voided_path = root / "voided.json"
         self.voided: list[tuple[int, int]] = [tuple(r) for r in (checkpoint.read(self._voided_path) or {}).get(
             "ranges", [])]
+        self.wheel_changed = False  # set when a filed message entered the wheel (the shell wakes its loop)
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
         self.replicated: dict | None = ck.get("replicated") if follower else None
@@ -187,28 +227,20 @@ class DelayStore:
     # ------------------------------------------------------------------ pending counts (metrics)
 
     def _count_pending(self) -> dict[int, int]:
-        """Messages filed and not dispatched nor cancelled, by bucket start, read from the
-        schedule index files of buckets not yet completed (kind byte and rel_ms of each
-        40-byte entry, sliced in C: about 50 ms per million entries)."""
+        """Messages filed and not dispatched nor cancelled, by bucket start, from the
+        schedule index (one read per bucket, counts per frame)."""
         out: dict[int, int] = {}
         c = self.completed_ms
         for start in self.schedule.bucket_starts():
             if start + self.settings.bucket_ms <= c:
                 continue
-            try:
-                raw = (self.schedule.root / f"{start:018d}" / "index").read_bytes()
-            except FileNotFoundError:
+            b = self.schedule.bucket(start, create=False)
+            if b is None:
                 continue
-            raw = raw[: len(raw) - len(raw) % 40]
-            if start < c:  # the current bucket: only entries at or after completed_ms
-                rel = memoryview(raw).cast("I")[8::10]
-                kinds = raw[36::40]
-                threshold = c - start
-                n = sum((1 if kinds[i] == records.KIND_MESSAGE else -1) for i, r in enumerate(rel) if r >= threshold)
-            else:
-                kinds = raw[36::40]
-                n = kinds.count(records.KIND_MESSAGE) - kinds.count(records.KIND_CANCEL)
-            out[start] = n
+            e = b.entries_array()
+            if start < c:  # the current bucket: frames of seconds at or after completed_ms
+                e = e[e["second"].astype(np.int64) * 1000 + start >= c - c % 1000]
+            out[start] = int(e["messages"].astype(np.int64).sum() - e["cancels"].astype(np.int64).sum())
         for eff in self._dispatched.values():
             if eff >= c:
                 b = self.schedule.bucket_start(eff)
@@ -219,66 +251,98 @@ class DelayStore:
         """Bucket start ms -> messages filed there and not yet dispatched or cancelled."""
         return {b: n for b, n in self._pending.items() if n > 0}
 
-    def _pending_add(self, effective_ms: int, n: int) -> None:
-        b = self.schedule.bucket_start(effective_ms)
-        v = self._pending.get(b, 0) + n
-        if v > 0:
-            self._pending[b] = v
-        else:
-            self._pending.pop(b, None)
+    def _pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int) -> None:
+        if not len(effective_ms):
+            return
+        starts = effective_ms - effective_ms % self.settings.bucket_ms
+        weights = np.broadcast_to(np.asarray(sign, np.int64), starts.shape)
+        uniq, inv = np.unique(starts, return_inverse=True)
+        sums = np.bincount(inv, weights=weights).astype(np.int64)
+        for b, n in zip(uniq.tolist(), sums.tolist()):
+            v = self._pending.get(b, 0) + n
+            if v > 0:
+                self._pending[b] = v
+            else:
+                self._pending.pop(b, None)
 
     # ------------------------------------------------------------------ ingest
 
-    def _next_seq(self) -> int:
-        seq = records.make_seq(self.epoch, self._counter)
-        self._counter += 1
-        return seq
+    def _next_seqs(self, k: int) -> np.ndarray:
+        if self._counter + k - 1 > SEQ_COUNTER_MAX:
+            raise Overloaded("sequence space of this epoch is exhausted; restart the node")
+        base = records.make_seq(self.epoch, self._counter)
+        self._counter += k
+        return np.arange(base, base + k, dtype=np.uint64)
 
-    def accept(self, batch: list[Message], *, now_ms: int) -> list[Accepted | Exception]:
-        """Validate and append; one result per message (an exception object for a rejected one).
+    def accept(self, batch: Batch | list[Message], *, now_ms: int) -> BatchResult:
+        """Validate and append a batch; one answer per message in the returned arrays.
 
-        A rejected message changes nothing; others in the batch go on. Not durable
-        until ``flush`` (or the caller's group commit) covers ``messages.end_offset``.
-        """
-        out: list[Accepted | Exception] = []
-        bodies: list[bytes] = []
-        pending: list[tuple[int, str, int]] = []  # (index in out, msg_id, seq)
-        batch_ids: dict[str, int] = {}
-        if len(self._unfiled) + len(batch) > self.settings.unfiled_max:
-            raise Overloaded(f"{len(self._unfiled)} messages wait to be filed (unfiled_max="
+        A refused message changes nothing; the others go on. Not durable until the
+        caller's group commit (or ``flush_messages``) covers ``messages.end_offset``."""
+        if isinstance(batch, list):
+            batch = records.batch_from_messages(batch)
+        n = batch.n
+        res = BatchResult.sized(n)
+        if not n:
+            return res
+        if self._unfiled_count + n > self.settings.unfiled_max:
+            raise Overloaded(f"{self._unfiled_count} messages wait to be filed (unfiled_max="
                              f"{self.settings.unfiled_max})")
-        for m in batch:
-            try:
-                msg_id = m.msg_id or uuid.uuid4().hex
-                m = Message(seq=0, store_ms=now_ms, deliver_at_ms=max(0, m.deliver_at_ms), msg_id=msg_id,
-                            subject=m.subject, payload=bytes(m.payload), tags=tuple(m.tags),
-                            properties=tuple(m.properties), attempts=m.attempts)
-                records.validate_message(m, now_ms=now_ms, limits=self.settings.limits)
-                prior = self._find(msg_id) if msg_id not in batch_ids else None
-                if msg_id in batch_ids:
-                    raise AlreadyExists(f"id {msg_id!r} appears twice in one batch")
-                if prior is not None:
-                    if prior.kind == records.KIND_CANCEL or not _same_content(prior, m):
-                        raise AlreadyExists(f"id {msg_id!r} was used for another message")
-                    self.counters["duplicates"] += 1
-                    out.append(Accepted(msg_id, prior.seq, prior.deliver_at_ms, duplicate=True))
-                    continue
-                seq = self._next_seq()
-                body = records.encode(Message(seq=seq, store_ms=now_ms, deliver_at_ms=m.deliver_at_ms,
-                                              msg_id=msg_id, subject=m.subject, payload=m.payload, tags=m.tags,
-                                              properties=m.properties, attempts=m.attempts))
-                batch_ids[msg_id] = seq
-                pending.append((len(out), msg_id, seq))
-                out.append(Accepted(msg_id, seq, m.deliver_at_ms))
-                bodies.append(body)
-            except (InvalidArgument, AlreadyExists) as e:
-                out.append(e)
-        if bodies:
-            offsets = self.messages.append(bodies)
-            for (_, msg_id, seq), off in zip(pending, offsets):
-                self._unfiled[msg_id] = (seq, off)
-            self.counters["accepted"] += len(bodies)
-        return out
+        id_ends = batch.id_end.astype(np.int64)
+        if bool((np.diff(id_ends, prepend=0) == 0).any()):  # ids the server makes (rare: the SDK names them)
+            ids = [i or uuid.uuid4().hex for i in batch.id_list()]
+            made = Batch.build(batch.subject_list(), batch.payload_list(), ids, batch.deliver_at_ms)
+            batch = batch.replace(ids=made.ids, id_end=made.id_end)
+        codes, reasons = batch.validate(now_ms=now_ms, limits=self.settings.limits)
+        for i, reason in reasons.items():
+            res.refuse(i, int(codes[i]), reason)
+        ok = codes == 0
+        hashes = key_hashes(batch.id_bytes_list())
+        # an id twice in one batch: the first stands, the others are refused
+        order = np.argsort(hashes, kind="stable")
+        twice = np.zeros(n, bool)
+        twice[order[1:][hashes[order][1:] == hashes[order][:-1]]] = True
+        for i in np.flatnonzero(twice & ok).tolist():
+            res.refuse(i, ALREADY_EXISTS, f"id {batch.id(i)!r} appears twice in one batch")
+            ok[i] = False
+        # ids seen before (candidates: the 8-byte hash may collide; confirmed on the record)
+        cand = self.ids.probe(hashes)
+        if self._unfiled_ids:
+            d = self._unfiled_ids
+            cand |= np.fromiter((h in d for h in hashes.tolist()), bool, n)
+        for i in np.flatnonzero(cand & ok).tolist():
+            found = self._find(batch.id(i))
+            if found is None:
+                continue
+            prior, _eff = found
+            mine = records.message_at(batch, i)
+            mine = Message(seq=0, store_ms=now_ms, deliver_at_ms=mine.deliver_at_ms, msg_id=mine.msg_id,
+                           subject=mine.subject, payload=mine.payload, tags=mine.tags, properties=mine.properties)
+            ok[i] = False
+            if prior.kind == KIND_CANCEL or not _same_content(prior, mine):
+                res.refuse(i, ALREADY_EXISTS, f"id {mine.msg_id!r} was used for another message")
+                continue
+            self.counters["duplicates"] += 1
+            res.seqs[i], res.deliver_at_ms[i], res.duplicates[i] = prior.seq, prior.deliver_at_ms, 1
+        keep = np.flatnonzero(ok)
+        if not len(keep):
+            return res
+        seqs = self._next_seqs(len(keep))
+        stored = batch.take(keep)
+        stored = stored.replace(seq=seqs, store_ms=now_ms, effective_ms=stored.deliver_at_ms)
+        kept_hashes = hashes[keep]
+        start = 0
+        for part in _split_frames(stored, self.settings.frame_bytes_max):
+            (off,) = self.messages.append([part.encode()])
+            part_hashes = kept_hashes[start:start + part.n]
+            start += part.n
+            self._unfiled.append(_Unfiled(off, self.messages.end_offset, part, part_hashes))
+            self._unfiled_ids.update(zip(part_hashes.tolist(), zip(part.seq.tolist(), repeat(off))))
+        self._unfiled_count += len(keep)
+        res.seqs[keep] = seqs
+        res.deliver_at_ms[keep] = stored.deliver_at_ms
+        self.counters["accepted"] += len(keep)
+        return res
 
     def flush_messages(self) -> int:
         """fsync the message log (tests and tools; the service uses a GroupCommitter)."""
@@ -286,46 +350,51 @@ class DelayStore:
         self.durable_offset = self.messages.end_offset
         return self.durable_offset
 
-    # ------------------------------------------------------------------ id lookups
+    # ------------------------------------------------------------------ id lookups (slow path)
 
-    def _find(self, msg_id: str) -> Message | None:
-        """The newest record (message or tombstone) with this id, or None."""
-        hit = self._unfiled.get(msg_id)
+    def _unfiled_batch(self, offset: int) -> Batch:
+        for u in self._unfiled:
+            if u.offset == offset:
+                return u.batch
+        body, _ = self.messages.read(offset)
+        return Batch.decode(body)
+
+    def _find(self, msg_id: str) -> tuple[Message, int | None] | None:
+        """The newest record (message or tombstone) with this id and its effective time
+        (None while not filed), or None."""
+        hit = self._unfiled_ids.get(key_hash(msg_id))
         if hit is not None:
-            body, _ = self.messages.read(hit[1])
-            return records.decode(body)
+            b = self._unfiled_batch(hit[1])
+            at = np.flatnonzero(b.seq == hit[0])
+            if len(at) and b.id(int(at[0])) == msg_id:
+                return records.message_at(b, int(at[0])), None
         for loc in self.ids.get_all(msg_id):
             if self._voided(loc.seq):
                 continue
-            body = self.schedule.read(loc.bucket_start_ms, loc.data_offset, loc.frame_size)
-            if records.peek_id(body) == msg_id:
-                return records.decode(body)
-        return None
-
-    def _effective_of(self, msg_id: str, seq: int) -> int | None:
-        for loc in self.ids.get_all(msg_id):
-            if loc.seq == seq:
-                raw = self.schedule.bucket(loc.bucket_start_ms).data.read_at(loc.data_offset, loc.frame_size)
-                return struct.unpack_from("<q", raw)[0]
+            got = self.schedule.find(loc.bucket_start_ms, loc.data_offset, loc.frame_size, loc.seq)
+            if got is not None and got[0].batch.id(got[1]) == msg_id:
+                ref, i = got
+                return records.message_at(ref.batch, i), int(ref.batch.effective_ms[i])
         return None
 
     def lookup(self, msg_id: str) -> LookupResult:
         found = self._find(msg_id)
         if found is None:
             raise NotFound(f"no message with id {msg_id!r}")
-        if found.kind == records.KIND_CANCEL:
-            (target,) = struct.unpack("<Q", found.payload)
-            return LookupResult("cancelled", msg_id, target, found.deliver_at_ms, found.subject)
-        return LookupResult(self._status(found), msg_id, found.seq, found.deliver_at_ms, found.subject)
+        m, eff = found
+        if m.kind == KIND_CANCEL:
+            (target,) = struct.unpack("<Q", m.payload)
+            return LookupResult("cancelled", msg_id, target, m.deliver_at_ms, m.subject)
+        return LookupResult(self._status(m, eff), msg_id, m.seq, m.deliver_at_ms, m.subject)
 
-    def _status(self, m: Message) -> str:
-        if m.seq in self._inflight:
+    def _in_flight(self, seq: int) -> bool:
+        return any(bool((u.batch.seq[u.live] == seq).any()) for u in self._units.values())
+
+    def _status(self, m: Message, eff: int | None) -> str:
+        if self._in_flight(m.seq):
             return "in_flight"
         if m.seq in self._dispatched:
             return "dispatched"
-        if m.msg_id in self._unfiled:
-            return "pending"
-        eff = self._effective_of(m.msg_id, m.seq)
         if eff is not None and eff < self.completed_ms:
             return "dispatched"
         return "pending"
@@ -342,114 +411,159 @@ class DelayStore:
         found = self._find(msg_id)
         if found is None:
             raise NotFound(f"no message with id {msg_id!r}")
-        if found.kind == records.KIND_CANCEL:
-            return struct.unpack("<Q", found.payload)[0]
-        status = self._status(found)
-        if status in ("dispatched", "in_flight"):
+        m, eff = found
+        if m.kind == KIND_CANCEL:
+            return struct.unpack("<Q", m.payload)[0]
+        if self._status(m, eff) in ("dispatched", "in_flight"):
             raise TooLate(f"message {msg_id!r} was already dispatched")
-        if msg_id in self._unfiled:
-            # not filed yet: the tombstone is filed right after it, in the same second
-            effective = max(found.deliver_at_ms, self.persisted_completed_ms)
-        else:
-            effective = self._effective_of(msg_id, found.seq)
-            if effective is None:
-                raise NotFound(f"no schedule entry for {msg_id!r}")
-        seq = self._next_seq()
-        body = records.encode(Message(seq=seq, store_ms=now_ms, deliver_at_ms=effective, msg_id=msg_id,
-                                      subject=found.subject, payload=struct.pack("<Q", found.seq),
-                                      kind=records.KIND_CANCEL))
-        (off,) = self.messages.append([body])
-        self._unfiled[msg_id] = (seq, off)
-        self.wheel.cancel_seq(found.seq)
+        if eff is None:  # not filed yet: the tombstone is filed right after it, in the same second
+            eff = max(m.deliver_at_ms, self.persisted_completed_ms)
+        seqs = self._next_seqs(1)
+        tomb = Batch.build(m.subject, [struct.pack("<Q", m.seq)], [msg_id], [eff], seq=seqs, store_ms=now_ms,
+                           kind=KIND_CANCEL)
+        (off,) = self.messages.append([tomb.encode()])
+        h = key_hashes([msg_id.encode()])
+        self._unfiled.append(_Unfiled(off, self.messages.end_offset, tomb, h))
+        self._unfiled_ids[int(h[0])] = (int(seqs[0]), off)
+        self._unfiled_count += 1
+        self.wheel.cancel(np.array([m.seq], np.uint64))
         self.counters["cancelled"] += 1
-        return found.seq
+        return m.seq
 
-    # ------------------------------------------------------------------ iterator
+    # ------------------------------------------------------------------ iterator (filing)
 
     def iterate(self, limit: int | None = 10_000) -> int:
-        """File durable records from the message log into the schedule log; returns count.
+        """File durable batches from the message log into the schedule log; returns records filed.
 
         A follower files only up to the master's checkpointed iterate offset, under the
-        master's checkpointed completed_ms (see ``follow``), so that every message the
-        master had not dispatched is filed at or after the completed_ms a promotion
-        restores from."""
+        master's checkpointed completed_ms (see ``follow``)."""
         end = self.durable_offset
         if self.follower:
             end = min(end, self.replicated["iterate_offset"] if self.replicated else self.iterate_offset)
-        if self.iterate_offset >= end:
-            return 0
         n = 0
-        last_ids_seq = self.ids.last_seq()
-        for off, body in self.messages.iterate(self.iterate_offset, end):
-            kind, seq, deliver_at_ms, _ = records.peek_header(body)
-            msg_id = records.peek_id(body)
-            if kind == records.KIND_CANCEL:
-                effective = deliver_at_ms  # the cancelled message's effective time
-                (ref_seq,) = struct.unpack_from("<Q", body, len(body) - 8)
-            else:
-                effective = max(deliver_at_ms, self.persisted_completed_ms)
-                ref_seq = seq
-            placed = self.schedule.append(body, seq=seq, ref_seq=ref_seq, effective_ms=effective, kind=kind)
-            if placed is not None and seq > last_ids_seq:
-                bucket_start, data_off, fsize = placed
-                self.ids.put(msg_id, IdLocation(bucket_start, data_off, fsize, seq))
-                last_ids_seq = seq
-            elif placed is None and seq > last_ids_seq:
-                # filed before a crash but not indexed: find its place again
-                loc = self._locate_filed(msg_id, seq, effective)
-                if loc is not None:
-                    self.ids.put(msg_id, loc)
-                    last_ids_seq = seq
-            if placed is not None:
-                self._pending_add(effective, -1 if kind == records.KIND_CANCEL else 1)
-            if self.follower:
-                pass  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
-            elif kind == records.KIND_CANCEL:
-                self.wheel.cancel_seq(ref_seq)
-            elif placed is not None and seq not in self._dispatched:
-                bucket_start, data_off, fsize = placed
-                if self.wheel.add(WheelEntry(effective, seq, str(seq), (bucket_start, data_off, fsize))):
-                    if effective < self.completed_ms:
-                        # filed behind the wheel (effective >= persisted completed_ms): completed_ms
-                        # steps back so a checkpoint cannot skip it before it is dispatched
-                        self.completed_ms = effective - effective % self.settings.tick_ms
-            hit = self._unfiled.get(msg_id)
-            if hit is not None and hit[0] == seq:
-                del self._unfiled[msg_id]
-            n += 1
-            self.iterate_offset = off + 12 + len(body)
-            if limit is not None and n >= limit:
-                break
+        while self.iterate_offset < end and (limit is None or n < limit):
+            u = self._unfiled[0] if self._unfiled else None
+            if u is not None and u.offset == self.iterate_offset and u.end <= end:
+                self._file(u.batch, u.hashes)
+                self._unfiled.popleft()
+                self._unfiled_count -= u.batch.n
+                self.iterate_offset = u.end
+                n += u.batch.n
+                continue
+            # not in memory (replay after a restart, replicated bytes): read the log
+            for off, body in self.messages.iterate(self.iterate_offset, end):
+                b = Batch.decode(body)
+                self._file(b, key_hashes(b.id_bytes_list()))
+                self.iterate_offset = off + 12 + len(body)
+                n += b.n
+                if self._unfiled and self._unfiled[0].offset == self.iterate_offset:
+                    break
+                if limit is not None and n >= limit:
+                    break
+            while self._unfiled and self._unfiled[0].offset < self.iterate_offset:  # filed from the log
+                gone = self._unfiled.popleft()
+                self._unfiled_count -= gone.batch.n
         self.counters["filed"] += n
         return n
 
-    def _locate_filed(self, msg_id: str, seq: int, effective: int) -> IdLocation | None:
-        bucket = self.schedule.bucket(self.schedule.bucket_start(effective))
-        second = (effective - bucket.start_ms) // 1000
-        for e in bucket.chain(second):
-            if e.seq == seq:
-                return IdLocation(bucket.start_ms, e.data_offset, e.frame_size, seq)
-        return None
+    def _file(self, batch: Batch, hashes: np.ndarray) -> None:
+        is_cancel = batch.kind == KIND_CANCEL
+        eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
+        batch = batch.replace(effective_ms=eff.astype(np.int64))
+        placed = self.schedule.file(batch)
+        seq = batch.seq
+        last_ids = self.ids.last_seq()
+        new = seq > np.uint64(last_ids) if last_ids >= 0 else np.ones(batch.n, bool)
+        if new.any():
+            bucket, off, size = placed.bucket_start_ms.copy(), placed.data_offset.copy(), placed.frame_size.copy()
+            for i in np.flatnonzero(new & ~placed.filed).tolist():
+                # filed before a crash but not indexed: find its frame again
+                got = self.schedule.locate(int(eff[i]), int(seq[i]))
+                if got is None:
+                    new[i] = False
+                    continue
+                ref = got[0]
+                bucket[i], off[i], size[i] = ref.bucket_start_ms, ref.data_offset, ref.frame_size
+            put = np.flatnonzero(new)
+            self.ids.put_many(hashes[put], bucket[put], off[put], size[put], seq[put])
+        filed = placed.filed
+        if filed.any():
+            self._pending_add(eff[filed], np.where(is_cancel[filed], -1, 1))
+        d = self._unfiled_ids
+        if d:
+            for h, s in zip(hashes.tolist(), seq.tolist()):
+                if d.get(h, (None,))[0] == s:
+                    del d[h]
+        if self.follower:
+            return  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
+        if is_cancel.any():
+            targets = batch.cancel_targets()[is_cancel]
+            self.wheel.cancel(targets)
+        for ref in placed.frames:
+            chunk = self._chunk(ref, reload=False)
+            if chunk is None:
+                continue
+            if self.wheel.add(chunk):
+                self.wheel_changed = True
+                low = int(chunk.due_ms.min())
+                if low < self.completed_ms:
+                    # filed behind the wheel (effective >= persisted completed_ms): completed_ms
+                    # steps back so a checkpoint cannot skip it before it is dispatched
+                    self.completed_ms = low - low % self.settings.tick_ms
+
+    def _chunk(self, ref: FrameRef, *, reload: bool, cancelled: np.ndarray | None = None) -> Chunk | None:
+        """The wheel chunk of a frame: its messages not cancelled, voided, delivered or in flight."""
+        b = ref.batch
+        mask = b.kind == KIND_MESSAGE
+        if not mask.any():
+            return None
+        seq = b.seq
+        if cancelled is not None and len(cancelled):
+            mask &= ~np.isin(seq, cancelled)
+        if self.voided:
+            mask &= ~self._voided_mask(seq)
+        if self._dispatched:
+            lo, hi = int(seq.min()), int(seq.max())
+            d = self._dispatched
+            if any(lo <= s <= hi for s in d):  # rarely true: delivered seqs are older
+                mask &= ~np.fromiter((s in d for s in seq.tolist()), bool, b.n)
+        if reload:
+            mask &= b.effective_ms >= self._restored_completed_ms
+            if self._units:
+                mask &= ~np.isin(seq, np.concatenate([u.batch.seq[u.live] for u in self._units.values()]))
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            return None
+        return Chunk(b.effective_ms[idx], seq[idx], idx.astype(np.int32), ref)
+
+    def _voided_mask(self, seq: np.ndarray) -> np.ndarray:
+        out = np.zeros(len(seq), bool)
+        for lo, hi in self.voided:
+            out |= (seq >= np.uint64(lo)) & (seq < np.uint64(hi))
+        return out
+
+    def _voided(self, seq: int) -> bool:
+        return any(lo <= seq < hi for lo, hi in self.voided)
 
     # ------------------------------------------------------------------ wheel and dispatch
 
     def _load_seconds(self) -> None:
         for second in self.wheel.seconds_to_load(self.settings.seconds_load_max):
-            chain = self.schedule.load_second(second)
-            voided = self._voided
-            cancelled = {e.ref_seq for e in chain if e.kind == records.KIND_CANCEL and not voided(e.seq)}
-            entries = [
-                WheelEntry(e.deliver_at_ms, e.seq, str(e.seq), (e.bucket_start_ms, e.data_offset, e.frame_size))
-                for e in chain
-                if e.kind == records.KIND_MESSAGE and e.seq not in cancelled and e.seq not in self._dispatched
-                and not voided(e.seq)
-                and e.deliver_at_ms >= self._restored_completed_ms and e.seq not in self._inflight
-            ]
-            self.wheel.load_second(second, entries)
+            frames = self.schedule.load_second(second)
+            cancelled = [f.batch.cancel_targets()[(f.batch.kind == KIND_CANCEL) & ~self._voided_mask(f.batch.seq)]
+                         for f in frames if bool((f.batch.kind == KIND_CANCEL).any())]
+            targets = np.concatenate(cancelled) if cancelled else None
+            chunks = [c for c in (self._chunk(f, reload=True, cancelled=targets) for f in frames) if c is not None]
+            self.wheel.load_second(second, chunks)
 
-    def poll_due(self, *, now_ms: int, limit: int | None = None) -> list[Due]:
-        """Load seconds ahead, advance the wheel to ``now_ms``; return due messages (now in flight)."""
-        if len(self._inflight) >= self.settings.inflight_max:
+    def next_due_ms(self) -> int | None:
+        """When the earliest held message is due (the shell sleeps until then)."""
+        return self.wheel.next_due_ms()
+
+    def poll_due(self, *, now_ms: int) -> list[DueBatch]:
+        """Load seconds ahead, advance the wheel to ``now_ms``; return what is due as one
+        in-flight unit (empty list when nothing is due or ``inflight_max`` is reached)."""
+        if self._inflight_count >= self.settings.inflight_max:
             return []
         self._load_seconds()
         fired = self.wheel.advance(now_ms)
@@ -457,72 +571,77 @@ class DelayStore:
         while not fired and self.wheel.cursor_ms <= now_ms and self.wheel.seconds_to_load(1):
             self._load_seconds()
             fired = self.wheel.advance(now_ms)
-            if self.wheel.cursor_ms > now_ms:
-                break
-        out: list[Due] = []
-        for e in fired:
-            bucket_start, data_off, fsize = e.ref
-            body = self.schedule.read(bucket_start, data_off, fsize)
-            self._inflight[e.seq] = e.deliver_at_ms
-            heapq.heappush(self._inflight_heap, (e.deliver_at_ms, e.seq))
-            out.append(Due(e.seq, e.deliver_at_ms, records.decode(body)))
+        out: list[DueBatch] = []
+        if fired:
+            b = Batch.concat([f.ref.batch.take(f.idx) for f in fired])
+            self._unit_counter += 1
+            self._units[self._unit_counter] = _Unit(b, np.ones(b.n, bool))
+            self._inflight_count += b.n
+            out.append(DueBatch(self._unit_counter, b))
         self._advance_completed()
         return out
 
-    def ack_dispatched(self, items: list[tuple[int, int]], *, now_ms: int,
-                       outcome: int = Dispatched.OK) -> None:
-        """Record (seq, effective_ms) pairs as delivered (or dead-lettered)."""
-        if not items:
+    def _settle(self, unit: int, idx: np.ndarray) -> Batch | None:
+        u = self._units.get(unit)
+        if u is None:
+            return None
+        idx = np.asarray(idx, np.int64)
+        idx = idx[u.live[idx]]
+        if not len(idx):
+            return None
+        u.live[idx] = False
+        self._inflight_count -= len(idx)
+        if not u.live.any():
+            del self._units[unit]
+        return u.batch.take(idx)
+
+    def ack_dispatched(self, unit: int, idx, *, now_ms: int, outcome: int = OUTCOME_OK) -> int:
+        """Record messages ``idx`` of an in-flight unit as delivered (or dead-lettered): one
+        dispatch record. Returns how many were recorded (already settled ones are skipped)."""
+        b = self._settle(unit, idx)
+        if b is None:
+            return 0
+        rec = DispatchBatch(b.seq, b.effective_ms, b.deliver_at_ms, now_ms, outcome)
+        (off,) = self.dispatch.append([rec.encode()])
+        self._dispatched.update(zip(b.seq.tolist(), b.effective_ms.tolist()))
+        self._dispatch_trail.append((int(b.effective_ms.max()), off))
+        self._pending_add(b.effective_ms, -1)
+        self.counters["dead_lettered" if outcome == OUTCOME_DEAD_LETTER else "dispatched"] += b.n
+        self._advance_completed()
+        return b.n
+
+    def release(self, unit: int, idx) -> None:
+        """Give messages ``idx`` of an in-flight unit back to the wheel (dispatch failed, retried)."""
+        b = self._settle(unit, idx)
+        if b is None:
             return
-        bodies = [records.encode_dispatched(Dispatched(seq, eff, now_ms, outcome)) for seq, eff in items]
-        offsets = self.dispatch.append(bodies)
-        for (seq, eff), off in zip(items, offsets):
-            self._inflight.pop(seq, None)
-            self._dispatched[seq] = eff
-            self._dispatch_trail.append((eff, off))
-            self._pending_add(eff, -1)
-        self.counters["dead_lettered" if outcome == Dispatched.DEAD_LETTER else "dispatched"] += len(items)
+        ref = FrameRef(-1, -1, 0, b)  # held in memory only: the schedule log still has them
+        held = self.wheel.add(Chunk(b.effective_ms.copy(), b.seq.copy(), np.arange(b.n, dtype=np.int32), ref))
+        if not held:  # cannot happen (their seconds are loaded); never drop a message silently
+            log.error("released messages not taken back by the wheel count=%d", b.n)
+        self.wheel_changed = True
         self._advance_completed()
 
-    def release(self, seqs: list[int]) -> None:
-        """Give fired messages back to the wheel (dispatch failed, will be retried)."""
-        for seq in seqs:
-            eff = self._inflight.pop(seq, None)
-            if eff is None:
-                continue
-            # reload it from disk on the next poll: it stays in the schedule log
-            entry = self._wheel_entry_for(seq, eff)
-            if entry is not None:
-                self.wheel.add(entry)
-        self._advance_completed()
-
-    def _wheel_entry_for(self, seq: int, effective: int) -> WheelEntry | None:
-        bucket = self.schedule.bucket(self.schedule.bucket_start(effective))
-        for e in bucket.chain((effective - bucket.start_ms) // 1000):
-            if e.seq == seq:
-                return WheelEntry(effective, seq, str(seq), (bucket.start_ms, e.data_offset, e.frame_size))
-        return None
+    def unit_batch(self, unit: int) -> Batch | None:
+        u = self._units.get(unit)
+        return None if u is None else u.batch
 
     def _advance_completed(self) -> None:
         c = self.wheel.cursor_ms
-        heap, inflight = self._inflight_heap, self._inflight
-        if len(heap) > 2 * len(inflight) + 1024:  # stale entries below the top: rebuild
-            heap[:] = [(e, q) for q, e in inflight.items()]
-            heapq.heapify(heap)
-        while heap and inflight.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)  # acknowledged or released since
-        if heap:
-            c = min(c, heap[0][0])
+        for u in self._units.values():
+            live = u.batch.effective_ms[u.live]
+            if len(live):
+                c = min(c, int(live.min()))
         c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
         if c > self.completed_ms:
             self.completed_ms = c
-        # completed_ms may step back (see iterate), never below the persisted value: keep the
+        # completed_ms may step back (see _file), never below the persisted value: keep the
         # dispatch records a restart from the persisted value needs
         floor = self.persisted_completed_ms
         trail = self._dispatch_trail
         while trail and trail[0][0] < floor:
             trail.popleft()
-        if len(self._dispatched) > 4 * max(1024, len(trail)):
+        if len(self._dispatched) > 4 * max(65_536, len(trail)):
             self._dispatched = {s: e for s, e in self._dispatched.items() if e >= floor}
 
     def tick_state(self) -> TickState:
@@ -535,7 +654,7 @@ class DelayStore:
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        return self._inflight_count
 
     # ------------------------------------------------------------------ durability
 
@@ -556,7 +675,7 @@ class DelayStore:
             completed = int(r["completed_ms"])
             dispatch_offset = min(int(r["dispatch_offset"]), self.dispatch.end_offset)
             checkpoint.write_atomic(self._ckpt_path, {
-                "version": 1, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
+                "version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
                 "completed_ms": completed, "dispatch_offset": dispatch_offset,
                 "tick": completed // self.settings.tick_ms - 1, "replicated": r,
             })
@@ -564,7 +683,7 @@ class DelayStore:
         st = self.tick_state()
         completed = (st.tick + 1) * self.settings.tick_ms
         checkpoint.write_atomic(self._ckpt_path, {
-            "version": 1, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
+            "version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
             "completed_ms": completed, "dispatch_offset": st.dispatch_offset, "tick": st.tick,
         })
         self.persisted_completed_ms = completed
@@ -577,8 +696,8 @@ class DelayStore:
         """Become (or stay) a follower; ``master_checkpoint`` is the master's last checkpoint
         (iterate_offset, completed_ms, dispatch_offset), shipped with its tick state."""
         self.follower = True
-        self._inflight.clear()
-        self._inflight_heap.clear()
+        self._units.clear()
+        self._inflight_count = 0
         if master_checkpoint is not None:
             self.replicated = dict(master_checkpoint)
             self.persisted_completed_ms = self.completed_ms = int(master_checkpoint["completed_ms"])
@@ -587,30 +706,29 @@ class DelayStore:
         """Replicated bytes were appended and fsynced: they are durable here."""
         self.durable_offset = self.messages.end_offset
 
-    def _voided(self, seq: int) -> bool:
-        for lo, hi in self.voided:
-            if lo <= seq < hi:
-                return True
-        return False
-
     def truncate_messages(self, cut: int) -> int:
         """Drop a divergent message-log suffix (records the new master never had). Records
         already filed stay in the schedule log but their seqs are voided (persisted), so
         they are never loaded, found or counted. Returns bytes dropped."""
         if cut >= self.messages.end_offset:
             return 0
-        seqs = [records.peek_header(body)[1] for _, body in self.messages.iterate(cut)]
-        if seqs:
+        cols = [Batch.decode(body).seq for _, body in self.messages.iterate(cut)]
+        seqs = np.concatenate(cols) if cols else np.zeros(0, np.uint64)
+        if len(seqs):
             # seqs of one store epoch grow with the log: the suffix is one range per epoch
-            for ep in sorted({q >> SEQ_EPOCH_SHIFT for q in seqs}):
-                lo = min(q for q in seqs if q >> SEQ_EPOCH_SHIFT == ep)
+            epochs = seqs >> np.uint64(SEQ_EPOCH_SHIFT)
+            for ep in np.unique(epochs).tolist():
+                lo = int(seqs[epochs == ep].min())
                 self.voided.append((lo, (ep + 1) << SEQ_EPOCH_SHIFT))
             checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
         dropped = self.messages.truncate(cut)
         self.messages.flush()
         self.iterate_offset = min(self.iterate_offset, cut)
         self.durable_offset = min(self.durable_offset, cut)
-        self._unfiled = {k: v for k, v in self._unfiled.items() if v[1] < cut}
+        kept = [u for u in self._unfiled if u.offset < cut]
+        self._unfiled = deque(kept)
+        self._unfiled_count = sum(u.batch.n for u in kept)
+        self._unfiled_ids = {h: (s, u.offset) for u in kept for h, s in zip(u.hashes.tolist(), u.batch.seq.tolist())}
         log.warning("message log truncated to %d (divergent suffix, %d bytes, %d records voided)",
                     cut, dropped, len(seqs))
         return dropped
@@ -631,3 +749,6 @@ class DelayStore:
         self.ids.close()
         self.dispatch.close()
         self.messages.close()
+
+
+__all__ = ["DelayStore", "DueBatch", "IdLocation", "LookupResult", "StoreSettings"]

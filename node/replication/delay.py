@@ -105,12 +105,12 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             await self._not_master(context)
         return await super().Lookup(request, context)
 
-    async def _dispatch(self, batch) -> None:
+    async def _deliver(self, unit, idx) -> None:
         # fencing: a deposed master (lease not surely alive, e.g. after a long pause) sends
         # nothing; the messages stay in flight until the demotion reopens the store
         if not self.is_master():
             return
-        await super()._dispatch(batch)
+        await super()._deliver(unit, idx)
 
     # ------------------------------------------------------------------ master side of replication
 

@@ -26,6 +26,7 @@ import re
 import struct
 from dataclasses import dataclass
 
+from cluster.codec import DEFAULT_LIMITS, Limits  # noqa: F401  (one definition of the limits)
 from cluster.errors import InvalidArgument, Overloaded, PayloadTooLarge
 
 VERSION = 1
@@ -41,22 +42,6 @@ SUBJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 ID_RE = re.compile(r"^[!-~]+$")  # printable ASCII, no spaces
 
 
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Every producer-visible limit, with a name. Defaults are the documented ones."""
-
-    subject_bytes_max: int = 200
-    id_bytes_max: int = 128
-    payload_bytes_max: int = 4 * 1024 * 1024
-    tags_max: int = 16
-    tag_bytes_max: int = 64
-    properties_max: int = 32
-    property_key_bytes_max: int = 128
-    property_value_bytes_max: int = 4096
-    delay_horizon_ms: int = 2 * 366 * 24 * 3600 * 1000  # two years
-
-
-DEFAULT_LIMITS = Limits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,3 +219,36 @@ def make_seq(epoch: int, counter: int) -> int:
         raise Overloaded("sequence space of this epoch is exhausted; restart the node")
     return (epoch << SEQ_EPOCH_SHIFT) | counter
 
+
+
+# ---------------------------------------------------------------------- batches (slow paths, tests)
+
+
+def batch_from_messages(msgs: "list[Message]"):
+    """A codec batch of domain messages: the way in for tests, tools and other slow paths
+    (the hot path builds batches from columns and never makes a ``Message``)."""
+    import numpy as np
+
+    from cluster.codec import Batch, encode_extra
+
+    extras = [encode_extra(m.tags, m.properties) for m in msgs]
+    return Batch.build([m.subject for m in msgs], [bytes(m.payload) for m in msgs], [m.msg_id for m in msgs],
+                       np.array([m.deliver_at_ms for m in msgs], np.int64),
+                       seq=np.array([m.seq for m in msgs], np.uint64),
+                       store_ms=np.array([m.store_ms for m in msgs], np.int64),
+                       attempts=np.array([m.attempts for m in msgs], np.uint16),
+                       kind=np.array([m.kind for m in msgs], np.uint8),
+                       extras=extras if any(extras) else None)
+
+
+def message_at(batch, i: int) -> Message:
+    """Record ``i`` of a codec batch as a domain ``Message`` (slow paths: lookups, tools)."""
+    tags, props = batch.extra(i)
+    return Message(seq=int(batch.seq[i]), store_ms=int(batch.store_ms[i]),
+                   deliver_at_ms=int(batch.deliver_at_ms[i]), msg_id=batch.id(i), subject=batch.subject(i),
+                   payload=batch.payload(i), tags=tags, properties=props, attempts=int(batch.attempts[i]),
+                   kind=int(batch.kind[i]))
+
+
+def messages_of(batch) -> "list[Message]":
+    return [message_at(batch, i) for i in range(batch.n)]

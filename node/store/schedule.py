@@ -1,46 +1,52 @@
-"""Schedule log: messages filed by the UTC time bucket of their due time.
+"""Schedule log: messages filed by the UTC time bucket of their due time, one frame per
+(batch, due second).
 
-Owns ``{root}/schedule/`` with one folder per bucket, named by the bucket's
-start in UTC milliseconds (zero padded, so names sort by time)::
+Owns ``{root}/schedule/`` with one folder per bucket, named by the bucket's start in
+UTC milliseconds (zero padded, so names sort by time)::
 
-    schedule/meta.json                       {"bucket_ms": 3600000, "version": 1}
-    schedule/000001795424400000/data/        a SegmentedLog: i64 effective_ms + message-log record body
-    schedule/000001795424400000/index        fixed 40-byte entries, one per record
+    schedule/meta.json                       {"bucket_ms": 3600000, "version": 2}
+    schedule/000001795424400000/data/        a SegmentedLog: one frame per filed group
+    schedule/000001795424400000/index        fixed 48-byte entries, one per frame
     schedule/000001795424400000/heads        header + one u32 head per second of the bucket
 
-Index entry (``<QIIQQIB3x``, 40 bytes, little-endian)::
+A *group* is the part of one accepted batch that is due in one second: its frame body
+is a ``cluster.codec.Batch`` (effective_ms column = the time it is filed under, >=
+deliver_at_ms). Filing a batch of N messages due over k seconds writes k frames with
+one ``write`` per bucket, k index entries with one ``pwrite`` per bucket, and k heads.
 
-    u64 data_offset   offset of the record's frame in the bucket's data log
+Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
+
+    u64 data_offset   offset of the frame in the bucket's data log
     u32 frame_size    header + body bytes
-    u32 prev          entry number + 1 of the previous entry due in the same second (0 = none)
-    u64 seq           the record's own sequence (high-water mark for replay)
-    u64 ref_seq       the message's seq; for a cancel tombstone, the cancelled message's seq
-    u32 rel_ms        due time minus bucket start, in ms (past due times clamp to 0)
-    u8  kind          1 message, 2 cancel tombstone
-    u8  pad[3]
+    u32 prev          entry number + 1 of the previous frame of the same second (0 = none)
+    u64 first_seq     seq of the frame's first record
+    u64 last_seq      seq of its last record (records of a frame are in seq order)
+    u32 second        due second relative to the bucket start
+    u32 messages      records of kind message in the frame
+    u32 cancels       cancel tombstones in the frame
+    u32 pad
 
-heads: 32-byte header ``magic "HGHD" | u32 version | i64 bucket_start_ms | u32 seconds |
-u64 entries_covered | u32 crc32(first 28 bytes)`` then ``seconds`` x u32 (entry number + 1 of
-the newest entry of that second, 0 = none). The heads file is memory-mapped: inserting is
-O(1) (append one index entry, overwrite one head) and loading second ``s`` is a walk of
-its chain from ``heads[s]`` through ``prev``, newest first; no sort and nothing per
-message in RAM.
+heads: 32-byte header ``magic "HGH2" | u32 version | i64 bucket_start_ms | u32 seconds |
+u64 entries_covered | u32 crc32(first 28 bytes)`` then ``seconds`` x u32 (entry number +
+1 of the newest frame of that second, 0 = none). Loading second ``s`` walks its frame
+chain from ``heads[s]`` through ``prev`` (newest first) and reads each frame once; a
+recently filed frame is served from a bounded in-memory cache of decoded batches
+(``cache_bytes_max``), so the wheel loading the next seconds rarely touches the disk.
 
 Invariants and recovery (``Bucket.open``):
 
-* data is written before its index entry, the index entry before its head;
-* the data log recovers its own torn tail; index entries pointing past the data end
-  are dropped; records in data past the last index entry are re-indexed;
-* ``entries_covered`` in the heads header says which index entries are reflected in
-  the heads; entries after it are re-applied; a heads file failing its CRC is rebuilt
-  from the index;
-* the high-water mark ``last_seq`` is the ``seq`` of the last index entry: replaying the
-  message log re-offers records and ``append`` skips any with ``seq <= last_seq``, so
-  nothing is filed twice.
+* data is written before its index entries, index entries before their heads;
+* the data log recovers its own torn tail; index entries pointing past the data end are
+  dropped; frames in data past the last index entry are re-indexed from their bodies;
+* ``entries_covered`` in the heads header says which index entries are reflected in the
+  heads; entries after it are re-applied; a heads file failing its checks is rebuilt;
+* the high-water mark ``last_seq`` is the ``last_seq`` of the last index entry: replaying
+  the message log re-offers records and ``file`` skips any with ``seq <= last_seq``, so
+  nothing is filed twice (records of one bucket are filed in seq order).
 
-Example: ``sched.append(msg_body, deliver_at_ms=1_795_424_401_234, seq=7, ...)`` files the
-record in bucket 1_795_424_400_000, second 1, ms 234; ``sched.load_second(1_795_424_401)``
-yields ``ScheduledEntry(deliver_at_ms=1_795_424_401_234, seq=7, ...)``.
+Example: filing a batch whose records are due at 1_795_424_401_234 and 1_795_424_402_000
+writes two frames in bucket 1_795_424_400_000 (seconds 1 and 2); ``load_second(1_795_424_401)``
+returns ``[FrameRef(bucket_start_ms=1_795_424_400_000, data_offset=0, ..., batch=<1 record>)]``.
 """
 
 from __future__ import annotations
@@ -53,38 +59,86 @@ import shutil
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
 
-from . import records
 from .log import HEADER_SIZE, SegmentedLog
 
 log = logging.getLogger("hourglass.store.schedule")
 
-ENTRY = struct.Struct("<QIIQQIB3x")
-ENTRY_SIZE = ENTRY.size  # 40
+ENTRY = struct.Struct("<QIIQQIIII")
+ENTRY_SIZE = ENTRY.size  # 48
+ENTRY_DTYPE = np.dtype([("data_offset", "<u8"), ("frame_size", "<u4"), ("prev", "<u4"), ("first_seq", "<u8"),
+                        ("last_seq", "<u8"), ("second", "<u4"), ("messages", "<u4"), ("cancels", "<u4"),
+                        ("pad", "<u4")])
 HEADS_HEADER = struct.Struct("<4sIqIQ")  # 28 bytes, then u32 crc, padded to 32
 HEADS_HEADER_SIZE = 32
-HEADS_MAGIC = b"HGHD"
+HEADS_MAGIC = b"HGH2"
+FORMAT_VERSION = 2
 BUCKET_MS_DEFAULT = 3_600_000
 DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
 OPEN_BUCKETS_MAX_DEFAULT = 32
+CACHE_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
+
+assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduledEntry:
-    """One record of a second's chain, as the wheel needs it (no payload)."""
+class FrameRef:
+    """One filed group: where it lives and its decoded records."""
 
-    deliver_at_ms: int
-    seq: int
-    ref_seq: int
-    kind: int
     bucket_start_ms: int
     data_offset: int
     frame_size: int
+    batch: Batch
+
+
+@dataclass(frozen=True, slots=True)
+class Filed:
+    """Where each record of a filed batch went, aligned with the batch (``filed`` False:
+    filed before a crash, skipped)."""
+
+    filed: np.ndarray          # bool
+    bucket_start_ms: np.ndarray
+    data_offset: np.ndarray
+    frame_size: np.ndarray
+    frames: list[FrameRef]
+
+
+class _FrameCache:
+    """Decoded frames by (bucket, offset), least recently used out, bounded in bytes."""
+
+    def __init__(self, bytes_max: int) -> None:
+        self.bytes_max = bytes_max
+        self.bytes = 0
+        self._items: OrderedDict[tuple[int, int], FrameRef] = OrderedDict()
+
+    def put(self, ref: FrameRef) -> None:
+        key = (ref.bucket_start_ms, ref.data_offset)
+        if key in self._items:
+            return
+        self._items[key] = ref
+        self.bytes += ref.frame_size
+        while self.bytes > self.bytes_max and self._items:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= old.frame_size
+
+    def get(self, bucket: int, offset: int) -> FrameRef | None:
+        return self._items.get((bucket, offset))
+
+    def drop_bucket(self, bucket: int) -> None:
+        for key in [k for k in self._items if k[0] == bucket]:
+            self.bytes -= self._items.pop(key).frame_size
+
+
+def _group_counts(b: Batch) -> tuple[int, int]:
+    cancels = int(np.count_nonzero(b.kind == KIND_CANCEL))
+    return b.n - cancels, cancels
 
 
 class Bucket:
@@ -101,6 +155,7 @@ class Bucket:
         self._heads_path = path / "heads"
         self.entries = 0
         self.last_seq = -1
+        self._repaired = False
         self._recover_index()
         self._open_heads()
 
@@ -116,8 +171,7 @@ class Bucket:
         size = os.fstat(self._index_fd).st_size
         n = size // ENTRY_SIZE
         data_end = self.data.end_offset
-        # drop entries whose record is not (or no longer) in the data log
-        while n > 0:
+        while n > 0:  # drop entries whose frame is not (or no longer) in the data log
             off, fsize, *_ = self._read_entry(n - 1)
             if off + fsize <= data_end:
                 break
@@ -126,26 +180,31 @@ class Bucket:
             os.ftruncate(self._index_fd, n * ENTRY_SIZE)
             log.warning("schedule index truncated path=%s entries=%d bytes_dropped=%d",
                         self._index_path, n, size - n * ENTRY_SIZE)
+            self._repaired = True
         self.entries = n
-        self._repaired = n * ENTRY_SIZE != size
         indexed_end = self.data.start_offset
         if n:
-            off, fsize, _prev, seq, *_ = self._read_entry(n - 1)
+            off, fsize, _prev, _first, last, *_ = self._read_entry(n - 1)
             indexed_end = off + fsize
-            self.last_seq = seq
+            self.last_seq = last
         if indexed_end < data_end:
-            # records reached the data log but not the index: index them now (heads follow below)
-            pending = []
+            # frames reached the data log but not the index: index them now (heads follow)
+            rows = []
             for off, body in self.data.iterate(indexed_end):
-                pending.append((off, HEADER_SIZE + len(body), body))
-            for off, fsize, body in pending:
-                effective_ms = _EFFECTIVE.unpack_from(body)[0]
-                msg_body = body[_EFFECTIVE.size:]
-                kind, seq, _, _ = records.peek_header(msg_body)
-                ref_seq = _tombstone_target(msg_body) if kind == records.KIND_CANCEL else seq
-                self._write_entry(off, fsize, 0, seq, ref_seq, effective_ms, kind)
+                b = Batch.decode(body)
+                rows.append(self._entry_row(off, HEADER_SIZE + len(body), b))
+            self._write_entries(rows, link=False)
             self._repaired = True
-            log.warning("schedule index rebuilt path=%s records=%d", self._index_path, len(pending))
+            log.warning("schedule index rebuilt path=%s frames=%d", self._index_path, len(rows))
+
+    def _entry_row(self, off: int, fsize: int, b: Batch) -> tuple:
+        if not b.n:
+            raise CorruptRecord(str(self.data.directory), off, "empty schedule frame")
+        second = (max(int(b.effective_ms[0]), self.start_ms) - self.start_ms) // 1000
+        if not 0 <= second < self.seconds:
+            raise CorruptRecord(str(self.data.directory), off, f"frame due outside bucket {self.start_ms}")
+        msgs, cancels = _group_counts(b)
+        return (off, fsize, 0, int(b.seq[0]), int(b.seq[-1]), second, msgs, cancels, 0)
 
     def _open_heads(self) -> None:
         want = HEADS_HEADER_SIZE + 4 * self.seconds
@@ -158,74 +217,73 @@ class Bucket:
             self._heads_map = mmap.mmap(fd, want)
         finally:
             os.close(fd)
-        self.heads = memoryview(self._heads_map)[HEADS_HEADER_SIZE:].cast("I")
+        self.heads = np.frombuffer(self._heads_map, "<u4", self.seconds, HEADS_HEADER_SIZE)
         covered = 0
         if not fresh:
             hdr = bytes(self._heads_map[:HEADS_HEADER_SIZE])
             magic, version, start, seconds, covered = HEADS_HEADER.unpack_from(hdr)
             crc = struct.unpack_from("<I", hdr, 28)[0]
-            ok = (magic == HEADS_MAGIC and version == 1 and start == self.start_ms
+            ok = (magic == HEADS_MAGIC and version == FORMAT_VERSION and start == self.start_ms
                   and seconds == self.seconds and crc == zlib.crc32(hdr[:28]) and covered <= self.entries)
             if not ok or self._repaired:
                 log.warning("schedule heads rebuilt path=%s reason=%s", self._heads_path,
                             "index repaired" if ok else "bad header")
                 covered = 0
         if covered == 0:
-            self._heads_map[HEADS_HEADER_SIZE:] = bytes(4 * self.seconds)
+            self.heads[:] = 0
         # Re-apply index entries the header does not vouch for. A killed process may have
-        # linked some of them already (the map lives in the page cache): a head at or past
-        # the entry means it is linked; otherwise relink it, since its stored prev may be stale.
-        heads = self.heads
+        # linked some already (the map lives in the page cache): a head at or past the entry
+        # means it is linked; otherwise relink it, since its stored prev may be stale.
         if covered < self.entries:
             region = bytearray(os.pread(self._index_fd, (self.entries - covered) * ENTRY_SIZE, covered * ENTRY_SIZE))
-            for i, (off, fsize, _prev, seq, ref_seq, rel_ms, kind) in enumerate(ENTRY.iter_unpack(region)):
+            rows = np.frombuffer(region, ENTRY_DTYPE)
+            heads = self.heads
+            for i in range(len(rows)):
                 n = covered + i
-                second = rel_ms // 1000
+                second = int(rows["second"][i])
+                if second >= self.seconds:
+                    raise CorruptRecord(str(self._index_path), n * ENTRY_SIZE, "index entry second past bucket end")
                 if heads[second] >= n + 1:
                     continue
-                ENTRY.pack_into(region, i * ENTRY_SIZE, off, fsize, heads[second], seq, ref_seq, rel_ms, kind)
+                rows["prev"][i] = heads[second]
                 heads[second] = n + 1
             os.pwrite(self._index_fd, region, covered * ENTRY_SIZE)
         self._write_heads_header()
 
     def _write_heads_header(self) -> None:
-        hdr = HEADS_HEADER.pack(HEADS_MAGIC, 1, self.start_ms, self.seconds, self.entries)
+        hdr = HEADS_HEADER.pack(HEADS_MAGIC, FORMAT_VERSION, self.start_ms, self.seconds, self.entries)
         self._heads_map[:HEADS_HEADER_SIZE] = hdr + struct.pack("<I", zlib.crc32(hdr))
 
     # -- writing -----------------------------------------------------------------
 
-    def _write_entry(self, off: int, fsize: int, prev_unused: int, seq: int, ref_seq: int,
-                     deliver_at_ms: int, kind: int) -> None:
-        rel = max(deliver_at_ms, self.start_ms) - self.start_ms
-        second = rel // 1000
-        if second >= self.seconds:
-            raise InvalidArgument("deliver_at_ms", f"{deliver_at_ms} outside bucket {self.start_ms}")
-        n = self.entries
-        heads = getattr(self, "heads", None)
-        prev = heads[second] if heads is not None else 0
-        os.pwrite(self._index_fd, ENTRY.pack(off, fsize, prev, seq, ref_seq, rel, kind), n * ENTRY_SIZE)
-        if heads is not None:
-            heads[second] = n + 1
-        self.entries = n + 1
-        self.last_seq = seq
+    def _write_entries(self, rows: list[tuple], *, link: bool = True) -> None:
+        """Append index entries with one pwrite, then (``link``) point their seconds' heads
+        at them: one step per frame, never per message. Recovery writes unlinked entries
+        and relinks everything from the heads rebuild."""
+        if not rows:
+            return
+        arr = np.array(rows, ENTRY_DTYPE)
+        n0 = self.entries
+        new_heads: dict[int, int] = {}
+        if link:
+            heads = self.heads
+            for i, sec in enumerate(arr["second"].tolist()):
+                arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
+                new_heads[sec] = n0 + i + 1
+        os.pwrite(self._index_fd, arr.tobytes(), n0 * ENTRY_SIZE)
+        for sec, head in new_heads.items():
+            self.heads[sec] = head
+        self.entries = n0 + len(rows)
+        self.last_seq = int(arr["last_seq"][-1])
 
-    def append(self, items: list[tuple[bytes, int, int, int, int]]) -> list[tuple[int, int]]:
-        """File records; items are (body, seq, ref_seq, effective_ms, kind), in seq order.
-
-        Records with ``seq <= last_seq`` were filed before a crash and are skipped.
-        Returns (data_offset, frame_size) for each item filed (None-free list of filed ones).
-        """
-        fresh = [it for it in items if it[1] > self.last_seq]
-        if not fresh:
-            return []
-        bodies = [_EFFECTIVE.pack(it[3]) + it[0] for it in fresh]
+    def append_groups(self, groups: list[Batch]) -> list[tuple[int, int]]:
+        """File groups (each due in one second of this bucket, records in seq order, all
+        newer than ``last_seq``): one data write, one index write. Returns (offset, size) each."""
+        bodies = [g.encode() for g in groups]
         offsets = self.data.append(bodies)
-        out = []
-        for (_, seq, ref_seq, effective_ms, kind), off, body in zip(fresh, offsets, bodies):
-            fsize = HEADER_SIZE + len(body)
-            self._write_entry(off, fsize, 0, seq, ref_seq, effective_ms, kind)
-            out.append((off, fsize))
-        return out
+        sizes = [HEADER_SIZE + len(body) for body in bodies]
+        self._write_entries([self._entry_row(off, size, g) for off, size, g in zip(offsets, sizes, groups)])
+        return list(zip(offsets, sizes))
 
     def flush(self) -> None:
         """Make data, index and heads durable, in that order."""
@@ -237,27 +295,33 @@ class Bucket:
 
     # -- reading -----------------------------------------------------------------
 
-    def chain(self, second_in_bucket: int) -> Iterator[ScheduledEntry]:
-        """Entries due in one second, newest first."""
-        n = self.heads[second_in_bucket]
+    def chain(self, second_in_bucket: int) -> list[tuple[int, int, int, int]]:
+        """(entry number, data_offset, frame_size, last_seq) of the frames due in one second, newest first."""
+        n = int(self.heads[second_in_bucket])
+        out = []
         steps = 0
         while n:
             if n > self.entries or steps > self.entries:
                 raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain points past the end")
-            off, fsize, prev, seq, ref_seq, rel_ms, kind = self._read_entry(n - 1)
-            if prev >= n:
-                raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain does not go backwards")
-            yield ScheduledEntry(self.start_ms + rel_ms, seq, ref_seq, kind, self.start_ms, off, fsize)
+            off, fsize, prev, _first, last, second, *_ = self._read_entry(n - 1)
+            if prev >= n or second != second_in_bucket:
+                raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain is broken")
+            out.append((n, off, fsize, last))
             n = prev
             steps += 1
+        return out
 
-    def read(self, data_offset: int, frame_size: int) -> bytes:
-        """The message-log record body filed at this place."""
-        return self.data.read_at(data_offset, frame_size)[_EFFECTIVE.size:]
+    def entries_array(self) -> np.ndarray:
+        """Every index entry (for counts): one read."""
+        raw = os.pread(self._index_fd, self.entries * ENTRY_SIZE, 0)
+        return np.frombuffer(raw[: len(raw) - len(raw) % ENTRY_SIZE], ENTRY_DTYPE)
+
+    def read(self, data_offset: int, frame_size: int) -> Batch:
+        return Batch.decode(self.data.read_at(data_offset, frame_size))
 
     def close(self) -> None:
         self.flush()
-        self.heads.release()
+        del self.heads
         self._heads_map.close()
         os.close(self._index_fd)
         self._index_fd = -1
@@ -269,20 +333,11 @@ class Bucket:
             if getattr(self, "_index_fd", -1) >= 0:
                 os.close(self._index_fd)
                 self._index_fd = -1
-            self.heads.release()
+            if hasattr(self, "heads"):
+                del self.heads
             self._heads_map.close()
         except Exception:
             pass
-
-
-_EFFECTIVE = struct.Struct("<q")
-
-
-def _tombstone_target(body: bytes) -> int:
-    msg = records.decode(body)
-    if len(msg.payload) != 8:
-        raise CorruptRecord("<tombstone>", 0, "tombstone payload must hold the target seq")
-    return struct.unpack("<Q", msg.payload)[0]
 
 
 class ScheduleLog:
@@ -290,23 +345,28 @@ class ScheduleLog:
 
     def __init__(self, root: str | os.PathLike, *, bucket_ms: int = BUCKET_MS_DEFAULT,
                  data_segment_bytes: int = DATA_SEGMENT_BYTES_DEFAULT,
-                 open_buckets_max: int = OPEN_BUCKETS_MAX_DEFAULT) -> None:
+                 open_buckets_max: int = OPEN_BUCKETS_MAX_DEFAULT,
+                 cache_bytes_max: int = CACHE_BYTES_MAX_DEFAULT) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
+            if int(meta.get("version", 1)) != FORMAT_VERSION:
+                raise CorruptRecord(str(meta_path), 0, f"schedule log format {meta.get('version')} "
+                                                       f"(this node reads {FORMAT_VERSION})")
             bucket_ms = int(meta["bucket_ms"])  # fixed at creation
         else:
             if bucket_ms % 1000 or bucket_ms <= 0:
                 raise InvalidArgument("bucket_ms", "must be a positive whole number of seconds")
             tmp = meta_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"bucket_ms": bucket_ms, "version": 1}))
+            tmp.write_text(json.dumps({"bucket_ms": bucket_ms, "version": FORMAT_VERSION}))
             os.replace(tmp, meta_path)
         self.bucket_ms = bucket_ms
         self.data_segment_bytes = data_segment_bytes
         self.open_buckets_max = open_buckets_max
         self._open: OrderedDict[int, Bucket] = OrderedDict()
+        self.cache = _FrameCache(cache_bytes_max)
 
     def bucket_start(self, deliver_at_ms: int) -> int:
         return deliver_at_ms - deliver_at_ms % self.bucket_ms
@@ -336,29 +396,90 @@ class ScheduleLog:
                 out.append(int(p.name))
         return sorted(out)
 
-    def append(self, body: bytes, *, seq: int, ref_seq: int, effective_ms: int, kind: int) -> tuple[int, int, int] | None:
-        """File one record under its effective due time (its due time, or later if that
-        time was already dispatched when it arrived); returns (bucket_start_ms,
-        data_offset, frame_size), or None if it was filed before (replay after a crash)."""
-        start = self.bucket_start(effective_ms)
-        got = self.bucket(start).append([(body, seq, ref_seq, effective_ms, kind)])
-        if not got:
-            return None
-        return (start, *got[0])
+    def file(self, batch: Batch) -> Filed:
+        """File every record of ``batch`` (records in seq order, ``effective_ms`` set) under
+        its effective second: one frame per (bucket, second), records a bucket already holds
+        (``seq <= last_seq``, replay after a crash) skipped."""
+        n = batch.n
+        filed = np.zeros(n, bool)
+        bucket_col = np.zeros(n, np.int64)
+        off_col = np.zeros(n, np.int64)
+        size_col = np.zeros(n, np.int64)
+        frames: list[FrameRef] = []
+        if not n:
+            return Filed(filed, bucket_col, off_col, size_col, frames)
+        eff = batch.effective_ms
+        secs = eff // 1000
+        order = np.argsort(secs, kind="stable")
+        sorted_secs = secs[order]
+        cuts = np.flatnonzero(np.diff(sorted_secs)) + 1
+        parts = np.split(order, cuts)
+        by_bucket: dict[int, list[np.ndarray]] = {}
+        bms = self.bucket_ms
+        for part in parts:
+            start = int(eff[part[0]]) - int(eff[part[0]]) % bms
+            by_bucket.setdefault(start, []).append(part)
+        seq = batch.seq
+        for start, bparts in by_bucket.items():
+            b = self.bucket(start)
+            groups, idxs = [], []
+            for part in bparts:
+                fresh = part[seq[part] > b.last_seq] if b.last_seq >= 0 else part
+                if len(fresh):
+                    groups.append(batch.take(fresh))
+                    idxs.append(fresh)
+            if not groups:
+                continue
+            placed = b.append_groups(groups)
+            for g, idx, (off, size) in zip(groups, idxs, placed):
+                filed[idx] = True
+                bucket_col[idx] = start
+                off_col[idx] = off
+                size_col[idx] = size
+                ref = FrameRef(start, off, size, g)
+                frames.append(ref)
+                self.cache.put(ref)
+        return Filed(filed, bucket_col, off_col, size_col, frames)
 
-    def load_second(self, second: int) -> list[ScheduledEntry]:
-        """Every entry due within epoch-second ``second``, newest first (chain order)."""
+    def load_second(self, second: int) -> list[FrameRef]:
+        """Every frame due within epoch-second ``second``, newest first (chain order)."""
         ms = second * 1000
         b = self.bucket(self.bucket_start(ms), create=False)
         if b is None:
             return []
-        return list(b.chain((ms - b.start_ms) // 1000))
+        out = []
+        for _n, off, size, _last in b.chain((ms - b.start_ms) // 1000):
+            out.append(self.frame(b.start_ms, off, size))
+        return out
 
-    def read(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> bytes:
+    def frame(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> FrameRef:
+        ref = self.cache.get(bucket_start_ms, data_offset)
+        if ref is not None:
+            return ref
         b = self.bucket(bucket_start_ms, create=False)
         if b is None:
             raise CorruptRecord(str(self._path(bucket_start_ms)), data_offset, "bucket missing")
-        return b.read(data_offset, frame_size)
+        return FrameRef(bucket_start_ms, data_offset, frame_size, b.read(data_offset, frame_size))
+
+    def find(self, bucket_start_ms: int, data_offset: int, frame_size: int, seq: int) -> tuple[FrameRef, int] | None:
+        """The frame at this place and the index of ``seq`` in it (None if absent)."""
+        ref = self.frame(bucket_start_ms, data_offset, frame_size)
+        hit = np.flatnonzero(ref.batch.seq == seq)
+        return (ref, int(hit[0])) if len(hit) else None
+
+    def locate(self, effective_ms: int, seq: int) -> tuple[FrameRef, int] | None:
+        """Find a filed record by its effective time and seq (a walk of one second's chain)."""
+        start = self.bucket_start(effective_ms)
+        b = self.bucket(start, create=False)
+        if b is None:
+            return None
+        for _n, off, size, last in b.chain((max(effective_ms, start) - start) // 1000):
+            if last < seq:
+                break  # frames are newest first and seqs grow with the log
+            got = self.find(start, off, size, seq)
+            if got is not None:
+                return got
+        return None
 
     def flush(self) -> None:
         for b in self._open.values():
@@ -372,6 +493,7 @@ class ScheduleLog:
                 b = self._open.pop(s, None)
                 if b is not None:
                     b.close()
+                self.cache.drop_bucket(s)
                 shutil.rmtree(self._path(s))
                 n += 1
         return n
@@ -380,3 +502,6 @@ class ScheduleLog:
         while self._open:
             _, b = self._open.popitem()
             b.close()
+
+
+__all__ = ["Bucket", "ENTRY", "ENTRY_SIZE", "Filed", "FrameRef", "HEADS_MAGIC", "KIND_MESSAGE", "ScheduleLog"]
