@@ -46,8 +46,10 @@ def due_of(i: int) -> int:
 def build(root: str, messages: int, payload_bytes: int, batch: int, checkpoint_every: int,
           unfiled_tail: int = 0) -> dict:
     """Accept ``messages`` into a DelayStore at ``root``; leaves it open (the caller closes or exits)."""
+    import numpy as np
+
+    from cluster.codec import Batch
     from node.delay.store import DelayStore, StoreSettings
-    from node.store.records import Message
 
     payload = os.urandom(payload_bytes)
     gc.collect()
@@ -59,10 +61,11 @@ def build(root: str, messages: int, payload_bytes: int, batch: int, checkpoint_e
     t0 = time.perf_counter()
     for start in range(0, messages, batch):
         end = min(messages, start + batch)
-        res = store.accept([Message(seq=0, store_ms=0, deliver_at_ms=due_of(i), msg_id=f"bk-{i:09d}",
-                                    subject=f"bench.s{i % 16}", payload=payload) for i in range(start, end)],
+        rng = range(start, end)
+        res = store.accept(Batch.build([f"bench.s{i % 16}" for i in rng], [payload] * len(rng),
+                                       [f"bk-{i:09d}" for i in rng], np.array([due_of(i) for i in rng], np.int64)),
                            now_ms=T0)
-        assert not any(isinstance(r, Exception) for r in res)
+        assert not res.codes.any(), res.errors
         store.flush_messages()
         if end <= messages - unfiled_tail:
             store.iterate(limit=None)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node.store import records
+from cluster.codec import Batch, DispatchBatch
 from node.store.log import SegmentedLog
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def _run(data: Path, run: int, extra: list[str], *, kill_after_s: float | None, 
 def _dispatched_seqs(data: Path) -> set[int]:
     log = SegmentedLog.open(data / "dispatch", segment_bytes_max=16 * 1024)
     try:
-        return {records.decode_dispatched(b).seq for _, b in log.iterate()}
+        return {s for _, b in log.iterate() for s in DispatchBatch.decode(b).seq.tolist()}
     finally:
         log.close()
 
@@ -95,7 +95,7 @@ def test_sigkill_loop_loses_nothing_and_redelivers_nothing(tmp_path):
             continue
         log = SegmentedLog.open(bucket / "data", segment_bytes_max=64 * 1024)
         for _, body in log.iterate():
-            seqs[records.peek_header(body[8:])[1]] += 1
+            seqs.update(Batch.decode(body).seq.tolist())
         log.close()
     twice = [s for s, n in seqs.items() if n > 1]
     assert not twice, f"{len(twice)} records filed twice"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from node.realtime import store as rt_store
-from node.store import idindex, log, records, schedule
+from cluster import codec
+from node.store import idindex, log, schedule
 from node import wheel
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
@@ -13,7 +14,7 @@ DOC = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text(
 
 def test_schedule_index_layout_documented():
     assert schedule.ENTRY.format in DOC
-    assert schedule.ENTRY_SIZE == 40 and "40-byte" in DOC
+    assert schedule.ENTRY_SIZE == 48 and "48-byte" in DOC
     assert schedule.HEADS_MAGIC.decode() in DOC
 
 
@@ -23,11 +24,13 @@ def test_frame_header_documented():
         assert field in DOC
 
 
-def test_record_fields_documented():
-    assert records.VERSION == 1
-    for field in ("version", "kind", "attempts", "seq", "store_ms", "deliver_at_ms", "payload"):
+def test_batch_record_documented():
+    assert codec.VERSION == 2 and codec.HEADER.format in DOC and codec.HEADER_SIZE == 24
+    assert codec.COLUMN_BYTES == 49 and "49 bytes per record" in DOC
+    for field in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end",
+                  "attempts", "subject_idx", "kind"):
         assert f"| {field} |" in DOC
-    assert records._DISPATCH.size == 25 and "25 bytes" in DOC
+    assert codec.DISPATCH_HEADER.size == 16 and "16 + 24 n bytes" in DOC
 
 
 def test_tick_state_documented():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from node.delay.store import DelayStore, StoreSettings
@@ -78,8 +79,9 @@ def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed):
         if inflight and rnd.random() < 0.3:
             k = rnd.randint(1, len(inflight))
             done, inflight = inflight[:k], inflight[k:]
-            delivered += [d.message.msg_id for d in done]
-            m.ack_dispatched([(d.seq, d.effective_ms) for d in done], now_ms=now)
+            for d in done:
+                delivered += d.batch.id_list()
+                m.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
         if rnd.random() < 0.2:
             m.checkpoint()
         if rnd.random() < 0.3:
@@ -104,11 +106,10 @@ def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed):
     while now < end:
         now += 10
         p.iterate(limit=None)
-        due = p.poll_due(now_ms=now)
-        for d in due:
-            assert d.effective_ms <= now
-        delivered += [d.message.msg_id for d in due]
-        p.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=now)
+        for d in p.poll_due(now_ms=now):
+            assert (d.batch.effective_ms <= now).all()
+            delivered += d.batch.id_list()
+            p.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
     lost = set(acked) - cancelled - set(delivered)
     assert not lost, f"seed {seed}: {len(lost)} acknowledged messages lost, e.g. {sorted(lost)[:5]}"
     after_cancel = [x for x in delivered[before:] if x in cancelled]
@@ -146,7 +147,7 @@ def test_divergent_suffix_is_truncated_and_voided(tmp_path):
         old.lookup("b1")
     assert old.lookup("a1").status == "pending"
     now += 6000
-    got = [d.message.msg_id for d in old.poll_due(now_ms=now)]
+    got = [i for d in old.poll_due(now_ms=now) for i in d.batch.id_list()]
     assert sorted(got) == sorted(f"a{i}" for i in range(10))
     old.close()
     f.close()

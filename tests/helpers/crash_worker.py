@@ -15,6 +15,8 @@ import random
 import sys
 import time
 
+import numpy as np
+
 from node.delay.store import DelayStore, StoreSettings
 from node.store.records import Message
 
@@ -54,9 +56,9 @@ def main() -> None:
                 i += 1
             res = store.accept(batch, now_ms=t)
             store.flush_messages()
-            for m, r in zip(batch, res):
-                if isinstance(r, Exception):
-                    raise r
+            for m, code in zip(batch, res.codes.tolist()):
+                if code:
+                    raise RuntimeError(f"refused {m.msg_id}: {res.errors}")
                 out(f"ACK {m.msg_id} {m.deliver_at_ms}")
                 acked.append(m.msg_id)
             if acked and rnd.random() < 0.2:
@@ -68,10 +70,10 @@ def main() -> None:
                 except Exception as e:  # NotFound/TooLate are fine answers
                     out(f"CXLFAIL {victim} {type(e).__name__}")
         store.iterate(limit=None)
-        due = store.poll_due(now_ms=now_ms())
-        for d in due:
-            out(f"DLV {d.message.msg_id} {d.seq}")
-        store.ack_dispatched([(d.seq, d.effective_ms) for d in due], now_ms=now_ms())
+        for d in store.poll_due(now_ms=now_ms()):
+            for mid, seq in zip(d.batch.id_list(), d.batch.seq.tolist()):
+                out(f"DLV {mid} {seq}")
+            store.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now_ms())
         if time.monotonic() - last_ckpt > 0.05:
             store.checkpoint()
             last_ckpt = time.monotonic()

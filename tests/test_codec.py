@@ -1,0 +1,115 @@
+"""cluster/codec.py: the one batch codec. Round trips, subsets, validation, and
+refusal of every malformed structure."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.codec import (COLUMN_BYTES, HEADER_SIZE, INVALID_ARGUMENT, KIND_CANCEL, OK, PAYLOAD_TOO_LARGE, Batch,
+                           DispatchBatch, Limits, decode_extra, encode_extra)
+from cluster.errors import InvalidArgument
+
+ids_st = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=20)
+record_st = st.tuples(st.sampled_from(["a", "b.c", "orders-1"]), st.binary(max_size=40), ids_st,
+                      st.integers(0, 2**62), st.lists(st.text(min_size=1, max_size=5), max_size=3),
+                      st.dictionaries(st.text(min_size=1, max_size=5), st.text(max_size=5), max_size=3))
+
+
+def build(rows):
+    return Batch.build([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                       np.array([r[3] for r in rows], np.int64), seq=np.arange(len(rows), dtype=np.uint64) + 7,
+                       extras=[encode_extra(tuple(r[4]), sorted(r[5].items())) for r in rows])
+
+
+def as_rows(b: Batch):
+    return [(b.subject(i), b.payload(i), b.id(i), int(b.deliver_at_ms[i]), list(b.extra(i)[0]), dict(b.extra(i)[1]))
+            for i in range(b.n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(record_st, max_size=30))
+def test_round_trip(rows):
+    b = Batch.decode(build(rows).encode())
+    assert as_rows(b) == [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows]
+    assert b.id_list() == [r[2] for r in rows] and b.payload_list() == [r[1] for r in rows]
+    assert b.seq.tolist() == list(range(7, 7 + len(rows)))
+    assert len(b.encode()) == HEADER_SIZE + COLUMN_BYTES * len(rows) + len(b.ids) + len(b.payloads) + len(
+        b.extras) + sum(2 + len(s.encode()) for s in b.subjects)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(record_st, min_size=1, max_size=30), st.data())
+def test_take_and_concat_keep_records(rows, data):
+    b = Batch.decode(build(rows).encode())
+    idx = data.draw(st.lists(st.integers(0, len(rows) - 1), max_size=40))
+    t = b.take(np.array(idx, np.int64))
+    assert as_rows(t) == [as_rows(b)[i] for i in idx]
+    c = Batch.concat([t, b])
+    assert as_rows(Batch.decode(c.encode())) == as_rows(t) + as_rows(b)
+    assert as_rows(b.take(slice(1, None))) == as_rows(b)[1:]
+    parts = b.split_by_subject()
+    assert sorted(i for p in parts.values() for i in p.tolist()) == list(range(len(rows)))
+    assert all(b.subject(int(i)) == s for s, p in parts.items() for i in p)
+
+
+def test_decode_refuses_every_malformed_structure():
+    good = Batch.build(["s", "t"], [b"ab", b"c"], ["i1", "i2"], [1, 2]).encode()
+    Batch.decode(good)
+    bad = [
+        good[:-1],                                    # sizes do not add up
+        good + b"\0",
+        b"\x01" + good[1:],                           # unknown version
+        good[:10],                                    # shorter than the header
+    ]
+    b = bytearray(good)
+    off = HEADER_SIZE + 2 * 8 * 4                     # id_end column
+    struct.pack_into("<I", b, off, 5)                 # first id ends past the second's end
+    bad.append(bytes(b))
+    b = bytearray(good)
+    struct.pack_into("<H", b, HEADER_SIZE + 2 * (32 + 12 + 2), 9)  # subject index past the table
+    bad.append(bytes(b))
+    b = bytearray(good)
+    b[HEADER_SIZE + 2 * (32 + 12 + 4)] = 7            # unknown kind
+    bad.append(bytes(b))
+    for raw in bad:
+        with pytest.raises(InvalidArgument):
+            Batch.decode(raw)
+
+
+def test_validate_refuses_per_message_and_keeps_the_rest():
+    lim = Limits(payload_bytes_max=4, id_bytes_max=5, delay_horizon_ms=1000)
+    b = Batch.build(["ok", "ok", "", "ok", "ok", "ok", "ok"],
+                    [b"x", b"toolong", b"x", b"x", b"x", b"x", b"x"],
+                    ["a", "b", "c", "b d", "waytoolong", "f", "g"],
+                    [100, 100, 100, 100, 100, 100 + 5000, -1],
+                    extras=[b"", b"", b"", b"", b"", b"", b""])
+    codes, reasons = b.validate(now_ms=100, limits=lim)
+    assert codes.tolist() == [OK, PAYLOAD_TOO_LARGE] + [INVALID_ARGUMENT] * 5
+    assert set(reasons) == {1, 2, 3, 4, 5, 6}
+    assert "printable ASCII" in reasons[3] and "horizon" in reasons[5]
+    tags = Batch.build("s", [b"x"], ["a"], [0], extras=[encode_extra(tuple(f"t{i}" for i in range(20)))])
+    assert tags.validate(now_ms=0)[0].tolist() == [INVALID_ARGUMENT]
+    cancel = Batch.build("s", [b"x"], ["a"], [0], kind=KIND_CANCEL)
+    assert cancel.validate(now_ms=0)[0].tolist() == [INVALID_ARGUMENT]  # producers send messages only
+
+
+def test_extras_round_trip_and_refusal():
+    raw = encode_extra(("eu", "vip"), [("k", "v"), ("x", "")])
+    assert decode_extra(raw) == (("eu", "vip"), (("k", "v"), ("x", "")))
+    assert decode_extra(b"") == ((), ())
+    with pytest.raises(InvalidArgument):
+        decode_extra(raw[:-1])
+
+
+def test_dispatch_batch_round_trip_and_checks():
+    d = DispatchBatch(np.array([1, 2], np.uint64), np.array([5, 6]), np.array([4, 6]), 99, 1)
+    e = DispatchBatch.decode(d.encode())
+    assert e.seq.tolist() == [1, 2] and e.effective_ms.tolist() == [5, 6] and e.deliver_at_ms.tolist() == [4, 6]
+    assert (e.dispatched_ms, e.outcome) == (99, 1)
+    with pytest.raises(InvalidArgument):
+        DispatchBatch.decode(d.encode()[:-1])
