@@ -1,27 +1,40 @@
-"""BENCHMARK.md phases 1, 1b and 2, end to end, Hourglass and a Redis sorted-set delay
-queue side by side in one run.
+"""BENCHMARK.md phases 1, 1b, sustain and 2, end to end, Hourglass and a Redis sorted-set
+delay queue side by side in one run.
 
-Hourglass: SDK ``Producer`` (this process) -> delay node -> real-time node -> SDK
-``Consumer`` (a separate process), nodes started by ``LocalCluster``.
+Hourglass: SDK ``Producer.send_many`` (this process is the "SDK producer" process) ->
+delay node -> real-time node -> SDK ``Consumer.batches()`` over all 16 subjects (a
+separate process), nodes started by ``LocalCluster``.
 Redis: the queue in ``bench_redis_baseline.py`` (redis-server with AOF, a poller
 process, the same consumer process reading ready lists), once with
 ``appendfsync always`` (durability parity: acknowledged = fsynced, as Hourglass)
 and once with ``appendfsync everysec`` (Redis's default AOF mode).
 
 * phase 1: N messages, 256 random bytes, 16 subjects, due at send time + uniform
-  3..13 s; accepted msgs/s from first send to last acknowledgement; lateness =
-  receive time - due time, p50/p99/p999/max; lost = acknowledged and not received
-  by due + 30 s; duplicates.
+  3..13 s, sent in calls of ``--batch``; accepted msgs/s from first send to last
+  acknowledgement; lateness = receive time - due time, p50/p99/p999/max; lost =
+  acknowledged and not received by due + 30 s; duplicates.
 * phase 1b: 1 message due in 30 s, then 1,000 due in 1 s: lateness of the 1,000.
+* sustain: open loop; for each rate R of ``--rates`` (default the ladder 2k..160k),
+  for ``--sustain-s``: every 10 ms send what R owes as one batch (a slow send makes
+  the next batch larger; the sender never waits for the system to drain), each
+  message due at send time + uniform 1..5 s. Per R: achieved rate (acknowledged /
+  first send to last ack), lateness, lost, duplicates, and whether R *holds*:
+  >= 98% of R and p99 <= 10 ms, lateness counted over every acknowledged message
+  with a lost one as infinitely late. The climb stops after a rate fails badly
+  (< 90% of R, or p99 over 1 s). Headline: highest R held, and highest held at
+  p99 <= 50 ms.
 * phase 2: a fresh server, M messages due in one hour; resident memory of the
   server process tree before and after (anon = heap, file = mmap'd file pages),
   memory and disk bytes per pending message, enqueue rate.
 
+Every phase reports CPU seconds per message of each process (utime + stime from
+``/proc/<pid>/stat``, children excluded): the producer (this process), each server
+process, the consumer process (measured by itself), beside the load average.
 One JSON line per system and phase, then a side-by-side table on stderr.
 
     python bench/bench_e2e.py --n 100000 --backlog 1000000
-    python bench/bench_e2e.py --n 2000 --backlog 20000          # quick
-    python bench/bench_e2e.py --systems hourglass --phases 2 --backlog 10000000
+    python bench/bench_e2e.py --n 2000 --backlog 20000 --phases 1,sustain --rates 2000,5000 --sustain-s 5
+    python bench/bench_e2e.py --systems redis-always --phases sustain
 """
 
 from __future__ import annotations
@@ -30,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -38,8 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, dir_bytes, emit, lateness_summary, machine, tree_mem  # noqa: E402
+from common import REPO, CpuMeter, cpu_s, dir_bytes, emit, lateness_summary, machine, tree_mem  # noqa: E402
 
 import bench_redis_baseline as rb  # noqa: E402
 
@@ -47,8 +61,18 @@ SUBJECTS = [f"bench.s{i}" for i in range(16)]
 HOL_SUBJECT = "bench.hol"
 LOST_AFTER_MS = 30_000
 CONSUMER_START_TIMEOUT_S = 60.0
+CONSUMER_POLL_S = 0.1          # how often the consumer looks at its expect / stop files
 PAYLOAD_POOL = 1024
 SETTLE_S = 3.0  # after the last ack of phase 2, before measuring (iterator, checkpoint, page-cache)
+LADDER = (2_000, 5_000, 10_000, 20_000, 40_000, 80_000, 160_000)
+SUSTAIN_TICK_S = 0.010
+SUSTAIN_DUE_MS = (1_000, 5_000)
+HOLD_RATE_FRACTION = 0.98
+HOLD_P99_MS = 10
+HOLD_P99_LOOSE_MS = 50
+BAD_RATE_FRACTION = 0.90       # below this, or p99 above BAD_P99_MS: stop climbing
+BAD_P99_MS = 1_000
+SEND_FINISH_TIMEOUT_S = 120.0
 
 
 def now_ms() -> int:
@@ -56,77 +80,89 @@ def now_ms() -> int:
 
 
 # ---------------------------------------------------------------------- consumer process
+#
+# The consumer records what it receives as blocks "T <received_ms>" + one id a line, and
+# its own CPU seconds as the first line "#cpu <seconds>": cheap to write (one join per
+# batch), so that the figure it reports is the SDK's, not the recording's.
 
 
-async def _consume_hourglass(target: dict, subjects: list[str], expect: int, deadline: float, stop_file: str,
-                             got: list[tuple[str, int]]) -> None:
-    ack_interval_s = target.get("ack_interval_ms", 0) / 1000
+class _Watch:
+    """Stop rules of a consumer process: the deadline, the stop file, or ``expect``
+    receipts (the expect file, written once the producer knows how many were acked,
+    overrides the command line's)."""
+
+    def __init__(self, a) -> None:
+        self.deadline = time.monotonic() + a.timeout_s
+        self.stop_file = a.stop_file
+        self.expect_file = a.stop_file + ".expect"
+        self.expect = a.expect
+        self.got = 0
+
+    def done(self) -> bool:
+        if os.path.exists(self.expect_file):
+            try:
+                self.expect = int(Path(self.expect_file).read_text() or self.expect)
+            except ValueError:
+                pass
+        return self.got >= self.expect or time.monotonic() > self.deadline or os.path.exists(self.stop_file)
+
+
+async def _consume_hourglass(target: dict, subjects: list[str], watch: _Watch, out) -> None:
     from cluster.client import Consumer, StaticResolver
-    from cluster.errors import HourglassError
 
     resolver = StaticResolver(delay=target["delay"], realtime=target["realtime"])
-    seen: set[str] = set()
-    done = asyncio.Event()
+    consumer = Consumer(resolver, subjects, group="bench", consumer_id="bench", batch_max=1000, wait_ms=200)
 
-    async def one(subject: str) -> None:
-        async with Consumer(resolver, subject, group="bench", consumer_id=f"bench-{subject}", batch_max=1000,
-                            wait_ms=200) as c:
-            unacked: list = []
-            last_ack = [0.0]
-            while not done.is_set() and time.monotonic() < deadline:
-                try:
-                    batch = await c.pull()
-                except HourglassError:  # a transient error: keep consuming until the deadline
-                    await asyncio.sleep(0.05)
-                    continue
-                for m in batch:
-                    got.append((m.id, m.received_ms))
-                    seen.add(m.id)
-                unacked.extend(batch)
-                if unacked and time.monotonic() - last_ack[0] >= ack_interval_s:
-                    await c.ack(unacked)
-                    unacked.clear()
-                    last_ack[0] = time.monotonic()
-                if len(seen) >= expect or os.path.exists(stop_file):
-                    done.set()
+    async def watchdog() -> None:
+        while not watch.done():
+            await asyncio.sleep(CONSUMER_POLL_S)
+        await consumer.close()  # ends the iteration below, in-flight long poll included
 
-    await asyncio.gather(*(one(s) for s in subjects))
+    dog = asyncio.create_task(watchdog())
+    try:
+        async for batch in consumer.batches():
+            out.write(f"T {batch.received_ms}\n" + "\n".join(batch.ids) + "\n")
+            watch.got += len(batch)
+            await batch.ack()
+    finally:
+        dog.cancel()
+        await consumer.close()
 
 
-def _consume_redis(target: dict, subjects: list[str], expect: int, deadline: float, stop_file: str,
-                   got: list[tuple[str, int]]) -> None:
+def _consume_redis(target: dict, subjects: list[str], watch: _Watch, out) -> None:
     import redis
 
     r = redis.Redis.from_url(target["url"])
     keys = [f"ready:{s}" for s in subjects]
-    seen: set[str] = set()
-    while time.monotonic() < deadline and len(seen) < expect:
+    while not watch.done():
         res = r.blmpop(0.2, len(keys), *keys, direction="RIGHT", count=1000)
         if res is None:
-            if os.path.exists(stop_file):
-                break
             continue
-        t = now_ms()
-        for item in res[1]:
-            mid = item.split(b"|", 1)[0].decode()
-            got.append((mid, t))
-            seen.add(mid)
+        ids = [item.split(b"|", 1)[0].decode() for item in res[1]]
+        out.write(f"T {now_ms()}\n" + "\n".join(ids) + "\n")
+        watch.got += len(ids)
 
 
 def consumer_main(a) -> None:
     target = json.loads(a.target)
     subjects = a.subjects.split(",")
-    got: list[tuple[str, int]] = []
-    deadline = time.monotonic() + a.timeout_s
+    watch = _Watch(a)
+    body = Path(a.out + ".body")
     Path(a.ready_file).write_text("ready")
+    c0 = cpu_s()
     try:
-        if target["system"] == "hourglass":
-            asyncio.run(_consume_hourglass(target, subjects, a.expect, deadline, a.stop_file, got))
-        else:
-            _consume_redis(target, subjects, a.expect, deadline, a.stop_file, got)
+        with open(body, "w") as out:
+            if target["system"] == "hourglass":
+                asyncio.run(_consume_hourglass(target, subjects, watch, out))
+            else:
+                _consume_redis(target, subjects, watch, out)
     finally:  # what was received counts even if the consumer failed
+        cpu = cpu_s() - c0
         with open(a.out, "w") as f:
-            f.writelines(f"{i} {t}\n" for i, t in got)
+            f.write(f"#cpu {cpu}\n")
+            with open(body) as b:
+                shutil.copyfileobj(b, f)
+        body.unlink()
 
 
 class ConsumerProcess:
@@ -134,6 +170,7 @@ class ConsumerProcess:
         self.out = work / f"{name}.recv"
         self.ready = work / f"{name}.ready"
         self.stop_file = work / f"{name}.stop"
+        self.cpu_s = 0.0
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--consumer", "--target", json.dumps(target), "--subjects",
              ",".join(subjects), "--expect", str(expect), "--timeout-s", str(timeout_s), "--out", str(self.out),
@@ -145,7 +182,14 @@ class ConsumerProcess:
                 raise RuntimeError("consumer did not start")
             time.sleep(0.02)
 
-    def wait(self, timeout_s: float) -> list[tuple[str, int]]:
+    def expect(self, n: int) -> None:
+        """The producer is done: the consumer may stop after n receipts."""
+        tmp = Path(str(self.stop_file) + ".expect.tmp")
+        tmp.write_text(str(n))
+        tmp.rename(str(self.stop_file) + ".expect")
+
+    def wait(self, timeout_s: float) -> list[tuple[int, list[str]]]:
+        """Blocks of (received_ms, ids) once the consumer has stopped."""
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -156,7 +200,17 @@ class ConsumerProcess:
                 self.kill()
         if not self.out.exists():
             return []
-        return [(ln.split()[0], int(ln.split()[1])) for ln in self.out.read_text().splitlines()]
+        blocks: list[tuple[int, list[str]]] = []
+        with open(self.out) as f:
+            head = f.readline()
+            self.cpu_s = float(head.split()[1]) if head.startswith("#cpu") else 0.0
+            for line in f:
+                line = line.rstrip("\n")
+                if line.startswith("T "):
+                    blocks.append((int(line[2:]), []))
+                elif line and blocks:
+                    blocks[-1][1].append(line)
+        return blocks
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -164,22 +218,90 @@ class ConsumerProcess:
             self.proc.wait(timeout=10)
 
 
-def score(acked: list[tuple[str, int]], got: list[tuple[str, int]]) -> dict:
-    first: dict[str, int] = {}
+# ---------------------------------------------------------------------- scoring
+
+
+class Acked:
+    """Acknowledged messages of a phase whose ids are ``{prefix}{i}``: due time by i
+    (-1 = not acknowledged), as one array."""
+
+    def __init__(self, prefix: str, n: int) -> None:
+        self.prefix = prefix
+        self.due = np.full(n, -1, np.int64)
+
+    def add(self, ids: list[str], due: np.ndarray) -> None:
+        k = len(self.prefix)
+        self.due[np.fromiter((int(i[k:]) for i in ids), np.int64, len(ids))] = due
+
+    @property
+    def count(self) -> int:
+        return int((self.due >= 0).sum())
+
+
+def score(acked: Acked, blocks: list[tuple[int, list[str]]], *, ignore: set[str] = frozenset()) -> dict:
+    """received, lost (not received by due + 30 s), duplicates, early, lateness; and
+    ``lateness_all_ms``: percentiles over every acked message, a lost one counted infinite."""
+    k, n = len(acked.prefix), len(acked.due)
+    first = np.full(n, np.iinfo(np.int64).max, np.int64)
     receipts = 0
-    for mid, t in got:
-        receipts += 1
-        if mid not in first:
-            first[mid] = t
-    due = dict(acked)
-    late = [first[m] - d for m, d in due.items() if m in first and first[m] <= d + LOST_AFTER_MS]
-    lost = sum(1 for m, d in due.items() if m not in first or first[m] > d + LOST_AFTER_MS)
-    early = sum(1 for m, d in due.items() if m in first and first[m] < d)
-    return {"received": len(first), "lost": lost, "duplicates": receipts - len(first), "early": early,
-            "lateness_ms": lateness_summary(late)}
+    for t, ids in blocks:
+        idx = np.fromiter((int(i[k:]) for i in ids if i.startswith(acked.prefix) and i not in ignore), np.int64)
+        idx = idx[(idx >= 0) & (idx < n)]
+        receipts += len(idx)
+        np.minimum.at(first, idx, t)
+    ok = acked.due >= 0
+    got = ok & (first != np.iinfo(np.int64).max)
+    late = (first - acked.due)[got]
+    in_time = late <= LOST_AFTER_MS
+    lost = int(ok.sum() - in_time.sum())
+    all_late = np.concatenate((late[in_time].astype(float), np.full(lost, np.inf)))
+    summary_all = lateness_summary(all_late.tolist()) if len(all_late) else lateness_summary([])
+    distinct = int((first != np.iinfo(np.int64).max).sum())
+    return {"received": int(got.sum()), "lost": lost, "duplicates": receipts - distinct,
+            "early": int((late < 0).sum()), "lateness_ms": lateness_summary(late[in_time].tolist()),
+            "lateness_all_ms": {q: summary_all[q] for q in ("p50", "p99", "p999", "max")}}
 
 
 # ---------------------------------------------------------------------- systems
+
+
+class HourglassSender:
+    """The SDK producer: ``submit`` is one ``send_many`` call; it waits only when the
+    producer's bounded queue is full (the open loop then falls behind, and says so).
+    ``acked``: (ids, due) per call, the refused left out (only counted without ``keep``)."""
+
+    def __init__(self, producer, *, keep: bool = True) -> None:
+        self.p = producer
+        self.keep = keep
+        self.futs: list[tuple[asyncio.Future, list[str], np.ndarray]] = []
+        self.acked: list[tuple[list[str], np.ndarray]] = []
+        self.count = 0
+        self.errors = 0
+        self.last_ack = time.perf_counter()
+
+    def _done(self, fut: asyncio.Future) -> None:
+        self.last_ack = time.perf_counter()
+
+    async def submit(self, ids: list[str], subjects: list[str], payloads: list[bytes], due: np.ndarray, *,
+                     wait: bool = True) -> None:
+        fut = await self.p.send_many(subjects, payloads, ids=ids, deliver_at_ms=due)
+        fut.add_done_callback(self._done)
+        self.futs.append((fut, ids, due) if self.keep else (fut, [], due[:0]))
+
+    async def finish(self) -> None:
+        for fut, ids, due in self.futs:
+            res = await fut
+            self.count += len(res) - len(res.errors)
+            self.errors += len(res.errors)
+            if not self.keep:
+                continue
+            if res.errors:
+                keep = np.ones(len(ids), bool)
+                keep[list(res.errors)] = False
+                self.acked.append(([i for i, k in zip(ids, keep) if k], due[keep]))
+            else:
+                self.acked.append((ids, due))
+        self.futs = []
 
 
 class Hourglass:
@@ -205,7 +327,7 @@ class Hourglass:
 
     def target(self) -> dict:
         return {"system": "hourglass", "delay": [n.address for n in self.cluster.delay],
-                "realtime": [n.address for n in self.cluster.realtime], "ack_interval_ms": self.args.ack_interval_ms}
+                "realtime": [n.address for n in self.cluster.realtime]}
 
     def pids(self) -> dict[str, int]:
         return {n.name: n.proc.pid for n in self.cluster.nodes}
@@ -226,40 +348,25 @@ class Hourglass:
         return out
 
     def settings(self) -> dict:
-        return {"producer": {"linger_ms": 2, "batch_max": self.args.batch, "inflight_max": self.args.inflight},
-                "consumer": {"subjects": 16, "batch_max": 1000, "wait_ms": 200,
-                             "ack": f"every {self.args.ack_interval_ms} ms" if self.args.ack_interval_ms
-                             else "after every pull"},
-                "nodes": "1 delay + 1 real-time (LocalCluster defaults: tick 10 ms, fsync group commit)"}
+        return {"producer": {"api": "send_many", "call": self.args.batch, "linger_ms": 2,
+                             "batch_max": self.args.batch, "inflight_max": self.args.inflight},
+                "consumer": {"api": "batches()", "subjects": 16, "batch_max": 1000, "wait_ms": 200,
+                             "ack": "every batch"},
+                "nodes": "1 delay + 1 real-time (LocalCluster defaults)"}
 
-    async def produce(self, msgs, *, keep: bool = True) -> tuple[list[tuple[str, int]], float, int]:
+    def sender(self):
         from cluster.client import Producer, StaticResolver
 
         t = self.target()
-        acked: list[tuple[str, int]] = []
-        errors = 0
-        resolver = StaticResolver(delay=t["delay"], realtime=t["realtime"])
-        t0 = time.perf_counter()
-        last_ack = t0
-        async with Producer(resolver, batch_max=self.args.batch, inflight_max=self.args.inflight,
-                            queue_max=20_000, timeout_s=60) as p:
-            def done(f, mid, due):
-                nonlocal errors, last_ack
-                if f.exception() is None:
-                    last_ack = time.perf_counter()
-                    if keep:
-                        acked.append((mid, due))
-                    else:
-                        acked.append(None)
-                else:
-                    errors += 1
+        return Producer(StaticResolver(delay=t["delay"], realtime=t["realtime"]), batch_max=self.args.batch,
+                        inflight_max=self.args.inflight, timeout_s=60)
 
-            for mid, subject, payload, due_fn in msgs:
-                due = due_fn()
-                f = await p.send(subject, payload, deliver_at_ms=due, id=mid)
-                f.add_done_callback(lambda f, mid=mid, due=due: done(f, mid, due))
-            await p.flush()
-        return acked, last_ack - t0, errors
+    async def produce(self, chunks, *, keep: bool = True) -> HourglassSender:
+        async with self.sender() as p:
+            s = HourglassSender(p, keep=keep)
+            await chunks(s)
+            await s.finish()
+        return s
 
 
 class Redis:
@@ -291,7 +398,10 @@ class Redis:
         return {"system": "redis", "url": self.server.url}
 
     def pids(self) -> dict[str, int]:
-        return {"redis-server": self.server.proc.pid}
+        out = {"redis-server": self.server.proc.pid}
+        if self.poller is not None:
+            out["poller"] = self.poller.pid
+        return out
 
     def data_dirs(self) -> list[Path]:
         return [self.root]
@@ -306,10 +416,11 @@ class Redis:
 
         return int(redis.Redis.from_url(self.server.url).info("memory")["used_memory"])
 
-    async def produce(self, msgs, *, keep: bool = True) -> tuple[list[tuple[str, int]], float, int]:
-        t0 = time.perf_counter()
-        acked = await rb.produce(self.server.url, msgs, batch=self.args.batch, inflight=self.args.inflight)
-        return acked, time.perf_counter() - t0, 0
+    async def produce(self, chunks, *, keep: bool = True) -> rb.RedisSender:
+        s = rb.RedisSender(self.server.url, inflight_max=self.args.inflight, keep=keep)
+        await chunks(s)
+        await s.finish()
+        return s
 
 
 def make_system(name: str, work: Path, args):
@@ -324,8 +435,8 @@ def make_system(name: str, work: Path, args):
 
 
 def payloads() -> list[bytes]:
-    rnd = random.Random(42)
-    return [rnd.randbytes(256) for _ in range(PAYLOAD_POOL)]
+    rnd = np.random.default_rng(42)
+    return [rnd.bytes(256) for _ in range(PAYLOAD_POOL)]
 
 
 def dispatch_split(before: dict[float, float], after: dict[float, float]) -> dict:
@@ -339,23 +450,65 @@ def dispatch_split(before: dict[float, float], after: dict[float, float]) -> dic
     return out
 
 
+EAGER_MAX = 200_000  # closed loops up to this size build their lists before the clock (and CPU meter) starts
+
+
+def closed_loop(prefix: str, n: int, call: int, due_ms, pool: list[bytes], subjects: list[str] = SUBJECTS):
+    """Chunks of ``call`` messages ``{prefix}{i}``, sent as fast as the sender takes them;
+    ``due_ms(k)`` gives the offsets from send time of k messages. Small runs build
+    their id/subject/payload lists up front so the producer's CPU is the SDK's."""
+    def chunk(lo: int) -> tuple[list[str], list[str], list[bytes]]:
+        hi = min(n, lo + call)
+        return ([f"{prefix}{i}" for i in range(lo, hi)], [subjects[i % len(subjects)] for i in range(lo, hi)],
+                [pool[i % PAYLOAD_POOL] for i in range(lo, hi)])
+
+    ready = [chunk(lo) for lo in range(0, n, call)] if n <= EAGER_MAX else None
+
+    async def run(sender) -> None:
+        for k, lo in enumerate(range(0, n, call)):
+            ids, subs, pays = ready[k] if ready is not None else chunk(lo)
+            await sender.submit(ids, subs, pays, now_ms() + due_ms(len(ids)))
+    return run
+
+
+def cpu_report(meter: CpuMeter, counts: dict[str, int], consumer: ConsumerProcess, received: int) -> dict:
+    out = meter.per_message_us(counts)
+    out["consumer"] = {"cpu_s": round(consumer.cpu_s, 3), "messages": received,
+                       "us_per_msg": round(consumer.cpu_s / received * 1e6, 2) if received else None}
+    return out
+
+
+def _acked(prefix: str, n: int, sender) -> Acked:
+    acked = Acked(prefix, n)
+    for ids, due in sender.acked:
+        acked.add(ids, due)
+    return acked
+
+
 def phase1(system, work: Path, args) -> dict:
     pool = payloads()
-    rnd = random.Random(args.seed)
+    rnd = np.random.default_rng(args.seed)
     horizon_s = 13 + args.n / 5000 + LOST_AFTER_MS / 1000 + 30  # sending time is bounded by ~5k/s at worst
     hist0 = system.dispatch_histogram() if hasattr(system, "dispatch_histogram") else None
     cons = ConsumerProcess(work, f"{system.name}-p1", system.target(), SUBJECTS, args.n, horizon_s)
+    chunks = closed_loop("p1-", args.n, args.batch, lambda k: rnd.integers(3000, 13001, k), pool)
+    meter = CpuMeter({"producer": "self", **system.pids()}).start()
     try:
-        msgs = ((f"p1-{i:08d}", SUBJECTS[i % 16], pool[i % PAYLOAD_POOL],
-                 lambda: now_ms() + rnd.randint(3000, 13000)) for i in range(args.n))
-        acked, seconds, errors = asyncio.run(system.produce(msgs))
-        last_due = max(d for _, d in acked) if acked else now_ms()
-        got = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
+        t0 = time.perf_counter()
+        sender = asyncio.run(system.produce(chunks))
+        seconds = sender.last_ack - t0
+        acked = _acked("p1-", args.n, sender)
+        cons.expect(acked.count)
+        last_due = int(acked.due.max()) if acked.count else now_ms()
+        blocks = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
     finally:
         cons.kill()
-    out = {"bench": "e2e", "phase": "1", "system": system.name, "n": args.n, "acked": len(acked),
-           "send_errors": errors, "accepted_per_s": round(len(acked) / seconds) if seconds else None,
-           "send_seconds": round(seconds, 2), **score(acked, got)}
+    sc = score(acked, blocks)
+    counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
+    out = {"bench": "e2e", "phase": "1", "system": system.name, "n": args.n, "acked": acked.count,
+           "send_errors": sender.errors, "accepted_per_s": round(acked.count / seconds) if seconds > 0 else None,
+           "send_seconds": round(seconds, 2), **sc,
+           "cpu_us_per_msg": cpu_report(meter, counts, cons, sc["received"])}
     if hist0 is not None:
         # the part of the lateness spent before the real-time node had the message stored
         out["delay_node_due_to_dispatched"] = dispatch_split(hist0, system.dispatch_histogram())
@@ -366,52 +519,134 @@ def phase1b(system, work: Path, args) -> dict:
     pool = payloads()
     hist0 = system.dispatch_histogram() if hasattr(system, "dispatch_histogram") else None
     cons = ConsumerProcess(work, f"{system.name}-p1b", system.target(), [HOL_SUBJECT], 1000, 60)
+    meter = CpuMeter({"producer": "self", **system.pids()}).start()
     try:
-        async def go():
-            head, _, _ = await system.produce(iter([("hol-head", HOL_SUBJECT, pool[0], lambda: now_ms() + 30_000)]))
-            short, _, _ = await system.produce(
-                ((f"hol-{i:05d}", HOL_SUBJECT, pool[i % PAYLOAD_POOL], lambda: now_ms() + 1000) for i in range(1000)))
-            return short
-        acked = asyncio.run(go())
-        got = cons.wait(1 + LOST_AFTER_MS / 1000 + 5)
+        async def go(sender) -> None:
+            await sender.submit(["hol-head"], [HOL_SUBJECT], [pool[0]], np.array([now_ms() + 30_000]))
+            await closed_loop("hol-", 1000, 1000, lambda k: np.full(k, 1000), pool, [HOL_SUBJECT])(sender)
+        sender = asyncio.run(system.produce(go))
+        acked = Acked("hol-", 1000)
+        for ids, due in sender.acked:
+            keep = [k for k, i in enumerate(ids) if i != "hol-head"]
+            acked.add([ids[k] for k in keep], due[keep])
+        cons.expect(acked.count)
+        blocks = cons.wait(1 + LOST_AFTER_MS / 1000 + 5)
     finally:
         cons.kill()
-    got = [(m, t) for m, t in got if m != "hol-head"]
-    out = {"bench": "e2e", "phase": "1b", "system": system.name, "short_acked": len(acked), **score(acked, got)}
+    sc = score(acked, blocks, ignore={"hol-head"})
+    counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
+    out = {"bench": "e2e", "phase": "1b", "system": system.name, "short_acked": acked.count, **sc,
+           "cpu_us_per_msg": cpu_report(meter, counts, cons, sc["received"])}
     if hist0 is not None:
         out["delay_node_due_to_dispatched"] = dispatch_split(hist0, system.dispatch_histogram())
     return out
 
 
+def open_loop(prefix: str, rate: int, seconds: float, pool: list[bytes], rnd):
+    """The sustain sender: every 10 ms, what ``rate`` owes since the start, as one batch."""
+    async def run(sender) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        sent = 0
+        tick = 0
+        while (elapsed := loop.time() - t0) < seconds:
+            owed = int(rate * elapsed) - sent
+            if owed > 0:
+                ids = [f"{prefix}{i}" for i in range(sent, sent + owed)]
+                subs = [SUBJECTS[i % 16] for i in range(sent, sent + owed)]
+                pays = [pool[i % PAYLOAD_POOL] for i in range(sent, sent + owed)]
+                await sender.submit(ids, subs, pays, now_ms() + rnd.integers(*SUSTAIN_DUE_MS, owed, endpoint=True),
+                                    wait=False)
+                sent += owed
+            tick += 1
+            await asyncio.sleep(max(0.0, t0 + tick * SUSTAIN_TICK_S - loop.time()))
+    return run
+
+
+def sustain_step(system, work: Path, args, rate: int) -> dict:
+    pool = payloads()
+    rnd = np.random.default_rng(args.seed + rate)
+    n_max = int(rate * args.sustain_s) + rate  # ids are indices below this
+    prefix = f"r{rate}-"
+    horizon_s = args.sustain_s + SUSTAIN_DUE_MS[1] / 1000 + LOST_AFTER_MS / 1000 + SEND_FINISH_TIMEOUT_S
+    cons = ConsumerProcess(work, f"{system.name}-r{rate}", system.target(), SUBJECTS, n_max, horizon_s)
+    meter = CpuMeter({"producer": "self", **system.pids()}).start()
+    try:
+        t0 = time.perf_counter()
+        sender = asyncio.run(system.produce(open_loop(prefix, rate, args.sustain_s, pool, rnd)))
+        seconds = max(sender.last_ack - t0, args.sustain_s)
+        acked = _acked(prefix, n_max, sender)
+        cons.expect(acked.count)
+        last_due = int(acked.due.max()) if acked.count else now_ms()
+        blocks = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
+    finally:
+        cons.kill()
+    sc = score(acked, blocks)
+    achieved = acked.count / seconds
+    p99 = sc["lateness_all_ms"]["p99"]
+    holds = achieved >= HOLD_RATE_FRACTION * rate and p99 is not None and p99 <= HOLD_P99_MS
+    holds_loose = achieved >= HOLD_RATE_FRACTION * rate and p99 is not None and p99 <= HOLD_P99_LOOSE_MS
+    bad = achieved < BAD_RATE_FRACTION * rate or p99 is None or p99 > BAD_P99_MS
+    counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
+    return {"bench": "e2e", "phase": "sustain", "system": system.name, "rate": rate, "seconds": args.sustain_s,
+            "acked": acked.count, "send_errors": sender.errors, "achieved_per_s": round(achieved),
+            "holds": holds, "holds_p99_50ms": holds_loose, "fails_badly": bad, **sc,
+            "cpu_us_per_msg": cpu_report(meter, counts, cons, sc["received"])}
+
+
+def sustain(system, work: Path, args) -> list[dict]:
+    rows = []
+    for rate in args.rates:
+        load = machine()["loadavg"]
+        r = sustain_step(system, work, args, rate)
+        r["settings"] = {**system.settings(), "due": "send + uniform 1..5 s", "tick_ms": 10, "loadavg_at_start": load,
+                         "holds": f">= {HOLD_RATE_FRACTION:.0%} of R and p99 <= {HOLD_P99_MS} ms "
+                                  "(lost = infinitely late)"}
+        emit(r)
+        rows.append(r)
+        if r["fails_badly"]:
+            break
+    held = [r["rate"] for r in rows if r["holds"]]
+    held_loose = [r["rate"] for r in rows if r["holds_p99_50ms"]]
+    head = {"bench": "e2e", "phase": "sustain-headline", "system": system.name,
+            "highest_rate_held": max(held, default=None), "highest_rate_held_p99_50ms": max(held_loose, default=None),
+            "rates_tried": [r["rate"] for r in rows]}
+    emit(head)
+    return rows + [head]
+
+
 def phase2(system, args) -> dict:
     pool = payloads()
+    hour = lambda k: np.full(k, 3_600_000)  # noqa: E731
     # warm the path once (connections, subject creation) so "before" is a serving server
-    asyncio.run(system.produce(iter([("p2-warm", SUBJECTS[0], pool[0], lambda: now_ms() + 3_600_000)])))
+    asyncio.run(system.produce(closed_loop("p2-warm-", 1, 1, hour, pool)))
     time.sleep(1)
     before = {name: tree_mem(p) for name, p in system.pids().items()}
     disk0 = sum(dir_bytes(d) for d in system.data_dirs())
     used0 = system.used_memory() if hasattr(system, "used_memory") else None
-    m = args.backlog
-    msgs = ((f"p2-{i:09d}", SUBJECTS[i % 16], pool[i % PAYLOAD_POOL], lambda: now_ms() + 3_600_000)
-            for i in range(m))
-    acked, seconds, errors = asyncio.run(system.produce(msgs, keep=False))
+    meter = CpuMeter({"producer": "self", **system.pids()}).start()
+    t0 = time.perf_counter()
+    sender = asyncio.run(system.produce(closed_loop("p2-", args.backlog, args.batch, hour, pool), keep=False))
+    seconds = sender.last_ack - t0
+    n = sender.count
+    cpu = meter.per_message_us({"producer": n, **{k: n for k in system.pids()}})
     time.sleep(SETTLE_S)
     after = {name: tree_mem(p) for name, p in system.pids().items()}
     disk1 = sum(dir_bytes(d) for d in system.data_dirs())
-    n = len(acked)
 
     def total(d):
         return {k: sum(v[k] for v in d.values()) for k in ("rss", "anon", "file")}
 
     b, a = total(before), total(after)
-    out = {"bench": "e2e", "phase": "2", "system": system.name, "pending": n, "send_errors": errors,
-           "enqueue_per_s": round(n / seconds) if seconds else None,
+    out = {"bench": "e2e", "phase": "2", "system": system.name, "pending": n, "send_errors": sender.errors,
+           "enqueue_per_s": round(n / seconds) if seconds > 0 else None,
            "tree_rss_mb_before": {k: round(v / 2**20, 1) for k, v in b.items()},
            "tree_rss_mb_after": {k: round(v / 2**20, 1) for k, v in a.items()},
            "memory_bytes_per_pending": {k: round((a[k] - b[k]) / max(1, n), 1) for k in ("rss", "anon", "file")},
            "disk_bytes_per_pending": round((disk1 - disk0) / max(1, n), 1),
            "per_process_rss_mb_after": {name: {k: round(v[k] / 2**20, 1) for k in ("rss", "anon", "file")}
-                                         for name, v in after.items()}}
+                                         for name, v in after.items()},
+           "cpu_us_per_msg": cpu}
     if used0 is not None:
         out["redis_used_memory_bytes_per_pending"] = round((system.used_memory() - used0) / max(1, n), 1)
     return out
@@ -420,23 +655,37 @@ def phase2(system, args) -> dict:
 # ---------------------------------------------------------------------- main
 
 
+def _cpu_cell(r: dict) -> str:
+    cpu = r.get("cpu_us_per_msg") or {}
+    return "  cpu us/msg " + " ".join(f"{k}={v['us_per_msg']}" for k, v in cpu.items()) if cpu else ""
+
+
 def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
+        la = r.get("lateness_ms") or {}
         if r["phase"] == "1":
-            la = r["lateness_ms"]
-            lines.append(f"phase 1  {r['system']:16} accepted/s {r['accepted_per_s']!s:>8}  lateness p50 {la['p50']!s:>6}"
+            lines.append(f"phase 1  {r['system']:16} accepted/s {r['accepted_per_s']!s:>8}  "
+                         f"lateness p50 {la['p50']!s:>6}"
                          f" p99 {la['p99']!s:>6} p999 {la['p999']!s:>6} max {la['max']!s:>6} ms  lost {r['lost']}"
-                         f"  dup {r['duplicates']}")
+                         f"  dup {r['duplicates']}" + _cpu_cell(r))
         elif r["phase"] == "1b":
-            la = r["lateness_ms"]
             lines.append(f"phase 1b {r['system']:16} short ones: p50 {la['p50']!s:>6} p99 {la['p99']!s:>6} "
-                         f"max {la['max']!s:>6} ms  lost {r['lost']}")
+                         f"max {la['max']!s:>6} ms  lost {r['lost']}" + _cpu_cell(r))
+        elif r["phase"] == "sustain":
+            verdict = "HOLDS" if r["holds"] else ("holds@50ms" if r["holds_p99_50ms"] else "fails")
+            lines.append(f"sustain  {r['system']:16} R {r['rate']:>7}  achieved/s {r['achieved_per_s']:>7}  "
+                         f"p50 {la['p50']!s:>6} p99 {la['p99']!s:>6} p999 {la['p999']!s:>6} max {la['max']!s:>6} ms"
+                         f"  lost {r['lost']}  dup {r['duplicates']}  {verdict}" + _cpu_cell(r))
+        elif r["phase"] == "sustain-headline":
+            lines.append(f"sustain  {r['system']:16} headline: highest R held (p99 <= {HOLD_P99_MS} ms) "
+                         f"{r['highest_rate_held']}, at p99 <= {HOLD_P99_LOOSE_MS} ms "
+                         f"{r['highest_rate_held_p99_50ms']}")
         elif r["phase"] == "2":
             mb = r["memory_bytes_per_pending"]
             lines.append(f"phase 2  {r['system']:16} pending {r['pending']}  enqueue/s {r['enqueue_per_s']}  "
                          f"memory B/pending rss {mb['rss']} (anon {mb['anon']}, file {mb['file']})  "
-                         f"disk B/pending {r['disk_bytes_per_pending']}")
+                         f"disk B/pending {r['disk_bytes_per_pending']}" + _cpu_cell(r))
     return "\n".join(lines)
 
 
@@ -445,12 +694,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100_000, help="phase 1 messages")
     p.add_argument("--backlog", type=int, default=1_000_000, help="phase 2 pending messages")
     p.add_argument("--systems", default="hourglass,redis-always,redis-everysec")
-    p.add_argument("--phases", default="1,1b,2")
-    p.add_argument("--batch", type=int, default=500, help="client batch (Hourglass batch_max, Redis pipeline)")
+    p.add_argument("--phases", default="1,1b,sustain,2")
+    p.add_argument("--rates", default=",".join(map(str, LADDER)), help="sustain: rates to climb, msgs/s")
+    p.add_argument("--sustain-s", type=float, default=30.0, help="sustain: seconds per rate")
+    p.add_argument("--batch", type=int, default=1000,
+                   help="messages per send call (Hourglass send_many, Redis pipeline)")
     p.add_argument("--inflight", type=int, default=8, help="batches in flight")
-    p.add_argument("--redis-poll-ms", type=int, default=10, help="Redis poller interval (Hourglass tick is 10 ms)")
-    p.add_argument("--ack-interval-ms", type=int, default=0,
-                   help="Hourglass consumer: ack at most this often per subject (0: after every pull)")
+    p.add_argument("--redis-poll-ms", type=int, default=10, help="Redis poller interval")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
@@ -462,13 +712,14 @@ def main() -> None:
     if a.consumer:
         consumer_main(a)
         return
+    a.rates = [int(x) for x in a.rates.split(",") if x]
 
     phases = a.phases.split(",")
     rows = []
     work = Path(tempfile.mkdtemp(prefix="hg-bench-e2e-", dir=a.dir))
     try:
         for name in a.systems.split(","):
-            if "1" in phases or "1b" in phases:
+            if {"1", "1b", "sustain"} & set(phases):
                 sysm = make_system(name, work / "p1", a).start()
                 try:
                     for ph, fn in (("1", phase1), ("1b", phase1b)):
@@ -478,8 +729,11 @@ def main() -> None:
                             r["settings"] = {**sysm.settings(), "loadavg_at_start": load}
                             emit(r)
                             rows.append(r)
+                    if "sustain" in phases:
+                        rows += sustain(sysm, work, a)
                 finally:
                     sysm.stop()
+                shutil.rmtree(work / "p1", ignore_errors=True)
             if "2" in phases:
                 sysm = make_system(name, work / "p2", a).start()  # a fresh server
                 try:

@@ -2,9 +2,9 @@
 
 What a user would build instead of Hourglass:
 
-* producer: pipelined batches, per batch one ``ZADD dq {id: due_ms}`` and one
-  ``HSET dq:body {id: subject|payload}``; a message counts once its batch's reply
-  arrives (with ``appendfsync always`` Redis fsyncs the AOF before it replies);
+* producer (``RedisSender``): pipelined batches, per batch one ``ZADD dq {id: due_ms}``
+  and one ``HSET dq:body {id: subject|payload}``; a message counts once its batch's
+  reply arrives (with ``appendfsync always`` Redis fsyncs the AOF before it replies);
 * poller (its own process, the "delay worker"): every ``poll_ms`` one Lua script
   takes up to ``batch`` members with score <= now (``ZRANGEBYSCORE`` + ``ZREM``),
   moves each body to the ready list of its subject (``LPUSH ready:{subject}``),
@@ -96,45 +96,60 @@ class RedisServer:
         self.stop()
 
 
-async def produce(url: str, messages, *, batch: int = 500, inflight: int = 8) -> list[tuple[str, int]]:
-    """Send ``messages`` (iterable of (id, subject, payload, due_ms_fn)) in pipelined batches;
-    returns [(id, due_ms)] of acknowledged ones. ``due_ms_fn()`` is called at send time."""
-    import asyncio
+class RedisSender:
+    """The producer side: ``submit`` one chunk of messages as one pipelined batch (``ZADD``
+    + ``HSET``); a message counts once its batch's reply arrives. At most ``inflight_max``
+    batches are on the wire; ``submit(wait=False)`` (open loop) queues a batch behind
+    them instead of waiting for a slot."""
 
-    import redis.asyncio as aredis
+    def __init__(self, url: str, *, inflight_max: int = 8, keep: bool = True) -> None:
+        import asyncio
 
-    r = aredis.Redis.from_url(url)
-    acked: list[tuple[str, int]] = []
-    sem = asyncio.Semaphore(inflight)
-    tasks: set[asyncio.Task] = set()
+        import redis.asyncio as aredis
 
-    async def send(items: list[tuple[str, str, bytes, int]]) -> None:
+        self.r = aredis.Redis.from_url(url, max_connections=inflight_max + 2)
+        self.sem = asyncio.Semaphore(inflight_max)
+        self.tasks: set = set()
+        self.keep = keep
+        self.acked: list[tuple[list[str], object]] = []  # (ids, due_ms array) per acknowledged batch (with keep)
+        self.count = 0
+        self.errors = 0
+        self.last_ack = time.perf_counter()
+
+    async def _send(self, ids: list[str], subjects: list[str], payloads: list[bytes], due, held: bool) -> None:
+        if not held:
+            await self.sem.acquire()
         try:
-            async with r.pipeline(transaction=False) as p:
-                p.zadd("dq", {i: due for i, _, _, due in items})
-                p.hset("dq:body", mapping={i: s.encode() + b"|" + pl for i, s, pl, _ in items})
+            dues = due.tolist()
+            async with self.r.pipeline(transaction=False) as p:
+                p.zadd("dq", dict(zip(ids, dues)))
+                p.hset("dq:body", mapping={i: s.encode() + b"|" + pl for i, s, pl in zip(ids, subjects, payloads)})
                 await p.execute()
-            acked.extend((i, due) for i, _, _, due in items)
+            self.count += len(ids)
+            if self.keep:
+                self.acked.append((ids, due))
+            self.last_ack = time.perf_counter()
+        except Exception:
+            self.errors += len(ids)
         finally:
-            sem.release()
+            self.sem.release()
 
-    buf: list[tuple[str, str, bytes, int]] = []
-    for mid, subject, payload, due_fn in messages:
-        buf.append((mid, subject, payload, due_fn()))
-        if len(buf) >= batch:
-            await sem.acquire()
-            t = asyncio.get_running_loop().create_task(send(buf))
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-            buf = []
-            await asyncio.sleep(0)
-    if buf:
-        await sem.acquire()
-        await send(buf)
-    while tasks:
-        await asyncio.gather(*list(tasks))
-    await r.aclose()
-    return acked
+    async def submit(self, ids: list[str], subjects: list[str], payloads: list[bytes], due, *,
+                     wait: bool = True) -> None:
+        import asyncio
+
+        if wait:
+            await self.sem.acquire()
+        t = asyncio.get_running_loop().create_task(self._send(ids, subjects, payloads, due, wait))
+        self.tasks.add(t)
+        t.add_done_callback(self.tasks.discard)
+
+    async def finish(self) -> None:
+        import asyncio
+
+        while self.tasks:
+            await asyncio.gather(*list(self.tasks))
+        await self.r.aclose()
 
 
 def poller(url: str, poll_ms: int, batch: int, stop_file: str) -> None:

@@ -1,5 +1,5 @@
-"""Shared helpers of the benchmarks: memory of a process (tree), percentiles, the machine's
-load, one JSON line per figure. No I/O beyond /proc and stdout."""
+"""Shared helpers of the benchmarks: memory and CPU seconds of a process (tree),
+percentiles, the machine's load, one JSON line per figure. No I/O beyond /proc and stdout."""
 
 from __future__ import annotations
 
@@ -45,6 +45,42 @@ def tree_mem(pid: int) -> dict[str, int]:
         for k in total:
             total[k] += m[k]
     return total
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds a process has used: utime + stime from ``/proc/<pid>/stat`` (children
+    excluded); 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # fields 14 and 15 of stat(5)
+
+
+class CpuMeter:
+    """CPU seconds of named processes over a phase: ``start()``, then ``per_message(counts)``
+    gives microseconds of CPU per message each process handled."""
+
+    def __init__(self, pids: dict[str, int | str]) -> None:
+        self.pids = dict(pids)
+        self.t0: dict[str, float] = {}
+
+    def start(self) -> "CpuMeter":
+        self.t0 = {name: cpu_s(pid) for name, pid in self.pids.items()}
+        return self
+
+    def seconds(self) -> dict[str, float]:
+        return {name: round(cpu_s(pid) - self.t0[name], 3) for name, pid in self.pids.items()}
+
+    def per_message_us(self, counts: dict[str, int], seconds: dict[str, float] | None = None) -> dict:
+        secs = self.seconds() if seconds is None else seconds
+        return {name: {"cpu_s": secs[name], "messages": counts.get(name, 0),
+                       "us_per_msg": round(secs[name] / counts[name] * 1e6, 2) if counts.get(name) else None}
+                for name in secs}
 
 
 def dir_bytes(path: str | os.PathLike) -> int:

@@ -293,30 +293,36 @@ def _parse_at(at: str) -> int:
     return int(dt.timestamp() * 1000)
 
 
+SEND_CALL_MAX = 1000  # messages per send_many call of ``hourglass send --count`` (the progress step)
+
+
 async def _send(resolver, subject, payload, delay_ms, deliver_at, id, tags, count) -> None:
     from cluster.client import Producer
-    from cluster.errors import HourglassError
 
     immediate = not delay_ms and not deliver_at
+    ids = [f"{id}-{i}" for i in range(count)] if id and count > 1 else [id] * count if id else None
+    data = payload.encode()
+    accepted: list = []
+    errors: dict[int, Exception] = {}
     async with Producer(resolver) as p:
-        futs = []
         with Progress(console=console, transient=True, disable=count < 1000) as prog:
             task = prog.add_task("sending", total=count)
-            for i in range(count):
-                mid = (f"{id}-{i}" if id else "") if count > 1 else id
-                futs.append(await p.send(subject, payload, delay_ms=delay_ms, deliver_at_ms=deliver_at, id=mid,
-                                         tags=tag_list(tags), immediate=immediate))
-                if i % 1000 == 0:
-                    prog.update(task, completed=i)
-            results = await asyncio.gather(*futs, return_exceptions=True)
-            prog.update(task, completed=count)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    for r in results[:10]:
-        if isinstance(r, HourglassError):
-            console.print(f"[red]rejected:[/red] {r}")
-        elif not isinstance(r, BaseException):
-            console.print(f"accepted id={r.id} seq={r.seq} deliver_at_ms={r.deliver_at_ms}"
-                          + (" (duplicate)" if r.duplicate else ""))
+            futs = []
+            for lo in range(0, count, SEND_CALL_MAX):
+                hi = min(count, lo + SEND_CALL_MAX)
+                futs.append((lo, await p.send_many(subject, [data] * (hi - lo), ids=ids[lo:hi] if ids else None,
+                                                   delay_ms=delay_ms or None, deliver_at_ms=deliver_at or None,
+                                                   tags=tag_list(tags), immediate=immediate)))
+            for lo, f in futs:
+                res = await f
+                errors.update({lo + i: e for i, e in res.errors.items()})
+                accepted += [res.result(i) for i in range(len(res)) if i not in res.errors][:10 - len(accepted)]
+                prog.update(task, completed=lo + len(res))
+    for i, e in sorted(errors.items())[:10]:
+        console.print(f"[red]rejected:[/red] message {i}: {e}")
+    for r in accepted:
+        console.print(f"accepted id={r.id} seq={r.seq} deliver_at_ms={r.deliver_at_ms}"
+                      + (" (duplicate)" if r.duplicate else ""))
     if count > 10:
         console.print(f"{count - len(errors)} accepted, {len(errors)} rejected")
     if errors:

@@ -1,24 +1,50 @@
-"""Python client SDK: a batching producer and a pulling consumer.
+"""Python client SDK: a batching producer and a pulling consumer, the batch as the unit.
+
+No Python object per message on the hot path (``shared/ARCHITECTURE.md``, "Hot path"):
+``send_many`` keeps a call's messages as columns, the batcher cuts wire batches out of
+them as index ranges, groups them by delay group with numpy and builds one codec
+``Batch`` per request; answers come back as arrays and are written into the call's
+result arrays. The consumer hands out the pulled codec batch as it is and decodes ids,
+payloads and tags only when asked.
 
 Producer::
 
     async with Producer(StaticResolver(delay=["127.0.0.1:7001"], realtime=["127.0.0.1:7002"])) as p:
-        fut = await p.send("orders.cancel", b"order 42", delay_ms=30 * 60_000, id="order-42")
-        result = await fut            # SendResult(id="order-42", seq=..., deliver_at_ms=...)
+        fut = await p.send_many("orders.cancel", payloads, delay_ms=30 * 60_000)
+        res = await fut               # BatchSendResult: ids, seqs, deliver_at_ms, duplicates, errors
+        one = await (await p.send("orders.cancel", b"order 42", delay_ms=5000, id="order-42"))
 
-``send`` returns a future per message at once; a background task gathers messages
-into batches (``linger_ms``, ``batch_max``) and keeps at most ``inflight_max``
-batches on the wire. Retryable answers (overloaded, not leader, node down) are
-retried with backoff up to ``retries_max`` times, on the next node when there is
-one; final answers (invalid, too large, id reused) fail that message's future
-with the matching ``cluster.errors`` exception.
+* ``send_many`` returns one future per call, resolved with a ``BatchSendResult`` once
+  every message has its final answer; a refused message is an entry of ``errors``
+  (index -> ``cluster.errors`` exception), never an exception of the whole future.
+* Ids not given are ``{random per-producer prefix}{counter in hex}``.
+* A delayed message is pinned to delay group ``groups[crc32(id) % len(groups)]`` (over
+  the sorted group names; ``group_for``): its sends and retries go to that group's
+  master, whoever it is at the time, so a retry is de-duplicated, never stored twice.
+* The batcher waits up to ``linger_ms`` for ``batch_max`` messages (or
+  ``batch_bytes_max`` payload bytes) and keeps at most ``inflight_max`` requests on the
+  wire; callers wait once ``queue_max`` messages are queued.
+* Retryable answers (``status.RETRYABLE_CODES``, node down, not leader) are retried,
+  those indices only, with jittered exponential backoff (tenacity) up to
+  ``retries_max`` times, re-resolving the target each time.
+* ``send`` / ``send_message`` / ``send_and_wait`` are the convenience layer: one future
+  per message (a ``SendResult``); consecutive ``send`` calls share one queued call.
 
 Consumer::
 
-    async with Consumer(resolver, "orders.cancel", group="billing") as c:
-        async for msg in c:           # long-poll pull
-            handle(msg.payload)
-            await msg.ack()           # or await msg.nack(retry_after_ms=5000)
+    async with Consumer(resolver, ["orders.cancel", "orders.remind"], group="billing") as c:
+        async for batch in c.batches():          # ReceivedBatch: lazy ids / payloads / lateness_ms
+            handle(batch.payloads)
+            await batch.ack()                    # the whole batch, as handle ranges
+        async for msg in c:                      # or one Received at a time
+            await msg.ack()
+
+Subjects are grouped by the real-time node each maps to (``resolver.realtime_for``)
+and each node is pulled with one long-poll request; a node's answer is handed out
+as soon as it arrives while the other nodes' pulls stay in flight. The server
+filters tags by hash; the client checks exactly and acks the non-matching away.
+``close()`` cancels in-flight pulls (a message the server had handed to a cancelled
+pull is redelivered after its visibility timeout).
 """
 
 from __future__ import annotations
@@ -26,57 +52,67 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
+import secrets
 import time
-import uuid
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import numpy as np
+from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt,
+                      wait_random_exponential)
 
 from cluster import errors as E
 from cluster import status
+from cluster.codec import OK, Batch, encode_extra
 from cluster.proto import hourglass_pb2 as pb
 from cluster.transport import Channels
+from cluster.wire import BatchResult, make_request, pack_ranges
 
 log = logging.getLogger("hourglass.client")
 
-
-# ---------------------------------------------------------------------- models at the boundary
-
-
-class OutgoingMessage(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    subject: str = Field(min_length=1)
-    payload: bytes = b""
-    id: str = ""
-    delay_ms: int = Field(default=0, ge=0)
-    deliver_at_ms: int = Field(default=0, ge=0)
-    tags: tuple[str, ...] = ()
-    properties: dict[str, str] = {}
-    immediate: bool = False
-
-    @field_validator("payload", mode="before")
-    @classmethod
-    def _bytes(cls, v):
-        return v.encode() if isinstance(v, str) else v
+ORIGIN_ID = "hourglass.origin_id"  # a retried message's original id (set by the real-time node)
+ID_PREFIX_BYTES = 8                # random bytes of a producer's id prefix (16 hex characters)
+_RETRYABLE = np.array(sorted(status.RETRYABLE_CODES), np.uint8)
 
 
-class SendResult(BaseModel):
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _backoff(min_ms: int, max_ms: int) -> wait_random_exponential:
+    """The one backoff of the SDK: full-jitter exponential from ``min_ms`` up to ``max_ms``."""
+    return wait_random_exponential(multiplier=min_ms / 1000, max=max_ms / 1000)
+
+
+def _pause_s(wait: wait_random_exponential, failures: int) -> float:
+    """The pause ``wait`` gives after ``failures`` failures in a row (outside a tenacity loop)."""
+    state = RetryCallState(None, None, (), {})
+    state.attempt_number = failures
+    return wait(state)
+
+
+# ---------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
     id: str
     seq: int
     deliver_at_ms: int
     duplicate: bool = False
 
 
-class CancelResult(BaseModel):
+@dataclass(frozen=True, slots=True)
+class CancelResult:
     id: str
     seq: int
 
 
-class LookupResult(BaseModel):
+@dataclass(frozen=True, slots=True)
+class LookupResult:
     id: str
     status: str
     seq: int
@@ -84,34 +120,43 @@ class LookupResult(BaseModel):
     subject: str
 
 
-class Received(BaseModel):
-    """A delivered message. ``id`` is the id the producer gave (a retry after a nack travels
-    as ``{id}~r{n}`` with the original in property ``hourglass.origin_id``; ``id`` shows the
-    original, ``wire_id`` the one on the wire)."""
+@dataclass(slots=True)
+class BatchSendResult:
+    """The answers of one ``send_many`` call, index i for message i. ``seqs`` is 0 and
+    ``errors[i]`` the ``cluster.errors`` exception where message i was refused."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    ids: list[str]
+    seqs: np.ndarray
+    deliver_at_ms: np.ndarray
+    duplicates: np.ndarray
+    errors: dict[int, E.HourglassError] = field(default_factory=dict)
 
-    id: str
-    subject: str
-    payload: bytes
-    tags: tuple[str, ...]
-    properties: dict[str, str]
-    deliver_at_ms: int
-    attempts: int
-    handle: int
-    received_ms: int
-    wire_id: str = ""
-    consumer: object = Field(default=None, exclude=True, repr=False)
+    def __len__(self) -> int:
+        return len(self.ids)
 
     @property
-    def lateness_ms(self) -> int:
-        return self.received_ms - self.deliver_at_ms
+    def ok(self) -> bool:
+        return not self.errors
 
-    async def ack(self) -> None:
-        await self.consumer.ack([self])
+    def result(self, i: int) -> SendResult:
+        """Message i's answer; raises its error if it was refused."""
+        if i in self.errors:
+            raise self.errors[i]
+        return SendResult(self.ids[i], int(self.seqs[i]), int(self.deliver_at_ms[i]), bool(self.duplicates[i]))
 
-    async def nack(self, retry_after_ms: int = 1000) -> None:
-        await self.consumer.nack([self], retry_after_ms=retry_after_ms)
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """One message for ``Producer.send_message`` (the convenience API)."""
+
+    subject: str
+    payload: bytes | str = b""
+    id: str = ""
+    delay_ms: int = 0
+    deliver_at_ms: int = 0
+    tags: tuple[str, ...] = ()
+    properties: dict[str, str] = field(default_factory=dict)
+    immediate: bool = False
 
 
 # ---------------------------------------------------------------------- discovery
@@ -148,35 +193,157 @@ class StaticResolver:
         pass
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def group_for(msg_id: str, groups: list[tuple[str, str]]) -> str:
     """The delay group a message id belongs to: a stable hash over the sorted group names.
     Sends, retries and re-sends of one id go to one group (ids are de-duplicated per group),
-    and cancel/lookup ask that group first."""
+    and cancel/lookup ask that group first. ``_Job.seal`` applies it to a whole call."""
     return groups[zlib.crc32(msg_id.encode()) % len(groups)][0]
+
+
+# ---------------------------------------------------------------------- producer internals
+
+
+def _column(v, n: int, name: str) -> np.ndarray:
+    """An i64 column of n entries from None (zeros), one int (for all) or a sequence."""
+    if v is None:
+        return np.zeros(n, np.int64)
+    if isinstance(v, (int, np.integer)):
+        return np.full(n, v, np.int64)
+    a = np.asarray(v, np.int64)
+    if a.shape != (n,):
+        raise E.InvalidArgument(name, f"{a.shape} entries for {n} messages")
+    return a
+
+
+def _extras(tags, properties, n: int) -> list[bytes] | None:
+    """One extras blob per message, or None when no message has tags or properties.
+    ``tags``: strings (every message) or one sequence per message; ``properties``: a dict
+    (every message) or one dict per message."""
+    if not tags and not properties:
+        return None
+    per_tags = bool(tags) and not isinstance(tags[0], str)
+    per_props = properties is not None and not isinstance(properties, dict)
+    if per_tags and len(tags) != n or per_props and len(properties) != n:
+        raise E.InvalidArgument("tags/properties", f"give one for all or one per message ({n})")
+    if not per_tags and not per_props:
+        return [encode_extra(tuple(tags or ()), properties or {})] * n
+    t = tags if per_tags else [tuple(tags or ())] * n
+    p = properties if per_props else [properties or {}] * n
+    return [encode_extra(tuple(a), b or {}) for a, b in zip(t, p)]
+
+
+class _Job:
+    """One ``send_many`` call, or a run of ``send`` calls gathered in one (``futures``):
+    its columns, how far the batcher has cut into it, and its answers as arrays."""
+
+    __slots__ = ("n", "ids", "subjects", "payloads", "extras", "deliver", "delay", "immediate", "future",
+                 "futures", "sealed", "taken", "crc", "pay_end", "seqs", "due", "dups", "done", "left", "errors")
+
+    def __init__(self, ids: list[str], subjects, payloads: list[bytes], extras: list[bytes] | None, deliver,
+                 delay, immediate: bool, future: asyncio.Future | None, futures: list | None = None) -> None:
+        self.ids = ids
+        self.subjects = subjects  # one str for all, or a list
+        self.payloads = payloads
+        self.extras = extras
+        self.deliver = deliver
+        self.delay = delay
+        self.immediate = immediate
+        self.future = future
+        self.futures = futures
+        self.n = len(ids)
+        self.sealed = False
+        self.taken = 0
+
+    def seal(self) -> None:
+        """No more messages join; build the arrays the batcher cuts and answers fill."""
+        n = self.n = len(self.ids)
+        self.sealed = True
+        self.deliver = np.asarray(self.deliver, np.int64)
+        if self.delay is not None:
+            delay = np.asarray(self.delay, np.int64)
+            self.delay = delay if delay.any() else None
+        self.crc = None  # crc32 of each id, computed when there is more than one delay group
+        self.pay_end = np.cumsum(np.fromiter(map(len, self.payloads), np.int64, n))
+        self.seqs = np.zeros(n, np.uint64)
+        self.due = np.zeros(n, np.int64)
+        self.dups = np.zeros(n, bool)
+        self.done = np.zeros(n, bool)
+        self.left = n
+        self.errors: dict[int, E.HourglassError] = {}
+
+    def subject_at(self, i: int) -> str:
+        return self.subjects if isinstance(self.subjects, str) else self.subjects[i]
+
+
+# a piece of a wire batch: messages ``idx`` (ascending) of a job, pinned to a delay group once routed
+_Piece = tuple[_Job, np.ndarray, "str | None"]
+
+
+def _pick(values: list, idx: np.ndarray) -> list:
+    a, b = int(idx[0]), int(idx[-1]) + 1
+    if b - a == len(idx):
+        return values[a:b]
+    return [values[i] for i in idx.tolist()]
+
+
+def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None]:
+    """The codec batch (and delay column) of a wire request made of ``pieces``."""
+    ids: list[str] = []
+    payloads: list[bytes] = []
+    subject_set = {j.subjects for j, _, _ in pieces if isinstance(j.subjects, str)}
+    one_subject = len(subject_set) == 1 and all(isinstance(j.subjects, str) for j, _, _ in pieces)
+    subjects: list[str] = []
+    any_extras = any(j.extras is not None for j, _, _ in pieces)
+    extras: list[bytes] = []
+    for job, idx, _ in pieces:
+        ids += _pick(job.ids, idx)
+        payloads += _pick(job.payloads, idx)
+        if not one_subject:
+            subjects += [job.subjects] * len(idx) if isinstance(job.subjects, str) else _pick(job.subjects, idx)
+        if any_extras:
+            extras += _pick(job.extras, idx) if job.extras is not None else [b""] * len(idx)
+    deliver = np.concatenate([j.deliver[idx] for j, idx, _ in pieces])
+    delay = None
+    if any(j.delay is not None for j, _, _ in pieces):
+        delay = np.concatenate([j.delay[idx] if j.delay is not None else np.zeros(len(idx), np.int64)
+                                for j, idx, _ in pieces])
+    batch = Batch.build(subject_set.pop() if one_subject else subjects, payloads, ids, deliver,
+                        extras=extras if any_extras else None)
+    return batch, delay
 
 
 # ---------------------------------------------------------------------- producer
 
 
 class Producer:
-    def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = 500, inflight_max: int = 8,
-                 queue_max: int = 100_000, timeout_s: float = 10.0, retries_max: int = 8,
+    def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = 1000,
+                 batch_bytes_max: int = 32 * 1024 * 1024, inflight_max: int = 8, queue_max: int = 100_000,
+                 timeout_s: float = 10.0, retries_max: int = 8, backoff_ms_min: int = 25,
                  backoff_ms_max: int = 2000) -> None:
         self.resolver = resolver
         self.linger_ms = linger_ms
         self.batch_max = batch_max
+        self.batch_bytes_max = batch_bytes_max
+        self.queue_max = queue_max
         self.timeout_s = timeout_s
         self.retries_max = retries_max
+        self.backoff_ms_min = backoff_ms_min
         self.backoff_ms_max = backoff_ms_max
         self.channels = Channels()
-        self._queue: asyncio.Queue[tuple[OutgoingMessage, asyncio.Future]] = asyncio.Queue(maxsize=queue_max)
+        self._id_prefix = secrets.token_hex(ID_PREFIX_BYTES)
+        self._id_next = 0
+        self._queue: deque[_Job] = deque()
+        self._queued = 0          # messages queued, not yet cut into a wire batch
+        self._unanswered = 0      # messages without a final answer
+        self._open: _Job | None = None  # the job ``send`` calls are appended to
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._inflight = asyncio.Semaphore(inflight_max)
         self._batcher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
+        self._closed = False
 
     async def __aenter__(self) -> "Producer":
         return self
@@ -184,155 +351,343 @@ class Producer:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _ensure_started(self) -> None:
-        if self._batcher is None:
-            self._batcher = asyncio.get_running_loop().create_task(self._batch_loop(), name="producer-batcher")
+    # ------------------------------------------------------------------ calls
+
+    def new_ids(self, n: int) -> list[str]:
+        """n fresh ids: this producer's random prefix and a counter (hex)."""
+        start, self._id_next = self._id_next, self._id_next + n
+        prefix = self._id_prefix
+        return [f"{prefix}{k:x}" for k in range(start, start + n)]
+
+    async def send_many(self, subjects: str | Sequence[str], payloads: Sequence[bytes], *,
+                        ids: Sequence[str] | None = None, deliver_at_ms=None, delay_ms=None, tags=None,
+                        properties=None, immediate: bool = False) -> asyncio.Future:
+        """Queue ``payloads`` as one call; returns a future of its ``BatchSendResult``.
+
+        ``subjects``: one for all or one per message. ``deliver_at_ms`` (absolute) and
+        ``delay_ms`` (from the node's receive time): None, one int for all or one per
+        message, not both for one message. ``tags``/``properties``: see ``_extras``.
+        ``immediate``: deliver now, through the subject's real-time node. Waits only
+        while ``queue_max`` messages are queued. Malformed arguments raise at once."""
+        if self._closed:
+            raise E.Closed("producer closed")
+        payloads = list(payloads)
+        n = len(payloads)
+        if not set(map(type, payloads)) <= {bytes}:
+            payloads = [p.encode() if isinstance(p, str) else bytes(p) for p in payloads]
+        if not isinstance(subjects, str):
+            subjects = list(subjects)
+            if len(subjects) != n:
+                raise E.InvalidArgument("subjects", f"{len(subjects)} subjects for {n} payloads")
+        if ids is None:
+            ids = self.new_ids(n)
+        else:
+            ids = list(ids)
+            if len(ids) != n:
+                raise E.InvalidArgument("ids", f"{len(ids)} ids for {n} payloads")
+            if not set(map(type, ids)) <= {str}:
+                raise E.InvalidArgument("ids", "every id must be a str")
+        deliver = _column(deliver_at_ms, n, "deliver_at_ms")
+        delay = None if delay_ms is None else _column(delay_ms, n, "delay_ms")
+        if (deliver < 0).any():
+            raise E.InvalidArgument("deliver_at_ms", "must not be negative")
+        if delay is not None:
+            if (delay < 0).any():
+                raise E.InvalidArgument("delay_ms", "must not be negative")
+            if ((delay != 0) & (deliver != 0)).any():
+                raise E.InvalidArgument("deliver_at_ms", "give deliver_at_ms or delay_ms, not both")
+        extras = _extras(tags, properties, n)
+        fut = asyncio.get_running_loop().create_future()
+        job = _Job(ids, subjects, payloads, extras, deliver, delay, immediate, fut)
+        await self._wait_room(n)
+        if not n:
+            job.seal()
+            self._complete(job)
+            return fut
+        self._enqueue(job, n)
+        return fut
 
     async def send(self, subject: str, payload: bytes | str = b"", *, delay_ms: int = 0, deliver_at_ms: int = 0,
-                   id: str = "", tags: tuple[str, ...] | list[str] = (), properties: dict[str, str] | None = None,
+                   id: str = "", tags: Sequence[str] = (), properties: dict[str, str] | None = None,
                    immediate: bool = False) -> asyncio.Future:
-        """Queue one message; returns a future of its SendResult. Waits only if the queue is full."""
-        msg = OutgoingMessage(subject=subject, payload=payload, id=id or uuid.uuid4().hex, delay_ms=delay_ms,
-                              deliver_at_ms=deliver_at_ms, tags=tuple(tags), properties=properties or {},
-                              immediate=immediate)
-        return await self.send_message(msg)
+        """Queue one message; returns a future of its ``SendResult`` (or its error)."""
+        if self._closed:
+            raise E.Closed("producer closed")
+        if delay_ms < 0 or deliver_at_ms < 0:
+            raise E.InvalidArgument("delay_ms" if delay_ms < 0 else "deliver_at_ms", "must not be negative")
+        if delay_ms and deliver_at_ms:
+            raise E.InvalidArgument("deliver_at_ms", "give deliver_at_ms or delay_ms, not both")
+        if isinstance(payload, str):
+            payload = payload.encode()
+        await self._wait_room(1)
+        job = self._open
+        if job is None or job.sealed or job.immediate != immediate or len(job.ids) >= self.batch_max:
+            job = self._open = _Job([], [], [], None, [], [], immediate, None, [])
+            self._enqueue(job, 0)
+        extra = encode_extra(tuple(tags), properties or {}) if tags or properties else b""
+        if extra and job.extras is None:
+            job.extras = [b""] * len(job.ids)
+        if job.extras is not None:
+            job.extras.append(extra)
+        job.ids.append(id or self.new_ids(1)[0])
+        job.subjects.append(subject)
+        job.payloads.append(payload)
+        job.deliver.append(deliver_at_ms)
+        job.delay.append(delay_ms)
+        fut = asyncio.get_running_loop().create_future()
+        job.futures.append(fut)
+        self._count_in(1)
+        return fut
 
     async def send_message(self, msg: OutgoingMessage) -> asyncio.Future:
-        self._ensure_started()
-        fut = asyncio.get_running_loop().create_future()
-        await self._queue.put((msg, fut))
-        return fut
+        return await self.send(msg.subject, msg.payload, delay_ms=msg.delay_ms, deliver_at_ms=msg.deliver_at_ms,
+                               id=msg.id, tags=msg.tags, properties=msg.properties, immediate=msg.immediate)
 
     async def send_and_wait(self, subject: str, payload: bytes | str = b"", **kw) -> SendResult:
         return await (await self.send(subject, payload, **kw))
 
-    async def _batch_loop(self) -> None:
-        while True:
-            first = await self._queue.get()
-            batch = [first]
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.linger_ms / 1000
-            while len(batch) < self.batch_max:
-                try:
-                    batch.append(self._queue.get_nowait())
-                    continue
-                except asyncio.QueueEmpty:
-                    pass
-                left = deadline - loop.time()
-                if left <= 0:
+    async def flush(self) -> None:
+        """Wait until everything queued so far has its final answer."""
+        await self._idle.wait()
+
+    # ------------------------------------------------------------------ queue
+
+    async def _wait_room(self, n: int) -> None:
+        while self._queued and self._queued + n > self.queue_max:
+            self._room.clear()
+            await self._room.wait()
+            if self._closed:
+                raise E.Closed("producer closed")
+
+    def _enqueue(self, job: _Job, n: int) -> None:
+        if self._batcher is None:
+            self._batcher = asyncio.get_running_loop().create_task(self._batch_loop(), name="producer-batcher")
+        self._queue.append(job)
+        self._count_in(n)
+
+    def _count_in(self, n: int) -> None:
+        self._queued += n
+        self._unanswered += n
+        if n:
+            self._idle.clear()
+            self._wake.set()
+
+    def _take(self) -> dict[bool, list[_Piece]]:
+        """Cut the next wire batch (at most ``batch_max`` messages and ``batch_bytes_max``
+        payload bytes, at least one message) off the queue, split delayed / immediate."""
+        out: dict[bool, list[_Piece]] = {}
+        count = size = 0
+        while self._queue and count < self.batch_max:
+            job = self._queue[0]
+            if not job.sealed:
+                job.seal()
+            lo = job.taken
+            base = int(job.pay_end[lo - 1]) if lo else 0
+            hi = min(job.n, lo + self.batch_max - count,
+                     int(np.searchsorted(job.pay_end, base + self.batch_bytes_max - size, side="right")))
+            if hi <= lo:
+                if count:
                     break
-                # poll rather than wait_for(get()): a cancelled get may drop an item on 3.11
-                await asyncio.sleep(min(left, 0.001))
-            # delayed and immediate messages go to different node kinds
-            groups: dict[tuple, list] = {}
-            for m, f in batch:
-                key = ("rt", m.subject) if m.immediate else ("delay",)
-                groups.setdefault(key, []).append((m, f))
-            for key, items in groups.items():
+                hi = lo + 1  # one message larger than the byte budget still goes, alone
+            out.setdefault(job.immediate, []).append((job, np.arange(lo, hi), None))
+            count += hi - lo
+            size += int(job.pay_end[hi - 1]) - base
+            job.taken = hi
+            if hi == job.n:
+                self._queue.popleft()
+        self._queued -= count
+        self._room.set()
+        return out
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queued:
+                self._wake.clear()
+                await self._wake.wait()
+            deadline = loop.time() + self.linger_ms / 1000
+            while self._queued < self.batch_max and (left := deadline - loop.time()) > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await self._wake.wait()
+            for immediate, pieces in self._take().items():
                 await self._inflight.acquire()
-                t = asyncio.get_running_loop().create_task(self._send_batch(key, items))
+                t = loop.create_task(self._send_part(immediate, pieces))
                 self._sending.add(t)
                 t.add_done_callback(self._sending.discard)
 
-    async def _target(self, key: tuple, attempt: int) -> str:
-        if key[0] == "rt":
-            return await self.resolver.realtime_for(key[1])
-        # a delayed batch stays with its group: after a failover, the group's new master
-        master = dict(await self.resolver.delay_groups()).get(key[1], "")
-        if not master:
-            raise E.Unavailable(f"delay group {key[1]!r} has no live master now")
-        return master
+    # ------------------------------------------------------------------ answers
 
-    async def _send_batch(self, key: tuple, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
+    def _settle(self, job: _Job, idx: np.ndarray) -> None:
+        """Messages ``idx`` of ``job`` have their final answer (written by the caller)."""
+        job.done[idx] = True
+        job.left -= len(idx)
+        if job.left == 0:
+            self._complete(job)
+
+    def _fail(self, pieces: list[_Piece], err: E.HourglassError) -> None:
+        """A final error for every message of ``pieces`` without an answer yet."""
+        for job, idx, _ in pieces:
+            idx = idx[~job.done[idx]]
+            if not len(idx):
+                continue
+            job.seqs[idx] = 0
+            for i in idx.tolist():
+                job.errors[i] = err
+            self._settle(job, idx)
+
+    def _complete(self, job: _Job) -> None:
+        if job.futures is not None:
+            seqs, due, dups = job.seqs.tolist(), job.due.tolist(), job.dups.tolist()
+            for i, f in enumerate(job.futures):
+                if f.done():
+                    continue
+                err = job.errors.get(i)
+                if err is not None:
+                    f.set_exception(err)
+                else:
+                    f.set_result(SendResult(job.ids[i], seqs[i], due[i], dups[i]))
+        elif not job.future.done():
+            job.future.set_result(BatchSendResult(job.ids, job.seqs, job.due, job.dups, job.errors))
+        self._unanswered -= job.n
+        if not self._unanswered:
+            self._idle.set()
+
+    def _answer(self, pieces: list[_Piece], res: BatchResult) -> tuple[list[_Piece], E.HourglassError | None]:
+        """Write one SendBatch answer into the jobs; returns the pieces to retry and why."""
+        retry = np.isin(res.codes, _RETRYABLE)
+        again: list[_Piece] = []
+        why: E.HourglassError | None = None
+        if retry.any():
+            first = int(np.flatnonzero(retry)[0])
+            why = status.from_code(int(res.codes[first]), res.errors.get(first, ""))
+        pos = 0
+        for job, idx, group in pieces:
+            sl = slice(pos, pos + len(idx))
+            r = retry[sl]
+            fin = ~r
+            fidx = idx[fin]
+            codes = res.codes[sl][fin]
+            job.seqs[fidx] = res.seqs[sl][fin]
+            job.due[fidx] = res.deliver_at_ms[sl][fin]
+            job.dups[fidx] = res.duplicates[sl][fin] != 0
+            bad = np.flatnonzero(codes != OK)
+            if len(bad):
+                at = np.flatnonzero(fin)[bad] + pos  # positions in the wire batch
+                for k, a in zip(bad.tolist(), at.tolist()):
+                    job.errors[int(fidx[k])] = status.from_code(int(codes[k]), res.errors.get(a, ""))
+            if r.any():
+                again.append((job, idx[r], group))
+            pos += len(idx)
+            self._settle(job, fidx)
+        return again, why
+
+    # ------------------------------------------------------------------ the wire
+
+    async def _send_part(self, immediate: bool, pieces: list[_Piece]) -> None:
+        """Send pieces until every message has a final answer or retries run out."""
         try:
-            if key == ("delay",):
-                await self._send_delayed(items)
-            else:
-                await self._send_keyed(key, items)
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
+                                               wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
+                                               retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                with attempt:
+                    pieces, why = await self._attempt(immediate, pieces)
+                    if pieces:
+                        await self.resolver.refresh()
+                        raise why if isinstance(why, E.Unavailable) else E.Unavailable(str(why))
+        except E.Unavailable as err:
+            self._fail(pieces, E.Unavailable(f"gave up after {self.retries_max} retries: {err}"))
+        except asyncio.CancelledError:
+            self._fail(pieces, E.Closed("producer closed before the message was acknowledged"))
+            raise
+        except Exception as err:  # a bug: no caller may wait forever for its answer
+            log.exception("send failed")
+            self._fail(pieces, E.HourglassError(f"internal error: {err!r}"))
         finally:
             self._inflight.release()
 
-    async def _send_delayed(self, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
-        """Split a delayed batch by the group each id belongs to, send each part to its group."""
-        last: BaseException | None = None
-        for attempt in range(self.retries_max + 1):
-            try:
-                groups = await self.resolver.delay_groups()
-                if groups:
-                    break
-                last = E.Unavailable("no delay group known")
-            except E.Unavailable as err:
-                last = err
-                await self.resolver.refresh()
-            await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** attempt) / 1000 * random.uniform(0.5, 1))
-        else:
-            for _, f in items:
-                if not f.done():
-                    f.set_exception(E.Unavailable(f"gave up after {self.retries_max} retries: {last}"))
-            return
-        parts: dict[str, list] = {}
-        for m, f in items:
-            parts.setdefault(group_for(m.id, groups), []).append((m, f))
-        await asyncio.gather(*(self._send_keyed(("delay", g), part) for g, part in parts.items()))
-
-    async def _send_keyed(self, key: tuple, items: list[tuple[OutgoingMessage, asyncio.Future]]) -> None:
+    async def _attempt(self, immediate: bool, pieces: list[_Piece]) -> tuple[list[_Piece], BaseException | None]:
+        """One round: route the pieces, one SendBatch per node; returns what is left to retry."""
         try:
-            pending = items
-            for attempt in range(self.retries_max + 1):
-                if attempt:
-                    await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** attempt) / 1000 * random.uniform(0.5, 1))
-                try:
-                    address = await self._target(key, attempt)
-                    req = pb.SendBatchRequest(immediate=key[0] == "rt", messages=[
-                        pb.Message(id=m.id, subject=m.subject, payload=m.payload, delay_ms=m.delay_ms,
-                                   deliver_at_ms=m.deliver_at_ms, tags=list(m.tags), properties=m.properties)
-                        for m, _ in pending])
-                    resp = await self.channels.producer(address).SendBatch(req, timeout=self.timeout_s)
-                except grpc.RpcError as e:
-                    err = status.from_rpc_error(e)
-                    if not isinstance(err, E.Unavailable):
-                        for _, f in pending:
-                            if not f.done():
-                                f.set_exception(err)
-                        return
-                    await self.resolver.refresh()
-                    last: BaseException = err
-                    continue
-                except E.Unavailable as err:
-                    await self.resolver.refresh()
-                    last = err
-                    continue
-                retry = []
-                for (m, f), st in zip(pending, resp.statuses):
-                    if f.done():
-                        continue
-                    if st.code == pb.OK:
-                        f.set_result(SendResult(id=st.id, seq=st.seq, deliver_at_ms=st.deliver_at_ms,
-                                                duplicate=st.duplicate))
-                    elif st.code in status.RETRYABLE_CODES:
-                        retry.append((m, f))
-                        last = status.from_code(st.code, st.error)
-                    else:
-                        f.set_exception(status.from_code(st.code, st.error))
-                if not retry:
-                    return
-                pending = retry
-            for _, f in pending:
-                if not f.done():
-                    f.set_exception(E.Unavailable(f"gave up after {self.retries_max} retries: {last}"))
-        except asyncio.CancelledError:
-            for _, f in items:
-                if not f.done():
-                    f.set_exception(E.Closed("producer closed before the message was acknowledged"))
-            raise
+            routes, stuck, why = await (self._route_immediate(pieces) if immediate else self._route_delayed(pieces))
+        except E.Unavailable as err:
+            return pieces, err
+        outs = await asyncio.gather(*(self._send_to(a, ps, immediate) for a, ps in routes.items()))
+        left = list(stuck)
+        for again, err in outs:
+            left += again
+            why = why or err
+        return left, why
 
-    async def flush(self) -> None:
-        """Wait until everything queued so far has an answer."""
-        while not self._queue.empty() or self._sending:
-            if self._sending:
-                await asyncio.wait(set(self._sending))
+    async def _route_delayed(self, pieces: list[_Piece]):
+        """Pin unpinned pieces to their delay group (numpy over the crc32 of the ids) and
+        map groups to their masters now; a group without a master keeps its pieces back."""
+        groups = await self.resolver.delay_groups()
+        if not groups:
+            raise E.Unavailable("no delay group known")
+        names = [g for g, _ in groups]
+        masters = dict(groups)
+        routes: dict[str, list[_Piece]] = {}
+        stuck: list[_Piece] = []
+        why = None
+        for job, idx, group in pieces:
+            if group is None and len(names) == 1:
+                parts = [(job, idx, names[0])]
+            elif group is None:
+                if job.crc is None:
+                    job.crc = np.fromiter(map(zlib.crc32, map(str.encode, job.ids)), np.int64, job.n)
+                gi = job.crc[idx] % len(names)
+                parts = [(job, idx, names[int(gi[0])])] if (gi == gi[0]).all() else \
+                    [(job, idx[gi == k], names[k]) for k in np.unique(gi).tolist()]
             else:
-                await asyncio.sleep(self.linger_ms / 1000)
+                parts = [(job, idx, group)]
+            for part in parts:
+                master = masters.get(part[2], "")
+                if master:
+                    routes.setdefault(master, []).append(part)
+                else:
+                    stuck.append(part)
+                    why = E.Unavailable(f"delay group {part[2]!r} has no live master now")
+        return routes, stuck, why
+
+    async def _route_immediate(self, pieces: list[_Piece]):
+        """Immediate messages go to the real-time node of their subject."""
+        routes: dict[str, list[_Piece]] = {}
+        for job, idx, _ in pieces:
+            if isinstance(job.subjects, str):
+                routes.setdefault(await self.resolver.realtime_for(job.subjects), []).append((job, idx, None))
+                continue
+            subs = [job.subjects[i] for i in idx.tolist()]
+            where = {s: await self.resolver.realtime_for(s) for s in set(subs)}
+            addrs = [where[s] for s in subs]
+            for a in set(addrs):
+                routes.setdefault(a, []).append((job, idx[np.array([x == a for x in addrs])], None))
+        return routes, [], None
+
+    async def _send_to(self, address: str, pieces: list[_Piece], immediate: bool):
+        try:
+            batch, delay = _build(pieces)
+        except E.InvalidArgument as err:
+            self._fail(pieces, err)
+            return [], None
+        req = make_request(batch, delay_ms=delay, immediate=immediate)
+        try:
+            resp = await self.channels.producer(address).SendBatch(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            err = status.from_rpc_error(e)
+            if isinstance(err, E.Unavailable):
+                return pieces, err
+            self._fail(pieces, err)
+            return [], None
+        try:
+            res = BatchResult.from_pb(resp, batch.n)
+        except E.InvalidArgument as err:
+            self._fail(pieces, E.HourglassError(f"malformed answer from {address}: {err}"))
+            return [], None
+        return self._answer(pieces, res)
+
+    # ------------------------------------------------------------------ cancel / lookup
 
     async def _groups_for_id(self, msg_id: str) -> list[str]:
         """Masters to ask about an id: its own group's first, then every other group's (an id
@@ -346,25 +701,30 @@ class Producer:
 
     async def _ask_groups(self, msg_id: str, method: str, request):
         """The first OK answer; an error other than NotFound from any group wins over NotFound."""
-        last: BaseException | None = None
-        for attempt in range(self.retries_max + 1):
-            try:
-                nodes = await self._groups_for_id(msg_id)
-                not_found: BaseException | None = None
-                for address in nodes:
-                    resp = await self._call_node(address, method, request)
-                    if resp.code == pb.OK:
-                        return resp
-                    err = status.from_code(resp.code, resp.error)
-                    if not isinstance(err, E.NotFound):
-                        raise err
-                    not_found = err
-                raise not_found or E.NotFound(msg_id)
-            except E.Unavailable as err:
-                last = err
-                await self.resolver.refresh()
-                await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** attempt) / 1000)
-        raise E.Unavailable(f"gave up: {last}")
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
+                                               wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
+                                               retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                with attempt:
+                    try:
+                        return await self._ask_once(msg_id, method, request)
+                    except E.Unavailable:
+                        await self.resolver.refresh()
+                        raise
+        except E.Unavailable as err:
+            raise E.Unavailable(f"gave up: {err}") from None
+
+    async def _ask_once(self, msg_id: str, method: str, request):
+        not_found: BaseException | None = None
+        for address in await self._groups_for_id(msg_id):
+            resp = await self._call_node(address, method, request)
+            if resp.code == pb.OK:
+                return resp
+            err = status.from_code(resp.code, resp.error)
+            if not isinstance(err, E.NotFound):
+                raise err
+            not_found = err
+        raise not_found or E.NotFound(msg_id)
 
     async def cancel(self, msg_id: str) -> CancelResult:
         """Cancel a scheduled message. NotFound for an unknown id, TooLate once dispatched.
@@ -383,40 +743,199 @@ class Producer:
         except grpc.RpcError as e:
             raise status.from_rpc_error(e) from None
 
+    # ------------------------------------------------------------------ shutdown
+
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.flush(), self.timeout_s)
+        """Wait up to ``timeout_s`` for the answers still due, then fail what is left with
+        ``Closed`` and close the channels."""
+        if self._closed:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                await self.flush()
+        self._closed = True
+        self._room.set()
         if self._batcher is not None:
             self._batcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._batcher
-        for t in list(self._sending):
+        sending = list(self._sending)
+        for t in sending:
             t.cancel()
-        while not self._queue.empty():
-            _, f = self._queue.get_nowait()
-            if not f.done():
-                f.set_exception(E.Closed("producer closed"))
+        await asyncio.gather(*sending, return_exceptions=True)
+        for job in self._queue:
+            if not job.sealed:
+                job.seal()
+        leftover = [(job, np.arange(job.taken, job.n), None) for job in self._queue]
+        self._queue.clear()
+        self._fail(leftover, E.Closed("producer closed"))
         await self.channels.close()
 
 
 # ---------------------------------------------------------------------- consumer
 
 
-class Consumer:
-    def __init__(self, resolver, subject: str, *, group: str, consumer_id: str | None = None,
-                 tags: tuple[str, ...] | list[str] = (), batch_max: int = 100, wait_ms: int = 1000,
-                 timeout_s: float = 10.0, backoff_ms_max: int = 2000) -> None:
-        self.resolver = resolver
+class Received:
+    """A delivered message. ``id`` is the id the producer gave (a retry after a nack travels
+    as ``{id}~r{n}`` with the original in property ``hourglass.origin_id``; ``id`` shows the
+    original, ``wire_id`` the one on the wire). ``node`` is the real-time node it came from."""
+
+    __slots__ = ("id", "wire_id", "subject", "payload", "tags", "properties", "deliver_at_ms", "attempts",
+                 "handle", "received_ms", "node", "_consumer")
+
+    def __init__(self, wire_id: str, subject: str, payload: bytes, deliver_at_ms: int, attempts: int, handle: int,
+                 received_ms: int, node: str, consumer: "Consumer") -> None:
+        self.id = wire_id
+        self.wire_id = wire_id
         self.subject = subject
+        self.payload = payload
+        self.tags: tuple[str, ...] = ()
+        self.properties: dict[str, str] = {}
+        self.deliver_at_ms = deliver_at_ms
+        self.attempts = attempts
+        self.handle = handle
+        self.received_ms = received_ms
+        self.node = node
+        self._consumer = consumer
+
+    @property
+    def lateness_ms(self) -> int:
+        return self.received_ms - self.deliver_at_ms
+
+    async def ack(self) -> None:
+        await self._consumer.ack([self])
+
+    async def nack(self, retry_after_ms: int = 1000) -> None:
+        await self._consumer.nack([self], retry_after_ms=retry_after_ms)
+
+    def __repr__(self) -> str:
+        return (f"Received(id={self.id!r}, subject={self.subject!r}, deliver_at_ms={self.deliver_at_ms}, "
+                f"attempts={self.attempts}, handle={self.handle}, {len(self.payload)} bytes)")
+
+
+class ReceivedBatch:
+    """What one pull of one real-time node returned: the codec ``batch`` as it came, a
+    handle per message and when it arrived. Per-message views are built only when read."""
+
+    __slots__ = ("batch", "handles", "received_ms", "node", "_consumer", "_ids")
+
+    def __init__(self, consumer: "Consumer", node: str, batch: Batch, handles: np.ndarray, received_ms: int) -> None:
+        self.batch = batch
+        self.handles = handles
+        self.received_ms = received_ms
+        self.node = node
+        self._consumer = consumer
+        self._ids: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self.batch.n
+
+    @property
+    def wire_ids(self) -> list[str]:
+        return self.batch.id_list()
+
+    @property
+    def ids(self) -> list[str]:
+        """Original ids (``hourglass.origin_id`` where a retry carries one)."""
+        if self._ids is None:
+            ids = self.batch.id_list()
+            for i, (_, props) in self._extras():
+                origin = dict(props).get(ORIGIN_ID)
+                if origin:
+                    ids[i] = origin
+            self._ids = ids
+        return self._ids
+
+    @property
+    def payloads(self) -> list[bytes]:
+        return self.batch.payload_list()
+
+    @property
+    def subjects(self) -> list[str]:
+        return self.batch.subject_list()
+
+    @property
+    def deliver_at_ms(self) -> np.ndarray:
+        return self.batch.deliver_at_ms
+
+    @property
+    def lateness_ms(self) -> np.ndarray:
+        return self.received_ms - self.batch.deliver_at_ms
+
+    def _extras(self):
+        """(index, (tags, properties)) of each message that has extras."""
+        b = self.batch
+        if not b.extras:
+            return []
+        ends = b.extra_end.astype(np.int64)
+        has = np.flatnonzero(np.diff(ends, prepend=0) > 0)
+        return [(i, b.extra(i)) for i in has.tolist()]
+
+    def messages(self) -> list[Received]:
+        b = self.batch
+        node, rms, c = self.node, self.received_ms, self._consumer
+        out = [Received(w, s, p, d, a, h, rms, node, c) for w, s, p, d, a, h in
+               zip(b.id_list(), b.subject_list(), b.payload_list(), b.deliver_at_ms.tolist(), b.attempts.tolist(),
+                   self.handles.tolist())]
+        for i, (tags, props) in self._extras():
+            m = out[i]
+            m.tags = tags
+            m.properties = dict(props)
+            m.id = m.properties.get(ORIGIN_ID, m.wire_id)
+        return out
+
+    def __iter__(self):
+        return iter(self.messages())
+
+    async def ack(self) -> int:
+        """Ack every message of the batch (one request, handle ranges per subject)."""
+        return await self._consumer._ack_handles(self.node, _subject_handles(self.batch, self.handles))
+
+    async def nack(self, retry_after_ms: int = 1000) -> tuple[int, int]:
+        """Retry every message after ``retry_after_ms``; returns (retried, dead-lettered)."""
+        return await self._consumer._nack_handles(self.node, _subject_handles(self.batch, self.handles),
+                                                  retry_after_ms)
+
+
+def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandles]:
+    """The handles of a batch as ``[lo, hi)`` ranges per subject (``wire.pack_ranges`` for
+    every subject at once: one sort by (subject, handle), ranges cut where either jumps)."""
+    if len(batch.subjects) == 1:
+        return [pb.SubjectHandles(subject=batch.subjects[0], ranges=pack_ranges(handles))]
+    sidx = batch.subject_idx.astype(np.int64)
+    order = np.lexsort((handles, sidx))
+    h, s = handles[order].astype(np.int64), sidx[order]
+    cut = np.flatnonzero((np.diff(h) != 1) | (np.diff(s) != 0)) + 1
+    first = np.concatenate(([0], cut))
+    last = np.concatenate((cut, [len(h)])) - 1
+    pairs = np.column_stack((h[first], h[last] + 1)).astype("<u8")
+    owner = s[first]
+    bounds = np.flatnonzero(np.diff(owner)) + 1
+    return [pb.SubjectHandles(subject=batch.subjects[int(owner[a])], ranges=pairs[a:b].tobytes())
+            for a, b in zip(np.concatenate(([0], bounds)).tolist(), np.concatenate((bounds, [len(owner)])).tolist())]
+
+
+class Consumer:
+    def __init__(self, resolver, subjects: str | Sequence[str], *, group: str, consumer_id: str | None = None,
+                 tags: Sequence[str] = (), batch_max: int = 500, wait_ms: int = 1000, timeout_s: float = 10.0,
+                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000) -> None:
+        self.resolver = resolver
+        self.subjects = (subjects,) if isinstance(subjects, str) else tuple(subjects)
+        if not self.subjects:
+            raise E.InvalidArgument("subjects", "give at least one subject")
+        self.subject = self.subjects[0]
         self.group = group
-        self.consumer_id = consumer_id or f"c-{uuid.uuid4().hex[:8]}"
+        self.consumer_id = consumer_id or f"c-{secrets.token_hex(4)}"
         self.tags = tuple(tags)
         self.batch_max = batch_max
         self.wait_ms = wait_ms
         self.timeout_s = timeout_s
-        self.backoff_ms_max = backoff_ms_max
         self.channels = Channels()
-        self._buffer: list[Received] = []
+        self._wait = _backoff(backoff_ms_min, backoff_ms_max)
+        self._pulls: dict[str, asyncio.Task] = {}   # node -> its pull in flight
+        self._failures: dict[str, int] = {}         # node -> failed pulls in a row
+        self._route_failures = 0                    # rounds in a row without any node known
+        self._buffer: deque[Received] = deque()
         self._closed = False
 
     async def __aenter__(self) -> "Consumer":
@@ -425,77 +944,164 @@ class Consumer:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def _stub(self):
-        return self.channels.consumer(await self.resolver.realtime_for(self.subject))
+    # ------------------------------------------------------------------ pulling
 
-    async def pull(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[Received]:
-        """One long-poll pull. Messages whose tags do not match (the server's filter is a hash) are acked away."""
-        req = pb.PullRequest(subject=self.subject, group=self.group, consumer_id=self.consumer_id,
-                             max_messages=max_messages or self.batch_max,
-                             wait_ms=self.wait_ms if wait_ms is None else wait_ms, tags=list(self.tags))
-        try:
-            resp = await (await self._stub()).Pull(req, timeout=self.timeout_s + req.wait_ms / 1000)
-        except grpc.RpcError as e:
+    async def _routes(self) -> dict[str, list[str]]:
+        """node -> the subjects it serves now. A subject whose node is unknown is left out
+        this round; none known at all raises Unavailable."""
+        routes: dict[str, list[str]] = {}
+        last: E.Unavailable | None = None
+        for s in self.subjects:
+            try:
+                routes.setdefault(await self.resolver.realtime_for(s), []).append(s)
+            except E.Unavailable as err:
+                last = err
+        if not routes:
             await self.resolver.refresh()
+            raise last or E.Unavailable("no real-time node known")
+        return routes
+
+    async def _pull_node(self, node: str, subjects: list[str], max_messages: int, wait_ms: int,
+                         pause_s: float) -> ReceivedBatch | None:
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        req = pb.PullRequest(group=self.group, consumer_id=self.consumer_id, max_messages=max_messages,
+                             wait_ms=wait_ms, tags=self.tags)
+        if len(subjects) == 1:
+            req.subject = subjects[0]
+        else:
+            req.subjects.extend(subjects)
+        try:
+            resp = await self.channels.consumer(node).Pull(req, timeout=self.timeout_s + wait_ms / 1000)
+        except grpc.RpcError as e:
             raise status.from_rpc_error(e) from None
-        now = _now_ms()
-        out, skip = [], []
-        for d in resp.deliveries:
-            m = d.message
-            r = Received(id=m.properties.get("hourglass.origin_id", m.id), wire_id=m.id, subject=m.subject, payload=m.payload, tags=tuple(m.tags),
-                         properties=dict(m.properties), deliver_at_ms=d.deliver_at_ms, attempts=m.attempts,
-                         handle=d.handle, received_ms=now, consumer=self)
-            if self.tags and not set(self.tags) & set(r.tags):
-                skip.append(r)
+        received_ms = _now_ms()
+        if not resp.batch:
+            return None
+        batch = Batch.decode(resp.batch)
+        handles = np.frombuffer(resp.handles, "<u8")
+        if len(handles) != batch.n:
+            raise E.InvalidArgument("pull response", f"{len(handles)} handles for {batch.n} messages")
+        rb = ReceivedBatch(self, node, batch, handles, received_ms)
+        if self.tags:
+            rb = await self._keep_tagged(rb)
+        return rb if len(rb) else None
+
+    async def _keep_tagged(self, rb: ReceivedBatch) -> ReceivedBatch:
+        """The exact tag check behind the server's hash filter: messages without one of our
+        tags are acked away (only messages with extras can carry tags)."""
+        want = set(self.tags)
+        keep = np.zeros(len(rb), bool)
+        for i, (tags, _) in rb._extras():
+            keep[i] = not want.isdisjoint(tags)
+        if keep.all():
+            return rb
+        drop = np.flatnonzero(~keep)
+        await self._ack_handles(rb.node, _subject_handles(rb.batch.take(drop), rb.handles[drop]))
+        kept = np.flatnonzero(keep)
+        return ReceivedBatch(self, rb.node, rb.batch.take(kept), rb.handles[kept], rb.received_ms)
+
+    async def _round(self, max_messages: int | None,
+                     wait_ms: int | None) -> tuple[list[ReceivedBatch], BaseException | None]:
+        """Make sure every node serving our subjects has a pull in flight, wait for the
+        first to answer and return every answer there is (and a node's error, if any).
+        Pulls still waiting stay in flight for the next round."""
+        if self._closed:
+            raise E.Closed("consumer closed")
+        routes = await self._routes()
+        loop = asyncio.get_running_loop()
+        for node, subjects in routes.items():
+            if node not in self._pulls:
+                failures = self._failures.get(node, 0)
+                self._pulls[node] = loop.create_task(self._pull_node(
+                    node, subjects, max_messages or self.batch_max, self.wait_ms if wait_ms is None else wait_ms,
+                    _pause_s(self._wait, failures) if failures else 0.0))
+        pending = {t: n for n, t in self._pulls.items()}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if self._closed:
+            raise E.Closed("consumer closed")
+        out: list[ReceivedBatch] = []
+        err: BaseException | None = None
+        for t, node in pending.items():
+            if not t.done():
+                continue
+            if self._pulls.get(node) is t:
+                del self._pulls[node]
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is None:
+                self._failures.pop(node, None)
+                if t.result() is not None:
+                    out.append(t.result())
             else:
-                out.append(r)
-        if skip:
-            await self.ack(skip)
+                self._failures[node] = self._failures.get(node, 0) + 1
+                if isinstance(exc, E.Unavailable):
+                    await self.resolver.refresh()
+                err = exc
+        return out, err
+
+    async def pull_batch(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[ReceivedBatch]:
+        """One long-poll round over every node serving our subjects: the batches that
+        arrived (one per node that answered; empty when nothing came within ``wait_ms``).
+        A node's error is raised when no node brought messages."""
+        out, err = await self._round(max_messages, wait_ms)
+        if err is not None and not out:
+            raise err
         return out
 
-    async def ack(self, msgs: list[Received]) -> int:
-        if not msgs:
-            return 0
-        req = pb.AckRequest(subject=self.subject, group=self.group, handles=[m.handle for m in msgs])
-        try:
-            resp = await (await self._stub()).Ack(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise status.from_rpc_error(e) from None
-        return resp.acked
+    async def pull(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[Received]:
+        """``pull_batch`` as ``Received`` messages."""
+        return [m for rb in await self.pull_batch(max_messages, wait_ms) for m in rb.messages()]
 
-    async def nack(self, msgs: list[Received], *, retry_after_ms: int = 1000) -> None:
-        req = pb.NackRequest(subject=self.subject, group=self.group, handles=[m.handle for m in msgs],
-                             retry_after_ms=retry_after_ms)
+    async def _next_batches(self) -> list[ReceivedBatch] | None:
+        """One round for the iterators: None once closed. A failing node is retried with
+        backoff (``_round``); an error that retrying cannot fix (bad request) is raised."""
         try:
-            await (await self._stub()).Nack(req, timeout=self.timeout_s)
-        except grpc.RpcError as e:
-            raise status.from_rpc_error(e) from None
+            out, err = await self._round(None, None)
+        except E.Closed:
+            return None
+        except E.Unavailable as e:  # no node known for any subject
+            self._route_failures += 1
+            log.warning("no real-time node for subjects=%s: %s", ",".join(self.subjects), e)
+            await asyncio.sleep(_pause_s(self._wait, self._route_failures))
+            return []
+        self._route_failures = 0
+        if err is not None and not isinstance(err, E.Unavailable):
+            raise err
+        return out
+
+    async def batches(self) -> AsyncIterator[ReceivedBatch]:
+        """Batches as they arrive, until ``close()``."""
+        while (out := await self._next_batches()) is not None:
+            for rb in out:
+                yield rb
 
     def __aiter__(self) -> AsyncIterator[Received]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[Received]:
-        failures = 0
-        while not self._closed:
-            if not self._buffer:
-                try:
-                    self._buffer = await self.pull()
-                    failures = 0
-                except E.Unavailable:
-                    failures += 1
-                    await asyncio.sleep(min(self.backoff_ms_max, 25 * 2 ** min(failures, 10)) / 1000)
-                    continue
+        """Messages one by one, until ``close()``; a break keeps the rest of the batch for
+        the next loop."""
+        while True:
             while self._buffer:
-                yield self._buffer.pop(0)
+                yield self._buffer.popleft()
+            out = await self._next_batches()
+            if out is None:
+                return
+            for rb in out:
+                self._buffer.extend(rb.messages())
 
     async def run(self, handler: Callable[[Received], Awaitable[None]], *, stop: asyncio.Event,
                   retry_after_ms: int = 1000) -> None:
         """Callback runner: ack after the handler returns, nack (retry later) if it raises."""
-        while not stop.is_set():
+        while not stop.is_set() and not self._closed:
             try:
                 batch = await self.pull()
+            except E.Closed:
+                return
             except E.Unavailable:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(_pause_s(self._wait, 1))
                 continue
             done, failed = [], []
             for msg in batch:
@@ -509,6 +1115,49 @@ class Consumer:
             if failed:
                 await self.nack(failed, retry_after_ms=retry_after_ms)
 
+    # ------------------------------------------------------------------ ack / nack
+
+    @staticmethod
+    def _by_node(msgs: Sequence[Received]) -> dict[str, list[pb.SubjectHandles]]:
+        groups: dict[str, dict[str, list[int]]] = {}
+        for m in msgs:
+            groups.setdefault(m.node, {}).setdefault(m.subject, []).append(m.handle)
+        return {node: [pb.SubjectHandles(subject=s, ranges=pack_ranges(h)) for s, h in subs.items()]
+                for node, subs in groups.items()}
+
+    async def _ack_handles(self, node: str, acks: list[pb.SubjectHandles]) -> int:
+        try:
+            resp = await self.channels.consumer(node).Ack(pb.AckRequest(group=self.group, acks=acks),
+                                                          timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise status.from_rpc_error(e) from None
+        return resp.acked
+
+    async def _nack_handles(self, node: str, nacks: list[pb.SubjectHandles], retry_after_ms: int) -> tuple[int, int]:
+        req = pb.NackRequest(group=self.group, retry_after_ms=retry_after_ms, nacks=nacks)
+        try:
+            resp = await self.channels.consumer(node).Nack(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise status.from_rpc_error(e) from None
+        return resp.retried, resp.dead_lettered
+
+    async def ack(self, msgs: Sequence[Received]) -> int:
+        """Ack messages (any nodes and subjects; one request per node). Returns how many the nodes acked."""
+        acked = 0
+        for node, acks in self._by_node(msgs).items():
+            acked += await self._ack_handles(node, acks)
+        return acked
+
+    async def nack(self, msgs: Sequence[Received], *, retry_after_ms: int = 1000) -> None:
+        for node, nacks in self._by_node(msgs).items():
+            await self._nack_handles(node, nacks, retry_after_ms)
+
     async def close(self) -> None:
+        """Stop: cancel the pulls in flight (no long poll is waited out), close channels."""
         self._closed = True
+        pulls = list(self._pulls.values())
+        self._pulls.clear()
+        for t in pulls:
+            t.cancel()
+        await asyncio.gather(*pulls, return_exceptions=True)
         await self.channels.close()

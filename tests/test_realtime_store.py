@@ -1,37 +1,80 @@
-"""RealtimeStore on real files with time passed in: append -> index -> pull/ack -> restart."""
+"""RealtimeStore on real files with time passed in: append batch -> index -> pull/ack ranges -> restart."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cluster.errors import InvalidArgument, Overloaded, PayloadTooLarge, UnknownSubject
-from node.realtime.store import (DLQ_SUBJECT, ENTRY_SIZE, RealtimeSettings, RealtimeStore,
-                                 Stored, tags_mask)
-from node.store.records import SEQ_EPOCH_SHIFT, Limits, Message
+from cluster.codec import INVALID_ARGUMENT, OK, PAYLOAD_TOO_LARGE, Batch, Limits, encode_extra
+from cluster.errors import CorruptRecord, InvalidArgument, Overloaded, PayloadTooLarge, UnknownSubject
+from cluster.proto import hourglass_pb2 as pb
+from cluster.wire import pack_ranges, unpack_ranges
+from node.realtime.store import DLQ_SUBJECT, ENTRY_SIZE, RealtimeSettings, RealtimeStore, tags_mask
+from node.store.records import SEQ_EPOCH_SHIFT
 
 T0 = 1_800_000_000_000
 SMALL = RealtimeSettings(segment_bytes=1 << 14, ack_timeout_ms=1_000, dedup_window_ms=60_000,
                          limits=Limits(payload_bytes_max=1024))
 
 
-def msg(i, subject="orders", payload=None, **kw):
-    return Message(seq=0, store_ms=0, deliver_at_ms=kw.pop("deliver_at_ms", T0), msg_id=f"m{i}", subject=subject,
-                   payload=payload if payload is not None else f"p{i}".encode(), **kw)
+@dataclass
+class M:
+    """One message to put in a test batch."""
+
+    i: int | str
+    subject: str = "orders"
+    payload: bytes | None = None
+    tags: tuple = ()
+    properties: tuple = ()
+    deliver_at_ms: int = T0
+    attempts: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.i if isinstance(self.i, str) else f"m{self.i}"
+
+
+def batch(*ms: M) -> Batch:
+    extras = [encode_extra(m.tags, m.properties) for m in ms]
+    return Batch.build([m.subject for m in ms], [m.payload if m.payload is not None else f"p{m.i}".encode()
+                                                 for m in ms],
+                       [m.id for m in ms], np.array([m.deliver_at_ms for m in ms], np.int64),
+                       attempts=np.array([m.attempts for m in ms], np.uint16), extras=extras if any(extras) else None)
+
+
+def append(st_, *ms: M, now=T0):
+    return st_.append(batch(*ms), now_ms=now)
 
 
 def open_store(path, s=SMALL, now=T0, **kw):
     return RealtimeStore.open(path, s, now_ms=now, **kw)
 
 
-def ids(deliveries):
-    return [d.message.msg_id for d in deliveries]
+def pull(st_, subjects, group, k, now, **kw):
+    b, h = st_.pull([subjects] if isinstance(subjects, str) else subjects, group, "c", max_messages=k, now_ms=now,
+                    **kw)
+    assert len(h) == b.n and h.dtype == np.uint64
+    return b, h
+
+
+def ids(st_, subjects, group, k, now, **kw) -> list[str]:
+    return pull(st_, subjects, group, k, now, **kw)[0].id_list()
+
+
+def handles(st_, subjects, group, k, now, **kw) -> list[int]:
+    return pull(st_, subjects, group, k, now, **kw)[1].tolist()
+
+
+def ack(st_, subject, group, hs, now=T0) -> int:
+    return st_.ack(subject, group, unpack_ranges(pack_ranges(hs)), now_ms=now)
 
 
 def index_path(root, subject="orders"):
@@ -47,138 +90,181 @@ def segment_files(root):
 
 def test_append_pull_ack_round_trip(tmp_path):
     st_ = open_store(tmp_path)
-    res = st_.append([msg(i, tags=("eu",), properties=(("k", "v"),), deliver_at_ms=T0 - 5, attempts=2)
-                      for i in range(3)], now_ms=T0)
-    assert all(isinstance(r, Stored) and not r.duplicate for r in res)
-    seqs = [r.seq for r in res]
-    assert seqs == sorted(seqs) and len(set(seqs)) == 3
+    res = append(st_, *[M(i, tags=("eu",), properties=(("k", "v"),), deliver_at_ms=T0 - 5, attempts=2)
+                        for i in range(3)])
+    assert res.codes.tolist() == [OK] * 3 and res.duplicates.tolist() == [0] * 3 and not res.errors
+    seqs = res.seqs.tolist()
+    assert seqs == list(range(seqs[0], seqs[0] + 3))  # contiguous inside a batch
     assert all(s >> SEQ_EPOCH_SHIFT == st_.epoch for s in seqs)
+    assert res.deliver_at_ms.tolist() == [T0 - 5] * 3
     st_.flush()
-    got = st_.pull("orders", "billing", "c1", max_messages=10, now_ms=T0 + 1)
-    assert [d.handle for d in got] == [0, 1, 2]
-    m = got[1].message
-    assert (m.msg_id, m.payload, m.tags, m.properties, m.seq) == ("m1", b"p1", ("eu",), (("k", "v"),), seqs[1])
-    assert (m.store_ms, m.deliver_at_ms, m.attempts) == (T0, T0 - 5, 2)  # original due time and attempts kept
+    b, h = pull(st_, "orders", "billing", 10, T0 + 1)
+    assert h.tolist() == [0, 1, 2]
+    assert (b.id(1), b.payload(1), b.extra(1), int(b.seq[1]), b.subject(1)) == \
+        ("m1", b"p1", (("eu",), (("k", "v"),)), seqs[1], "orders")
+    assert (int(b.store_ms[1]), int(b.deliver_at_ms[1]), int(b.attempts[1])) == (T0, T0 - 5, 2)  # due time kept
+    assert Batch.decode(b.encode()).id_list() == ["m0", "m1", "m2"]  # what Pull puts on the wire
     assert st_.lag("orders", "billing") == 3
-    assert st_.ack("orders", "billing", [0, 1, 2, 99], now_ms=T0 + 2) == 3
-    assert st_.ack("orders", "billing", [0], now_ms=T0 + 2) == 0
+    assert st_.ack("orders", "billing", [(0, 3), (99, 100)], now_ms=T0 + 2) == 3
+    assert st_.ack("orders", "billing", [(0, 1)], now_ms=T0 + 2) == 0
     assert st_.lag("orders", "billing") == 0
-    assert st_.pull("orders", "billing", "c1", max_messages=10, now_ms=T0 + 10_000) == []
+    assert pull(st_, "orders", "billing", 10, T0 + 10_000)[0].n == 0
     assert "orders" in st_.subjects() and DLQ_SUBJECT in st_.subjects()
     st_.close()
 
 
+def test_one_frame_per_append_and_one_index_run_per_subject(tmp_path):
+    st_ = open_store(tmp_path, RealtimeSettings())
+    append(st_, *[M(i, subject=("a", "b", "c")[i % 3]) for i in range(30)])
+    append(st_, *[M(100 + i, subject="a") for i in range(5)])
+    frames = list(st_.messages.iterate())
+    assert len(frames) == 2
+    first = Batch.decode(frames[0][1])
+    assert first.n == 30 and sorted(set(first.subject_list())) == ["a", "b", "c"]
+    assert (first.store_ms == T0).all() and (np.diff(first.seq.astype(np.int64)) == 1).all()
+    assert os.path.getsize(index_path(tmp_path, "a")) == 15 * ENTRY_SIZE
+    assert os.path.getsize(index_path(tmp_path, "b")) == 10 * ENTRY_SIZE
+
+
+def test_one_pull_covers_several_subjects(tmp_path):
+    st_ = open_store(tmp_path)
+    append(st_, *[M(i, subject=("a", "b")[i % 2]) for i in range(10)])
+    append(st_, M(50, subject="c"))
+    b, h = pull(st_, ["a", "b", "c"], "g", 100, T0)
+    got = sorted(zip(b.subject_list(), h.tolist(), b.id_list()))
+    assert got == sorted([("a", k, f"m{2 * k}") for k in range(5)] + [("b", k, f"m{2 * k + 1}") for k in range(5)]
+                         + [("c", 0, "m50")])
+    assert b.id_list()[:10] == [f"m{i}" for i in range(10)]  # answered in log order
+    for s in ("a", "b", "c"):
+        sel = [hh for ss, hh in zip(b.subject_list(), h.tolist()) if ss == s]
+        assert ack(st_, s, "g", sel) == len(sel)
+    assert all(st_.lag(s, "g") == 0 for s in ("a", "b", "c"))
+    # a small pull shares max_messages over the subjects, oldest in the log first
+    append(st_, *[M(100 + i, subject=("a", "b")[i % 2]) for i in range(10)])
+    b, _ = pull(st_, ["a", "b"], "g", 4, T0)
+    assert b.id_list() == ["m100", "m101", "m102", "m103"]
+    with pytest.raises(UnknownSubject):
+        st_.pull(["a", "nope"], "g", "c", max_messages=1, now_ms=T0)
+    with pytest.raises(InvalidArgument):
+        st_.pull([], "g", "c", max_messages=1, now_ms=T0)
+
+
 def test_two_consumers_in_one_group_share_work(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(10)], now_ms=T0)
-    a = st_.pull("orders", "g", "c1", max_messages=4, now_ms=T0)
-    b = st_.pull("orders", "g", "c2", max_messages=4, now_ms=T0)
-    c = st_.pull("orders", "g", "c1", max_messages=4, now_ms=T0)
+    append(st_, *[M(i) for i in range(10)])
+    a = ids(st_, "orders", "g", 4, T0)
+    b = ids(st_, "orders", "g", 4, T0)
+    c = ids(st_, "orders", "g", 4, T0)
     assert (len(a), len(b), len(c)) == (4, 4, 2)
-    all_ids = ids(a) + ids(b) + ids(c)
-    assert sorted(all_ids) == sorted(f"m{i}" for i in range(10))
-    assert st_.pull("orders", "g", "c2", max_messages=4, now_ms=T0 + 1) == []
+    assert sorted(a + b + c) == sorted(f"m{i}" for i in range(10))
+    assert ids(st_, "orders", "g", 4, T0 + 1) == []
 
 
 def test_two_groups_each_get_everything(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(5)], now_ms=T0)
+    append(st_, *[M(i) for i in range(5)])
     for g in ("g1", "g2"):
-        got = st_.pull("orders", g, "c", max_messages=100, now_ms=T0)
-        assert ids(got) == [f"m{i}" for i in range(5)]
-        st_.ack("orders", g, [d.handle for d in got], now_ms=T0)
+        b, h = pull(st_, "orders", g, 100, T0)
+        assert b.id_list() == [f"m{i}" for i in range(5)]
+        ack(st_, "orders", g, h)
     assert st_.lag("orders", "g1") == st_.lag("orders", "g2") == 0
     assert st_.lag("orders", "never-seen") == 5
 
 
 def test_ack_timeout_redelivers(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(3)], now_ms=T0)
-    first = st_.pull("orders", "g", "c1", max_messages=2, now_ms=T0)
-    st_.ack("orders", "g", [first[0].handle], now_ms=T0)
-    assert ids(st_.pull("orders", "g", "c2", max_messages=10, now_ms=T0 + 999)) == ["m2"]
-    again = st_.pull("orders", "g", "c2", max_messages=10, now_ms=T0 + 1000)
-    assert [(d.handle, d.message.msg_id) for d in again] == [(1, "m1")]
+    append(st_, *[M(i) for i in range(3)])
+    first = handles(st_, "orders", "g", 2, T0)
+    ack(st_, "orders", "g", first[:1])
+    assert ids(st_, "orders", "g", 10, T0 + 999) == ["m2"]
+    b, h = pull(st_, "orders", "g", 10, T0 + 1000)
+    assert list(zip(h.tolist(), b.id_list())) == [(1, "m1")]
     assert st_.lag("orders", "g") == 2
     # both deadlines were (re)started by the last pulls
-    assert st_.pull("orders", "g", "c1", max_messages=10, now_ms=T0 + 1500) == []
-    st_.ack("orders", "g", [1, 2], now_ms=T0 + 1600)
-    assert st_.pull("orders", "g", "c1", max_messages=10, now_ms=T0 + 100_000) == []
+    assert ids(st_, "orders", "g", 10, T0 + 1500) == []
+    ack(st_, "orders", "g", [1, 2])
+    assert ids(st_, "orders", "g", 10, T0 + 100_000) == []
     assert st_.lag("orders", "g") == 0
 
 
 def test_redelivery_deadline_is_restarted(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(0)], now_ms=T0)
-    assert ids(st_.pull("orders", "g", "c", max_messages=1, now_ms=T0)) == ["m0"]
-    assert ids(st_.pull("orders", "g", "c", max_messages=1, now_ms=T0 + 1000)) == ["m0"]
-    assert st_.pull("orders", "g", "c", max_messages=1, now_ms=T0 + 1999) == []
-    assert ids(st_.pull("orders", "g", "c", max_messages=1, now_ms=T0 + 2000)) == ["m0"]
+    append(st_, M(0))
+    assert ids(st_, "orders", "g", 1, T0) == ["m0"]
+    assert ids(st_, "orders", "g", 1, T0 + 1000) == ["m0"]
+    assert ids(st_, "orders", "g", 1, T0 + 1999) == []
+    assert ids(st_, "orders", "g", 1, T0 + 2000) == ["m0"]
 
 
-def test_redeliveries_come_in_deadline_order(tmp_path):
+def test_redeliveries_come_oldest_pull_first_and_before_new_messages(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(0), msg(1)], now_ms=T0)
-    assert ids(st_.pull("orders", "g", "c", max_messages=1, now_ms=T0)) == ["m0"]
-    assert ids(st_.pull("orders", "g", "c", max_messages=1, now_ms=T0 + 500)) == ["m1"]
-    assert ids(st_.pull("orders", "g", "c", max_messages=5, now_ms=T0 + 1000)) == ["m0"]
-    assert ids(st_.pull("orders", "g", "c", max_messages=5, now_ms=T0 + 1500)) == ["m1"]
-    assert ids(st_.pull("orders", "g", "c", max_messages=5, now_ms=T0 + 2500)) == ["m0", "m1"]
+    append(st_, M(0), M(1), M(2))
+    assert ids(st_, "orders", "g", 1, T0) == ["m0"]
+    assert ids(st_, "orders", "g", 1, T0 + 500) == ["m1"]
+    assert ids(st_, "orders", "g", 1, T0 + 1000) == ["m0"]  # due, and taken before the new m2
+    assert ids(st_, "orders", "g", 1, T0 + 1500) == ["m1"]
+    assert ids(st_, "orders", "g", 5, T0 + 2500) == ["m0", "m1", "m2"]
 
 
 def test_tag_filter_skips_non_matching(tmp_path):
     assert tags_mask(["red"]) & tags_mask(["blue"]) == 0  # the test relies on distinct bits
     st_ = open_store(tmp_path)
-    st_.append([msg(0, tags=("red",)), msg(1, tags=("blue",)), msg(2), msg(3, tags=("blue", "red"))], now_ms=T0)
-    got = st_.pull("orders", "reds", "c", max_messages=10, tags=["red"], now_ms=T0)
-    assert ids(got) == ["m0", "m3"]
+    append(st_, M(0, tags=("red",)), M(1, tags=("blue",)), M(2), M(3, tags=("blue", "red")))
+    b, h = pull(st_, "orders", "reds", 10, T0, tags=["red"])
+    assert b.id_list() == ["m0", "m3"] and h.tolist() == [0, 3]
     assert st_.lag("orders", "reds") == 2  # skipped entries count as done for this group
-    st_.ack("orders", "reds", [d.handle for d in got], now_ms=T0)
+    ack(st_, "orders", "reds", h)
     assert st_.lag("orders", "reds") == 0
-    assert ids(st_.pull("orders", "all", "c", max_messages=10, now_ms=T0)) == ["m0", "m1", "m2", "m3"]
-    assert ids(st_.pull("orders", "bg", "c", max_messages=10, tags=["blue", "green"], now_ms=T0)) == ["m1", "m3"]
+    assert ids(st_, "orders", "all", 10, T0) == ["m0", "m1", "m2", "m3"]
+    assert ids(st_, "orders", "bg", 10, T0, tags=["blue", "green"]) == ["m1", "m3"]
+    assert ids(st_, "orders", "one", 1, T0, tags=["blue"]) == ["m1"]
+    assert ids(st_, "orders", "one", 1, T0, tags=["blue"]) == ["m3"]  # m2 skipped, m3 not consumed early
+    with pytest.raises(InvalidArgument):
+        st_.pull(["orders"], "x", "c", max_messages=1, tags=[""], now_ms=T0)
 
 
 def test_dedup_within_window_and_not_after(tmp_path):
     st_ = open_store(tmp_path)
-    (a,) = st_.append([msg(1)], now_ms=T0)
-    b, c = st_.append([msg(1, payload=b"other"), msg(2)], now_ms=T0 + 59_999)
-    assert b == Stored("m1", a.seq, duplicate=True) and not c.duplicate
-    d, e = st_.append([msg(3), msg(3)], now_ms=T0 + 59_999)  # twice in one batch
-    assert not d.duplicate and e == Stored("m3", d.seq, duplicate=True)
-    assert not st_.append([msg(1, subject="other")], now_ms=T0 + 1)[0].duplicate  # dedup key is (subject, id)
-    assert ids(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 60_000)) == ["m1", "m2", "m3"]
+    a = append(st_, M(1)).seqs[0]
+    r = append(st_, M(1, payload=b"other"), M(2), now=T0 + 59_999)
+    assert r.codes.tolist() == [OK, OK] and r.duplicates.tolist() == [1, 0] and r.seqs[0] == a
+    r = append(st_, M(3), M(3), now=T0 + 59_999)  # twice in one batch
+    assert r.duplicates.tolist() == [0, 1] and r.seqs[0] == r.seqs[1]
+    assert append(st_, M(1, subject="other"), now=T0 + 1).duplicates[0] == 0  # dedup key is (subject, id)
+    assert ids(st_, "orders", "g", 10, T0 + 60_000) == ["m1", "m2", "m3"]
     # survives a restart: rebuilt from the log
     st_.close()
     st_ = open_store(tmp_path, now=T0 + 59_999)
-    assert st_.append([msg(1)], now_ms=T0 + 59_999)[0] == Stored("m1", a.seq, duplicate=True)
-    (f,) = st_.append([msg(1)], now_ms=T0 + 60_000)
-    assert not f.duplicate and f.seq != a.seq
+    r = append(st_, M(1), now=T0 + 59_999)
+    assert r.duplicates[0] == 1 and r.seqs[0] == a
+    r = append(st_, M(1), now=T0 + 60_000)
+    assert r.duplicates[0] == 0 and r.seqs[0] != a
     st_.flush()
-    assert [d.message.payload for d in st_.pull("orders", "g2", "c", max_messages=10, now_ms=T0 + 60_000)] == \
-        [b"p1", b"p2", b"p3", b"p1"]
+    b, _ = pull(st_, "orders", "g2", 10, T0 + 60_000)
+    assert b.payload_list() == [b"p1", b"p2", b"p3", b"p1"]
 
 
 def test_dedup_map_is_bounded(tmp_path):
     st_ = open_store(tmp_path, RealtimeSettings(dedup_entries_max=3, dedup_window_ms=1000))
-    res = st_.append([msg(i) for i in range(5)], now_ms=T0)
-    assert [type(r) for r in res] == [Stored] * 3 + [Overloaded] * 2
-    assert all(isinstance(r, Stored) for r in st_.append([msg(i) for i in range(3, 6)], now_ms=T0 + 1000))
+    r = append(st_, *[M(i) for i in range(5)], M(4))
+    assert r.codes.tolist() == [OK] * 3 + [pb.OVERLOADED] * 3 and set(r.errors) == {3, 4, 5}
+    assert (r.seqs[3:] == 0).all()
+    assert (append(st_, *[M(i) for i in range(3, 6)], now=T0 + 1000).codes == OK).all()
 
 
 def test_unknown_subject_without_auto_create(tmp_path):
     st_ = open_store(tmp_path, RealtimeSettings(auto_create_subjects=False))
     end = st_.messages.end_offset
-    res = st_.append([msg(0, subject="nope")], now_ms=T0)
-    assert isinstance(res[0], UnknownSubject)
+    r = append(st_, M(0, subject="nope"))
+    assert r.codes.tolist() == [pb.UNKNOWN_SUBJECT] and "nope" in r.errors[0]
     assert st_.messages.end_offset == end and "nope" not in st_.subjects()
     with pytest.raises(UnknownSubject):
-        st_.pull("nope", "g", "c", max_messages=1, now_ms=T0)
+        st_.pull(["nope"], "g", "c", max_messages=1, now_ms=T0)
     with pytest.raises(UnknownSubject):
         st_.lag("nope", "g")
-    assert isinstance(st_.append([msg(1, subject=DLQ_SUBJECT)], now_ms=T0)[0], Stored)  # the DLQ always exists
+    assert append(st_, M(1, subject=DLQ_SUBJECT)).codes.tolist() == [OK]  # the DLQ always exists
     assert st_.create_subject("orders") is True and st_.create_subject("orders") is False
-    assert isinstance(st_.append([msg(2, subject="orders")], now_ms=T0)[0], Stored)
+    assert append(st_, M(2, subject="orders"), M(3, subject="nope")).codes.tolist() == [OK, pb.UNKNOWN_SUBJECT]
     with pytest.raises(InvalidArgument):
         st_.create_subject("../etc")
     st_.close()
@@ -188,60 +274,84 @@ def test_unknown_subject_without_auto_create(tmp_path):
 
 def test_validation_errors_change_nothing(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(0)], now_ms=T0)
+    append(st_, M(0))
     end, subjects = st_.messages.end_offset, st_.subjects()
-    bad = [msg(1, subject="bad subject"), msg(2, payload=b"x" * 2000), msg(3, tags=tuple(f"t{i}" for i in range(17))),
-           msg(4, payload="text"), Message(0, 0, T0, "has space", "orders", b"x"), msg(5, attempts=-1),
-           msg(6, properties=(("k",),)), "not a message"]
-    res = st_.append(bad, now_ms=T0)
-    assert all(isinstance(r, InvalidArgument) for r in res), res
-    assert isinstance(res[1], PayloadTooLarge)
+    bad = [M(1, subject="bad subject"), M(2, payload=b"x" * 2000), M(3, tags=tuple(f"t{i}" for i in range(17))),
+           M("has space"), M(6, properties=(("", "v"),))]
+    r = append(st_, *bad)
+    assert r.codes.tolist() == [INVALID_ARGUMENT, PAYLOAD_TOO_LARGE, INVALID_ARGUMENT, INVALID_ARGUMENT,
+                                INVALID_ARGUMENT]
+    assert set(r.errors) == set(range(5)) and (r.seqs == 0).all()
     assert st_.messages.end_offset == end and st_.subjects() == subjects
-    mixed = st_.append([msg(7, subject="bad subject"), msg(8)], now_ms=T0)
-    assert isinstance(mixed[0], InvalidArgument) and isinstance(mixed[1], Stored)
-    # a far-future deliver_at is fine on the real-time side: the message is due now
-    assert isinstance(st_.append([msg(9, deliver_at_ms=T0 + 10 * 366 * 86_400_000)], now_ms=T0)[0], Stored)
-    assert ids(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)) == ["m0", "m8", "m9"]
+    r = append(st_, M(7, subject="bad subject"), M(8))
+    assert r.codes.tolist() == [INVALID_ARGUMENT, OK]
+    # a far-future or past deliver_at is fine on the real-time side: the message is due now
+    assert append(st_, M(9, deliver_at_ms=T0 + 10 * 366 * 86_400_000), M(10, deliver_at_ms=0)).codes.tolist() == \
+        [OK, OK]
+    tomb = batch(M(11)).replace(kind=2)  # producers store messages only
+    assert st_.append(tomb, now_ms=T0).codes.tolist() == [INVALID_ARGUMENT]
+    assert ids(st_, "orders", "g", 10, T0) == ["m0", "m8", "m9", "m10"]
     with pytest.raises(InvalidArgument):
-        st_.pull("orders", "bad/group", "c", max_messages=1, now_ms=T0)
+        st_.pull(["orders"], "bad/group", "c", max_messages=1, now_ms=T0)
     with pytest.raises(InvalidArgument):
-        st_.pull("orders", "g", "c", max_messages=0, now_ms=T0)
+        st_.pull(["orders"], "g", "c", max_messages=0, now_ms=T0)
     with pytest.raises(InvalidArgument):
-        st_.pull("orders", "g3", "c", max_messages=1, start="middle", now_ms=T0)
+        st_.pull(["orders"], "g3", "c", max_messages=1, start="middle", now_ms=T0)
+
+
+def test_whole_batch_limits(tmp_path):
+    st_ = open_store(tmp_path, RealtimeSettings(limits=Limits(batch_messages_max=3)))
+    end = st_.messages.end_offset
+    with pytest.raises(InvalidArgument):
+        append(st_, *[M(i) for i in range(4)])
+    assert st_.messages.end_offset == end
+    st2 = open_store(tmp_path / "b", RealtimeSettings(segment_bytes=1 << 20, limits=Limits(batch_bytes_max=1000)))
+    with pytest.raises(PayloadTooLarge):  # more than one frame holds (frames hold at least 8 MiB)
+        append(st2, *[M(i, payload=b"x" * (1 << 20)) for i in range(9)])
+    assert st2.messages.end_offset == 0
+    assert append(st2).n == 0  # an empty batch is fine and stores nothing
+
+
+def test_messages_without_id_get_one(tmp_path):
+    st_ = open_store(tmp_path)
+    r = append(st_, M(""), M(1), M(""))
+    assert (r.codes == OK).all()
+    got = ids(st_, "orders", "g", 10, T0)
+    assert got[1] == "m1" and len(got[0]) == len(got[2]) == 32 and got[0] != got[2]
 
 
 def test_start_latest(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(0), msg(1)], now_ms=T0)
-    assert st_.pull("orders", "late", "c", max_messages=10, start="latest", now_ms=T0) == []
-    st_.append([msg(2)], now_ms=T0)
+    append(st_, M(0), M(1))
+    assert ids(st_, "orders", "late", 10, T0, start="latest") == []
+    append(st_, M(2))
     st_.close()
     st_ = open_store(tmp_path)  # the start position was persisted when the group was created
-    assert ids(st_.pull("orders", "late", "c", max_messages=10, now_ms=T0)) == ["m2"]
+    assert ids(st_, "orders", "late", 10, T0) == ["m2"]
 
 
 def test_inflight_bound(tmp_path):
     st_ = open_store(tmp_path, RealtimeSettings(inflight_per_group_max=3, ack_timeout_ms=1000))
-    st_.append([msg(i) for i in range(5)], now_ms=T0)
-    assert len(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)) == 3
+    append(st_, *[M(i) for i in range(5)])
+    assert len(handles(st_, "orders", "g", 10, T0)) == 3
     with pytest.raises(Overloaded):
-        st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)
-    assert len(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 1000)) == 3  # redeliveries still flow
-    st_.ack("orders", "g", [0], now_ms=T0)
-    assert [d.handle for d in st_.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 1000)] == [3]
+        st_.pull(["orders"], "g", "c", max_messages=10, now_ms=T0)
+    assert len(handles(st_, "orders", "g", 10, T0 + 1000)) == 3  # redeliveries still flow
+    ack(st_, "orders", "g", [0])
+    assert handles(st_, "orders", "g", 10, T0 + 1000) == [3]
 
 
 def test_nack_returns_inflight_records(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(0, attempts=3), msg(1)], now_ms=T0)
-    got = st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)
-    back = st_.nack("orders", "g", [got[0].handle, 77, got[0].handle], now_ms=T0 + 900)
-    assert back == [got[0]] and back[0].message.attempts == 3
-    assert st_.nack("orders", "unknown-group", [0], now_ms=T0) == []
+    append(st_, M(0, attempts=3), M(1))
+    h = handles(st_, "orders", "g", 10, T0)
+    b, back = st_.nack("orders", "g", [(h[0], h[0] + 1), (77, 78)], now_ms=T0 + 900)
+    assert back.tolist() == [0] and b.id_list() == ["m0"] and int(b.attempts[0]) == 3
+    assert st_.nack("orders", "unknown-group", [(0, 1)], now_ms=T0)[0].n == 0
     # nack restarted the deadline of handle 0 only
-    assert [d.handle for d in st_.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 1000)] == [1]
-    assert st_.ack("orders", "g", [0], now_ms=T0 + 1000) == 1
-    assert st_.nack("orders", "g", [0], now_ms=T0 + 1000) == []
+    assert handles(st_, "orders", "g", 10, T0 + 1000) == [1]
+    assert ack(st_, "orders", "g", [0], T0 + 1000) == 1
+    assert st_.nack("orders", "g", [(0, 1)], now_ms=T0 + 1000)[0].n == 0
 
 
 # ---------------------------------------------------------------------- restarts
@@ -249,11 +359,10 @@ def test_nack_returns_inflight_records(tmp_path):
 
 def test_committed_positions_survive_reopen_and_unacked_are_redelivered(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(6)], now_ms=T0)
-    got = st_.pull("orders", "g", "c", max_messages=5, now_ms=T0)
-    st_.ack("orders", "g", [0, 1, 3], now_ms=T0)  # out of order: 2 and 4 stay in flight
-    other = st_.pull("orders", "h", "c", max_messages=10, now_ms=T0)
-    st_.ack("orders", "h", [d.handle for d in other], now_ms=T0)
+    append(st_, *[M(i) for i in range(6)])
+    got = handles(st_, "orders", "g", 5, T0)
+    ack(st_, "orders", "g", [0, 1, 3])  # out of order: 2 and 4 stay in flight
+    ack(st_, "orders", "h", handles(st_, "orders", "h", 10, T0))
     assert len(got) == 5 and st_.committed("orders", "g") == 2
     epoch = st_.epoch
     st_.close()
@@ -261,48 +370,62 @@ def test_committed_positions_survive_reopen_and_unacked_are_redelivered(tmp_path
     assert st_.epoch == epoch + 1
     assert st_.committed("orders", "g") == 2 and st_.lag("orders", "g") == 3
     # in-flight deadlines are lost: redelivered at once, then the never-pulled one; acked ones never again
-    assert [d.handle for d in st_.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 1)] == [2, 4, 5]
-    assert st_.pull("orders", "h", "c", max_messages=10, now_ms=T0 + 100_000) == []
-    (r,) = st_.append([msg(99)], now_ms=T0 + 1)
-    assert r.seq >> SEQ_EPOCH_SHIFT == epoch + 1
+    assert handles(st_, "orders", "g", 10, T0 + 1) == [2, 4, 5]
+    assert handles(st_, "orders", "h", 10, T0 + 100_000) == []
+    assert append(st_, M(99), now=T0 + 1).seqs[0] >> SEQ_EPOCH_SHIFT == epoch + 1
 
 
 def test_kill_without_close_loses_nothing_flushed(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i, payload=b"x" * 500) for i in range(40)], now_ms=T0)  # several segments
-    got = st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)
-    st_.ack("orders", "g", [d.handle for d in got], now_ms=T0)
+    for k in range(4):  # several segments
+        append(st_, *[M(10 * k + i, payload=b"x" * 500) for i in range(10)])
+    ack(st_, "orders", "g", handles(st_, "orders", "g", 10, T0))
     st_.flush()
-    st_.append([msg(100)], now_ms=T0)  # written (page cache) but never flushed: a process kill keeps it
+    append(st_, M(100))  # written (page cache) but never flushed: a process kill keeps it
     assert len(segment_files(tmp_path)) > 1
     # no close(): the old object is simply abandoned, as after kill -9
     st2 = open_store(tmp_path, now=T0 + 5)
     assert st2.lag("orders", "g") == 31
-    assert ids(st2.pull("orders", "g", "c", max_messages=100, now_ms=T0 + 5)) == \
-        [f"m{i}" for i in range(10, 40)] + ["m100"]
-    assert st2.append([msg(5)], now_ms=T0 + 5)[0].duplicate  # dedup map rebuilt
+    assert ids(st2, "orders", "g", 100, T0 + 5) == [f"m{i}" for i in range(10, 40)] + ["m100"]
+    assert st2.counters["frame_cache_misses"] == 4  # frames read from disk once each
+    assert append(st2, M(5), now=T0 + 5).duplicates[0] == 1  # dedup map rebuilt
     st2.close()
+
+
+def test_caught_up_consumer_never_reads_a_frame_from_disk(tmp_path):
+    st_ = open_store(tmp_path, RealtimeSettings(frame_cache_bytes_max=1 << 20))
+    for k in range(50):
+        append(st_, *[M(f"{k}-{i}", subject=("a", "b")[i % 2], payload=b"x" * 100) for i in range(20)])
+        b, h = pull(st_, ["a", "b"], "g", 100, T0)
+        assert b.n == 20
+    assert st_.counters["frame_cache_misses"] == 0
+    tiny = open_store(tmp_path / "tiny", RealtimeSettings(frame_cache_bytes_max=1))
+    for k in range(3):
+        append(tiny, *[M(f"{k}-{i}") for i in range(5)])
+    assert len(ids(tiny, "orders", "g", 100, T0)) == 15
+    assert tiny.counters["frame_cache_misses"] == 3  # a cache of one frame: each frame read once, no more
 
 
 def test_replay_reindexes_records_missing_from_the_index(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(3)], now_ms=T0)
+    append(st_, *[M(i) for i in range(3)])
     st_.flush()
-    st_.append([msg(i) for i in range(3, 6)] + [msg(6, subject="fresh")], now_ms=T0)
-    # crash between the log write and the index write: the last entries never reached the index
+    append(st_, *[M(i) for i in range(3, 6)], M(6, subject="fresh"))
+    # crash between the log write and the index write: the last entries never reached the index,
+    # and the run of the second frame was cut in the middle
     p = index_path(tmp_path)
     os.truncate(p, 4 * ENTRY_SIZE)
     os.truncate(index_path(tmp_path, "fresh"), 0)
     st2 = open_store(tmp_path)
     assert st2.counters["reindexed"] == 3
-    assert ids(st2.pull("orders", "g", "c", max_messages=100, now_ms=T0)) == [f"m{i}" for i in range(6)]
-    assert ids(st2.pull("fresh", "g", "c", max_messages=100, now_ms=T0)) == ["m6"]
+    assert ids(st2, "orders", "g", 100, T0) == [f"m{i}" for i in range(6)]
+    assert ids(st2, "fresh", "g", 100, T0) == ["m6"]
     assert os.path.getsize(p) == 6 * ENTRY_SIZE
 
 
 def test_torn_tail_of_index_file(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(5)], now_ms=T0)
+    append(st_, *[M(i) for i in range(5)])
     st_.close()
     p = index_path(tmp_path)
     with open(p, "ab") as f:
@@ -317,33 +440,62 @@ def test_torn_tail_of_index_file(tmp_path):
     p.write_bytes(bytes(data))
     st_ = open_store(tmp_path)
     assert st_.counters["reindexed"] == 1  # the dropped entry is rebuilt from the message log
-    assert ids(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)) == [f"m{i}" for i in range(5)]
-    st_.append([msg(5)], now_ms=T0)
-    assert [d.handle for d in st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)] == [5]
+    assert ids(st_, "orders", "g", 10, T0) == [f"m{i}" for i in range(5)]
+    append(st_, M(5))
+    assert handles(st_, "orders", "g", 10, T0) == [5]
+
+
+def test_corrupt_entry_in_the_middle_of_an_index_is_reported(tmp_path):
+    st_ = open_store(tmp_path)
+    append(st_, *[M(i) for i in range(5)])
+    st_.close()
+    p = index_path(tmp_path)
+    data = bytearray(p.read_bytes())
+    data[2 * ENTRY_SIZE + 9] ^= 0x01  # one bit of entry 2
+    p.write_bytes(bytes(data))
+    st_ = open_store(tmp_path)  # not a tail: open keeps it, a read that reaches it refuses
+    with pytest.raises(CorruptRecord) as e:
+        st_.pull(["orders"], "g", "c", max_messages=10, now_ms=T0)
+    assert e.value.path == str(p) and e.value.offset == 2 * ENTRY_SIZE
 
 
 def test_torn_tail_of_message_log(tmp_path):
     st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(5)], now_ms=T0)
+    append(st_, *[M(i) for i in range(4)])
+    append(st_, M(4), M(5, subject="other"))
     st_.close()
     seg = segment_files(tmp_path)[-1]
-    os.truncate(seg, seg.stat().st_size - 3)  # the last record is torn
+    os.truncate(seg, seg.stat().st_size - 3)  # the last frame is torn
     st_ = open_store(tmp_path)
     assert st_.messages.recovery is not None
-    assert os.path.getsize(index_path(tmp_path)) == 4 * ENTRY_SIZE  # its index entry is dropped too
-    assert ids(st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)) == [f"m{i}" for i in range(4)]
-    assert not st_.append([msg(4)], now_ms=T0)[0].duplicate  # the lost message can be sent again
-    assert [(d.handle, d.message.msg_id) for d in st_.pull("orders", "g", "c", max_messages=10, now_ms=T0)] == \
-        [(4, "m4")]
+    assert os.path.getsize(index_path(tmp_path)) == 4 * ENTRY_SIZE  # its index entries are dropped too
+    assert os.path.getsize(index_path(tmp_path, "other")) == 0
+    assert ids(st_, "orders", "g", 10, T0) == [f"m{i}" for i in range(4)]
+    assert append(st_, M(4)).duplicates[0] == 0  # the lost message can be sent again
+    b, h = pull(st_, "orders", "g", 10, T0)
+    assert list(zip(h.tolist(), b.id_list())) == [(4, "m4")]
 
 
 def test_reopen_without_epoch_bump_never_reuses_a_seq(tmp_path):
     st_ = open_store(tmp_path)
-    (a,) = st_.append([msg(0)], now_ms=T0)
+    a = append(st_, M(0), M(1)).seqs[1]
     st_.close()
     st_ = open_store(tmp_path, bump_epoch=False)
-    (b,) = st_.append([msg(1)], now_ms=T0)
-    assert b.seq > a.seq and b.seq >> SEQ_EPOCH_SHIFT == a.seq >> SEQ_EPOCH_SHIFT
+    b = append(st_, M(2)).seqs[0]
+    assert b == a + 1 and b >> SEQ_EPOCH_SHIFT == a >> SEQ_EPOCH_SHIFT
+
+
+def test_persisted_ack_survives_a_kill_without_flush(tmp_path):
+    st_ = open_store(tmp_path)
+    append(st_, *[M(i) for i in range(5)])
+    st_.flush()
+    h = handles(st_, "orders", "g", 5, T0)
+    ack(st_, "orders", "g", h[:3])
+    assert st_.persist_group("orders", "g")
+    assert not st_.persist_group("orders", "g")  # unchanged: nothing written
+    st2 = open_store(tmp_path, now=T0 + 5)  # abandoned without flush or close, as after kill -9
+    assert ids(st2, "orders", "g", 10, T0 + 5) == ["m3", "m4"]
+    st2.close()
 
 
 # ---------------------------------------------------------------------- stateful model
@@ -371,7 +523,6 @@ class RealtimeModel(RuleBasedStateMachine):
         self.acked = {(s, g): set() for s in SUBJECTS for g in GROUPS}          # acked, as the store knows now
         self.acked_durable = {(s, g): set() for s in SUBJECTS for g in GROUPS}  # acked at the last flush
         self.inflight = {(s, g): {} for s in SUBJECTS for g in GROUPS}          # handle -> pulled_at_ms
-        self.delivered = {(s, g): set() for s in SUBJECTS for g in GROUPS}
 
     def teardown(self):
         try:
@@ -384,68 +535,73 @@ class RealtimeModel(RuleBasedStateMachine):
 
     def _drain_and_check(self):
         self.now += 10 * MODEL_SETTINGS.ack_timeout_ms
-        for key in self.acked:
-            s, g = key
-            for _ in range(len(self.msgs[s]) + 10):
-                got = self._pull(s, g, 5)
+        for g in GROUPS:
+            for _ in range(sum(map(len, self.msgs.values())) + 10):
+                got = self._pull(list(SUBJECTS), g, 5)
                 if not got:
                     break
-                self._ack(s, g, [d.handle for d in got])
-            assert self.acked[key] == set(range(len(self.msgs[s]))), key  # everything reached every group
+                for s in SUBJECTS:
+                    self._ack(s, g, [h for ss, h in got if ss == s])
+        for (s, g), acked in self.acked.items():
+            assert acked == set(range(len(self.msgs[s]))), (s, g)  # everything reached every group
             assert self.store.lag(s, g) == 0
 
-    def _pull(self, s, g, k):
-        key = (s, g)
+    def _pull(self, subjects, g, k):
         try:
-            got = self.store.pull(s, g, "c", max_messages=k, now_ms=self.now)
+            b, hs = self.store.pull(subjects, g, "c", max_messages=k, now_ms=self.now)
         except Overloaded:
-            assert len(self.inflight[key]) >= INFLIGHT_MAX
+            assert any(len(self.inflight[(s, g)]) >= INFLIGHT_MAX for s in subjects)
             return []
-        for d in got:
-            assert d.message.msg_id == self.msgs[s][d.handle]
-            assert d.handle not in self.acked[key], "an acked message was delivered again"
-            prior = self.inflight[key].get(d.handle)
+        assert b.n <= k
+        out = []
+        for s, h, mid in zip(b.subject_list(), hs.tolist(), b.id_list()):
+            key = (s, g)
+            assert s in subjects and mid == self.msgs[s][h]
+            assert h not in self.acked[key], "an acked message was delivered again"
+            prior = self.inflight[key].get(h)
             assert prior is None or self.now >= prior + MODEL_SETTINGS.ack_timeout_ms, "delivered while in flight"
-            self.inflight[key][d.handle] = self.now
-            self.delivered[key].add(d.handle)
-        return got
+            self.inflight[key][h] = self.now
+            out.append((s, h))
+        assert len(set(out)) == len(out)
+        return out
 
-    def _ack(self, s, g, handles):
+    def _ack(self, s, g, hs):
         key = (s, g)
-        n = self.store.ack(s, g, handles, now_ms=self.now)
-        expected = {h for h in handles if h in self.inflight[key]}
+        n = self.store.ack(s, g, unpack_ranges(pack_ranges(hs)), now_ms=self.now) if hs else 0
+        expected = {h for h in hs if h in self.inflight[key]}
         assert n == len(expected)
         for h in expected:
             del self.inflight[key][h]
             self.acked[key].add(h)
 
-    @rule(s=st.sampled_from(SUBJECTS), n=st.integers(1, 4))
-    def append(self, s, n):
-        batch = []
+    @rule(s=st.sampled_from(SUBJECTS), n=st.integers(1, 4), other=st.booleans())
+    def append(self, s, n, other):
+        ms = []
         for _ in range(n):
-            batch.append(Message(0, 0, self.now, f"id{self.next_id}", s, b"p" * (self.next_id % 50)))
+            subj = SUBJECTS[1 - SUBJECTS.index(s)] if other and self.next_id % 2 else s
+            ms.append(M(f"id{self.next_id}", subject=subj, payload=b"p" * (self.next_id % 50)))
             self.next_id += 1
-        res = self.store.append(batch, now_ms=self.now)
-        assert all(isinstance(r, Stored) and not r.duplicate for r in res)
-        self.msgs[s].extend(m.msg_id for m in batch)
+        r = append(self.store, *ms, now=self.now)
+        assert (r.codes == OK).all() and not r.duplicates.any()
+        for m in ms:
+            self.msgs[m.subject].append(m.id)
 
     @precondition(lambda self: any(self.msgs.values()))
     @rule(data=st.data())
     def resend_is_duplicate(self, data):
         s = data.draw(st.sampled_from([s for s in SUBJECTS if self.msgs[s]]))
         mid = data.draw(st.sampled_from(self.msgs[s]))
-        (r,) = self.store.append([Message(0, 0, self.now, mid, s, b"again")], now_ms=self.now)
-        assert r.duplicate
+        assert append(self.store, M(mid, subject=s, payload=b"again"), now=self.now).duplicates[0] == 1
 
-    @rule(s=st.sampled_from(SUBJECTS), g=st.sampled_from(GROUPS), k=st.integers(1, 5))
-    def pull(self, s, g, k):
-        self._pull(s, g, k)
+    @rule(subjects=st.sampled_from([["s1"], ["s2"], ["s1", "s2"], ["s2", "s1"]]), g=st.sampled_from(GROUPS),
+          k=st.integers(1, 5))
+    def pull(self, subjects, g, k):
+        self._pull(subjects, g, k)
 
     @rule(s=st.sampled_from(SUBJECTS), g=st.sampled_from(GROUPS), data=st.data())
     def ack(self, s, g, data):
         pool = sorted(self.inflight[(s, g)]) + [10_000]
-        handles = data.draw(st.lists(st.sampled_from(pool), max_size=4))
-        self._ack(s, g, handles)
+        self._ack(s, g, data.draw(st.lists(st.sampled_from(pool), max_size=4)))
 
     @rule(ms=st.sampled_from([1, 400, 1_000]))
     def advance(self, ms):
@@ -476,16 +632,3 @@ class RealtimeModel(RuleBasedStateMachine):
 TestRealtimeModel = RealtimeModel.TestCase
 TestRealtimeModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
-
-
-def test_persisted_ack_survives_a_kill_without_flush(tmp_path):
-    st_ = open_store(tmp_path)
-    st_.append([msg(i) for i in range(5)], now_ms=T0)
-    st_.flush()
-    got = st_.pull("orders", "g", "c", max_messages=5, now_ms=T0)
-    st_.ack("orders", "g", [d.handle for d in got[:3]], now_ms=T0)
-    assert st_.persist_group("orders", "g")
-    assert not st_.persist_group("orders", "g")  # unchanged: nothing written
-    st2 = open_store(tmp_path, now=T0 + 5)  # abandoned without flush or close, as after kill -9
-    assert ids(st2.pull("orders", "g", "c", max_messages=10, now_ms=T0 + 5)) == ["m3", "m4"]
-    st2.close()

@@ -1,14 +1,21 @@
-"""Real-time node process: the asyncio/grpc.aio shell around ``RealtimeStore``.
+"""Real-time node process: the asyncio/grpc.aio shell around ``RealtimeStore`` (wire protocol v2).
 
-* SendBatch (immediate messages, from producers and from delay nodes dispatching):
-  append, one group-commit fsync, then answer; a duplicate id inside the dedup
-  window is answered OK/duplicate and stored once.
-* Pull is a long poll: it waits on the subject's "new data" event up to
-  ``min(wait_ms, pull_wait_ms_max)``.
-* Nack sends the messages to a delay node due ``retry_after_ms`` later (attempts
-  + 1, a new id ``{id}~r{n}`` with the original in property ``hourglass.origin_id``,
-  since both sides de-duplicate by id), or to the dead-letter subject once
-  ``max_attempts`` is reached; the handles are acked only after that succeeded.
+* SendBatch (immediate messages, from producers and from delay nodes dispatching): the
+  request's batch (``cluster.wire.request_batch``) is appended as one frame, one
+  group-commit fsync covers it, then the columnar ``BatchResult`` is answered. A request
+  over ``batch_messages_max`` is refused whole (INVALID_ARGUMENT); a message due later is
+  refused (INVALID_ARGUMENT: send it to a delay node) unless ``immediate`` is set; a
+  duplicate id inside the dedup window is answered OK/duplicate and stored once.
+* Pull is a long poll over one or more subjects: it waits, up to ``min(wait_ms,
+  pull_wait_ms_max)``, until **any** of them gets data (or at least once a second, since
+  ack timeouts make redeliveries due), and answers ``PullResponse(batch, handles)``.
+* Ack takes handle ranges per subject; the group files are group-committed (one write
+  per group per round, on the store's writer thread) before the answer.
+* Nack sends the in-flight messages of its ranges to a delay node as one v2 batch, due
+  ``retry_after_ms`` later (attempts + 1, a new id ``{origin}~r{n}`` with the original in
+  property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
+  dead-letter subject once ``max_attempts`` is reached; the handles are acked only after
+  that succeeded. This path is rare: it builds the copies message by message.
 """
 
 from __future__ import annotations
@@ -18,36 +25,56 @@ import json
 import logging
 
 import grpc
+import numpy as np
 
 from cluster import status
 from cluster.clock import Clock, SystemClock
-from cluster.convert import batch_from_pb, merge_results, message_to_pb
+from cluster.codec import Batch, encode_extra
 from cluster.errors import HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
+from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, unpack_ranges
+from node.aio import wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
 from node.store.group_commit import GroupCommitter
-from node.store.records import Message
-from node.aio import wait_event
 
 log = logging.getLogger("hourglass.realtime")
 
 ORIGIN_ID = "hourglass.origin_id"
+POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
+RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
 
-def retry_copy(m: Message, *, now_ms: int, retry_after_ms: int, dead: bool) -> Message:
-    origin = dict(m.properties).get(ORIGIN_ID, m.msg_id)
-    props = dict(m.properties)
-    props[ORIGIN_ID] = origin
-    if dead:
-        props["dlq.subject"] = m.subject
-        props["dlq.reason"] = f"{m.attempts + 1} delivery attempts"
-    return Message(seq=0, store_ms=now_ms, deliver_at_ms=now_ms if dead else now_ms + retry_after_ms,
-                   msg_id=f"{origin[:100]}~r{m.attempts + 1}", subject=DLQ_SUBJECT if dead else m.subject,
-                   payload=m.payload, tags=m.tags, properties=tuple(sorted(props.items())), attempts=m.attempts + 1)
+def retry_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int) -> tuple[Batch, Batch]:
+    """The copies a nack sends: ``(to a delay node, to the dead-letter subject)``. A copy has
+    attempts + 1 and the id ``{origin}~r{attempts}``; the original id travels in property
+    ``hourglass.origin_id``; dead letters also carry ``dlq.subject`` and ``dlq.reason``."""
+    retry: list[tuple] = []
+    dead: list[tuple] = []
+    for i in range(b.n):
+        tags, props = b.extra(i)
+        props = dict(props)
+        origin = props.setdefault(ORIGIN_ID, b.id(i))
+        attempts = int(b.attempts[i]) + 1
+        is_dead = attempts >= max_attempts
+        if is_dead:
+            props["dlq.subject"] = b.subject(i)
+            props["dlq.reason"] = f"{attempts} delivery attempts"
+        (dead if is_dead else retry).append((
+            DLQ_SUBJECT if is_dead else b.subject(i), b.payload(i), f"{origin[:100]}~r{attempts}",
+            now_ms if is_dead else now_ms + retry_after_ms, attempts, encode_extra(tags, sorted(props.items()))))
+
+    def build(rows: list[tuple]) -> Batch:
+        if not rows:
+            return Batch.empty()
+        subjects, payloads, ids, due, attempts, extras = zip(*rows)
+        return Batch.build(list(subjects), list(payloads), list(ids), np.array(due, np.int64),
+                           attempts=np.array(attempts, np.uint16), extras=list(extras))
+
+    return build(retry), build(dead)
 
 
 class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
@@ -60,7 +87,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.committer = GroupCommitter(self.store.messages)
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
-        self._new_data: dict[str, asyncio.Event] = {}
+        self._new_data: dict[str, set[asyncio.Event]] = {}  # subject -> events of the pulls waiting on it
         self._groups_dirty: set[tuple[str, str]] = set()
         self._groups_lock = asyncio.Lock()
         self._groups_rounds_started = 0
@@ -76,39 +103,48 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     # ------------------------------------------------------------------ producer side
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
-        if len(request.messages) > self.settings.batch_messages_max:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.messages)} messages exceeds batch_messages_max")
         now = self.clock.now_ms()
-        def immediate_only(m: pb.Message) -> None:
-            if not request.immediate and (m.delay_ms or m.deliver_at_ms > now):
-                raise InvalidArgument("delay_ms", "a real-time node takes immediate messages; "
-                                                  "send delayed ones to a delay node")
-
-        converted = batch_from_pb(request.messages, now_ms=now, immediate=True, check=immediate_only)
         try:
-            stored = self.store.append([m for m in converted if isinstance(m, Message)], now_ms=now)
+            batch = request_batch(request, now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        merged = merge_results(converted, stored)
+        if batch.n > self.settings.batch_messages_max:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
+        try:
+            res = self._append(batch, now_ms=now, immediate=request.immediate)
+        except HourglassError as e:
+            await context.abort(status.to_grpc(e), str(e))
         await self.committer.sync_to(self.store.messages.end_offset)
-        out = pb.SendBatchResponse()
-        subjects = set()
-        for m, r in zip(converted, merged):
-            if isinstance(r, Exception):
-                self.metrics.errors.labels(kind=type(r).__name__).inc()
-                out.statuses.add(code=status.to_code(r), error=str(r))
-            else:
-                out.statuses.add(code=pb.OK, id=r.msg_id, seq=r.seq, deliver_at_ms=m.deliver_at_ms,
-                                 duplicate=r.duplicate)
-                if not r.duplicate:
-                    subjects.add(m.subject)
-                    self.metrics.ingested.inc()
+        stored = (res.codes == pb.OK) & (res.duplicates == 0)
+        self.metrics.ingested.inc(int(stored.sum()))
+        if res.errors:
+            self.metrics.errors.labels(kind="refused_message").inc(len(res.errors))
+        self._wake(batch.subjects[k] for k in np.unique(batch.subject_idx[stored]).tolist())
+        return res.to_pb()
+
+    def _append(self, batch: Batch, *, now_ms: int, immediate: bool) -> BatchResult:
+        """Append; without ``immediate``, messages due later are refused (they belong on a delay node)."""
+        late = np.flatnonzero(batch.deliver_at_ms > now_ms) if not immediate else np.zeros(0, np.int64)
+        if not len(late):
+            return self.store.append(batch, now_ms=now_ms)
+        keep = np.setdiff1d(np.arange(batch.n), late)
+        part = self.store.append(batch.take(keep), now_ms=now_ms)
+        res = BatchResult.sized(batch.n)
+        res.deliver_at_ms[:] = batch.deliver_at_ms
+        for name in ("codes", "seqs", "duplicates"):
+            getattr(res, name)[keep] = getattr(part, name)
+        res.errors = {int(keep[i]): e for i, e in part.errors.items()}
+        err = InvalidArgument("delay_ms", "a real-time node takes immediate messages; send delayed ones to a "
+                                          "delay node")
+        for i in late.tolist():
+            res.refuse(i, status.to_code(err), str(err))
+        return res
+
+    def _wake(self, subjects) -> None:
         for s in subjects:
-            ev = self._new_data.pop(s, None)
-            if ev is not None:
+            for ev in self._new_data.pop(s, ()):
                 ev.set()
-        return out
 
     async def Cancel(self, request, context):
         return pb.CancelResponse(code=pb.INVALID_ARGUMENT, error="cancel is answered by delay nodes")
@@ -121,52 +157,70 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Pull(self, request: pb.PullRequest, context) -> pb.PullResponse:
         if not request.group:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
+        subjects = list(dict.fromkeys([*([request.subject] if request.subject else []), *request.subjects]))
+        if not subjects:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a subject (subject or subjects)")
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
         store = self.store  # a replicated node may reopen its store (role change): stop polling then
-        got = []
-        created = False
+        batch, handles = Batch.empty(), np.zeros(0, np.uint64)
+        created: set[str] = set()
         while self.store is store:
-            ev = self._new_data.setdefault(request.subject, asyncio.Event())
+            ev = asyncio.Event()
+            for s in subjects:
+                self._new_data.setdefault(s, set()).add(ev)
             try:
-                got = self.store.pull(request.subject, request.group, request.consumer_id or "anonymous",
-                                      max_messages=max_messages, tags=list(request.tags), now_ms=self.clock.now_ms())
+                batch, handles = store.pull(subjects, request.group, request.consumer_id or "anonymous",
+                                            max_messages=max_messages, tags=list(request.tags),
+                                            now_ms=self.clock.now_ms())
+                left = deadline - loop.time()
+                if batch.n or left <= 0:
+                    break
+                await wait_event(ev, min(left, POLL_RECHECK_S))
             except UnknownSubject as e:
-                if not self.settings.auto_create_subjects or created:
+                if not self.settings.auto_create_subjects or e.subject in created:
                     await context.abort(status.to_grpc(e), str(e))
                 try:  # consumers may subscribe before the first message of a subject arrives
-                    self.store.create_subject(request.subject)
+                    store.create_subject(e.subject)
                 except HourglassError as e2:
                     await context.abort(status.to_grpc(e2), str(e2))
-                created = True
-                continue
+                created.add(e.subject)
             except HourglassError as e:
                 await context.abort(status.to_grpc(e), str(e))
-            left = deadline - loop.time()
-            if got or left <= 0:
-                break
-            # wake at new data, or at least every second (ack timeouts make redeliveries due)
-            await wait_event(ev, min(left, 1.0))
-        self.metrics.delivered.inc(len(got))
-        return pb.PullResponse(deliveries=[
-            pb.Delivery(message=message_to_pb(d.message), handle=d.handle, deliver_at_ms=d.message.deliver_at_ms,
-                        available_ms=d.message.store_ms) for d in got])
+            finally:
+                for s in subjects:
+                    waiting = self._new_data.get(s)
+                    if waiting is not None:
+                        waiting.discard(ev)
+                        if not waiting:
+                            del self._new_data[s]
+        self.metrics.delivered.inc(batch.n)
+        return pb.PullResponse(batch=batch.encode(), handles=handles.astype("<u8").tobytes())
+
+    def _ranges(self, items) -> list[tuple[str, np.ndarray]]:
+        """(subject, (k, 2) ranges) of the SubjectHandles of an Ack or Nack."""
+        return [(sh.subject, unpack_ranges(sh.ranges)) for sh in items]
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
+        if not request.group:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
+        now = self.clock.now_ms()
+        n = 0
         try:
-            n = self.store.ack(request.subject, request.group, list(request.handles), now_ms=self.clock.now_ms())
+            for subject, ranges in self._ranges(request.acks):
+                n += self.store.ack(subject, request.group, ranges, now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        await self._groups_durable(request.subject, request.group)  # durable before the answer
+        await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
-    async def _groups_durable(self, subject: str, group: str) -> None:
+    async def _groups_durable(self, keys: set[tuple[str, str]]) -> None:
         """Group commit of consumer-group files: acks that arrive while a write is running are
         written together by the next one (one file write per group per round, on the store's
         group-writer thread, never blocking the event loop)."""
-        self._groups_dirty.add((subject, group))
+        self._groups_dirty |= keys
         registered_at = self._groups_rounds_started
         async with self._groups_lock:
             if self._groups_rounds_done > registered_at:
@@ -179,49 +233,53 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             self._groups_rounds_done = self._groups_rounds_started
 
     async def Nack(self, request: pb.NackRequest, context) -> pb.NackResponse:
+        if not request.group:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
         now = self.clock.now_ms()
-        try:
-            got = self.store.nack(request.subject, request.group, list(request.handles), now_ms=now)
-        except HourglassError as e:
-            await context.abort(status.to_grpc(e), str(e))
-        retried, dead = [], []
-        for d in got:
-            is_dead = d.message.attempts + 1 >= self.settings.max_attempts
-            copy = retry_copy(d.message, now_ms=now, retry_after_ms=max(0, request.retry_after_ms), dead=is_dead)
-            (dead if is_dead else retried).append((d, copy))
-        if retried:
-            await self._send_to_delay([c for _, c in retried])
-        if dead:
-            res = self.store.append([c for _, c in dead], now_ms=now)
-            await self.committer.sync_to(self.store.messages.end_offset)
-            bad = [r for r in res if isinstance(r, Exception)]
-            if bad:
-                await context.abort(grpc.StatusCode.INTERNAL, f"dead-letter append failed: {bad[0]}")
-            self.metrics.dead_lettered.inc(len(dead))
-            ev = self._new_data.pop(DLQ_SUBJECT, None)
-            if ev:
-                ev.set()
-        self.store.ack(request.subject, request.group, [d.handle for d, _ in retried + dead], now_ms=now)
-        await self._groups_durable(request.subject, request.group)
-        return pb.NackResponse(retried=len(retried), dead_lettered=len(dead))
+        retried = dead = 0
+        for subject, ranges in self._ranges(request.nacks):
+            try:
+                got, handles = self.store.nack(subject, request.group, ranges, now_ms=now)
+                to_retry, to_dlq = retry_copies(got, now_ms=now, retry_after_ms=max(0, request.retry_after_ms),
+                                                max_attempts=self.settings.max_attempts)
+                if to_retry.n:
+                    await self._send_to_delay(to_retry)
+                if to_dlq.n:
+                    res = self.store.append(to_dlq, now_ms=now)
+                    await self.committer.sync_to(self.store.messages.end_offset)
+                    if res.errors:
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"dead-letter append failed: {next(iter(res.errors.values()))}")
+                    self.metrics.dead_lettered.inc(to_dlq.n)
+                    self._wake([DLQ_SUBJECT])
+                if handles.size:
+                    self.store.ack(subject, request.group, unpack_ranges(pack_ranges(handles)), now_ms=now)
+            except HourglassError as e:
+                await context.abort(status.to_grpc(e), str(e))
+            retried += to_retry.n
+            dead += to_dlq.n
+        await self._groups_durable({(sh.subject, request.group) for sh in request.nacks})
+        return pb.NackResponse(retried=retried, dead_lettered=dead)
 
-    async def _send_to_delay(self, msgs: list[Message]) -> None:
+    async def _send_to_delay(self, batch: Batch) -> None:
         nodes = self.settings.delay_nodes
         if not nodes and self.resolver is not None:
             nodes = await self.resolver.delay_nodes()
         if not nodes:
             raise Unavailable("no delay node configured for retries")
-        req = pb.SendBatchRequest(messages=[message_to_pb(m) for m in msgs])
+        req = make_request(batch)
         last: Exception | None = None
         for address in nodes:
             try:
-                resp = await self.channels.producer(address).SendBatch(req, timeout=10)
+                resp = await self.channels.producer(address).SendBatch(req, timeout=RETRY_SEND_TIMEOUT_S)
             except grpc.RpcError as e:
                 last = status.from_rpc_error(e)
                 continue
-            bad = [s for s in resp.statuses if s.code != pb.OK]
-            if bad:
-                raise status.from_code(bad[0].code, bad[0].error)
+            res = BatchResult.from_pb(resp, batch.n)
+            bad = np.flatnonzero(res.codes != pb.OK)
+            if len(bad):
+                i = int(bad[0])
+                raise status.from_code(int(res.codes[i]), res.errors.get(i, "refused"))
             return
         raise Unavailable(f"no delay node took the retries: {last}")
 
@@ -231,7 +289,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return {"role": "realtime", "node_id": self.settings.node_id, "group": self.settings.group,
                 "epoch": self.store.epoch, "address": self.address, "now_ms": self.clock.now_ms(),
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
-                "fsyncs": self.committer.fsyncs}
+                "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters)}
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,

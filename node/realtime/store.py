@@ -1,24 +1,27 @@
 """RealtimeStore: the real-time node's storage engine (message log, consume index, groups).
 
+The unit is the batch (``shared/ARCHITECTURE.md``, "Hot path"): one append stores one
+``cluster.codec.Batch`` as one log frame, one pull answers one ``Batch`` built with
+``Batch.take`` + ``Batch.concat`` from whole frames, acks take handle ranges. Python
+does per-batch work; per-message work runs inside numpy, ``bytes.join`` and list
+comprehensions.
+
 Owns a data folder::
 
-    {root}/messages/                     SegmentedLog of message records (records.encode, kind=message)
-    {root}/index/{subject}/entries       consume index of one subject: fixed 32-byte entries
+    {root}/messages/                     SegmentedLog; each frame's body is one codec Batch (v2)
+    {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py)
     {root}/groups/{subject}/{group}.json position of one consumer group (checkpoint.write_atomic)
     {root}/subjects.json                 known subjects (checkpoint.write_atomic)
     {root}/checkpoint                    epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
 
-Index entry (little-endian, 32 bytes, ``<QIIqQ``)::
+Message frame: the batch as stored, every column set: ``seq`` contiguous inside the
+frame (``(epoch << 40) | counter``, ``node.store.records.make_seq``), ``store_ms`` = the
+append's ``now_ms`` for every message, ``deliver_at_ms`` / ``effective_ms`` / ``attempts``
+as given (the original due time: consumers measure lateness with it), kind = message.
 
-    u64 offset       message-log offset of the record's frame
-    u32 frame_size   header + body bytes (what ``SegmentedLog.read_at`` needs)
-    u32 entry_crc    zlib.crc32 of pack("<QIqQ", offset, frame_size, store_ms, tags_mask)
-    i64 store_ms     when this node accepted the message
-    u64 tags_mask    OR over the message's tags of 1 << (zlib.crc32(tag.encode()) & 63)
-
-The position of an entry in its file (byte offset / 32) is the message's *handle*:
-what ``pull`` hands out and ``ack`` takes back. Handles of a subject are dense and
-start at 0.
+Index entry (32 bytes, ``<QIqQI``; ``node/realtime/index.py``): frame offset, index
+inside the frame, store_ms, 64-bit tags mask, CRC-32 of the entry. The entry's position
+in its file is the message's *handle*.
 
 Group file (JSON)::
 
@@ -32,102 +35,112 @@ filter), so a clean close/reopen never redelivers an acked message even when ack
 came out of order. ``subjects.json`` is ``{"subjects": [...]}``; the checkpoint is
 ``{"epoch", "indexed_offset", "dedup_offset"}``.
 
-Flow (every call takes ``now_ms``; nothing here reads a clock, starts a thread or awaits):
+Flow (every call takes ``now_ms``; nothing here reads a clock or awaits; group files
+are written on one writer thread, ``write_groups_async``):
 
-1. ``append`` validates (the message is due now: ``deliver_at_ms`` is kept as given but
-   not checked against the delay horizon), de-duplicates by (subject, id) inside
-   ``dedup_window_ms``, gives each message a seq ``(epoch << 40) | counter``, appends
-   the records to the message log and, right after, their entries to each subject's
-   index (page cache; durable after ``flush``).
-2. ``pull`` first redelivers this group's in-flight handles whose ack deadline passed
-   (``now_ms >= pulled_at_ms + ack_timeout_ms``), oldest pull first, then hands out new
-   positions from the group's ``next``. In-flight handles are owned by the group, not
-   by a consumer, so consumers of one group never get the same handle at once.
-   A tag filter skips entries whose mask shares no bit with the requested tags; a
-   skipped entry counts as acked *for this group* (a group should keep one filter).
-   The mask may match falsely (64 bits), so the client checks tags exactly.
-   A group seen for the first time starts at the beginning of the subject's index
-   (``start="earliest"``, the default) or at its current end (``"latest"``); the
+1. ``append(batch)`` validates with ``Batch.validate`` (the message is due now:
+   ``deliver_at_ms`` is kept but not checked against the delay horizon), answers
+   (subject, id) seen within ``dedup_window_ms`` as OK/duplicate with the first seq
+   (``node/realtime/dedup.py``), takes the rest out with ``Batch.take``, appends them as
+   one frame and, right after, one run of index entries per subject (page cache; durable
+   after ``flush`` or the caller's group commit of ``messages``). One ``BatchResult``.
+2. ``pull(subjects, group)`` first redelivers this group's in-flight handles whose ack
+   deadline passed (``now_ms >= pulled_at_ms + ack_timeout_ms``, oldest pull first),
+   then hands out new positions from each subject's ``next``, the subjects sharing
+   ``max_messages``. It reads each needed frame once (recent frames come decoded from an
+   LRU cache bounded by ``frame_cache_bytes_max``) and answers ``(Batch, handles)`` in
+   log order; message ``i`` is of subject ``batch.subject(i)`` with handle ``handles[i]``.
+   In-flight handles are ranges owned by the group, not by a consumer
+   (``node/realtime/inflight.py``), so consumers of one group never get the same handle
+   at once. A tag filter skips entries whose mask shares no bit with the requested tags;
+   a skipped entry counts as acked *for this group*; the mask may match falsely, so the
+   client checks tags exactly. A group seen for the first time starts at the beginning
+   of the subject's index (``start="earliest"``) or its current end (``"latest"``); the
    group file is written at once so the choice survives a restart.
-3. ``ack`` drops handles from the in-flight set; ``nack`` returns their deliveries
-   (and restarts their ack deadline) for the service to re-send, which then acks.
+3. ``ack(subject, group, ranges)`` drops handle ranges from the in-flight set; ``nack``
+   returns the in-flight messages of its ranges (their deadline restarted) for the
+   service to re-send, which then acks them.
 4. ``flush`` fsyncs the message log, then the dirty index files, writes changed group
    files, and last the checkpoint with ``indexed_offset`` = the log end before the fsyncs.
 
 Invariants:
 
-* every message record below ``indexed_offset`` has its entry in its subject index on
-  disk; an index holds an entry for a record iff the record's offset is <= the last
-  entry's offset in that file (entries are appended in log order), which lets replay
-  skip what is already indexed without a set of seqs;
-* a group's ``committed <= next <= entries in the index``; ``in-flight ⊆ [committed, next)``;
+* every message of a frame below ``indexed_offset`` has its entry in its subject's index
+  on disk; entries are appended in log order, so a message (frame ``o``, index ``i``) is
+  indexed iff ``(o, i) <= (offset, index)`` of its index's last entry, which lets replay
+  skip what is indexed without a set of seqs;
+* a group's ``committed <= next <= entries in the index``; ``in-flight ⊆ [committed, next)``
+  and holds at most ``inflight_per_group_max`` handles;
 * RAM holds nothing per stored message except the dedup map (bounded by time and
-  ``dedup_entries_max``) and in-flight handles (``inflight_per_group_max`` per group).
+  ``dedup_entries_max``); in-flight handles are ranges; the frame cache is bounded in bytes.
 
-Recovery (``open``): the SegmentedLog truncates its own torn tail. Each index file
-loses a partial trailing entry, then trailing entries that fail their CRC (torn page)
-or point past the message-log end; a CRC failure in the middle of an index is
-reported as ``CorruptRecord`` on read. Records from ``min(indexed_offset,
-dedup_offset)`` on are replayed: missing entries re-indexed (from the start of the
-last surviving entry of a subject whose tail failed its CRC), and records with
-``store_ms > now_ms - dedup_window_ms`` put back in the dedup map. Group positions
-come from their files; the in-flight deadlines do not survive, so handles that were
-pending at the last flush (and everything handed out after it) are redelivered at
-once: delivery is at-least-once. Acks after the last flush are lost by a crash, not by
-``close`` (which flushes).
+Recovery (``open``): the SegmentedLog truncates its own torn tail. Each index file loses
+a partial trailing entry, then trailing entries that fail their CRC (torn page) or point
+at or past the message-log end; a CRC failure in the middle of an index is reported as
+``CorruptRecord`` on read. Frames from ``min(indexed_offset, dedup_offset)`` on are
+replayed: missing entries re-indexed (from the last surviving entry's frame of a subject
+whose tail failed its CRC), and frames with ``store_ms > now_ms - dedup_window_ms`` put
+back in the dedup map. Group positions come from their files; in-flight deadlines do not
+survive, so handles pending at the last group write (and everything handed out after it)
+are redelivered at once: delivery is at-least-once. Acks after the last group write are
+lost by a crash, not by ``close`` (which flushes).
 
 Example::
 
     st = RealtimeStore.open(root, now_ms=t)
-    st.append([Message(0, 0, t, "id-1", "orders", b"x", tags=("eu",))], now_ms=t)
-    st.flush()
-    [d] = st.pull("orders", "billing", "c1", max_messages=10, now_ms=t)   # d.handle == 0
-    st.ack("orders", "billing", [d.handle], now_ms=t)                     # -> 1
+    res = st.append(Batch.build("orders", [b"x"], ["id-1"], [t]), now_ms=t)   # res.seqs[0]
+    batch, handles = st.pull(["orders"], "billing", "c1", max_messages=10, now_ms=t)  # handles == [0]
+    st.ack("orders", "billing", [(0, 1)], now_ms=t)                                  # -> 1
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import struct
 import uuid
-import zlib
-from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 
+import numpy as np
+
+from cluster import status
+from cluster.codec import COLUMN_BYTES, HEADER_SIZE as BATCH_HEADER_SIZE, OK, SUBJECT_RE, Batch, Limits
 from cluster.errors import Closed, CorruptRecord, HourglassError, InvalidArgument, Overloaded, PayloadTooLarge, \
     UnknownSubject
-from node.store import checkpoint, records
-from node.store.log import HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
-from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Limits, Message
+from cluster.wire import BatchResult
+from node.realtime.dedup import DedupWindow
+from node.realtime.index import ENTRIES_FILE, ENTRY, ENTRY_DTYPE, ENTRY_SIZE, SubjectIndex, batch_tag_masks, \
+    frame_runs, tags_mask
+from node.realtime.inflight import InflightRanges
+from node.store import checkpoint
+from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
+from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
+
+__all__ = ["DLQ_SUBJECT", "ENTRY", "ENTRY_SIZE", "RealtimeSettings", "RealtimeStore", "START_EARLIEST",
+           "START_LATEST", "tags_mask"]
 
 log = logging.getLogger("hourglass.realtime.store")
 
 DLQ_SUBJECT = "hourglass.dlq"
-
-ENTRY = struct.Struct("<QIIqQ")
-ENTRY_SIZE = ENTRY.size  # 32
-_ENTRY_CRC = struct.Struct("<QIqQ")
-ENTRIES_FILE = "entries"
 GROUP_FILE_VERSION = 1
 START_EARLIEST = "earliest"
 START_LATEST = "latest"
 _DUE_NOW_MS = -(1 << 62)  # pulled_at of handles restored from disk: due for redelivery at once
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-_REINDEX_BUFFER_ENTRIES = 1024
+_SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skips entries
+_OVERLOADED = status.to_code(Overloaded(""))
 
 
 @dataclass(frozen=True, slots=True)
 class RealtimeSettings:
     segment_bytes: int = 64 * 1024 * 1024
     dedup_window_ms: int = 600_000          # de-duplicate by (subject, message id) within this window
-    dedup_entries_max: int = 2_000_000      # dedup map size; a full map makes append answer Overloaded
+    dedup_entries_max: int = 2_000_000      # dedup map size; new messages beyond it are answered OVERLOADED
     ack_timeout_ms: int = 30_000            # a pulled, unacked message is redelivered after this
-    inflight_per_group_max: int = 100_000   # in-flight handles per group; pull answers Overloaded when full
+    inflight_per_group_max: int = 100_000   # in-flight handles per (subject, group); pull stops handing out
     pull_max: int = 1000                    # max_messages above this is clamped
     auto_create_subjects: bool = True
     max_attempts: int = 16                  # nack: after this many attempts -> dead letter (used by the service)
@@ -136,37 +149,7 @@ class RealtimeSettings:
     groups_max: int = 100_000               # consumer groups over all subjects
     pull_scan_entries_max: int = 65_536     # index entries one pull may examine (tag filters skip entries)
     index_files_open_max: int = 256         # open index file descriptors (LRU)
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    msg_id: str
-    seq: int
-    duplicate: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    handle: int      # position in the subject's consume index
-    message: Message
-
-
-def tags_mask(tags: Iterable[str]) -> int:
-    """The 64-bit bloom mask of a tag set (see module docstring)."""
-    mask = 0
-    for t in tags:
-        mask |= 1 << (zlib.crc32(t.encode()) & 63)
-    return mask
-
-
-def encode_entry(offset: int, frame_size: int, store_ms: int, mask: int) -> bytes:
-    crc = zlib.crc32(_ENTRY_CRC.pack(offset, frame_size, store_ms, mask))
-    return ENTRY.pack(offset, frame_size, crc, store_ms, mask)
-
-
-def _entry_ok(raw: bytes | memoryview, pos: int) -> bool:
-    offset, size, crc, store_ms, mask = ENTRY.unpack_from(raw, pos)
-    return zlib.crc32(_ENTRY_CRC.pack(offset, size, store_ms, mask)) == crc
+    frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:
@@ -174,18 +157,41 @@ def _check_name(what: str, name: str, bytes_max: int) -> None:
         raise InvalidArgument(what, "must be a non-empty string")
     if len(name.encode()) > bytes_max:
         raise InvalidArgument(what, f"{len(name.encode())} bytes exceeds {bytes_max}")
-    if not records.SUBJECT_RE.match(name):
-        raise InvalidArgument(what, f"{name[:64]!r} does not match {records.SUBJECT_RE.pattern}")
+    if not SUBJECT_RE.match(name):
+        raise InvalidArgument(what, f"{name[:64]!r} does not match {SUBJECT_RE.pattern}")
 
 
-def _runs(handles: Iterable[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for h in sorted(handles):
-        if out and out[-1][1] == h:
-            out[-1][1] = h + 1
-        else:
-            out.append([h, h + 1])
-    return out
+def _as_pairs(ranges) -> list[list[int]]:
+    """Handle ranges as ``[[lo, hi], ...]`` from a (k, 2) array (``wire.unpack_ranges``) or pairs."""
+    if isinstance(ranges, np.ndarray):
+        return ranges.astype(np.int64).reshape(-1, 2).tolist()
+    return [[int(a), int(b)] for a, b in ranges]
+
+
+def _runs(handles: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted distinct handles as ``[lo, hi)`` runs of consecutive values."""
+    if not len(handles):
+        return []
+    h = handles.astype(np.int64)
+    breaks = np.flatnonzero(np.diff(h) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(h)]))
+    return list(zip(h[starts].tolist(), (h[ends - 1] + 1).tolist()))
+
+
+def _encoded_size(b: Batch) -> int:
+    table = sum(2 + len(s.encode()) for s in b.subjects)
+    return BATCH_HEADER_SIZE + b.n * COLUMN_BYTES + table + len(b.ids) + len(b.payloads) + len(b.extras)
+
+
+def _with_ids(b: Batch) -> Batch:
+    """Messages sent without an id get a random one (sends stay idempotent only with an id)."""
+    ends = b.id_end.astype(np.int64)
+    if not b.n or not bool((np.diff(ends, prepend=0) == 0).any()):
+        return b
+    ids = [i or uuid.uuid4().hex for i in b.id_list()]
+    blob = "".join(ids).encode()
+    return b.replace(ids=blob, id_end=np.cumsum([len(i.encode()) for i in ids]).astype(np.uint32))
 
 
 def _write_group_files(jobs: list[tuple[Path, str, dict]]) -> None:
@@ -194,20 +200,6 @@ def _write_group_files(jobs: list[tuple[Path, str, dict]]) -> None:
             d.mkdir(parents=True)
             fsync_dir(d.parent)
         checkpoint.write_atomic(d / f"{name}.json", doc)
-
-
-class _SubjectIndex:
-    """One subject's consume index file; RAM: its entry count and last entry's offset."""
-
-    __slots__ = ("subject", "path", "count", "last_offset", "fd", "dirty")
-
-    def __init__(self, subject: str, path: Path) -> None:
-        self.subject = subject
-        self.path = path
-        self.count = 0
-        self.last_offset = -1  # message-log offset of the last entry; -1 when empty
-        self.fd = -1
-        self.dirty = False     # written since the last fsync
 
 
 class _Group:
@@ -220,17 +212,16 @@ class _Group:
         self.name = name
         self.start = start
         self.next_pos = next_pos
-        # handle -> pulled_at_ms, in order of (re)delivery: the front is the first to time out
-        self.inflight: OrderedDict[int, int] = OrderedDict()
+        self.inflight = InflightRanges()
         self.persisted: dict | None = None
         self.dirty = True
 
     def committed(self) -> int:
-        return min(self.inflight, default=self.next_pos)
+        return self.inflight.committed(self.next_pos)
 
     def doc(self) -> dict:
         return {"version": GROUP_FILE_VERSION, "subject": self.subject, "group": self.name, "start": self.start,
-                "committed": self.committed(), "next": self.next_pos, "pending": _runs(self.inflight)}
+                "committed": self.committed(), "next": self.next_pos, "pending": self.inflight.runs()}
 
 
 class RealtimeStore:
@@ -242,9 +233,10 @@ class RealtimeStore:
         root.mkdir(parents=True, exist_ok=True)
         (root / "index").mkdir(exist_ok=True)
         (root / "groups").mkdir(exist_ok=True)
-        record_bytes_max = max(RECORD_BYTES_MAX_DEFAULT, settings.limits.payload_bytes_max + (1 << 20))
+        # one frame holds one whole batch: the largest request, plus room for the columns the node fills
+        self.frame_bytes_max = max(RECORD_BYTES_MAX_DEFAULT, settings.limits.batch_bytes_max + (1 << 20))
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.segment_bytes,
-                                          record_bytes_max=record_bytes_max)
+                                          record_bytes_max=self.frame_bytes_max)
         self._closed = False
         self._group_writer: ThreadPoolExecutor | None = None
         self._ckpt_path = root / "checkpoint"
@@ -257,14 +249,15 @@ class RealtimeStore:
         self._ckpt_saved: dict | None = None
         self._save_checkpoint(self.indexed_offset, dedup_offset)  # the epoch is durable before any seq uses it
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
-                         "skipped_by_tag": 0, "reindexed": 0}
+                         "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0}
 
-        self._subjects: dict[str, _SubjectIndex] = {}
+        self._subjects: dict[str, SubjectIndex] = {}
         self._open_fds: OrderedDict[str, None] = OrderedDict()  # LRU of subjects with an open index fd
         self._groups: dict[tuple[str, str], _Group] = {}
-        # dedup: (subject, id) -> (seq, store_ms); order: (store_ms, key, seq, log offset) in append order
-        self._dedup: dict[tuple[str, str], tuple[int, int]] = {}
-        self._dedup_order: deque[tuple[int, tuple[str, str], int, int]] = deque()
+        self._dedup = DedupWindow(window_ms=settings.dedup_window_ms, entries_max=settings.dedup_entries_max)
+        self._frames: OrderedDict[int, tuple[Batch, int]] = OrderedDict()  # offset -> (batch, body bytes), LRU
+        self._frames_bytes = 0
+        self._rotation = 0  # which subject of a multi-subject pull goes first (fairness)
         # replication: every group file write gets a seq; (subject, group) -> seq of its last write, oldest first
         self.group_seq = 0
         self._group_changes: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -312,12 +305,6 @@ class RealtimeStore:
         except Exception:
             pass
 
-    def __enter__(self) -> "RealtimeStore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _check_open(self) -> None:
         if self._closed:
             raise Closed("real-time store is closed")
@@ -325,48 +312,16 @@ class RealtimeStore:
     # ------------------------------------------------------------------ recovery
 
     def _load_index(self, subject: str) -> int | None:
-        """Open a subject's index and cut its torn tail. Returns a message-log offset replay
-        must start from when entries that may be below ``indexed_offset`` were dropped."""
+        """Open a subject's index and cut its torn tail (``SubjectIndex.repair_tail``)."""
         d = self.root / "index" / subject
         d.mkdir(parents=True, exist_ok=True)
-        ix = _SubjectIndex(subject, d / ENTRIES_FILE)
+        ix = SubjectIndex(subject, d / ENTRIES_FILE)
         self._subjects[subject] = ix
-        ix.path.touch(exist_ok=True)
-        size = ix.path.stat().st_size
-        count = size // ENTRY_SIZE
-        log_end = self.messages.end_offset
-        crc_dropped = False
-        keep = count
-        last = None
-        with open(ix.path, "rb") as f:
-            while keep > 0:
-                f.seek((keep - 1) * ENTRY_SIZE)
-                raw = f.read(ENTRY_SIZE)
-                if not _entry_ok(raw, 0):
-                    crc_dropped = True
-                    keep -= 1
-                    continue
-                offset, frame_size, _, _, _ = ENTRY.unpack(raw)
-                if offset + frame_size > log_end:
-                    keep -= 1
-                    continue
-                last = (offset, frame_size)
-                break
-        if keep * ENTRY_SIZE != size:
-            with open(ix.path, "r+b") as f:
-                f.truncate(keep * ENTRY_SIZE)
-                os.fsync(f.fileno())
-            log.warning("index torn tail truncated path=%s offset=%d bytes_dropped=%d",
-                        ix.path, keep * ENTRY_SIZE, size - keep * ENTRY_SIZE)
-        ix.count = keep
-        ix.last_offset = last[0] if last else -1
-        if crc_dropped:
-            return last[0] + last[1] if last else self.messages.start_offset
-        return None
+        return ix.repair_tail(self.messages.end_offset, self.messages.start_offset)
 
     def _replay(self, reindex_from: int, dedup_offset: int, now_ms: int) -> None:
-        """Re-index records missing from their subject index and rebuild the dedup map."""
-        last_seq, dropped = self._index_records(reindex_from, dedup_offset, now_ms)
+        """Re-index messages missing from their subject index and rebuild the dedup map."""
+        last_seq, dropped = self._index_frames(reindex_from, dedup_offset, now_ms)
         if dropped:
             log.warning("dedup map full at recovery path=%s dedup_entries_max=%d entries_dropped=%d",
                         self.root, self.settings.dedup_entries_max, dropped)
@@ -376,7 +331,7 @@ class RealtimeStore:
         if last_seq is None and self.messages.end_offset > self.messages.start_offset:
             last_off = max((ix.last_offset for ix in self._subjects.values()), default=-1)
             if last_off >= 0:
-                last_seq = records.peek_header(self.messages.read(last_off)[0])[1]
+                last_seq = int(self._frame(last_off).seq[-1])
         if last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT > self.epoch:
             # a replica's log holds seqs of its masters' epochs: stay above all of them
             self.epoch = (last_seq >> SEQ_EPOCH_SHIFT) + 1
@@ -384,42 +339,45 @@ class RealtimeStore:
         elif last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT == self.epoch:
             self._counter = (last_seq & SEQ_COUNTER_MAX) + 1  # bump_epoch=False: never reuse a seq
 
-    def _index_records(self, reindex_from: int, dedup_offset: int, now_ms: int) -> tuple[int | None, int]:
-        """Index records from ``reindex_from`` on that their subject index lacks, and put records
-        from ``dedup_offset`` on back in the dedup map. Returns (last seq seen, dedup entries dropped)."""
-        start = min(reindex_from, dedup_offset)
+    def _decode_frame(self, offset: int, body: bytes) -> Batch:
+        try:
+            return Batch.decode(body)
+        except InvalidArgument as e:  # the CRC matched: written by something that is not this store
+            raise CorruptRecord(str(self.messages.directory), offset, f"not a message batch: {e.reason}") from None
+
+    def _index_frames(self, reindex_from: int, dedup_offset: int, now_ms: int) -> tuple[int | None, int]:
+        """Index messages of frames from ``reindex_from`` on that their subject index lacks, and
+        put frames from ``dedup_offset`` on back in the dedup map. Returns (last seq seen,
+        dedup entries dropped because the map was full)."""
         cutoff = now_ms - self.settings.dedup_window_ms
-        buffers: dict[str, list[bytes]] = {}
         last_seq = None
         dropped = 0
-        for off, body in self.messages.iterate(start):
-            m = records.decode(body)
-            last_seq = m.seq
-            if m.kind != records.KIND_MESSAGE:
+        for off, body in self.messages.iterate(min(reindex_from, dedup_offset)):
+            b = self._decode_frame(off, body)
+            if not b.n:
                 continue
+            last_seq = int(b.seq[-1])
             if off >= reindex_from:
-                ix = self._subjects.get(m.subject)
-                if ix is None:
-                    self._create_subject(m.subject)
-                    ix = self._subjects[m.subject]
-                if off > ix.last_offset:
-                    buf = buffers.setdefault(m.subject, [])
-                    buf.append(encode_entry(off, HEADER_SIZE + len(body), m.store_ms, tags_mask(m.tags)))
-                    ix.last_offset = off
-                    self.counters["reindexed"] += 1
-                    if len(buf) >= _REINDEX_BUFFER_ENTRIES:
-                        self._write_entries(ix, buf)
-                        buf.clear()
-            if off >= dedup_offset and m.store_ms > cutoff:
-                key = (m.subject, m.msg_id)
-                self._dedup[key] = (m.seq, m.store_ms)
-                self._dedup_order.append((m.store_ms, key, m.seq, off))
-                if len(self._dedup_order) > self.settings.dedup_entries_max:
-                    self._pop_dedup()
-                    dropped += 1
-        for s, buf in buffers.items():
-            if buf:
-                self._write_entries(self._subjects[s], buf)
+                runs = frame_runs(offset=off, subject_idx=b.subject_idx, store_ms=int(b.store_ms[0]),
+                                  masks=batch_tag_masks(b))
+                for k, raw in runs.items():
+                    s = b.subjects[k]
+                    ix = self._subjects.get(s)
+                    if ix is None:
+                        self._create_subject(s)
+                        ix = self._subjects[s]
+                    if off < ix.last_offset:
+                        continue
+                    if off == ix.last_offset:  # a run cut short: keep the entries past the last one indexed
+                        done = int((np.frombuffer(raw, ENTRY_DTYPE)["index"] <= ix.last_index).sum())
+                        raw = raw[done * ENTRY_SIZE:]
+                    if raw:
+                        ix.append_run(self._fd(ix), raw)
+                        self.counters["reindexed"] += len(raw) // ENTRY_SIZE
+            store_ms = int(b.store_ms[0])
+            if off >= dedup_offset and store_ms > cutoff:
+                keys = list(zip(b.subject_list(), b.id_list()))
+                dropped += self._dedup.add(keys, b.seq.tolist(), store_ms=store_ms, offset=off)
         return last_seq, dropped
 
     def _load_groups(self) -> None:
@@ -436,13 +394,14 @@ class RealtimeStore:
                 self._note_group_write(g)
 
     @staticmethod
-    def _group_from_doc(subject: str, name: str, doc: dict, ix: _SubjectIndex) -> _Group:
+    def _group_from_doc(subject: str, name: str, doc: dict, ix: SubjectIndex) -> _Group:
         g = _Group(subject, name, doc.get("start", START_EARLIEST), 0)
         g.next_pos = min(int(doc.get("next", doc.get("committed", 0))), ix.count)
         committed = min(int(doc.get("committed", 0)), g.next_pos)
         for a, b in doc.get("pending", []):
-            for h in range(max(a, committed), min(b, g.next_pos)):
-                g.inflight[h] = _DUE_NOW_MS
+            lo, hi = max(int(a), committed), min(int(b), g.next_pos)
+            if lo < hi:
+                g.inflight.add(lo, hi, _DUE_NOW_MS)
         g.persisted = doc
         g.dirty = False
         return g
@@ -453,9 +412,9 @@ class RealtimeStore:
         self._group_changes[key] = self.group_seq
         self._group_changes.move_to_end(key)
 
-    # ------------------------------------------------------------------ index files
+    # ------------------------------------------------------------------ files
 
-    def _fd(self, ix: _SubjectIndex) -> int:
+    def _fd(self, ix: SubjectIndex) -> int:
         if ix.fd >= 0:
             self._open_fds.move_to_end(ix.subject)
             return ix.fd
@@ -466,7 +425,7 @@ class RealtimeStore:
             self._close_fd(self._subjects[old])
         return ix.fd
 
-    def _close_fd(self, ix: _SubjectIndex) -> None:
+    def _close_fd(self, ix: SubjectIndex) -> None:
         if ix.fd < 0:
             return
         if ix.dirty:
@@ -476,33 +435,24 @@ class RealtimeStore:
         ix.fd = -1
         self._open_fds.pop(ix.subject, None)
 
-    def _write_entries(self, ix: _SubjectIndex, entries: list[bytes]) -> None:
-        fd = self._fd(ix)
-        view = memoryview(b"".join(entries))
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        ix.count += len(entries)
-        ix.dirty = True
+    def _frame(self, offset: int) -> Batch:
+        """The batch of the frame at ``offset``: from the LRU cache, else read and decoded once."""
+        hit = self._frames.get(offset)
+        if hit is not None:
+            self._frames.move_to_end(offset)
+            return hit[0]
+        self.counters["frame_cache_misses"] += 1
+        body, _ = self.messages.read(offset)
+        b = self._decode_frame(offset, body)
+        self._cache_frame(offset, b, len(body))
+        return b
 
-    def _read_entries(self, ix: _SubjectIndex, pos: int, n: int) -> list[tuple[int, int, int, int]]:
-        """(offset, frame_size, store_ms, tags_mask) of entries [pos, pos + n)."""
-        n = min(n, ix.count - pos)
-        if n <= 0:
-            return []
-        raw = os.pread(self._fd(ix), n * ENTRY_SIZE, pos * ENTRY_SIZE)
-        if len(raw) != n * ENTRY_SIZE:
-            raise CorruptRecord(str(ix.path), len(raw) + pos * ENTRY_SIZE, "index file shorter than expected")
-        out = []
-        for i in range(n):
-            offset, size, crc, store_ms, mask = ENTRY.unpack_from(raw, i * ENTRY_SIZE)
-            if zlib.crc32(_ENTRY_CRC.pack(offset, size, store_ms, mask)) != crc:
-                raise CorruptRecord(str(ix.path), (pos + i) * ENTRY_SIZE, "index entry checksum mismatch")
-            out.append((offset, size, store_ms, mask))
-        return out
-
-    def _message_at(self, ix: _SubjectIndex, offset: int, size: int) -> Message:
-        return records.decode(self.messages.read_at(offset, size))
+    def _cache_frame(self, offset: int, b: Batch, size: int) -> None:
+        self._frames[offset] = (b, size)
+        self._frames_bytes += size
+        while self._frames_bytes > self.settings.frame_cache_bytes_max and len(self._frames) > 1:
+            _, (_, old) = self._frames.popitem(last=False)
+            self._frames_bytes -= old
 
     # ------------------------------------------------------------------ subjects
 
@@ -525,7 +475,7 @@ class RealtimeStore:
     def subjects(self) -> list[str]:
         return sorted(self._subjects)
 
-    def _index(self, subject: str) -> _SubjectIndex:
+    def _index(self, subject: str) -> SubjectIndex:
         ix = self._subjects.get(subject) if isinstance(subject, str) else None
         if ix is None:
             raise UnknownSubject(subject)
@@ -533,129 +483,127 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ append
 
-    def _next_seq(self) -> int:
-        seq = records.make_seq(self.epoch, self._counter)
-        self._counter += 1
-        return seq
+    def append(self, batch: Batch, *, now_ms: int) -> BatchResult:
+        """Store a batch; one answer per message (see module docstring, step 1).
 
-    def _prepare(self, m: Message, now_ms: int) -> Message:
-        """The record to store for a producer's message (seq still 0), or InvalidArgument."""
-        if not isinstance(m, Message):
-            raise InvalidArgument("message", f"expected a Message, got {type(m).__name__}")
-        if m.kind != records.KIND_MESSAGE:
-            raise InvalidArgument("kind", "a real-time node stores messages only")
-        if not isinstance(m.deliver_at_ms, int) or not _I64_MIN <= m.deliver_at_ms <= _I64_MAX:
-            raise InvalidArgument("deliver_at_ms", "must be a 64-bit integer")
-        if not isinstance(m.attempts, int) or not 0 <= m.attempts <= 0xFFFF:
-            raise InvalidArgument("attempts", "must be an integer in [0, 65535]")
-        try:
-            stored = Message(seq=0, store_ms=now_ms, deliver_at_ms=m.deliver_at_ms,
-                             msg_id=m.msg_id or uuid.uuid4().hex, subject=m.subject, payload=m.payload,
-                             tags=tuple(m.tags), properties=tuple(tuple(p) for p in m.properties),
-                             attempts=m.attempts)
-            # the message is due now: deliver_at_ms is kept, but the delay horizon does not apply
-            records.validate_message(dataclasses.replace(stored, deliver_at_ms=now_ms), now_ms=now_ms,
-                                     limits=self.settings.limits)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument("message", str(e)) from None
-        return dataclasses.replace(stored, payload=bytes(stored.payload))
-
-    def _expire_dedup(self, now_ms: int) -> None:
-        cutoff = now_ms - self.settings.dedup_window_ms
-        order = self._dedup_order
-        while order and order[0][0] <= cutoff:
-            self._pop_dedup()
-
-    def _pop_dedup(self) -> None:
-        _, key, seq, _ = self._dedup_order.popleft()
-        if self._dedup.get(key, (None,))[0] == seq:
-            del self._dedup[key]
-
-    def append(self, batch: Sequence[Message], *, now_ms: int) -> list[Stored | Exception]:
-        """Store messages; one result per message: ``Stored`` or the exception that rejected it.
-
-        A rejected message changes nothing; the others go on. A message whose (subject, id)
-        was stored within ``dedup_window_ms`` answers ``Stored(duplicate=True)`` with the
-        first copy's seq and is not stored again. Durable after ``flush`` (or after the
-        caller's group commit of ``messages``: replay re-indexes what the indexes lack).
+        A refused message changes nothing; the others go on. ``InvalidArgument`` for the
+        whole call when the batch has more than ``batch_messages_max`` messages or more
+        bytes than one frame holds.
         """
         self._check_open()
-        self._expire_dedup(now_ms)
-        window_ms = self.settings.dedup_window_ms
-        out: list[Stored | Exception | None] = []
-        bodies: list[bytes] = []
-        pending: list[tuple[int, Message]] = []  # (index in out, stored message)
-        batch_keys: dict[tuple[str, str], int] = {}
-        for m in batch:
+        limits = self.settings.limits
+        n = batch.n
+        if n > limits.batch_messages_max:
+            raise InvalidArgument("batch", f"{n} messages exceeds batch_messages_max {limits.batch_messages_max}")
+        res = BatchResult.sized(n)
+        if not n:
+            return res
+        res.deliver_at_ms[:] = batch.deliver_at_ms
+        batch = _with_ids(batch)
+        size = _encoded_size(batch)
+        if size > self.frame_bytes_max:
+            raise PayloadTooLarge("batch", f"{size} bytes exceeds one frame ({self.frame_bytes_max} bytes)")
+        self._dedup.expire(now_ms)
+        # due now on this node: the delay horizon does not apply to deliver_at_ms
+        codes, errors = batch.replace(deliver_at_ms=np.full(n, now_ms, np.int64)).validate(now_ms=now_ms,
+                                                                                           limits=limits)
+        self._refuse_unknown_subjects(batch, codes, errors)
+
+        ok = np.flatnonzero(codes == OK)
+        sub = batch.take(ok)
+        m = sub.n
+        keys = list(zip(sub.subject_list(), sub.id_list()))
+        first = dict(zip(reversed(keys), range(m - 1, -1, -1)))  # key -> its first index in the batch
+        if len(first) == m:  # no id twice in this batch (the common case: skip the per-message arrays)
+            first_idx = np.arange(m)
+        else:
+            first_idx = np.fromiter(map(first.get, keys), np.int64, m)
+        if self._dedup.map.keys().isdisjoint(first):
+            prior = np.full(m, -1, np.int64)
+        else:
+            prior = np.fromiter(map(self._dedup.map.get, keys, repeat(-1)), np.int64, m)
+        seen = prior >= 0
+        repeated = (first_idx != np.arange(m)) & ~seen
+        new = np.flatnonzero(~seen & ~repeated)
+        refused = np.zeros(m, bool)
+        room = self._dedup.room()
+        if len(new) > room:  # the dedup map is full: refuse what it cannot remember
+            refused[new[room:]] = True
+            new = new[:room]
+        refused |= repeated & refused[first_idx]  # a repeat of a refused first copy
+        if refused.any():
+            full = f"dedup map holds {len(self._dedup)} ids (dedup_entries_max={self.settings.dedup_entries_max})"
+            codes[ok[refused]] = _OVERLOADED
+            errors.update(dict.fromkeys(ok[refused].tolist(), full))
+        k = len(new)
+        seqs = np.zeros(m, np.uint64)
+        if k:
+            make_seq(self.epoch, self._counter + k - 1)  # Overloaded once the epoch's seqs run out
+            base = make_seq(self.epoch, self._counter)
+            seqs[new] = np.arange(base, base + k, dtype=np.uint64)
+        seqs[seen] = prior[seen].astype(np.uint64)
+        seqs[repeated] = seqs[first_idx[repeated]]
+
+        ok_now = codes[ok] == OK
+        res.codes[:] = codes
+        res.errors = errors
+        res.seqs[ok[ok_now]] = seqs[ok_now]
+        res.duplicates[ok[ok_now & (seen | repeated)]] = 1
+        dup_count = int((ok_now & (seen | repeated)).sum())
+        self.counters["duplicates"] += dup_count
+        if k:
+            self._store_frame(sub.take(new), seqs[new], keys if k == m else [keys[i] for i in new.tolist()], now_ms)
+        return res
+
+    def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str]) -> None:
+        """Create the batch's new subjects (when allowed); refuse the messages of the others."""
+        for k, s in enumerate(batch.subjects):
+            if s in self._subjects:
+                continue
+            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
+            if not len(mine):
+                continue
             try:
-                rec = self._prepare(m, now_ms)
-                key = (rec.subject, rec.msg_id)
-                if key in batch_keys:
-                    self.counters["duplicates"] += 1
-                    out.append(Stored(rec.msg_id, batch_keys[key], duplicate=True))
-                    continue
-                prior = self._dedup.get(key)
-                if prior is not None and now_ms - prior[1] < window_ms:
-                    self.counters["duplicates"] += 1
-                    out.append(Stored(rec.msg_id, prior[0], duplicate=True))
-                    continue
-                if len(self._dedup) + len(batch_keys) >= self.settings.dedup_entries_max:
-                    raise Overloaded(f"dedup map holds {len(self._dedup)} ids "
-                                     f"(dedup_entries_max={self.settings.dedup_entries_max})")
-                if rec.subject not in self._subjects:
-                    if not (self.settings.auto_create_subjects or rec.subject == DLQ_SUBJECT):
-                        raise UnknownSubject(rec.subject)
-                    self._create_subject(rec.subject)
-                rec = dataclasses.replace(rec, seq=self._next_seq())
-                body = records.encode(rec)
-                if len(body) > self.messages.record_bytes_max:
-                    raise PayloadTooLarge("message", f"{len(body)} bytes encoded exceeds "
-                                                     f"{self.messages.record_bytes_max}")
-                batch_keys[key] = rec.seq
-                pending.append((len(out), rec))
-                bodies.append(body)
-                out.append(None)
+                if not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
+                    raise UnknownSubject(s)
+                self._create_subject(s)
             except HourglassError as e:
-                out.append(e)
-        if bodies:
-            # if an index write ever failed, the flush point stays before it and replay repairs it
-            contiguous = self._indexed_upto == self.messages.end_offset
-            offsets = self.messages.append(bodies)
-            per_subject: dict[str, list[bytes]] = {}
-            for (i, rec), off, body in zip(pending, offsets, bodies):
-                per_subject.setdefault(rec.subject, []).append(
-                    encode_entry(off, HEADER_SIZE + len(body), now_ms, tags_mask(rec.tags)))
-                self._subjects[rec.subject].last_offset = off
-                key = (rec.subject, rec.msg_id)
-                self._dedup[key] = (rec.seq, now_ms)
-                self._dedup_order.append((now_ms, key, rec.seq, off))
-                out[i] = Stored(rec.msg_id, rec.seq)
-            for s, entries in per_subject.items():
-                self._write_entries(self._subjects[s], entries)
-            if contiguous:
-                self._indexed_upto = self.messages.end_offset
-            self.counters["appended"] += len(bodies)
-        return out  # type: ignore[return-value]
+                codes[mine] = status.to_code(e)
+                errors.update(dict.fromkeys(mine.tolist(), str(e)))
+
+    def _store_frame(self, stored: Batch, seqs: np.ndarray, keys: list, now_ms: int) -> None:
+        """Append one frame and its index runs; remember its ids and keep it decoded for pulls."""
+        stored = stored.replace(seq=seqs, store_ms=now_ms)
+        body = stored.encode()
+        contiguous = self._indexed_upto == self.messages.end_offset  # else replay repairs a failed index write
+        [off] = self.messages.append([body])
+        self._counter += stored.n
+        runs = frame_runs(offset=off, subject_idx=stored.subject_idx, store_ms=now_ms, masks=batch_tag_masks(stored))
+        for k, raw in runs.items():
+            ix = self._subjects[stored.subjects[k]]
+            ix.append_run(self._fd(ix), raw)
+        if contiguous:
+            self._indexed_upto = self.messages.end_offset
+        self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
+        self._cache_frame(off, stored, len(body))
+        self.counters["appended"] += stored.n
 
     # ------------------------------------------------------------------ durability
 
     def flush(self) -> None:
         """fsync the message log and the indexes, write changed group files, then the checkpoint."""
         self._check_open()
-        indexed = self._indexed_upto  # every record below it has its index entry written
+        indexed = self._indexed_upto  # every message below it has its index entry written
         self.messages.flush()
         for ix in self._subjects.values():
             if ix.dirty:
                 os.fsync(self._fd(ix))
                 ix.dirty = False
-        for g in self._groups.values():
-            if g.dirty:
-                doc = g.doc()
-                if doc != g.persisted:
-                    self._write_group(g, doc)
-                g.dirty = False
-        dedup_offset = self._dedup_order[0][3] if self._dedup_order else indexed
-        self._save_checkpoint(indexed, dedup_offset)
+        items = self.snapshot_groups(list(self._groups))
+        if items:
+            self.write_groups_async(items).result()
+        oldest = self._dedup.oldest_offset()
+        self._save_checkpoint(indexed, indexed if oldest is None else oldest)
 
     def persist_group(self, subject: str, group: str) -> bool:
         """Write one group's file now if it changed (an acknowledged ack survives a crash).
@@ -674,10 +622,7 @@ class RealtimeStore:
             self._ckpt_saved = doc
         self.indexed_offset = indexed
 
-    def _write_group(self, g: _Group, doc: dict) -> None:
-        self.write_groups_async([(g, doc)]).result()
-
-    def write_groups_async(self, items: list[tuple["_Group", dict]]) -> Future:
+    def write_groups_async(self, items: list[tuple[_Group, dict]]) -> Future:
         """Write group files on the one group-writer thread, in submission order (so a newer
         document of a group never lands before an older one). The in-memory state moves at
         once; the returned future completes when the files are fsynced."""
@@ -690,7 +635,7 @@ class RealtimeStore:
             self._group_writer = ThreadPoolExecutor(1, thread_name_prefix="group-writer")
         return self._group_writer.submit(_write_group_files, jobs)
 
-    def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple["_Group", dict]]:
+    def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple[_Group, dict]]:
         """Documents of the given groups that changed since they were last written."""
         out = []
         for key in keys:
@@ -705,7 +650,7 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ consume
 
-    def _group(self, subject: str, group: str, ix: _SubjectIndex, start: str) -> _Group:
+    def _group(self, subject: str, group: str, ix: SubjectIndex, start: str) -> _Group:
         g = self._groups.get((subject, group))
         if g is not None:
             return g
@@ -715,109 +660,154 @@ class RealtimeStore:
         if len(self._groups) >= self.settings.groups_max:
             raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
         g = _Group(subject, group, start, ix.count if start == START_LATEST else 0)
-        self._write_group(g, g.doc())  # the start position survives a restart
+        self.write_groups_async([(g, g.doc())]).result()  # the start position survives a restart
         g.dirty = False
         self._groups[(subject, group)] = g
         return g
 
-    def pull(self, subject: str, group: str, consumer_id: str, *, max_messages: int, tags: Sequence[str] = (),
-             now_ms: int, start: str = START_EARLIEST) -> list[Delivery]:
-        """Up to ``max_messages`` deliveries for one consumer of ``group`` (see module docstring).
+    def pull(self, subjects: Sequence[str], group: str, consumer_id: str, *, max_messages: int,
+             tags: Sequence[str] = (), now_ms: int, start: str = START_EARLIEST) -> tuple[Batch, np.ndarray]:
+        """Up to ``max_messages`` messages of ``subjects`` for one consumer of ``group``, as
+        ``(batch, handles)`` (see module docstring, step 2).
 
         ``consumer_id`` only names the caller (handles belong to the group). ``start`` applies
-        when the group is first seen. ``Overloaded`` when the group's in-flight set is full
-        and nothing is due for redelivery.
+        to a group seen for the first time. ``Overloaded`` when nothing can be handed out
+        because a group's in-flight set is full while its subject has more entries.
         """
         self._check_open()
-        ix = self._index(subject)
+        if isinstance(subjects, str):
+            subjects = [subjects]
+        subjects = list(dict.fromkeys(subjects))
+        if not subjects:
+            raise InvalidArgument("subjects", "name at least one subject")
+        ixs = [self._index(s) for s in subjects]
         if not isinstance(max_messages, int) or max_messages < 1:
             raise InvalidArgument("max_messages", "must be a positive integer")
-        max_messages = min(max_messages, self.settings.pull_max)
+        left = min(max_messages, self.settings.pull_max)
         tags = list(tags)
-        for t in tags:
-            if not isinstance(t, str) or not t:
-                raise InvalidArgument("tags", "a tag filter holds non-empty strings")
-        want = tags_mask(tags)
-        g = self._group(subject, group, ix, start)
-        out: list[Delivery] = []
+        if not all(isinstance(t, str) and t for t in tags):
+            raise InvalidArgument("tags", "a tag filter holds non-empty strings")
+        want = np.uint64(tags_mask(tags))
+        groups = [self._group(s, group, ix, start) for s, ix in zip(subjects, ixs)]
+        r = self._rotation % len(subjects)
+        self._rotation += 1
+        order = list(range(r, len(subjects))) + list(range(r))
 
-        timeout = self.settings.ack_timeout_ms
-        due: list[int] = []
-        for h, pulled_at in g.inflight.items():
-            if len(due) >= max_messages or now_ms < pulled_at + timeout:
+        parts: list[tuple[np.ndarray, np.ndarray]] = []  # (entries, handles) per piece
+        cutoff = now_ms - self.settings.ack_timeout_ms
+        for i in order:  # 1. redeliveries
+            if left <= 0:
                 break
-            due.append(h)
-        for h in due:
-            offset, size, _, _ = self._read_entries(ix, h, 1)[0]
-            out.append(Delivery(h, self._message_at(ix, offset, size)))
-            g.inflight.move_to_end(h)
-            g.inflight[h] = now_ms
-        self.counters["redelivered"] += len(due)
+            g, ix = groups[i], ixs[i]
+            for a, b in g.inflight.take_due(cutoff, left, now_ms=now_ms):
+                parts.append((ix.read(self._fd(ix), a, b - a), np.arange(a, b, dtype=np.int64)))
+                left -= b - a
+                self.counters["redelivered"] += b - a
+                g.dirty = True
 
-        room = self.settings.inflight_per_group_max - len(g.inflight)
+        full = self._take_new(groups, ixs, left, want, now_ms, parts)  # 2. new positions
+        if not parts:
+            if full:
+                raise Overloaded(f"group {group!r} has inflight_per_group_max="
+                                 f"{self.settings.inflight_per_group_max} messages in flight")
+            return Batch.empty(), np.zeros(0, np.uint64)
+        return self._gather(np.concatenate([e for e, _ in parts]), np.concatenate([h for _, h in parts]))
+
+    def _take_new(self, groups: list[_Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
+                  parts: list) -> bool:
+        """Hand out up to ``left`` new positions over the groups, oldest in the log first, so
+        that a pull covers few frames (one ``take`` each). Each round reads a chunk of every
+        subject's unread entries (a little more than its share), merges the matching ones by
+        log position and keeps the first ``left``; a subject's ``next`` moves past what it
+        handed out and past skipped entries before it. Returns True when a group could not
+        hand out because its in-flight set is full while its subject has more entries."""
         scan_left = self.settings.pull_scan_entries_max
-        moved = False
-        while len(out) < max_messages and room > 0 and scan_left > 0 and g.next_pos < ix.count:
-            n = min(scan_left, max(max_messages - len(out), 64), 4096)
-            entries = self._read_entries(ix, g.next_pos, n)
-            for offset, size, _store_ms, mask in entries:
-                if len(out) >= max_messages or room <= 0:
-                    break
-                h = g.next_pos
-                g.next_pos += 1
-                scan_left -= 1
-                moved = True
-                if want and not mask & want:
-                    self.counters["skipped_by_tag"] += 1
-                    continue
-                out.append(Delivery(h, self._message_at(ix, offset, size)))
-                g.inflight[h] = now_ms
-                room -= 1
-                self.counters["delivered"] += 1
-        if moved or due:
-            g.dirty = True
-        if not out and room <= 0 and g.next_pos < ix.count:
-            raise Overloaded(f"group {group!r} of {subject!r} has {len(g.inflight)} messages in flight "
-                             f"(inflight_per_group_max={self.settings.inflight_per_group_max})")
-        return out
+        full = False
+        while left > 0 and scan_left > 0:
+            live = []
+            for g, ix in zip(groups, ixs):
+                if g.next_pos < ix.count:
+                    room = self.settings.inflight_per_group_max - len(g.inflight)
+                    if room > 0:
+                        live.append((g, ix, room))
+                    else:
+                        full = True
+            if not live:
+                break
+            share = -(-left // len(live))
+            chunk = share + share // 4 + 8 if not want else max(2 * share, 64)
+            chunk = max(1, min(chunk, _SCAN_CHUNK_ENTRIES, scan_left // len(live)))
+            cands = []
+            for g, ix, room in live:
+                e = ix.read(self._fd(ix), g.next_pos, chunk)
+                sel = np.flatnonzero(e["mask"] & want) if want else np.arange(len(e))
+                cands.append((g, e, sel, min(room, len(sel))))
+            offsets = np.concatenate([e["offset"][sel[:k]] for _, e, sel, k in cands])
+            index = np.concatenate([e["index"][sel[:k]] for _, e, sel, k in cands])
+            owner = np.repeat(np.arange(len(cands)), [k for *_, k in cands])
+            if len(owner) > left:  # keep the oldest ``left``: per subject, a prefix of what matched
+                first = np.lexsort((index, offsets))[:left]
+                taken = np.bincount(owner[first], minlength=len(cands)).tolist()
+            else:
+                taken = [k for *_, k in cands]
+            for (g, e, sel, _), t in zip(cands, taken):
+                used = int(sel[t]) if t < len(sel) else len(e)  # stop at the first match not handed out
+                if t:
+                    handles = g.next_pos + sel[:t]
+                    parts.append((e[sel[:t]], handles))
+                    if want:
+                        g.inflight.add_runs(_runs(handles), now_ms)
+                    else:
+                        g.inflight.add(g.next_pos, g.next_pos + t, now_ms)
+                self.counters["skipped_by_tag"] += used - t
+                self.counters["delivered"] += t
+                g.next_pos += used
+                g.dirty = g.dirty or used > 0
+                left -= t
+                scan_left -= used
+        return full
 
-    def ack(self, subject: str, group: str, handles: Iterable[int], *, now_ms: int) -> int:
-        """Drop handles from the group's in-flight set; returns how many were in flight.
-        The group file is written by ``persist_group`` or ``flush``."""
+    def _gather(self, entries: np.ndarray, handles: np.ndarray) -> tuple[Batch, np.ndarray]:
+        """The messages ``entries`` point at, in log order: one take per frame, one concat."""
+        order = np.lexsort((entries["index"], entries["offset"]))
+        offsets = entries["offset"][order]
+        index = entries["index"][order]
+        cuts = np.flatnonzero(np.diff(offsets)) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = np.concatenate((cuts, [len(order)])).tolist()
+        parts = [self._frame(int(offsets[a])).take(index[a:b]) for a, b in zip(starts, ends)]
+        return Batch.concat(parts), handles[order].astype(np.uint64)
+
+    def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
+        """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many
+        handles were in flight. The group file is written by ``persist_group``,
+        ``write_groups_async`` or ``flush``."""
         self._check_open()
         self._index(subject)
         g = self._groups.get((subject, group))
         if g is None:
             return 0
-        n = 0
-        for h in handles:
-            if g.inflight.pop(h, None) is not None:
-                n += 1
+        n = g.inflight.remove(_as_pairs(ranges))
         if n:
             g.dirty = True
             self.counters["acked"] += n
         return n
 
-    def nack(self, subject: str, group: str, handles: Iterable[int], *, now_ms: int) -> list[Delivery]:
-        """The in-flight deliveries for ``handles`` (unknown ones ignored), their ack deadline
-        restarted so they are not redelivered while the caller re-sends them; the caller
-        acks them once the retry copy (or the dead letter) is stored."""
+    def nack(self, subject: str, group: str, ranges, *, now_ms: int) -> tuple[Batch, np.ndarray]:
+        """The in-flight messages of handle ranges (others ignored) as ``(batch, handles)``,
+        their ack deadline restarted so they are not redelivered while the caller re-sends
+        them; the caller acks them once the retry copy (or the dead letter) is stored."""
         self._check_open()
         ix = self._index(subject)
         g = self._groups.get((subject, group))
         if g is None:
-            return []
-        out: list[Delivery] = []
-        seen: set[int] = set()
-        for h in handles:
-            if h in seen or h not in g.inflight:
-                continue
-            seen.add(h)
-            offset, size, _, _ = self._read_entries(ix, h, 1)[0]
-            out.append(Delivery(h, self._message_at(ix, offset, size)))
-            g.inflight.move_to_end(h)
-            g.inflight[h] = now_ms
-        return out
+            return Batch.empty(), np.zeros(0, np.uint64)
+        found = g.inflight.touch(_as_pairs(ranges), now_ms)
+        if not found:
+            return Batch.empty(), np.zeros(0, np.uint64)
+        entries = np.concatenate([ix.read(self._fd(ix), a, b - a) for a, b in found])
+        handles = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in found])
+        return self._gather(entries, handles)
 
     def lag(self, subject: str, group: str) -> int:
         """Entries of the subject this group has not acked (a group not seen yet: all of them)."""
@@ -840,61 +830,49 @@ class RealtimeStore:
     # ------------------------------------------------------------------ replication (node/replication/realtime.py)
 
     def index_appended(self, *, now_ms: int) -> int:
-        """A replica appended records to ``messages`` (``append_raw``): index them and put
-        them in the dedup map, exactly as ``open`` replays a log. Returns entries added."""
+        """A replica appended frames to ``messages`` (``append_raw``, byte for byte): index them
+        and put them in the dedup map, exactly as ``open`` replays a log. Returns entries added."""
         self._check_open()
         start = self._indexed_upto
-        end = self.messages.end_offset
-        if start >= end:
+        if start >= self.messages.end_offset:
             return 0
-        self._expire_dedup(now_ms)
+        self._dedup.expire(now_ms)
         before = self.counters["reindexed"]
-        _, dropped = self._index_records(start, start, now_ms)
+        _, dropped = self._index_frames(start, start, now_ms)
         if dropped:
             log.warning("dedup map full path=%s dedup_entries_max=%d entries_dropped=%d",
                         self.root, self.settings.dedup_entries_max, dropped)
-        self._indexed_upto = end
+        self._indexed_upto = self.messages.end_offset
         return self.counters["reindexed"] - before
 
     def truncate_log(self, cut: int) -> int:
-        """Drop a divergent suffix of the message log (records a new master never had): the
-        log, the index entries pointing at or past ``cut``, their dedup entries; groups are
-        clamped to what their indexes still hold. Returns bytes dropped."""
+        """Drop a divergent suffix of the message log (frames a new master never had): the
+        log, the index entries pointing at or past ``cut``, their dedup entries and cached
+        frames; groups are clamped to what their indexes still hold. Returns bytes dropped."""
         self._check_open()
         if cut >= self.messages.end_offset:
             return 0
         for ix in self._subjects.values():
             if ix.last_offset < cut:
                 continue
-            lo, hi = 0, ix.count  # entries are in log order: first entry with offset >= cut
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if self._read_entries(ix, mid, 1)[0][0] < cut:
-                    lo = mid + 1
-                else:
-                    hi = mid
             fd = self._fd(ix)
-            os.ftruncate(fd, lo * ENTRY_SIZE)
-            os.fsync(fd)
-            ix.dirty = False
-            ix.count = lo
-            ix.last_offset = self._read_entries(ix, lo - 1, 1)[0][0] if lo else -1
+            keep = ix.first_at_or_after(fd, cut)
+            ix.truncate(fd, keep)
             for g in self._groups.values():
-                if g.subject == ix.subject and g.next_pos > lo:
-                    g.next_pos = lo
-                    for h in [h for h in g.inflight if h >= lo]:
-                        del g.inflight[h]
+                if g.subject == ix.subject and g.next_pos > keep:
+                    g.next_pos = keep
+                    g.inflight.truncate(keep)
                     g.dirty = True
-        while self._dedup_order and self._dedup_order[-1][3] >= cut:
-            _, key, seq, _ = self._dedup_order.pop()
-            if self._dedup.get(key, (None,))[0] == seq:
-                del self._dedup[key]
+        self._dedup.truncate(cut)
+        for off in [o for o in self._frames if o >= cut]:
+            self._frames_bytes -= self._frames.pop(off)[1]
         dropped = self.messages.truncate(cut)
         self.messages.flush()
         self._indexed_upto = min(self._indexed_upto, cut)
-        self._save_checkpoint(min(self.indexed_offset, cut),
-                              self._dedup_order[0][3] if self._dedup_order else self._indexed_upto)
-        log.warning("message log truncated to %d (divergent suffix, %d bytes)", cut, dropped)
+        oldest = self._dedup.oldest_offset()
+        self._save_checkpoint(min(self.indexed_offset, cut), self._indexed_upto if oldest is None else oldest)
+        log.warning("message log truncated path=%s offset=%d bytes_dropped=%d (divergent suffix)",
+                    self.messages.directory, cut, dropped)
         return dropped
 
     def changed_groups(self, since_seq: int) -> list[tuple[str, str]]:
@@ -925,8 +903,8 @@ class RealtimeStore:
         if subject not in self._subjects:
             _check_name("subject", subject, self.settings.limits.subject_bytes_max)
             self._create_subject(subject)
-        g = self._group_from_doc(subject, name, doc, self._subjects[subject])
         if (subject, name) not in self._groups and len(self._groups) >= self.settings.groups_max:
             raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
-        self._write_group(g, doc)
+        g = self._group_from_doc(subject, name, doc, self._subjects[subject])
+        self.write_groups_async([(g, doc)]).result()
         self._groups[(subject, name)] = g

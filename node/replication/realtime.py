@@ -16,9 +16,10 @@ Same rules (``node/replication/core.py``) and the same shape as ``ReplicatedDela
   ``SyncTracker``); Ack (and Nack) answers once every slave holds the group document that
   records it (group seq, a second ``SyncTracker``). No live slave, or a timeout: the
   caller gets ``REPLICATION_TIMEOUT``, never a silent downgrade.
-* **slave** - CRC-checked ``append_raw``, fsync, ``index_appended`` (consume index and
-  dedup map, as the store's own replay does), then the shipped group documents are
-  written; then the next fetch (the acknowledgement). Pull/Ack/Nack/SendBatch answer
+* **slave** - CRC-checked ``append_raw`` of the master's frames, byte for byte (each frame
+  one codec batch), fsync, ``index_appended`` (one index run per subject of each frame
+  and the dedup map, as the store's own replay does), then the shipped group documents
+  are written; then the next fetch (the acknowledgement). Pull/Ack/Nack/SendBatch answer
   ``UNAVAILABLE "not the master; leader_hint=..."``: clients re-resolve the subject's
   route through the meta server, which names the group's elected master.
 * **promotion / demotion** - close the store and reopen it: the epoch goes above every
@@ -35,7 +36,6 @@ import json
 import logging
 import time
 from pathlib import Path
-
 
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
@@ -113,8 +113,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
     async def Ack(self, request, context):
         if not self._may_serve():
             await self._not_master(context)
-        resp = await super().Ack(request, context)  # the group file is written before this returns
-        await self._groups_replicated(request.subject, request.group, context)
+        resp = await super().Ack(request, context)  # the group files are written before this returns
+        await self._groups_replicated([(sh.subject, request.group) for sh in request.acks], context)
         return resp
 
     async def Nack(self, request, context):
@@ -123,13 +123,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
         resp = await super().Nack(request, context)
         if self.settings.ack_mode == "sync":
             await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)  # dead letters
-        await self._groups_replicated(request.subject, request.group, context)
+        await self._groups_replicated([(sh.subject, request.group) for sh in request.nacks], context)
         return resp
 
-    async def _groups_replicated(self, subject: str, group: str, context) -> None:
+    async def _groups_replicated(self, keys: list[tuple[str, str]], context) -> None:
+        """Sync mode: answer once every slave holds the newest written document of these groups."""
         self._changed.set()
         if self.settings.ack_mode == "sync":
-            seq = self.store.group_written_seq(subject, group)
+            seq = max((self.store.group_written_seq(s, g) for s, g in keys), default=0)
             if seq:
                 await self._wait(self.gtracker, "groups", seq, context)
 
@@ -213,8 +214,9 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
         self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
                                         now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
-        for ev in self._new_data.values():
-            ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)
+        for waiting in self._new_data.values():
+            for ev in waiting:
+                ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)
         self._new_data.clear()
         if mode == "master":
             self._master_history_begins({LOG: self.store.messages.end_offset})

@@ -1,0 +1,315 @@
+"""The SDK (``cluster/client.py``) against an in-process fake v2 node
+(``tests/helpers/fake_node.py``): real gRPC on 127.0.0.1, in-memory behaviour.
+
+Producer: batching, id generation, delay-group pinning, retrying retryable indices
+only, per-index errors, relative delays on the wire, the per-message convenience API.
+Consumer: several subjects over several nodes, lazy batch views, acks as ranges,
+the exact tag check, nack, and ``close()`` during a long poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import grpc
+import numpy as np
+import pytest
+
+from cluster import errors as E
+from cluster.client import BatchSendResult, Consumer, Producer, SendResult, StaticResolver, group_for
+from cluster.proto import hourglass_pb2 as pb
+from tests.helpers.fake_node import FakeNode, now_ms
+
+GUARD_S = 30  # a bound on waits that must end long before it (a hang fails instead of blocking the suite)
+
+
+@pytest.fixture
+async def nodes():
+    started: list[FakeNode] = []
+
+    async def make(n: int = 1) -> list[FakeNode]:
+        for _ in range(n):
+            started.append(await FakeNode().start())
+        return started[-n:]
+
+    yield make
+    for node in started:
+        await node.stop()
+
+
+def fast(resolver, **kw) -> Producer:
+    """A producer whose retries do not wait long."""
+    return Producer(resolver, backoff_ms_min=1, backoff_ms_max=5, **kw)
+
+
+# ---------------------------------------------------------------------- producer
+
+
+async def test_send_many_cuts_wire_batches_at_batch_max_and_answers_once(nodes):
+    (node,) = await nodes()
+    async with fast(StaticResolver(delay=[node.address]), batch_max=1000) as p:
+        fut = await p.send_many("orders", [b"x%d" % i for i in range(2500)], delay_ms=60_000)
+        res = await fut
+    assert isinstance(res, BatchSendResult) and res.ok and len(res) == 2500
+    assert sorted(len(r.ids) for r in node.requests) == [500, 1000, 1000]  # in flight together, any order
+    assert sorted(i for r in node.requests for i in r.ids) == sorted(res.ids)
+    assert [res.ids[k] for k in np.argsort(res.seqs)] == [i for r in node.requests for i in r.ids]
+    assert sorted(res.seqs.tolist()) == list(range(1, 2501))
+    assert not res.duplicates.any()
+
+
+async def test_calls_queued_together_share_one_request(nodes):
+    (node,) = await nodes()
+    async with fast(StaticResolver(delay=[node.address]), batch_max=1000, linger_ms=50) as p:
+        a = await p.send_many("a", [b"1"] * 300, delay_ms=1000)
+        b = await p.send_many(["b", "c"] * 150, [b"2"] * 300, delay_ms=1000)
+        ra, rb = await a, await b
+    assert len(node.requests) == 1 and len(node.requests[0].ids) == 600
+    assert node.requests[0].subjects == ["a"] * 300 + ["b", "c"] * 150
+    assert ra.ok and rb.ok and set(ra.ids).isdisjoint(rb.ids)
+
+
+async def test_generated_ids_are_unique_with_one_prefix_per_producer(nodes):
+    (node,) = await nodes()
+    r = StaticResolver(delay=[node.address])
+    async with fast(r) as p1, fast(r) as p2:
+        a = await (await p1.send_many("s", [b""] * 500, delay_ms=10))
+        b = await (await p1.send_many("s", [b""] * 500, delay_ms=10))
+        c = await (await p2.send_many("s", [b""] * 10, delay_ms=10))
+    ids1 = a.ids + b.ids
+    assert len(set(ids1)) == 1000
+    prefix = ids1[0][:16]
+    assert all(i.startswith(prefix) for i in ids1)
+    assert not any(i.startswith(prefix) for i in c.ids)
+    assert set(node.stored) == set(ids1) | set(c.ids)
+
+
+async def test_delayed_messages_go_to_the_group_their_id_hashes_to(nodes):
+    three = await nodes(3)
+    resolver = StaticResolver(delay=[n.address for n in three])
+    groups = await resolver.delay_groups()
+    ids = [f"order-{i}" for i in range(300)]
+    async with fast(resolver) as p:
+        res = await (await p.send_many("orders", [b"x"] * 300, ids=ids, delay_ms=5000))
+    assert res.ok
+    for node in three:
+        assert set(node.stored) == {i for i in ids if group_for(i, groups) == node.address}
+    assert sum(len(n.stored) for n in three) == 300
+
+
+async def test_only_retryable_indices_are_retried_and_to_the_same_group(nodes):
+    three = await nodes(3)
+    resolver = StaticResolver(delay=[n.address for n in three])
+    groups = await resolver.delay_groups()
+    ids = [f"m-{i}" for i in range(30)]
+    home = {n.address: n for n in three}
+    busy, moved = ids[3], ids[7]
+    home[group_for(busy, groups)].script[busy] = [pb.OVERLOADED]
+    home[group_for(moved, groups)].script[moved] = [pb.NOT_LEADER]
+    ids[11] = "has space"  # refused for good by the node (INVALID_ARGUMENT)
+    async with fast(resolver) as p:
+        res = await (await p.send_many("s", [b"p"] * 30, ids=ids, delay_ms=1000))
+    assert set(res.errors) == {11} and isinstance(res.errors[11], E.InvalidArgument)
+    assert res.seqs[3] and res.seqs[7] and res.seqs[11] == 0
+    for mid in (busy, moved):  # both sends of each went to its own group's node, and only there
+        assert [sum(mid in r.ids for r in n.requests) for n in three] == \
+            [2 if n.address == group_for(mid, groups) else 0 for n in three]
+    retried = [i for n in three for r in n.requests[1:] for i in r.ids]
+    assert sorted(retried) == sorted([busy, moved])
+
+
+async def test_a_message_that_stays_refused_gets_its_own_error(nodes):
+    (node,) = await nodes()
+    node.script["stuck"] = [pb.OVERLOADED] * 10
+    async with fast(StaticResolver(delay=[node.address]), retries_max=2) as p:
+        res = await (await p.send_many("s", [b"a", b"b", b"c"], ids=["ok-1", "stuck", "ok-2"], delay_ms=10))
+    assert set(res.errors) == {1} and isinstance(res.errors[1], E.Unavailable)
+    assert "gave up after 2 retries" in str(res.errors[1])
+    assert res.seqs[0] and res.seqs[2] and not res.seqs[1]
+    assert [r.ids for r in node.requests] == [["ok-1", "stuck", "ok-2"], ["stuck"], ["stuck"]]
+    with pytest.raises(E.Unavailable):
+        res.result(1)
+    assert res.result(0) == SendResult("ok-1", int(res.seqs[0]), int(res.deliver_at_ms[0]), False)
+
+
+async def test_a_call_failing_as_unavailable_is_sent_again(nodes):
+    (node,) = await nodes()
+    node.fail_rpc = [grpc.StatusCode.UNAVAILABLE]
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        res = await (await p.send_many("s", [b"a"] * 5, delay_ms=10))
+    assert res.ok and len(node.stored) == 5
+
+
+async def test_a_call_refused_for_good_fails_every_message_of_it(nodes):
+    (node,) = await nodes()
+    node.fail_rpc = [grpc.StatusCode.INVALID_ARGUMENT]
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        res = await (await p.send_many("s", [b"a"] * 4, delay_ms=10))
+    assert sorted(res.errors) == [0, 1, 2, 3]
+    assert all(isinstance(e, E.InvalidArgument) for e in res.errors.values())
+    assert not node.stored
+
+
+async def test_relative_delays_travel_as_delay_column_and_absolute_times_as_they_are(nodes):
+    (node,) = await nodes()
+    t0 = now_ms()
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        rel = await (await p.send_many("s", [b"a", b"b"], ids=["r1", "r2"], delay_ms=[60_000, 120_000]))
+        at = await (await p.send_many("s", [b"c"], ids=["a1"], deliver_at_ms=t0 + 5000))
+        with pytest.raises(E.InvalidArgument):
+            await p.send_many("s", [b"x"], deliver_at_ms=t0 + 1, delay_ms=5)
+    assert node.requests[0].delay_given and not node.requests[1].delay_given
+    assert rel.deliver_at_ms[0] >= t0 + 60_000 and rel.deliver_at_ms[1] - rel.deliver_at_ms[0] == 60_000
+    assert at.deliver_at_ms[0] == t0 + 5000
+    assert len(node.requests) == 2  # the refused call sent nothing
+
+
+async def test_send_keeps_one_future_per_message(nodes):
+    (node,) = await nodes()
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        futs = [await p.send("s", f"v{i}", delay_ms=1000, id=f"one-{i}") for i in range(20)]
+        first = await asyncio.gather(*futs)
+        again = await p.send_and_wait("s", "v0", delay_ms=1000, id="one-0")
+        bad = await p.send("bad subject!", "x", delay_ms=10)
+        with pytest.raises(E.InvalidArgument):
+            await bad
+        gen = await p.send_and_wait("s", b"no id", delay_ms=10)
+    assert [r.id for r in first] == [f"one-{i}" for i in range(20)]
+    assert all(isinstance(r, SendResult) and r.seq and not r.duplicate for r in first)
+    assert again.duplicate and again.seq == first[0].seq
+    assert len(node.requests[0].ids) == 20  # consecutive sends share a request
+    assert gen.id and gen.id in node.stored
+
+
+async def test_immediate_messages_go_to_the_subjects_real_time_node(nodes):
+    delay_node, rt1, rt2 = await nodes(3)
+    resolver = StaticResolver(delay=[delay_node.address], realtime=[rt1.address, rt2.address])
+    subjects = [f"s{i}" for i in range(8)]
+    async with fast(resolver) as p:
+        res = await (await p.send_many(subjects, [b"x"] * 8, ids=[f"i{i}" for i in range(8)], immediate=True))
+    assert res.ok and not delay_node.requests
+    for rt in (rt1, rt2):
+        want = {f"i{i}" for i, s in enumerate(subjects) if await resolver.realtime_for(s) == rt.address}
+        assert set(rt.stored) == want and all(r.immediate for r in rt.requests)
+
+
+async def test_tags_and_properties_travel_as_extras(nodes):
+    (node,) = await nodes()
+    async with fast(StaticResolver(delay=[node.address], realtime=[node.address])) as p:
+        await (await p.send_many("t", [b"a", b"b"], ids=["t1", "t2"], tags=[("red",), ()],
+                                 properties=[{"k": "v"}, {}], immediate=True))
+    async with Consumer(StaticResolver(realtime=[node.address]), "t", group="g", wait_ms=0) as c:
+        node.ready("t", ["t1", "t2"], tags=[("red",), ()], properties=[{"k": "v"}, {}])
+        (m1, m2) = await c.pull()
+    assert m1.tags == ("red",) and m1.properties == {"k": "v"} and m2.tags == () and m2.properties == {}
+
+
+# ---------------------------------------------------------------------- consumer
+
+
+async def test_several_subjects_are_pulled_with_one_request_per_node(nodes):
+    rt1, rt2 = await nodes(2)
+    resolver = StaticResolver(realtime=[rt1.address, rt2.address])
+    subjects = [f"sub{i}" for i in range(6)]
+    where = {s: await resolver.realtime_for(s) for s in subjects}
+    assert len(set(where.values())) == 2  # the subjects do spread over both nodes
+    by_addr = {rt1.address: rt1, rt2.address: rt2}
+    handles = {s: by_addr[where[s]].ready(s, [f"{s}-{j}" for j in range(5)]) for s in subjects}
+    got: list[str] = []
+    async with Consumer(resolver, subjects, group="g", wait_ms=0) as c:
+        for _ in range(10):
+            for rb in await c.pull_batch():
+                got += rb.ids
+                await rb.ack()
+            if len(got) == 30:
+                break
+    assert sorted(got) == sorted(f"{s}-{j}" for s in subjects for j in range(5))
+    for node in (rt1, rt2):
+        mine = sorted(s for s in subjects if where[s] == node.address)
+        assert node.pulls and all(sorted(p) == mine for p in node.pulls)
+        assert node.acked_handles() == {(s, h) for s in mine for h in handles[s]}  # each under its subject
+
+
+async def test_a_batch_decodes_lazily_and_acks_as_ranges(nodes):
+    (node,) = await nodes()
+    due = now_ms() - 250
+    handles = node.ready("lazy", [f"l{i}" for i in range(100)], [b"p%d" % i for i in range(100)], deliver_at_ms=due)
+    node.ready("lazy", ["l~r1"], properties=[{"hourglass.origin_id": "l-original"}], deliver_at_ms=due)
+    async with Consumer(StaticResolver(realtime=[node.address]), "lazy", group="g", wait_ms=0) as c:
+        (rb,) = await c.pull_batch()
+        assert len(rb) == 101
+        assert rb.payloads[:2] == [b"p0", b"p1"] and rb.subjects == ["lazy"] * 101
+        assert rb.ids[-1] == "l-original" and rb.wire_ids[-1] == "l~r1"
+        assert rb.ids[:100] == [f"l{i}" for i in range(100)]
+        assert isinstance(rb.lateness_ms, np.ndarray) and (rb.lateness_ms >= 250).all()
+        assert rb.handles.tolist()[:100] == handles
+        assert await rb.ack() == 101
+    assert node.ack_ranges == [1]  # 101 consecutive handles: one [lo, hi) range
+    assert len(node.acked_handles()) == 101
+
+
+async def test_per_message_view_and_nack(nodes):
+    (node,) = await nodes()
+    node.ready("pm", ["a", "b", "c"])
+    async with Consumer(StaticResolver(realtime=[node.address]), "pm", group="g", wait_ms=0) as c:
+        seen = []
+        async for m in c:
+            seen.append(m)
+            if len(seen) == 3:
+                break
+        await seen[0].ack()
+        await seen[1].nack(retry_after_ms=250)
+        await c.ack([seen[2]])
+    assert [m.id for m in seen] == ["a", "b", "c"]
+    assert all(m.subject == "pm" and m.lateness_ms >= 0 and m.node == node.address for m in seen)
+    assert node.acked == [("pm", [seen[0].handle]), ("pm", [seen[2].handle])]
+    assert node.nacked == [("pm", [seen[1].handle], 250)]
+
+
+async def test_tags_are_checked_exactly_and_the_others_acked_away(nodes):
+    (node,) = await nodes()
+    node.ready("tg", ["red-1", "blue-1", "plain", "both"],
+               tags=[("red",), ("blue",), (), ("blue", "red")])
+    async with Consumer(StaticResolver(realtime=[node.address]), "tg", group="g", tags=["red"], wait_ms=0) as c:
+        got = await c.pull()
+    assert [m.id for m in got] == ["red-1", "both"]
+    assert len(node.acked_handles()) == 2  # blue-1 and plain, acked away
+    assert {h for _, h in node.acked_handles()}.isdisjoint(m.handle for m in got)
+
+
+async def test_close_cancels_a_long_poll(nodes):
+    (node,) = await nodes()
+    c = Consumer(StaticResolver(realtime=[node.address]), ["idle.a", "idle.b"], group="g", wait_ms=600_000)
+    seen: list = []
+
+    async def consume() -> None:
+        async for rb in c.batches():
+            seen.append(rb)
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(node.pull_waiting.wait(), GUARD_S)
+    await c.close()
+    await asyncio.wait_for(task, GUARD_S)  # the iterator ended; it did not wait out the 600 s poll
+    await asyncio.wait_for(node.pull_cancelled.wait(), GUARD_S)
+    assert not seen and node.pulls_cancelled == 1
+    with pytest.raises(E.Closed):
+        await c.pull()
+
+
+async def test_a_pull_in_flight_when_the_caller_gives_up_is_kept_for_the_next_pull(nodes):
+    (node,) = await nodes()
+    async with Consumer(StaticResolver(realtime=[node.address]), "keep", group="g", wait_ms=600_000) as c:
+        first = asyncio.create_task(c.pull())
+        await asyncio.wait_for(node.pull_waiting.wait(), GUARD_S)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        node.ready("keep", ["k1"])
+        got = await asyncio.wait_for(c.pull(), GUARD_S)
+    assert [m.id for m in got] == ["k1"] and len(node.pulls) == 1
+
+
+def test_group_for_matches_crc32_over_sorted_groups():
+    groups = [("g0", "a"), ("g1", "b"), ("g2", "c")]
+    assert all(group_for(i, groups) == groups[zlib.crc32(i.encode()) % 3][0] for i in ("x", "y", "order-42"))

@@ -1,0 +1,106 @@
+"""The pure parts of the real-time store: in-flight ranges against a dict of handles, the dedup
+window against a dict with timestamps, and the index entry codec (round trip, every bit flip)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cluster.errors import CorruptRecord
+from node.realtime.dedup import DedupWindow
+from node.realtime.index import ENTRY_SIZE, decode_entries, encode_entries, frame_runs
+from node.realtime.inflight import InflightRanges
+
+TIMEOUT = 100
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 6)),
+    st.tuples(st.just("remove"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3)),
+    st.tuples(st.just("touch"), st.lists(st.tuples(st.integers(0, 40), st.integers(1, 6)), max_size=3)),
+    st.tuples(st.just("due"), st.integers(1, 8)),
+    st.tuples(st.just("tick"), st.sampled_from([1, 50, 100])),
+    st.tuples(st.just("truncate"), st.integers(0, 40)),
+), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_inflight_ranges_against_a_dict(script):
+    f = InflightRanges()
+    model: dict[int, int] = {}  # handle -> pulled_at
+    nxt, now = 0, 0
+    for op, arg in script:
+        if op == "add":
+            f.add(nxt, nxt + arg, now)
+            model.update(dict.fromkeys(range(nxt, nxt + arg), now))
+            nxt += arg
+        elif op == "remove":
+            rs = [(a, a + ln) for a, ln in arg]
+            gone = {h for a, b in rs for h in range(a, b) if h in model}
+            assert f.remove(rs) == len(gone)
+            for h in gone:
+                del model[h]
+        elif op == "touch":
+            rs = [(a, a + ln) for a, ln in arg]
+            got = [h for a, b in f.touch(rs, now) for h in range(a, b)]
+            want = {h for a, b in rs for h in range(a, b) if h in model}
+            assert sorted(set(got)) == sorted(want)
+            model.update(dict.fromkeys(want, now))
+        elif op == "due":
+            got = [h for a, b in f.take_due(now - TIMEOUT, arg, now_ms=now) for h in range(a, b)]
+            due = sorted((t, h) for h, t in model.items() if t <= now - TIMEOUT)
+            assert got == [h for _, h in due[:arg]]  # oldest pull first, then lowest handle
+            model.update(dict.fromkeys(got, now))
+        elif op == "tick":
+            now += arg
+        else:
+            f.truncate(arg)
+            model = {h: t for h, t in model.items() if h < arg}
+            nxt = max(nxt, arg)
+        f.check()
+        assert len(f) == len(model)
+        assert f.committed(nxt) == min(model, default=nxt)
+        assert [h for a, b in f.runs() for h in range(a, b)] == sorted(model)
+
+
+def test_dedup_window_expires_by_time_and_evicts_whole_frames_by_size():
+    d = DedupWindow(window_ms=1000, entries_max=4)
+    d.add([("s", "a"), ("s", "b")], [1, 2], store_ms=0, offset=0)
+    d.add([("s", "c")], [3], store_ms=500, offset=100)
+    assert d.lookup([("s", "a"), ("s", "c"), ("t", "a")]) == [1, 3, None]
+    assert d.room() == 1
+    d.expire(999)
+    assert len(d) == 3
+    d.expire(1000)  # stored 1000 ms ago: outside the window
+    assert d.lookup([("s", "a"), ("s", "c")]) == [None, 3] and d.oldest_offset() == 100
+    assert d.add([("s", "d"), ("s", "e"), ("s", "f"), ("s", "g")], [4, 5, 6, 7], store_ms=600, offset=200) == 1
+    assert len(d) == 4 and d.oldest_offset() == 200
+    assert d.add([("s", "h")], [8], store_ms=700, offset=300) == 4  # the whole oldest frame goes
+    assert d.lookup([("s", "d"), ("s", "h")]) == [None, 8]
+    d.truncate(250)  # a divergent suffix from offset 250 was cut
+    assert d.lookup([("s", "h")]) == [None]
+    d.expire(1700)
+    assert len(d) == 0 and d.oldest_offset() is None
+
+
+def test_index_entries_round_trip_and_every_bit_flip_is_detected():
+    raw = encode_entries(offset=1 << 40, index=np.array([3, 9]), store_ms=-5, masks=np.array([1, 1 << 63], np.uint64))
+    e = decode_entries(raw, path="p", first_pos=0)
+    assert e["offset"].tolist() == [1 << 40] * 2 and e["index"].tolist() == [3, 9]
+    assert e["store_ms"].tolist() == [-5, -5] and e["mask"].tolist() == [1, 1 << 63]
+    for bit in range(ENTRY_SIZE * 8 * 2):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(CorruptRecord) as err:
+            decode_entries(bytes(flipped), path="p", first_pos=7)
+        assert err.value.offset == (7 + bit // (ENTRY_SIZE * 8)) * ENTRY_SIZE
+
+
+def test_frame_runs_split_a_frame_by_subject_in_frame_order():
+    runs = frame_runs(offset=64, subject_idx=np.array([1, 0, 1, 1, 0], np.uint16), store_ms=9,
+                      masks=np.arange(5, dtype=np.uint64))
+    assert sorted(runs) == [0, 1]
+    r1 = decode_entries(runs[1], path="p", first_pos=0)
+    assert r1["index"].tolist() == [0, 2, 3] and r1["mask"].tolist() == [0, 2, 3] and set(r1["offset"]) == {64}
+    assert decode_entries(runs[0], path="p", first_pos=0)["index"].tolist() == [1, 4]

@@ -1,0 +1,169 @@
+"""A real ``RealtimeNode`` in-process on a real port, driven with raw gRPC stubs and v2 messages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from cluster.codec import Batch, encode_extra
+from cluster.proto import hourglass_pb2 as pb
+from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.wire import BatchResult, make_request, pack_ranges, request_batch
+from node.config import NodeSettings
+from node.realtime.service import ORIGIN_ID, RealtimeNode
+from node.realtime.store import DLQ_SUBJECT
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class FakeDelayNode(rpc.ProducerServicer):
+    """Stands in for a delay node: takes nacked copies and answers OK."""
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    async def SendBatch(self, request, context):
+        b = request_batch(request, now_ms=now_ms())
+        self.batches.append(b)
+        res = BatchResult.sized(b.n)
+        res.seqs[:] = np.arange(1, b.n + 1)
+        return res.to_pb()
+
+
+@pytest.fixture
+async def node(tmp_path):
+    delay = FakeDelayNode()
+    delay_server = grpc.aio.server()
+    rpc.add_ProducerServicer_to_server(delay, delay_server)
+    delay_port = delay_server.add_insecure_port("127.0.0.1:0")
+    await delay_server.start()
+    settings = NodeSettings(role="realtime", node_id="rt-test", data_dir=tmp_path / "rt", port=0,
+                            delay_nodes=[f"127.0.0.1:{delay_port}"], ack_timeout_ms=60_000, max_attempts=3,
+                            batch_messages_max=100, pull_wait_ms_max=5_000)
+    n = RealtimeNode(settings)
+    stop = asyncio.Event()
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
+    address = await asyncio.wait_for(ready, 10)
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield n, rpc.ProducerStub(channel), rpc.ConsumerStub(channel), delay
+    finally:
+        await channel.close()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await delay_server.stop(None)
+
+
+def msgs(subject, ids, *, tags=None, due=0, attempts=0) -> Batch:
+    extras = None if tags is None else [encode_extra(tags)] * len(ids)
+    return Batch.build(subject, [f"payload-{i}".encode() for i in ids], list(ids), due,
+                       attempts=attempts, extras=extras)
+
+
+async def send(producer, batch, **kw) -> BatchResult:
+    resp = await producer.SendBatch(make_request(batch, **kw))
+    return BatchResult.from_pb(resp, batch.n)
+
+
+async def pull(consumer, subjects, group, *, max_messages=100, wait_ms=0, tags=()):
+    resp = await consumer.Pull(pb.PullRequest(subjects=subjects, group=group, consumer_id="c1",
+                                              max_messages=max_messages, wait_ms=wait_ms, tags=list(tags)))
+    b = Batch.decode(resp.batch)
+    h = np.frombuffer(resp.handles, "<u8")
+    assert len(h) == b.n
+    return b, h
+
+
+def by_subject(b: Batch, h: np.ndarray) -> list[pb.SubjectHandles]:
+    subj = np.array(b.subject_list())
+    return [pb.SubjectHandles(subject=s, ranges=pack_ranges(h[subj == s])) for s in sorted(set(subj.tolist()))]
+
+
+async def test_send_pull_ack_over_grpc(node):
+    n, producer, consumer, _ = node
+    t = now_ms()
+    res = await send(producer, Batch.concat([msgs("orders", ["a", "b"]), msgs("audit", ["c"], tags=("eu",))]))
+    assert res.codes.tolist() == [pb.OK] * 3 and res.duplicates.tolist() == [0] * 3 and (res.seqs > 0).all()
+    assert (res.deliver_at_ms >= t).all()  # deliver_at_ms 0 = now
+    again = await send(producer, msgs("orders", ["a"]))
+    assert again.duplicates.tolist() == [1] and again.seqs[0] == res.seqs[0]
+
+    b, h = await pull(consumer, ["orders", "audit"], "billing")
+    assert sorted(zip(b.subject_list(), b.id_list(), h.tolist())) == \
+        [("audit", "c", 0), ("orders", "a", 0), ("orders", "b", 1)]
+    assert b.extra(b.id_list().index("c"))[0] == ("eu",) and (b.store_ms >= t).all()
+    resp = await consumer.Ack(pb.AckRequest(group="billing", acks=by_subject(b, h)))
+    assert resp.acked == 3
+    assert n.store.lag("orders", "billing") == n.store.lag("audit", "billing") == 0
+    assert n.store.group_doc("orders", "billing")["committed"] == 2  # the group file was written before the answer
+    assert (await pull(consumer, ["orders", "audit"], "billing"))[0].n == 0
+
+
+async def test_long_poll_wakes_on_any_subject(node):
+    _, producer, consumer, _ = node
+    started = time.monotonic()
+    waiter = asyncio.create_task(pull(consumer, ["x", "y", "z"], "g", wait_ms=4_000))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await send(producer, msgs("y", ["late"]))
+    b, h = await asyncio.wait_for(waiter, 3)
+    assert b.id_list() == ["late"] and b.subject(0) == "y" and h.tolist() == [0]
+    assert time.monotonic() - started < 3
+    t0 = time.monotonic()
+    b, _ = await pull(consumer, ["x"], "g", wait_ms=300)  # nothing comes: answered empty at the deadline
+    assert b.n == 0 and 0.25 < time.monotonic() - t0 < 2
+
+
+async def test_refusals(node):
+    _, producer, consumer, _ = node
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await send(producer, msgs("orders", [f"m{i}" for i in range(101)]))  # over batch_messages_max
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await producer.SendBatch(pb.SendBatchRequest(batch=b"garbage"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    res = await send(producer, msgs("orders", ["now", "later"]), delay_ms=[0, 60_000])
+    assert res.codes.tolist() == [pb.OK, pb.INVALID_ARGUMENT] and "delay node" in res.errors[1]
+    res = await send(producer, msgs("orders", ["later2"]), delay_ms=[60_000], immediate=True)  # dispatching
+    assert res.codes.tolist() == [pb.OK]
+    res = await send(producer, msgs("bad subject", ["x"]))
+    assert res.codes.tolist() == [pb.INVALID_ARGUMENT] and res.seqs.tolist() == [0]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await consumer.Pull(pb.PullRequest(subjects=["orders"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await consumer.Ack(pb.AckRequest(group="g", acks=[pb.SubjectHandles(subject="orders", ranges=b"123")]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_nack_retries_through_a_delay_node_then_dead_letters(node):
+    n, producer, consumer, delay = node
+    await send(producer, Batch.concat([msgs("orders", ["a"], tags=("eu",)), msgs("orders", ["b"], attempts=2)]))
+    b, h = await pull(consumer, ["orders"], "g")
+    t = now_ms()
+    resp = await consumer.Nack(pb.NackRequest(group="g", retry_after_ms=5_000, nacks=by_subject(b, h)))
+    assert (resp.retried, resp.dead_lettered) == (1, 1)
+    [copy] = delay.batches
+    assert copy.id_list() == ["a~r1"] and int(copy.attempts[0]) == 1 and copy.subject(0) == "orders"
+    tags, props = copy.extra(0)
+    assert tags == ("eu",) and dict(props)[ORIGIN_ID] == "a"
+    assert t + 5_000 <= int(copy.deliver_at_ms[0]) <= now_ms() + 5_000
+    assert n.store.lag("orders", "g") == 0  # both acked once their copies were stored
+    d, dh = await pull(consumer, [DLQ_SUBJECT], "ops")
+    assert d.id_list() == ["b~r3"] and int(d.attempts[0]) == 3
+    props = dict(d.extra(0)[1])
+    assert props["dlq.subject"] == "orders" and props[ORIGIN_ID] == "b"
+    # a retry copy nacked again keeps the first origin
+    await send(producer, copy.replace(deliver_at_ms=0), immediate=True)
+    b, h = await pull(consumer, ["orders"], "g")
+    await consumer.Nack(pb.NackRequest(group="g", nacks=by_subject(b, h)))
+    assert delay.batches[-1].id_list() == ["a~r2"] and dict(delay.batches[-1].extra(0)[1])[ORIGIN_ID] == "a"
+    resp = await consumer.Nack(pb.NackRequest(group="g", nacks=by_subject(b, h)))  # no longer in flight
+    assert (resp.retried, resp.dead_lettered) == (0, 0)
