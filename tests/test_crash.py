@@ -80,7 +80,12 @@ def test_sigkill_loop_loses_nothing_and_redelivers_nothing(tmp_path):
     acked = {ln.split()[1] for ln in lines if ln.startswith("ACK ")}
     cancelled = {ln.split()[1] for ln in lines if ln.startswith("CXL ")}
     delivered = Counter(ln.split()[1] for ln in lines if ln.startswith("DLV "))
-    lost = sorted(acked - cancelled - set(delivered))
+    # a cancel the worker was killed in the middle of may have taken effect (its tombstone was
+    # written, its answer never given): such a message may be delivered or not
+    tried = {ln.split()[1] for ln in lines if ln.startswith("CXLTRY ")}
+    answered = cancelled | {ln.split()[1] for ln in lines if ln.startswith("CXLFAIL ")}
+    unknown = tried - answered
+    lost = sorted(acked - cancelled - unknown - set(delivered))
     assert not lost, f"{len(lost)} acknowledged messages never delivered, e.g. {lost[:5]}"
     assert not violations, violations[:10]
     # no delivery printed after the cancel of that id was acknowledged

@@ -238,9 +238,15 @@ class DelayStore:
             if b is None:
                 continue
             e = b.entries_array()
-            if start < c:  # the current bucket: frames of seconds at or after completed_ms
-                e = e[e["second"].astype(np.int64) * 1000 + start >= c - c % 1000]
-            out[start] = int(e["messages"].astype(np.int64).sum() - e["cancels"].astype(np.int64).sum())
+            n = 0
+            if start < c:  # the current bucket: whole seconds after completed_ms's, its own second exactly
+                sec_ms = e["second"].astype(np.int64) * 1000 + start
+                for ref in self.schedule.load_second(c // 1000):
+                    late = ref.batch.effective_ms >= c
+                    cancels = ref.batch.kind == KIND_CANCEL
+                    n += int(np.count_nonzero(late & ~cancels)) - int(np.count_nonzero(late & cancels))
+                e = e[sec_ms > c - c % 1000]
+            out[start] = n + int(e["messages"].astype(np.int64).sum() - e["cancels"].astype(np.int64).sum())
         for eff in self._dispatched.values():
             if eff >= c:
                 b = self.schedule.bucket_start(eff)

@@ -517,6 +517,7 @@ class IdIndex:
             keep = (cur > 0) & (cur <= used)
             active, cur = active[keep], cur[keep]
             steps = 0
+            e = None
             while len(active) and steps < used:
                 e = entries[cur - 1]
                 hit = e["key_hash"] == h[active]
@@ -525,7 +526,7 @@ class IdIndex:
                 go = ~hit & (prev > 0) & (prev < cur)  # chains only point backwards
                 active, cur = active[go], prev[go]
                 steps += 1
-            del slots, entries, e
+            del slots, entries, e  # no view may outlive the map: the next _map may unmap it
         return found
 
     # -- reading ---------------------------------------------------------------------------

@@ -40,9 +40,10 @@ Invariants and recovery (``Bucket.open``):
   dropped; frames in data past the last index entry are re-indexed from their bodies;
 * ``entries_covered`` in the heads header says which index entries are reflected in the
   heads; entries after it are re-applied; a heads file failing its checks is rebuilt;
-* the high-water mark ``last_seq`` is the ``last_seq`` of the last index entry: replaying
-  the message log re-offers records and ``file`` skips any with ``seq <= last_seq``, so
-  nothing is filed twice (records of one bucket are filed in seq order).
+* the high-water mark ``last_seq`` is the largest ``last_seq`` of the index entries (the
+  groups of one batch are filed second by second, so their seqs interleave; every batch
+  is filed after the ones before it in the log): replaying the message log re-offers
+  records and ``file`` skips any with ``seq <= last_seq``, so nothing is filed twice.
 
 Example: filing a batch whose records are due at 1_795_424_401_234 and 1_795_424_402_000
 writes two frames in bucket 1_795_424_400_000 (seconds 1 and 2); ``load_second(1_795_424_401)``
@@ -184,9 +185,10 @@ class Bucket:
         self.entries = n
         indexed_end = self.data.start_offset
         if n:
-            off, fsize, _prev, _first, last, *_ = self._read_entry(n - 1)
+            off, fsize, *_ = self._read_entry(n - 1)
             indexed_end = off + fsize
-            self.last_seq = last
+            # the groups of one batch are filed by second, not by seq: the mark is the maximum
+            self.last_seq = int(self.entries_array()["last_seq"].max())
         if indexed_end < data_end:
             # frames reached the data log but not the index: index them now (heads follow)
             rows = []
@@ -274,7 +276,7 @@ class Bucket:
         for sec, head in new_heads.items():
             self.heads[sec] = head
         self.entries = n0 + len(rows)
-        self.last_seq = int(arr["last_seq"][-1])
+        self.last_seq = max(self.last_seq, int(arr["last_seq"].max()))
 
     def append_groups(self, groups: list[Batch]) -> list[tuple[int, int]]:
         """File groups (each due in one second of this bucket, records in seq order, all

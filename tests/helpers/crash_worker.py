@@ -4,6 +4,7 @@ Usage: python -m tests.helpers.crash_worker DIR RUN SEED [--drain UNTIL_MS]
 
 Prints, one line each, flushed:
   ACK <id> <deliver_at_ms>   after the message's fsync (acknowledged)
+  CXLTRY <id>                before a cancel is asked for (a kill before its answer: outcome unknown)
   CXL <id>                   after a cancel's fsync (acknowledged)
   DLV <id> <seq>             when a message is handed to "dispatch" (before the dispatch log)
   READY / DRAINED
@@ -63,6 +64,7 @@ def main() -> None:
                 acked.append(m.msg_id)
             if acked and rnd.random() < 0.2:
                 victim = rnd.choice(acked)
+                out(f"CXLTRY {victim}")  # a kill before the answer leaves the outcome unknown
                 try:
                     store.cancel(victim, now_ms=t)
                     store.flush_messages()
