@@ -14,7 +14,9 @@ import pytest
 from cluster import errors as E
 from cluster.client import Consumer, Producer, StaticResolver
 from cluster.devcluster import LocalCluster
+from cluster.codec import Batch
 from cluster.proto import hourglass_pb2 as pb
+from cluster.wire import BatchResult, make_request
 from cluster.transport import Channels
 
 
@@ -143,21 +145,25 @@ async def test_bad_input_gets_clear_errors_and_node_keeps_serving(cluster, resol
     ch = Channels()
     try:
         stub = ch.producer(delay)
-        resp = await stub.SendBatch(pb.SendBatchRequest(messages=[
-            pb.Message(id="bad id", subject="s", delay_ms=10),
-            pb.Message(id="ok-id", subject="", delay_ms=10),
-            pb.Message(id="big", subject="s", payload=b"x" * (64 * 1024 + 1), delay_ms=10),
-            pb.Message(id="far", subject="s", delay_ms=3 * 366 * 24 * 3600 * 1000),
-            pb.Message(id="both", subject="s", delay_ms=5, deliver_at_ms=now_ms()),
-            pb.Message(id="fine", subject="e2e.bad", delay_ms=10),
-        ]))
-        codes = [s.code for s in resp.statuses]
-        assert codes == [pb.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.INVALID_ARGUMENT,
-                         pb.INVALID_ARGUMENT, pb.OK]
-        assert all(s.error for s in resp.statuses[:5])
-        with pytest.raises(grpc.RpcError) as e:
-            await stub.SendBatch(pb.SendBatchRequest(messages=[pb.Message(subject="s")] * 10_001))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        now = now_ms()
+        batch = Batch.build(["s", "", "s", "s", "s", "e2e.bad"],
+                            [b"", b"", b"x" * (64 * 1024 + 1), b"", b"", b""],
+                            ["bad id", "ok-id", "big", "far", "past", "fine"],
+                            [0, 0, 0, 0, -5, 0])
+        delays = [10, 10, 10, 3 * 366 * 24 * 3600 * 1000, 0, 10]
+        resp = await stub.SendBatch(make_request(batch, delay_ms=delays))
+        res = BatchResult.from_pb(resp, batch.n)
+        assert res.codes.tolist() == [pb.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE,
+                                      pb.INVALID_ARGUMENT, pb.INVALID_ARGUMENT, pb.OK]
+        assert sorted(res.errors) == [0, 1, 2, 3, 4] and all(res.errors.values())
+        assert res.seqs[5] > 0 and res.deliver_at_ms[5] >= now + 10
+        for bad in (pb.SendBatchRequest(batch=b"garbage"),                          # not a batch
+                    make_request(batch, delay_ms=[1, 2]),                           # columns disagree
+                    make_request(Batch.build("s", [b""] * 10_001, [f"i{i}" for i in range(10_001)],
+                                             [now] * 10_001))):                     # over batch_messages_max
+            with pytest.raises(grpc.RpcError) as e:
+                await stub.SendBatch(bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as e:
             await ch.consumer(cluster.realtime[0].address).Pull(pb.PullRequest(subject="x"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
