@@ -86,7 +86,15 @@ def _serve(settings_cls, overrides: dict, serve) -> None:
         console.print(f"[red]bad settings:[/red] {e}")
         raise typer.Exit(2)
     configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    profile_to = os.environ.get("HOURGLASS_PROFILE_TO")  # benchmarks: cProfile of the serving thread
+    if not profile_to:
+        asyncio.run(serve(settings))
+        return
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        asyncio.run(serve(settings))
+    prof.dump_stats(f"{profile_to}.{os.getpid()}")
 
 
 @app.command()

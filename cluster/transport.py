@@ -22,6 +22,7 @@ class Channels:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[type, str], object] = {}  # a stub per (kind, address): made once
 
     def get(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -30,21 +31,29 @@ class Channels:
             self._channels[address] = ch
         return ch
 
+    def _stub(self, kind: type, address: str):
+        stub = self._stubs.get((kind, address))
+        if stub is None:
+            stub = self._stubs[(kind, address)] = kind(self.get(address))
+        return stub
+
     def producer(self, address: str) -> rpc.ProducerStub:
-        return rpc.ProducerStub(self.get(address))
+        return self._stub(rpc.ProducerStub, address)
 
     def consumer(self, address: str) -> rpc.ConsumerStub:
-        return rpc.ConsumerStub(self.get(address))
+        return self._stub(rpc.ConsumerStub, address)
 
     def admin(self, address: str) -> rpc.AdminStub:
-        return rpc.AdminStub(self.get(address))
+        return self._stub(rpc.AdminStub, address)
 
     async def drop(self, address: str) -> None:
+        self._stubs = {k: v for k, v in self._stubs.items() if k[1] != address}
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close()
 
     async def close(self) -> None:
         chans, self._channels = list(self._channels.values()), {}
+        self._stubs = {}
         for ch in chans:
             await ch.close()

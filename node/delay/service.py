@@ -83,8 +83,11 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.metrics = NodeMetrics("delay", settings.node_id)
         self._durable_moved = asyncio.Event()
         self._wheel_wake = asyncio.Event()
-        self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray]] = asyncio.Queue(
-            maxsize=settings.dispatch_concurrency_max * 4)
+        self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray, bool]] = asyncio.Queue()
+        # a dispatch round holds a slot until it is settled: while every slot is taken, due
+        # messages gather in the wheel and go out together in the next round (batches grow
+        # with load, a lone message still leaves at once)
+        self._dispatch_slots = asyncio.Semaphore(settings.dispatch_concurrency_max)
         self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
         self.address = ""
         self.server: grpc.aio.Server | None = None
@@ -189,9 +192,14 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         next_metrics = next_pending = 0.0
         while True:
             self._wheel_wake.clear()
+            await self._dispatch_slots.acquire()
             now = self.clock.now_ms()
-            for due in self.store.poll_due(now_ms=now):
-                await self._dispatch_q.put((due.unit, np.arange(due.batch.n)))
+            due = self.store.poll_due(now_ms=now)
+            if due:
+                for d in due:  # one unit per poll
+                    self._dispatch_q.put_nowait((d.unit, np.arange(d.batch.n), True))
+            else:
+                self._dispatch_slots.release()
             t = loop.time()
             if t >= next_metrics:
                 self.metrics.wheel_held.set(len(self.store.wheel))
@@ -210,7 +218,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _dispatch_worker(self) -> None:
         while True:
-            unit, idx = await self._dispatch_q.get()
+            unit, idx, slot = await self._dispatch_q.get()
             try:
                 await self._deliver(unit, idx)
             except asyncio.CancelledError:
@@ -218,6 +226,10 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             except Exception:  # a bug: give the messages back rather than lose them
                 log.exception("dispatch failed; messages go back to the wheel")
                 self.store.release(unit, idx)
+            finally:
+                if slot:
+                    self._dispatch_slots.release()
+                    self._wheel_wake.set()
 
     async def _route(self, subject: str) -> str:
         address = self.router.realtime_for(subject)
@@ -230,6 +242,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         transient failures retried (only the parts that failed) until they go through."""
         b = self.store.unit_batch(unit)
         if b is None:
+            return
+        try:
+            idx = await self._deliver_once(unit, b, idx)
+        except Unavailable:
+            pass
+        if not len(idx):
             return
         left = [idx]
         retrying = AsyncRetrying(
@@ -245,15 +263,20 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _deliver_once(self, unit: int, b: Batch, idx: np.ndarray) -> np.ndarray:
         """One round: route, send every target its part at once; returns what is left."""
-        sub = b.take(idx) if len(idx) != b.n else b
-        targets: dict[str, list[np.ndarray]] = {}
-        for subject, part in sub.split_by_subject().items():
-            targets.setdefault(await self._route(subject), []).append(idx[part])
-        parts = {addr: np.sort(np.concatenate(p)) for addr, p in targets.items()}
-        results = await asyncio.gather(*(self._send_part(addr, unit, b, part) for addr, part in parts.items()),
+        # route each entry of the subject table once, then group the messages with numpy
+        addrs = [await self._route(s) for s in b.subjects]
+        names = sorted(set(addrs))
+        target_of = np.array([names.index(a) for a in addrs], np.int64)[b.subject_idx[idx]]
+        if len(names) == 1:
+            targets = {names[0]: idx}
+        else:
+            targets = {names[t]: idx[target_of == t] for t in np.unique(target_of).tolist()}
+        step = self.settings.dispatch_batch_max  # a real-time node refuses larger batches whole
+        parts = [(addr, part[i:i + step]) for addr, part in targets.items() for i in range(0, len(part), step)]
+        results = await asyncio.gather(*(self._send_part(addr, unit, b, part) for addr, part in parts),
                                        return_exceptions=True)
         left = []
-        for (addr, part), r in zip(parts.items(), results):
+        for (addr, part), r in zip(parts, results):
             if isinstance(r, Unavailable):
                 for s in {b.subject(int(i)) for i in part[:64]}:
                     self.router.invalidate(s)
@@ -263,7 +286,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         return np.concatenate(left) if left else np.zeros(0, np.int64)
 
     async def _send_part(self, address: str, unit: int, b: Batch, part: np.ndarray) -> None:
-        sub = b.take(part)
+        sub = b if len(part) == b.n else b.take(part)
         try:
             resp = await self.channels.producer(address).SendBatch(make_request(sub, immediate=True), timeout=10)
             res = BatchResult.from_pb(resp, sub.n)
@@ -335,10 +358,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self.store.release(unit, dead_idx[~ok])
 
     def _requeue(self, unit: int, idx: np.ndarray) -> None:
-        try:
-            self._dispatch_q.put_nowait((unit, idx))
-        except asyncio.QueueFull:
-            self.store.release(unit, idx)
+        self._dispatch_q.put_nowait((unit, idx, False))
 
     async def _checkpoint_loop(self) -> None:
         while True:

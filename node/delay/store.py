@@ -186,11 +186,14 @@ class DelayStore:
         self.persisted_completed_ms = self.completed_ms
         # messages delivered at or after completed_ms (reloaded seconds must skip them)
         self._dispatched: dict[int, int] = {}
+        self._dispatched_eff_max = -1  # largest effective time in _dispatched
         self._dispatch_trail: deque[tuple[int, int]] = deque()  # (max effective_ms, offset) per record
         if dispatch_offset < self.dispatch.end_offset:
             for off, body in self.dispatch.iterate(dispatch_offset):
                 d = DispatchBatch.decode(body)
                 self._dispatched.update(zip(d.seq.tolist(), d.effective_ms.tolist()))
+                if d.n:
+                    self._dispatched_eff_max = max(self._dispatched_eff_max, int(d.effective_ms.max()))
                 self._dispatch_trail.append((int(d.effective_ms.max()) if d.n else 0, off))
         self._units: dict[int, _Unit] = {}
         self._unit_counter = 0
@@ -260,11 +263,16 @@ class DelayStore:
     def _pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int) -> None:
         if not len(effective_ms):
             return
-        starts = effective_ms - effective_ms % self.settings.bucket_ms
-        weights = np.broadcast_to(np.asarray(sign, np.int64), starts.shape)
-        uniq, inv = np.unique(starts, return_inverse=True)
-        sums = np.bincount(inv, weights=weights).astype(np.int64)
-        for b, n in zip(uniq.tolist(), sums.tolist()):
+        bms = self.settings.bucket_ms
+        lo, hi = int(effective_ms.min()), int(effective_ms.max())
+        if lo - lo % bms == hi - hi % bms:  # the usual case: one bucket
+            items = [(lo - lo % bms, len(effective_ms) * sign if isinstance(sign, int) else int(np.sum(sign)))]
+        else:
+            starts = effective_ms - effective_ms % bms
+            weights = np.broadcast_to(np.asarray(sign, np.int64), starts.shape)
+            uniq, inv = np.unique(starts, return_inverse=True)
+            items = zip(uniq.tolist(), np.bincount(inv, weights=weights).astype(np.int64).tolist())
+        for b, n in items:
             v = self._pending.get(b, 0) + n
             if v > 0:
                 self._pending[b] = v
@@ -517,6 +525,15 @@ class DelayStore:
                     # steps back so a checkpoint cannot skip it before it is dispatched
                     self.completed_ms = low - low % self.settings.tick_ms
 
+    def _dispatched_seqs(self, effective_ms: np.ndarray) -> np.ndarray | None:
+        """Seqs delivered that could be among records due at ``effective_ms`` (None: none can).
+        Delivered messages are due before the wheel cursor, and a second is loaded before
+        anything in it fires, so on a running master this is None; after a restart the
+        reloaded seconds may hold messages delivered before the crash."""
+        if not self._dispatched or int(effective_ms.min()) > self._dispatched_eff_max:
+            return None
+        return np.fromiter(self._dispatched.keys(), np.uint64, len(self._dispatched))
+
     def _chunk(self, ref: FrameRef, *, reload: bool, cancelled: np.ndarray | None = None) -> Chunk | None:
         """The wheel chunk of a frame: its messages not cancelled, voided, delivered or in flight."""
         b = ref.batch
@@ -528,15 +545,15 @@ class DelayStore:
             mask &= ~np.isin(seq, cancelled)
         if self.voided:
             mask &= ~self._voided_mask(seq)
-        if self._dispatched:
-            lo, hi = int(seq.min()), int(seq.max())
-            d = self._dispatched
-            if any(lo <= s <= hi for s in d):  # rarely true: delivered seqs are older
-                mask &= ~np.fromiter((s in d for s in seq.tolist()), bool, b.n)
+        delivered = self._dispatched_seqs(b.effective_ms)
+        if delivered is not None:
+            mask &= ~np.isin(seq, delivered)
         if reload:
             mask &= b.effective_ms >= self._restored_completed_ms
             if self._units:
                 mask &= ~np.isin(seq, np.concatenate([u.batch.seq[u.live] for u in self._units.values()]))
+        if mask.all():
+            return Chunk(b.effective_ms, seq, np.arange(b.n, dtype=np.int32), ref)
         idx = np.flatnonzero(mask)
         if not len(idx):
             return None
@@ -554,13 +571,20 @@ class DelayStore:
     # ------------------------------------------------------------------ wheel and dispatch
 
     def _load_seconds(self) -> None:
+        """Load the next seconds into the wheel. The frames of one second become **one**
+        batch sorted by due time (one chunk), so firing takes contiguous ranges of it."""
         for second in self.wheel.seconds_to_load(self.settings.seconds_load_max):
             frames = self.schedule.load_second(second)
+            if not frames:
+                self.wheel.load_second(second, [])
+                continue
             cancelled = [f.batch.cancel_targets()[(f.batch.kind == KIND_CANCEL) & ~self._voided_mask(f.batch.seq)]
                          for f in frames if bool((f.batch.kind == KIND_CANCEL).any())]
             targets = np.concatenate(cancelled) if cancelled else None
-            chunks = [c for c in (self._chunk(f, reload=True, cancelled=targets) for f in frames) if c is not None]
-            self.wheel.load_second(second, chunks)
+            merged = Batch.concat([f.batch for f in reversed(frames)])  # chain order is newest first
+            merged = merged.take(np.argsort(merged.effective_ms, kind="stable"))
+            chunk = self._chunk(FrameRef(-1, -1, 0, merged), reload=True, cancelled=targets)
+            self.wheel.load_second(second, [] if chunk is None else [chunk])
 
     def next_due_ms(self) -> int | None:
         """When the earliest held message is due (the shell sleeps until then)."""
@@ -610,7 +634,9 @@ class DelayStore:
         rec = DispatchBatch(b.seq, b.effective_ms, b.deliver_at_ms, now_ms, outcome)
         (off,) = self.dispatch.append([rec.encode()])
         self._dispatched.update(zip(b.seq.tolist(), b.effective_ms.tolist()))
-        self._dispatch_trail.append((int(b.effective_ms.max()), off))
+        eff_max = int(b.effective_ms.max())
+        self._dispatched_eff_max = max(self._dispatched_eff_max, eff_max)
+        self._dispatch_trail.append((eff_max, off))
         self._pending_add(b.effective_ms, -1)
         self.counters["dead_lettered" if outcome == OUTCOME_DEAD_LETTER else "dispatched"] += b.n
         self._advance_completed()

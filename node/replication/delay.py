@@ -189,7 +189,8 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             tg.create_task(self._checkpoint_loop(), name="checkpoint")
 
     def _reopen(self, mode: str) -> None:
-        self._dispatch_q = asyncio.Queue(maxsize=self.settings.dispatch_concurrency_max * 4)
+        self._dispatch_q = asyncio.Queue()
+        self._dispatch_slots = asyncio.Semaphore(self.settings.dispatch_concurrency_max)
         self.store.checkpoint()
         self.store.close()
         now = self.clock.now_ms()

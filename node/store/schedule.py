@@ -9,9 +9,9 @@ UTC milliseconds (zero padded, so names sort by time)::
     schedule/000001795424400000/index        fixed 48-byte entries, one per frame
     schedule/000001795424400000/heads        header + one u32 head per second of the bucket
 
-A *group* is the part of one accepted batch that is due in one second: its frame body
-is a ``cluster.codec.Batch`` (effective_ms column = the time it is filed under, >=
-deliver_at_ms). Filing a batch of N messages due over k seconds writes k frames with
+A *group* is the part of one accepted batch that is due in one second, in due order: its
+frame body is a ``cluster.codec.Batch`` (effective_ms column = the time it is filed under,
+>= deliver_at_ms). Filing a batch of N messages due over k seconds writes k frames with
 one ``write`` per bucket, k index entries with one ``pwrite`` per bucket, and k heads.
 
 Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
@@ -19,8 +19,8 @@ Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
     u64 data_offset   offset of the frame in the bucket's data log
     u32 frame_size    header + body bytes
     u32 prev          entry number + 1 of the previous frame of the same second (0 = none)
-    u64 first_seq     seq of the frame's first record
-    u64 last_seq      seq of its last record (records of a frame are in seq order)
+    u64 first_seq     lowest seq in the frame
+    u64 last_seq      highest seq in the frame
     u32 second        due second relative to the bucket start
     u32 messages      records of kind message in the frame
     u32 cancels       cancel tombstones in the frame
@@ -206,7 +206,7 @@ class Bucket:
         if not 0 <= second < self.seconds:
             raise CorruptRecord(str(self.data.directory), off, f"frame due outside bucket {self.start_ms}")
         msgs, cancels = _group_counts(b)
-        return (off, fsize, 0, int(b.seq[0]), int(b.seq[-1]), second, msgs, cancels, 0)
+        return (off, fsize, 0, int(b.seq.min()), int(b.seq.max()), second, msgs, cancels, 0)
 
     def _open_heads(self) -> None:
         want = HEADS_HEADER_SIZE + 4 * self.seconds
@@ -279,8 +279,8 @@ class Bucket:
         self.last_seq = max(self.last_seq, int(arr["last_seq"].max()))
 
     def append_groups(self, groups: list[Batch]) -> list[tuple[int, int]]:
-        """File groups (each due in one second of this bucket, records in seq order, all
-        newer than ``last_seq``): one data write, one index write. Returns (offset, size) each."""
+        """File groups (each due in one second of this bucket, in due order, all newer than
+        ``last_seq``): one data write, one index write. Returns (offset, size) each."""
         bodies = [g.encode() for g in groups]
         offsets = self.data.append(bodies)
         sizes = [HEADER_SIZE + len(body) for body in bodies]
@@ -411,9 +411,8 @@ class ScheduleLog:
         if not n:
             return Filed(filed, bucket_col, off_col, size_col, frames)
         eff = batch.effective_ms
-        secs = eff // 1000
-        order = np.argsort(secs, kind="stable")
-        sorted_secs = secs[order]
+        order = np.argsort(eff, kind="stable")  # each group in due order: the wheel fires ranges of it
+        sorted_secs = eff[order] // 1000
         cuts = np.flatnonzero(np.diff(sorted_secs)) + 1
         parts = np.split(order, cuts)
         by_bucket: dict[int, list[np.ndarray]] = {}
