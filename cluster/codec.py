@@ -437,33 +437,46 @@ class Batch:
     # ------------------------------------------------------------------ subsets
 
     def take(self, idx) -> "Batch":
-        """The messages at ``idx`` (an index array or a slice), in that order."""
+        """The messages at ``idx`` (an index array or a slice), in that order. A contiguous
+        run is a slice: columns are views and blobs one slice each, nothing per message."""
         if isinstance(idx, slice):
-            idx = np.arange(self.n)[idx]
+            start, stop, step = idx.indices(self.n)
+            if step == 1:
+                return self._slice(start, max(start, stop))
+            idx = np.arange(start, stop, step)
         idx = np.asarray(idx, np.int64)
         m = len(idx)
-        if m == self.n and (m == 0 or (idx[0] == 0 and bool((np.diff(idx) == 1).all()))):
-            return self
+        if m == 0:
+            return self._slice(0, 0)
+        first, last = int(idx[0]), int(idx[-1])
+        if last - first == m - 1 and (m == 1 or bool((np.diff(idx) == 1).all())):
+            return self._slice(first, last + 1)
         cols = {}
         for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "subject_idx", "kind"):
             cols[name] = getattr(self, name)[idx]
-        contiguous = m > 0 and int(idx[-1]) - int(idx[0]) == m - 1 and bool((np.diff(idx) == 1).all())
         for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
-            ends = getattr(self, name).astype(np.int64)
             blob = getattr(self, blob_name)
-            starts = _starts(ends)
-            s, e = starts[idx], ends[idx]
-            if m == 0:
-                cols[name], cols[blob_name] = _EMPTY_U32, b""
-            elif contiguous:
-                a = int(s[0])
-                cols[blob_name] = blob[a:int(e[-1])]
-                cols[name] = (e - a).astype(np.uint32)
-            elif not blob:
+            if not blob:
                 cols[name], cols[blob_name] = np.zeros(m, np.uint32), b""
-            else:
-                cols[blob_name] = b"".join([blob[a:b] for a, b in zip(s.tolist(), e.tolist())])
-                cols[name] = np.cumsum(e - s).astype(np.uint32)
+                continue
+            ends = getattr(self, name).astype(np.int64)
+            s, e = _starts(ends)[idx], ends[idx]
+            cols[blob_name] = b"".join([blob[a:b] for a, b in zip(s.tolist(), e.tolist())])
+            cols[name] = np.cumsum(e - s).astype(np.uint32)
+        return Batch(subjects=self.subjects, **cols)
+
+    def _slice(self, a: int, b: int) -> "Batch":
+        if a == 0 and b == self.n:
+            return self
+        cols = {name: getattr(self, name)[a:b]
+                for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "subject_idx", "kind")}
+        for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
+            ends = getattr(self, name)
+            lo = int(ends[a - 1]) if a else 0
+            hi = int(ends[b - 1]) if b > a else lo
+            blob = getattr(self, blob_name)
+            cols[blob_name] = blob[lo:hi] if (lo, hi) != (0, len(blob)) else blob
+            cols[name] = ends[a:b] - np.uint32(lo) if lo else ends[a:b]
         return Batch(subjects=self.subjects, **cols)
 
     @staticmethod

@@ -59,7 +59,7 @@ class NodeSettings(BaseSettings):
 
     # delay node
     tick_ms: int = 10
-    window_ms: int = 2000
+    window_ms: int = 500                   # the wheel loads a second this long before it starts
     bucket_ms: int = 3_600_000
     checkpoint_interval_ms: int = 200
     iterate_interval_ms: int = 2

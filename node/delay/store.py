@@ -77,7 +77,7 @@ ALREADY_EXISTS = 4  # hourglass.v1.Code
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
     tick_ms: int = 10
-    window_ms: int = 2000
+    window_ms: int = 500
     bucket_ms: int = 3_600_000
     message_segment_bytes: int = 64 * 1024 * 1024
     dispatch_segment_bytes: int = 16 * 1024 * 1024
