@@ -295,3 +295,15 @@ def test_duplicate_id_inside_one_batch_is_refused(tmp_path):
     h = Harness(tmp_path)
     a, b = h.send([msg(1, T0 + 100), msg(1, T0 + 100)])
     assert a.seq > 0 and isinstance(b, AlreadyExists)
+
+
+def test_message_and_its_cancel_filed_in_one_round_never_fire(tmp_path):
+    # accepted and cancelled before the iterator ran: both batches are filed together
+    h = Harness(tmp_path)
+    h.run_until(T0 + 50)
+    h.store.accept([msg(1, T0 + 300), msg(2, T0 + 300)], now_ms=h.now)
+    h.store.cancel("m1", now_ms=h.now)
+    h.store.flush_messages()
+    assert h.store.iterate(limit=None) == 3
+    h.run_until(T0 + 1_000)
+    assert h.delivered == ["m2"]

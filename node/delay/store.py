@@ -456,13 +456,25 @@ class DelayStore:
             end = min(end, self.replicated["iterate_offset"] if self.replicated else self.iterate_offset)
         n = 0
         while self.iterate_offset < end and (limit is None or n < limit):
-            u = self._unfiled[0] if self._unfiled else None
-            if u is not None and u.offset == self.iterate_offset and u.end <= end:
-                self._file(u.batch, u.hashes)
-                self._unfiled.popleft()
-                self._unfiled_count -= u.batch.n
-                self.iterate_offset = u.end
+            # every durable batch still in memory, filed together: one frame per due second
+            # for all of them, one id-index write
+            take: list[_Unfiled] = []
+            offset = self.iterate_offset
+            for u in self._unfiled:
+                if u.offset != offset or u.end > end or (limit is not None and n + u.batch.n > limit and take):
+                    break
+                take.append(u)
+                offset = u.end
                 n += u.batch.n
+            if take:
+                if len(take) == 1:
+                    self._file(take[0].batch, take[0].hashes)
+                else:
+                    self._file(Batch.concat([u.batch for u in take]), np.concatenate([u.hashes for u in take]))
+                for _ in take:
+                    self._unfiled.popleft()
+                self._unfiled_count -= sum(u.batch.n for u in take)
+                self.iterate_offset = offset
                 continue
             # not in memory (replay after a restart, replicated bytes): read the log
             for off, body in self.messages.iterate(self.iterate_offset, end):
@@ -510,11 +522,12 @@ class DelayStore:
                     del d[h]
         if self.follower:
             return  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
+        targets = None
         if is_cancel.any():
             targets = batch.cancel_targets()[is_cancel]
-            self.wheel.cancel(targets)
+            self.wheel.cancel(targets)  # messages filed by an earlier call
         for ref in placed.frames:
-            chunk = self._chunk(ref, reload=False)
+            chunk = self._chunk(ref, reload=False, cancelled=targets)  # and in this very call
             if chunk is None:
                 continue
             if self.wheel.add(chunk):

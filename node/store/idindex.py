@@ -366,7 +366,9 @@ class IdIndex:
     def _sync(self, f: _IndexFile) -> None:
         """Entries and heads to disk first, then the header that vouches for them."""
         assert f.mm is not None
-        f.mm.flush()
+        # fsync, not msync: the map shares the file's page cache, and fsync costs what is
+        # dirty while msync walks the whole (sparse, 164 MiB by default) mapping
+        os.fsync(f.fd)
         self._write_header(f)
         os.fsync(f.fd)
         f.dirty = False
