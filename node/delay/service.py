@@ -186,16 +186,24 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def _wheel_loop(self) -> None:
         """Fire at the due time: sleep until the earliest held entry is due (woken early
         when filing puts an earlier one in the wheel), at most one tick (seconds ahead are
-        loaded on that beat)."""
+        loaded on that beat). Rounds that fire are at least ``dispatch_round_interval_ms``
+        apart: a round costs the same whether it carries one message or a thousand, so under
+        load messages due within that interval leave together (a lone message still leaves
+        at its due time)."""
         tick_s = self.settings.tick_ms / 1000
+        round_s = self.settings.dispatch_round_interval_ms / 1000
         loop = asyncio.get_running_loop()
-        next_metrics = next_pending = 0.0
+        next_metrics = next_pending = next_round = 0.0
         while True:
             self._wheel_wake.clear()
+            t = loop.time()
+            if t < next_round:
+                await asyncio.sleep(next_round - t)
             await self._dispatch_slots.acquire()
             now = self.clock.now_ms()
             due = self.store.poll_due(now_ms=now)
             if due:
+                next_round = loop.time() + round_s
                 for d in due:  # one unit per poll
                     self._dispatch_q.put_nowait((d.unit, np.arange(d.batch.n), True))
             else:
