@@ -1,16 +1,38 @@
-"""Spark pipeline benchmark: audit throughput over N log records, JVM and Python memory peaks,
-and the bulk-schedule rate against a real local cluster.
+"""Spark pipeline benchmark: the data source's scan rate (records per CPU-second of the Python
+side), audit throughput over N log records with JVM and Python memory peaks, and the
+bulk-schedule rate against a real local cluster.
 
-    python bench/bench_spark.py --records 10000000            # audit (data cached under --data)
-    python bench/bench_spark.py --records 0 --bulk-rows 20000  # bulk-schedule only
+    python bench/bench_spark.py --records 3000000 --phases scan        # the scan target (docs/spark.md)
+    python bench/bench_spark.py --records 10000000                      # scan + audit (data cached under --data)
+    python bench/bench_spark.py --records 0 --bulk-rows 20000 --phases bulk
 
-Audit data: ``records / 3`` messages, each present three times - in a delay node's message
-log, its dispatch log and a real-time node's message log - written with the real storage
-engine (``SegmentedLog.append`` of records encoded by ``node.store.records``: the engine's
-fast path, no per-message validation). 16 subjects, 256-byte payloads, due times spread
-over 24 hours, lateness 0..50 ms; one message in 1,000 is never dispatched (lost), one in
-2,000 reaches the real-time log twice (duplicated). The data folder is reused when it
-already holds the same record count.
+Data: ``records / 3`` messages, each present three times - in a delay node's message
+log, its dispatch log and a real-time node's message log - written in the batch format
+(``SegmentedLog.append`` of ``cluster.codec.Batch`` / ``DispatchBatch`` bodies, one frame
+per batch), shaped like a broker under load:
+
+* message log: one frame per producer batch of ``--batch`` messages (the SDK's
+  ``batch_max``), in arrival order;
+* dispatch log and real-time message log: one frame per fired wheel tick (10 ms): the
+  messages due in that tick, as the delay node forwards them with one SendBatch and
+  records them with one dispatch record. Due times arrive at ``--due-rate`` messages a
+  second, so a tick holds ``due_rate / 100`` messages (200 at the default 20,000/s);
+  ``--due-rate 1000`` gives 10 per frame, the shape of a lightly loaded broker.
+
+16 subjects, 256-byte payloads, every 7th message with a tag; lateness 10..50 ms (the
+real-time ``store_ms`` of its tick); one message in 1,000 is never dispatched (lost), one
+in 2,000 reaches the real-time log twice (a second frame 700 s later: duplicated). The
+data folder is reused when it holds the same shape.
+
+Phases (``--phases``, default ``scan,audit,bulk``):
+
+* ``scan``: per log, (a) ``HourglassReader.read`` over every partition in this process,
+  CPU from ``time.process_time`` (the Python side alone, no Spark); (b) the same scan
+  through Spark (``write.format("noop")``, after one warm-up scan that starts the Python
+  workers), CPU of the Python workers and of the JVM sampled with psutil. Records per
+  CPU-second of both;
+* ``audit``: the audit job; checks it finds exactly the planted lost and duplicated;
+* ``bulk``: bulk-schedule against a ``LocalCluster``.
 
 Memory: a sampler thread reads RSS every 200 ms of the JVM (the driver's java child),
 the Python driver, and the sum over Spark's Python workers; the peaks are reported.
@@ -28,98 +50,130 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node.store import records  # noqa: E402
+from cluster.codec import Batch, DispatchBatch, encode_extra  # noqa: E402
 from node.store.log import SegmentedLog  # noqa: E402
-from node.store.records import Dispatched, Message  # noqa: E402
 
 SUBJECTS = [f"bench.s{i:02d}" for i in range(16)]
 PAYLOAD = bytes(range(256))
+TAGGED = encode_extra(("bench",))
 T0 = 1_800_000_000_000
-SPAN_MS = 24 * 3_600_000
-CHUNK = 50_000
+TICK_MS = 10
+DUPLICATE_AFTER_MS = 700_000
 SAMPLE_S = 0.2
+LOGS = ("message", "dispatch", "realtime")
 
 
-def generate(root: Path, messages: int) -> dict:
-    """Write the three logs; returns counts of what was planted."""
+def _batch(i: np.ndarray, due: np.ndarray, *, epoch: int, store_ms, seq_of=None) -> Batch:
+    """The messages ``i`` (bench numbering) as one codec batch."""
+    ids = [f"m{k}" for k in i.tolist()]
+    extras = [TAGGED if k % 7 == 0 else b"" for k in i.tolist()]
+    seqs = (epoch | i if seq_of is None else seq_of).astype(np.uint64)
+    return Batch.build([SUBJECTS[k % 16] for k in i.tolist()], [PAYLOAD] * len(i), ids, due, seq=seqs,
+                       store_ms=store_ms, effective_ms=due, extras=extras)
+
+
+def generate(root: Path, messages: int, batch: int, due_rate: int) -> dict:
+    """Write the three logs; returns counts of what was planted and the frame shapes."""
     marker = root / "bench.json"
+    shape = {"messages": messages, "batch": batch, "due_rate": due_rate, "format": 2}
     if marker.exists():
         info = json.loads(marker.read_text())
-        if info.get("messages") == messages:
+        if {k: info.get(k) for k in shape} == shape:
             return info
     shutil.rmtree(root, ignore_errors=True)
     (root / "delay-1" / "schedule").mkdir(parents=True)   # marks the folder as a delay node
     (root / "realtime-1" / "index").mkdir(parents=True)   # marks it as a real-time node
     started = time.time()
-    lost = dup = 0
     epoch_d, epoch_r = 1 << 40, 2 << 40
+    span_ms = max(1, messages * 1000 // due_rate)
+    i_all = np.arange(messages, dtype=np.int64)
+    due_all = T0 + (i_all * 7919) % span_ms
+    lost = i_all % 1000 == 999
+    dup = (i_all % 2000 == 1) & ~lost
+    frames = {log: 0 for log in LOGS}
     with SegmentedLog.open(root / "delay-1" / "messages") as ml, \
             SegmentedLog.open(root / "delay-1" / "dispatch") as dl, \
             SegmentedLog.open(root / "realtime-1" / "messages") as rl:
+        for start in range(0, messages, batch):
+            i = i_all[start:start + batch]
+            ml.append([_batch(i, due_all[i], epoch=epoch_d, store_ms=due_all[i] - 60_000).encode()])
+            frames["message"] += 1
+        fired = i_all[~lost][np.argsort(due_all[~lost], kind="stable")]
+        ticks = due_all[fired] // TICK_MS
+        cuts = np.flatnonzero(np.diff(ticks)) + 1
         rseq = 0
-        for start in range(0, messages, CHUNK):
-            mb, db, rb = [], [], []
-            for i in range(start, min(messages, start + CHUNK)):
-                subject = SUBJECTS[i % 16]
-                due = T0 + (i * 7919) % SPAN_MS
-                msg_id = f"m{i}"
-                mb.append(records.encode(Message(epoch_d | i, due - 60_000, due, msg_id, subject, PAYLOAD)))
-                if i % 1000 == 999:
-                    lost += 1
-                    continue
-                sent = due + (i * 31) % 50
-                db.append(records.encode_dispatched(Dispatched(epoch_d | i, due, sent)))
-                copies = 2 if i % 2000 == 1 else 1
-                dup += copies - 1
-                for k in range(copies):
-                    rb.append(records.encode(Message(epoch_r | rseq, sent + 1 + k * 700_000, due, msg_id, subject,
-                                                     PAYLOAD)))
-                    rseq += 1
-            ml.append(mb)
-            dl.append(db)
-            rl.append(rb)
-    info = {"messages": messages, "lost": lost, "duplicated": dup, "generate_s": round(time.time() - started, 1)}
+        for group in np.split(fired, cuts):
+            tick = int(due_all[group[0]] // TICK_MS)
+            stored_ms = (tick + 1) * TICK_MS + (tick * 31) % 40   # lateness 10..50 ms
+            due = due_all[group]
+            rl.append([_batch(group, due, epoch=epoch_r, store_ms=stored_ms,
+                              seq_of=epoch_r | np.arange(rseq, rseq + len(group))).encode()])
+            rseq += len(group)
+            dl.append([DispatchBatch(epoch_d | group.astype(np.uint64), due, due, stored_ms + 1).encode()])
+            frames["realtime"] += 1
+            frames["dispatch"] += 1
+        again = i_all[dup]
+        for start in range(0, len(again), batch):
+            group = again[start:start + batch]
+            stored = due_all[group] + DUPLICATE_AFTER_MS
+            rl.append([_batch(group, due_all[group], epoch=epoch_r, store_ms=stored,
+                              seq_of=epoch_r | np.arange(rseq, rseq + len(group))).encode()])
+            rseq += len(group)
+            frames["realtime"] += 1
+    records = {"message": messages, "dispatch": int((~lost).sum()), "realtime": int((~lost).sum() + dup.sum())}
+    info = {**shape, "lost": int(lost.sum()), "duplicated": int(dup.sum()), "records": records,
+            "frames": frames, "messages_per_frame": {k: round(records[k] / max(frames[k], 1), 1) for k in LOGS},
+            "span_ms": span_ms, "generate_s": round(time.time() - started, 1)}
     marker.write_text(json.dumps(info))
     return info
 
 
 class MemorySampler:
-    """Peak RSS of the JVM, the Python driver and Spark's Python workers (sum)."""
+    """Peak RSS of the JVM, the Python driver and Spark's Python workers (sum), and CPU
+    seconds of each process seen while sampling (Spark reuses its Python workers, so a
+    worker lives through the phase and its last sample is its total)."""
 
     def __init__(self) -> None:
         self.me = psutil.Process()
         self.peak = {"jvm_rss_mb": 0.0, "driver_rss_mb": 0.0, "workers_rss_mb": 0.0}
         self.cpu_start = self._cpu_now()
         self.cpu: dict[int, float] = {}   # pid -> last seen user+system seconds
+        self.kind: dict[int, str] = {}    # pid -> "jvm" | "worker"
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            try:
-                jvm = workers = 0
-                for p in self.me.children(recursive=True):
-                    try:
-                        name = p.name()
-                        rss = p.memory_info().rss
-                        t = p.cpu_times()
-                        self.cpu[p.pid] = t.user + t.system
-                    except psutil.Error:
-                        continue
-                    if name == "java":
-                        jvm += rss
-                    elif "python" in name:
-                        workers += rss
-                drv = self.me.memory_info().rss
-            except psutil.Error:
-                continue
-            for k, v in (("jvm_rss_mb", jvm), ("driver_rss_mb", drv), ("workers_rss_mb", workers)):
-                self.peak[k] = max(self.peak[k], v / 2**20)
+            self.sample()
+
+    def sample(self) -> None:
+        try:
+            jvm = workers = 0
+            for p in self.me.children(recursive=True):
+                try:
+                    name = p.name()
+                    rss = p.memory_info().rss
+                    t = p.cpu_times()
+                    self.cpu[p.pid] = t.user + t.system
+                except psutil.Error:
+                    continue
+                if name == "java":
+                    jvm += rss
+                    self.kind[p.pid] = "jvm"
+                elif "python" in name:
+                    workers += rss
+                    self.kind[p.pid] = "worker"
+            drv = self.me.memory_info().rss
+        except psutil.Error:
+            return
+        for k, v in (("jvm_rss_mb", jvm), ("driver_rss_mb", drv), ("workers_rss_mb", workers)):
+            self.peak[k] = max(self.peak[k], v / 2**20)
 
     def _cpu_now(self) -> dict[int, float]:
         out = {}
@@ -131,11 +185,13 @@ class MemorySampler:
                 pass
         return out
 
-    def cpu_s(self) -> float:
-        """CPU seconds used by the driver, the JVM and the workers while sampling (load-independent)."""
+    def cpu_s(self, kind: str | None = None) -> float:
+        """CPU seconds used while sampling by the driver, the JVM and the workers (load-independent),
+        or by one ``kind`` of process ("jvm", "worker")."""
         t = self.me.cpu_times()
         self.cpu[self.me.pid] = t.user + t.system
-        return sum(v - self.cpu_start.get(pid, 0.0) for pid, v in self.cpu.items())
+        return sum(v - self.cpu_start.get(pid, 0.0) for pid, v in self.cpu.items()
+                   if kind is None or self.kind.get(pid) == kind)
 
     def __enter__(self) -> "MemorySampler":
         self._t.start()
@@ -144,16 +200,53 @@ class MemorySampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._t.join()
+        self.sample()
 
 
-def bench_audit(args, spark) -> dict:
+def bench_scan(args, spark, info: dict) -> list[dict]:
+    """Records per CPU-second of the data source, per log: in this process, and through Spark."""
+    from cluster.spark.source import HourglassReader
+
+    data = str(Path(args.data))
+    # start Spark's Python workers (process start, imports) before measuring them
+    spark.read.format("hourglass").option("log", "dispatch").load(data).write.format("noop").mode("overwrite").save()
+    out = []
+    for log in LOGS:
+        reader = HourglassReader([data], log, with_payload=False, record_bytes_max=8 * 1024 * 1024)
+        cpu0 = time.process_time()
+        rows = errors = 0
+        for part in reader.partitions():
+            for rb in reader.read(part):
+                rows += rb.num_rows
+                errors += rb.num_rows - rb.column("error").null_count
+        local_cpu_s = time.process_time() - cpu0
+        assert rows == info["records"][log] and not errors, (log, rows, errors, info["records"])
+        df = spark.read.format("hourglass").option("log", log).load(data)
+        started = time.time()
+        with MemorySampler() as mem:
+            df.write.format("noop").mode("overwrite").save()
+        workers_s, jvm_s = mem.cpu_s("worker"), mem.cpu_s("jvm")
+        out.append({"bench": "spark_scan", "log": log, "records": rows,
+                    "messages_per_frame": info["messages_per_frame"][log],
+                    "python_cpu_s": round(local_cpu_s, 2),
+                    "records_per_cpu_s": round(rows / max(local_cpu_s, 1e-9)),
+                    "spark_wall_s": round(time.time() - started, 2), "spark_workers_cpu_s": round(workers_s, 2),
+                    "spark_records_per_worker_cpu_s": round(rows / max(workers_s, 1e-9)),
+                    "spark_jvm_cpu_s": round(jvm_s, 2), "cores": os.cpu_count()})
+    total_rows = sum(r["records"] for r in out)
+    out.append({"bench": "spark_scan", "log": "all", "records": total_rows,
+                "records_per_cpu_s": round(total_rows / sum(r["python_cpu_s"] for r in out)),
+                "spark_records_per_worker_cpu_s": round(total_rows / sum(r["spark_workers_cpu_s"] for r in out))})
+    return out
+
+
+def bench_audit(args, spark, info: dict) -> dict:
     from cluster.spark.audit import AuditSettings, run
 
     data = Path(args.data)
-    info = generate(data, args.records // 3)
     out = Path(args.out) / "audit"
     with MemorySampler() as mem:
-        s = run(spark, AuditSettings(paths=[str(data)], out=str(out), as_of_ms=T0 + SPAN_MS + 3_600_000,
+        s = run(spark, AuditSettings(paths=[str(data)], out=str(out), as_of_ms=T0 + info["span_ms"] + 3_600_000,
                                      report=True))
     assert s["status"]["lost"] == info["lost"], (s["status"], info)
     assert s["status"]["duplicated"] == info["duplicated"], (s["status"], info)
@@ -206,6 +299,9 @@ def bench_bulk(args, spark) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--phases", default="scan,audit,bulk", help="comma separated: scan, audit, bulk")
+    ap.add_argument("--batch", type=int, default=1000, help="messages per message-log frame (producer batch)")
+    ap.add_argument("--due-rate", type=int, default=20_000, help="due messages per second (sets the tick frames)")
     ap.add_argument("--data", default="/tmp/hourglass-bench-spark/data")
     ap.add_argument("--out", default="/tmp/hourglass-bench-spark/out")
     ap.add_argument("--master", default="local[*]")
@@ -214,15 +310,22 @@ def main() -> None:
     ap.add_argument("--bulk-rate", type=float, default=2000)
     ap.add_argument("--bulk-partitions", type=int, default=2)
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
 
     from cluster.spark.session import SessionSettings, build_session
 
+    info = generate(Path(args.data), args.records // 3, args.batch, args.due_rate) if args.records else None
+    if info is not None:
+        print(json.dumps({"bench": "spark_data", **info}), flush=True)
     spark = build_session(SessionSettings(master=args.master, driver_memory=args.driver_memory,
                                           app_name="hourglass-bench"))
     try:
-        if args.records:
-            print(json.dumps(bench_audit(args, spark)), flush=True)
-        if args.bulk_rows:
+        if info is not None and "scan" in phases:
+            for r in bench_scan(args, spark, info):
+                print(json.dumps(r), flush=True)
+        if info is not None and "audit" in phases:
+            print(json.dumps(bench_audit(args, spark, info)), flush=True)
+        if args.bulk_rows and "bulk" in phases:
             for r in bench_bulk(args, spark):
                 print(json.dumps(r), flush=True)
     finally:

@@ -3,12 +3,14 @@
 Modules (one concept each):
 
 * ``layout``  - which files: node folders, their role, one read task per segment file;
-* ``scan``    - read-only frame scanner; torn and corrupt bytes become rows, never exceptions;
+* ``scan``    - read-only frame scanner; torn and corrupt bytes become error frames, never exceptions;
+* ``rows``    - Arrow record batches from frames: one row per message, built from whole
+  ``cluster.codec`` batches with numpy;
 * ``source``  - the ``hourglass`` PySpark data source (schemas, partitions, filter pushdown);
 * ``audit``   - scheduled vs cancelled vs dispatched vs received: lost, duplicated,
   delivered after cancel, lateness per subject and hour;
 * ``report``  - the audit's summary, plots and HTML page;
-* ``bulk``    - bulk-schedule: validate rows, send them with the producer SDK from executors;
+* ``bulk``    - bulk-schedule: validate rows as one codec batch, send them with ``Producer.send_many``;
 * ``session`` - SparkSession with ``local[*]`` by default and the data source registered;
 * ``cli``     - ``hourglass spark audit|bulk-schedule``.
 

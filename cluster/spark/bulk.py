@@ -16,12 +16,14 @@ column         accepted values
 ``tags``       optional; a list, or one string of tags separated by ``,``
 =============  ==================================================================================
 
-Each Spark task (``mapInArrow``) validates its rows with the broker's own limits
-(``node.store.records.validate_message``), then sends the good ones with the producer SDK
-(``cluster.client.Producer``) in chunks of ``batch_max``, waiting on a token bucket so the
-whole job stays under ``rate_per_s`` (each of the N tasks gets ``rate_per_s / N``). A row's
-delay node is chosen from its id (``crc32(id) % len(delay_nodes)``), so a rerun sends every
-id to the node that already has it and is answered "duplicate" instead of scheduling it twice.
+Each Spark task (``mapInArrow``) parses its rows (``plan_row``), validates the parsed ones
+at once as one codec batch with the broker's own limits (``cluster.codec.Batch.validate``,
+in ``plan_rows``), then sends the good ones with the producer SDK
+(``cluster.client.Producer.send_many``: one call per delay node and chunk of ``batch_max``
+rows, answers as arrays), waiting on a token bucket so the whole job stays under
+``rate_per_s`` (each of the N tasks gets ``rate_per_s / N``). A row's delay node is chosen
+from its id (``crc32(id) % len(delay_nodes)``), so a rerun sends every id to the node that
+already has it and is answered "duplicate" instead of scheduling it twice.
 
 Every row ends with one outcome in ``out/results`` (Parquet): ``scheduled``, ``duplicate``
 (already scheduled by an earlier run), ``rejected`` (bad row or refused by the node; not
@@ -41,11 +43,11 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, Field
 
+from cluster.codec import DEFAULT_LIMITS, Batch, Limits, encode_extra
 from cluster.errors import HourglassError
-from node.store import records
-from node.store.records import Message
 
 FORMATS = ("csv", "json", "parquet")
 CORRUPT_COLUMN = "_corrupt_record"
@@ -138,9 +140,9 @@ class Planned:
     tags: tuple[str, ...]
 
 
-def plan_row(row: dict, *, now_ms: int, payload_encoding: str = "utf8",
-             limits: records.Limits = records.DEFAULT_LIMITS) -> Planned:
-    """Validate one input row against the broker's limits; ``BadRow(reason)`` if it cannot be sent."""
+def plan_row(row: dict, *, payload_encoding: str = "utf8") -> Planned:
+    """Parse one input row; ``BadRow(reason)`` if it cannot become a message. The broker's
+    limits are checked for a whole task at once by ``plan_rows``."""
     if row.get(CORRUPT_COLUMN):
         raise BadRow("malformed input line")
     msg_id, subject = row.get("id"), row.get("subject")
@@ -150,15 +152,53 @@ def plan_row(row: dict, *, now_ms: int, payload_encoding: str = "utf8",
         raise BadRow("subject is missing")
     if not isinstance(msg_id, str):
         msg_id = str(msg_id)
-    p = Planned(msg_id, str(subject), parse_deliver_at(row.get("deliver_at")),
-                parse_payload(row.get("payload"), payload_encoding), parse_tags(row.get("tags")))
+    return Planned(msg_id, str(subject), parse_deliver_at(row.get("deliver_at")),
+                   parse_payload(row.get("payload"), payload_encoding), parse_tags(row.get("tags")))
+
+
+def plan_rows(rows: list[dict], *, now_ms: int, payload_encoding: str = "utf8",
+              limits: Limits = DEFAULT_LIMITS) -> tuple[list[tuple[int, Planned]], dict[int, str]]:
+    """Parse every row, then check the parsed ones against the broker's limits as one codec
+    batch (``Batch.validate``, what the delay node applies). Returns the sendable rows as
+    ``(row index, Planned)`` and ``row index -> reason`` for the others."""
+    rejects: dict[int, str] = {}
+    parsed: list[tuple[int, Planned]] = []
+    for i, row in enumerate(rows):
+        try:
+            parsed.append((i, plan_row(row, payload_encoding=payload_encoding)))
+        except BadRow as e:
+            rejects[i] = str(e)
+    if not parsed:
+        return [], rejects
+    ps = [p for _, p in parsed]
     try:
-        records.validate_message(Message(seq=0, store_ms=now_ms, deliver_at_ms=p.deliver_at_ms, msg_id=p.msg_id,
-                                         subject=p.subject, payload=p.payload, tags=p.tags),
-                                 now_ms=now_ms, limits=limits)
-    except HourglassError as e:
-        raise BadRow(str(e)) from None
-    return p
+        batch = Batch.build([p.subject for p in ps], [p.payload for p in ps], [p.msg_id for p in ps],
+                            np.maximum([p.deliver_at_ms for p in ps], 0),
+                            extras=[encode_extra(p.tags) if p.tags else b"" for p in ps])
+    except HourglassError:  # a tag over 255 bytes, more than 255 tags: find which, row by row
+        return _plan_one_by_one(parsed, rejects, now_ms, limits)
+    _, reasons = batch.validate(now_ms=now_ms, limits=limits)
+    for k, reason in reasons.items():
+        rejects[parsed[k][0]] = reason
+    return [item for k, item in enumerate(parsed) if k not in reasons], rejects
+
+
+def _plan_one_by_one(parsed: list[tuple[int, Planned]], rejects: dict[int, str], now_ms: int,
+                     limits: Limits) -> tuple[list[tuple[int, Planned]], dict[int, str]]:
+    ok = []
+    for i, p in parsed:
+        try:
+            b = Batch.build(p.subject, [p.payload], [p.msg_id], [max(p.deliver_at_ms, 0)],
+                            extras=[encode_extra(p.tags)])
+        except HourglassError as e:
+            rejects[i] = str(e)
+            continue
+        _, reasons = b.validate(now_ms=now_ms, limits=limits)
+        if reasons:
+            rejects[i] = reasons[0]
+        else:
+            ok.append((i, p))
+    return ok, rejects
 
 
 def node_for(msg_id: str, delay_nodes: list[str]) -> str:
@@ -211,42 +251,45 @@ async def _send_rows(rows: list[dict], s: BulkSettings, rate_per_task: float) ->
     from cluster import errors as E
     from cluster.client import Producer, StaticResolver
 
-    now_ms = int(time.time() * 1000)
+    planned, rejects = plan_rows(rows, now_ms=int(time.time() * 1000), payload_encoding=s.payload_encoding)
     results: list[dict] = []
-    by_node: dict[str, list[tuple[Planned, dict]]] = {}
-    for row in rows:
-        try:
-            p = plan_row(row, now_ms=now_ms, payload_encoding=s.payload_encoding)
-        except BadRow as e:
-            results.append({"id": None if row.get("id") is None else str(row.get("id")), "subject": row.get("subject"),
-                            "deliver_at_ms": None, "status": "rejected", "reason": str(e), "seq": None,
-                            "delay_node": None, "source": _source(row)})
-            continue
-        by_node.setdefault(node_for(p.msg_id, s.delay_nodes), []).append((p, row))
-
+    for i, reason in sorted(rejects.items()):
+        row = rows[i]
+        results.append({"id": None if row.get("id") is None else str(row.get("id")), "subject": row.get("subject"),
+                        "deliver_at_ms": None, "status": "rejected", "reason": reason, "seq": None,
+                        "delay_node": None, "source": _source(row)})
+    work = [(node_for(p.msg_id, s.delay_nodes), i, p) for i, p in planned]
     bucket = TokenBucket(rate_per_task, burst=min(s.batch_max, max(rate_per_task, 1.0)), now_s=time.monotonic())
     producers = {n: Producer(StaticResolver(delay=[n]), batch_max=s.batch_max, timeout_s=s.timeout_s,
-                             retries_max=s.retries_max) for n in by_node}
+                             retries_max=s.retries_max) for n in {n for n, _, _ in work}}
     try:
-        work = [(n, item) for n, items in by_node.items() for item in items]
-        for i in range(0, len(work), s.batch_max):
-            chunk = work[i:i + s.batch_max]
+        for start in range(0, len(work), s.batch_max):
+            chunk = work[start:start + s.batch_max]
             wait = bucket.wait_s(len(chunk), time.monotonic())
             if wait:
                 await asyncio.sleep(wait)
-            futs = [await producers[n].send(p.subject, p.payload, deliver_at_ms=max(p.deliver_at_ms, 0), id=p.msg_id,
-                                            tags=p.tags) for n, (p, _) in chunk]
+            by_node: dict[str, list[tuple[int, Planned]]] = {}
+            for n, i, p in chunk:
+                by_node.setdefault(n, []).append((i, p))
+            futs = [await producers[n].send_many([p.subject for _, p in items], [p.payload for _, p in items],
+                                                 ids=[p.msg_id for _, p in items],
+                                                 deliver_at_ms=[max(p.deliver_at_ms, 0) for _, p in items],
+                                                 tags=[p.tags for _, p in items] if any(p.tags for _, p in items)
+                                                 else None)
+                    for n, items in by_node.items()]
             answers = await asyncio.gather(*futs, return_exceptions=True)
-            for (n, (p, row)), a in zip(chunk, answers):
-                r = {"id": p.msg_id, "subject": p.subject, "deliver_at_ms": p.deliver_at_ms, "seq": None,
-                     "delay_node": n, "reason": None, "source": None}
-                if isinstance(a, BaseException):
-                    retryable = isinstance(a, E.Unavailable)
-                    r.update(status="failed" if retryable else "rejected",
-                             reason=f"{type(a).__name__}: {a}", source=_source(row))
-                else:
-                    r.update(status="duplicate" if a.duplicate else "scheduled", seq=a.seq)
-                results.append(r)
+            for (n, items), res in zip(by_node.items(), answers):
+                for k, (i, p) in enumerate(items):
+                    r = {"id": p.msg_id, "subject": p.subject, "deliver_at_ms": p.deliver_at_ms, "seq": None,
+                         "delay_node": n, "reason": None, "source": None}
+                    # the SDK answers per message; an exception of the whole call fails every row of it
+                    err = res if isinstance(res, BaseException) else res.errors.get(k)
+                    if err is not None:
+                        r.update(status="failed" if isinstance(err, E.Unavailable) else "rejected",
+                                 reason=f"{type(err).__name__}: {err}", source=_source(rows[i]))
+                    else:
+                        r.update(status="duplicate" if res.duplicates[k] else "scheduled", seq=int(res.seqs[k]))
+                    results.append(r)
     finally:
         for p in producers.values():
             await p.close()

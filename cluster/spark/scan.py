@@ -1,28 +1,27 @@
-"""Read-only scan of one segment file into rows: good records, and torn or corrupt ones as rows too.
+"""Read-only scan of one segment file into frames: good frames, and torn or corrupt bytes as frames too.
 
 The engine (``node.store.log.SegmentedLog``) must stop at the first bad record: a node
 that guessed could serve garbage. An audit must not stop: it reads files copied from
 sick nodes and has to say what is in them. So this scanner uses the same frame checks
 (``node.store.log.decode_frame`` rules, docs/format.md) but reports instead of raising:
 
-* **good frame**: header CRC and body CRC pass -> one row with the decoded record;
+* **good frame**: header CRC and body CRC pass -> a ``Frame`` with its body (a whole
+  ``cluster.codec`` batch; ``cluster.spark.rows`` turns it into one row per message);
 * **body CRC mismatch** under a good header: the length is trusted (the header CRC
-  covers it), so the frame is skipped as one ``corrupt`` row and the scan goes on;
+  covers it), so the frame is skipped as one ``corrupt`` error and the scan goes on;
 * **header CRC mismatch** (or a length above ``record_bytes_max``): the length cannot
   be trusted; the scanner *resynchronises* by looking for the next position where a
-  whole frame passes both CRCs, and reports the bytes in between as one ``corrupt`` row;
+  whole frame passes both CRCs, and reports the bytes in between as one ``corrupt`` error;
 * in the **last** segment of a log, an incomplete header, a body running past the end
   of the file, or a tail of zero bytes is a ``torn tail`` (what recovery would
   truncate); in a sealed segment the same is corruption.
-* a frame whose body does not decode (``node.store.records.decode`` is strict) is an
-  ``undecodable`` row.
 
-Error rows carry ``offset`` (global byte offset where the bad bytes start),
-``frame_bytes`` (bytes skipped) and ``error`` (``"torn tail: ..."``,
-``"corrupt: ..."``, ``"undecodable: ..."``); every other column is null. So the good
-rows of a file with a flipped bit are exactly the records the engine reads before the
-flip plus the records after it, and ``count(error is null)`` of a file with a torn tail
-equals what the engine counts after recovery.
+An error ``Frame`` carries ``offset`` (global byte offset where the bad bytes start),
+``size`` (bytes skipped) and ``error`` (``"torn tail: ..."``, ``"corrupt: ..."``); it
+becomes one error row. So the good frames of a file with a flipped bit are exactly the
+frames the engine reads before the flip plus the frames after it, and the good frames
+of a file with a torn tail are what the engine reads after recovery. (Whether a good
+frame's body is a valid batch is ``cluster.spark.rows``' question: ``undecodable``.)
 
 Worked example: segment base 1000, frames at 0 (30 bytes), 30 (30 bytes, one body bit
 flipped), 60 (30 bytes), then 7 bytes of a half-written header, last segment ->
@@ -33,24 +32,17 @@ flipped), 60 (30 bytes), then 7 bytes of a half-written header, last segment ->
 from __future__ import annotations
 
 import mmap
-import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from node.store import records
 from node.store.log import HEADER, HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT
-
-_U32 = struct.Struct("<I")
-_I64 = struct.Struct("<q")
-_U64 = struct.Struct("<Q")
-_DISPATCH = struct.Struct("<Qqqb")
-OUTCOMES = {0: "delivered", 1: "dead_letter"}
-KINDS = {records.KIND_MESSAGE: "message", records.KIND_CANCEL: "cancel"}
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
+    """One frame of a segment, or one run of bad bytes (``body`` None, ``error`` set)."""
+
     offset: int            # global byte offset
     size: int              # framed bytes, or bytes skipped for an error
     body: bytes | None     # None for an error
@@ -144,127 +136,3 @@ def scan_file(path: str, base: int, *, last: bool,
                 yield from scan_buffer(view, base, last=last, record_bytes_max=record_bytes_max)
             finally:
                 view.release()
-
-
-# ---------------------------------------------------------------------- rows
-
-MESSAGE_COLUMNS = ("node", "log", "segment", "offset", "frame_bytes", "kind", "seq", "attempts", "store_ms",
-                   "deliver_at_ms", "effective_ms", "bucket_start_ms", "id", "subject", "tags", "properties",
-                   "payload_bytes", "payload", "cancels_seq", "error")
-DISPATCH_COLUMNS = ("node", "log", "segment", "offset", "frame_bytes", "seq", "effective_ms", "dispatched_ms",
-                    "outcome", "error")
-
-
-_FIXED = struct.Struct("<BBHQqq")
-_FIXED_SIZE = _FIXED.size
-_U16 = struct.Struct("<H")
-
-
-class Undecodable(Exception):
-    pass
-
-
-def decode_message(body: bytes, with_payload: bool) -> tuple:
-    """``(kind, attempts, seq, store_ms, deliver_at_ms, id, subject, tags, properties, payload_len,
-    payload | None, cancels_seq | None)`` of a message-log record body.
-
-    The same format and the same strictness as ``node.store.records.decode`` (unknown
-    version or kind, truncation, bad UTF-8 and trailing bytes are errors; a test checks the
-    two agree), about four times faster: no Message object, no reader object, and the
-    payload copied only when asked for. The audit reads billions of these.
-    """
-    n = len(body)
-    try:
-        version, kind, attempts, seq, store_ms, deliver_at_ms = _FIXED.unpack_from(body, 0)
-        if version != records.VERSION:
-            raise Undecodable(f"unknown format version {version}")
-        if kind != records.KIND_MESSAGE and kind != records.KIND_CANCEL:
-            raise Undecodable(f"unknown kind {kind}")
-        pos = _FIXED_SIZE
-        ln = body[pos] | body[pos + 1] << 8
-        pos += 2
-        end = pos + ln
-        if end > n:
-            raise Undecodable("truncated id")
-        msg_id = body[pos:end].decode()
-        ln = body[end] | body[end + 1] << 8
-        pos = end + 2
-        end = pos + ln
-        if end > n:
-            raise Undecodable("truncated subject")
-        subject = body[pos:end].decode()
-        count = body[end]
-        pos = end + 1
-        tags = []
-        for _ in range(count):
-            ln = body[pos]
-            end = pos + 1 + ln
-            if end > n:
-                raise Undecodable("truncated tag")
-            tags.append(body[pos + 1:end].decode())
-            pos = end
-        count = body[pos]
-        pos += 1
-        props = []
-        for _ in range(count):
-            ln = body[pos] | body[pos + 1] << 8
-            end = pos + 2 + ln
-            key = body[pos + 2:end].decode()
-            (vl,) = _U32.unpack_from(body, end)
-            pos = end + 4
-            end = pos + vl
-            if end > n:
-                raise Undecodable("truncated property")
-            props.append((key, body[pos:end].decode()))
-            pos = end
-        (plen,) = _U32.unpack_from(body, pos)
-        pos += 4
-        if pos + plen != n:
-            raise Undecodable("truncated payload" if pos + plen > n else f"{n - pos - plen} trailing bytes")
-        cancels = None
-        if kind == records.KIND_CANCEL:
-            if plen != 8:
-                raise Undecodable("tombstone payload must hold the cancelled seq")
-            cancels = _U64.unpack_from(body, pos)[0]
-            plen = 0
-            payload = None
-        else:
-            payload = body[pos:] if with_payload else None
-    except (IndexError, struct.error):
-        raise Undecodable("truncated") from None
-    except UnicodeDecodeError:
-        raise Undecodable("text is not UTF-8") from None
-    return kind, attempts, seq, store_ms, deliver_at_ms, msg_id, subject, tags, props, plen, payload, cancels
-
-
-def message_row(node: str, log: str, segment: str, fr: Frame, *, schedule: bool, bucket_start_ms: int | None,
-                with_payload: bool) -> tuple:
-    """One row of ``MESSAGE_COLUMNS`` for a frame of the message, schedule or real-time log."""
-    if fr.body is None:
-        return (node, log, segment, fr.offset, fr.size, None, None, None, None, None, None, bucket_start_ms,
-                None, None, None, None, None, None, None, fr.error)
-    body = fr.body
-    effective_ms = None
-    try:
-        if schedule:
-            if len(body) < _I64.size:
-                raise Undecodable("schedule record shorter than its effective time")
-            effective_ms = _I64.unpack_from(body)[0]
-            body = body[_I64.size:]
-        kind, attempts, seq, store_ms, deliver_at_ms, msg_id, subject, tags, props, plen, payload, cancels = \
-            decode_message(body, with_payload)
-    except Undecodable as e:
-        return (node, log, segment, fr.offset, fr.size, None, None, None, None, None, None, bucket_start_ms,
-                None, None, None, None, None, None, None, f"undecodable: {e}")
-    return (node, log, segment, fr.offset, fr.size, KINDS[kind], seq, attempts, store_ms, deliver_at_ms,
-            effective_ms, bucket_start_ms, msg_id, subject, tags, props, plen, payload, cancels, None)
-
-
-def dispatch_row(node: str, log: str, segment: str, fr: Frame) -> tuple:
-    """One row of ``DISPATCH_COLUMNS``."""
-    if fr.body is not None and len(fr.body) == _DISPATCH.size:
-        seq, effective_ms, dispatched_ms, outcome = _DISPATCH.unpack(fr.body)
-        return (node, log, segment, fr.offset, fr.size, seq, effective_ms, dispatched_ms,
-                OUTCOMES.get(outcome, f"unknown({outcome})"), None)
-    error = fr.error if fr.body is None else f"undecodable: dispatch record of {len(fr.body)} bytes, expected 25"
-    return (node, log, segment, fr.offset, fr.size, None, None, None, None, error)

@@ -19,15 +19,20 @@ option             default     meaning
 ``payload``        ``false``   ``true`` fills the ``payload`` column (otherwise null; the
                                length is always in ``payload_bytes``)
 ``recordBytesMax`` 8 MiB       frames announcing a longer body are treated as corrupt
+                               (at most ``rows.RECORD_BYTES_MAX_LIMIT``, 1 GiB)
 ``pushdown``       ``true``    ``false`` gives a reader without filter pushdown (needed
                                when ``spark.sql.python.filterPushdown.enabled`` is off)
 =================  ==========  ==========================================================
 
 Schema: ``MESSAGE_SCHEMA`` for ``message``/``schedule``/``realtime``, ``DISPATCH_SCHEMA``
-for ``dispatch`` (column meanings in docs/spark.md). Every row names its ``node``,
-``segment`` file and global byte ``offset``; torn and corrupt bytes come out as rows
-whose ``error`` is set (see ``cluster.spark.scan``), so a job never fails on bad bytes
-and ``df.where("error is not null")`` lists them.
+for ``dispatch`` (column meanings in docs/spark.md): one row per message, although a
+frame holds a whole batch. Every row names its ``node``, ``segment`` file and the global
+byte ``offset`` of its batch's frame; torn and corrupt bytes come out as rows whose
+``error`` is set (see ``cluster.spark.scan``), so a job never fails on bad bytes and
+``df.where("error is not null")`` lists them.
+
+Reading: ``read`` yields ``pyarrow.RecordBatch`` es built from whole codec batches with
+numpy (``cluster.spark.rows``); Spark takes them as they are, no Python object per row.
 
 Partitions: one per segment file (segments are at most 64 MiB by default, 256 MiB for
 schedule data), so parallelism follows the data.
@@ -36,6 +41,11 @@ Filter pushdown: a filter on ``node`` (=, IN) drops other nodes' segments; on th
 schedule log a range filter on ``effective_ms`` or ``bucket_start_ms`` drops whole
 hour buckets whose range cannot match. Filters are only used to skip segments and are
 handed back to Spark, which still applies them to the rows.
+
+Spark (4.1-4.3) keeps the pushed-down reader with the DataFrame: a later query of the
+*same* DataFrame replaces the pushed filters with its own when it has any, but a query
+without any filter reuses the pruned segment list. Load the DataFrame again for it
+(docs/spark.md, "Partitions and pushdown").
 """
 
 from __future__ import annotations
@@ -45,32 +55,33 @@ from dataclasses import dataclass
 
 from pyspark.sql.datasource import (DataSource, DataSourceReader, EqualTo, GreaterThan, GreaterThanOrEqual, In,
                                     InputPartition, LessThan, LessThanOrEqual)
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, MapType, StringType, StructField,
+                               StructType)
 
 from cluster.errors import InvalidArgument
 
-from . import layout, scan
+from . import layout, rows, scan
 
 NAME = "hourglass"
-BATCH_ROWS = 32_768
 
-MESSAGE_SCHEMA = (
-    "node string, log string, segment string, offset bigint, frame_bytes int, kind string, seq bigint, "
-    "attempts int, store_ms bigint, deliver_at_ms bigint, effective_ms bigint, bucket_start_ms bigint, "
-    "id string, subject string, tags array<string>, properties map<string,string>, payload_bytes int, "
-    "payload binary, cancels_seq bigint, error string")
-DISPATCH_SCHEMA = (
-    "node string, log string, segment string, offset bigint, frame_bytes int, seq bigint, effective_ms bigint, "
-    "dispatched_ms bigint, outcome string, error string")
+MESSAGE_SCHEMA = StructType([
+    StructField("node", StringType()), StructField("log", StringType()), StructField("segment", StringType()),
+    StructField("offset", LongType()), StructField("frame_bytes", IntegerType()), StructField("kind", StringType()),
+    StructField("seq", LongType()), StructField("attempts", IntegerType()), StructField("store_ms", LongType()),
+    StructField("deliver_at_ms", LongType()), StructField("effective_ms", LongType()),
+    StructField("bucket_start_ms", LongType()), StructField("id", StringType()), StructField("subject", StringType()),
+    StructField("tags", ArrayType(StringType())), StructField("properties", MapType(StringType(), StringType())),
+    StructField("payload_bytes", IntegerType()), StructField("payload", BinaryType()),
+    StructField("cancels_seq", LongType()), StructField("error", StringType())])
+DISPATCH_SCHEMA = StructType([
+    StructField("node", StringType()), StructField("log", StringType()), StructField("segment", StringType()),
+    StructField("offset", LongType()), StructField("frame_bytes", IntegerType()), StructField("seq", LongType()),
+    StructField("effective_ms", LongType()), StructField("dispatched_ms", LongType()),
+    StructField("outcome", StringType()), StructField("error", StringType())])
 
-
-def _arrow_types():
-    import pyarrow as pa
-
-    s, i64, i32 = pa.string(), pa.int64(), pa.int32()
-    message = [s, s, s, i64, i32, s, i64, i32, i64, i64, i64, i64, s, s, pa.list_(s), pa.map_(s, s), i32,
-               pa.binary(), i64, s]
-    dispatch = [s, s, s, i64, i32, i64, i64, i64, s, s]
-    return message, dispatch
+assert tuple(MESSAGE_SCHEMA.fieldNames()) == rows.MESSAGE_COLUMNS
+assert tuple(DISPATCH_SCHEMA.fieldNames()) == rows.DISPATCH_COLUMNS
 
 
 @dataclass
@@ -102,9 +113,12 @@ class HourglassDataSource(DataSource):
         paths = layout.split_paths(self.options.get("path") or self.options.get("paths"))
         if not paths:
             raise InvalidArgument("path", "give node data folders: .load('/data/delay-1,/data/realtime-1')")
+        record_bytes_max = int(self.options.get("recordBytesMax", scan.RECORD_BYTES_MAX_DEFAULT))
+        if not 0 < record_bytes_max <= rows.RECORD_BYTES_MAX_LIMIT:
+            raise InvalidArgument("recordBytesMax", f"{record_bytes_max} is not in 1..{rows.RECORD_BYTES_MAX_LIMIT}")
         cls = _PushdownReader if self.options.get("pushdown", "true").lower() != "false" else HourglassReader
         return cls(paths, self._log(), with_payload=self.options.get("payload", "false").lower() == "true",
-                   record_bytes_max=int(self.options.get("recordBytesMax", scan.RECORD_BYTES_MAX_DEFAULT)))
+                   record_bytes_max=record_bytes_max)
 
 
 class HourglassReader(DataSourceReader):
@@ -134,41 +148,23 @@ class HourglassReader(DataSourceReader):
         return keep
 
     def read(self, partition: SegmentPartition) -> Iterator:
-        import pyarrow as pa
-
+        """Arrow record batches of one segment file (``cluster.spark.rows``): no Python row objects."""
         if partition is None:  # Spark reads one `None` partition when partitions() kept none
             return
         seg = partition.segment
-        message_types, dispatch_types = _arrow_types()
+        frames = scan.scan_file(seg.path, seg.base, last=seg.last, record_bytes_max=self.record_bytes_max)
+        where = rows.Where(seg.node, seg.log, seg.path, seg.bucket_start_ms)
         if self.log == "dispatch":
-            names, types = scan.DISPATCH_COLUMNS, dispatch_types
-
-            def row(fr):
-                return scan.dispatch_row(seg.node, seg.log, seg.path, fr)
+            yield from rows.dispatch_batches(frames, to_arrow_schema(DISPATCH_SCHEMA, timezone="UTC"), where)
         else:
-            names, types = scan.MESSAGE_COLUMNS, message_types
-            is_schedule = self.log == "schedule"
-
-            def row(fr):
-                return scan.message_row(seg.node, seg.log, seg.path, fr, schedule=is_schedule,
-                                        bucket_start_ms=seg.bucket_start_ms, with_payload=self.with_payload)
-
-        def batch(rows):
-            cols = list(zip(*rows))
-            return pa.RecordBatch.from_arrays([pa.array(c, type=t) for c, t in zip(cols, types)], names=list(names))
-
-        rows = []
-        for fr in scan.scan_file(seg.path, seg.base, last=seg.last, record_bytes_max=self.record_bytes_max):
-            rows.append(row(fr))
-            if len(rows) >= BATCH_ROWS:
-                yield batch(rows)
-                rows = []
-        if rows:
-            yield batch(rows)
+            yield from rows.message_batches(frames, to_arrow_schema(MESSAGE_SCHEMA, timezone="UTC"), where,
+                                            with_payload=self.with_payload)
 
 
 class _PushdownReader(HourglassReader):
     def pushFilters(self, filters):
+        # Spark hands a DataFrame's later queries this same (already pushed) reader: start over
+        self.nodes = self.effective_lo = self.effective_hi = None
         for f in filters:
             col = f.attribute[0] if len(getattr(f, "attribute", ())) == 1 else None
             if col == "node" and isinstance(f, (EqualTo, In)):
