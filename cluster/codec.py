@@ -349,11 +349,11 @@ class Batch:
         if n:
             for name, ends, total in (("id", id_end, ids_len), ("payload", payload_end, pay_len),
                                       ("extras", extra_end, ext_len)):
-                if int(ends[-1]) != total or (n > 1 and bool((np.diff(ends.astype(np.int64)) < 0).any())):
+                if int(ends[-1]) != total or (n > 1 and bool((ends[1:] < ends[:-1]).any())):
                     raise InvalidArgument("batch", f"{name} ends are not a partition of the {name} blob")
             if nsub == 0 or int(sidx.max()) >= nsub:
                 raise InvalidArgument("batch", "a subject index points past the subject table")
-            if bool(((kind != KIND_MESSAGE) & (kind != KIND_CANCEL)).any()):
+            if int(kind.max()) > KIND_CANCEL or int(kind.min()) < KIND_MESSAGE:
                 raise InvalidArgument("batch", "unknown record kind")
         return cls(seq=seq, deliver_at_ms=deliver, effective_ms=effective, store_ms=store, id_end=id_end,
                    payload_end=payload_end, extra_end=extra_end, attempts=attempts, subject_idx=sidx, kind=kind,
