@@ -6,11 +6,14 @@
   over ``batch_messages_max`` is refused whole (INVALID_ARGUMENT); a message due later is
   refused (INVALID_ARGUMENT: send it to a delay node) unless ``immediate`` is set; a
   duplicate id inside the dedup window is answered OK/duplicate and stored once.
-* Pull is a long poll over one or more subjects: it waits, up to ``min(wait_ms,
-  pull_wait_ms_max)``, until **any** of them gets data (or at least once a second, since
-  ack timeouts make redeliveries due), and answers ``PullResponse(batch, handles)``.
-* Ack takes handle ranges per subject; the group files are group-committed (one write
-  per group per round, on the store's writer thread) before the answer.
+* Pull is a long poll over one or more subjects: it answers at once when there is
+  something to hand out; else it waits, up to ``min(wait_ms, pull_wait_ms_max)``, until
+  **any** of them gets data (or at least once a second, since ack timeouts make
+  redeliveries due), and answers ``PullResponse(batch, handles)``.
+* Ack takes handle ranges per subject; the groups it moved are group-committed before
+  the answer: acks that arrive while a commit runs share the next one, and a commit is
+  one offsets-log record and one fsync on the store's writer thread, however many
+  groups it holds. The periodic flush commits the positions pulls moved the same way.
 * Nack sends the in-flight messages of its ranges to a delay node as one v2 batch, due
   ``retry_after_ms`` later (attempts + 1, a new id ``{origin}~r{n}`` with the original in
   property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
@@ -21,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 
@@ -43,9 +47,23 @@ from node.store.group_commit import GroupCommitter
 
 log = logging.getLogger("hourglass.realtime")
 
+_EMPTY_BATCH = Batch.empty()
+_NO_HANDLES = np.zeros(0, np.uint64)
 ORIGIN_ID = "hourglass.origin_id"
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
+GC_GEN0_THRESHOLD = 20_000    # allocations between gen-0 collections (CPython's default: 700)
+
+
+def _tune_gc() -> None:
+    """The cyclic GC ran ~10% of this process's CPU: every call allocates coroutines,
+    futures and protobuf objects, and each collection walked the objects of the loaded
+    modules again. ``freeze`` moves what exists once serving (modules, the store's
+    tables) out of collection; a larger gen-0 threshold collects less often. Reference
+    cycles are rare on the hot path, so memory does not grow for it."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
 
 
 def retry_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int) -> tuple[Batch, Batch]:
@@ -92,6 +110,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self._groups_lock = asyncio.Lock()
         self._groups_rounds_started = 0
         self._groups_rounds_done = 0
+        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_rounds": 0}
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -103,6 +122,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     # ------------------------------------------------------------------ producer side
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
+        self.calls["send"] += 1
         now = self.clock.now_ms()
         try:
             batch = request_batch(request, now_ms=now)
@@ -120,7 +140,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.metrics.ingested.inc(int(stored.sum()))
         if res.errors:
             self.metrics.errors.labels(kind="refused_message").inc(len(res.errors))
-        self._wake(batch.subjects[k] for k in np.unique(batch.subject_idx[stored]).tolist())
+        if self._new_data:  # a long poll waits: wake it for the subjects that got messages
+            hit = np.bincount(batch.subject_idx[stored], minlength=len(batch.subjects))
+            self._wake(batch.subjects[k] for k in np.flatnonzero(hit).tolist())
         return res.to_pb()
 
     def _append(self, batch: Batch, *, now_ms: int, immediate: bool) -> BatchResult:
@@ -140,6 +162,22 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         for i in late.tolist():
             res.refuse(i, status.to_code(err), str(err))
         return res
+
+    async def _wait_new_data(self, subjects: list[str], timeout_s: float) -> None:
+        """Wait until a SendBatch stores a message of one of ``subjects`` (or ``timeout_s``).
+        Only an empty pull registers: a pull that found data answers without an event."""
+        ev = asyncio.Event()
+        for s in subjects:
+            self._new_data.setdefault(s, set()).add(ev)
+        try:
+            await wait_event(ev, timeout_s)
+        finally:
+            for s in subjects:
+                waiting = self._new_data.get(s)
+                if waiting is not None:
+                    waiting.discard(ev)
+                    if not waiting:
+                        del self._new_data[s]
 
     def _wake(self, subjects) -> None:
         for s in subjects:
@@ -161,23 +199,17 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         if not subjects:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a subject (subject or subjects)")
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
+        group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
         store = self.store  # a replicated node may reopen its store (role change): stop polling then
-        batch, handles = Batch.empty(), np.zeros(0, np.uint64)
+        batch, handles = _EMPTY_BATCH, _NO_HANDLES
         created: set[str] = set()
         while self.store is store:
-            ev = asyncio.Event()
-            for s in subjects:
-                self._new_data.setdefault(s, set()).add(ev)
+            self.calls["pull_polls"] += 1
             try:
-                batch, handles = store.pull(subjects, request.group, request.consumer_id or "anonymous",
-                                            max_messages=max_messages, tags=list(request.tags),
+                batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
                                             now_ms=self.clock.now_ms())
-                left = deadline - loop.time()
-                if batch.n or left <= 0:
-                    break
-                await wait_event(ev, min(left, POLL_RECHECK_S))
             except UnknownSubject as e:
                 if not self.settings.auto_create_subjects or e.subject in created:
                     await context.abort(status.to_grpc(e), str(e))
@@ -186,15 +218,15 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 except HourglassError as e2:
                     await context.abort(status.to_grpc(e2), str(e2))
                 created.add(e.subject)
+                continue
             except HourglassError as e:
                 await context.abort(status.to_grpc(e), str(e))
-            finally:
-                for s in subjects:
-                    waiting = self._new_data.get(s)
-                    if waiting is not None:
-                        waiting.discard(ev)
-                        if not waiting:
-                            del self._new_data[s]
+            left = deadline - loop.time()
+            if batch.n or left <= 0:
+                break
+            await self._wait_new_data(subjects, min(left, POLL_RECHECK_S))
+        self.calls["pull"] += 1
+        self.calls["pull_messages"] += batch.n
         self.metrics.delivered.inc(batch.n)
         return pb.PullResponse(batch=batch.encode(), handles=handles.astype("<u8").tobytes())
 
@@ -205,6 +237,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         if not request.group:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
+        self.calls["ack"] += 1
         now = self.clock.now_ms()
         n = 0
         try:
@@ -217,9 +250,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return pb.AckResponse(acked=n)
 
     async def _groups_durable(self, keys: set[tuple[str, str]]) -> None:
-        """Group commit of consumer-group files: acks that arrive while a write is running are
-        written together by the next one (one file write per group per round, on the store's
-        group-writer thread, never blocking the event loop)."""
+        """Group commit of consumer-group positions: acks that arrive while a commit is running
+        are committed together by the next one (one offsets-log record and one fsync per
+        round, on the store's writer thread, never blocking the event loop)."""
         self._groups_dirty |= keys
         registered_at = self._groups_rounds_started
         async with self._groups_lock:
@@ -229,6 +262,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             keys, self._groups_dirty = self._groups_dirty, set()
             items = self.store.snapshot_groups(keys)
             if items:
+                self.calls["ack_rounds"] += 1
                 await asyncio.wrap_future(self.store.write_groups_async(items))
             self._groups_rounds_done = self._groups_rounds_started
 
@@ -289,7 +323,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return {"role": "realtime", "node_id": self.settings.node_id, "group": self.settings.group,
                 "epoch": self.store.epoch, "address": self.address, "now_ms": self.clock.now_ms(),
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
-                "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters)}
+                "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls)}
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,
@@ -304,7 +338,16 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
-            self.store.flush()
+            await self._flush_once()
+
+    async def _flush_once(self) -> None:
+        """Periodic flush: the message log, the index checkpoint once enough was appended
+        (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds."""
+        store = self.store
+        store.flush(groups=False, index_bytes_min=store.settings.checkpoint_bytes_min)
+        dirty = store.dirty_groups()
+        if dirty:
+            await self._groups_durable(set(dirty))
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
         from node.server import start_grpc
@@ -319,6 +362,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 self.metrics.start(self.settings.metrics_port)
+                _tune_gc()
                 log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,
                          self.address, self.store.epoch)
                 if on_ready:

@@ -10,7 +10,7 @@ Owns a data folder::
 
     {root}/messages/                     SegmentedLog; each frame's body is one codec Batch (v2)
     {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py)
-    {root}/groups/{subject}/{group}.json position of one consumer group (checkpoint.write_atomic)
+    {root}/groups/                       offsets log: group positions (node/realtime/offsets.py)
     {root}/subjects.json                 known subjects (checkpoint.write_atomic)
     {root}/checkpoint                    epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
 
@@ -23,7 +23,7 @@ Index entry (32 bytes, ``<QIqQI``; ``node/realtime/index.py``): frame offset, in
 inside the frame, store_ms, 64-bit tags mask, CRC-32 of the entry. The entry's position
 in its file is the message's *handle*.
 
-Group file (JSON)::
+Group document (JSON; one per changed group in each record of the offsets log)::
 
     {"version": 1, "subject": s, "group": g, "start": "earliest"|"latest",
      "committed": c,     # lowest position not yet acked (everything below is done)
@@ -35,8 +35,9 @@ filter), so a clean close/reopen never redelivers an acked message even when ack
 came out of order. ``subjects.json`` is ``{"subjects": [...]}``; the checkpoint is
 ``{"epoch", "indexed_offset", "dedup_offset"}``.
 
-Flow (every call takes ``now_ms``; nothing here reads a clock or awaits; group files
-are written on one writer thread, ``write_groups_async``):
+Flow (every call takes ``now_ms``; nothing here reads a clock or awaits; group documents
+are committed to the offsets log on its one writer thread, ``write_groups_async``: one
+record and one fsync per commit round, however many groups it holds):
 
 1. ``append(batch)`` validates with ``Batch.validate`` (the message is due now:
    ``deliver_at_ms`` is kept but not checked against the delay horizon), answers
@@ -56,12 +57,14 @@ are written on one writer thread, ``write_groups_async``):
    a skipped entry counts as acked *for this group*; the mask may match falsely, so the
    client checks tags exactly. A group seen for the first time starts at the beginning
    of the subject's index (``start="earliest"``) or its current end (``"latest"``); the
-   group file is written at once so the choice survives a restart.
+   group document is committed at once so the choice survives a restart.
 3. ``ack(subject, group, ranges)`` drops handle ranges from the in-flight set; ``nack``
    returns the in-flight messages of its ranges (their deadline restarted) for the
    service to re-send, which then acks them.
-4. ``flush`` fsyncs the message log, then the dirty index files, writes changed group
-   files, and last the checkpoint with ``indexed_offset`` = the log end before the fsyncs.
+4. ``flush`` fsyncs the message log, then the dirty index files and last the checkpoint
+   with ``indexed_offset`` = the log end before the fsyncs (a periodic flush does those two
+   only every ``checkpoint_bytes_min`` of new log: they only bound the replay), and commits
+   changed group documents.
 
 Invariants:
 
@@ -80,10 +83,13 @@ at or past the message-log end; a CRC failure in the middle of an index is repor
 ``CorruptRecord`` on read. Frames from ``min(indexed_offset, dedup_offset)`` on are
 replayed: missing entries re-indexed (from the last surviving entry's frame of a subject
 whose tail failed its CRC), and frames with ``store_ms > now_ms - dedup_window_ms`` put
-back in the dedup map. Group positions come from their files; in-flight deadlines do not
-survive, so handles pending at the last group write (and everything handed out after it)
-are redelivered at once: delivery is at-least-once. Acks after the last group write are
-lost by a crash, not by ``close`` (which flushes).
+back in the dedup map. Group positions come from the offsets log (its torn tail cut, the
+newest document of each group kept); in-flight deadlines do not survive, so handles
+pending at the last group commit (and everything handed out after it) are redelivered at
+once: delivery is at-least-once. Acks after the last group commit are lost by a crash,
+not by ``close`` (which flushes). A data folder of the old layout (one
+``groups/{subject}/{group}.json`` per group) is migrated at open: the files become one
+snapshot record, then are deleted.
 
 Example::
 
@@ -100,7 +106,7 @@ import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
@@ -116,6 +122,7 @@ from node.realtime.dedup import DedupWindow
 from node.realtime.index import ENTRIES_FILE, ENTRY, ENTRY_DTYPE, ENTRY_SIZE, SubjectIndex, batch_tag_masks, \
     frame_runs, tags_mask
 from node.realtime.inflight import InflightRanges
+from node.realtime.offsets import COMPACT_BYTES_DEFAULT, OffsetsLog
 from node.store import checkpoint
 from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
@@ -132,6 +139,8 @@ START_LATEST = "latest"
 _DUE_NOW_MS = -(1 << 62)  # pulled_at of handles restored from disk: due for redelivery at once
 _SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skips entries
 _OVERLOADED = status.to_code(Overloaded(""))
+_EMPTY_BATCH = Batch.empty()
+_NO_HANDLES = np.zeros(0, np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +159,8 @@ class RealtimeSettings:
     pull_scan_entries_max: int = 65_536     # index entries one pull may examine (tag filters skip entries)
     index_files_open_max: int = 256         # open index file descriptors (LRU)
     frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
+    offsets_compact_bytes: int = COMPACT_BYTES_DEFAULT  # offsets log bytes past its last snapshot before compaction
+    checkpoint_bytes_min: int = 4 * 1024 * 1024  # a periodic flush checkpoints the index after this many log bytes
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:
@@ -194,12 +205,9 @@ def _with_ids(b: Batch) -> Batch:
     return b.replace(ids=blob, id_end=np.cumsum([len(i.encode()) for i in ids]).astype(np.uint32))
 
 
-def _write_group_files(jobs: list[tuple[Path, str, dict]]) -> None:
-    for d, name, doc in jobs:
-        if not d.exists():
-            d.mkdir(parents=True)
-            fsync_dir(d.parent)
-        checkpoint.write_atomic(d / f"{name}.json", doc)
+def _legacy_group_files(groups_dir: Path) -> list[Path]:
+    """Group files of the old layout, ``groups/{subject}/{group}.json``."""
+    return sorted(p for sd in groups_dir.iterdir() if sd.is_dir() for p in sd.glob("*.json"))
 
 
 class _Group:
@@ -232,13 +240,12 @@ class RealtimeStore:
         self.settings = settings
         root.mkdir(parents=True, exist_ok=True)
         (root / "index").mkdir(exist_ok=True)
-        (root / "groups").mkdir(exist_ok=True)
         # one frame holds one whole batch: the largest request, plus room for the columns the node fills
         self.frame_bytes_max = max(RECORD_BYTES_MAX_DEFAULT, settings.limits.batch_bytes_max + (1 << 20))
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.segment_bytes,
                                           record_bytes_max=self.frame_bytes_max)
         self._closed = False
-        self._group_writer: ThreadPoolExecutor | None = None
+        self._offsets, group_docs = OffsetsLog.open(root / "groups", compact_bytes=settings.offsets_compact_bytes)
         self._ckpt_path = root / "checkpoint"
         ck = checkpoint.read(self._ckpt_path) or {}
         self.epoch = int(ck.get("epoch", 0)) + (1 if bump_epoch else 0)
@@ -260,6 +267,7 @@ class RealtimeStore:
         self._rotation = 0  # which subject of a multi-subject pull goes first (fairness)
         # replication: every group file write gets a seq; (subject, group) -> seq of its last write, oldest first
         self.group_seq = 0
+        self._dirty_groups: set[tuple[str, str]] = set()  # groups changed since their last snapshot_groups
         self._group_changes: OrderedDict[tuple[str, str], int] = OrderedDict()
 
         doc = checkpoint.read(root / "subjects.json") or {}
@@ -271,7 +279,7 @@ class RealtimeStore:
         if DLQ_SUBJECT not in self._subjects:
             self._create_subject(DLQ_SUBJECT)
         self._replay(reindex_from, dedup_offset, now_ms)
-        self._load_groups()
+        self._load_groups(self._migrate_group_files(group_docs))
         self._indexed_upto = self.messages.end_offset
         self.flush()
 
@@ -286,8 +294,7 @@ class RealtimeStore:
         self.flush()
         for s in list(self._open_fds):
             self._close_fd(self._subjects[s])
-        if self._group_writer is not None:
-            self._group_writer.shutdown(wait=True)
+        self._offsets.close()
         self.messages.close()
         self._closed = True
 
@@ -300,8 +307,7 @@ class RealtimeStore:
                 if ix.fd >= 0:
                     os.close(ix.fd)
                     ix.fd = -1
-            if self._group_writer is not None:
-                self._group_writer.shutdown(wait=False)
+            self._offsets.abandon()
         except Exception:
             pass
 
@@ -380,18 +386,37 @@ class RealtimeStore:
                 dropped += self._dedup.add(keys, b.seq.tolist(), store_ms=store_ms, offset=off)
         return last_seq, dropped
 
-    def _load_groups(self) -> None:
-        for sd in sorted((self.root / "groups").iterdir()):
-            if not sd.is_dir():
-                continue
-            ix = self._subjects.get(sd.name)
+    def _migrate_group_files(self, docs: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict]:
+        """Old layout: one JSON file per group. Into an empty offsets log they go as one
+        snapshot record (fsynced) before the files are deleted; next to a non-empty log
+        they are leftovers of a migration that crashed after that record, and only deleted."""
+        files = _legacy_group_files(self._offsets.directory)
+        if not files:
+            return docs
+        if not docs:
+            old = [checkpoint.read(p) for p in files]
+            docs = {(d["subject"], d["group"]): d for d in old}
+            self._offsets.commit(old).result()
+            log.warning("group files migrated to the offsets log path=%s groups=%d", self._offsets.directory,
+                        len(docs))
+        for p in files:
+            p.unlink()
+        for sd in {p.parent for p in files}:
+            if not any(sd.iterdir()):
+                sd.rmdir()
+        fsync_dir(self._offsets.directory)
+        return docs
+
+    def _load_groups(self, docs: dict[tuple[str, str], dict]) -> None:
+        for (subject, name), doc in sorted(docs.items()):
+            ix = self._subjects.get(subject)
             if ix is None:
-                log.warning("group folder of unknown subject ignored path=%s", sd)
+                log.warning("group of unknown subject ignored path=%s subject=%s group=%s",
+                            self._offsets.directory, subject, name)
                 continue
-            for p in sorted(sd.glob("*.json")):
-                g = self._group_from_doc(sd.name, p.stem, checkpoint.read(p), ix)
-                self._groups[(g.subject, g.name)] = g
-                self._note_group_write(g)
+            g = self._group_from_doc(subject, name, doc, ix)
+            self._groups[(g.subject, g.name)] = g
+            self._note_group_write(g)
 
     @staticmethod
     def _group_from_doc(subject: str, name: str, doc: dict, ix: SubjectIndex) -> _Group:
@@ -405,6 +430,15 @@ class RealtimeStore:
         g.persisted = doc
         g.dirty = False
         return g
+
+    def _mark_dirty(self, g: _Group) -> None:
+        g.dirty = True
+        self._dirty_groups.add((g.subject, g.name))
+
+    def dirty_groups(self) -> list[tuple[str, str]]:
+        """Groups whose position changed since their document was last taken (pulls move
+        ``next``; acks, redeliveries and truncation change ``pending``)."""
+        return list(self._dirty_groups)
 
     def _note_group_write(self, g: _Group) -> None:
         self.group_seq += 1
@@ -590,25 +624,33 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ durability
 
-    def flush(self) -> None:
-        """fsync the message log and the indexes, write changed group files, then the checkpoint."""
+    def flush(self, *, groups: bool = True, index_bytes_min: int = 0) -> None:
+        """fsync the message log; then, once at least ``index_bytes_min`` log bytes were
+        indexed since the last checkpoint, the dirty indexes and the checkpoint; with
+        ``groups``, commit changed group documents (and wait for their fsync).
+
+        The index and the checkpoint only bound the replay at ``open``: a periodic flush
+        skips them until enough was appended (each index file costs an fsync), ``close``
+        and a role change flush everything."""
         self._check_open()
         indexed = self._indexed_upto  # every message below it has its index entry written
         self.messages.flush()
-        for ix in self._subjects.values():
-            if ix.dirty:
-                os.fsync(self._fd(ix))
-                ix.dirty = False
-        items = self.snapshot_groups(list(self._groups))
-        if items:
-            self.write_groups_async(items).result()
-        oldest = self._dedup.oldest_offset()
-        self._save_checkpoint(indexed, indexed if oldest is None else oldest)
+        if indexed - self.indexed_offset >= index_bytes_min:
+            for ix in self._subjects.values():
+                if ix.dirty:
+                    os.fsync(self._fd(ix))
+                    ix.dirty = False
+            oldest = self._dedup.oldest_offset()
+            self._save_checkpoint(indexed, indexed if oldest is None else oldest)
+        if groups:
+            items = self.snapshot_groups(self.dirty_groups())
+            if items:
+                self.write_groups_async(items).result()
 
     def persist_group(self, subject: str, group: str) -> bool:
-        """Write one group's file now if it changed (an acknowledged ack survives a crash).
-        True if a file was written. The service batches many acks into one write per group
-        with ``snapshot_groups`` + ``write_groups_async`` instead."""
+        """Commit one group's document now if it changed (an acknowledged ack survives a
+        crash). True if it was written. The service commits every group an ack round touched
+        as one record with ``snapshot_groups`` + ``write_groups_async`` instead."""
         self._check_open()
         items = self.snapshot_groups([(subject, group)])
         if items:
@@ -623,17 +665,17 @@ class RealtimeStore:
         self.indexed_offset = indexed
 
     def write_groups_async(self, items: list[tuple[_Group, dict]]) -> Future:
-        """Write group files on the one group-writer thread, in submission order (so a newer
-        document of a group never lands before an older one). The in-memory state moves at
-        once; the returned future completes when the files are fsynced."""
-        jobs = []
+        """Commit group documents as one offsets-log record (one write, one fsync on the
+        offsets writer thread, records in submission order, so a newer document of a group
+        never lands before an older one). The in-memory state moves at once; the returned
+        future completes when the record is fsynced."""
+        for g, _ in items:
+            self._note_group_write(g)
+        docs = []
         for g, doc in items:
             g.persisted = doc
-            self._note_group_write(g)
-            jobs.append((self.root / "groups" / g.subject, g.name, doc))
-        if self._group_writer is None:
-            self._group_writer = ThreadPoolExecutor(1, thread_name_prefix="group-writer")
-        return self._group_writer.submit(_write_group_files, jobs)
+            docs.append(doc)
+        return self._offsets.commit(docs)
 
     def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple[_Group, dict]]:
         """Documents of the given groups that changed since they were last written."""
@@ -644,6 +686,7 @@ class RealtimeStore:
                 continue
             doc = g.doc()
             g.dirty = False
+            self._dirty_groups.discard(key)
             if doc != g.persisted:
                 out.append((g, doc))
         return out
@@ -703,14 +746,14 @@ class RealtimeStore:
                 parts.append((ix.read(self._fd(ix), a, b - a), np.arange(a, b, dtype=np.int64)))
                 left -= b - a
                 self.counters["redelivered"] += b - a
-                g.dirty = True
+                self._mark_dirty(g)
 
         full = self._take_new(groups, ixs, left, want, now_ms, parts)  # 2. new positions
         if not parts:
             if full:
                 raise Overloaded(f"group {group!r} has inflight_per_group_max="
                                  f"{self.settings.inflight_per_group_max} messages in flight")
-            return Batch.empty(), np.zeros(0, np.uint64)
+            return _EMPTY_BATCH, _NO_HANDLES
         return self._gather(np.concatenate([e for e, _ in parts]), np.concatenate([h for _, h in parts]))
 
     def _take_new(self, groups: list[_Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
@@ -762,7 +805,8 @@ class RealtimeStore:
                 self.counters["skipped_by_tag"] += used - t
                 self.counters["delivered"] += t
                 g.next_pos += used
-                g.dirty = g.dirty or used > 0
+                if used:
+                    self._mark_dirty(g)
                 left -= t
                 scan_left -= used
         return full
@@ -789,7 +833,7 @@ class RealtimeStore:
             return 0
         n = g.inflight.remove(_as_pairs(ranges))
         if n:
-            g.dirty = True
+            self._mark_dirty(g)
             self.counters["acked"] += n
         return n
 
@@ -801,10 +845,10 @@ class RealtimeStore:
         ix = self._index(subject)
         g = self._groups.get((subject, group))
         if g is None:
-            return Batch.empty(), np.zeros(0, np.uint64)
+            return _EMPTY_BATCH, _NO_HANDLES
         found = g.inflight.touch(_as_pairs(ranges), now_ms)
         if not found:
-            return Batch.empty(), np.zeros(0, np.uint64)
+            return _EMPTY_BATCH, _NO_HANDLES
         entries = np.concatenate([ix.read(self._fd(ix), a, b - a) for a, b in found])
         handles = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in found])
         return self._gather(entries, handles)
@@ -862,7 +906,7 @@ class RealtimeStore:
                 if g.subject == ix.subject and g.next_pos > keep:
                     g.next_pos = keep
                     g.inflight.truncate(keep)
-                    g.dirty = True
+                    self._mark_dirty(g)
         self._dedup.truncate(cut)
         for off in [o for o in self._frames if o >= cut]:
             self._frames_bytes -= self._frames.pop(off)[1]
@@ -876,7 +920,7 @@ class RealtimeStore:
         return dropped
 
     def changed_groups(self, since_seq: int) -> list[tuple[str, str]]:
-        """Groups whose file was written after ``since_seq`` (all of them for -1), oldest first."""
+        """Groups whose document was committed after ``since_seq`` (all of them for -1), oldest first."""
         out = []
         for key in reversed(self._group_changes):
             if self._group_changes[key] <= since_seq:
@@ -886,25 +930,37 @@ class RealtimeStore:
         return out
 
     def group_doc(self, subject: str, group: str) -> dict | None:
-        """The group's document as last written to its file (what a replica must hold)."""
+        """The group's document as last committed to the offsets log (what a replica must hold)."""
         g = self._groups.get((subject, group))
         return None if g is None else g.persisted
 
     def group_written_seq(self, subject: str, group: str) -> int:
-        """``group_seq`` of the group's last file write (0 if never written by this store)."""
+        """``group_seq`` of the group's last commit (0 if never committed by this store)."""
         return self._group_changes.get((subject, group), 0)
 
     def apply_group_doc(self, doc: dict) -> None:
-        """A replica takes its master's group document: the file is written as given (so it
-        survives a promotion), the in-memory group follows it."""
+        """``apply_group_docs`` of one document."""
+        self.apply_group_docs([doc])
+
+    def apply_group_docs(self, docs: Sequence[dict]) -> None:
+        """A replica takes its master's group documents: committed as given, as one record
+        (so they survive a promotion), before the in-memory groups follow them."""
         self._check_open()
-        subject, name = doc["subject"], doc["group"]
-        _check_name("group", name, self.settings.limits.subject_bytes_max)
-        if subject not in self._subjects:
-            _check_name("subject", subject, self.settings.limits.subject_bytes_max)
-            self._create_subject(subject)
-        if (subject, name) not in self._groups and len(self._groups) >= self.settings.groups_max:
-            raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
-        g = self._group_from_doc(subject, name, doc, self._subjects[subject])
-        self.write_groups_async([(g, doc)]).result()
-        self._groups[(subject, name)] = g
+        items = []
+        new: set[tuple[str, str]] = set()
+        for doc in docs:
+            subject, name = doc["subject"], doc["group"]
+            _check_name("group", name, self.settings.limits.subject_bytes_max)
+            if subject not in self._subjects:
+                _check_name("subject", subject, self.settings.limits.subject_bytes_max)
+                self._create_subject(subject)
+            if (subject, name) not in self._groups:
+                new.add((subject, name))
+            if new and len(self._groups) + len(new) > self.settings.groups_max:
+                raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
+            items.append((self._group_from_doc(subject, name, doc, self._subjects[subject]), doc))
+        if not items:
+            return
+        self.write_groups_async(items).result()
+        for g, _ in items:
+            self._groups[(g.subject, g.name)] = g

@@ -9,8 +9,8 @@ Same rules (``node/replication/core.py``) and the same shape as ``ReplicatedDela
   for the one log ``messages``. Each ``FetchResponse`` also carries, in ``checkpoint``,
   ``{"groups": [doc, ...]}``: the consumer-group documents written since the previous
   answer on that stream (the first answers of a stream carry all of them, paged). The
-  docs are exactly what ``RealtimeStore`` writes to ``groups/{subject}/{group}.json``.
-  Every group write has a store-local seq (``RealtimeStore.group_seq``); a slave's next
+  docs are exactly what ``RealtimeStore`` commits to its offsets log (``groups/``).
+  Every group commit has a store-local seq (``RealtimeStore.group_seq``); a slave's next
   request on a stream acknowledges everything the previous answer carried.
 * **sync ack mode** - SendBatch answers once every slave holds the bytes (byte offset,
   ``SyncTracker``); Ack (and Nack) answers once every slave holds the group document that
@@ -19,11 +19,12 @@ Same rules (``node/replication/core.py``) and the same shape as ``ReplicatedDela
 * **slave** - CRC-checked ``append_raw`` of the master's frames, byte for byte (each frame
   one codec batch), fsync, ``index_appended`` (one index run per subject of each frame
   and the dedup map, as the store's own replay does), then the shipped group documents
-  are written; then the next fetch (the acknowledgement). Pull/Ack/Nack/SendBatch answer
+  are committed (one offsets-log record and one fsync per answer); then the next fetch
+  (the acknowledgement). Pull/Ack/Nack/SendBatch answer
   ``UNAVAILABLE "not the master; leader_hint=..."``: clients re-resolve the subject's
   route through the meta server, which names the group's elected master.
 * **promotion / demotion** - close the store and reopen it: the epoch goes above every
-  seq in the log, groups load from the replicated files (in-flight handles redelivered at
+  seq in the log, groups load from the replicated offsets log (in-flight handles redelivered at
   once: at-least-once), the dedup map is rebuilt from the log. A returning old master
   truncates the suffix the new master never had (``truncate_log``: log, index entries
   past the cut, dedup entries).
@@ -113,7 +114,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
     async def Ack(self, request, context):
         if not self._may_serve():
             await self._not_master(context)
-        resp = await super().Ack(request, context)  # the group files are written before this returns
+        resp = await super().Ack(request, context)  # the group documents are committed before this returns
         await self._groups_replicated([(sh.subject, request.group) for sh in request.acks], context)
         return resp
 
@@ -138,7 +139,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
         while True:
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
             seq = self.store.group_seq
-            self.store.flush()
+            await self._flush_once()
             if self.store.group_seq != seq:
                 self._changed.set()  # pulls moved group positions: ship them
 
@@ -191,9 +192,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
         self.store.index_appended(now_ms=self.clock.now_ms())
 
     def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
-        if resp.checkpoint:
-            for doc in json.loads(resp.checkpoint).get("groups", []):
-                self.store.apply_group_doc(doc)  # fsynced file: acknowledged by the next fetch
+        if resp.checkpoint:  # one fsynced offsets record, acknowledged by the next fetch
+            self.store.apply_group_docs(json.loads(resp.checkpoint).get("groups", []))
         self._caught_up(resp.end_offset, self.store.messages.end_offset)
 
     # ------------------------------------------------------------------ roles

@@ -59,15 +59,15 @@ async def send_one_batch(channels, address: str, ids: list[str], deliver_at_ms: 
     """One SendBatch, no retry: per id "OK" or the error code name (``rpc:<grpc code>`` on RPC errors)."""
     import grpc
 
-    from cluster.proto import hourglass_pb2 as pb
+    from cluster.codec import Batch
+    from cluster.wire import BatchResult, make_request
 
-    req = pb.SendBatchRequest(messages=[pb.Message(id=i, subject=SUBJECT, payload=b"x", deliver_at_ms=d)
-                                        for i, d in zip(ids, deliver_at_ms)])
+    req = make_request(Batch.build(SUBJECT, [b"x"] * len(ids), ids, deliver_at_ms))
     try:
         resp = await channels.producer(address).SendBatch(req, timeout=SEND_TIMEOUT_S)
     except grpc.RpcError as e:
         return [classify_rpc_error(e.code(), e.details() or "")] * len(ids)
-    return [code_name(st.code) for st in resp.statuses]
+    return [code_name(c) for c in BatchResult.from_pb(resp, len(ids)).codes.tolist()]
 
 
 def classify_rpc_error(code, detail: str) -> str:
