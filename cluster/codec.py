@@ -52,6 +52,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
@@ -183,6 +184,20 @@ def decode_extra(raw: bytes) -> tuple[tuple[str, ...], tuple[tuple[str, str], ..
     return tuple(tags), tuple(props)
 
 
+@functools.lru_cache(maxsize=4096)
+def _subject_table(subjects: tuple[str, ...]) -> bytes:
+    """The encoded subject table (a producer sends the same few subjects again and again)."""
+    return b"".join(_U16.pack(len(sb)) + sb for sb in (s.encode() for s in subjects))
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_subject(s: str, limits: Limits) -> str | None:
+    raw = s.encode()
+    return ("must not be empty" if not raw else
+            f"{len(raw)} bytes exceeds {limits.subject_bytes_max}" if len(raw) > limits.subject_bytes_max else
+            f"{s[:64]!r} does not match {SUBJECT_RE.pattern}" if not SUBJECT_RE.match(s) else None)
+
+
 class Batch:
     """A columnar batch (see module docstring). Columns are numpy arrays (read-only
     views of the decoded bytes, or arrays built by ``build``); blobs are ``bytes``."""
@@ -277,7 +292,7 @@ class Batch:
 
     def encode(self) -> bytes:
         n = self.n
-        table = b"".join(_U16.pack(len(sb)) + sb for sb in (s.encode() for s in self.subjects))
+        table = _subject_table(self.subjects)
         head = HEADER.pack(VERSION, 0, len(self.subjects), n, len(self.ids), len(self.payloads), len(self.extras),
                            len(table))
         return b"".join((
@@ -530,15 +545,14 @@ class Batch:
             return codes, reasons
 
         def refuse(mask: np.ndarray, code: int, reason) -> None:
+            if not mask.any():  # the usual case: one reduction, nothing per message
+                return
             for i in np.flatnonzero(mask & (codes == OK)).tolist():
                 codes[i] = code
                 reasons[i] = reason(i) if callable(reason) else reason
 
         for k, s in enumerate(self.subjects):
-            raw = s.encode()
-            bad = ("must not be empty" if not raw else
-                   f"{len(raw)} bytes exceeds {limits.subject_bytes_max}" if len(raw) > limits.subject_bytes_max else
-                   f"{s[:64]!r} does not match {SUBJECT_RE.pattern}" if not SUBJECT_RE.match(s) else None)
+            bad = _check_subject(s, limits)
             if bad:
                 refuse(self.subject_idx == k, INVALID_ARGUMENT, f"subject: {bad}")
         id_ends = self.id_end.astype(np.int64)

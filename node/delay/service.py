@@ -38,7 +38,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch
-from node.aio import wait_event
+from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
 from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
@@ -394,6 +394,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 self.metrics.start(self.settings.metrics_port)
+                tune_gc()
                 log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,
                          self.address, self.store.epoch, self.settings.data_dir)
                 if on_ready:

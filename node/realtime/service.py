@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 
@@ -39,7 +38,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, unpack_ranges
-from node.aio import wait_event
+from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
@@ -52,18 +51,6 @@ _NO_HANDLES = np.zeros(0, np.uint64)
 ORIGIN_ID = "hourglass.origin_id"
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
-GC_GEN0_THRESHOLD = 20_000    # allocations between gen-0 collections (CPython's default: 700)
-
-
-def _tune_gc() -> None:
-    """The cyclic GC ran ~10% of this process's CPU: every call allocates coroutines,
-    futures and protobuf objects, and each collection walked the objects of the loaded
-    modules again. ``freeze`` moves what exists once serving (modules, the store's
-    tables) out of collection; a larger gen-0 threshold collects less often. Reference
-    cycles are rare on the hot path, so memory does not grow for it."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
 
 
 def retry_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int) -> tuple[Batch, Batch]:
@@ -362,7 +349,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 self.metrics.start(self.settings.metrics_port)
-                _tune_gc()
+                tune_gc()
                 log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,
                          self.address, self.store.epoch)
                 if on_ready:
