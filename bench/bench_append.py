@@ -16,10 +16,11 @@ import shutil
 import tempfile
 import time
 
-from node.store import records
+import numpy as np
+
+from cluster.codec import Batch
 from node.store.group_commit import GroupCommitter
 from node.store.log import SegmentedLog
-from node.store.records import Message
 
 
 async def run(args) -> dict:
@@ -37,14 +38,14 @@ async def run(args) -> dict:
             seq = p * per_producer
             for _ in range(per_producer // args.batch):
                 if args.encode:
-                    bodies = [records.encode(Message(seq=seq + i, store_ms=0, deliver_at_ms=1000, msg_id=f"m{seq + i}",
-                                                     subject="bench.s1", payload=payload))
-                              for i in range(args.batch)]
+                    ids = [f"m{seq + i}" for i in range(args.batch)]
+                    bodies = [Batch.build("bench.s1", [payload] * args.batch, ids, 1000,
+                                          seq=np.arange(seq, seq + args.batch, dtype=np.uint64)).encode()]
                 else:
                     bodies = [payload] * args.batch
                 seq += args.batch
                 await gc.append(bodies)
-                acked += len(bodies)
+                acked += args.batch
 
         t0 = time.perf_counter()
         await asyncio.gather(*(producer(p) for p in range(args.producers)))
@@ -57,7 +58,7 @@ async def run(args) -> dict:
             "records_per_s": round(acked / elapsed), "fsyncs": gc.fsyncs,
             "records_per_fsync": round(acked / max(1, gc.fsyncs), 1),
             "settings": {"producers": args.producers, "batch": args.batch, "payload_bytes": 256,
-                         "encode_message_records": args.encode},
+                         "encode_batch_records": args.encode},
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--producers", type=int, default=64)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--encode", action="store_true", help="encode full message records (id, subject, ...)")
+    ap.add_argument("--encode", action="store_true", help="append one encoded batch record per batch (cluster.codec) instead of raw payloads")
     ap.add_argument("--dir", default=None, help="where to write (default: system temp)")
     args = ap.parse_args()
     out = asyncio.run(run(args))

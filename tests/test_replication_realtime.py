@@ -15,17 +15,13 @@ import asyncio
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from cluster import errors as E
 from cluster.client import Consumer, Producer
-from cluster.codec import Batch
 from cluster.devcluster import LocalCluster, wait_until as wait_for
 from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
-from cluster.wire import pack_ranges, unpack_ranges
-from node.realtime.store import RealtimeStore
 
 needs_etcd = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
@@ -179,64 +175,3 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
         assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
         assert log_bytes(m.data_dir / "messages") == log_bytes(s.data_dir / "messages")
         assert index_bytes(m, "rt.div") == index_bytes(s, "rt.div")
-
-
-def _ship(master: RealtimeStore, replica: RealtimeStore, since_seq: int, now: int) -> int:
-    """What the Replicate stream does, without the network: bytes, then changed group docs
-    (one offsets-log record per answer on the replica)."""
-    lg = replica.messages
-    while lg.end_offset < master.messages.end_offset:
-        lg.append_raw(lg.end_offset, master.messages.read_bytes(lg.end_offset, 4096))
-    lg.flush()
-    replica.index_appended(now_ms=now)
-    replica.apply_group_docs([master.group_doc(*key) for key in master.changed_groups(since_seq)])
-    return master.group_seq
-
-
-def _batch(subjects, ids, payloads, t) -> Batch:
-    return Batch.build(subjects, payloads, ids, np.full(len(ids), t, np.int64))
-
-
-def _ranges(handles):
-    return unpack_ranges(pack_ranges(handles))
-
-
-def test_replica_store_indexes_shipped_bytes_keeps_group_offsets_and_cuts_a_divergent_tail(tmp_path):
-    t = 1_000_000
-    for _ in range(3):  # the master's store epoch (3) is above the replica's own (1)
-        RealtimeStore.open(tmp_path / "m", now_ms=t).close()
-    m = RealtimeStore.open(tmp_path / "m", now_ms=t)
-    r = RealtimeStore.open(tmp_path / "r", now_ms=t)
-    m.append(_batch(["s1" if k % 3 else "s2" for k in range(60)], [f"a{k}" for k in range(60)],
-                    [b"x" * k for k in range(60)], t), now_ms=t)
-    got, h = m.pull(["s1"], "g", "c", max_messages=10, now_ms=t)
-    m.ack("s1", "g", _ranges(h[:6]), now_ms=t)   # 4 stay in flight
-    m.persist_group("s1", "g")
-    seq = _ship(m, r, -1, t)
-    assert r.messages.end_offset == m.messages.end_offset
-    for s in ("s1", "s2"):
-        assert (tmp_path / "r" / "index" / s / "entries").read_bytes() == \
-            (tmp_path / "m" / "index" / s / "entries").read_bytes()
-    assert r.append(_batch(["s1"], ["a5"], [b"dup"], t), now_ms=t).duplicates[0] == 1  # dedup map rebuilt
-    # divergent tail: the replica (an old master) holds records the new master never had
-    cut = r.messages.end_offset
-    r.append(_batch(["s1"] * 5, [f"b{k}" for k in range(5)], [b"y"] * 5, t), now_ms=t)
-    r.flush()
-    assert r.truncate_log(cut) > 0
-    assert r.messages.end_offset == cut
-    assert (tmp_path / "r" / "index" / "s1" / "entries").read_bytes() == \
-        (tmp_path / "m" / "index" / "s1" / "entries").read_bytes()
-    assert r.append(_batch(["s1"], ["b0"], [b"y"], t), now_ms=t).duplicates[0] == 0  # its dedup entry went too
-    r.truncate_log(cut)
-    m.ack("s1", "g", _ranges(h[6:7]), now_ms=t)
-    m.persist_group("s1", "g")
-    _ship(m, r, seq, t)
-    r.close()
-    m.close()
-    # promotion: reopen; the acked handles never come back, the 3 still in flight come at once
-    p = RealtimeStore.open(tmp_path / "r", now_ms=t + 1)
-    again, ah = p.pull(["s1"], "g", "c", max_messages=100, now_ms=t + 1)
-    assert set(ah[:3].tolist()) == set(h[7:].tolist())
-    assert not set(ah.tolist()) & set(h[:7].tolist())
-    assert again.id_list()[3:] == [f"a{k}" for k in range(60) if k % 3][10:]
-    p.close()

@@ -60,7 +60,7 @@ import numpy as np
 
 from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch,
                            Limits)
-from cluster.errors import AlreadyExists, NotFound, Overloaded, TooLate
+from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
 from node.store import checkpoint, records
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
