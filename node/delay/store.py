@@ -82,7 +82,8 @@ class StoreSettings:
     message_segment_bytes: int = 64 * 1024 * 1024
     dispatch_segment_bytes: int = 16 * 1024 * 1024
     schedule_segment_bytes: int = 256 * 1024 * 1024
-    schedule_cache_bytes_max: int = 64 * 1024 * 1024  # decoded schedule frames kept for the wheel
+    schedule_cache_bytes_max: int = 32 * 1024 * 1024  # decoded schedule frames kept for the wheel
+    cache_ahead_ms: int = 10_000          # frames due this far past the loaded seconds are cached when filed
     wheel_entries_max: int = 2_000_000
     unfiled_max: int = 1_000_000          # accepted but not yet iterated into the schedule log
     inflight_max: int = 100_000           # fired but not yet acknowledged by the real-time side
@@ -496,7 +497,8 @@ class DelayStore:
         is_cancel = batch.kind == KIND_CANCEL
         eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
         batch = batch.replace(effective_ms=eff.astype(np.int64))
-        placed = self.schedule.file(batch)
+        soon = None if self.follower else self.wheel.loaded_until_ms + self.settings.cache_ahead_ms
+        placed = self.schedule.file(batch, cache_before_ms=soon)
         seq = batch.seq
         last_ids = self.ids.last_seq()
         new = seq > np.uint64(last_ids) if last_ids >= 0 else np.ones(batch.n, bool)
@@ -520,6 +522,8 @@ class DelayStore:
             for h, s in zip(hashes.tolist(), seq.tolist()):
                 if d.get(h, (None,))[0] == s:
                     del d[h]
+            if not d:
+                self._unfiled_ids = {}  # a dict keeps the table of its largest size: give it back
         if self.follower:
             return  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None

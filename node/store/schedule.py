@@ -84,7 +84,7 @@ FORMAT_VERSION = 2
 BUCKET_MS_DEFAULT = 3_600_000
 DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
 OPEN_BUCKETS_MAX_DEFAULT = 32
-CACHE_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
+CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
 
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
@@ -398,10 +398,12 @@ class ScheduleLog:
                 out.append(int(p.name))
         return sorted(out)
 
-    def file(self, batch: Batch) -> Filed:
+    def file(self, batch: Batch, *, cache_before_ms: int | None = None) -> Filed:
         """File every record of ``batch`` (records in seq order, ``effective_ms`` set) under
         its effective second: one frame per (bucket, second), records a bucket already holds
-        (``seq <= last_seq``, replay after a crash) skipped."""
+        (``seq <= last_seq``, replay after a crash) skipped. Frames due before
+        ``cache_before_ms`` are kept in the frame cache (the wheel loads them soon); a
+        backlog due later stays on disk only, so RAM holds nothing per pending message."""
         n = batch.n
         filed = np.zeros(n, bool)
         bucket_col = np.zeros(n, np.int64)
@@ -439,7 +441,8 @@ class ScheduleLog:
                 size_col[idx] = size
                 ref = FrameRef(start, off, size, g)
                 frames.append(ref)
-                self.cache.put(ref)
+                if cache_before_ms is not None and int(g.effective_ms[0]) < cache_before_ms:
+                    self.cache.put(ref)
         return Filed(filed, bucket_col, off_col, size_col, frames)
 
     def load_second(self, second: int) -> list[FrameRef]:
