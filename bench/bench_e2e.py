@@ -123,7 +123,7 @@ async def _consume_hourglass(target: dict, subjects: list[str], watch: _Watch, o
         async for batch in consumer.batches():
             out.write(f"T {batch.received_ms}\n" + "\n".join(batch.ids) + "\n")
             watch.got += len(batch)
-            await batch.ack()
+            await batch.ack(defer=True)  # rides on the next pull
     finally:
         dog.cancel()
         await consumer.close()

@@ -887,9 +887,16 @@ class ReceivedBatch:
     def __iter__(self):
         return iter(self.messages())
 
-    async def ack(self) -> int:
-        """Ack every message of the batch (one request, handle ranges per subject)."""
-        return await self._consumer._ack_handles(self.node, _subject_handles(self.batch, self.handles))
+    async def ack(self, *, defer: bool = False) -> int:
+        """Ack every message of the batch (handle ranges per subject): one Ack request, or
+        with ``defer`` none: the acks ride on the consumer's next pull of that node (or an
+        Ack at ``close()``), saving a call per batch. A deferred ack is durable at the node's
+        next commit round; until then a crash may deliver the batch again (at least once)."""
+        acks = _subject_handles(self.batch, self.handles)
+        if defer:
+            self._consumer._deferred.setdefault(self.node, []).extend(acks)
+            return len(self.handles)
+        return await self._consumer._ack_handles(self.node, acks)
 
     async def nack(self, retry_after_ms: int = 1000) -> tuple[int, int]:
         """Retry every message after ``retry_after_ms``; returns (retried, dead-lettered)."""
@@ -936,6 +943,7 @@ class Consumer:
         self._failures: dict[str, int] = {}         # node -> failed pulls in a row
         self._route_failures = 0                    # rounds in a row without any node known
         self._buffer: deque[Received] = deque()
+        self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
         self._closed = False
 
     async def __aenter__(self) -> "Consumer":
@@ -971,10 +979,19 @@ class Consumer:
             req.subject = subjects[0]
         else:
             req.subjects.extend(subjects)
+        acks = self._deferred.pop(node, None)
+        if acks:
+            req.acks.extend(acks)
         try:
             resp = await self.channels.consumer(node).Pull(req, timeout=self.timeout_s + wait_ms / 1000)
         except grpc.RpcError as e:
+            if acks:  # not applied (or not known to be): keep them for the next call
+                self._deferred.setdefault(node, [])[:0] = acks
             raise status.from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            if acks:
+                self._deferred.setdefault(node, [])[:0] = acks
+            raise
         received_ms = _now_ms()
         if not resp.batch:
             return None
@@ -1160,4 +1177,10 @@ class Consumer:
         for t in pulls:
             t.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)
+        deferred, self._deferred = self._deferred, {}
+        for node, acks in deferred.items():  # acks still waiting for a pull: send them now
+            try:
+                await self._ack_handles(node, acks)
+            except E.HourglassError as e:
+                log.warning("deferred acks not sent node=%s: %s (their messages come again)", node, e)
         await self.channels.close()

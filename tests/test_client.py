@@ -313,3 +313,17 @@ async def test_a_pull_in_flight_when_the_caller_gives_up_is_kept_for_the_next_pu
 def test_group_for_matches_crc32_over_sorted_groups():
     groups = [("g0", "a"), ("g1", "b"), ("g2", "c")]
     assert all(group_for(i, groups) == groups[zlib.crc32(i.encode()) % 3][0] for i in ("x", "y", "order-42"))
+
+
+async def test_deferred_acks_ride_on_the_next_pull_and_close_sends_the_rest(nodes):
+    (node,) = await nodes()
+    node.ready("dfr", [f"d{i}" for i in range(10)])
+    async with Consumer(StaticResolver(realtime=[node.address]), "dfr", group="g", wait_ms=0) as c:
+        (rb,) = await c.pull_batch()
+        assert await rb.ack(defer=True) == 10
+        assert node.acked_handles() == set()  # no call of its own
+        node.ready("dfr", ["e0"])
+        (rb2,) = await c.pull_batch()       # this pull carries the first batch's acks
+        assert node.acks_on_pull == 1 and len(node.acked_handles()) == 10
+        await rb2.ack(defer=True)
+    assert len(node.acked_handles()) == 11  # close() sent the last deferred acks with an Ack

@@ -106,6 +106,19 @@ async def test_send_pull_ack_over_grpc(node):
     assert (await pull(consumer, ["orders", "audit"], "billing"))[0].n == 0
 
 
+async def test_acks_riding_on_a_pull_are_applied_before_it(node):
+    n, producer, consumer, _ = node
+    await send(producer, msgs("orders", ["a", "b", "c"]))
+    b, h = await pull(consumer, ["orders"], "g")
+    assert b.n == 3
+    await send(producer, msgs("orders", ["d"]))
+    resp = await consumer.Pull(pb.PullRequest(subjects=["orders"], group="g", consumer_id="c1", max_messages=10,
+                                              acks=by_subject(b.take(np.array([0, 1])), h[:2])))
+    assert Batch.decode(resp.batch).id_list() == ["d"]
+    assert n.store.lag("orders", "g") == 2  # c (not acked) and d (just pulled)
+    assert n.calls["ack_on_pull"] == 1
+
+
 async def test_long_poll_wakes_on_any_subject(node):
     _, producer, consumer, _ = node
     started = time.monotonic()

@@ -105,7 +105,7 @@ class LookupResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects")
+    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class PullRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     TAGS_FIELD_NUMBER: _ClassVar[int]
     SUBJECTS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     subject: str
     group: str
     consumer_id: str
@@ -120,7 +121,8 @@ class PullRequest(_message.Message):
     wait_ms: int
     tags: _containers.RepeatedScalarFieldContainer[str]
     subjects: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ...) -> None: ...
+    acks: _containers.RepeatedCompositeFieldContainer[SubjectHandles]
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ..., acks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("batch", "handles")

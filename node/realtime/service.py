@@ -97,7 +97,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self._groups_lock = asyncio.Lock()
         self._groups_rounds_started = 0
         self._groups_rounds_done = 0
-        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_rounds": 0}
+        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0}
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -187,6 +187,15 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a subject (subject or subjects)")
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
+        if request.acks:  # acks riding on this pull: committed with the next round, not awaited
+            n = 0
+            try:
+                for subject, ranges in self._ranges(request.acks):
+                    n += self.store.ack(subject, group, ranges, now_ms=self.clock.now_ms())
+            except HourglassError as e:
+                await context.abort(status.to_grpc(e), str(e))
+            self.calls["ack_on_pull"] += 1
+            self.metrics.acked.inc(n)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
         store = self.store  # a replicated node may reopen its store (role change): stop polling then

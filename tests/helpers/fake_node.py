@@ -73,6 +73,7 @@ class FakeNode:
     pulls: list[list[str]] = field(default_factory=list)
     acked: list[tuple[str, list[int]]] = field(default_factory=list)
     ack_ranges: list[int] = field(default_factory=list)  # [lo, hi) ranges per SubjectHandles acked
+    acks_on_pull: int = 0  # pulls that carried acks
     nacked: list[tuple[str, list[int], int]] = field(default_factory=list)
     pulls_cancelled: int = 0
 
@@ -215,17 +216,23 @@ class _Consumer(rpc.ConsumerServicer):
         self.node = node
 
     async def Pull(self, request, context):
+        if request.acks:  # acks riding on a pull are recorded like an Ack's
+            self._record_acks(request.acks)
+            self.node.acks_on_pull += 1
         return await self.node.pull(request)
 
     async def Ack(self, request, context):
+        return pb.AckResponse(acked=self._record_acks(request.acks))
+
+    def _record_acks(self, acks) -> int:
         n = 0
-        for sh in request.acks:
+        for sh in acks:
             hs = expand_ranges(unpack_ranges(sh.ranges)).tolist()
             if self.node.endless is None:
                 self.node.acked.append((sh.subject, hs))
                 self.node.ack_ranges.append(len(sh.ranges) // 16)
             n += len(hs)
-        return pb.AckResponse(acked=n)
+        return n
 
     async def Nack(self, request, context):
         n = 0
