@@ -485,6 +485,20 @@ def _acked(prefix: str, n: int, sender) -> Acked:
     return acked
 
 
+def produce_and_receive(system, cons, batches, prefix: str, n_max: int):
+    """Send ``batches``, then wait until the consumer has everything acknowledged or the
+    last due time + LOST_AFTER_MS has passed; the consumer is stopped either way."""
+    try:
+        sender = asyncio.run(system.produce(batches))
+        acked = _acked(prefix, n_max, sender)
+        cons.expect(acked.count)
+        last_due = int(acked.due.max()) if acked.count else now_ms()
+        blocks = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
+    finally:
+        cons.kill()
+    return sender, acked, blocks
+
+
 def phase1(system, work: Path, args) -> dict:
     pool = payloads()
     rnd = np.random.default_rng(args.seed)
@@ -493,16 +507,9 @@ def phase1(system, work: Path, args) -> dict:
     cons = ConsumerProcess(work, f"{system.name}-p1", system.target(), SUBJECTS, args.n, horizon_s)
     chunks = closed_loop("p1-", args.n, args.batch, lambda k: rnd.integers(3000, 13001, k), pool)
     meter = CpuMeter({"producer": "self", **system.pids()}).start()
-    try:
-        t0 = time.perf_counter()
-        sender = asyncio.run(system.produce(chunks))
-        seconds = sender.last_ack - t0
-        acked = _acked("p1-", args.n, sender)
-        cons.expect(acked.count)
-        last_due = int(acked.due.max()) if acked.count else now_ms()
-        blocks = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
-    finally:
-        cons.kill()
+    t0 = time.perf_counter()
+    sender, acked, blocks = produce_and_receive(system, cons, chunks, "p1-", args.n)
+    seconds = sender.last_ack - t0
     sc = score(acked, blocks)
     counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
     out = {"bench": "e2e", "phase": "1", "system": system.name, "n": args.n, "acked": acked.count,
@@ -571,16 +578,10 @@ def sustain_step(system, work: Path, args, rate: int) -> dict:
     horizon_s = args.sustain_s + SUSTAIN_DUE_MS[1] / 1000 + LOST_AFTER_MS / 1000 + SEND_FINISH_TIMEOUT_S
     cons = ConsumerProcess(work, f"{system.name}-r{rate}", system.target(), SUBJECTS, n_max, horizon_s)
     meter = CpuMeter({"producer": "self", **system.pids()}).start()
-    try:
-        t0 = time.perf_counter()
-        sender = asyncio.run(system.produce(open_loop(prefix, rate, args.sustain_s, pool, rnd)))
-        seconds = max(sender.last_ack - t0, args.sustain_s)
-        acked = _acked(prefix, n_max, sender)
-        cons.expect(acked.count)
-        last_due = int(acked.due.max()) if acked.count else now_ms()
-        blocks = cons.wait(max(5.0, (last_due + LOST_AFTER_MS - now_ms()) / 1000 + 5))
-    finally:
-        cons.kill()
+    t0 = time.perf_counter()
+    sender, acked, blocks = produce_and_receive(system, cons, open_loop(prefix, rate, args.sustain_s, pool, rnd),
+                                                prefix, n_max)
+    seconds = max(sender.last_ack - t0, args.sustain_s)
     sc = score(acked, blocks)
     achieved = acked.count / seconds
     p99 = sc["lateness_all_ms"]["p99"]
