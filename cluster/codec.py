@@ -113,6 +113,14 @@ def _starts(ends: np.ndarray) -> np.ndarray:
     return out
 
 
+def _pieces(blob, ends: np.ndarray) -> list:
+    """The consecutive pieces of ``blob`` that end at ``ends`` (one comprehension)."""
+    if not len(ends):
+        return []
+    e = ends.tolist()
+    return [blob[a:b] for a, b in zip([0] + e[:-1], e)]
+
+
 def _ends_of(lengths: Iterable[int], n: int) -> np.ndarray:
     lens = np.fromiter(lengths, np.int64, n)
     ends = np.cumsum(lens)
@@ -392,32 +400,20 @@ class Batch:
         """Every id, in order (one decode of the blob, then slices)."""
         if not self.n:
             return []
-        ends = self.id_end.tolist()
         text = self._ids_text()
         if len(text) == len(self.ids):  # ASCII: byte offsets are character offsets
-            starts = [0] + ends[:-1]
-            return [text[a:b] for a, b in zip(starts, ends)]
-        ids = self.ids
-        starts = [0] + ends[:-1]
-        return [ids[a:b].decode("utf-8", "replace") for a, b in zip(starts, ends)]
+            return _pieces(text, self.id_end)
+        return [i.decode("utf-8", "replace") for i in _pieces(self.ids, self.id_end)]
 
     def id_bytes_list(self) -> list[bytes]:
-        if not self.n:
-            return []
-        ends = self.id_end.tolist()
-        ids = self.ids
-        return [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        return _pieces(self.ids, self.id_end)
 
     def payload(self, i: int) -> bytes:
         a = int(self.payload_end[i - 1]) if i else 0
         return self.payloads[a:int(self.payload_end[i])]
 
     def payload_list(self) -> list[bytes]:
-        if not self.n:
-            return []
-        ends = self.payload_end.tolist()
-        p = self.payloads
-        return [p[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        return _pieces(self.payloads, self.payload_end)
 
     def subject(self, i: int) -> str:
         return self.subjects[int(self.subject_idx[i])]

@@ -309,6 +309,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         ok = res.codes == pb.OK
         if ok.any():
             self.store.ack_dispatched(unit, part[ok], now_ms=now)
+            if self._permanent_failures:  # delivered after earlier refusals: forget them
+                for seq in sub.seq[ok].tolist():
+                    self._permanent_failures.pop(seq, None)
             self.metrics.dispatched.inc(int(ok.sum()))
             self.metrics.observe_lateness(np.maximum(0, now - sub.deliver_at_ms[ok]) / 1000)
         perm = np.isin(res.codes, PERMANENT_CODES)
