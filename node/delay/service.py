@@ -251,10 +251,10 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         b = self.store.unit_batch(unit)
         if b is None:
             return
-        try:
+        try:  # the first round without a retry object: most rounds need none (it is the hot path)
             idx = await self._deliver_once(unit, b, idx)
         except Unavailable:
-            pass
+            pass  # no route yet: everything is left for the retries
         if not len(idx):
             return
         left = [idx]
