@@ -114,7 +114,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster import status
-from cluster.codec import COLUMN_BYTES, HEADER_SIZE as BATCH_HEADER_SIZE, OK, SUBJECT_RE, Batch, Limits
+from cluster.codec import INVALID_ARGUMENT, COLUMN_BYTES, HEADER_SIZE as BATCH_HEADER_SIZE, OK, SUBJECT_RE, Batch, Limits
 from cluster.errors import Closed, CorruptRecord, HourglassError, InvalidArgument, Overloaded, PayloadTooLarge, \
     UnknownSubject
 from cluster.wire import BatchResult
@@ -175,8 +175,12 @@ def _check_name(what: str, name: str, bytes_max: int) -> None:
 def _as_pairs(ranges) -> list[list[int]]:
     """Handle ranges as ``[[lo, hi], ...]`` from a (k, 2) array (``wire.unpack_ranges``) or pairs."""
     if isinstance(ranges, np.ndarray):
-        return ranges.astype(np.int64).reshape(-1, 2).tolist()
-    return [[int(a), int(b)] for a, b in ranges]
+        pairs = ranges.astype(np.int64).reshape(-1, 2).tolist()
+    else:
+        pairs = [[int(a), int(b)] for a, b in ranges]
+    if any(lo < 0 or hi <= lo for lo, hi in pairs):
+        raise InvalidArgument("ranges", "every range must have 0 <= lo < hi")
+    return pairs
 
 
 def _runs(handles: np.ndarray) -> list[tuple[int, int]]:
@@ -541,6 +545,8 @@ class RealtimeStore:
         # due now on this node: the delay horizon does not apply to deliver_at_ms
         codes, errors = batch.replace(deliver_at_ms=np.full(n, now_ms, np.int64)).validate(now_ms=now_ms,
                                                                                            limits=limits)
+        for i in np.flatnonzero((batch.deliver_at_ms < 0) & (codes == OK)).tolist():
+            codes[i], errors[i] = INVALID_ARGUMENT, "deliver_at_ms: must not be negative"
         self._refuse_unknown_subjects(batch, codes, errors)
 
         ok = np.flatnonzero(codes == OK)
