@@ -372,9 +372,16 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self._dispatch_q.put_nowait((unit, idx, False))
 
     async def _checkpoint_loop(self) -> None:
+        """Planned on the loop, fsynced on a worker thread: a checkpoint's disk time never
+        stalls the messages due meanwhile."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
-            self.store.checkpoint()
+            store = self.store
+            plan = store.checkpoint_plan()
+            await loop.run_in_executor(None, plan.run)
+            if self.store is store:
+                plan.finish()
 
     # ------------------------------------------------------------------ lifecycle
 

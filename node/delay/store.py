@@ -63,6 +63,7 @@ from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCO
 from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
 from node.store import checkpoint, records
+from node.store.syncplan import DocGate, SyncPlan
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
 from node.store.log import SegmentedLog
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Message
@@ -162,6 +163,7 @@ class DelayStore:
                                     cache_bytes_max=settings.schedule_cache_bytes_max)
         self.ids = IdIndex.open(root / "ids", slots_count=settings.id_slots, entries_max=settings.id_entries_max)
         self._ckpt_path = root / "checkpoint"
+        self._gate = DocGate()
         ck = checkpoint.read(self._ckpt_path) or {}
         self.epoch = int(ck.get("epoch", 0)) + (1 if bump_epoch else 0)
         self._counter = 0
@@ -709,21 +711,35 @@ class DelayStore:
 
     def checkpoint(self) -> None:
         """Flush schedule, ids and dispatch log, then persist iterate offset and tick state."""
-        self.schedule.flush()
-        self.ids.flush()
-        self.dispatch.flush()
-        self._save_checkpoint()
+        self.checkpoint_plan().run_and_finish()
+
+    def checkpoint_plan(self) -> SyncPlan:
+        """``checkpoint`` as a plan: the document is taken now, so it records only what was
+        filed and dispatched before the plan's fsyncs; ``run`` it on a worker thread, then
+        ``finish`` it on the loop (the persisted tick state moves only then)."""
+        plan = SyncPlan()
+        self.schedule.plan_flush(plan)
+        self.ids.plan_flush(plan)
+        self.dispatch.plan_flush(plan)
+        self._plan_checkpoint_doc(plan)
+        return plan
 
     def _save_checkpoint(self) -> None:
+        """The checkpoint document alone (the epoch bump at open, before any seq of it)."""
+        plan = SyncPlan()
+        self._plan_checkpoint_doc(plan)
+        plan.run_and_finish()
+
+    def _plan_checkpoint_doc(self, plan: SyncPlan) -> None:
         if self.follower and self.replicated is None:
             return  # nothing from a master yet: keep the checkpoint as it is
-        if self.follower and self.replicated is not None:
+        if self.follower:
             # a follower persists the master's tick state with its own iterate offset:
             # a promotion restores the wheel from exactly what the master had completed
             r = self.replicated
             completed = int(r["completed_ms"])
             dispatch_offset = min(int(r["dispatch_offset"]), self.dispatch.end_offset)
-            checkpoint.write_atomic(self._ckpt_path, {
+            plan.write_doc(self._gate, self._ckpt_path, {
                 "version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
                 "completed_ms": completed, "dispatch_offset": dispatch_offset,
                 "tick": completed // self.settings.tick_ms - 1, "replicated": r,
@@ -731,13 +747,13 @@ class DelayStore:
             return
         st = self.tick_state()
         completed = (st.tick + 1) * self.settings.tick_ms
-        checkpoint.write_atomic(self._ckpt_path, {
-            "version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
-            "completed_ms": completed, "dispatch_offset": st.dispatch_offset, "tick": st.tick,
-        })
-        self.persisted_completed_ms = completed
-        self.last_checkpoint = {"iterate_offset": self.iterate_offset, "completed_ms": completed,
-                                "dispatch_offset": st.dispatch_offset}
+        done = {"iterate_offset": self.iterate_offset, "completed_ms": completed, "dispatch_offset": st.dispatch_offset}
+        plan.write_doc(self._gate, self._ckpt_path, {"version": 2, "epoch": self.epoch, "tick": st.tick, **done})
+
+        def persisted() -> None:
+            self.persisted_completed_ms = completed
+            self.last_checkpoint = done
+        plan.on_done(persisted)
 
     # ------------------------------------------------------------------ replication (follower side)
 
@@ -794,6 +810,7 @@ class DelayStore:
         self.flush_messages()
         self.iterate(limit=None)
         self.checkpoint()
+        self._gate.close()
         self.schedule.close()
         self.ids.close()
         self.dispatch.close()

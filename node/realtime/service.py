@@ -340,7 +340,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         """Periodic flush: the message log, the index checkpoint once enough was appended
         (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds."""
         store = self.store
-        store.flush(groups=False, index_bytes_min=store.settings.checkpoint_bytes_min)
+        plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min)
+        await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
+        if self.store is not store:
+            return  # reopened meanwhile (a role change): its own flush covers it
+        plan.finish()
         dirty = store.dirty_groups()
         if dirty:
             await self._groups_durable(set(dirty))

@@ -125,6 +125,7 @@ from node.realtime.inflight import InflightRanges
 from node.realtime.offsets import COMPACT_BYTES_DEFAULT, OffsetsLog
 from node.store import checkpoint
 from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
+from node.store.syncplan import DocGate, SyncPlan
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
 
 __all__ = ["DLQ_SUBJECT", "ENTRY", "ENTRY_SIZE", "RealtimeSettings", "RealtimeStore", "START_EARLIEST",
@@ -251,6 +252,7 @@ class RealtimeStore:
         self._closed = False
         self._offsets, group_docs = OffsetsLog.open(root / "groups", compact_bytes=settings.offsets_compact_bytes)
         self._ckpt_path = root / "checkpoint"
+        self._gate = DocGate()
         ck = checkpoint.read(self._ckpt_path) or {}
         self.epoch = int(ck.get("epoch", 0)) + (1 if bump_epoch else 0)
         self._counter = 0
@@ -300,6 +302,7 @@ class RealtimeStore:
             self._close_fd(self._subjects[s])
         self._offsets.close()
         self.messages.close()
+        self._gate.close()
         self._closed = True
 
     def __del__(self) -> None:
@@ -638,20 +641,36 @@ class RealtimeStore:
         The index and the checkpoint only bound the replay at ``open``: a periodic flush
         skips them until enough was appended (each index file costs an fsync), ``close``
         and a role change flush everything."""
-        self._check_open()
-        indexed = self._indexed_upto  # every message below it has its index entry written
-        self.messages.flush()
-        if indexed - self.indexed_offset >= index_bytes_min:
-            for ix in self._subjects.values():
-                if ix.dirty:
-                    os.fsync(self._fd(ix))
-                    ix.dirty = False
-            oldest = self._dedup.oldest_offset()
-            self._save_checkpoint(indexed, indexed if oldest is None else oldest)
+        self.flush_plan(index_bytes_min=index_bytes_min).run_and_finish()
         if groups:
             items = self.snapshot_groups(self.dirty_groups())
             if items:
                 self.write_groups_async(items).result()
+
+    def flush_plan(self, *, index_bytes_min: int = 0) -> SyncPlan:
+        """``flush(groups=False)`` as a plan to ``run`` on a worker thread and ``finish`` on
+        the loop: the checkpoint document is taken now and vouches only for index entries
+        written before the plan's fsyncs."""
+        self._check_open()
+        plan = SyncPlan()
+        indexed = self._indexed_upto  # every message below it has its index entry written
+        self.messages.plan_flush(plan)
+        if indexed - self.indexed_offset >= index_bytes_min:
+            for ix in self._subjects.values():
+                if ix.dirty:
+                    plan.fsync(self._fd(ix))
+                    ix.dirty = False
+            oldest = self._dedup.oldest_offset()
+            doc = {"epoch": self.epoch, "indexed_offset": indexed,
+                   "dedup_offset": indexed if oldest is None else oldest}
+            if doc != self._ckpt_saved:
+                plan.write_doc(self._gate, self._ckpt_path, doc)
+
+            def saved() -> None:
+                self._ckpt_saved = doc
+                self.indexed_offset = max(self.indexed_offset, indexed)
+            plan.on_done(saved)
+        return plan
 
     def persist_group(self, subject: str, group: str) -> bool:
         """Commit one group's document now if it changed (an acknowledged ack survives a
@@ -666,7 +685,9 @@ class RealtimeStore:
     def _save_checkpoint(self, indexed: int, dedup_offset: int) -> None:
         doc = {"epoch": self.epoch, "indexed_offset": indexed, "dedup_offset": dedup_offset}
         if doc != self._ckpt_saved:
-            checkpoint.write_atomic(self._ckpt_path, doc)
+            plan = SyncPlan()
+            plan.write_doc(self._gate, self._ckpt_path, doc)
+            plan.run()
             self._ckpt_saved = doc
         self.indexed_offset = indexed
 

@@ -107,6 +107,7 @@ import numpy as np
 
 from cluster.errors import Closed, CorruptRecord, InvalidArgument
 from node.store.log import fsync_dir
+from node.store.syncplan import SyncPlan
 
 log = logging.getLogger("hourglass.store.idindex")
 
@@ -436,11 +437,22 @@ class IdIndex:
         return f
 
     def flush(self) -> None:
-        """Make every put so far durable (msync, then header entries_used/last_seq, fsync)."""
+        """Make every put so far durable (entries fsynced, then the header entries_used/last_seq, fsync)."""
+        plan = SyncPlan()
+        self.plan_flush(plan)
+        plan.run()
+
+    def plan_flush(self, plan: SyncPlan) -> None:
+        """``flush`` as steps for a worker thread. The header bytes are taken now, so they
+        vouch only for entries put before the plan's first fsync; a put meanwhile marks the
+        file dirty again for the next flush."""
         self._check_open()
         for f in list(self._mapped.values()):
             if f.dirty:
-                self._sync(f)
+                plan.fsync(f.fd)
+                plan.pwrite(f.fd, f.header(), 0)
+                plan.fsync(f.fd)
+                f.dirty = False
 
     def put_many(self, hashes: np.ndarray, bucket_start_ms: np.ndarray, data_offset: np.ndarray,
                  frame_size: np.ndarray, seqs: np.ndarray) -> None:

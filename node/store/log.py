@@ -350,6 +350,10 @@ class SegmentedLog:
         """fsync the active segment. Safe to call from a worker thread."""
         os.fsync(self._active_fd)
 
+    def plan_flush(self, plan) -> None:
+        """``flush`` as a step of a ``SyncPlan`` (sealed segments were fsynced when rolled)."""
+        plan.fsync(self._active_fd)
+
     def truncate(self, offset: int) -> int:
         """Drop every byte at or after ``offset`` (a record boundary). Returns bytes dropped."""
         if not self.start_offset <= offset <= self.end_offset:

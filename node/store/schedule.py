@@ -67,6 +67,7 @@ import numpy as np
 
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
+from node.store.syncplan import SyncPlan
 
 from .log import HEADER_SIZE, SegmentedLog
 
@@ -217,8 +218,10 @@ class Bucket:
                 os.ftruncate(fd, 0)
                 os.ftruncate(fd, want)
             self._heads_map = mmap.mmap(fd, want)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._heads_fd = fd  # kept: a flush planned on the loop fsyncs it from a worker thread
         self.heads = np.frombuffer(self._heads_map, "<u4", self.seconds, HEADS_HEADER_SIZE)
         covered = 0
         if not fresh:
@@ -252,9 +255,12 @@ class Bucket:
             os.pwrite(self._index_fd, region, covered * ENTRY_SIZE)
         self._write_heads_header()
 
-    def _write_heads_header(self) -> None:
+    def _heads_header(self) -> bytes:
         hdr = HEADS_HEADER.pack(HEADS_MAGIC, FORMAT_VERSION, self.start_ms, self.seconds, self.entries)
-        self._heads_map[:HEADS_HEADER_SIZE] = hdr + struct.pack("<I", zlib.crc32(hdr))
+        return hdr + struct.pack("<I", zlib.crc32(hdr))
+
+    def _write_heads_header(self) -> None:
+        self._heads_map[:HEADS_HEADER_SIZE] = self._heads_header()
 
     # -- writing -----------------------------------------------------------------
 
@@ -289,11 +295,18 @@ class Bucket:
 
     def flush(self) -> None:
         """Make data, index and heads durable, in that order."""
-        self.data.flush()
-        os.fsync(self._index_fd)
-        self._heads_map.flush()
-        self._write_heads_header()
-        self._heads_map.flush()
+        plan = SyncPlan()
+        self.plan_flush(plan)
+        plan.run()
+
+    def plan_flush(self, plan: SyncPlan) -> None:
+        """``flush`` as steps for a worker thread: data, index, heads (the page cache the
+        map shares), then the heads header vouching for the entries filed so far."""
+        self.data.plan_flush(plan)
+        plan.fsync(self._index_fd)
+        plan.fsync(self._heads_fd)
+        plan.pwrite(self._heads_fd, self._heads_header(), 0)
+        plan.fsync(self._heads_fd)
 
     # -- reading -----------------------------------------------------------------
 
@@ -325,6 +338,8 @@ class Bucket:
         self.flush()
         del self.heads
         self._heads_map.close()
+        os.close(self._heads_fd)
+        self._heads_fd = -1
         os.close(self._index_fd)
         self._index_fd = -1
         self.data.close()
@@ -332,9 +347,10 @@ class Bucket:
     def __del__(self) -> None:
         # dropped without close(): give the descriptors back, write nothing
         try:
-            if getattr(self, "_index_fd", -1) >= 0:
-                os.close(self._index_fd)
-                self._index_fd = -1
+            for name in ("_index_fd", "_heads_fd"):
+                if getattr(self, name, -1) >= 0:
+                    os.close(getattr(self, name))
+                    setattr(self, name, -1)
             if hasattr(self, "heads"):
                 del self.heads
             self._heads_map.close()
@@ -486,8 +502,13 @@ class ScheduleLog:
         return None
 
     def flush(self) -> None:
+        plan = SyncPlan()
+        self.plan_flush(plan)
+        plan.run()
+
+    def plan_flush(self, plan: SyncPlan) -> None:
         for b in self._open.values():
-            b.flush()
+            b.plan_flush(plan)
 
     def drop_before(self, start_ms: int) -> int:
         """Retention: delete whole buckets that end at or before ``start_ms`` (all dispatched)."""
