@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Hourglass: a broker for delayed messages.")
-dev = typer.Typer(help="Local development cluster.")
+from cluster.cli_dev import dev  # noqa: E402  (dev up, dev chaos)
 app.add_typer(dev, name="dev")
 from cluster.spark.cli import app as spark_app  # noqa: E402  (imports pyspark only when a command runs)
 app.add_typer(spark_app, name="spark")
@@ -150,44 +149,6 @@ def metaserver(
 
 
 # ---------------------------------------------------------------------- dev cluster
-
-
-@dev.command("up")
-def dev_up(data: Path = typer.Option(Path("var/dev"), help="data folder of the whole cluster"),
-           meta: bool = typer.Option(True, "--meta/--static",
-                                     help="start etcd and a meta server; nodes register and discover there"),
-           replicas: int = typer.Option(1, help="delay nodes in the delay group (2 = master + slave, by election)"),
-           ack_mode: str = typer.Option("async", help="async | sync (sync: acknowledged once a slave holds it)"),
-           ) -> None:
-    """Start a local cluster (etcd, a meta server, one delay node, one real-time node) and run until Ctrl-C."""
-    from cluster.devcluster import LocalCluster
-
-    cluster = LocalCluster(data, meta=meta, delay_replicas=replicas if meta else 1,
-                           n_delay=replicas if meta else 1, ack_mode=ack_mode)
-    cluster.start()
-    cluster.wait_registered()
-    info = cluster.describe()
-    console.print(f"[green]cluster up[/green]  delay={info['delay']}  realtime={info['realtime']}  "
-                  f"meta={info.get('meta', [])}  etcd={info.get('etcd', [])}  data={data}")
-    console.print(f"try:  hourglass send demo.hello 'hi' --delay-ms 3000 --cluster-file {data}/cluster.json")
-    console.print(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
-    stop = {"now": False}
-
-    def _stop(*_):
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
-    try:
-        while not stop["now"]:
-            for n in cluster.meta + cluster.nodes:
-                if not n.running:
-                    console.print(f"[red]{n.name} exited[/red]; log:\n{n.tail_log()}")
-                    stop["now"] = True
-            time.sleep(0.2)
-    finally:
-        cluster.stop()
-        console.print("cluster stopped")
 
 
 @app.command()

@@ -8,7 +8,22 @@ prefix execs, so the PID stays the node's and stop/kill by PID still work.
 
 Every process is started with a ready file and stopped by its PID (SIGTERM, then
 SIGKILL after ``stop_timeout_s``), never by name. ``cluster.json`` in the data root
-lists the addresses so CLI commands find the cluster without flags.
+lists the addresses (and the PID of every process) so CLI commands find the cluster without
+flags. The root is resolved to an absolute path once, in ``LocalCluster.__init__``: the
+processes run with the repository as their working directory, whatever the caller's is.
+
+Supervision (opt-in; ``hourglass dev up`` uses it, the demo and tests do not): ``Supervisor``
+restarts a process that died on its own data directory after ``restart_backoff_ms``, like the
+Helm deployment's pods, at most ``restarts_max`` times per ``restart_window_ms`` (then it is
+left down and the rest keep serving). It never blocks on a start: ``tick(now_ms)`` notices
+deaths, restarts that are due and ready files that appeared, and returns one log line per
+event. ``RestartBudget`` holds the rule (pure, time as an argument)::
+
+    budget = RestartBudget(RestartPolicy(restart_backoff_ms=1000, restarts_max=2, restart_window_ms=60_000))
+    budget.restart_at_ms("delay-1", died_ms=5_000)   # -> 6_000
+    budget.restarted("delay-1", 6_000); budget.restarted("delay-1", 9_000)
+    budget.restart_at_ms("delay-1", died_ms=10_000)  # -> None: 2 restarts within 60 s, left down
+    budget.restart_at_ms("delay-1", died_ms=66_001)  # -> 67_001: the first one left the window
 """
 
 from __future__ import annotations
@@ -21,6 +36,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,7 +194,7 @@ class LocalCluster:
                  delay_replicas: int = 1, ack_mode: str = "async", lease_ttl_ms: int | None = None,
                  realtime_replicas: int = 1, hosts: dict[str, str] | None = None,
                  prefixes: dict[str, list[str]] | None = None) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()  # children run in the repository, not the caller's cwd
         self.root.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
         n_meta = n_meta or (1 if meta else 0)
@@ -285,8 +302,14 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
-        (self.root / "cluster.json").write_text(json.dumps(self.describe(), indent=2))
+        self.write_cluster_file()
         return self
+
+    def write_cluster_file(self) -> None:
+        """``cluster.json`` (addresses and PIDs), replaced atomically: a reader never sees half of it."""
+        tmp = self.root / "cluster.json.tmp"
+        tmp.write_text(json.dumps(self.describe(), indent=2))
+        tmp.replace(self.root / "cluster.json")
 
     def wait_registered(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every running node is listed by the meta servers (meta mode)."""
@@ -329,7 +352,11 @@ class LocalCluster:
 
     def describe(self) -> dict:
         out = {"delay": [n.address for n in self.delay], "realtime": [n.address for n in self.realtime],
-               "pids": {n.name: n.proc.pid for n in self.meta + self.nodes if n.proc}}
+               "pids": {n.name: n.proc.pid for n in self.meta + self.nodes if n.proc},
+               "processes": {n.name: {"role": n.role, "address": n.address, "pid": n.proc.pid if n.proc else None}
+                             for n in self.meta + self.nodes}}
+        for m in self.etcd.members if self.etcd is not None else []:
+            out["processes"][m.name] = {"role": "etcd", "address": m.endpoint, "pid": m.proc.pid if m.proc else None}
         if self.meta:
             out["meta"] = self.meta_addresses
             out["etcd"] = self.etcd_endpoints
@@ -357,3 +384,170 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ---------------------------------------------------------------------- supervision (hourglass dev up)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``Supervisor`` restarts a dead process (the pods' ``restartPolicy: Always`` of the Helm chart)."""
+
+    # after a death, wait this long, then start it on its own data. Longer than the nodes' meta lease
+    # (``hourglass dev up`` uses 2000 ms): a master restarted sooner re-registers under its own id and
+    # wins its group back before its slave can take over
+    restart_backoff_ms: int = 3000
+    restarts_max: int = 5               # at most this many restarts of one process ...
+    restart_window_ms: int = 60_000     # ... within this window; beyond, it is left down (logged)
+    ready_timeout_ms: int = 30_000      # a restarted process that writes no ready file by then is killed
+    role_poll_ms: int = 1000            # how often the delay nodes' roles are read (takeovers are logged)
+
+    def __post_init__(self) -> None:
+        assert self.restart_backoff_ms >= 0 and self.restarts_max >= 0 and self.restart_window_ms > 0
+
+
+class RestartBudget:
+    """Pure: when may a process restart, given its recent restarts. Time comes in as ``now_ms``."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._restarts_ms: dict[str, deque[int]] = {}
+
+    def recent(self, name: str, now_ms: int) -> int:
+        """Restarts of ``name`` within the window ending at ``now_ms``."""
+        q = self._restarts_ms.setdefault(name, deque())
+        while q and q[0] <= now_ms - self.policy.restart_window_ms:
+            q.popleft()
+        return len(q)
+
+    def restart_at_ms(self, name: str, died_ms: int) -> int | None:
+        """When to restart ``name``, dead since ``died_ms``; None once it used up its restarts."""
+        if self.recent(name, died_ms) >= self.policy.restarts_max:
+            return None
+        return died_ms + self.policy.restart_backoff_ms
+
+    def restarted(self, name: str, now_ms: int) -> None:
+        q = self._restarts_ms.setdefault(name, deque())
+        assert not q or q[-1] <= now_ms, "restarts are recorded in time order"
+        q.append(now_ms)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"code={code} signal={signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"code={code}"
+
+
+class Supervisor:
+    """Keeps the processes of a started ``LocalCluster`` (meta servers, nodes, etcd members) running.
+
+    ``tick(now_ms)`` never blocks on a start; it returns the log lines of what happened (plain text:
+    process logs may hold anything, so the caller must not read them as markup). ``cluster.json``
+    is rewritten after every restart, so its PIDs stay those of the running processes.
+    """
+
+    LOG_TAIL_LINES = 10
+
+    def __init__(self, cluster: LocalCluster, policy: RestartPolicy = RestartPolicy()) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.budget = RestartBudget(policy)
+        self.restart_at_ms: dict[str, int] = {}   # dead, restart scheduled
+        self.starting_ms: dict[str, int] = {}     # restarted, waiting for its ready file
+        self.given_up: set[str] = set()
+        self.restarts = 0
+        self.roles: dict[str, str] = {}           # delay node -> "master"/"slave" last seen
+
+    def processes(self) -> list:
+        etcd = self.cluster.etcd.members if self.cluster.etcd is not None else []
+        return [*etcd, *self.cluster.meta, *self.cluster.nodes]
+
+    @staticmethod
+    def _ready(p) -> bool:
+        ready_file = getattr(p, "ready_file", None)  # an etcd member has none: running is ready
+        return p.running and (ready_file is None or ready_file.exists())
+
+    def tick(self, now_ms: int) -> list[str]:
+        out: list[str] = []
+        restarted = False
+        for p in self.processes():
+            if p.name in self.given_up:
+                continue
+            if p.name in self.starting_ms:
+                if self._ready(p):
+                    out.append(f"{p.name} restarted pid={p.proc.pid} "
+                               f"ready_ms={now_ms - self.starting_ms.pop(p.name)}")
+                    restarted = True
+                    continue
+                if p.running and now_ms - self.starting_ms[p.name] > self.policy.ready_timeout_ms:
+                    out.append(f"{p.name} not ready after {self.policy.ready_timeout_ms} ms; killing pid={p.proc.pid}")
+                    p.kill()
+                if p.running:
+                    continue
+                del self.starting_ms[p.name]
+            if p.running:
+                continue
+            if p.name not in self.restart_at_ms:
+                at = self.budget.restart_at_ms(p.name, now_ms)
+                code = p.proc.returncode if p.proc is not None else None
+                if at is None:
+                    self.given_up.add(p.name)
+                    out.append(f"{p.name} exited {_exit_text(code)}; restarted {self.policy.restarts_max} times "
+                               f"within {self.policy.restart_window_ms} ms: left down, the others keep serving")
+                else:
+                    self.restart_at_ms[p.name] = at
+                    out.append(f"{p.name} exited {_exit_text(code)}; restarting on its data in "
+                               f"{at - now_ms} ms (restart {self.budget.recent(p.name, now_ms) + 1} of at most "
+                               f"{self.policy.restarts_max} per {self.policy.restart_window_ms} ms)")
+                tail = p.tail_log(self.LOG_TAIL_LINES)
+                if tail:
+                    out.append(f"{p.name} log tail:\n{tail}")
+            elif now_ms >= self.restart_at_ms[p.name]:
+                del self.restart_at_ms[p.name]
+                self.budget.restarted(p.name, now_ms)
+                self.restarts += 1
+                try:
+                    p.start()
+                except OSError as e:  # counted as a restart: the next tick sees it dead again
+                    out.append(f"{p.name} restart failed: {e}")
+                    continue
+                self.starting_ms[p.name] = now_ms
+        if restarted:
+            self.cluster.write_cluster_file()
+        return out
+
+    def role_changes(self, statuses: dict[str, dict]) -> list[str]:
+        """Log lines for delay nodes whose mode changed (``LocalCluster.statuses`` output)."""
+        out = []
+        for name, st in sorted(statuses.items()):
+            mode = "master" if st.get("master") else st.get("mode", "slave")
+            was = self.roles.get(name)
+            if was != mode:
+                self.roles[name] = mode
+                if was is not None or mode == "master":
+                    out.append(f"{name} is now {mode} of group {st.get('group', '?')} "
+                               f"epoch={st.get('election_epoch', st.get('epoch', '?'))}"
+                               + (f" (was {was})" if was else ""))
+        return out
+
+    async def run(self, stop, log: Callable[[str], None], *, poll_s: float = 0.2) -> None:
+        """Tick every ``poll_s`` and log role changes every ``role_poll_ms`` until ``stop`` (an
+        ``asyncio.Event``) is set. Statuses that do not answer leave the last known role."""
+        import asyncio
+
+        next_roles_ms = 0
+        while not stop.is_set():
+            now_ms = time.monotonic_ns() // 1_000_000
+            for line in self.tick(now_ms):
+                log(line)
+            if now_ms >= next_roles_ms and len(self.cluster.delay) > 1:
+                next_roles_ms = now_ms + self.policy.role_poll_ms
+                for line in self.role_changes(await self.cluster.statuses("delay")):
+                    log(line)
+            try:
+                await asyncio.wait_for(stop.wait(), poll_s)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,206 @@
+"""``hourglass dev``: a local development cluster.
+
+    hourglass dev up [--replicas 2 --ack-mode sync]   a supervised cluster that runs until Ctrl-C
+    hourglass dev chaos --kills 3 [--seed 7]          traffic + seeded master kills against it, verdict
+
+``dev up`` resolves its data folder once, at the start (the processes run with the repository
+as their working directory), restarts a process that dies on its own data after a backoff
+(``cluster.devcluster.Supervisor``), logs one line per event, and prints child output as plain
+text (a node's log may hold ``[...]``, which is not markup). SIGINT/SIGTERM stop every process it
+started, by PID.
+
+Exit codes: 0 stopped by SIGINT/SIGTERM, or a chaos run that passed; 1 the cluster did not start,
+or a chaos run with violations; 2 bad options or no cluster; 130 interrupted while starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cluster.devcluster import RestartPolicy
+
+dev = typer.Typer(help="Local development cluster.", no_args_is_help=True)
+console = Console()
+err_console = Console(stderr=True)
+
+REPLICAS_MAX = 5            # delay nodes of the one dev delay group
+LEASE_TTL_MS = 2000         # nodes' meta lease: a dead master's slave takes over after about this long
+DEFAULT_DATA = Path("var/dev")
+_DEFAULT_POLICY = RestartPolicy()
+
+
+class AckMode(str, Enum):
+    async_ = "async"
+    sync = "sync"
+
+
+def say(line: str) -> None:
+    """One timestamped line, never read as Rich markup (child output may hold ``[/...]``)."""
+    console.print(f"{time.strftime('%H:%M:%S')} {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """One ``error:`` line on stderr (the form of the other commands, docs/cli.md) and the exit to raise."""
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True, style="red")
+    return typer.Exit(code)
+
+
+# ---------------------------------------------------------------------- dev up
+
+
+@dev.command("up")
+def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cluster"),
+       meta: bool = typer.Option(True, "--meta/--static",
+                                 help="start etcd and a meta server; nodes register and discover there"),
+       replicas: int = typer.Option(1, min=1, max=REPLICAS_MAX,
+                                    help="delay nodes in the delay group (2 = master + slave, by election)"),
+       ack_mode: AckMode = typer.Option(AckMode.async_, case_sensitive=False,
+                                        help="sync: acknowledged once a slave holds it (needs --replicas 2+)"),
+       restart_backoff_ms: int = typer.Option(_DEFAULT_POLICY.restart_backoff_ms, min=0, max=600_000,
+                                              help="wait this long before restarting a process that died"),
+       restarts_max: int = typer.Option(_DEFAULT_POLICY.restarts_max, min=0, max=1000,
+                                        help="restarts of one process per --restart-window-ms; then it stays down"),
+       restart_window_ms: int = typer.Option(_DEFAULT_POLICY.restart_window_ms, min=1000, max=86_400_000),
+       ) -> None:
+    """Start a local cluster (etcd, a meta server, delay and real-time nodes), restart whatever dies, run until Ctrl-C."""
+    from cluster.devcluster import LocalCluster, Supervisor
+    from cluster.errors import HourglassError
+
+    if replicas > 1 and not meta:
+        raise typer.BadParameter("more than one replica needs --meta (elections run through the meta servers)",
+                                 param_hint="'--replicas'")
+    if ack_mode is AckMode.sync and replicas < 2:
+        raise typer.BadParameter("sync needs a slave to acknowledge: use --replicas 2 or more",
+                                 param_hint="'--ack-mode'")
+    data = data.resolve()  # once: the processes do not share the caller's working directory
+    policy = RestartPolicy(restart_backoff_ms=restart_backoff_ms, restarts_max=restarts_max,
+                           restart_window_ms=restart_window_ms)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    cluster = LocalCluster(data, meta=meta, delay_replicas=replicas, n_delay=replicas, ack_mode=ack_mode.value,
+                           lease_ttl_ms=LEASE_TTL_MS if meta else None)
+    say(f"starting in {data}: " + ("etcd, a meta server, " if meta else "")
+        + f"{replicas} delay node(s) (ack_mode={ack_mode.value}), a real-time node")
+    try:
+        cluster.start()  # stops what it started if it fails or is interrupted
+        try:
+            cluster.wait_registered()
+        except BaseException:
+            cluster.stop()
+            raise
+    except KeyboardInterrupt:
+        say("interrupted while starting; every process stopped")
+        raise typer.Exit(130)
+    except (HourglassError, TimeoutError, OSError) as e:
+        raise fail(f"the cluster did not start: {e}", 1)
+
+    info = cluster.describe()
+    say(f"cluster up  delay={info['delay']}  realtime={info['realtime']}  meta={info.get('meta', [])}  "
+        f"etcd={info.get('etcd', [])}")
+    for name, p in info["processes"].items():
+        say(f"  {name} pid={p['pid']} address={p['address']} log={data / (name + '.log')}")
+    say(f"restart policy: backoff {policy.restart_backoff_ms} ms, at most {policy.restarts_max} restarts "
+        f"per {policy.restart_window_ms} ms per process")
+    say(f"try:  hourglass send demo.hello 'hi' --delay-ms 3000 --cluster-file {data}/cluster.json")
+    say(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
+    if replicas > 1:
+        say(f"      hourglass dev chaos --kills 3 --cluster-file {data}/cluster.json")
+    try:
+        asyncio.run(_supervise(Supervisor(cluster, policy)))
+    except KeyboardInterrupt:  # a signal between the handlers: stop all the same
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        say("stopping ...")
+        cluster.stop()
+        say("cluster stopped")
+
+
+async def _supervise(supervisor) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await supervisor.run(stop, say)
+
+
+# ---------------------------------------------------------------------- dev chaos
+
+
+@dev.command("chaos")
+def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SIGKILL, one after the other"),
+          seed: int = typer.Option(1, help="the same seed gives the same kill schedule and traffic"),
+          cluster_file: Path = typer.Option(DEFAULT_DATA / "cluster.json", help="cluster.json of `hourglass dev up`"),
+          rate: float = typer.Option(20.0, min=1, max=10_000, help="messages produced per second"),
+          kill_gap_s: float = typer.Option(6.0, min=0, max=600, help="mean seconds between a recovery and the next kill"),
+          out: Optional[Path] = typer.Option(None, help="where the run's records go (default: DATA/chaos-SEED-TIME)"),
+          as_json: bool = typer.Option(False, "--json", help="print the whole report as JSON"),
+          ) -> None:
+    """Run traffic against the `dev up` cluster, SIGKILL delay masters on a seeded schedule, check the records.
+
+    The killed masters are restarted by `dev up`; the verdict (acknowledged, lost, duplicates,
+    failover times) is the chaos suite's invariant checker's."""
+    from cluster.devchaos import DevChaosConfig, run_dev_chaos
+    from cluster.errors import HourglassError
+
+    cluster_file = cluster_file.resolve()
+    if not cluster_file.exists():
+        raise fail(f"no cluster file {cluster_file}: start one with `hourglass dev up` (or give --cluster-file)", 2)
+    info = json.loads(cluster_file.read_text())
+    if not info.get("meta") or "processes" not in info:
+        raise fail(f"{cluster_file} is not of a `hourglass dev up --meta` cluster", 2)
+    out = (out or cluster_file.parent / f"chaos-{seed}-{int(time.time())}").resolve()
+    cfg = DevChaosConfig(cluster_file=cluster_file, out_dir=out, seed=seed, kills=kills, rate_per_s=rate,
+                         kill_gap_s=kill_gap_s)
+    say(f"chaos seed={seed}: {kills} delay master kill(s), {rate:g} msg/s, records in {out}")
+    try:
+        report = run_dev_chaos(cfg, say=say)
+    except KeyboardInterrupt:
+        raise fail("interrupted; the records so far are in " + str(out), 130)
+    except HourglassError as e:
+        raise fail(str(e), 1)
+    if as_json:
+        console.print_json(json.dumps(report))
+    else:
+        console.print(verdict_table(report))
+        for v in report["violations"]:
+            console.print(f"VIOLATION: {v}", markup=False, highlight=False, style="red")
+    if not report["passed"]:
+        say(f"FAILED; seed={seed} reproduces the schedule; report: {out / 'report.json'}")
+        raise typer.Exit(1)
+    say(f"passed; report: {out / 'report.json'}")
+
+
+def verdict_table(report: dict) -> Table:
+    f, m, lat = report["faults"], report["messages"], report["lateness_ms"]
+    fo = f["failover_ms"]
+    t = Table("check", "value", title=f"dev chaos seed={report['seed']}: "
+              + ("PASSED" if report["passed"] else "FAILED"))
+    rows = [
+        ("masters killed", str(f["master_kills"]) + (f" ({len(f['skipped'])} skipped)" if f["skipped"] else "")),
+        ("sent / acknowledged", f"{m['sent']} / {m['acked']}"),
+        ("expected deliveries / received", f"{m['expected_deliveries']} / {m['receives']}"),
+        ("lost (acknowledged, never received)", str(report["lost"]["count"])),
+        ("duplicates (extra receives)", str(report["duplicates"]["extra_receives"])),
+        ("failover s (kill -> new master) p50 / max",
+         "-" if fo["n"] == 0 else f"{fo['p50'] / 1000:.1f} / {fo['max'] / 1000:.1f}"),
+        ("processes not restarted", str(len(report["restart_errors"]))),
+        ("lateness ms p50 / p99", f"{lat['all']['p50']} / {lat['all']['p99']}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t

@@ -1,0 +1,171 @@
+"""``hourglass dev up`` / ``hourglass dev chaos`` driven as a user drives them: the real CLI in a
+subprocess, from a directory outside the repository, asserting exit codes, messages and that no
+``Traceback`` is printed. The cluster's processes are found and stopped by the PIDs listed in its
+``cluster.json``, never by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.devcluster import RestartBudget, RestartPolicy
+
+HOURGLASS = [sys.executable, "-m", "cluster.cli"]
+MARKUP_BAIT = "grpc error [/hourglass.v1.Producer/SendBatch] [bold]not markup"
+UP_TIMEOUT_S = 60.0
+
+
+def run_cli(*args: str, cwd: Path, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([*HOURGLASS, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
+                          env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+
+
+def assert_no_traceback(text: str) -> None:
+    assert "Traceback" not in text, text
+
+
+# ---------------------------------------------------------------------- options refused
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--ack-mode", "bogus"], "--ack-mode"),
+    (["--replicas", "0"], "--replicas"),
+    (["--replicas", "99"], "--replicas"),
+    (["--ack-mode", "sync"], "--ack-mode"),            # sync without a slave to acknowledge
+    (["--static", "--replicas", "2"], "--replicas"),  # elections need the meta servers
+])
+def test_dev_up_refuses_bad_options(tmp_path, args, option):
+    r = run_cli("dev", "up", "--data", str(tmp_path / "d"), *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"Invalid value for '{option}'" in r.stdout + r.stderr
+    assert_no_traceback(r.stdout + r.stderr)
+    assert not (tmp_path / "d").exists(), "a refused command changes nothing"
+
+
+def test_dev_chaos_without_a_cluster_says_so(tmp_path):
+    r = run_cli("dev", "chaos", "--kills", "1", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "error: no cluster file" in r.stderr and "hourglass dev up" in r.stderr
+    assert_no_traceback(r.stdout + r.stderr)
+
+
+# ---------------------------------------------------------------------- restart rule (pure)
+
+
+def test_restart_budget_backs_off_and_gives_up_per_window():
+    b = RestartBudget(RestartPolicy(restart_backoff_ms=500, restarts_max=2, restart_window_ms=10_000))
+    assert b.restart_at_ms("delay-1", 1_000) == 1_500
+    b.restarted("delay-1", 1_500)
+    assert b.restart_at_ms("delay-1", 2_000) == 2_500
+    b.restarted("delay-1", 2_500)
+    assert b.restart_at_ms("delay-1", 3_000) is None          # 2 restarts within 10 s
+    assert b.restart_at_ms("delay-2", 3_000) == 3_500         # per process
+    assert b.restart_at_ms("delay-1", 11_501) == 12_001       # the first restart left the window
+
+
+# ---------------------------------------------------------------------- the acceptance run
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def _kill_listed(cluster_json: dict) -> None:
+    """Safety net after a failed test: SIGKILL the listed processes that are still that process."""
+    for name, p in cluster_json.get("processes", {}).items():
+        pid = p.get("pid")
+        try:
+            if pid and name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+@pytest.mark.timeout(240)
+def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
+    """`dev up --replicas 2 --ack-mode sync` from a directory outside the repository; `dev chaos`
+    SIGKILLs the delay master under traffic: the slave takes over, nothing acknowledged is lost,
+    the killed node comes back (as a slave) on its own data, and SIGTERM stops everything."""
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    data = cwd / "var" / "dev"  # the default --data, relative to the caller's directory
+    out_path = tmp_path / "dev-up.out"
+    seen: dict = {}
+    with open(out_path, "w") as out:
+        up = subprocess.Popen([*HOURGLASS, "dev", "up", "--replicas", "2", "--ack-mode", "sync"], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while not (data / "cluster.json").exists():
+            assert up.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.2)
+        seen = json.loads((data / "cluster.json").read_text())
+        for name in ("delay-1", "delay-2"):  # what the killed master's log tail will show
+            with open(data / f"{name}.log", "a") as f:
+                f.write(MARKUP_BAIT + "\n")
+
+        chaos = run_cli("dev", "chaos", "--kills", "1", "--seed", "3", "--rate", "30", "--kill-gap-s", "0",
+                        "--out", str(tmp_path / "chaos"), cwd=cwd, timeout_s=150)
+        assert_no_traceback(chaos.stdout + chaos.stderr)
+        assert chaos.returncode == 0, chaos.stdout + chaos.stderr
+        report = json.loads((tmp_path / "chaos" / "report.json").read_text())
+        assert report["faults"]["master_kills"] == 1
+        assert report["messages"]["acked"] > 0
+        assert report["lost"]["count"] == 0
+        assert report["faults"]["failover_ms"]["n"] == 1, "the slave took over"
+        assert "lost (acknowledged, never received)" in chaos.stdout and "PASSED" in chaos.stdout
+        fault = json.loads((tmp_path / "chaos" / "faults.jsonl").read_text().splitlines()[0])
+        killed = fault["process"]
+        assert fault["new_master"] not in (None, killed), f"the slave took over: {fault}"
+
+        # the killed process is back, on its own data, as a slave of the new master
+        rows = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = run_cli("status", "--json", "--cluster-file", "var/dev/cluster.json", cwd=cwd)
+            assert_no_traceback(st.stdout + st.stderr)
+            rows = json.loads(st.stdout) if st.returncode == 0 else []
+            if any(r.get("node_id") == killed and r.get("mode") == "slave" for r in rows):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"{killed} not back as a slave: {rows}")
+        seen = json.loads((data / "cluster.json").read_text())
+        assert seen["pids"][killed] != fault["pid"], "cluster.json lists the restarted process"
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:  # the launcher stops its processes on SIGTERM; SIGKILL only if it hangs
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait(timeout=10)
+        if (data / "cluster.json").exists():
+            seen = json.loads((data / "cluster.json").read_text())
+        _kill_listed(seen)
+    text = out_path.read_text()
+    assert_no_traceback(text)
+    assert f"{killed} exited code=-9 signal=SIGKILL; restarting on its data in 3000 ms" in text, text
+    assert MARKUP_BAIT in text, "child output is printed as plain text"
+    assert f"{killed} restarted pid={seen['pids'][killed]}" in text, text
+    assert "is now master" in text and f"{killed} is now slave" in text, text
+    assert "cluster stopped" in text
+    assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"
+    assert not (data / "cluster.json").exists()
