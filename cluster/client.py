@@ -21,12 +21,20 @@ Producer::
 * A delayed message is pinned to delay group ``groups[crc32(id) % len(groups)]`` (over
   the sorted group names; ``group_for``): its sends and retries go to that group's
   master, whoever it is at the time, so a retry is de-duplicated, never stored twice.
+* Each message is checked against ``codec.Limits`` before it is queued (numpy over the
+  call): one over ``payload_bytes_max`` (``PayloadTooLarge``), with a due time out of
+  range or an over-long id fails at once, alone, and is never sent (``_refusals``).
 * The batcher waits up to ``linger_ms`` for ``batch_max`` messages (or
-  ``batch_bytes_max`` payload bytes) and keeps at most ``inflight_max`` requests on the
-  wire; callers wait once ``queue_max`` messages are queued.
+  ``batch_bytes_max`` estimated wire bytes: payload + id + extras +
+  ``MESSAGE_OVERHEAD_BYTES``, at most ``BATCH_BYTES_MAX``, under gRPC's message limit)
+  and keeps at most ``inflight_max`` requests on the wire; callers wait once
+  ``queue_max`` messages are queued.
 * Retryable answers (``status.RETRYABLE_CODES``, node down, not leader) are retried,
   those indices only, with jittered exponential backoff (tenacity) up to
   ``retries_max`` times, re-resolving the target each time.
+* Every call has a deadline, ``call_timeout_s`` from the call (``asyncio.timeout``
+  around the retried call, and a timer per call that fails what is still unanswered,
+  wherever it waits): then ``Unavailable`` saying what was tried and the last error.
 * ``send`` / ``send_message`` / ``send_and_wait`` are the convenience layer: one future
   per message (a ``SendResult``); consecutive ``send`` calls share one queued call.
 
@@ -66,9 +74,9 @@ from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, st
 
 from cluster import errors as E
 from cluster import status
-from cluster.codec import OK, Batch, encode_extra
+from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, encode_extra
 from cluster.proto import hourglass_pb2 as pb
-from cluster.transport import Channels
+from cluster.transport import MESSAGE_BYTES_MAX, Channels
 from cluster.wire import BatchResult, make_request, pack_ranges
 
 log = logging.getLogger("hourglass.client")
@@ -76,6 +84,18 @@ log = logging.getLogger("hourglass.client")
 ORIGIN_ID = "hourglass.origin_id"  # a retried message's original id (set by the real-time node)
 ID_PREFIX_BYTES = 8                # random bytes of a producer's id prefix (16 hex characters)
 _RETRYABLE = np.array(sorted(status.RETRYABLE_CODES), np.uint8)
+
+CALL_TIMEOUT_S = 30.0  # default deadline of every SDK call (``call_timeout_s``), retries included
+# A wire batch's bytes are estimated per message as payload + id + extras + MESSAGE_OVERHEAD_BYTES
+# (its 49 bytes of columns and its 8-byte delay_ms entry). The estimate leaves out the subject
+# table, ids beyond ASCII and protobuf framing; REQUEST_MARGIN_BYTES covers them (at most
+# batch_messages_max x (3 x id_bytes_max + subject_bytes_max + 2) bytes, under 6 MiB).
+MESSAGE_OVERHEAD_BYTES = COLUMN_BYTES + 8
+REQUEST_MARGIN_BYTES = 16 * 1024 * 1024
+# the most any Producer may set ``batch_bytes_max`` to: under the gRPC message limit the nodes
+# and the SDK's channels use (``transport.MESSAGE_BYTES_MAX``, node ``request_bytes_max``)
+BATCH_BYTES_MAX = min(MESSAGE_BYTES_MAX, DEFAULT_LIMITS.batch_bytes_max) - REQUEST_MARGIN_BYTES
+SEND_JOIN_S = 0.1  # a ``send`` joins the open job only this long after it opened (its deadline is that much early)
 
 
 def _now_ms() -> int:
@@ -189,30 +209,97 @@ class StaticResolver:
     async def refresh(self) -> None:
         pass
 
+    def describe(self) -> str:
+        """Where this resolver looks (for errors that say what was tried)."""
+        return f"static delay={','.join(self.delay) or '-'} realtime={','.join(self.realtime) or '-'}"
+
     async def close(self) -> None:
         pass
+
+
+def _describe(resolver) -> str:
+    describe = getattr(resolver, "describe", None)
+    return describe() if callable(describe) else type(resolver).__name__
 
 
 def group_for(msg_id: str, groups: list[tuple[str, str]]) -> str:
     """The delay group a message id belongs to: a stable hash over the sorted group names.
     Sends, retries and re-sends of one id go to one group (ids are de-duplicated per group),
-    and cancel/lookup ask that group first. ``_Job.seal`` applies it to a whole call."""
+    and cancel/lookup ask that group first. ``_route_delayed`` applies it to a whole call."""
+    if not groups:
+        raise E.Unavailable("no delay group registered")
     return groups[zlib.crc32(msg_id.encode()) % len(groups)][0]
 
 
 # ---------------------------------------------------------------------- producer internals
 
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 
-def _column(v, n: int, name: str) -> np.ndarray:
-    """An i64 column of n entries from None (zeros), one int (for all) or a sequence."""
+
+def _column(v, n: int, name: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """An i64 column of n entries from None (zeros), one int (for all) or a sequence, and the
+    mask of entries that do not fit in an i64 (0 in the column; None when there are none)."""
     if v is None:
-        return np.zeros(n, np.int64)
+        return np.zeros(n, np.int64), None
     if isinstance(v, (int, np.integer)):
-        return np.full(n, v, np.int64)
-    a = np.asarray(v, np.int64)
+        if I64_MIN <= v <= I64_MAX:
+            return np.full(n, v, np.int64), None
+        return np.zeros(n, np.int64), np.ones(n, bool)
+    try:
+        a, bad = np.asarray(v, np.int64), None
+    except OverflowError:  # a value beyond i64: found one by one, only on this error path
+        vals = list(v)
+        bad = np.array([not I64_MIN <= x <= I64_MAX for x in vals], bool)
+        a = np.array([0 if b else x for x, b in zip(vals, bad.tolist())], np.int64)
     if a.shape != (n,):
         raise E.InvalidArgument(name, f"{a.shape} entries for {n} messages")
-    return a
+    return a, bad
+
+
+def _refusals(pay_lens: np.ndarray, id_lens: np.ndarray, deliver: np.ndarray, delay: np.ndarray | None,
+              unfit: np.ndarray | None, now_ms: int, limits: Limits) -> dict[int, E.HourglassError]:
+    """The messages a node would refuse for their size or due time (``codec.Limits``), as index ->
+    error: they fail at once, alone, and are never sent. One reduction per rule when all is well."""
+    out: dict[int, E.HourglassError] = {}
+
+    def refuse(mask: np.ndarray, make: Callable[[int], E.HourglassError]) -> None:
+        if mask.any():
+            for i in np.flatnonzero(mask).tolist():
+                if i not in out:
+                    out[i] = make(i)
+
+    horizon = limits.delay_horizon_ms
+    if unfit is not None:
+        refuse(unfit, lambda i: E.InvalidArgument("deliver_at_ms/delay_ms", f"message {i}: not a 64-bit integer"))
+    refuse(pay_lens > limits.payload_bytes_max, lambda i: E.PayloadTooLarge(
+        "payload", f"message {i}: {int(pay_lens[i])} bytes exceeds payload_bytes_max {limits.payload_bytes_max}"))
+    refuse(id_lens > limits.id_bytes_max, lambda i: E.InvalidArgument(
+        "id", f"message {i}: {int(id_lens[i])} characters exceeds id_bytes_max {limits.id_bytes_max}"))
+    refuse(deliver < 0, lambda i: E.InvalidArgument("deliver_at_ms", f"message {i}: must not be negative"))
+    refuse(deliver > now_ms + horizon, lambda i: E.InvalidArgument(
+        "deliver_at_ms", f"message {i}: {int(deliver[i])} is more than delay_horizon_ms {horizon} ahead"))
+    if delay is not None:
+        refuse(delay < 0, lambda i: E.InvalidArgument("delay_ms", f"message {i}: must not be negative"))
+        refuse(delay > horizon, lambda i: E.InvalidArgument(
+            "delay_ms", f"message {i}: {int(delay[i])} exceeds delay_horizon_ms {horizon}"))
+    return out
+
+
+def _refusal(payload: bytes, msg_id: str, deliver_at_ms: int, delay_ms: int, now_ms: int,
+             limits: Limits) -> E.HourglassError | None:
+    """``_refusals`` for one message of ``send`` (plain ints; nothing can overflow)."""
+    horizon = limits.delay_horizon_ms
+    if len(payload) > limits.payload_bytes_max:
+        return E.PayloadTooLarge("payload", f"{len(payload)} bytes exceeds payload_bytes_max {limits.payload_bytes_max}")
+    if len(msg_id) > limits.id_bytes_max:
+        return E.InvalidArgument("id", f"{len(msg_id)} characters exceeds id_bytes_max {limits.id_bytes_max}")
+    if deliver_at_ms < 0 or delay_ms < 0:
+        return E.InvalidArgument("delay_ms" if delay_ms < 0 else "deliver_at_ms", "must not be negative")
+    if deliver_at_ms > now_ms + horizon:
+        return E.InvalidArgument("deliver_at_ms", f"{deliver_at_ms} is more than delay_horizon_ms {horizon} ahead")
+    if delay_ms > horizon:
+        return E.InvalidArgument("delay_ms", f"{delay_ms} exceeds delay_horizon_ms {horizon}")
+    return None
 
 
 def _extras(tags, properties, n: int) -> list[bytes] | None:
@@ -234,13 +321,16 @@ def _extras(tags, properties, n: int) -> list[bytes] | None:
 
 class _Job:
     """One ``send_many`` call, or a run of ``send`` calls gathered in one (``futures``):
-    its columns, how far the batcher has cut into it, and its answers as arrays."""
+    its columns, how far the batcher has cut into it, its answers as arrays, its deadline
+    and what was tried for it (for the error its messages get at the deadline)."""
 
     __slots__ = ("n", "ids", "subjects", "payloads", "extras", "deliver", "delay", "immediate", "future",
-                 "futures", "sealed", "taken", "crc", "pay_end", "seqs", "due", "dups", "done", "left", "errors")
+                 "futures", "sealed", "taken", "crc", "size_end", "seqs", "due", "dups", "done", "left", "errors",
+                 "refused", "deadline", "timer", "tried", "attempts", "why")
 
     def __init__(self, ids: list[str], subjects, payloads: list[bytes], extras: list[bytes] | None, deliver,
-                 delay, immediate: bool, future: asyncio.Future | None, futures: list | None = None) -> None:
+                 delay, immediate: bool, future: asyncio.Future | None, futures: list | None = None, *,
+                 deadline: float = float("inf")) -> None:
         self.ids = ids
         self.subjects = subjects  # one str for all, or a list
         self.payloads = payloads
@@ -253,9 +343,17 @@ class _Job:
         self.n = len(ids)
         self.sealed = False
         self.taken = 0
+        self.size_end: np.ndarray | None = None
+        self.refused = False  # some messages were refused before sending (``done`` before taken)
+        self.deadline = deadline  # loop time
+        self.timer: asyncio.TimerHandle | None = None
+        self.tried: dict[str, int] = {}  # address -> requests sent there carrying messages of this job
+        self.attempts = 0
+        self.why: BaseException | None = None  # the last reason a retry was needed
 
-    def seal(self) -> None:
-        """No more messages join; build the arrays the batcher cuts and answers fill."""
+    def seal(self, sizes: np.ndarray | None = None) -> None:
+        """No more messages join; build the arrays the batcher cuts and answers fill.
+        ``sizes``: each message's estimated wire bytes (worked out here when not given)."""
         n = self.n = len(self.ids)
         self.sealed = True
         self.deliver = np.asarray(self.deliver, np.int64)
@@ -263,7 +361,12 @@ class _Job:
             delay = np.asarray(self.delay, np.int64)
             self.delay = delay if delay.any() else None
         self.crc = None  # crc32 of each id, computed when there is more than one delay group
-        self.pay_end = np.cumsum(np.fromiter(map(len, self.payloads), np.int64, n))
+        if sizes is None:
+            sizes = np.fromiter(map(len, self.payloads), np.int64, n) + \
+                np.fromiter(map(len, self.ids), np.int64, n) + MESSAGE_OVERHEAD_BYTES
+            if self.extras is not None:
+                sizes += np.fromiter(map(len, self.extras), np.int64, n)
+        self.size_end = np.cumsum(sizes)
         self.seqs = np.zeros(n, np.uint64)
         self.due = np.zeros(n, np.int64)
         self.dups = np.zeros(n, bool)
@@ -274,9 +377,34 @@ class _Job:
     def subject_at(self, i: int) -> str:
         return self.subjects if isinstance(self.subjects, str) else self.subjects[i]
 
+    def note(self, address: str | None = None, why: BaseException | None = None) -> None:
+        """Remember a request sent for this job (to ``address``) or why one must be tried again."""
+        if address is not None:
+            self.tried[address] = self.tried.get(address, 0) + 1
+            self.attempts += 1
+        if why is not None:
+            self.why = why
+
+    def tried_text(self) -> str:
+        if not self.tried:
+            return "no request sent"
+        return f"{self.attempts} requests to " + ", ".join(f"{a} (x{k})" for a, k in self.tried.items())
+
 
 # a piece of a wire batch: messages ``idx`` (ascending) of a job, pinned to a delay group once routed
 _Piece = tuple[_Job, np.ndarray, "str | None"]
+
+
+def _unanswered(pieces: list[_Piece]) -> list[_Piece]:
+    """``pieces`` without the messages that already have their final answer (expired ones)."""
+    out = []
+    for job, idx, group in pieces:
+        d = job.done[idx]
+        if not d.any():
+            out.append((job, idx, group))
+        elif not d.all():
+            out.append((job, idx[~d], group))
+    return out
 
 
 def _pick(values: list, idx: np.ndarray) -> list:
@@ -312,23 +440,37 @@ def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None]:
     return batch, delay
 
 
+def _too_large_for_grpc(err: grpc.RpcError) -> bool:
+    """gRPC's own refusal to send a request over its message size limit: never worth a retry."""
+    return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or "")
+
+
 # ---------------------------------------------------------------------- producer
 
 
 class Producer:
     def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = 1000,
                  batch_bytes_max: int = 32 * 1024 * 1024, inflight_max: int = 8, queue_max: int = 100_000,
-                 timeout_s: float = 10.0, retries_max: int = 8, backoff_ms_min: int = 25,
-                 backoff_ms_max: int = 2000) -> None:
+                 timeout_s: float = 10.0, call_timeout_s: float = CALL_TIMEOUT_S, retries_max: int = 50,
+                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000, limits: Limits = DEFAULT_LIMITS) -> None:
+        if not 0 < batch_bytes_max <= BATCH_BYTES_MAX:
+            raise E.InvalidArgument("batch_bytes_max", f"{batch_bytes_max} is not in 1..{BATCH_BYTES_MAX} "
+                                    f"(the gRPC message limit {MESSAGE_BYTES_MAX} less {REQUEST_MARGIN_BYTES})")
+        if not 0 < batch_max <= limits.batch_messages_max:
+            raise E.InvalidArgument("batch_max", f"{batch_max} is not in 1..{limits.batch_messages_max}")
+        if not call_timeout_s > 0:
+            raise E.InvalidArgument("call_timeout_s", "must be positive")
         self.resolver = resolver
         self.linger_ms = linger_ms
         self.batch_max = batch_max
         self.batch_bytes_max = batch_bytes_max
         self.queue_max = queue_max
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s            # one request
+        self.call_timeout_s = call_timeout_s  # one call, retries included
         self.retries_max = retries_max
         self.backoff_ms_min = backoff_ms_min
         self.backoff_ms_max = backoff_ms_max
+        self.limits = limits
         self.channels = Channels()
         self._id_prefix = secrets.token_hex(ID_PREFIX_BYTES)
         self._id_next = 0
@@ -368,9 +510,14 @@ class Producer:
         ``delay_ms`` (from the node's receive time): None, one int for all or one per
         message, not both for one message. ``tags``/``properties``: see ``_extras``.
         ``immediate``: deliver now, through the subject's real-time node. Waits only
-        while ``queue_max`` messages are queued. Malformed arguments raise at once."""
+        while ``queue_max`` messages are queued. Malformed arguments raise at once; a
+        message over a limit (payload size, due time out of range) gets its error in
+        ``errors`` at once and is not sent, the others are. The future is resolved
+        within ``call_timeout_s``: what has no answer by then fails with ``Unavailable``."""
         if self._closed:
             raise E.Closed("producer closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.call_timeout_s
         payloads = list(payloads)
         n = len(payloads)
         if not set(map(type, payloads)) <= {bytes}:
@@ -381,48 +528,70 @@ class Producer:
                 raise E.InvalidArgument("subjects", f"{len(subjects)} subjects for {n} payloads")
         if ids is None:
             ids = self.new_ids(n)
+            id_lens = np.full(n, len(ids[-1]) if n else 0, np.int64)  # the last is the longest
         else:
             ids = list(ids)
             if len(ids) != n:
                 raise E.InvalidArgument("ids", f"{len(ids)} ids for {n} payloads")
             if not set(map(type, ids)) <= {str}:
                 raise E.InvalidArgument("ids", "every id must be a str")
-        deliver = _column(deliver_at_ms, n, "deliver_at_ms")
-        delay = None if delay_ms is None else _column(delay_ms, n, "delay_ms")
-        if (deliver < 0).any():
-            raise E.InvalidArgument("deliver_at_ms", "must not be negative")
-        if delay is not None:
-            if (delay < 0).any():
-                raise E.InvalidArgument("delay_ms", "must not be negative")
+            id_lens = np.fromiter(map(len, ids), np.int64, n)
+        deliver, unfit = _column(deliver_at_ms, n, "deliver_at_ms")
+        delay = None
+        if delay_ms is not None:
+            delay, unfit_delay = _column(delay_ms, n, "delay_ms")
+            unfit = unfit_delay if unfit is None else unfit if unfit_delay is None else unfit | unfit_delay
             if ((delay != 0) & (deliver != 0)).any():
                 raise E.InvalidArgument("deliver_at_ms", "give deliver_at_ms or delay_ms, not both")
         extras = _extras(tags, properties, n)
-        fut = asyncio.get_running_loop().create_future()
-        job = _Job(ids, subjects, payloads, extras, deliver, delay, immediate, fut)
-        await self._wait_room(n)
-        if not n:
-            job.seal()
-            self._complete(job)
+        pay_lens = np.fromiter(map(len, payloads), np.int64, n)
+        refused = _refusals(pay_lens, id_lens, deliver, delay, unfit, _now_ms(), self.limits)
+        sizes = pay_lens + id_lens + MESSAGE_OVERHEAD_BYTES
+        if extras is not None:
+            sizes += np.fromiter(map(len, extras), np.int64, n)
+        fut = loop.create_future()
+        job = _Job(ids, subjects, payloads, extras, deliver, delay, immediate, fut, deadline=deadline)
+        if refused:
+            sizes[list(refused)] = 0  # never sent: they take no room in a wire batch
+        job.seal(sizes)
+        if len(refused) == n:  # nothing to send (or an empty call)
+            job.errors.update(refused)
+            job.done[:] = True
+            job.left = 0
+            self._complete(job, counted=False)
             return fut
+        await self._wait_room(n - len(refused), deadline)
         self._enqueue(job, n)
+        if refused:
+            job.refused = True
+            job.errors.update(refused)
+            self._settle(job, np.fromiter(refused, np.int64, len(refused)))
         return fut
 
     async def send(self, subject: str, payload: bytes | str = b"", *, delay_ms: int = 0, deliver_at_ms: int = 0,
                    id: str = "", tags: Sequence[str] = (), properties: dict[str, str] | None = None,
                    immediate: bool = False) -> asyncio.Future:
-        """Queue one message; returns a future of its ``SendResult`` (or its error)."""
+        """Queue one message; returns a future of its ``SendResult`` (or its error), resolved
+        within ``call_timeout_s``. A message over a limit fails its future at once."""
         if self._closed:
             raise E.Closed("producer closed")
-        if delay_ms < 0 or deliver_at_ms < 0:
-            raise E.InvalidArgument("delay_ms" if delay_ms < 0 else "deliver_at_ms", "must not be negative")
         if delay_ms and deliver_at_ms:
             raise E.InvalidArgument("deliver_at_ms", "give deliver_at_ms or delay_ms, not both")
         if isinstance(payload, str):
             payload = payload.encode()
-        await self._wait_room(1)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        bad = _refusal(payload, id, deliver_at_ms, delay_ms, _now_ms(), self.limits)
+        if bad is not None:
+            fut.set_exception(bad)
+            return fut
+        now = loop.time()
+        await self._wait_room(1, now + self.call_timeout_s)
         job = self._open
-        if job is None or job.sealed or job.immediate != immediate or len(job.ids) >= self.batch_max:
-            job = self._open = _Job([], [], [], None, [], [], immediate, None, [])
+        if (job is None or job.sealed or job.immediate != immediate or len(job.ids) >= self.batch_max
+                or job.deadline < now + self.call_timeout_s - SEND_JOIN_S):
+            job = self._open = _Job([], [], [], None, [], [], immediate, None, [],
+                                    deadline=now + self.call_timeout_s)
             self._enqueue(job, 0)
         extra = encode_extra(tuple(tags), properties or {}) if tags or properties else b""
         if extra and job.extras is None:
@@ -434,7 +603,6 @@ class Producer:
         job.payloads.append(payload)
         job.deliver.append(deliver_at_ms)
         job.delay.append(delay_ms)
-        fut = asyncio.get_running_loop().create_future()
         job.futures.append(fut)
         self._count_in(1)
         return fut
@@ -444,24 +612,33 @@ class Producer:
                                id=msg.id, tags=msg.tags, properties=msg.properties, immediate=msg.immediate)
 
     async def send_and_wait(self, subject: str, payload: bytes | str = b"", **kw) -> SendResult:
+        """``send`` and its answer: returns or raises within ``call_timeout_s``."""
         return await (await self.send(subject, payload, **kw))
 
     async def flush(self) -> None:
-        """Wait until everything queued so far has its final answer."""
+        """Wait until everything queued so far has its final answer (each call's by its deadline)."""
         await self._idle.wait()
 
     # ------------------------------------------------------------------ queue
 
-    async def _wait_room(self, n: int) -> None:
-        while self._queued and self._queued + n > self.queue_max:
-            self._room.clear()
-            await self._room.wait()
-            if self._closed:
-                raise E.Closed("producer closed")
+    async def _wait_room(self, n: int, deadline: float) -> None:
+        """Wait while ``queue_max`` messages are queued; ``Unavailable`` at ``deadline``."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                while self._queued and self._queued + n > self.queue_max:
+                    self._room.clear()
+                    await self._room.wait()
+                    if self._closed:
+                        raise E.Closed("producer closed")
+        except TimeoutError:
+            raise E.Unavailable(f"the send queue stayed full ({self._queued} of queue_max={self.queue_max} "
+                                f"messages) for call_timeout_s={self.call_timeout_s} s") from None
 
     def _enqueue(self, job: _Job, n: int) -> None:
+        loop = asyncio.get_running_loop()
         if self._batcher is None:
-            self._batcher = asyncio.get_running_loop().create_task(self._batch_loop(), name="producer-batcher")
+            self._batcher = loop.create_task(self._batch_loop(), name="producer-batcher")
+        job.timer = loop.call_at(job.deadline, self._expire, job)
         self._queue.append(job)
         self._count_in(n)
 
@@ -474,28 +651,38 @@ class Producer:
 
     def _take(self) -> dict[bool, list[_Piece]]:
         """Cut the next wire batch (at most ``batch_max`` messages and ``batch_bytes_max``
-        payload bytes, at least one message) off the queue, split delayed / immediate."""
+        estimated bytes, at least one message) off the queue, split delayed / immediate.
+        Messages refused before sending, and jobs already answered (expired), are passed over."""
         out: dict[bool, list[_Piece]] = {}
-        count = size = 0
+        count = size = cut = 0
         while self._queue and count < self.batch_max:
             job = self._queue[0]
             if not job.sealed:
                 job.seal()
             lo = job.taken
-            base = int(job.pay_end[lo - 1]) if lo else 0
+            if job.left == 0:  # every message has its answer: nothing of it goes out
+                cut += job.n - lo
+                job.taken = job.n
+                self._queue.popleft()
+                continue
+            base = int(job.size_end[lo - 1]) if lo else 0
             hi = min(job.n, lo + self.batch_max - count,
-                     int(np.searchsorted(job.pay_end, base + self.batch_bytes_max - size, side="right")))
+                     int(np.searchsorted(job.size_end, base + self.batch_bytes_max - size, side="right")))
             if hi <= lo:
                 if count:
                     break
-                hi = lo + 1  # one message larger than the byte budget still goes, alone
-            out.setdefault(job.immediate, []).append((job, np.arange(lo, hi), None))
+                hi = lo + 1  # one message over a small byte budget still goes, alone (it is under the limits)
+            idx = np.arange(lo, hi)
+            if job.refused:
+                idx = idx[~job.done[idx]]
+            if len(idx):
+                out.setdefault(job.immediate, []).append((job, idx, None))
             count += hi - lo
-            size += int(job.pay_end[hi - 1]) - base
+            size += int(job.size_end[hi - 1]) - base
             job.taken = hi
             if hi == job.n:
                 self._queue.popleft()
-        self._queued -= count
+        self._queued -= count + cut
         self._room.set()
         return out
 
@@ -537,7 +724,23 @@ class Producer:
                 job.errors[i] = err
             self._settle(job, idx)
 
-    def _complete(self, job: _Job) -> None:
+    def _deadline_error(self, job: _Job) -> E.Unavailable:
+        why = f"; last error: {job.why}" if job.why is not None else ""
+        return E.Unavailable(f"no answer within call_timeout_s={self.call_timeout_s} s: {job.tried_text()}{why}")
+
+    def _expire(self, job: _Job) -> None:
+        """``job``'s deadline: whatever has no answer yet fails with ``Unavailable`` (queued,
+        waiting for a request slot, or in flight; a late answer is then ignored)."""
+        job.timer = None
+        if not job.sealed:
+            job.seal()
+        if job.left:
+            self._fail([(job, np.flatnonzero(~job.done), None)], self._deadline_error(job))
+
+    def _complete(self, job: _Job, counted: bool = True) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
         if job.futures is not None:
             seqs, due, dups = job.seqs.tolist(), job.due.tolist(), job.dups.tolist()
             for i, f in enumerate(job.futures):
@@ -550,12 +753,14 @@ class Producer:
                     f.set_result(SendResult(job.ids[i], seqs[i], due[i], dups[i]))
         elif not job.future.done():
             job.future.set_result(BatchSendResult(job.ids, job.seqs, job.due, job.dups, job.errors))
-        self._unanswered -= job.n
-        if not self._unanswered:
-            self._idle.set()
+        if counted:
+            self._unanswered -= job.n
+            if not self._unanswered:
+                self._idle.set()
 
     def _answer(self, pieces: list[_Piece], res: BatchResult) -> tuple[list[_Piece], E.HourglassError | None]:
-        """Write one SendBatch answer into the jobs; returns the pieces to retry and why."""
+        """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
+        Messages that expired while the request was out keep their deadline error."""
         retry = np.isin(res.codes, _RETRYABLE)
         again: list[_Piece] = []
         why: E.HourglassError | None = None
@@ -565,8 +770,9 @@ class Producer:
         pos = 0
         for job, idx, group in pieces:
             sl = slice(pos, pos + len(idx))
-            r = retry[sl]
-            fin = ~r
+            live = ~job.done[idx]
+            r = retry[sl] & live
+            fin = ~retry[sl] & live
             fidx = idx[fin]
             codes = res.codes[sl][fin]
             job.seqs[fidx] = res.seqs[sl][fin]
@@ -580,24 +786,40 @@ class Producer:
             if r.any():
                 again.append((job, idx[r], group))
             pos += len(idx)
-            self._settle(job, fidx)
+            if len(fidx):
+                self._settle(job, fidx)
         return again, why
 
     # ------------------------------------------------------------------ the wire
 
     async def _send_part(self, immediate: bool, pieces: list[_Piece]) -> None:
-        """Send pieces until every message has a final answer or retries run out."""
+        """Send pieces until every message has a final answer, retries run out or the
+        deadline of the latest job among them passes (each job's own timer fails its
+        messages at its own deadline)."""
+        jobs = {id(j): j for j, _, _ in pieces}.values()
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
-                                               wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                               retry=retry_if_exception_type(E.Unavailable), reraise=True):
-                with attempt:
-                    pieces, why = await self._attempt(immediate, pieces)
-                    if pieces:
-                        await self.resolver.refresh()
-                        raise why if isinstance(why, E.Unavailable) else E.Unavailable(str(why))
+            async with asyncio.timeout_at(max(j.deadline for j in jobs)):
+                async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
+                                                   wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
+                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                    with attempt:
+                        pieces = _unanswered(pieces)
+                        if not pieces:
+                            return
+                        pieces, why = await self._attempt(immediate, pieces)
+                        if pieces:
+                            why = why if isinstance(why, E.Unavailable) else E.Unavailable(str(why))
+                            for job in {id(j): j for j, _, _ in pieces}.values():
+                                job.note(why=why)
+                            await self.resolver.refresh()
+                            raise why
+        except TimeoutError:
+            for job in jobs:
+                self._fail([p for p in pieces if p[0] is job], self._deadline_error(job))
         except E.Unavailable as err:
-            self._fail(pieces, E.Unavailable(f"gave up after {self.retries_max} retries: {err}"))
+            for job in jobs:
+                self._fail([p for p in pieces if p[0] is job],
+                           E.Unavailable(f"gave up after {self.retries_max} retries ({job.tried_text()}): {err}"))
         except asyncio.CancelledError:
             self._fail(pieces, E.Closed("producer closed before the message was acknowledged"))
             raise
@@ -620,12 +842,16 @@ class Producer:
             why = why or err
         return left, why
 
+    async def _delay_groups(self) -> list[tuple[str, str]]:
+        groups = await self.resolver.delay_groups()
+        if not groups:
+            raise E.Unavailable(f"no delay group registered ({_describe(self.resolver)})")
+        return groups
+
     async def _route_delayed(self, pieces: list[_Piece]):
         """Pin unpinned pieces to their delay group (numpy over the crc32 of the ids) and
         map groups to their masters now; a group without a master keeps its pieces back."""
-        groups = await self.resolver.delay_groups()
-        if not groups:
-            raise E.Unavailable("no delay group known")
+        groups = await self._delay_groups()
         names = [g for g, _ in groups]
         masters = dict(groups)
         routes: dict[str, list[_Piece]] = {}
@@ -672,12 +898,17 @@ class Producer:
             self._fail(pieces, err)
             return [], None
         req = make_request(batch, delay_ms=delay, immediate=immediate)
+        for job in {id(j): j for j, _, _ in pieces}.values():
+            job.note(address)
         try:
             resp = await self.channels.producer(address).SendBatch(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
+            if _too_large_for_grpc(e):  # the estimate is meant to prevent this; a retry cannot help
+                self._fail(pieces, E.InvalidArgument("request", f"{batch.n} messages to {address}: {e.details()}"))
+                return [], None
             err = status.from_rpc_error(e)
             if isinstance(err, E.Unavailable):
-                return pieces, err
+                return pieces, E.Unavailable(f"{address}: {err}")
             self._fail(pieces, err)
             return [], None
         try:
@@ -692,7 +923,7 @@ class Producer:
     async def _groups_for_id(self, msg_id: str) -> list[str]:
         """Masters to ask about an id: its own group's first, then every other group's (an id
         sent before the set of groups changed may live elsewhere)."""
-        groups = await self.resolver.delay_groups()
+        groups = await self._delay_groups()
         mine = group_for(msg_id, groups)
         ordered = [m for g, m in groups if g == mine] + [m for g, m in groups if g != mine]
         if not ordered[0]:
@@ -700,23 +931,39 @@ class Producer:
         return [m for m in ordered if m]
 
     async def _ask_groups(self, msg_id: str, method: str, request):
-        """The first OK answer; an error other than NotFound from any group wins over NotFound."""
+        """The first OK answer; an error other than NotFound from any group wins over NotFound.
+        Unavailable is retried through discovery (``resolver.refresh()``) with backoff until
+        ``retries_max`` retries or ``call_timeout_s``, then raised saying what was tried."""
+        tried: dict[str, int] = {}
+        attempts = 0
+        last: BaseException | None = None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
-                                               wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                               retry=retry_if_exception_type(E.Unavailable), reraise=True):
-                with attempt:
-                    try:
-                        return await self._ask_once(msg_id, method, request)
-                    except E.Unavailable:
-                        await self.resolver.refresh()
-                        raise
-        except E.Unavailable as err:
-            raise E.Unavailable(f"gave up: {err}") from None
+            async with asyncio.timeout(self.call_timeout_s):
+                async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
+                                                   wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
+                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                    with attempt:
+                        attempts += 1
+                        try:
+                            return await self._ask_once(msg_id, method, request, tried)
+                        except E.Unavailable as err:
+                            last = err
+                            await self.resolver.refresh()
+                            raise
+        except TimeoutError:
+            stopped = f"call_timeout_s={self.call_timeout_s} s"
+        except E.Unavailable:
+            stopped = f"{self.retries_max} retries"
+        asked = ", ".join(f"{a} (x{k})" for a, k in tried.items()) or "no node"
+        raise E.Unavailable(f"{last or 'no answer'}; {method} of id {msg_id!r} gave up after {stopped} "
+                            f"({attempts} attempts in {loop.time() - start:.1f} s, asked {asked})")
 
-    async def _ask_once(self, msg_id: str, method: str, request):
+    async def _ask_once(self, msg_id: str, method: str, request, tried: dict[str, int]):
         not_found: BaseException | None = None
         for address in await self._groups_for_id(msg_id):
+            tried[address] = tried.get(address, 0) + 1
             resp = await self._call_node(address, method, request)
             if resp.code == pb.OK:
                 return resp
@@ -728,11 +975,13 @@ class Producer:
 
     async def cancel(self, msg_id: str) -> CancelResult:
         """Cancel a scheduled message. NotFound for an unknown id, TooLate once dispatched.
-        Asked of the id's group (and, for ids sent before the groups changed, the others)."""
+        Asked of the id's group (and, for ids sent before the groups changed, the others).
+        Returns or raises within ``call_timeout_s``."""
         resp = await self._ask_groups(msg_id, "Cancel", pb.CancelRequest(id=msg_id))
         return CancelResult(id=msg_id, seq=resp.seq)
 
     async def lookup(self, msg_id: str) -> LookupResult:
+        """Where a message is (``pending`` ...); like ``cancel``, within ``call_timeout_s``."""
         resp = await self._ask_groups(msg_id, "Lookup", pb.LookupRequest(id=msg_id))
         return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
                             subject=resp.subject)
@@ -741,7 +990,10 @@ class Producer:
         try:
             return await getattr(self.channels.producer(address), method)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise status.from_rpc_error(e) from None
+            err = status.from_rpc_error(e)
+            if isinstance(err, E.Unavailable) and not isinstance(err, E.NotLeader):
+                raise E.Unavailable(f"{address}: {err}") from None
+            raise err from None
 
     # ------------------------------------------------------------------ shutdown
 
@@ -896,12 +1148,14 @@ class ReceivedBatch:
         if defer:
             self._consumer._deferred.setdefault(self.node, []).extend(acks)
             return len(self.handles)
-        return await self._consumer._ack_handles(self.node, acks)
+        async with self._consumer._deadline("ack", [self.node]):
+            return await self._consumer._ack_handles(self.node, acks)
 
     async def nack(self, retry_after_ms: int = 1000) -> tuple[int, int]:
         """Retry every message after ``retry_after_ms``; returns (retried, dead-lettered)."""
-        return await self._consumer._nack_handles(self.node, _subject_handles(self.batch, self.handles),
-                                                  retry_after_ms)
+        async with self._consumer._deadline("nack", [self.node]):
+            return await self._consumer._nack_handles(self.node, _subject_handles(self.batch, self.handles),
+                                                      retry_after_ms)
 
 
 def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandles]:
@@ -925,7 +1179,9 @@ def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandle
 class Consumer:
     def __init__(self, resolver, subjects: str | Sequence[str], *, group: str, consumer_id: str | None = None,
                  tags: Sequence[str] = (), batch_max: int = 500, wait_ms: int = 1000, timeout_s: float = 10.0,
-                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000) -> None:
+                 call_timeout_s: float = CALL_TIMEOUT_S, backoff_ms_min: int = 25, backoff_ms_max: int = 2000) -> None:
+        if not call_timeout_s > 0:
+            raise E.InvalidArgument("call_timeout_s", "must be positive")
         self.resolver = resolver
         self.subjects = (subjects,) if isinstance(subjects, str) else tuple(subjects)
         if not self.subjects:
@@ -936,7 +1192,8 @@ class Consumer:
         self.tags = tuple(tags)
         self.batch_max = batch_max
         self.wait_ms = wait_ms
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s            # one request (a pull: plus its wait_ms)
+        self.call_timeout_s = call_timeout_s  # one call of pull / pull_batch (plus its wait_ms), ack, nack
         self.channels = Channels()
         self._wait = _backoff(backoff_ms_min, backoff_ms_max)
         self._pulls: dict[str, asyncio.Task] = {}   # node -> its pull in flight
@@ -1062,7 +1319,14 @@ class Consumer:
         """One long-poll round over every node serving our subjects: the batches that
         arrived (one per node that answered; empty when nothing came within ``wait_ms``).
         A node's error is raised when no node brought messages."""
-        out, err = await self._round(max_messages, wait_ms)
+        wait_s = (self.wait_ms if wait_ms is None else wait_ms) / 1000
+        try:
+            async with asyncio.timeout(self.call_timeout_s + wait_s):
+                out, err = await self._round(max_messages, wait_ms)
+        except TimeoutError:  # the pulls stay in flight for the next call
+            raise E.Unavailable(f"pull of {','.join(self.subjects)}: no answer within call_timeout_s="
+                                f"{self.call_timeout_s} s + wait_ms from {','.join(self._pulls) or 'no node'} "
+                                f"({_describe(self.resolver)})") from None
         if err is not None and not out:
             raise err
         return out
@@ -1159,15 +1423,29 @@ class Consumer:
         return resp.retried, resp.dead_lettered
 
     async def ack(self, msgs: Sequence[Received]) -> int:
-        """Ack messages (any nodes and subjects; one request per node). Returns how many the nodes acked."""
+        """Ack messages (any nodes and subjects; one request per node). Returns how many the nodes
+        acked; ``Unavailable`` after ``call_timeout_s``."""
         acked = 0
-        for node, acks in self._by_node(msgs).items():
-            acked += await self._ack_handles(node, acks)
+        by_node = self._by_node(msgs)
+        async with self._deadline("ack", by_node):
+            for node, acks in by_node.items():
+                acked += await self._ack_handles(node, acks)
         return acked
 
     async def nack(self, msgs: Sequence[Received], *, retry_after_ms: int = 1000) -> None:
-        for node, nacks in self._by_node(msgs).items():
-            await self._nack_handles(node, nacks, retry_after_ms)
+        by_node = self._by_node(msgs)
+        async with self._deadline("nack", by_node):
+            for node, nacks in by_node.items():
+                await self._nack_handles(node, nacks, retry_after_ms)
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, what: str, nodes):
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                yield
+        except TimeoutError:
+            raise E.Unavailable(f"{what}: no answer within call_timeout_s={self.call_timeout_s} s "
+                                f"from {','.join(nodes)}") from None
 
     async def close(self) -> None:
         """Stop: cancel the pulls in flight (no long poll is waited out), close channels."""

@@ -189,6 +189,10 @@ class MetaResolver:
     def invalidate(self, subject: str) -> None:
         self._stale_since = time.monotonic()
 
+    def describe(self) -> str:
+        """Where this resolver looks (for errors that say what was tried)."""
+        return f"meta servers {','.join(self.meta.servers)}"
+
     async def load(self) -> dict:
         """Fetch every group of both roles (for status pages); fills ``delay``/``realtime``."""
         out = {}

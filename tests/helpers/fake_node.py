@@ -11,7 +11,10 @@ Producer side:
 * ``script[id]``: codes to answer for that id, one per request that carries it (then
   OK), e.g. ``[OVERLOADED]`` refuses it once, retryably; ``fail_rpc``: gRPC status
   codes to fail whole calls with, one per call;
-* ``sink=True`` (benchmarks): answer OK with fresh seqs, store nothing.
+* ``sink=True`` (benchmarks): answer OK with fresh seqs, store nothing;
+* ``Lookup``/``Cancel`` answer from ``stored`` (``pending`` / ``cancelled``, NOT_FOUND for
+  an unknown id); ``stall``: every call (``Pull`` too) waits (up to ``RUN_S_MAX``) and
+  never answers, as a node that accepted the connection but hangs.
 
 Consumer side:
 
@@ -60,6 +63,7 @@ class SendRecord:
     subjects: list[str]
     delay_given: bool
     immediate: bool
+    request_bytes: int = 0  # the serialized SendBatchRequest
 
 
 @dataclass
@@ -76,6 +80,8 @@ class FakeNode:
     acks_on_pull: int = 0  # pulls that carried acks
     nacked: list[tuple[str, list[int], int]] = field(default_factory=list)
     pulls_cancelled: int = 0
+    stall: bool = False
+    cancelled: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.address = ""
@@ -138,7 +144,7 @@ class FakeNode:
             res.deliver_at_ms[:] = b.deliver_at_ms
             return res.to_pb()
         ids = b.id_list()
-        self.requests.append(SendRecord(ids, b.subject_list(), bool(req.delay_ms), req.immediate))
+        self.requests.append(SendRecord(ids, b.subject_list(), bool(req.delay_ms), req.immediate, req.ByteSize()))
         codes, reasons = b.validate(now_ms=now_ms())
         due = b.deliver_at_ms.tolist()
         for i, mid in enumerate(ids):
@@ -206,9 +212,29 @@ class _Producer(rpc.ProducerServicer):
         self.node = node
 
     async def SendBatch(self, request, context):
+        await self._maybe_stall()
         if self.node.fail_rpc:
             await context.abort(self.node.fail_rpc.pop(0), "scripted failure")
         return self.node.send_batch(request)
+
+    async def Lookup(self, request, context):
+        await self._maybe_stall()
+        if request.id not in self.node.stored:
+            return pb.LookupResponse(code=pb.NOT_FOUND, error=f"no message {request.id!r}")
+        seq, due = self.node.stored[request.id]
+        return pb.LookupResponse(code=pb.OK, status="cancelled" if request.id in self.node.cancelled else "pending",
+                                 seq=seq, deliver_at_ms=due)
+
+    async def Cancel(self, request, context):
+        await self._maybe_stall()
+        if request.id not in self.node.stored:
+            return pb.CancelResponse(code=pb.NOT_FOUND, error=f"no message {request.id!r}")
+        self.node.cancelled.add(request.id)
+        return pb.CancelResponse(code=pb.OK, seq=self.node.stored[request.id][0])
+
+    async def _maybe_stall(self) -> None:
+        if self.node.stall:
+            await asyncio.sleep(RUN_S_MAX)
 
 
 class _Consumer(rpc.ConsumerServicer):
@@ -216,6 +242,8 @@ class _Consumer(rpc.ConsumerServicer):
         self.node = node
 
     async def Pull(self, request, context):
+        if self.node.stall:
+            await asyncio.sleep(RUN_S_MAX)
         if request.acks:  # acks riding on a pull are recorded like an Ack's
             self._record_acks(request.acks)
             self.node.acks_on_pull += 1
