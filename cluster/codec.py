@@ -85,9 +85,24 @@ _U64 = struct.Struct("<Q")
 _EMPTY_U32 = np.zeros(0, np.uint32)
 
 
+DAY_MS = 24 * 3600 * 1000
+# How far ahead a message may be due, the one default (docs/api.md, "Limits"): 732 days,
+# so that "two years ahead" holds from any day (two calendar years are at most 731 days)
+# with a day to spare. A node takes another value from ``HOURGLASS_DELAY_HORIZON_MS``.
+DELAY_HORIZON_MS_DEFAULT = 732 * DAY_MS
+
+
+def span_ms(ms: int) -> str:
+    """``63244800000 ms (732 days)``: a span in ms, in days as well once it is that long."""
+    if abs(ms) < DAY_MS:
+        return f"{ms} ms"
+    return f"{ms} ms ({ms // DAY_MS} days)" if ms % DAY_MS == 0 else f"{ms} ms ({ms / DAY_MS:.3f} days)"
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Every producer-visible limit, with a name. Defaults are the documented ones."""
+    """Every producer-visible limit, with a name. Defaults are the documented ones
+    (``node.config.NodeSettings`` takes its defaults from here)."""
 
     subject_bytes_max: int = 200
     id_bytes_max: int = 128
@@ -97,7 +112,7 @@ class Limits:
     properties_max: int = 32
     property_key_bytes_max: int = 128
     property_value_bytes_max: int = 4096
-    delay_horizon_ms: int = 2 * 366 * 24 * 3600 * 1000  # two years
+    delay_horizon_ms: int = DELAY_HORIZON_MS_DEFAULT  # deliver_at_ms - now_ms <= this
     batch_messages_max: int = 10_000
     batch_bytes_max: int = 64 * 1024 * 1024
 
@@ -354,13 +369,18 @@ class Batch:
         subjects = []
         end_table = pos + sub_len
         try:
-            for _ in range(nsub):
+            for k in range(nsub):
                 (ln,) = _U16.unpack_from(body, pos)
                 if pos + 2 + ln > end_table:
                     raise ValueError("subject table overruns")
-                subjects.append(body[pos + 2:pos + 2 + ln].decode())
+                raw = body[pos + 2:pos + 2 + ln]
+                try:
+                    subjects.append(raw.decode())
+                except UnicodeDecodeError as e:
+                    raise InvalidArgument("subject", f"subject {k} of the batch is not UTF-8 ({e.reason} at byte "
+                                                     f"{e.start}: {raw[:64]!r})") from None
                 pos += 2 + ln
-        except (struct.error, UnicodeDecodeError, ValueError) as e:
+        except (struct.error, ValueError) as e:
             raise InvalidArgument("batch", f"bad subject table: {e}") from None
         if pos != end_table:
             raise InvalidArgument("batch", "subject table size does not match")
@@ -570,8 +590,10 @@ class Batch:
                lambda i: f"payload: {int(pay_lens[i])} bytes exceeds {limits.payload_bytes_max}")
         d = self.deliver_at_ms
         refuse(d < 0, INVALID_ARGUMENT, "deliver_at_ms: must not be negative")
-        refuse(d - now_ms > limits.delay_horizon_ms, INVALID_ARGUMENT,
-               f"deliver_at_ms: more than {limits.delay_horizon_ms} ms in the future (delay horizon)")
+        ahead = d - now_ms
+        refuse(ahead > limits.delay_horizon_ms, INVALID_ARGUMENT,
+               lambda i: f"deliver_at_ms: {span_ms(int(ahead[i]))} ahead is beyond the delay horizon, "
+                         f"delay_horizon_ms = {span_ms(limits.delay_horizon_ms)}")
         refuse(self.kind != KIND_MESSAGE, INVALID_ARGUMENT, "kind: producers send messages only")
         if self.extras:
             ext_ends = self.extra_end.astype(np.int64)

@@ -27,6 +27,12 @@ class InvalidArgument(HourglassError):
     """A request or record is malformed; nothing was changed."""
 
     def __init__(self, field: str, reason: str) -> None:
+        # a reason that already names the field (a server's "payload: ..." rebuilt by a
+        # client, an error's text wrapped again) says it once: "invalid payload: 5 bytes ..."
+        for said in (f"invalid {field}: ", f"{field}: "):
+            if reason.startswith(said):
+                reason = reason[len(said):]
+                break
         super().__init__(f"invalid {field}: {reason}")
         self.field = field
         self.reason = reason

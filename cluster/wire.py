@@ -1,14 +1,18 @@
 """Wire protocol v2 helpers shared by servers and the SDK: a ``SendBatch`` request's batch
-in and out, its columnar answer, and handle ranges for acks (``docs/api.md``).
+in and out, its columnar answer, handle ranges for acks (``docs/api.md``), and the
+server's guard against requests protobuf cannot parse (``UndecodableRequests``).
 
 Nothing here is per message in Python: arrays go in and out as packed bytes.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from cluster.codec import Batch, pack_i64, pack_u64, unpack_i64
 from cluster.errors import InvalidArgument
@@ -115,3 +119,77 @@ def expand_ranges(ranges: np.ndarray, count_max: int = 1 << 20) -> np.ndarray:
         raise InvalidArgument("ranges", f"{total} handles exceeds {count_max}")
     starts = np.repeat(ranges[:, 0].astype(np.int64) - np.concatenate(([0], np.cumsum(lens)[:-1])), lens)
     return (np.arange(total, dtype=np.int64) + starts).astype(np.uint64)
+
+
+# ---------------------------------------------------------------------- requests protobuf refuses
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    method: str
+    reason: str
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):
+    """A request protobuf cannot parse (a ``string`` field such as a Pull's subject or a
+    Cancel's id that is not UTF-8, truncated bytes) is the caller's mistake: answer
+    ``INVALID_ARGUMENT`` saying which request and why. Without this, grpc answers
+    ``UNKNOWN: Unexpected DecodeError`` and logs a traceback for every such call.
+
+    Unary requests only (every producer, consumer and admin call); the streamed
+    ``Replicate`` requests come from nodes of the same build."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = _guarded(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+async def _refuse(bad: _Undecodable, context) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        str(InvalidArgument("request", f"{bad.method}: cannot parse the request: {bad.reason}")))
+
+
+def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    def deserialize(raw: bytes):
+        try:
+            return parse(raw)
+        except DecodeError as e:
+            return _Undecodable(method, str(e))
+
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse(request, context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=deserialize,
+                                                   response_serializer=handler.response_serializer)
+    inner_stream = handler.unary_stream
+    if inspect.isasyncgenfunction(inner_stream):
+        async def unary_stream(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse(request, context)
+            async for response in inner_stream(request, context):
+                yield response
+    else:  # a coroutine that writes with context.write (grpc health's Watch)
+        async def unary_stream(request, context):
+            if isinstance(request, _Undecodable):
+                await _refuse(request, context)
+            return await inner_stream(request, context)
+    return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=deserialize,
+                                                response_serializer=handler.response_serializer)

@@ -14,6 +14,7 @@ import grpc
 
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.transport import CHANNEL_OPTIONS
+from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
 from metaserver.service import MetaService
@@ -24,7 +25,8 @@ log = logging.getLogger("hourglass.meta")
 async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> None:
     etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000)
     service = MetaService(settings, etcd)
-    server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)],
+                             interceptors=[UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT
     mrpc.add_MetaServicer_to_server(service, server)
     # grpc.health.v1 for Kubernetes probes: "" (liveness) SERVING while the process runs;
     # "hourglass.meta.v1.Meta" (readiness) follows the etcd health check

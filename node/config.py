@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from node.delay.store import StoreSettings
 from node.realtime.store import RealtimeSettings
-from node.store.records import Limits
+from node.store.records import DEFAULT_LIMITS, Limits
 
 
 class NodeSettings(BaseSettings):
@@ -49,13 +49,14 @@ class NodeSettings(BaseSettings):
     campaign_step_ms: int = Field(default=200, ge=0)
     leader_poll_ms: int = Field(default=100, ge=10)
 
-    # limits a producer can hit
-    payload_bytes_max: int = 4 * 1024 * 1024
-    subject_bytes_max: int = 200
-    id_bytes_max: int = 128
-    delay_horizon_ms: int = 2 * 366 * 24 * 3600 * 1000
-    batch_messages_max: int = 10_000
-    request_bytes_max: int = 64 * 1024 * 1024
+    # limits a producer can hit; the defaults are cluster.codec.Limits' (docs/api.md, "Limits")
+    payload_bytes_max: int = Field(default=DEFAULT_LIMITS.payload_bytes_max, ge=1)
+    subject_bytes_max: int = Field(default=DEFAULT_LIMITS.subject_bytes_max, ge=1)
+    id_bytes_max: int = Field(default=DEFAULT_LIMITS.id_bytes_max, ge=1)
+    delay_horizon_ms: int = Field(default=DEFAULT_LIMITS.delay_horizon_ms, ge=1,
+                                  description="a message may be due at most this far ahead (default 732 days)")
+    batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
+    request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
 
     # delay node
     tick_ms: int = 10
@@ -88,7 +89,8 @@ class NodeSettings(BaseSettings):
 
     def limits(self) -> Limits:
         return Limits(subject_bytes_max=self.subject_bytes_max, id_bytes_max=self.id_bytes_max,
-                      payload_bytes_max=self.payload_bytes_max, delay_horizon_ms=self.delay_horizon_ms)
+                      payload_bytes_max=self.payload_bytes_max, delay_horizon_ms=self.delay_horizon_ms,
+                      batch_messages_max=self.batch_messages_max)
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(tick_ms=self.tick_ms, window_ms=self.window_ms, bucket_ms=self.bucket_ms,

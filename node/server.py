@@ -10,6 +10,7 @@ import signal
 import grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
 log = logging.getLogger("hourglass.node")
@@ -20,7 +21,7 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
         ("grpc.max_send_message_length", settings.request_bytes_max),
         ("grpc.max_receive_message_length", settings.request_bytes_max),
         ("grpc.so_reuseport", 0),
-    ])
+    ], interceptors=[UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT, not UNKNOWN
     if producer is not None:
         rpc.add_ProducerServicer_to_server(producer, server)
     if consumer is not None:

@@ -14,5 +14,6 @@ SEED=${1:-${HOURGLASS_CHAOS_SEED:-$RANDOM}}
 DURATION=${2:-${HOURGLASS_CHAOS_DURATION_S:-1200}}
 OUT=${HOURGLASS_CHAOS_OUT:-/tmp/hourglass-chaos-$SEED-$(date +%s)}
 echo "chaos: seed=$SEED duration=${DURATION}s out=$OUT"
-exec "${PYTHON:-python3}" -m tests.chaos.harness --seed "$SEED" --duration "$DURATION" --out "$OUT" \
+. scripts/python.sh
+exec "$PYTHON" -m tests.chaos.harness --seed "$SEED" --duration "$DURATION" --out "$OUT" \
   ${HOURGLASS_CHAOS_KINDS:+--kinds "$HOURGLASS_CHAOS_KINDS"} ${HOURGLASS_CHAOS_RATE:+--rate "$HOURGLASS_CHAOS_RATE"}

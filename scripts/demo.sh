@@ -3,5 +3,6 @@
 # shows them delivered with their lateness, and stops the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/python.sh  # PYTHON: python3, or .venv/bin/python where python3 is externally managed
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m cluster.cli demo "$@"
+exec "$PYTHON" -m cluster.cli demo "$@"

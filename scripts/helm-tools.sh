@@ -17,7 +17,8 @@ KEY=helm-$HELM_VERSION-kube1.$HELM_KUBE_MINOR
 KV_VERSION=${KUBERNETES_VALIDATE_VERSION:-1.37.0}
 BIN=$PWD/.cache/tools/bin
 SHARED=${HOURGLASS_TOOLS_CACHE:-$HOME/.cache/hourglass-tools}
-PY=${PYTHON:-python3}
+. scripts/python.sh  # python3, or .venv/bin/python where python3 is externally managed
+PY=$PYTHON
 mkdir -p "$BIN" "$SHARED"
 helm_ok() { [ -x "$1" ] && [ "$(cat "$1.key" 2>/dev/null)" = "$KEY" ] \
   && "$1" version --template '{{.Version}}' 2>/dev/null | grep -qx "$HELM_VERSION"; }

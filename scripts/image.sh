@@ -25,7 +25,8 @@ IMAGE=${HOURGLASS_IMAGE:-hourglass:dev}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CACHE=.cache/image
 BASE_TAR=$CACHE/bookworm-base-$KEY.tar.gz
-PY=${PYTHON:-python3}
+. scripts/python.sh  # python3, or .venv/bin/python where python3 is externally managed
+PY=$PYTHON
 log() { echo "image.sh: $*" >&2; }
 
 if ! reason=$(bash scripts/dockerd.sh start 2>&1); then

@@ -2,8 +2,9 @@
 # Sets everything up and runs the test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/python.sh  # PYTHON: python3, or .venv/bin/python where python3 is externally managed
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+PY=$PYTHON
 set +e
 $PY -m pytest -q "$@"
 rc=$?

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.codec import (COLUMN_BYTES, HEADER_SIZE, INVALID_ARGUMENT, KIND_CANCEL, OK, PAYLOAD_TOO_LARGE, Batch,
-                           DispatchBatch, Limits, decode_extra, encode_extra)
+from cluster.codec import (COLUMN_BYTES, DAY_MS, DELAY_HORIZON_MS_DEFAULT, HEADER_SIZE, INVALID_ARGUMENT, KIND_CANCEL,
+                           OK, PAYLOAD_TOO_LARGE, Batch, DispatchBatch, Limits, decode_extra, encode_extra, span_ms)
 from cluster.errors import InvalidArgument
 
 ids_st = st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=20)
@@ -79,6 +79,27 @@ def test_decode_refuses_every_malformed_structure():
     for raw in bad:
         with pytest.raises(InvalidArgument):
             Batch.decode(raw)
+
+
+def test_subject_not_utf8_is_invalid_argument_naming_it():
+    raw = Batch.build(["fine", "abcd"], [b"x", b"y"], ["a", "b"], [0, 0]).encode()
+    bad = raw.replace(b"abcd", b"ab\xff\xfe")
+    with pytest.raises(InvalidArgument) as info:
+        Batch.decode(bad)
+    assert info.value.field == "subject"
+    assert str(info.value).startswith("invalid subject: subject 1 of the batch is not UTF-8 (invalid start byte "
+                                      "at byte 2: b'ab\\xff\\xfe')")
+
+
+def test_horizon_applies_to_the_millisecond_and_names_the_setting():
+    assert Limits().delay_horizon_ms == DELAY_HORIZON_MS_DEFAULT == 732 * DAY_MS
+    h = DELAY_HORIZON_MS_DEFAULT
+    b = Batch.build("s", [b"x"] * 3, ["a", "b", "c"], [1000 + h - 1, 1000 + h, 1000 + h + 1])
+    codes, reasons = b.validate(now_ms=1000)
+    assert codes.tolist() == [OK, OK, INVALID_ARGUMENT]
+    assert reasons[2] == ("deliver_at_ms: 63244800001 ms (732.000 days) ahead is beyond the delay horizon, "
+                          "delay_horizon_ms = 63244800000 ms (732 days)")
+    assert span_ms(999) == "999 ms" and span_ms(2 * DAY_MS) == f"{2 * DAY_MS} ms (2 days)"
 
 
 def test_validate_refuses_per_message_and_keeps_the_rest():

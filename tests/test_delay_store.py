@@ -174,6 +174,29 @@ def test_idempotent_ids(tmp_path):
     assert h.delivered == ["m1"]
 
 
+def test_resending_a_cancelled_id_says_it_was_cancelled(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 60_000), msg(2, T0 + 60_000)])
+    h.store.cancel("m1", now_ms=h.now)
+    (same,) = h.send([msg(1, T0 + 60_000)])  # unfiled tombstone
+    assert isinstance(same, AlreadyExists)
+    assert str(same) == "id 'm1' was cancelled; a cancelled id cannot be reused"
+    h.store.iterate(limit=None)
+    (other,) = h.send([msg(1, T0 + 90_000, payload=b"y")])  # filed tombstone, other content
+    assert "was cancelled" in str(other)
+    (reused,) = h.send([msg(2, T0 + 90_000)])  # a live message's id: still "used for another message"
+    assert str(reused) == "id 'm2' was used for another message"
+
+
+def test_horizon_is_exact_and_named(tmp_path):
+    horizon = SMALL.limits.delay_horizon_ms
+    h = Harness(tmp_path)
+    at, over = per_message(h.store.accept([msg(1, T0 + horizon), msg(2, T0 + horizon + 1)], now_ms=h.now))
+    assert isinstance(at, Accepted) and isinstance(over, InvalidArgument)
+    assert str(over) == ("invalid request: deliver_at_ms: 63244800001 ms (732.000 days) ahead is beyond the delay "
+                         "horizon, delay_horizon_ms = 63244800000 ms (732 days)")
+
+
 def test_retry_of_a_relative_delay_is_a_duplicate(tmp_path):
     # delay_ms=5000 sent at T0 and retried 700 ms later: the absolute time moved with the arrival
     h = Harness(tmp_path)

@@ -336,7 +336,10 @@ class DelayStore:
             mine = Message(seq=0, store_ms=now_ms, deliver_at_ms=mine.deliver_at_ms, msg_id=mine.msg_id,
                            subject=mine.subject, payload=mine.payload, tags=mine.tags, properties=mine.properties)
             ok[i] = False
-            if prior.kind == KIND_CANCEL or not _same_content(prior, mine):
+            if prior.kind == KIND_CANCEL:
+                res.refuse(i, ALREADY_EXISTS, f"id {mine.msg_id!r} was cancelled; a cancelled id cannot be reused")
+                continue
+            if not _same_content(prior, mine):
                 res.refuse(i, ALREADY_EXISTS, f"id {mine.msg_id!r} was used for another message")
                 continue
             self.counters["duplicates"] += 1

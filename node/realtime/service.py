@@ -146,8 +146,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         res.errors = {int(keep[i]): e for i, e in part.errors.items()}
         err = InvalidArgument("delay_ms", "a real-time node takes immediate messages; send delayed ones to a "
                                           "delay node")
-        for i in late.tolist():
-            res.refuse(i, status.to_code(err), str(err))
+        for i in late.tolist():  # "field: reason", as every per-message error (the client adds "invalid")
+            res.refuse(i, status.to_code(err), f"{err.field}: {err.reason}")
         return res
 
     async def _wait_new_data(self, subjects: list[str], timeout_s: float) -> None:
