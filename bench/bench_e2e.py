@@ -313,7 +313,11 @@ class Hourglass:
         from common import free_port
 
         self.root = work / "hourglass"
-        self.cluster = LocalCluster(self.root, env={"HOURGLASS_LOG_LEVEL": "WARNING"})
+        env = {"HOURGLASS_LOG_LEVEL": "WARNING"}
+        for kv in args.node_env:  # e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5: settings under test
+            k, _, v = kv.partition("=")
+            env[k] = v
+        self.cluster = LocalCluster(self.root, env=env)
         self.metrics_port = free_port()
         self.cluster.delay[0].env["HOURGLASS_METRICS_PORT"] = str(self.metrics_port)
         self.args = args
@@ -352,7 +356,7 @@ class Hourglass:
                              "batch_max": self.args.batch, "inflight_max": self.args.inflight},
                 "consumer": {"api": "batches()", "subjects": 16, "batch_max": 1000, "wait_ms": 200,
                              "ack": "every batch"},
-                "nodes": "1 delay + 1 real-time (LocalCluster defaults)"}
+                "nodes": "1 delay + 1 real-time (LocalCluster defaults)", "node_env": self.args.node_env}
 
     def sender(self):
         from cluster.client import Producer, StaticResolver
@@ -703,6 +707,8 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=8, help="batches in flight")
     p.add_argument("--redis-poll-ms", type=int, default=10, help="Redis poller interval")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--node-env", action="append", default=[], metavar="HOURGLASS_X=V",
+                   help="a node setting for the Hourglass nodes (repeatable), e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5")
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
     for k in ("target", "subjects", "out", "ready-file", "stop-file"):

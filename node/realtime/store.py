@@ -202,8 +202,8 @@ def _encoded_size(b: Batch) -> int:
 
 def _with_ids(b: Batch) -> Batch:
     """Messages sent without an id get a random one (sends stay idempotent only with an id)."""
-    ends = b.id_end.astype(np.int64)
-    if not b.n or not bool((np.diff(ends, prepend=0) == 0).any()):
+    ends = b.id_end
+    if not b.n or (ends[0] and not (ends[1:] == ends[:-1]).any()):
         return b
     ids = [i or uuid.uuid4().hex for i in b.id_list()]
     blob = "".join(ids).encode()
@@ -553,7 +553,7 @@ class RealtimeStore:
         self._refuse_unknown_subjects(batch, codes, errors)
 
         ok = np.flatnonzero(codes == OK)
-        sub = batch.take(ok)
+        sub = batch if len(ok) == n else batch.take(ok)  # ok is sorted: all of them is the batch itself
         m = sub.n
         keys = list(zip(sub.subject_list(), sub.id_list()))
         first = dict(zip(reversed(keys), range(m - 1, -1, -1)))  # key -> its first index in the batch
@@ -595,7 +595,10 @@ class RealtimeStore:
         dup_count = int((ok_now & (seen | repeated)).sum())
         self.counters["duplicates"] += dup_count
         if k:
-            self._store_frame(sub.take(new), seqs[new], keys if k == m else [keys[i] for i in new.tolist()], now_ms)
+            if k == m:  # new is sorted: all of them is sub itself
+                self._store_frame(sub, seqs, keys, now_ms)
+            else:
+                self._store_frame(sub.take(new), seqs[new], [keys[i] for i in new.tolist()], now_ms)
         return res
 
     def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str]) -> None:
