@@ -62,6 +62,7 @@ from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCO
                            Limits)
 from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
+from node.delay.heal import BucketHealer
 from node.store import checkpoint, records
 from node.store.syncplan import DocGate, SyncPlan
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
@@ -92,6 +93,8 @@ class StoreSettings:
     frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
     id_slots: int = 1 << 20
     id_entries_max: int = 4 << 20
+    verify_ahead_ms: int = 60_000         # at open, the buckets of [completed_ms, +this] are verified in full
+    verify_at_open_bytes_max: int = 1 << 30  # ... unless larger (node/delay/heal.py)
     limits: Limits = field(default_factory=Limits)
 
 
@@ -213,6 +216,11 @@ class DelayStore:
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
         self.replicated: dict | None = ck.get("replicated") if follower else None
+        # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
+        # rebuilt from the message log; the ones the wheel loads first are checked before serving
+        self.healer = BucketHealer(self)
+        self.schedule.healer = self.healer.rebuild
+        self.healer.check_soon(ahead_ms=settings.verify_ahead_ms, verify_bytes_max=settings.verify_at_open_bytes_max)
         self._pending = self._count_pending()
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.iterate(limit=None)  # replay: file everything the crash left unfiled

@@ -45,6 +45,15 @@ Invariants and recovery (``Bucket.open``):
   is filed after the ones before it in the log): replaying the message log re-offers
   records and ``file`` skips any with ``seq <= last_seq``, so nothing is filed twice.
 
+Healing (derived data, ``docs/operations.md`` "Self-healing and scrubbing"): every entry
+point that reads a bucket (``bucket``, ``load_second``, ``find``, ``locate``) catches
+``CorruptRecord`` once, hands the bucket to ``healer`` (the delay store re-files it from
+the message log) and tries again. ``replace_bucket`` writes the new bucket into
+``{start}.rebuild/``, renames it ``{start}.ready`` once flushed (complete), then swaps it in
+by rename; ``ScheduleLog`` finishes or discards an interrupted swap at open. A rebuilt
+bucket holds the marker file ``rebuilt``: its frames moved, so id-index locations into
+it are stale and ``find`` looks a seq up by the index's seq ranges instead.
+
 Example: filing a batch whose records are due at 1_795_424_401_234 and 1_795_424_402_000
 writes two frames in bucket 1_795_424_400_000 (seconds 1 and 2); ``load_second(1_795_424_401)``
 returns ``[FrameRef(bucket_start_ms=1_795_424_400_000, data_offset=0, ..., batch=<1 record>)]``.
@@ -62,6 +71,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -69,7 +79,7 @@ from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
 from node.store.syncplan import SyncPlan
 
-from .log import HEADER_SIZE, SegmentedLog
+from .log import HEADER_SIZE, SegmentedLog, fsync_dir
 
 log = logging.getLogger("hourglass.store.schedule")
 
@@ -86,6 +96,8 @@ BUCKET_MS_DEFAULT = 3_600_000
 DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
 OPEN_BUCKETS_MAX_DEFAULT = 32
 CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
+REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
+REBUILT_MARKER = "rebuilt"
 
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
@@ -158,6 +170,7 @@ class Bucket:
         self.entries = 0
         self.last_seq = -1
         self._repaired = False
+        self.rebuilt = (path / REBUILT_MARKER).exists()
         self._recover_index()
         self._open_heads()
 
@@ -334,6 +347,56 @@ class Bucket:
     def read(self, data_offset: int, frame_size: int) -> Batch:
         return Batch.decode(self.data.read_at(data_offset, frame_size))
 
+    def verify(self) -> int:
+        """Check everything of this bucket against everything else; return the frame count.
+
+        Every data frame passes its CRCs and is described exactly by its index entry
+        (offset, size, seq range, second, counts; entries in filing order cover the data
+        contiguously), every ``prev`` links the previous entry of the same second and every
+        head the newest one. Raises ``CorruptRecord`` naming the file and offset."""
+        e = self.entries_array().copy()
+        ipath = str(self._index_path)
+        n = len(e)
+        if n:
+            ends = e["data_offset"].astype(np.int64) + e["frame_size"]
+            starts = np.concatenate([[self.data.start_offset], ends[:-1]])
+            bad = np.flatnonzero((e["data_offset"].astype(np.int64) != starts) | (e["second"] >= self.seconds))
+            if len(bad):
+                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index entry does not describe the next frame")
+            if int(ends[-1]) != self.data.end_offset:
+                raise CorruptRecord(ipath, (n - 1) * ENTRY_SIZE, "index does not cover the data log")
+            # the chain of each second, recomputed: prev = previous entry of the same second
+            order = np.argsort(e["second"], kind="stable")
+            sec_sorted = e["second"][order]
+            want_prev = np.zeros(n, np.int64)
+            same = np.zeros(n, bool)
+            same[1:] = sec_sorted[1:] == sec_sorted[:-1]
+            want_prev[order[same]] = order[np.flatnonzero(same) - 1] + 1
+            bad = np.flatnonzero(e["prev"].astype(np.int64) != want_prev)
+            if len(bad):
+                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index chain is broken")
+            last = np.ones(n, bool)
+            last[:-1] = sec_sorted[:-1] != sec_sorted[1:]
+            want_heads = np.zeros(self.seconds, np.int64)
+            want_heads[sec_sorted[last].astype(np.int64)] = order[last] + 1
+        else:
+            want_heads = np.zeros(self.seconds, np.int64)
+        bad = np.flatnonzero(self.heads.astype(np.int64) != want_heads)
+        if len(bad):
+            raise CorruptRecord(str(self._heads_path), HEADS_HEADER_SIZE + 4 * int(bad[0]), "head does not match index")
+        i = 0
+        for off, body in self.data.iterate():
+            if i >= n:
+                raise CorruptRecord(str(self.data.directory), off, "frame not in the index")
+            b = Batch.decode(body)
+            row = self._entry_row(off, HEADER_SIZE + len(body), b)
+            got = (int(e["data_offset"][i]), int(e["frame_size"][i]), 0, int(e["first_seq"][i]),
+                   int(e["last_seq"][i]), int(e["second"][i]), int(e["messages"][i]), int(e["cancels"][i]), 0)
+            if got != row:
+                raise CorruptRecord(ipath, i * ENTRY_SIZE, "index entry does not match its frame")
+            i += 1
+        return i
+
     def close(self) -> None:
         self.flush()
         del self.heads
@@ -385,12 +448,106 @@ class ScheduleLog:
         self.open_buckets_max = open_buckets_max
         self._open: OrderedDict[int, Bucket] = OrderedDict()
         self.cache = _FrameCache(cache_bytes_max)
+        # called with (bucket start, error) when a bucket fails a check; it rebuilds the
+        # bucket (``replace_bucket``) or raises. None: corruption is raised to the caller.
+        self.healer: Callable[[int, CorruptRecord], None] | None = None
+        self._finish_swaps()
 
     def bucket_start(self, deliver_at_ms: int) -> int:
         return deliver_at_ms - deliver_at_ms % self.bucket_ms
 
     def _path(self, start_ms: int) -> Path:
         return self.root / f"{start_ms:018d}"
+
+    # -- healing -------------------------------------------------------------------
+
+    def _finish_swaps(self) -> None:
+        """Finish or discard a bucket swap a crash interrupted (see ``replace_bucket``)."""
+        for p in sorted(self.root.iterdir()):
+            stem, dot, kind = p.name.partition(".")
+            if not (dot and stem.isdigit() and p.is_dir()):
+                continue
+            if kind == "ready":  # complete: it replaces the bucket
+                main = self.root / stem
+                if main.exists():
+                    shutil.rmtree(main)
+                os.replace(p, main)
+                log.warning("schedule bucket swap finished path=%s", main)
+            elif kind in ("rebuild", "old"):
+                shutil.rmtree(p)
+        fsync_dir(self.root)
+
+    def _healing(self, start_ms: int, fn):
+        """``fn()``; on ``CorruptRecord`` let the healer rebuild bucket ``start_ms`` and
+        call ``fn()`` once more (a second failure is raised)."""
+        try:
+            return fn()
+        except CorruptRecord as e:
+            if self.healer is None:
+                raise
+            self.healer(start_ms, e)
+        return fn()
+
+    def replace_bucket(self, start_ms: int, chunks) -> int:
+        """Replace bucket ``start_ms`` by one holding ``chunks`` (an iterable of lists of
+        groups, each a ``Batch`` due in one second of the bucket, seqs increasing from list
+        to list). Crash-safe: written and flushed under ``{start}.rebuild``, renamed
+        ``{start}.ready``, then swapped in by rename. Returns the frames written."""
+        main = self._path(start_ms)
+        tmp = self.root / f"{start_ms:018d}.rebuild"
+        ready = self.root / f"{start_ms:018d}.ready"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        nb = Bucket(tmp, start_ms, self.bucket_ms, data_segment_bytes=self.data_segment_bytes)
+        frames = 0
+        try:
+            for groups in chunks:
+                for i in range(0, len(groups), REBUILD_GROUPS_PER_WRITE):
+                    part = groups[i:i + REBUILD_GROUPS_PER_WRITE]
+                    nb.append_groups(part)
+                    frames += len(part)
+            (tmp / REBUILT_MARKER).write_text("rebuilt from the message log\n")
+        except BaseException:
+            nb.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        nb.close()  # flushes data, index, heads
+        fsync_dir(tmp)
+        os.replace(tmp, ready)
+        fsync_dir(self.root)
+        old = self._open.pop(start_ms, None)
+        if old is not None:
+            try:
+                old.close()
+            except (OSError, CorruptRecord):
+                pass  # the broken bucket goes away whatever its files say
+        self.cache.drop_bucket(start_ms)
+        if main.exists():
+            gone = self.root / f"{start_ms:018d}.old"
+            os.replace(main, gone)
+            os.replace(ready, main)
+            fsync_dir(self.root)
+            shutil.rmtree(gone)
+        else:
+            os.replace(ready, main)
+            fsync_dir(self.root)
+        return frames
+
+    def find_seq(self, bucket_start_ms: int, seq: int) -> tuple[FrameRef, int] | None:
+        """A record of a bucket by seq alone (a rebuilt bucket, whose frames moved): the
+        index entries whose seq range holds it, then those frames."""
+        b = self.bucket(bucket_start_ms, create=False)
+        if b is None:
+            return None
+        e = b.entries_array()
+        for n in np.flatnonzero((e["first_seq"] <= np.uint64(seq)) & (e["last_seq"] >= np.uint64(seq))).tolist():
+            ref = self._frame(bucket_start_ms, int(e["data_offset"][n]), int(e["frame_size"][n]))
+            hit = np.flatnonzero(ref.batch.seq == seq)
+            if len(hit):
+                return ref, int(hit[0])
+        return None
+
+    # -- buckets ---------------------------------------------------------------------
 
     def bucket(self, start_ms: int, *, create: bool = True) -> Bucket | None:
         b = self._open.get(start_ms)
@@ -400,7 +557,8 @@ class ScheduleLog:
         path = self._path(start_ms)
         if not create and not path.exists():
             return None
-        b = Bucket(path, start_ms, self.bucket_ms, data_segment_bytes=self.data_segment_bytes)
+        b = self._healing(start_ms, lambda: Bucket(path, start_ms, self.bucket_ms,
+                                                   data_segment_bytes=self.data_segment_bytes))
         self._open[start_ms] = b
         while len(self._open) > self.open_buckets_max:
             _, old = self._open.popitem(last=False)
@@ -464,15 +622,21 @@ class ScheduleLog:
     def load_second(self, second: int) -> list[FrameRef]:
         """Every frame due within epoch-second ``second``, newest first (chain order)."""
         ms = second * 1000
+        return self._healing(self.bucket_start(ms), lambda: self._load_second(ms))
+
+    def _load_second(self, ms: int) -> list[FrameRef]:
         b = self.bucket(self.bucket_start(ms), create=False)
         if b is None:
             return []
         out = []
         for _n, off, size, _last in b.chain((ms - b.start_ms) // 1000):
-            out.append(self.frame(b.start_ms, off, size))
+            out.append(self._frame(b.start_ms, off, size))
         return out
 
     def frame(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> FrameRef:
+        return self._healing(bucket_start_ms, lambda: self._frame(bucket_start_ms, data_offset, frame_size))
+
+    def _frame(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> FrameRef:
         ref = self.cache.get(bucket_start_ms, data_offset)
         if ref is not None:
             return ref
@@ -482,21 +646,32 @@ class ScheduleLog:
         return FrameRef(bucket_start_ms, data_offset, frame_size, b.read(data_offset, frame_size))
 
     def find(self, bucket_start_ms: int, data_offset: int, frame_size: int, seq: int) -> tuple[FrameRef, int] | None:
-        """The frame at this place and the index of ``seq`` in it (None if absent)."""
-        ref = self.frame(bucket_start_ms, data_offset, frame_size)
+        """The frame at this place and the index of ``seq`` in it (None if absent). In a
+        rebuilt bucket the place is stale (id-index entries kept their old offsets): the
+        seq is looked up by the index's seq ranges."""
+        return self._healing(bucket_start_ms, lambda: self._find(bucket_start_ms, data_offset, frame_size, seq))
+
+    def _find(self, bucket_start_ms: int, data_offset: int, frame_size: int, seq: int) -> tuple[FrameRef, int] | None:
+        b = self.bucket(bucket_start_ms, create=False)
+        if b is not None and b.rebuilt:
+            return self.find_seq(bucket_start_ms, seq)
+        ref = self._frame(bucket_start_ms, data_offset, frame_size)
         hit = np.flatnonzero(ref.batch.seq == seq)
         return (ref, int(hit[0])) if len(hit) else None
 
     def locate(self, effective_ms: int, seq: int) -> tuple[FrameRef, int] | None:
         """Find a filed record by its effective time and seq (a walk of one second's chain)."""
         start = self.bucket_start(effective_ms)
+        return self._healing(start, lambda: self._locate(start, effective_ms, seq))
+
+    def _locate(self, start: int, effective_ms: int, seq: int) -> tuple[FrameRef, int] | None:
         b = self.bucket(start, create=False)
         if b is None:
             return None
         for _n, off, size, last in b.chain((max(effective_ms, start) - start) // 1000):
             if last < seq:
                 break  # frames are newest first and seqs grow with the log
-            got = self.find(start, off, size, seq)
+            got = self._find(start, off, size, seq)
             if got is not None:
                 return got
         return None

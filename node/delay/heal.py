@@ -1,0 +1,176 @@
+"""Healing of a delay node's derived data: a schedule bucket rebuilt from the message log.
+
+The schedule log (data + index + heads per bucket) is derived data (``docs/design.md``,
+"Durability"): everything in it was first appended to the message log, and the dispatch
+log says what was delivered. So a bucket that fails a check is not a reason to stop: it is
+re-filed, records due in it taken from the message log in log order, and swapped in by
+rename (``ScheduleLog.replace_bucket``, crash-safe).
+
+Which records go back into bucket ``B`` (records below the store's iterate offset, the
+ones that were filed; later ones are filed by the iterator as usual), and under which
+effective time, so that the new bucket holds what the old one held:
+
+* a cancel tombstone: its own ``deliver_at_ms`` (its target's effective time, as filed);
+* a message that was dispatched: the effective time in its dispatch record (known from
+  the dispatch log when ``B`` is not in the future, from memory otherwise: a dispatched
+  message due in a future bucket is in the store's recent-dispatch map);
+* a cancelled message: its tombstone's effective time (the tombstone removes it from the
+  same second when the second is loaded);
+* any other message: ``max(deliver_at_ms, persisted completed_ms)``, the filing rule. A
+  message the old bucket held under ``e`` is undispatched, so ``completed_ms <= e``; the
+  persisted value only grows, so the rule puts it in the same bucket again (a message
+  filed behind the wheel may move to a later second of it, never to a second already
+  dispatched).
+
+Voided seqs (a divergent suffix cut off) are left out. A record whose message-log
+segment retention already deleted cannot be re-filed from here: the rebuild says so in
+its log line (``messages_from``) and ``docs/operations.md`` tells what to do.
+
+``BucketHealer.check_soon`` runs at open, before the node announces serving: the buckets
+the wheel loads first are verified in full (``Bucket.verify``) and rebuilt when they fail.
+Later buckets are rebuilt when a read of them fails (``ScheduleLog._healing``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cluster.codec import KIND_CANCEL, Batch, DispatchBatch
+from cluster.errors import CorruptRecord
+
+if TYPE_CHECKING:
+    from node.delay.store import DelayStore
+
+log = logging.getLogger("hourglass.delay.heal")
+
+REBUILDS_PER_BUCKET_MAX = 3  # a bucket that keeps failing after this many rebuilds is a bug or a bad disk
+
+
+def group_by_second(b: Batch) -> list[Batch]:
+    """Cut a batch (``effective_ms`` set) into groups due in one second, each in due order."""
+    if not b.n:
+        return []
+    eff = b.effective_ms
+    order = np.argsort(eff, kind="stable")
+    cuts = np.flatnonzero(np.diff(eff[order] // 1000)) + 1
+    return [b.take(part) for part in np.split(order, cuts)]
+
+
+def refile_times(b: Batch, *, completed_ms: int, known_seq: np.ndarray, known_eff: np.ndarray) -> np.ndarray:
+    """Effective times of a message-log batch's records for a rebuild (rules above).
+    ``known_seq`` (sorted) / ``known_eff``: seqs whose effective time is known (dispatched or
+    cancelled messages)."""
+    is_cancel = b.kind == KIND_CANCEL
+    eff = np.where(is_cancel, b.deliver_at_ms, np.maximum(b.deliver_at_ms, completed_ms)).astype(np.int64)
+    if len(known_seq):
+        at = np.searchsorted(known_seq, b.seq)
+        at[at >= len(known_seq)] = 0
+        hit = (known_seq[at] == b.seq) & ~is_cancel
+        eff[hit] = known_eff[at[hit]]
+    return eff
+
+
+class BucketHealer:
+    """Verifies and rebuilds schedule buckets of one ``DelayStore``; counts what it did."""
+
+    def __init__(self, store: "DelayStore") -> None:
+        self.store = store
+        self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
+        self._rebuilds: dict[int, int] = {}
+
+    def check_soon(self, *, ahead_ms: int, verify_bytes_max: int) -> None:
+        """Verify the buckets the wheel loads first (the one holding ``completed_ms`` and the
+        one ``ahead_ms`` later), rebuilding any that fails. Buckets larger than
+        ``verify_bytes_max`` are only opened (their reads are checked as they happen)."""
+        s = self.store
+        c = s.completed_ms
+        for start in sorted({s.schedule.bucket_start(c), s.schedule.bucket_start(c + ahead_ms)}):
+            b = s.schedule.bucket(start, create=False)  # an open that fails is rebuilt here
+            if b is None or b.data.size_bytes > verify_bytes_max:
+                continue
+            try:
+                b.verify()
+            except CorruptRecord as e:
+                self.rebuild(start, e)
+
+    def rebuild(self, start_ms: int, why: CorruptRecord) -> None:
+        """Re-file bucket ``start_ms`` from the message log and swap it in."""
+        s = self.store
+        self.counters["corrupt_found"] += 1
+        n = self._rebuilds.get(start_ms, 0) + 1
+        if n > REBUILDS_PER_BUCKET_MAX:
+            log.error("schedule bucket keeps failing bucket=%d rebuilds=%d error=%s", start_ms, n - 1, why)
+            raise why
+        self._rebuilds[start_ms] = n
+        log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
+                    "reason=%r", start_ms, why.path, why.offset, why.reason)
+        t0 = time.monotonic()
+        counted = {"messages": 0}
+        frames = s.schedule.replace_bucket(start_ms, self._chunks(start_ms, counted))
+        self.counters["buckets_rebuilt"] += 1
+        self.counters["frames_rebuilt"] += frames
+        log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d messages_from=%d iterate_offset=%d "
+                    "elapsed_ms=%d", start_ms, frames, counted["messages"], s.messages.start_offset,
+                    s.iterate_offset, (time.monotonic() - t0) * 1000)
+        if s.messages.start_offset > 0:
+            log.warning("schedule bucket rebuild may be incomplete bucket=%d: message log starts at offset %d "
+                        "(older segments were deleted by retention)", start_ms, s.messages.start_offset)
+
+    def _known_times(self, start_ms: int, end_ms: int) -> tuple[np.ndarray, np.ndarray]:
+        """Seqs with a known effective time in [start, end): dispatched messages and the
+        targets of tombstones."""
+        s = self.store
+        seqs: list[np.ndarray] = []
+        effs: list[np.ndarray] = []
+        if start_ms < s.completed_ms:  # the current (or a past) bucket: the dispatch log says
+            for _off, body in s.dispatch.iterate():
+                d = DispatchBatch.decode(body)
+                m = (d.effective_ms >= start_ms) & (d.effective_ms < end_ms)
+                if m.any():
+                    seqs.append(d.seq[m])
+                    effs.append(d.effective_ms[m])
+        else:  # a future bucket: only what was delivered early, which memory still holds
+            got = [(q, e) for q, e in s._dispatched.items() if start_ms <= e < end_ms]
+            if got:
+                seqs.append(np.array([q for q, _ in got], np.uint64))
+                effs.append(np.array([e for _, e in got], np.int64))
+        for b in self._log_batches():
+            m = (b.kind == KIND_CANCEL) & (b.deliver_at_ms >= start_ms) & (b.deliver_at_ms < end_ms)
+            if m.any():
+                seqs.append(b.cancel_targets()[m])
+                effs.append(b.deliver_at_ms[m])
+        if not seqs:
+            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        seq = np.concatenate(seqs).astype(np.uint64)
+        eff = np.concatenate(effs).astype(np.int64)
+        order = np.argsort(seq, kind="stable")
+        return seq[order], eff[order]
+
+    def _log_batches(self) -> Iterator[Batch]:
+        s = self.store
+        start = s.messages.start_offset
+        if s.iterate_offset <= start:
+            return
+        for _off, body in s.messages.iterate(start, s.iterate_offset):
+            yield Batch.decode(body)
+
+    def _chunks(self, start_ms: int, counted: dict) -> Iterator[list[Batch]]:
+        s = self.store
+        end_ms = start_ms + s.settings.bucket_ms
+        known_seq, known_eff = self._known_times(start_ms, end_ms)
+        for b in self._log_batches():
+            eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=known_seq, known_eff=known_eff)
+            m = (eff >= start_ms) & (eff < end_ms)
+            if s.voided:
+                m &= ~s._voided_mask(b.seq)
+            if not m.any():
+                continue
+            idx = np.flatnonzero(m)
+            part = b.take(idx).replace(effective_ms=eff[idx])
+            counted["messages"] += part.n
+            yield group_by_second(part)
