@@ -813,10 +813,14 @@ class RealtimeStore:
             cands = []
             for g, ix, room in live:
                 e = ix.read(self._fd(ix), g.next_pos, chunk)
-                sel = np.flatnonzero(e["mask"] & want) if want else np.arange(len(e))
-                cands.append((g, e, sel, min(room, len(sel))))
-            offsets = np.concatenate([e["offset"][sel[:k]] for _, e, sel, k in cands])
-            index = np.concatenate([e["index"][sel[:k]] for _, e, sel, k in cands])
+                if want:
+                    sel = np.flatnonzero(e["mask"] & want)
+                    cands.append((g, e, sel, min(room, len(sel))))
+                else:  # every entry matches: prefixes are slices
+                    cands.append((g, e, None, min(room, len(e))))
+            offsets = np.concatenate([e["offset"][:k] if sel is None else e["offset"][sel[:k]]
+                                      for _, e, sel, k in cands])
+            index = np.concatenate([e["index"][:k] if sel is None else e["index"][sel[:k]] for _, e, sel, k in cands])
             owner = np.repeat(np.arange(len(cands)), [k for *_, k in cands])
             if len(owner) > left:  # keep the oldest ``left``: per subject, a prefix of what matched
                 first = np.lexsort((index, offsets))[:left]
@@ -824,14 +828,17 @@ class RealtimeStore:
             else:
                 taken = [k for *_, k in cands]
             for (g, e, sel, _), t in zip(cands, taken):
-                used = int(sel[t]) if t < len(sel) else len(e)  # stop at the first match not handed out
-                if t:
-                    handles = g.next_pos + sel[:t]
-                    parts.append((e[sel[:t]], handles))
-                    if want:
-                        g.inflight.add_runs(_runs(handles), now_ms)
-                    else:
+                if sel is None:  # no tag filter: the first t entries
+                    used = t
+                    if t:
+                        parts.append((e[:t], np.arange(g.next_pos, g.next_pos + t, dtype=np.int64)))
                         g.inflight.add(g.next_pos, g.next_pos + t, now_ms)
+                else:
+                    used = int(sel[t]) if t < len(sel) else len(e)  # stop at the first match not handed out
+                    if t:
+                        handles = g.next_pos + sel[:t]
+                        parts.append((e[sel[:t]], handles))
+                        g.inflight.add_runs(_runs(handles), now_ms)
                 self.counters["skipped_by_tag"] += used - t
                 self.counters["delivered"] += t
                 g.next_pos += used
