@@ -39,8 +39,10 @@ def _handlers() -> grpc.GenericRpcHandler:
     })
 
 
-async def _serve(port: int) -> None:
-    server = grpc.aio.server()
+async def _serve(port: int, interceptor: bool) -> None:
+    from cluster.wire import UndecodableRequests
+
+    server = grpc.aio.server(interceptors=[UndecodableRequests()] if interceptor else None)
     server.add_generic_rpc_handlers((_handlers(),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -48,7 +50,7 @@ async def _serve(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def _measure(address: str, calls: int, size: int, server_pid: int) -> list[dict]:
+async def _measure(address: str, calls: int, size: int, server_pid: int, interceptor: bool) -> list[dict]:
     msg = b"x" * size
     out = []
     async with grpc.aio.insecure_channel(address) as ch:
@@ -71,7 +73,7 @@ async def _measure(address: str, calls: int, size: int, server_pid: int) -> list
         await call.done_writing()
     marks = [(s0, c0, w0), (s1, c1, w1), (s2, c2, w2)]
     for name, (a, b) in zip(("unary", "stream message"), zip(marks, marks[1:])):
-        out_rec = {"bench": "grpc", "path": name, "calls": calls, "bytes": size,
+        out_rec = {"bench": "grpc", "path": name, "calls": calls, "bytes": size, "interceptor": interceptor,
                    "client_cpu_us_per_call": round((b[1] - a[1]) / calls * 1e6, 1),
                    "server_cpu_us_per_call": round((b[0] - a[0]) / calls * 1e6, 1),
                    "wall_us_per_call": round((b[2] - a[2]) / calls * 1e6, 1)}
@@ -83,20 +85,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--bytes", type=int, default=8192, help="request (and echo) size")
+    p.add_argument("--interceptor", action="store_true", help="the server has the nodes' request interceptor")
     p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.serve:
-        asyncio.run(_serve(a.serve))
+        asyncio.run(_serve(a.serve, a.interceptor))
         return
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), *(["--interceptor"] if a.interceptor else [])], stdout=subprocess.PIPE, text=True,
                             cwd=REPO)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         line = proc.stdout.readline() if proc.stdout else ""
         if line.strip() != "ready" or time.monotonic() > deadline:
             raise SystemExit("bench_grpc: the echo server did not start")
-        for rec in asyncio.run(_measure(f"127.0.0.1:{port}", a.calls, a.bytes, proc.pid)):
+        for rec in asyncio.run(_measure(f"127.0.0.1:{port}", a.calls, a.bytes, proc.pid, a.interceptor)):
             emit({**rec, "machine": machine()})
     finally:
         proc.terminate()
