@@ -180,3 +180,36 @@ async def test_nack_retries_through_a_delay_node_then_dead_letters(node):
     assert delay.batches[-1].id_list() == ["a~r2"] and dict(delay.batches[-1].extra(0)[1])[ORIGIN_ID] == "a"
     resp = await consumer.Nack(pb.NackRequest(group="g", nacks=by_subject(b, h)))  # no longer in flight
     assert (resp.retried, resp.dead_lettered) == (0, 0)
+
+
+async def test_a_failed_offsets_write_fails_its_ack_and_its_retry_writes_again(node, monkeypatch):
+    """An Ack is answered OK only once its group document is durable: when the offsets-log
+    write fails, that Ack fails, and the client's retry of the same Ack writes the document
+    again (it must not find the group "already persisted" and answer OK for an unwritten
+    position)."""
+    from concurrent.futures import Future
+
+    n, producer, consumer, _ = node
+    await send(producer, msgs("orders", ["a", "b"]))
+    b, h = await pull(consumer, ["orders"], "g")
+    real_commit = n.store._offsets.commit
+    written: list[list[dict]] = []
+
+    def failing_commit(docs):
+        f = Future()
+        f.set_exception(OSError(28, "No space left on device"))
+        return f
+
+    ack = pb.AckRequest(group="g", acks=by_subject(b.take(np.array([0])), h[:1]))
+    monkeypatch.setattr(n.store._offsets, "commit", failing_commit)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await consumer.Ack(ack)
+
+    def recording_commit(docs):
+        written.append(list(docs))
+        return real_commit(docs)
+
+    monkeypatch.setattr(n.store._offsets, "commit", recording_commit)
+    await consumer.Ack(ack)  # the retry: its handle is no longer in flight, the document still must be written
+    assert written and written[-1][0]["committed"] == 1
+    assert n.store.group_doc("orders", "g")["committed"] == 1

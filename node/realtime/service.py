@@ -259,7 +259,14 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             items = self.store.snapshot_groups(keys)
             if items:
                 self.calls["ack_rounds"] += 1
-                await asyncio.wrap_future(self.store.write_groups_async(items))
+                try:
+                    await asyncio.wrap_future(self.store.write_groups_async(items))
+                except BaseException:
+                    # not known durable: a later round must write these again, and no ack
+                    # may be answered OK on the strength of this one
+                    self.store.unpersist_groups(items)
+                    self._groups_dirty |= keys
+                    raise
             self._groups_rounds_done = self._groups_rounds_started
 
     async def Nack(self, request: pb.NackRequest, context) -> pb.NackResponse:

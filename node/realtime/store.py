@@ -707,6 +707,13 @@ class RealtimeStore:
             docs.append(doc)
         return self._offsets.commit(docs)
 
+    def unpersist_groups(self, items: list[tuple[_Group, dict]]) -> None:
+        """A ``write_groups_async`` failed (or its outcome is unknown): these documents are
+        not durable, so the groups are dirty again and their next snapshot is written."""
+        for g, _ in items:
+            g.persisted = None
+            self._mark_dirty(g)
+
     def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple[_Group, dict]]:
         """Documents of the given groups that changed since they were last written."""
         out = []
