@@ -632,3 +632,35 @@ class RealtimeModel(RuleBasedStateMachine):
 TestRealtimeModel = RealtimeModel.TestCase
 TestRealtimeModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_evicted_dirty_index_fds_are_fsynced_by_the_next_flush_not_on_eviction(tmp_path, monkeypatch):
+    """More subjects than index_files_open_max: evicting a dirty index fd does not fsync on
+    the caller's thread; the next flush plan fsyncs it (before its checkpoint) and closes it."""
+    import os as _os
+
+    from node.realtime.store import RealtimeSettings, RealtimeStore
+
+    st = RealtimeStore.open(tmp_path, RealtimeSettings(index_files_open_max=2), now_ms=T0)
+    for k in range(5):
+        st.create_subject(f"s{k}")  # subjects.json is fsynced here, before the counting starts
+    synced: list[int] = []
+    real_fsync = _os.fsync
+    monkeypatch.setattr(_os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    for k in range(5):
+        st.append(Batch.build(f"s{k}", [b"p"], [f"id{k}"], T0), now_ms=T0)
+    assert not synced  # evictions of dirty fds fsynced nothing
+    evicted = list(st._unsynced_fds)
+    assert len(evicted) == 3
+    plan = st.flush_plan()
+    assert not st._unsynced_fds
+    plan.run_and_finish()
+    assert len(synced) >= 3 + 1  # the evicted three (as duplicates) and the message log
+    for fd in evicted:  # the originals are closed once the plan is done
+        with pytest.raises(OSError):
+            _os.fstat(fd)
+    monkeypatch.undo()
+    st.close()
+    reopened = RealtimeStore.open(tmp_path, RealtimeSettings(index_files_open_max=2), now_ms=T0 + 1)
+    assert sum(reopened.lag(f"s{k}", "g") for k in range(5)) == 5
+    reopened.close()

@@ -266,6 +266,7 @@ class RealtimeStore:
 
         self._subjects: dict[str, SubjectIndex] = {}
         self._open_fds: OrderedDict[str, None] = OrderedDict()  # LRU of subjects with an open index fd
+        self._unsynced_fds: list[int] = []  # evicted index fds with unsynced entries: the next flush fsyncs them
         self._groups: dict[tuple[str, str], _Group] = {}
         self._dedup = DedupWindow(window_ms=settings.dedup_window_ms, entries_max=settings.dedup_entries_max)
         self._frames: OrderedDict[int, tuple[Batch, int]] = OrderedDict()  # offset -> (batch, body bytes), LRU
@@ -314,6 +315,9 @@ class RealtimeStore:
                 if ix.fd >= 0:
                     os.close(ix.fd)
                     ix.fd = -1
+            for fd in self._unsynced_fds:
+                os.close(fd)
+            self._unsynced_fds = []
             self._offsets.abandon()
         except Exception:
             pass
@@ -463,8 +467,18 @@ class RealtimeStore:
         self._open_fds[ix.subject] = None
         while len(self._open_fds) > self.settings.index_files_open_max:
             old, _ = self._open_fds.popitem(last=False)
-            self._close_fd(self._subjects[old])
+            self._evict_fd(self._subjects[old])
         return ix.fd
+
+    def _evict_fd(self, ix: SubjectIndex) -> None:
+        """Close an index fd to stay under ``index_files_open_max``; a dirty one is kept open
+        for the next flush plan to fsync off the loop (then closed), not fsynced here."""
+        if ix.fd >= 0 and ix.dirty:
+            self._unsynced_fds.append(ix.fd)
+            ix.fd, ix.dirty = -1, False
+            self._open_fds.pop(ix.subject, None)
+            return
+        self._close_fd(ix)
 
     def _close_fd(self, ix: SubjectIndex) -> None:
         if ix.fd < 0:
@@ -658,6 +672,11 @@ class RealtimeStore:
         plan = SyncPlan()
         indexed = self._indexed_upto  # every message below it has its index entry written
         self.messages.plan_flush(plan)
+        evicted, self._unsynced_fds = self._unsynced_fds, []
+        for fd in evicted:  # always, and before the checkpoint document: nothing marks them dirty any more
+            plan.fsync(fd)
+        if evicted:
+            plan.on_done(lambda: [os.close(fd) for fd in evicted])
         if indexed - self.indexed_offset >= index_bytes_min:
             for ix in self._subjects.values():
                 if ix.dirty:
