@@ -85,6 +85,11 @@ class NodeSettings(BaseSettings):
     clock_offset_ms: int = 0
     allow_clock_control: bool = False
 
+    # scrubbing and verify (docs/operations.md "Self-healing and scrubbing")
+    scrub_rate_mib_s: float = Field(default=4.0, ge=0, description="background CRC re-check rate; 0 = off")
+    scrub_step_bytes_max: int = Field(default=1 << 20, ge=4096, description="bytes read per scrub step")
+    verify_rate_mib_s: float = Field(default=64.0, gt=0, description="read rate of `hourglass admin verify`")
+
     log_level: str = "INFO"
 
     def limits(self) -> Limits:

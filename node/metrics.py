@@ -46,6 +46,15 @@ class NodeMetrics:
         self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)
+        # self-healing and scrubbing (docs/operations.md "Self-healing and scrubbing")
+        self.scrub_bytes = Counter("hourglass_scrub_bytes", "Bytes of segments re-checked by the scrub", registry=r)
+        self.scrub_passes = Gauge("hourglass_scrub_passes", "Scrub passes over every segment finished", registry=r)
+        self.scrub_progress = Gauge("hourglass_scrub_pass_progress_ratio", "How far the current scrub pass is (0..1)",
+                                    registry=r)
+        self.corrupt_found = Counter("hourglass_corrupt_records_found", "Corrupt records found, by where "
+                                     "(schedule, messages, dispatch)", ["kind"], registry=r)
+        self.corrupt_repaired = Counter("hourglass_corrupt_records_repaired", "Corrupt records repaired (schedule "
+                                        "buckets rebuilt, segments fetched again from a slave)", ["kind"], registry=r)
         self._server = None
         self.port: int | None = None
         self._buckets_shown: set[str] = set()

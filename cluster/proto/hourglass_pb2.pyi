@@ -192,6 +192,22 @@ class StatusResponse(_message.Message):
     json: str
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., group: _Optional[str] = ..., master: _Optional[bool] = ..., epoch: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
 
+class VerifyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("summary", "corrupt", "unrepaired", "json")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    UNREPAIRED_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    summary: str
+    corrupt: int
+    unrepaired: int
+    json: str
+    def __init__(self, summary: _Optional[str] = ..., corrupt: _Optional[int] = ..., unrepaired: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+
 class FetchRequest(_message.Message):
     __slots__ = ("node_id", "epoch", "log", "offset", "max_bytes", "wait_ms", "history")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +253,24 @@ class HandoverRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     wait_ms: int
     def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
+
+class ReadLogRequest(_message.Message):
+    __slots__ = ("log", "offset", "max_bytes")
+    LOG_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    log: str
+    offset: int
+    max_bytes: int
+    def __init__(self, log: _Optional[str] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class ReadLogResponse(_message.Message):
+    __slots__ = ("data", "error")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    error: str
+    def __init__(self, data: _Optional[bytes] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HandoverResponse(_message.Message):
     __slots__ = ("done", "new_master", "error")

@@ -44,6 +44,11 @@ class ReplicationStub:
                 request_serializer=hourglass__pb2.HandoverRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.HandoverResponse.FromString,
                 _registered_method=True)
+        self.ReadLog = channel.unary_unary(
+                '/hourglass.v1.Replication/ReadLog',
+                request_serializer=hourglass__pb2.ReadLogRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.ReadLogResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicationServicer:
@@ -61,6 +66,12 @@ class ReplicationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_ReplicationServicer_to_server(servicer, server):
                     servicer.Handover,
                     request_deserializer=hourglass__pb2.HandoverRequest.FromString,
                     response_serializer=hourglass__pb2.HandoverResponse.SerializeToString,
+            ),
+            'ReadLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadLog,
+                    request_deserializer=hourglass__pb2.ReadLogRequest.FromString,
+                    response_serializer=hourglass__pb2.ReadLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Replication:
             '/hourglass.v1.Replication/Handover',
             hourglass__pb2.HandoverRequest.SerializeToString,
             hourglass__pb2.HandoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.v1.Replication/ReadLog',
+            hourglass__pb2.ReadLogRequest.SerializeToString,
+            hourglass__pb2.ReadLogResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -470,12 +513,23 @@ class AdminStub:
                 request_serializer=hourglass__pb2.StatusRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/hourglass.v1.Admin/Verify',
+                request_serializer=hourglass__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.VerifyResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -488,6 +542,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=hourglass__pb2.StatusRequest.FromString,
                     response_serializer=hourglass__pb2.StatusResponse.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=hourglass__pb2.VerifyRequest.FromString,
+                    response_serializer=hourglass__pb2.VerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -517,6 +576,33 @@ class Admin:
             '/hourglass.v1.Admin/Status',
             hourglass__pb2.StatusRequest.SerializeToString,
             hourglass__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.v1.Admin/Verify',
+            hourglass__pb2.VerifyRequest.SerializeToString,
+            hourglass__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

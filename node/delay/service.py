@@ -40,6 +40,7 @@ from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch
 from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
+from node.delay.scrub import ScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
@@ -50,6 +51,7 @@ log = logging.getLogger("hourglass.delay")
 PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS],
                            np.uint8)
 METRICS_INTERVAL_S = 0.1
+MIB = 1 << 20
 
 
 class StaticRouter:
@@ -91,6 +93,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
         self.address = ""
         self.server: grpc.aio.Server | None = None
+        # background CRC re-checks of segments at rest (node/delay/scrub.py)
+        self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
+                                  step_bytes_max=settings.scrub_step_bytes_max)
 
     # ------------------------------------------------------------------ gRPC: producer
 
@@ -149,6 +154,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             "completed_ms": s.completed_ms, "dispatch_lag_ms": max(0, now - s.completed_ms),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
+            **self.health_stats(),
         }
 
     def registration_info(self) -> dict:
@@ -160,6 +166,19 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="delay", group=self.settings.group,
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
+
+    def health_stats(self) -> dict:
+        """Scrub progress and what healing did (part of ``stats``)."""
+        p = self.scrubber.plan.progress
+        return {"scrub": {"passes": p.passes, "pass_progress": round(p.ratio, 4), "bytes_checked": p.bytes_checked,
+                          "unrepaired": dict(self.scrubber.unrepaired)},
+                "healing": dict(self.store.healer.counters)}
+
+    async def Verify(self, request, context) -> pb.VerifyResponse:
+        """Check this node's files now (throttled, on a worker thread), heal derived data."""
+        report = await verify_online(self, self.settings.verify_rate_mib_s * MIB)
+        return pb.VerifyResponse(summary=report.summary(), corrupt=report.corrupt_count,
+                                 unrepaired=report.unrepaired, json=report.to_json())
 
     # ------------------------------------------------------------------ loops
 
@@ -399,6 +418,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
                       for i in range(self.settings.dispatch_concurrency_max)],
                 ]
+                if self.settings.scrub_rate_mib_s > 0:
+                    tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
                 if self.settings.meta_servers:
                     from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)

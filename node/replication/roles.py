@@ -417,6 +417,9 @@ class ReplicaRoles:
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
+                scrubber = getattr(self, "scrubber", None)  # delay nodes scrub their segments in both roles
+                if scrubber is not None and self.settings.scrub_rate_mib_s > 0:
+                    tasks.append(tg.create_task(scrubber.run(), name="scrub"))
                 self.metrics.start(self.settings.metrics_port)
                 log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
                          self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)

@@ -1,0 +1,161 @@
+"""Scrubbing: the pure plan (rate, progress, passes) and the task finding flipped bytes in
+sealed segments (node/store/scrub.py, node/delay/scrub.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from node.delay.scrub import ScrubTask, log_targets, schedule_targets
+from node.metrics import NodeMetrics
+from node.store.log import SegmentedLog
+from node.store.scrub import IDLE_WAIT_MS, ScrubPlan, ScrubStep, ScrubTarget, check_span
+from tests.test_delay_store import T0, msg
+from tests.test_healing import HOUR, flip, scenario
+
+KIB = 1024
+
+
+def targets(sizes: dict[str, int]) -> list[ScrubTarget]:
+    return [ScrubTarget(k, f"/nowhere/{k}", 0, n, "messages") for k, n in sizes.items()]
+
+
+def drive(plan: ScrubPlan, ts: list[ScrubTarget], until_ms: int, step_ms: int = 1) -> list[ScrubStep]:
+    """Run the plan against a fake clock, every step checking all it asked for."""
+    now, steps = 0, []
+    while now < until_ms:
+        got = plan.next(ts, now)
+        if isinstance(got, int):
+            now += max(got, step_ms)
+            continue
+        steps.append(got)
+        plan.done(got, got.max_bytes, ts)
+    return steps
+
+
+def test_plan_never_exceeds_its_rate():
+    plan = ScrubPlan(rate_bytes_per_s=100 * KIB, step_bytes_max=16 * KIB)
+    ts = targets({"a": 300 * KIB, "b": 500 * KIB})
+    steps = drive(plan, ts, until_ms=5_000)
+    read = sum(s.max_bytes for s in steps)
+    assert 400 * KIB <= read <= 100 * KIB * 5 + 16 * KIB  # about the rate, never over it plus one step
+    assert all(s.max_bytes <= 16 * KIB for s in steps)
+
+
+def test_plan_covers_every_byte_once_per_pass_and_counts_passes():
+    plan = ScrubPlan(rate_bytes_per_s=1 << 30, step_bytes_max=7 * KIB)
+    ts = targets({"a": 20 * KIB, "b": 3 * KIB, "c": 15 * KIB})
+    seen: dict[str, list[tuple[int, int]]] = {}
+    now = 0
+    while plan.progress.passes < 2:
+        now += 1000
+        got = plan.next(ts, now)
+        if isinstance(got, int):  # the bucket starts empty
+            continue
+        if plan.progress.passes == 0:
+            seen.setdefault(got.target.key, []).append((got.pos, got.max_bytes))
+        plan.done(got, got.max_bytes, ts)
+    for t in ts:
+        spans = seen[t.key]
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == t.size
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert plan.progress.bytes_checked >= 2 * sum(t.size for t in ts)
+
+
+def test_plan_skips_a_deleted_target_and_picks_up_new_ones():
+    plan = ScrubPlan(rate_bytes_per_s=1 << 30, step_bytes_max=4 * KIB)
+    ts = targets({"a": 8 * KIB, "b": 8 * KIB})
+    assert isinstance(plan.next(ts, 0), int)  # the rate bucket starts empty
+    got = plan.next(ts, 1000)
+    plan.done(got, got.max_bytes, ts)
+    ts = targets({"b": 8 * KIB, "c": 8 * KIB})  # "a" deleted by retention
+    got = plan.next(ts, 2000)
+    assert (got.target.key, got.pos) == ("b", 0)
+    assert plan.next([], 3000) == IDLE_WAIT_MS
+
+
+def test_check_span_finds_every_flipped_byte_of_a_sealed_segment(tmp_path):
+    lg = SegmentedLog.open(tmp_path / "log", segment_bytes_max=4 * KIB)
+    rnd = random.Random(5)
+    lg.append([rnd.randbytes(rnd.randint(1, 300)) for _ in range(60)])
+    lg.flush()
+    sealed = log_targets(lg, "messages")
+    assert len(sealed) >= 2
+    t = sealed[0]
+    assert check_span(t, 0, 1 << 20).checked_bytes == t.size  # healthy
+    healthy = open(t.path, "rb").read()
+    for pos in rnd.sample(range(t.size), 25):
+        data = bytearray(healthy)
+        data[pos] ^= 1 << rnd.randrange(8)
+        open(t.path, "wb").write(data)
+        got, at = None, 0
+        while at < t.size:
+            r = check_span(t, at, 512)
+            if r.corrupt is not None:
+                got = r.corrupt
+                break
+            assert r.checked_bytes > 0
+            at += r.checked_bytes
+        assert got is not None and got.offset <= t.base + pos < got.offset + 12 + 300, pos  # its own frame
+    lg.close()
+
+
+class FakeNode:
+    def __init__(self, store) -> None:
+        self.store = store
+        self.metrics = NodeMetrics("delay", "n1")
+
+
+def value(metric, **labels) -> float:
+    for fam in metric.collect():
+        for s in fam.samples:
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+@pytest.mark.parametrize("where", ["messages", "schedule"])
+def test_scrub_task_finds_a_flipped_byte_in_a_sealed_segment(tmp_path, where):
+    from tests.test_delay_store import SMALL
+
+    h = scenario(tmp_path, T0 + 2 * HOUR)
+    for k in range(4):  # 120 KB more: the message log rolls a segment (64 KiB)
+        h.send([msg(1000 + k * 30 + i, T0 + 2 * HOUR + 7_000, payload=b"p" * 1000) for i in range(30)])
+    store = h.store
+    if where == "messages":
+        sealed = log_targets(store.messages, "messages")
+        assert sealed, "the small settings roll message segments"
+        flip(Path(sealed[0].path))
+    else:
+        sealed = [t for t in schedule_targets(store.schedule.root) if not t.growing]
+        assert sealed, "the small settings roll schedule data segments"
+        flip(Path(sealed[0].path))
+    node = FakeNode(store)
+    task = ScrubTask(node, rate_bytes_per_s=64 << 20, step_bytes_max=8 * KIB)
+
+    async def scrub_one_pass():
+        run = asyncio.create_task(task.run())
+        for _ in range(200):  # bounded: at most 10 s
+            await asyncio.sleep(0.05)
+            if task.plan.progress.passes >= 1 or run.done():
+                break
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run  # (a task that died raises its own error here)
+
+    asyncio.run(scrub_one_pass())
+    assert task.plan.progress.passes >= 1
+    assert value(node.metrics.corrupt_found, kind=where) == 1
+    if where == "messages":
+        assert list(task.unrepaired) == [sealed[0].key]  # no slave here: reported, not repaired
+        assert value(node.metrics.corrupt_repaired, kind=where) == 0
+    else:
+        assert value(node.metrics.corrupt_repaired, kind=where) == 1
+        assert store.healer.counters["buckets_rebuilt"] == 1
+        h.now = T0 + 2 * HOUR
+        h.run_until(T0 + 2 * HOUR + 8_000, step=100)
+        assert len(h.delivered) == 179 and len(set(h.delivered)) == 179
+    assert SMALL.message_segment_bytes < store.messages.end_offset
