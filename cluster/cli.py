@@ -716,41 +716,11 @@ def status_table(rows: list[dict]) -> list[str]:
     return ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in table]
 
 
-admin = typer.Typer(help="Operations on a running cluster (handover).", no_args_is_help=True)
+# admin verify, admin handover (cluster/cli_admin.py uses the helpers above); under `python -m
+# cluster.cli` this module is __main__: cli_admin must find it as cluster.cli, not load a second copy
+sys.modules.setdefault("cluster.cli", sys.modules[__name__])
+from cluster.cli_admin import admin  # noqa: E402
 app.add_typer(admin, name="admin")
-
-
-@admin.command("handover")
-def admin_handover(group: str = typer.Argument(..., help="delay group whose master hands over"),
-                   meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt,
-                   wait_ms: int = typer.Option(5000, help="how long the master waits for a slave to catch up")) -> None:
-    """Graceful handover: the master of GROUP stops dispatching, lets a slave take the final bytes and
-    tick state, and resigns; the slave becomes master with no duplicates."""
-    resolver = _resolver(None, None, cluster_file, meta)
-
-    async def _run():
-        from cluster.proto import hourglass_pb2 as pb
-        from cluster.proto import hourglass_pb2_grpc as rpc
-        from cluster.proto import meta_pb2 as mpb
-        from cluster.transport import Channels
-        if not hasattr(resolver, "meta"):
-            raise CliError("handover needs the meta servers", hint="hint: give --meta, or a --cluster-file with meta")
-        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
-        groups = {g.name: g for g in resp.groups}
-        if group not in groups or not groups[group].master:
-            raise E.NotFound(f"no delay group {shown(group)} with a live master (known: {sorted(groups)})")
-        ch = Channels()
-        try:
-            return groups[group].master, await rpc.ReplicationStub(ch.get(groups[group].master)).Handover(
-                pb.HandoverRequest(wait_ms=wait_ms), timeout=wait_ms / 1000 + 10)
-        finally:
-            await ch.close()
-            await resolver.close()
-    old, r = asyncio.run(_run())
-    if not r.done:
-        err_console.print(f"error: handover refused by {old}: {shorten(r.error)}", style="red")
-        raise typer.Exit(EXIT_FAILED)
-    console.print(f"[green]handed over[/green]: {old} is now a slave of group {group}")
 
 
 def main() -> None:  # pragma: no cover

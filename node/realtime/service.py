@@ -43,6 +43,7 @@ from node.config import NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
 from node.store.group_commit import GroupCommitter
+from node.store.verify import verify_dir
 
 log = logging.getLogger("hourglass.realtime")
 
@@ -335,6 +336,15 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="realtime", group=self.settings.group,
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
+
+    async def Verify(self, request, context) -> pb.VerifyResponse:
+        """Check this node's files now (throttled, on a worker thread); nothing is repaired here."""
+        store = self.store
+        report = await asyncio.get_running_loop().run_in_executor(None, lambda: verify_dir(
+            store.root, online=True, rate_bytes_per_s=self.settings.verify_rate_mib_s * (1 << 20),
+            record_bytes_max=store.messages.record_bytes_max))
+        return pb.VerifyResponse(summary=report.summary(), corrupt=report.corrupt_count,
+                                 unrepaired=report.unrepaired, json=report.to_json())
 
     # ------------------------------------------------------------------ lifecycle
 

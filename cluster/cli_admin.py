@@ -1,0 +1,153 @@
+"""``hourglass admin``: operations on a cluster's nodes and their files.
+
+    hourglass admin verify [--node ADDR,...]     every node's files, checked online (Admin.Verify)
+    hourglass admin verify --data DIR            a stopped node's data folder, offline, read-only
+    hourglass admin handover GROUP               graceful handover of a delay group's master
+
+Part of the ``hourglass`` app (``cluster/cli.py`` adds this sub-app after its helpers, which
+this module uses: the resolver, the option types, the error boundary's ``CliError`` and exit
+codes, docs/cli.md). Failures leave through that boundary as one ``error:`` line.
+
+``admin verify`` prints one line per corrupt record (``corrupt: PATH at offset N: reason``,
+``repaired`` when the node healed it: derived data is rebuilt), ``note:`` lines for what is
+normal (a torn tail the node drops at open), and ends with one summary line per node
+(``ADDRESS: OK, ...`` / ``ADDRESS: N corrupt (M repaired), ...``) or for the folder.
+Exit codes: 0 nothing corrupt is left (all OK, or every corrupt record repaired); 1 a corrupt
+record is left; 2 the command line is wrong (no such folder, --node with --data); 3 a node
+did not answer within --timeout-s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Optional
+
+import grpc
+import typer
+
+from cluster import errors as E
+from cluster.cli import (EXIT_FAILED, EXIT_UNAVAILABLE, RPC_TIMEOUT_S_MAX, CliError, ClusterFileOpt, DelayOpt,
+                         MetaOpt, RealtimeOpt, _resolver, _split, _status_rows, _within, console, err_console,
+                         shorten, shown)
+
+admin = typer.Typer(help="Operations on a running cluster (verify, handover).", no_args_is_help=True)
+
+VERIFY_TIMEOUT_S = 600.0  # default --timeout-s of `admin verify`: nodes read every file at verify_rate_mib_s
+FINDINGS_SHOWN_MAX = 50   # corrupt records printed per node or folder (the summary counts them all)
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False)
+
+
+def _print_report(where: str, report) -> None:
+    for f in report.corrupt[:FINDINGS_SHOWN_MAX]:
+        _say(f"corrupt: {f.path} at offset {f.offset}: {f.reason}" + (" (repaired)" if f.repaired else ""))
+    if report.corrupt_count > FINDINGS_SHOWN_MAX:
+        _say(f"corrupt: ... {report.corrupt_count - FINDINGS_SHOWN_MAX} more")
+    for n in report.notes[:FINDINGS_SHOWN_MAX]:
+        _say(f"note: {n}")
+
+
+@admin.command("verify")
+def admin_verify(
+    node: Optional[str] = typer.Option(None, "--node", help="node addresses, comma separated (default: every node)"),
+    data: Optional[Path] = typer.Option(None, "--data", help="check this data folder offline (the node stopped)"),
+    delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
+    cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt,
+    timeout_s: float = typer.Option(VERIFY_TIMEOUT_S, "--timeout-s", min=0.1,
+                                    help="give up on a node after this many seconds (exit 3)"),
+) -> None:
+    """Check a node's files: every segment's CRCs, schedule indexes, checkpoints.
+
+    Online (default, or --node): each node checks its own files at verify_rate_mib_s and heals
+    derived data (schedule buckets are rebuilt from the message log). Offline (--data DIR):
+    read-only check of a stopped node's folder. Exit 0 nothing corrupt left, 1 corruption left,
+    3 a node did not answer."""
+    from node.store.verify import VerifyReport, verify_dir
+
+    if data is not None:
+        if node:
+            raise CliError("give --node or --data, not both")
+        if not data.is_dir():
+            raise CliError(f"no data folder at {data}", hint="hint: --data takes a node's data folder (its --data-dir)")
+        report = verify_dir(data, online=False)
+        _print_report(str(data), report)
+        _say(f"verify {report.summary()}")
+        raise typer.Exit(EXIT_FAILED if report.corrupt_count else 0)
+
+    async def _run() -> list[tuple[str, VerifyReport | None, str]]:
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.transport import Channels
+
+        if node:
+            addresses = _split(node)
+        else:
+            rows = await _within(min(RPC_TIMEOUT_S_MAX, timeout_s), "admin verify: listing nodes",
+                                 _status_rows(_resolver(delay, realtime, cluster_file, meta),
+                                              min(RPC_TIMEOUT_S_MAX, timeout_s)))
+            addresses = [r["address"] for r in rows]
+            if not addresses:
+                raise E.Unavailable("no node is registered with the meta servers")
+        ch = Channels()
+
+        async def ask(address: str) -> tuple[str, VerifyReport | None, str]:
+            try:
+                r = await ch.admin(address).Verify(pb.VerifyRequest(), timeout=timeout_s)
+                return address, VerifyReport.from_json(r.json), ""
+            except grpc.RpcError as e:
+                return address, None, shorten(f"{e.code().name}: {e.details()}", 200)
+            except (ValueError, TypeError) as e:
+                return address, None, shorten(f"unreadable answer: {e}", 200)
+        try:
+            return list(await asyncio.gather(*(ask(a) for a in addresses)))
+        finally:
+            await ch.close()
+
+    results = asyncio.run(_within(timeout_s, "admin verify", _run(), grace_s=5.0))
+    left = down = 0
+    for address, report, error in results:
+        if report is None:
+            err_console.print(f"error: {address}: {error}", style="red")
+            down += 1
+            continue
+        _print_report(address, report)
+        _say(f"verify {address} {report.summary()}")
+        left += report.unrepaired
+    if down:
+        raise typer.Exit(EXIT_UNAVAILABLE)
+    raise typer.Exit(EXIT_FAILED if left else 0)
+
+
+@admin.command("handover")
+def admin_handover(group: str = typer.Argument(..., help="delay group whose master hands over"),
+                   meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt,
+                   wait_ms: int = typer.Option(5000, help="how long the master waits for a slave to catch up")) -> None:
+    """Graceful handover: the master of GROUP stops dispatching, lets a slave take the final bytes and
+    tick state, and resigns; the slave becomes master with no duplicates."""
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.proto import hourglass_pb2_grpc as rpc
+        from cluster.proto import meta_pb2 as mpb
+        from cluster.transport import Channels
+        if not hasattr(resolver, "meta"):
+            raise CliError("handover needs the meta servers", hint="hint: give --meta, or a --cluster-file with meta")
+        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+        groups = {g.name: g for g in resp.groups}
+        if group not in groups or not groups[group].master:
+            raise E.NotFound(f"no delay group {shown(group)} with a live master (known: {sorted(groups)})")
+        ch = Channels()
+        try:
+            return groups[group].master, await rpc.ReplicationStub(ch.get(groups[group].master)).Handover(
+                pb.HandoverRequest(wait_ms=wait_ms), timeout=wait_ms / 1000 + 10)
+        finally:
+            await ch.close()
+            await resolver.close()
+    old, r = asyncio.run(_run())
+    if not r.done:
+        err_console.print(f"error: handover refused by {old}: {shorten(r.error)}", style="red")
+        raise typer.Exit(EXIT_FAILED)
+    console.print(f"[green]handed over[/green]: {old} is now a slave of group {group}")
