@@ -91,6 +91,16 @@ class Overloaded(Unavailable):
     """A bounded queue is full; retry after a pause."""
 
 
+class DiskFull(Overloaded):
+    """The node's free disk space is below its watermark (``disk_free_min_bytes`` /
+    ``disk_free_min_ratio``) or a write hit ``ENOSPC``: writes are refused, nothing of the
+    refused request was acknowledged; reads, dispatch and retention go on. Retry later:
+    the node takes writes again by itself once space comes back."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail if detail.startswith("disk full") else f"disk full: {detail}")
+
+
 class ReplicationTimeout(Unavailable):
     """Sync ack mode: no slave confirmed the bytes in time. The write is not acknowledged."""
 

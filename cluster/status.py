@@ -22,6 +22,7 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.TooLate, pb.TOO_LATE, grpc.StatusCode.FAILED_PRECONDITION),
     (E.NotLeader, pb.NOT_LEADER, grpc.StatusCode.UNAVAILABLE),
     (E.ReplicationTimeout, pb.REPLICATION_TIMEOUT, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (E.DiskFull, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts "disk full"
     (E.Overloaded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
     (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
@@ -66,7 +67,7 @@ def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.H
     if code == pb.REPLICATION_TIMEOUT:
         return E.ReplicationTimeout(message)
     if code == pb.OVERLOADED:
-        return E.Overloaded(message)
+        return E.DiskFull(message) if message.startswith("disk full") else E.Overloaded(message)
     return E.HourglassError(message or f"code {code}")
 
 
@@ -79,6 +80,8 @@ def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
     if status == grpc.StatusCode.NOT_FOUND:
         return E.NotFound(detail or "")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if detail and detail.startswith("disk full"):
+            return E.DiskFull(detail)
         return E.Overloaded(detail or "")
     if status == grpc.StatusCode.FAILED_PRECONDITION and detail and detail.startswith("stale epoch"):
         return E.StaleEpoch(0, 0)

@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from node.delay.store import StoreSettings
 from node.realtime.store import RealtimeSettings
+from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
 
 
@@ -72,6 +73,29 @@ class NodeSettings(BaseSettings):
     inflight_max: int = 100_000
     unfiled_max: int = 1_000_000
 
+    # segment sizes (a segment is the unit retention deletes)
+    message_segment_bytes: int = Field(default=64 << 20, ge=4096)
+    dispatch_segment_bytes: int = Field(default=16 << 20, ge=4096)
+    schedule_segment_bytes: int = Field(default=256 << 20, ge=4096)
+    id_entries_max: int = Field(default=4 << 20, ge=16, description="entries per id-index file")
+    id_slots: int = Field(default=1 << 20, ge=16)
+
+    # disk lifecycle (docs/operations.md "Disk"): writes are refused (DiskFull) while free space is
+    # below min(disk_free_min_bytes, disk_free_min_ratio x disk size), resumed above it plus the margin
+    disk_free_min_bytes: int = Field(default=2 << 30, ge=0)
+    disk_free_min_ratio: float = Field(default=0.05, ge=0, le=0.9)
+    disk_resume_margin_bytes: int = Field(default=64 << 20, ge=0)
+    disk_check_interval_ms: int = Field(default=1000, ge=10)
+    retention_interval_ms: int = Field(default=10_000, ge=10, description="how often retention runs")
+    delay_dedupe_window_ms: int = Field(default=7 * 86_400_000, ge=0,
+                                        description="ids of delivered/cancelled messages kept for re-send dedupe")
+    id_compact_ratio_min: float = Field(default=0.5, gt=0, le=1)
+    realtime_retention_ms: int = Field(default=3_600_000, ge=0, description="consumed real-time segments kept")
+    realtime_retention_bytes: int = Field(default=0, ge=0, description="0 = no size trigger")
+    realtime_segment_bytes: int = Field(default=64 << 20, ge=4096)
+    group_idle_ms_max: int = Field(default=7 * 86_400_000, ge=1000,
+                                   description="a consumer group idle this long stops holding data back")
+
     # real-time node
     dedup_window_ms: int = 600_000
     ack_timeout_ms: int = 30_000
@@ -99,9 +123,21 @@ class NodeSettings(BaseSettings):
 
     def store_settings(self) -> StoreSettings:
         return StoreSettings(tick_ms=self.tick_ms, window_ms=self.window_ms, bucket_ms=self.bucket_ms,
-                             inflight_max=self.inflight_max, unfiled_max=self.unfiled_max, limits=self.limits())
+                             inflight_max=self.inflight_max, unfiled_max=self.unfiled_max, limits=self.limits(),
+                             message_segment_bytes=self.message_segment_bytes,
+                             dispatch_segment_bytes=self.dispatch_segment_bytes,
+                             schedule_segment_bytes=self.schedule_segment_bytes, id_slots=self.id_slots,
+                             id_entries_max=self.id_entries_max, dedupe_window_ms=self.delay_dedupe_window_ms,
+                             id_compact_ratio_min=self.id_compact_ratio_min)
+
+    def disk_watermark(self) -> DiskWatermark:
+        return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
+                             resume_margin_bytes=self.disk_resume_margin_bytes)
 
     def realtime_settings(self) -> RealtimeSettings:
         return RealtimeSettings(dedup_window_ms=self.dedup_window_ms, ack_timeout_ms=self.ack_timeout_ms,
                                 pull_max=self.pull_max, auto_create_subjects=self.auto_create_subjects,
-                                max_attempts=self.max_attempts, limits=self.limits())
+                                max_attempts=self.max_attempts, limits=self.limits(),
+                                segment_bytes=self.realtime_segment_bytes, retention_ms=self.realtime_retention_ms,
+                                retention_bytes=self.realtime_retention_bytes,
+                                group_idle_ms_max=self.group_idle_ms_max)

@@ -43,6 +43,22 @@ class NodeMetrics:
         self.replication_lag_seconds = Gauge("hourglass_replication_lag_seconds",
                                              "Slave: time since it was last caught up with the master (0 = caught up)",
                                              registry=r)
+        self.disk_bytes = Gauge("hourglass_disk_bytes", "Bytes allocated on disk, by log (messages, schedule, ids, "
+                                "dispatch; real-time: messages, index, groups)", ["log"], registry=r)
+        self.disk_free_bytes = Gauge("hourglass_disk_free_bytes", "Free bytes on the data folder's file system",
+                                     registry=r)
+        self.disk_total_bytes = Gauge("hourglass_disk_total_bytes", "Size of the data folder's file system",
+                                      registry=r)
+        self.disk_low = Gauge("hourglass_disk_low", "1 while writes are refused for lack of disk space", registry=r)
+        self.disk_refusals = Counter("hourglass_disk_full_refusals", "Write calls refused with DiskFull", registry=r)
+        self.retention_freed = Counter("hourglass_retention_freed_bytes", "Bytes deleted by retention", registry=r)
+        self.retention_held_age = Gauge("hourglass_retention_oldest_kept_age_seconds",
+                                        "Age of the oldest piece retention could not delete yet, by log and reason "
+                                        "(held_by: checkpoint, slave:{id}, group:{subject}/{group}, dedup, "
+                                        "age/size, active segment, pending messages)", ["log", "held_by"],
+                                        registry=r)
+        self.idle_groups = Gauge("hourglass_retention_idle_groups",
+                                 "Consumer groups idle past group_idle_ms_max (they hold no data back)", registry=r)
         self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)
@@ -83,6 +99,12 @@ class NodeMetrics:
         for label, n in now.items():
             self.pending_by_bucket.labels(bucket=label).set(n)
         self._buckets_shown = set(now)
+
+    def set_retention_held(self, ages_s: dict[str, tuple[str, float]]) -> None:
+        """Replace the retention-held series: log -> (held_by, age in seconds)."""
+        self.retention_held_age.clear()
+        for name, (why, age) in ages_s.items():
+            self.retention_held_age.labels(log=name, held_by=why or "nothing").set(max(0.0, age))
 
     def start(self, port: int | None) -> None:
         if port is None:

@@ -33,17 +33,19 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from cluster import status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
-from cluster.errors import HourglassError, InvalidArgument, Unavailable
+from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch
 from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
+from node.delay import retention
 from node.delay.scrub import ScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
+from node.store.diskspace import DiskMonitor, is_enospc, read_disk
 from node.store.group_commit import GroupCommitter
 
 log = logging.getLogger("hourglass.delay")
@@ -83,6 +85,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.router = router or StaticRouter(settings.realtime_nodes)
         self.registrar = None
         self.metrics = NodeMetrics("delay", settings.node_id)
+        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark())
+        self.last_retention: tuple[retention.Report, dict[str, int]] | None = None
         self._durable_moved = asyncio.Event()
         self._wheel_wake = asyncio.Event()
         self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray, bool]] = asyncio.Queue()
@@ -109,8 +113,11 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
         try:
+            self.disk.check()  # below the free-space watermark: refused whole, nothing stored
             res = self.store.accept(batch, now_ms=now)
         except HourglassError as e:
+            if isinstance(e, DiskFull):
+                self._disk_refused(e)
             await context.abort(status.to_grpc(e), str(e))
         await self.committer.sync_to(self.store.messages.end_offset)
         self._note_durable()
@@ -125,10 +132,18 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         for code, n in zip(codes.tolist(), counts.tolist()):
             self.metrics.errors.labels(kind=pb.Code.Name(code)).inc(n)
 
+    def _disk_refused(self, e: DiskFull) -> None:
+        self.metrics.disk_refusals.inc()
+        if "no space left" in str(e):
+            self.disk.note_enospc(str(e))
+
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         try:
+            self.disk.check()
             seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
         except HourglassError as e:
+            if isinstance(e, DiskFull):
+                self._disk_refused(e)
             return pb.CancelResponse(code=status.to_code(e), error=str(e))
         await self.committer.sync_to(self.store.messages.end_offset)
         self._note_durable()
@@ -192,9 +207,14 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             await wait_event(self._durable_moved, self.settings.iterate_interval_ms / 1000 * 50)
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
-            while self.store.iterate(limit=20_000):
-                self._wake_wheel()
-                await asyncio.sleep(0)
+            try:
+                while self.store.iterate(limit=20_000):
+                    self._wake_wheel()
+                    await asyncio.sleep(0)
+            except DiskFull as e:  # accepted records are durable in the message log: filing waits for space
+                self.disk.note_enospc(str(e))
+                self._durable_moved.set()
+                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
             self._wake_wheel()
 
     def _wake_wheel(self) -> None:
@@ -250,6 +270,10 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 await self._deliver(unit, idx)
             except asyncio.CancelledError:
                 raise
+            except DiskFull as e:  # the dispatch record could not be written: deliver again later
+                self.disk.note_enospc(str(e))
+                self.store.release(unit, idx)
+                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
             except Exception:  # a bug: give the messages back rather than lose them
                 log.exception("dispatch failed; messages go back to the wheel")
                 self.store.release(unit, idx)
@@ -398,9 +422,57 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
             store = self.store
             plan = store.checkpoint_plan()
-            await loop.run_in_executor(None, plan.run)
+            try:
+                await loop.run_in_executor(None, plan.run)
+            except OSError as e:
+                if not is_enospc(e):
+                    raise
+                self.disk.note_enospc("checkpoint")  # the previous checkpoint stands; next round tries again
+                log.error("checkpoint not written (no space left) path=%s", self.settings.data_dir)
+                continue
             if self.store is store:
                 plan.finish()
+
+    async def _disk_loop(self) -> None:
+        """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
+        interval = self.settings.disk_check_interval_ms / 1000
+        while True:
+            reading = await asyncio.to_thread(read_disk, self.settings.data_dir)
+            self.disk.update(reading)
+            self.metrics.disk_free_bytes.set(reading.free_bytes)
+            self.metrics.disk_total_bytes.set(reading.total_bytes)
+            self.metrics.disk_low.set(1 if self.disk.low else 0)
+            await asyncio.sleep(interval)
+
+    def _retention_slave_holds(self) -> dict[str, dict[str, int]] | None:
+        return None  # no replicas (ReplicatedDelayNode: its registered slaves)
+
+    async def _retention_loop(self) -> None:
+        """Every ``retention_interval_ms``: decide and detach on the loop, delete and compact
+        on a worker thread (node/delay/retention.py), then report sizes and what holds data."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.settings.retention_interval_ms / 1000)
+            await self.retention_once(loop)
+
+    async def retention_once(self, loop=None) -> retention.Report:
+        loop = loop or asyncio.get_running_loop()
+        store = self.store
+        s = store.settings
+        work, report = retention.plan(store, now_ms=self.clock.now_ms(), slave_holds=self._retention_slave_holds(),
+                                      dedupe_window_ms=s.dedupe_window_ms, id_compact_ratio_min=s.id_compact_ratio_min)
+        try:
+            if work:
+                await loop.run_in_executor(None, work.run)
+        finally:
+            retention.finish(store, work, same_store=self.store is store)
+        self.metrics.retention_freed.inc(work.freed_bytes)
+        sizes = await asyncio.to_thread(retention.disk_usage, store.root)
+        for name, n in sizes.items():
+            self.metrics.disk_bytes.labels(log=name).set(n)
+        self.last_retention = (report, sizes)
+        self.metrics.set_retention_held(retention.held_ages(store, report, now_ms=self.clock.now_ms()))
+        return report
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -415,6 +487,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     tg.create_task(self._iterator_loop(), name="iterator"),
                     tg.create_task(self._wheel_loop(), name="wheel"),
                     tg.create_task(self._checkpoint_loop(), name="checkpoint"),
+                    tg.create_task(self._disk_loop(), name="disk"),
+                    tg.create_task(self._retention_loop(), name="retention"),
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
                       for i in range(self.settings.dispatch_concurrency_max)],
                 ]

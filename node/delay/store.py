@@ -96,6 +96,11 @@ class StoreSettings:
     verify_ahead_ms: int = 60_000         # at open, the buckets of [completed_ms, +this] are verified in full
     verify_at_open_bytes_max: int = 1 << 30  # ... unless larger (node/delay/heal.py)
     limits: Limits = field(default_factory=Limits)
+    # retention (node/delay/retention.py): ids of delivered/cancelled messages stay this long
+    # after their bucket ended, so a re-send is still a duplicate; a sealed id file is
+    # rewritten once this share of its entries may go
+    dedupe_window_ms: int = 7 * 86_400_000
+    id_compact_ratio_min: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,14 @@ class LookupResult:
     seq: int
     deliver_at_ms: int
     subject: str
+
+
+@dataclass(frozen=True, slots=True)
+class Retired:
+    """What ``_find`` answers for an id whose bucket retention deleted (delivered or
+    cancelled; ``seq`` from the id index)."""
+
+    seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +201,8 @@ class DelayStore:
             self.wheel = TimingWheel(tick_ms=settings.tick_ms, window_ms=settings.window_ms,
                                      start_ms=self.completed_ms, entries_max=settings.wheel_entries_max)
         self.wheel.epoch = self.epoch
+        # the last checkpoint known durable: retention deletes only what it covers
+        self.persisted_doc: dict = {k: ck[k] for k in ("iterate_offset", "completed_ms", "dispatch_offset") if k in ck}
         self._restored_completed_ms = self.completed_ms
         self.persisted_completed_ms = self.completed_ms
         # messages delivered at or after completed_ms (reloaded seconds must skip them)
@@ -340,6 +355,11 @@ class DelayStore:
             if found is None:
                 continue
             prior, _eff = found
+            if isinstance(prior, Retired):  # delivered or cancelled, inside the dedupe window
+                ok[i] = False
+                self.counters["duplicates"] += 1
+                res.seqs[i], res.deliver_at_ms[i], res.duplicates[i] = prior.seq, batch.deliver_at_ms[i], 1
+                continue
             mine = records.message_at(batch, i)
             mine = Message(seq=0, store_ms=now_ms, deliver_at_ms=mine.deliver_at_ms, msg_id=mine.msg_id,
                            subject=mine.subject, payload=mine.payload, tags=mine.tags, properties=mine.properties)
@@ -399,17 +419,29 @@ class DelayStore:
         for loc in self.ids.get_all(msg_id):
             if self._voided(loc.seq):
                 continue
+            if self._bucket_retired(loc.bucket_start_ms):
+                # delivered or cancelled, its bucket deleted; the id is kept for the dedupe window
+                # (the record is gone, so the id cannot be confirmed on it: a hash collision of two
+                # ids inside the window would be answered as a duplicate)
+                return Retired(loc.seq), None
             got = self.schedule.find(loc.bucket_start_ms, loc.data_offset, loc.frame_size, loc.seq)
             if got is not None and got[0].batch.id(got[1]) == msg_id:
                 ref, i = got
                 return records.message_at(ref.batch, i), int(ref.batch.effective_ms[i])
         return None
 
+    def _bucket_retired(self, start_ms: int) -> bool:
+        done = int(self.persisted_doc.get("completed_ms", -1))
+        return start_ms + self.settings.bucket_ms <= done and not self.schedule.exists(start_ms)
+
     def lookup(self, msg_id: str) -> LookupResult:
         found = self._find(msg_id)
         if found is None:
             raise NotFound(f"no message with id {msg_id!r}")
         m, eff = found
+        if isinstance(m, Retired):
+            raise NotFound(f"message {msg_id!r} (seq {m.seq}) was dispatched or cancelled and its record has "
+                           f"expired (retention)")
         if m.kind == KIND_CANCEL:
             (target,) = struct.unpack("<Q", m.payload)
             return LookupResult("cancelled", msg_id, target, m.deliver_at_ms, m.subject)
@@ -440,6 +472,8 @@ class DelayStore:
         if found is None:
             raise NotFound(f"no message with id {msg_id!r}")
         m, eff = found
+        if isinstance(m, Retired):
+            raise TooLate(f"message {msg_id!r} was dispatched or cancelled (its record has expired)")
         if m.kind == KIND_CANCEL:
             return struct.unpack("<Q", m.payload)[0]
         if self._status(m, eff) in ("dispatched", "in_flight"):
@@ -658,11 +692,19 @@ class DelayStore:
     def ack_dispatched(self, unit: int, idx, *, now_ms: int, outcome: int = OUTCOME_OK) -> int:
         """Record messages ``idx`` of an in-flight unit as delivered (or dead-lettered): one
         dispatch record. Returns how many were recorded (already settled ones are skipped)."""
-        b = self._settle(unit, idx)
-        if b is None:
+        u = self._units.get(unit)
+        if u is None:
             return 0
+        idx = np.asarray(idx, np.int64)
+        idx = idx[u.live[idx]]
+        if not len(idx):
+            return 0
+        b = u.batch.take(idx)
         rec = DispatchBatch(b.seq, b.effective_ms, b.deliver_at_ms, now_ms, outcome)
+        # written before the unit is settled: a full disk (DiskFull) leaves them in flight,
+        # and the caller gives them back to the wheel
         (off,) = self.dispatch.append([rec.encode()])
+        self._settle(unit, idx)
         self._dispatched.update(zip(b.seq.tolist(), b.effective_ms.tolist()))
         eff_max = int(b.effective_ms.max())
         self._dispatched_eff_max = max(self._dispatched_eff_max, eff_max)
@@ -750,11 +792,11 @@ class DelayStore:
             r = self.replicated
             completed = int(r["completed_ms"])
             dispatch_offset = min(int(r["dispatch_offset"]), self.dispatch.end_offset)
-            plan.write_doc(self._gate, self._ckpt_path, {
-                "version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
-                "completed_ms": completed, "dispatch_offset": dispatch_offset,
-                "tick": completed // self.settings.tick_ms - 1, "replicated": r,
-            })
+            doc = {"version": 2, "epoch": self.epoch, "iterate_offset": self.iterate_offset,
+                   "completed_ms": completed, "dispatch_offset": dispatch_offset,
+                   "tick": completed // self.settings.tick_ms - 1, "replicated": r}
+            plan.write_doc(self._gate, self._ckpt_path, doc)
+            plan.on_done(lambda: setattr(self, "persisted_doc", doc))
             return
         st = self.tick_state()
         completed = (st.tick + 1) * self.settings.tick_ms
@@ -764,6 +806,7 @@ class DelayStore:
         def persisted() -> None:
             self.persisted_completed_ms = completed
             self.last_checkpoint = done
+            self.persisted_doc = done
         plan.on_done(persisted)
 
     # ------------------------------------------------------------------ replication (follower side)

@@ -162,6 +162,12 @@ class RealtimeSettings:
     frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
     offsets_compact_bytes: int = COMPACT_BYTES_DEFAULT  # offsets log bytes past its last snapshot before compaction
     checkpoint_bytes_min: int = 4 * 1024 * 1024  # a periodic flush checkpoints the index after this many log bytes
+    # retention (node/realtime/retention.py): a sealed segment every group is past goes once it is
+    # older than retention_ms or the log is over retention_bytes (0 = no size limit); a group that
+    # has not pulled or acked for group_idle_ms_max stops holding segments back
+    retention_ms: int = 3_600_000
+    retention_bytes: int = 0
+    group_idle_ms_max: int = 7 * 86_400_000
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:

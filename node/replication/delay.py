@@ -28,6 +28,7 @@ import logging
 import time
 from pathlib import Path
 
+from cluster.errors import DiskFull, StorageError
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
@@ -35,6 +36,7 @@ from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.core import SyncTracker
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
+from node.store import retention
 from node.store.group_commit import GroupCommitter
 from node.aio import wait_event
 
@@ -145,6 +147,12 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             self.store.truncate_dispatch(cut)
 
     def _on_reset(self, name: str, offset: int) -> None:
+        if name == "messages" and self.store.iterate_offset < offset:
+            # retention on the master deleted records this replica never filed: their only copy
+            # is the master's schedule log, which replication does not ship
+            raise StorageError(f"the master's message log starts at {offset}, past this replica's filed offset "
+                               f"{self.store.iterate_offset}: rebuild this replica from a copy of the master's "
+                               f"data folder (docs/operations.md, Disk)")
         log.warning("replica %s too far behind: log restarts at %d", name, offset)
         self._log(name).reset(offset)
 
@@ -166,8 +174,21 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             except TimeoutError:
                 pass
             self._durable_moved.clear()
-            while self.store.iterate(limit=5000):
-                await asyncio.sleep(0)
+            try:
+                while self.store.iterate(limit=5000):
+                    await asyncio.sleep(0)
+            except DiskFull as e:  # filing waits for space; the replicated bytes are safe in the log
+                self.disk.note_enospc(str(e))
+                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
+
+    def _retention_slave_holds(self) -> dict[str, dict[str, int]] | None:
+        """A master keeps message-log and dispatch-log segments until every registered slave
+        has fetched them (a slave seen fetching but not registered any more holds nothing: it
+        is dead or gone; if it returns behind the log start it must be rebuilt)."""
+        if self.mode != "master":
+            return None
+        peers = sorted(self._peers)
+        return {name: retention.slave_holds(peers, self.slave_offsets, name, known=self._peers_read) for name in LOGS}
 
     # ------------------------------------------------------------------ roles
 
@@ -178,6 +199,8 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
             tg.create_task(self._wheel_loop(), name="wheel")
             tg.create_task(self._checkpoint_loop(), name="checkpoint")
             tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
+            tg.create_task(self._disk_loop(), name="disk")
+            tg.create_task(self._retention_loop(), name="retention")
             for i in range(self.settings.dispatch_concurrency_max):
                 tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
 
@@ -187,6 +210,8 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
                 tg.create_task(self._follow(name), name=f"follow-{name}")
             tg.create_task(self._slave_iterate_loop(), name="slave-iterate")
             tg.create_task(self._checkpoint_loop(), name="checkpoint")
+            tg.create_task(self._disk_loop(), name="disk")
+            tg.create_task(self._retention_loop(), name="retention")
 
     def _reopen(self, mode: str) -> None:
         self._dispatch_q = asyncio.Queue()

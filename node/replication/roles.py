@@ -84,6 +84,7 @@ class ReplicaRoles:
         self._lease_seen: int | None = None
         self._campaigned_lease: int | None = None
         self._peers: dict[str, int] = {}
+        self._peers_read = False
         self.slave_offsets: dict[str, dict[str, int]] = {}   # slave -> log -> offset (master view)
         self.lag_bytes = 0
         self._caught_up_at = time.monotonic()
@@ -343,6 +344,7 @@ class ReplicaRoles:
                             peers = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in g.members
                                      if m.node_id != me}
                     self._peers = peers
+                    self._peers_read = True  # retention may now trust the slave set (node/store/retention.py)
                     if self.mode == "master":
                         for kind, tr in self._trackers().items():
                             self._release(kind, tr.set_slaves(set(peers)))

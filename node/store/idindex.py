@@ -105,7 +105,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.errors import Closed, CorruptRecord, InvalidArgument
+from cluster.errors import Closed, CorruptRecord, DiskFull, InvalidArgument
+from node.store.diskspace import allocate
 from node.store.log import fsync_dir
 from node.store.syncplan import SyncPlan
 
@@ -123,6 +124,8 @@ ENTRY_SIZE = ENTRY.size  # 40
 ENTRY_FRAME_SIZE_OFFSET = 32
 SUFFIX = ".idx"
 
+ALLOCATE_STEP_BYTES = 1 << 20  # entries are allocated on disk this far ahead of puts
+COMPACT_CHUNK_ENTRIES = 1 << 18  # entries read at once while a sealed file is compacted
 SLOTS_COUNT_DEFAULT = 1 << 20
 ENTRIES_MAX_DEFAULT = 4 << 20
 OPEN_FILES_MAX_DEFAULT = 8
@@ -194,6 +197,8 @@ class _IndexFile:
     mm: mmap.mmap | None = None
     writable: bool = False
     dirty: bool = False
+    allocated: int = 0  # bytes from the start allocated on disk (writable newest file; see ``_ensure_allocated``)
+    buckets: tuple | None = None  # sealed file: (unique bucket_start_ms, counts), computed once (retention)
 
     @property
     def entries_offset(self) -> int:
@@ -237,6 +242,75 @@ def _read_header(path: Path, first_seq: int) -> _IndexFile:
     return _IndexFile(path, first_seq, slots_count, entries_max, entries_used, last_seq if entries_used else -1)
 
 
+def _read_entries(path: Path, entries_offset: int, first: int, count: int) -> np.ndarray:
+    with open(path, "rb") as fh:
+        raw = os.pread(fh.fileno(), count * ENTRY_SIZE, entries_offset + first * ENTRY_SIZE)
+    return np.frombuffer(raw[: len(raw) - len(raw) % ENTRY_SIZE], ENTRY_DTYPE)
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    tmp: Path
+    slots_count: int
+    entries_max: int
+    entries_used: int
+    last_seq: int
+
+
+def build_compacted(path: Path, entries_offset: int, entries_used: int, gone_buckets: np.ndarray, *,
+                    first_seq: int) -> Compacted:
+    """Write ``{path}.tmp``: the entries of sealed file ``path`` whose bucket is not in
+    ``gone_buckets``, in their order, chains relinked; fsynced. Pure file work on a file
+    nobody writes (any thread). Memory: one chunk of entries plus the slot table."""
+    keep_total = 0
+    for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
+        e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
+        keep_total += int(np.count_nonzero(~np.isin(e["bucket_start_ms"], gone_buckets)))
+    entries_max = max(1, keep_total)
+    slots_count = 1 << max(10, (2 * entries_max - 1).bit_length())  # about two slots per entry
+    slots = np.zeros(slots_count, np.uint32)
+    tmp = path.with_name(path.name + ".tmp")
+    size = file_size(slots_count, entries_max)
+    ent_off = HEADER_SIZE + SLOT_SIZE * slots_count
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        allocate(fd, 0, size, str(tmp))
+        n = 0
+        last_seq = -1
+        for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
+            e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
+            e = e[~np.isin(e["bucket_start_ms"], gone_buckets)].copy()
+            k = len(e)
+            if not k:
+                continue
+            slot_of = (e["key_hash"] % np.uint64(slots_count)).astype(np.int64)
+            numbers = np.arange(n + 1, n + k + 1, dtype=np.int64)
+            order = np.argsort(slot_of, kind="stable")
+            s_sorted = slot_of[order]
+            prev_sorted = slots[s_sorted].astype(np.int64)
+            same = np.zeros(k, bool)
+            same[1:] = s_sorted[1:] == s_sorted[:-1]
+            prev_sorted[same] = numbers[order][:-1][same[1:]]
+            prev = np.empty(k, np.int64)
+            prev[order] = prev_sorted
+            e["prev"] = prev
+            last = np.ones(k, bool)
+            last[:-1] = s_sorted[:-1] != s_sorted[1:]
+            slots[s_sorted[last]] = numbers[order][last]
+            os.pwrite(fd, e.tobytes(), ent_off + n * ENTRY_SIZE)
+            n += k
+            last_seq = int(e["seq"][-1])
+        os.pwrite(fd, slots.tobytes(), HEADER_SIZE)
+        os.pwrite(fd, pack_header(slots_count, entries_max, n, first_seq, last_seq if n else first_seq), 0)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return Compacted(tmp, slots_count, entries_max, n, last_seq if n else first_seq)
+
+
 class IdIndex:
     """Message id -> ``IdLocation`` candidates, in rolling mmap'd hash-slot files."""
 
@@ -264,6 +338,8 @@ class IdIndex:
                 raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
+        for dead in path.glob(f"*{SUFFIX}.deleting"):  # retention stopped between rename and unlink
+            dead.unlink()
         for tmp in path.glob(f"*{SUFFIX}.tmp"):  # a kill while creating a file: never named, never used
             log.warning("id index removing unfinished file path=%s", tmp)
             tmp.unlink()
@@ -285,6 +361,10 @@ class IdIndex:
         while self._files:
             f = self._files[-1]
             self._map(f, writable=True)
+            try:
+                self._ensure_allocated(f, f.entries_used + 1)
+            except DiskFull as e:  # still opens: the next put will say so again
+                log.error("id index cannot allocate path=%s error=%s", f.path, e)
             self._recover(f)
             if f.entries_used:
                 self._last_seq = f.last_seq
@@ -396,6 +476,7 @@ class IdIndex:
         mm = f.mm
         assert mm is not None and f.writable
         n = f.entries_used
+        self._ensure_allocated(f, n + 1)
         slot_off = HEADER_SIZE + SLOT_SIZE * (h % f.slots_count)
         (head,) = U32.unpack_from(mm, slot_off)
         if head > n:
@@ -421,11 +502,17 @@ class IdIndex:
         size = file_size(self.slots_count, self.entries_max)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)  # sparse: untouched slots and entries cost no disk
+            os.ftruncate(fd, size)  # sparse: untouched entries cost no disk
+            # header and slots are allocated before the file is mapped (a store into a page the
+            # disk cannot back is a SIGBUS); entries are allocated ahead of puts
+            allocate(fd, 0, HEADER_SIZE + SLOT_SIZE * self.slots_count, str(path))
             os.pwrite(fd, pack_header(self.slots_count, self.entries_max, 0, seq, -1), 0)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            tmp.unlink()
+            raise
+        os.close(fd)
         os.rename(tmp, path)
         fsync_dir(self.directory)
         f = _IndexFile(path, seq, self.slots_count, self.entries_max, 0, -1)
@@ -479,11 +566,24 @@ class IdIndex:
             i += k
         self._last_seq = int(seqs[-1])
 
+    def _ensure_allocated(self, f: _IndexFile, entries: int) -> None:
+        """Allocate the file up to ``entries`` entries (in steps of ``ALLOCATE_STEP_BYTES``)
+        before they are stored through the map; ``DiskFull`` (nothing written) if the disk
+        cannot."""
+        need = f.entries_offset + entries * ENTRY_SIZE
+        if need <= f.allocated:
+            return
+        upto = min(f.size, -(-need // ALLOCATE_STEP_BYTES) * ALLOCATE_STEP_BYTES)
+        assert f.fd >= 0
+        allocate(f.fd, f.allocated, upto - f.allocated, str(f.path))
+        f.allocated = upto
+
     def _put_chunk(self, f: _IndexFile, h, bucket, off, size, seqs) -> None:
         mm = f.mm
         assert mm is not None and f.writable
         k = len(h)
         n0 = f.entries_used
+        self._ensure_allocated(f, n0 + k)
         slots = np.frombuffer(mm, "<u4", f.slots_count, HEADER_SIZE)
         entries = np.frombuffer(mm, ENTRY_DTYPE, k, f.entries_offset + n0 * ENTRY_SIZE)
         slot_of = (np.asarray(h, np.uint64) % np.uint64(f.slots_count)).astype(np.int64)
@@ -599,6 +699,74 @@ class IdIndex:
             self._files = keep
             fsync_dir(self.directory)
         return deleted
+
+    # -- retention: compaction of sealed files (node/store/retention.py decides) -----------
+
+    def sealed_bucket_counts(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``(first_seq, entries_used, bucket starts, entries per bucket start)`` of every
+        sealed file (all but the newest). A sealed file never changes, so its counts are
+        computed once (one pass over its entries) and kept."""
+        self._check_open()
+        out = []
+        for f in self._files[:-1]:
+            if f.buckets is None:
+                starts = np.zeros(0, np.int64)
+                counts = np.zeros(0, np.int64)
+                for lo in range(0, f.entries_used, COMPACT_CHUNK_ENTRIES):
+                    e = _read_entries(f.path, f.entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, f.entries_used - lo))
+                    u, c = np.unique(e["bucket_start_ms"], return_counts=True)
+                    starts, inv = np.unique(np.concatenate([starts, u]), return_inverse=True)
+                    counts = np.bincount(inv, weights=np.concatenate([counts, c]), minlength=len(starts)).astype(np.int64)
+                f.buckets = (starts, counts)
+            out.append((f.first_seq, f.entries_used, *f.buckets))
+        return out
+
+    def detach_file(self, first_seq: int) -> Path | None:
+        """Retention (on the caller's thread): forget a sealed file whose every entry may go;
+        the caller unlinks the returned path (``unlink_files``, any thread). A crash before
+        that finds the file again at open: nothing is lost, it is deleted next time."""
+        self._check_open()
+        for i, f in enumerate(self._files[:-1]):
+            if f.first_seq == first_seq:
+                self._unmap(f)
+                del self._files[i]
+                dead = f.path.with_name(f.path.name + ".deleting")
+                os.replace(f.path, dead)  # a reopened index never lists it; open removes leftovers
+                log.info("id index file retired path=%s last_seq=%d", f.path, f.last_seq)
+                return dead
+        return None
+
+    def unlink_files(self, paths: list[Path]) -> None:
+        for p in paths:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        if paths:
+            fsync_dir(self.directory)
+
+    def compact_source(self, first_seq: int) -> tuple[Path, int, int, int] | None:
+        """What ``build_compacted`` reads: (path, entries_offset, entries_used, slots_count)."""
+        for f in self._files[:-1]:
+            if f.first_seq == first_seq:
+                return f.path, f.entries_offset, f.entries_used, f.slots_count
+        return None
+
+    def swap_compacted(self, first_seq: int, built: "Compacted") -> bool:
+        """Put a file written by ``build_compacted`` in place of the sealed file (one atomic
+        rename; a crash before it leaves ``*.idx.tmp``, removed at open)."""
+        self._check_open()
+        for f in self._files[:-1]:
+            if f.first_seq == first_seq:
+                self._unmap(f)
+                os.replace(built.tmp, f.path)
+                f.slots_count, f.entries_max, f.entries_used, f.last_seq = (built.slots_count, built.entries_max,
+                                                                            built.entries_used, built.last_seq)
+                f.buckets = None
+                log.info("id index file compacted path=%s entries=%d", f.path, built.entries_used)
+                return True
+        built.tmp.unlink(missing_ok=True)
+        return False
 
     def close(self) -> None:
         if self._closed:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
+from node.store.diskspace import enospc, is_enospc
 
 log = logging.getLogger("hourglass.store.log")
 
@@ -60,6 +61,7 @@ HEADER = struct.Struct("<III")
 HEADER_SIZE = HEADER.size  # 12
 PREFIX = struct.Struct("<II")
 SUFFIX = ".log"
+DELETING_SUFFIX = ".deleting"
 RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
 SEGMENT_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
 READ_CHUNK_BYTES = 1 << 20
@@ -146,6 +148,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def unlink_segments(directory: Path, paths: list[Path]) -> int:
+    """Delete detached segments oldest first (so a crash midway leaves the log's front cut,
+    never a gap), then fsync the folder. Any thread. Returns bytes freed."""
+    freed = 0
+    for p in paths:
+        try:
+            freed += p.stat().st_size
+            p.unlink()
+        except FileNotFoundError:
+            pass
+    if paths:
+        fsync_dir(directory)
+    return freed
+
+
 class SegmentedLog:
     """See module docstring. Not thread-safe, except ``flush`` may run in a worker thread."""
 
@@ -175,6 +192,20 @@ class SegmentedLog:
             raise ValueError("segment_bytes_max too small")
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
+        # retention renames segments "*.log.deleting" oldest first, then unlinks them: a crash
+        # in between leaves some; every segment at or below the newest of them was due too
+        # (a rename lost by a power cut would otherwise leave a gap)
+        dying = [p for p in d.glob("*" + SUFFIX + DELETING_SUFFIX)]
+        if dying:
+            upto = max(int(p.name.split(".")[0]) for p in dying)
+            for p in sorted(d.glob("*" + SUFFIX)):
+                if p.stem.isdigit() and int(p.stem) <= upto and \
+                        any(q.stem.isdigit() and int(q.stem) > int(p.stem) for q in d.glob("*" + SUFFIX)):
+                    dying.append(p)
+            for p in dying:
+                p.unlink()
+            fsync_dir(d)
+            log.warning("segment deletion finished path=%s segments=%d", d, len(dying))
         segments: list[_Segment] = []
         for p in sorted(d.glob("*" + SUFFIX)):
             try:
@@ -331,18 +362,33 @@ class SegmentedLog:
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
-        while view:
-            n = os.write(self._active_fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._active_fd, view)
+                view = view[n:]
+        except OSError as e:
+            # a short write leaves part of a frame behind: cut the file back to the last whole
+            # record, so the next append (space freed) lands where the offsets say it does
+            seg = self._segments[-1]
+            os.ftruncate(self._active_fd, seg.size)
+            if is_enospc(e):
+                raise enospc(e, str(seg.path)) from None
+            raise
 
     def _roll(self) -> None:
-        """Seal the active segment (fsync) and start a new one at end_offset."""
+        """Seal the active segment (fsync) and start a new one at end_offset. The new file
+        is created before the old one is let go: a full disk leaves the log as it was."""
         os.fsync(self._active_fd)
-        os.close(self._active_fd)
         base = self.end_offset
         p = self.directory / _segment_name(base)
-        p.touch()
-        fsync_dir(self.directory)
+        try:
+            p.touch()
+            fsync_dir(self.directory)
+        except OSError as e:
+            if is_enospc(e):
+                raise enospc(e, str(p)) from None
+            raise
+        os.close(self._active_fd)
         self._segments.append(_Segment(base, p, 0, time.time()))
         self._open_active()
 
@@ -400,6 +446,26 @@ class SegmentedLog:
         if freed:
             fsync_dir(self.directory)
         return freed
+
+    def segments_info(self) -> list[tuple[int, int, int]]:
+        """``(base, size, mtime_ms)`` of every segment, oldest first (retention decisions)."""
+        return [(s.base, s.size, int(s.mtime * 1000)) for s in self._segments]
+
+    def detach_before(self, offset: int) -> list[Path]:
+        """Retention, first half (on the caller's thread): forget whole sealed segments that
+        end at or before ``offset`` and return their paths, oldest first, for
+        ``unlink_segments`` (second half, any thread). Until then the files stay on disk;
+        a crash in between finds them again at open, still contiguous with the rest."""
+        gone: list[Path] = []
+        while len(self._segments) > 1 and self._segments[1].base <= offset:
+            seg = self._segments.pop(0)
+            self._close_reader(seg.base)
+            # renamed now (one metadata call), so a store reopened on this folder before the
+            # unlink never lists it; oldest first, so ``open`` can finish the job (see there)
+            dead = seg.path.with_name(seg.path.name + DELETING_SUFFIX)
+            os.replace(seg.path, dead)
+            gone.append(dead)
+        return gone
 
     def apply_retention(self, *, now_s: float, age_s_max: float | None, bytes_max: int | None,
                         keep_from_offset: int) -> int:

@@ -79,6 +79,7 @@ from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
 from node.store.syncplan import SyncPlan
 
+from .diskspace import allocate, enospc, is_enospc
 from .log import HEADER_SIZE, SegmentedLog, fsync_dir
 
 log = logging.getLogger("hourglass.store.schedule")
@@ -229,7 +230,8 @@ class Bucket:
             fresh = os.fstat(fd).st_size != want
             if fresh:
                 os.ftruncate(fd, 0)
-                os.ftruncate(fd, want)
+            # allocated before it is mapped: a store into a page the disk cannot back is a SIGBUS
+            allocate(fd, 0, want, str(self._heads_path))
             self._heads_map = mmap.mmap(fd, want)
         except BaseException:
             os.close(fd)
@@ -301,10 +303,28 @@ class Bucket:
         """File groups (each due in one second of this bucket, in due order, all newer than
         ``last_seq``): one data write, one index write. Returns (offset, size) each."""
         bodies = [g.encode() for g in groups]
+        data_end = self.data.end_offset
         offsets = self.data.append(bodies)
         sizes = [HEADER_SIZE + len(body) for body in bodies]
-        self._write_entries([self._entry_row(off, size, g) for off, size, g in zip(offsets, sizes, groups)])
+        try:
+            self._write_entries([self._entry_row(off, size, g) for off, size, g in zip(offsets, sizes, groups)])
+        except OSError as e:  # the disk filled between data and index: as if nothing was filed
+            self.data.truncate(data_end)
+            if is_enospc(e):
+                raise enospc(e, str(self._index_path)) from None
+            raise
         return list(zip(offsets, sizes))
+
+    def discard(self) -> None:
+        """Let go of the files without flushing them (the bucket is being deleted)."""
+        if hasattr(self, "heads"):
+            del self.heads
+        self._heads_map.close()
+        for name in ("_index_fd", "_heads_fd"):
+            if getattr(self, name, -1) >= 0:
+                os.close(getattr(self, name))
+                setattr(self, name, -1)
+        self.data.close()
 
     def flush(self) -> None:
         """Make data, index and heads durable, in that order."""
@@ -452,6 +472,7 @@ class ScheduleLog:
         # bucket (``replace_bucket``) or raises. None: corruption is raised to the caller.
         self.healer: Callable[[int, CorruptRecord], None] | None = None
         self._finish_swaps()
+        self._finish_deletions()
 
     def bucket_start(self, deliver_at_ms: int) -> int:
         return deliver_at_ms - deliver_at_ms % self.bucket_ms
@@ -684,6 +705,48 @@ class ScheduleLog:
     def plan_flush(self, plan: SyncPlan) -> None:
         for b in self._open.values():
             b.plan_flush(plan)
+
+    # -- retention -------------------------------------------------------------------
+
+    def _finish_deletions(self) -> None:
+        """Buckets renamed ``{start}.deleting`` by ``detach_buckets`` and not yet removed
+        when the process stopped: remove them now."""
+        left = [p for p in self.root.glob("*.deleting") if p.is_dir()]
+        for p in left:
+            shutil.rmtree(p)
+            log.warning("schedule bucket deletion finished path=%s", p)
+        if left:
+            fsync_dir(self.root)
+
+    def exists(self, start_ms: int) -> bool:
+        """Whether bucket ``start_ms`` is on disk (False once retention deleted it)."""
+        return start_ms in self._open or self._path(start_ms).is_dir()
+
+    def detach_buckets(self, starts: list[int]) -> list[Path]:
+        """Retention, first half (on the loop): close buckets ``starts`` (all dispatched) and
+        rename each folder to ``{start}.deleting`` - one atomic rename, after which the
+        bucket no longer exists for this log; ``remove_detached`` (any thread) deletes them.
+        A crash in between leaves folders that ``open`` removes."""
+        out = []
+        for s in starts:
+            b = self._open.pop(s, None)
+            if b is not None:
+                b.discard()
+            self.cache.drop_bucket(s)
+            path = self._path(s)
+            if not path.exists():
+                continue
+            gone = path.with_name(path.name + ".deleting")
+            os.replace(path, gone)
+            out.append(gone)
+        return out
+
+    def remove_detached(self, paths: list[Path]) -> None:
+        """Retention, second half (any thread): delete detached bucket folders."""
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        if paths:
+            fsync_dir(self.root)
 
     def drop_before(self, start_ms: int) -> int:
         """Retention: delete whole buckets that end at or before ``start_ms`` (all dispatched)."""
