@@ -159,3 +159,58 @@ def test_scrub_task_finds_a_flipped_byte_in_a_sealed_segment(tmp_path, where):
         h.run_until(T0 + 2 * HOUR + 8_000, step=100)
         assert len(h.delivered) == 179 and len(set(h.delivered)) == 179
     assert SMALL.message_segment_bytes < store.messages.end_offset
+
+
+async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its_slave(tmp_path):
+    """The scrub finds a flipped byte in a sealed message-log segment of the master; the
+    master fetches the segment from its slave (Replication.ReadLog) and swaps it in."""
+    import json
+    import os
+    import time
+
+    from cluster.client import Producer, StaticResolver
+    from cluster.devcluster import LocalCluster
+    from cluster.proto import hourglass_pb2 as pb
+    from cluster.transport import Channels
+    from node.config import NodeSettings
+
+    if "message_segment_bytes" not in NodeSettings.model_fields:
+        pytest.skip("needs the message_segment_bytes setting (issue 14 A)")
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64"}
+    with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
+                      lease_ttl_ms=2000, env=env) as c:
+        c.wait_registered()
+        master = await c.wait_master("delay")
+        node = next(n for n in c.delay if n.name == master)
+        slave = next(n for n in c.delay if n.name != master)
+        resolver = StaticResolver(delay=[node.address], realtime=[n.address for n in c.realtime])
+        due = int(time.time() * 1000) + 600_000
+        async with Producer(resolver) as p:
+            for k in range(4):
+                await asyncio.gather(*[p.send_and_wait("scrub.repair", b"r" * 1000, deliver_at_ms=due,
+                                                       id=f"r{k}-{i}") for i in range(40)])
+        seg = node.data_dir / "messages" / f"{0:020d}.log"
+        copy = slave.data_dir / "messages" / f"{0:020d}.log"
+        assert len(sorted((node.data_dir / "messages").glob("*.log"))) >= 2, "a sealed segment"
+        for _ in range(100):  # the slave holds the sealed segment whole (bounded wait: 10 s)
+            if copy.exists() and copy.stat().st_size == seg.stat().st_size:
+                break
+            await asyncio.sleep(0.1)
+        healthy = seg.read_bytes()
+        fd = os.open(seg, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([healthy[len(healthy) // 2] ^ 0x04]), len(healthy) // 2)
+        finally:
+            os.close(fd)
+        for _ in range(200):  # bounded: 20 s
+            if "segment repaired from" in node.log_path.read_text():
+                break
+            await asyncio.sleep(0.1)
+        assert "segment repaired from" in node.log_path.read_text(), node.tail_log()
+        assert seg.read_bytes() == healthy == copy.read_bytes()
+        ch = Channels()
+        try:
+            st = json.loads((await ch.admin(node.address).Status(pb.StatusRequest(), timeout=5)).json)
+        finally:
+            await ch.close()
+        assert st["scrub"]["unrepaired"] == {}

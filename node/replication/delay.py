@@ -35,6 +35,7 @@ from cluster.proto import meta_pb2 as mpb
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.core import SyncTracker
+from node.replication.repair import SegmentRepair
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store import retention
 from node.store.group_commit import GroupCommitter
@@ -45,7 +46,7 @@ log = logging.getLogger("hourglass.replication")
 LOGS = ("messages", "dispatch")
 
 
-class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
+class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.ReplicationServicer):
     ROLE = "delay"
     DISCOVERY_KIND = mpb.DELAYED_PRODUCER
 
@@ -60,6 +61,7 @@ class ReplicatedDelayNode(ReplicaRoles, DelayNode, rpc.ReplicationServicer):
         root = Path(settings.data_dir)
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
+        self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 

@@ -433,6 +433,40 @@ class SegmentedLog:
         self._segments = [_Segment(start_offset, p, 0, time.time())]
         self._open_active()
 
+    # ------------------------------------------------------------------ repair
+
+    def replace_sealed(self, base: int, data: bytes) -> None:
+        """Replace sealed segment ``base`` by ``data``: a healthy copy of it (from a replica,
+        byte-identical by construction) found after the scrub saw corruption here. ``data``
+        must be exactly the segment's size and every frame must pass its checks. Crash-safe:
+        written to ``{name}.tmp`` (removed at open if left), fsynced, renamed over the segment."""
+        segs = self._segments
+        i = next((k for k, s in enumerate(segs) if s.base == base), None)
+        if i is None or i == len(segs) - 1:
+            raise InvalidArgument("base", f"{base} is not a sealed segment of {self.directory}")
+        seg = segs[i]
+        if len(data) != seg.size:
+            raise InvalidArgument("data", f"{len(data)} bytes for a segment of {seg.size}")
+        pos = 0
+        while pos < len(data):
+            try:
+                _, pos = decode_frame(data, pos, "<copy>", base, self.record_bytes_max)
+            except TornRecord:
+                raise CorruptRecord("<copy>", base + pos, "copy ends inside a record") from None
+        tmp = seg.path.with_name(seg.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._close_reader(base)
+        os.replace(tmp, seg.path)
+        fsync_dir(self.directory)
+        log.warning("sealed segment replaced by a healthy copy path=%s offset=%d bytes=%d", seg.path, base, seg.size)
+
     # ------------------------------------------------------------------ retention
 
     def delete_before(self, offset: int) -> int:
