@@ -203,3 +203,26 @@ async def test_real_node_heals_current_and_future_buckets_after_sigkill(tmp_path
         assert "schedule bucket rebuilt bucket=%d" % later in log_text
         status = (await c.statuses("delay"))[node.name]
         assert status["healing"]["buckets_rebuilt"] == 2
+
+
+def test_rebuild_after_retention_salvages_what_the_message_log_no_longer_has(tmp_path):
+    """Retention deleted the message log's first segment: the records only the bucket still
+    holds are salvaged from its good frames; the corrupt frame's records come from the log."""
+    future = T0 + 2 * HOUR
+    h = Harness(tmp_path)
+    for k in range(10):  # 10 batches of 10 x 1000 bytes: the 64 KiB message log rolls
+        h.send([msg(k * 10 + i, future + 1_000 + 100 * i, payload=b"s" * 1000) for i in range(10)])
+    s = h.store
+    s.checkpoint()
+    bases = s.messages.segment_bases()
+    assert len(bases) >= 2
+    assert s.messages.delete_before(bases[1]) > 0  # what retention does once filed and checkpointed
+    seg = sorted((bucket_dir(tmp_path, future) / "data").glob("*.log"))[-1]
+    size = seg.stat().st_size
+    flip(seg, size - 500)  # in the last frame: the last batch, still in the message log
+    statuses = {i: s.lookup(f"m{i}").status for i in range(100)}
+    assert set(statuses.values()) == {"pending"}
+    assert s.healer.counters["buckets_rebuilt"] == 1 and s.healer.counters.get("lost_bytes", 0) > 0
+    h.now = future
+    h.run_until(future + 3_000, step=50)
+    assert sorted(h.delivered) == sorted(f"m{i}" for i in range(100))

@@ -22,9 +22,13 @@ effective time, so that the new bucket holds what the old one held:
   filed behind the wheel may move to a later second of it, never to a second already
   dispatched).
 
-Voided seqs (a divergent suffix cut off) are left out. A record whose message-log
-segment retention already deleted cannot be re-filed from here: the rebuild says so in
-its log line (``messages_from``) and ``docs/operations.md`` tells what to do.
+Voided seqs (a divergent suffix cut off) are left out. Records whose message-log segment
+retention already deleted (seq below the log's first record) are **salvaged** from the old
+bucket instead: every frame of its data log that still passes its CRCs is kept as it was
+(same effective time); a corrupt frame is skipped (by its length when only the body is bad,
+else by a search for the next good header, at most ``RESYNC_BYTES_MAX``). Records of a
+corrupt frame that the message log no longer holds are lost here: the log line says how
+many bytes were skipped (``lost_bytes``) and ``docs/operations.md`` tells what to do.
 
 ``BucketHealer.check_soon`` runs at open, before the node announces serving: the buckets
 the wheel loads first are verified in full (``Bucket.verify``) and rebuilt when they fail.
@@ -35,13 +39,16 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cluster.codec import KIND_CANCEL, Batch, DispatchBatch
-from cluster.errors import CorruptRecord
+from cluster.errors import CorruptRecord, InvalidArgument
+from node.store.log import HEADER, HEADER_SIZE
 
 if TYPE_CHECKING:
     from node.delay.store import DelayStore
@@ -49,6 +56,51 @@ if TYPE_CHECKING:
 log = logging.getLogger("hourglass.delay.heal")
 
 REBUILDS_PER_BUCKET_MAX = 3  # a bucket that keeps failing after this many rebuilds is a bug or a bad disk
+RESYNC_BYTES_MAX = 1 << 20   # after a bad frame header, look this far for the next good frame
+
+
+def _frame_at(buf: bytes, pos: int, record_bytes_max: int) -> tuple[bytes | None, int]:
+    """(body, next position) of a frame at ``pos`` that passes its checks; (None, frame end)
+    when only its body is bad (the length is trusted); (None, -1) when its header is bad."""
+    if len(buf) - pos < HEADER_SIZE:
+        return None, -1
+    body_len, body_crc, header_crc = HEADER.unpack_from(buf, pos)
+    if zlib.crc32(buf[pos:pos + 8]) != header_crc or body_len > record_bytes_max or \
+            pos + HEADER_SIZE + body_len > len(buf):
+        return None, -1
+    body = buf[pos + HEADER_SIZE:pos + HEADER_SIZE + body_len]
+    return (body if zlib.crc32(body) == body_crc else None), pos + HEADER_SIZE + body_len
+
+
+def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], int]:
+    """Every frame of a bucket's data log that passes its checks (log order), and the bytes
+    skipped as corrupt. Reads the files directly: the bucket may not open."""
+    out: list[Batch] = []
+    lost = 0
+    for seg in sorted(data_dir.glob("*.log")):
+        buf = seg.read_bytes()
+        pos = 0
+        while pos < len(buf):
+            body, nxt = _frame_at(buf, pos, record_bytes_max)
+            if body is not None:
+                try:
+                    out.append(Batch.decode(body))
+                except InvalidArgument:
+                    lost += nxt - pos  # a good CRC over a bad structure: skipped all the same
+                pos = nxt
+                continue
+            if nxt > 0:  # the body is bad, the length is good: skip exactly this frame
+                lost += nxt - pos
+                pos = nxt
+                continue
+            found = next((p for p in range(pos + 1, min(len(buf), pos + RESYNC_BYTES_MAX))
+                          if _frame_at(buf, p, record_bytes_max)[0] is not None), None)
+            if found is None:
+                lost += len(buf) - pos
+                break
+            lost += found - pos
+            pos = found
+    return out, lost
 
 
 def group_by_second(b: Batch) -> list[Batch]:
@@ -110,16 +162,19 @@ class BucketHealer:
         log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
                     "reason=%r", start_ms, why.path, why.offset, why.reason)
         t0 = time.monotonic()
-        counted = {"messages": 0}
+        counted = {"messages": 0, "salvaged": 0, "lost_bytes": 0}
         frames = s.schedule.replace_bucket(start_ms, self._chunks(start_ms, counted))
         self.counters["buckets_rebuilt"] += 1
         self.counters["frames_rebuilt"] += frames
-        log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d messages_from=%d iterate_offset=%d "
-                    "elapsed_ms=%d", start_ms, frames, counted["messages"], s.messages.start_offset,
-                    s.iterate_offset, (time.monotonic() - t0) * 1000)
-        if s.messages.start_offset > 0:
-            log.warning("schedule bucket rebuild may be incomplete bucket=%d: message log starts at offset %d "
-                        "(older segments were deleted by retention)", start_ms, s.messages.start_offset)
+        log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d salvaged=%d lost_bytes=%d "
+                    "messages_from=%d iterate_offset=%d elapsed_ms=%d", start_ms, frames, counted["messages"],
+                    counted["salvaged"], counted["lost_bytes"], s.messages.start_offset, s.iterate_offset,
+                    (time.monotonic() - t0) * 1000)
+        if counted["lost_bytes"]:
+            self.counters["lost_bytes"] = self.counters.get("lost_bytes", 0) + counted["lost_bytes"]
+            log.error("schedule bucket rebuild incomplete bucket=%d: %d corrupt bytes held records the message "
+                      "log no longer has (deleted by retention); see docs/operations.md, \"Self-healing and "
+                      "scrubbing\"", start_ms, counted["lost_bytes"])
 
     def _known_times(self, start_ms: int, end_ms: int) -> tuple[np.ndarray, np.ndarray]:
         """Seqs with a known effective time in [start, end): dispatched messages and the
@@ -151,6 +206,14 @@ class BucketHealer:
         order = np.argsort(seq, kind="stable")
         return seq[order], eff[order]
 
+    def _first_log_seq(self) -> int | None:
+        s = self.store
+        if s.messages.start_offset >= s.messages.end_offset:
+            return None
+        body, _ = s.messages.read(s.messages.start_offset)
+        b = Batch.decode(body)
+        return int(b.seq[0]) if b.n else None
+
     def _log_batches(self) -> Iterator[Batch]:
         s = self.store
         start = s.messages.start_offset
@@ -163,6 +226,19 @@ class BucketHealer:
         s = self.store
         end_ms = start_ms + s.settings.bucket_ms
         known_seq, known_eff = self._known_times(start_ms, end_ms)
+        if s.messages.start_offset > 0:
+            # retention deleted the log's beginning: older records come from the old bucket as they were
+            first = self._first_log_seq()
+            frames, lost = salvage_frames(s.schedule.bucket_path(start_ms) / "data", s.messages.record_bytes_max)
+            counted["lost_bytes"] = lost
+            for f in frames:
+                keep = f.seq < np.uint64(first) if first is not None else np.ones(f.n, bool)
+                if s.voided:
+                    keep &= ~s._voided_mask(f.seq)
+                if keep.any():
+                    part = f if keep.all() else f.take(np.flatnonzero(keep))
+                    counted["salvaged"] += part.n
+                    yield [part]
         for b in self._log_batches():
             eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=known_seq, known_eff=known_eff)
             m = (eff >= start_ms) & (eff < end_ms)

@@ -480,6 +480,10 @@ class ScheduleLog:
     def _path(self, start_ms: int) -> Path:
         return self.root / f"{start_ms:018d}"
 
+    def bucket_path(self, start_ms: int) -> Path:
+        """The folder of bucket ``start_ms`` (it may not exist)."""
+        return self._path(start_ms)
+
     # -- healing -------------------------------------------------------------------
 
     def _finish_swaps(self) -> None:
