@@ -31,8 +31,9 @@ corrupt frame that the message log no longer holds are lost here: the log line s
 many bytes were skipped (``lost_bytes``) and ``docs/operations.md`` tells what to do.
 
 ``BucketHealer.check_soon`` runs at open, before the node announces serving: the buckets
-the wheel loads first are verified in full (``Bucket.verify``) and rebuilt when they fail.
-Later buckets are rebuilt when a read of them fails (``ScheduleLog._healing``).
+the wheel loads first are verified (``Bucket.verify``: the whole index and heads, and the
+frames due within ``verify_ahead_ms``) and rebuilt when they fail. Later buckets are rebuilt
+when opening or reading them fails (``ScheduleLog._healing``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import numpy as np
 
 from cluster.codec import KIND_CANCEL, Batch, DispatchBatch
 from cluster.errors import CorruptRecord, InvalidArgument
+from node.store import records
 from node.store.log import HEADER, HEADER_SIZE
 
 if TYPE_CHECKING:
@@ -135,18 +137,23 @@ class BucketHealer:
         self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
         self._rebuilds: dict[int, int] = {}
 
-    def check_soon(self, *, ahead_ms: int, verify_bytes_max: int) -> None:
-        """Verify the buckets the wheel loads first (the one holding ``completed_ms`` and the
-        one ``ahead_ms`` later), rebuilding any that fails. Buckets larger than
-        ``verify_bytes_max`` are only opened (their reads are checked as they happen)."""
+    def check_soon(self, *, ahead_ms: int) -> None:
+        """Verify the buckets the wheel loads first, rebuilding any that fails: the whole
+        index and heads of the bucket holding ``completed_ms`` and of the one ``ahead_ms``
+        later (numpy, no frame read), and every frame due in ``[completed_ms, +ahead_ms]``
+        (``Bucket.verify``). Bounded by that window, not by the bucket's size, so a
+        promotion stays fast. Later frames are checked when they are read."""
         s = self.store
         c = s.completed_ms
+        seq_below = records.make_seq(s.epoch, 0)  # no seq of this epoch is issued yet
         for start in sorted({s.schedule.bucket_start(c), s.schedule.bucket_start(c + ahead_ms)}):
             b = s.schedule.bucket(start, create=False)  # an open that fails is rebuilt here
-            if b is None or b.data.size_bytes > verify_bytes_max:
+            if b is None:
                 continue
+            lo = max(0, (c - start) // 1000)
+            hi = min(b.seconds, (c + ahead_ms - start) // 1000 + 1)
             try:
-                b.verify()
+                b.verify(seconds=range(lo, max(lo, hi)), seq_below=seq_below)
             except CorruptRecord as e:
                 self.rebuild(start, e)
 

@@ -93,8 +93,7 @@ class StoreSettings:
     frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
     id_slots: int = 1 << 20
     id_entries_max: int = 4 << 20
-    verify_ahead_ms: int = 60_000         # at open, the buckets of [completed_ms, +this] are verified in full
-    verify_at_open_bytes_max: int = 1 << 30  # ... unless larger (node/delay/heal.py)
+    verify_ahead_ms: int = 10_000         # at open, frames due in [completed_ms, +this] are verified (heal.py)
     limits: Limits = field(default_factory=Limits)
     # retention (node/delay/retention.py): ids of delivered/cancelled messages stay this long
     # after their bucket ended, so a re-send is still a duplicate; a sealed id file is
@@ -235,7 +234,7 @@ class DelayStore:
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
         self.healer = BucketHealer(self)
         self.schedule.healer = self.healer.rebuild
-        self.healer.check_soon(ahead_ms=settings.verify_ahead_ms, verify_bytes_max=settings.verify_at_open_bytes_max)
+        self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
         self._pending = self._count_pending()
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.iterate(limit=None)  # replay: file everything the crash left unfiled

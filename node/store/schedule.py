@@ -174,6 +174,7 @@ class Bucket:
         self.rebuilt = (path / REBUILT_MARKER).exists()
         self._recover_index()
         self._open_heads()
+        self._check_mark()
 
     # -- recovery ----------------------------------------------------------------
 
@@ -213,6 +214,17 @@ class Bucket:
             self._write_entries(rows, link=False)
             self._repaired = True
             log.warning("schedule index rebuilt path=%s frames=%d", self._index_path, len(rows))
+
+    def _check_mark(self) -> None:
+        """The replay high-water mark comes from one entry (the largest ``last_seq``): read
+        its frame and check it, so a flipped bit there cannot make filing skip records."""
+        if not self.entries:
+            return
+        e = self.entries_array()
+        n = int(np.argmax(e["last_seq"]))
+        b = self.read(int(e["data_offset"][n]), int(e["frame_size"][n]))
+        if b.n == 0 or int(b.seq.max()) != int(e["last_seq"][n]) or int(b.seq.min()) != int(e["first_seq"][n]):
+            raise CorruptRecord(str(self._index_path), n * ENTRY_SIZE, "index entry seq range does not match its frame")
 
     def _entry_row(self, off: int, fsize: int, b: Batch) -> tuple:
         if not b.n:
@@ -367,17 +379,26 @@ class Bucket:
     def read(self, data_offset: int, frame_size: int) -> Batch:
         return Batch.decode(self.data.read_at(data_offset, frame_size))
 
-    def verify(self) -> int:
-        """Check everything of this bucket against everything else; return the frame count.
+    def verify(self, *, seconds: range | None = None, seq_below: int | None = None) -> int:
+        """Check this bucket against itself; return the frames read. Raises ``CorruptRecord``
+        naming the file and offset.
 
-        Every data frame passes its CRCs and is described exactly by its index entry
-        (offset, size, seq range, second, counts; entries in filing order cover the data
-        contiguously), every ``prev`` links the previous entry of the same second and every
-        head the newest one. Raises ``CorruptRecord`` naming the file and offset."""
+        Always (numpy over the whole index, no frame read): entries in filing order cover the
+        data log contiguously, every ``prev`` links the previous entry of the same second,
+        every head the newest one, every seq range is ordered and below ``seq_below`` (the
+        first seq not issued yet: a flipped high bit in ``last_seq`` would make filing skip
+        new records). Then the frames - all of them (``seconds`` None, one pass over the data
+        log), or only those of ``seconds`` (relative to the bucket start) - pass their CRCs
+        and match their entries exactly (seq range, second, counts)."""
         e = self.entries_array().copy()
         ipath = str(self._index_path)
         n = len(e)
         if n:
+            bad = np.flatnonzero(e["first_seq"] > e["last_seq"])
+            if seq_below is not None:
+                bad = np.union1d(bad, np.flatnonzero(e["last_seq"] >= np.uint64(seq_below)))
+            if len(bad):
+                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index entry seq range is impossible")
             ends = e["data_offset"].astype(np.int64) + e["frame_size"]
             starts = np.concatenate([[self.data.start_offset], ends[:-1]])
             bad = np.flatnonzero((e["data_offset"].astype(np.int64) != starts) | (e["second"] >= self.seconds))
@@ -404,16 +425,24 @@ class Bucket:
         bad = np.flatnonzero(self.heads.astype(np.int64) != want_heads)
         if len(bad):
             raise CorruptRecord(str(self._heads_path), HEADS_HEADER_SIZE + 4 * int(bad[0]), "head does not match index")
-        i = 0
-        for off, body in self.data.iterate():
-            if i >= n:
-                raise CorruptRecord(str(self.data.directory), off, "frame not in the index")
-            b = Batch.decode(body)
-            row = self._entry_row(off, HEADER_SIZE + len(body), b)
+        def check(i: int, off: int, body: bytes) -> None:
+            row = self._entry_row(off, HEADER_SIZE + len(body), Batch.decode(body))
             got = (int(e["data_offset"][i]), int(e["frame_size"][i]), 0, int(e["first_seq"][i]),
                    int(e["last_seq"][i]), int(e["second"][i]), int(e["messages"][i]), int(e["cancels"][i]), 0)
             if got != row:
                 raise CorruptRecord(ipath, i * ENTRY_SIZE, "index entry does not match its frame")
+
+        if seconds is not None:
+            picked = np.flatnonzero((e["second"] >= seconds.start) & (e["second"] < seconds.stop)).tolist()
+            for i in picked:
+                off, size = int(e["data_offset"][i]), int(e["frame_size"][i])
+                check(i, off, self.data.read_at(off, size))
+            return len(picked)
+        i = 0
+        for off, body in self.data.iterate():
+            if i >= n:
+                raise CorruptRecord(str(self.data.directory), off, "frame not in the index")
+            check(i, off, body)
             i += 1
         return i
 
