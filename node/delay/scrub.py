@@ -29,7 +29,7 @@ from node.store.verify import VerifyReport, verify_dir
 
 log = logging.getLogger("hourglass.delay.scrub")
 
-TARGETS_REFRESH_MS = 5_000  # the segment list is listed again at most this often (and after a change)
+TARGETS_REFRESH_MS = 30_000  # the segment list is listed again this often (and after a change)
 
 
 def log_targets(lg: SegmentedLog, kind: str) -> list[ScrubTarget]:
@@ -77,11 +77,13 @@ class ScrubTask:
         self._listed_ms = -TARGETS_REFRESH_MS
         self._healed_seen: dict[int, tuple[int, int]] = {}  # id(healer) -> (found, rebuilt) counted
 
-    def targets(self, now_ms: int, *, force: bool = False) -> list[ScrubTarget]:
+    async def targets(self, now_ms: int, *, force: bool = False) -> list[ScrubTarget]:
         if force or now_ms - self._listed_ms >= TARGETS_REFRESH_MS:
             s = self.node.store
-            self._targets = (log_targets(s.messages, "messages") + log_targets(s.dispatch, "dispatch")
-                             + schedule_targets(s.schedule.root))
+            logs = log_targets(s.messages, "messages") + log_targets(s.dispatch, "dispatch")
+            # one folder per bucket (17k for two years of hours): listed off the event loop
+            buckets = await asyncio.get_running_loop().run_in_executor(None, schedule_targets, s.schedule.root)
+            self._targets = logs + buckets
             self._listed_ms = now_ms
             live = {t.key for t in self._targets}
             for k in [k for k in self.unrepaired if k not in live]:
@@ -106,7 +108,7 @@ class ScrubTask:
         while True:
             self.sync_heal_metrics()
             now = int(time.monotonic() * 1000)
-            targets = self.targets(now)
+            targets = await self.targets(now)
             step = self.plan.next(targets, now)
             if isinstance(step, int):
                 await asyncio.sleep(step / 1000)
@@ -119,11 +121,11 @@ class ScrubTask:
             m.scrub_progress.set(self.plan.progress.ratio)
             if r.gone:
                 self.plan.skip_target(step)
-                self.targets(now, force=True)
+                await self.targets(now, force=True)
             elif r.corrupt is not None:
                 self.plan.skip_target(step)
                 await self.on_corrupt(step.target, r.corrupt)
-                self.targets(now, force=True)
+                await self.targets(now, force=True)
 
     async def on_corrupt(self, target: ScrubTarget, err: CorruptRecord) -> None:
         if self.unrepaired.get(target.key) == str(err):

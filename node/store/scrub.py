@@ -23,6 +23,7 @@ segments finishes a pass in about three hours and never reads more than 1 MiB a 
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class ScrubPlan:
     _pos: int = 0
     _tokens: float = 0.0
     _last_ms: int | None = None
+    _index_of: list | None = None
+    _index: tuple = ((), (), (0,))
 
     def __post_init__(self) -> None:
         assert self.rate_bytes_per_s > 0 and self.step_bytes_max > 0
@@ -88,22 +91,35 @@ class ScrubPlan:
         if self._last_ms is None or now_ms > self._last_ms:
             self._last_ms = now_ms
 
+    def _indexed(self, targets: list[ScrubTarget]) -> tuple[list[ScrubTarget], list[str], list[int]]:
+        """Targets sorted by key, their keys and prefix sums of sizes; computed once per
+        list (the shell lists targets every few seconds, steps come many times a second)."""
+        if self._index_of is not targets:
+            live = sorted((t for t in targets if t.size > 0), key=lambda t: t.key)
+            sums = [0]
+            for t in live:
+                sums.append(sums[-1] + t.size)
+            self._index_of = targets
+            self._index = (live, [t.key for t in live], sums)
+        return self._index
+
     def next(self, targets: list[ScrubTarget], now_ms: int) -> ScrubStep | int:
         """The next step, or the milliseconds to wait before asking again."""
         self._refill(now_ms)
-        live = sorted((t for t in targets if t.size > 0), key=lambda t: t.key)
+        live, keys, _sums = self._indexed(targets)
         if not live:
             return IDLE_WAIT_MS
-        cur = next((t for t in live if t.key >= self._key), None)
-        if cur is None or (cur.key == self._key and self._pos >= cur.size):
+        i = bisect.bisect_left(keys, self._key)
+        if i == len(live) or (keys[i] == self._key and self._pos >= live[i].size):
             # the current target is done: the next one, or a new pass
-            later = [t for t in live if t.key > self._key]
-            if not later:
-                self._finish_pass(live)
-                later = live
-            cur, self._pos = later[0], 0
-        elif cur.key != self._key:
+            i = bisect.bisect_right(keys, self._key)
+            if i == len(live):
+                self._finish_pass()
+                i = 0
+            self._pos = 0
+        elif keys[i] != self._key:
             self._pos = 0  # the target we were in is gone: start the next one
+        cur = live[i]
         self._key = cur.key
         want = min(self.step_bytes_max, cur.size - self._pos)
         if self._tokens < want:
@@ -119,16 +135,16 @@ class ScrubPlan:
         p = self.progress
         p.bytes_checked += checked_bytes
         p.pass_bytes += checked_bytes
-        total = sum(t.size for t in targets)
-        before = sum(t.size for t in targets if t.key < self._key)
-        p.ratio = min(1.0, (before + min(self._pos, step.target.size)) / total) if total else 1.0
+        _live, keys, sums = self._indexed(targets)
+        before = sums[bisect.bisect_left(keys, self._key)]
+        p.ratio = min(1.0, (before + min(self._pos, step.target.size)) / sums[-1]) if sums[-1] else 1.0
 
     def skip_target(self, step: ScrubStep) -> None:
         """The rest of this target is not worth reading (it is corrupt and being healed, or gone)."""
         if step.target.key == self._key:
             self._pos = TARGET_DONE
 
-    def _finish_pass(self, live: list[ScrubTarget]) -> None:
+    def _finish_pass(self) -> None:
         if self._key:  # the first call starts pass 0 without finishing one
             self.progress.passes += 1
         self.progress.pass_bytes = 0
