@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hourglass.delay.heal")
 
-REBUILDS_PER_BUCKET_MAX = 3  # a bucket that keeps failing after this many rebuilds is a bug or a bad disk
+REBUILDS_PER_BUCKET_MAX = 3      # a bucket failing again after this many rebuilds ...
+REBUILD_WINDOW_S = 600.0          # ... within this long is a bug or a dying disk: the error is raised
 RESYNC_BYTES_MAX = 1 << 20   # after a bad frame header, look this far for the next good frame
 
 
@@ -135,7 +136,7 @@ class BucketHealer:
     def __init__(self, store: "DelayStore") -> None:
         self.store = store
         self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
-        self._rebuilds: dict[int, int] = {}
+        self._rebuilds: dict[int, list[float]] = {}  # bucket -> monotonic times of its recent rebuilds
 
     def check_soon(self, *, ahead_ms: int) -> None:
         """Verify the buckets the wheel loads first, rebuilding any that fails: the whole
@@ -161,11 +162,13 @@ class BucketHealer:
         """Re-file bucket ``start_ms`` from the message log and swap it in."""
         s = self.store
         self.counters["corrupt_found"] += 1
-        n = self._rebuilds.get(start_ms, 0) + 1
-        if n > REBUILDS_PER_BUCKET_MAX:
-            log.error("schedule bucket keeps failing bucket=%d rebuilds=%d error=%s", start_ms, n - 1, why)
+        now = time.monotonic()
+        recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_S]
+        if len(recent) >= REBUILDS_PER_BUCKET_MAX:
+            log.error("schedule bucket keeps failing bucket=%d rebuilds=%d in %d s error=%s", start_ms, len(recent),
+                      REBUILD_WINDOW_S, why)
             raise why
-        self._rebuilds[start_ms] = n
+        self._rebuilds[start_ms] = recent + [now]
         log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
                     "reason=%r", start_ms, why.path, why.offset, why.reason)
         t0 = time.monotonic()
