@@ -12,7 +12,7 @@ import pytest
 
 from cluster.client import Consumer, Producer, StaticResolver
 from cluster.devcluster import LocalCluster
-from cluster.errors import TooLate
+from cluster.errors import NotFound, TooLate
 from node.store.schedule import REBUILT_MARKER, ScheduleLog
 from tests.test_delay_store import SMALL, T0, Harness, msg
 
@@ -227,3 +227,21 @@ def test_rebuild_after_retention_salvages_what_the_message_log_no_longer_has(tmp
     h.now = future
     h.run_until(future + 3_000, step=50)
     assert sorted(h.delivered) == sorted(f"m{i}" for i in range(100))
+
+
+def test_a_bad_id_index_location_is_not_a_reason_to_rebuild_a_bucket(tmp_path):
+    from node.store.idindex import IdLocation
+
+    future = T0 + 2 * HOUR
+    h = scenario(tmp_path, future)
+    s = h.store
+    loc = s.ids.get_all("m10")[0]
+    real_get_all = s.ids.get_all
+    s.ids.get_all = lambda mid: [IdLocation(loc.bucket_start_ms, loc.data_offset + 7, loc.frame_size, loc.seq)] \
+        if mid == "m10" else real_get_all(mid)  # as if a bit of the entry's offset flipped
+    assert s.lookup("m10").status == "pending"
+    s.ids.get_all = lambda mid: [IdLocation(loc.bucket_start_ms + HOUR, loc.data_offset, loc.frame_size, loc.seq)]
+    with pytest.raises(NotFound):
+        s.lookup("m10")
+    assert s.healer.counters["buckets_rebuilt"] == 0
+    assert not bucket_dir(tmp_path, future + HOUR).exists()

@@ -707,9 +707,17 @@ class ScheduleLog:
 
     def _find(self, bucket_start_ms: int, data_offset: int, frame_size: int, seq: int) -> tuple[FrameRef, int] | None:
         b = self.bucket(bucket_start_ms, create=False)
-        if b is not None and b.rebuilt:
+        if b is None:
+            return None  # a location into no bucket: nothing here to heal
+        if b.rebuilt:
             return self.find_seq(bucket_start_ms, seq)
-        ref = self._frame(bucket_start_ms, data_offset, frame_size)
+        try:
+            ref = self._frame(bucket_start_ms, data_offset, frame_size)
+        except CorruptRecord:
+            e = b.entries_array()
+            if not bool(((e["data_offset"] == data_offset) & (e["frame_size"] == frame_size)).any()):
+                return self.find_seq(bucket_start_ms, seq)  # the location (an id-index entry) is bad, not the bucket
+            raise
         hit = np.flatnonzero(ref.batch.seq == seq)
         return (ref, int(hit[0])) if len(hit) else None
 
