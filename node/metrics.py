@@ -59,6 +59,12 @@ class NodeMetrics:
                                         registry=r)
         self.idle_groups = Gauge("hourglass_retention_idle_groups",
                                  "Consumer groups idle past group_idle_ms_max (they hold no data back)", registry=r)
+        self.idle_group_events = Counter("hourglass_retention_idle_group_events",
+                                         "Real-time consumer groups that went idle (stopped holding data back) or "
+                                         "came back (moved to the first entry still on disk)", ["event"], registry=r)
+        self.retention_skipped = Counter("hourglass_retention_skipped_messages",
+                                         "Messages an idle real-time consumer group never got: deleted while it "
+                                         "was idle", registry=r)
         self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)

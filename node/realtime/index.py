@@ -1,6 +1,8 @@
 """The consume index of one subject: fixed-size entries, one per stored message, in log order.
 
-File ``{root}/index/{subject}/entries``; entry (little-endian, 32 bytes, ``<QIqQI``)::
+File ``{root}/index/{subject}/entries`` (base 0) or ``entries.{base:020d}`` (after
+retention dropped a dead prefix, see "Compaction" below); entry (little-endian, 32 bytes,
+``<QIqQI``)::
 
     u64 offset      message-log offset of the frame (one codec batch) holding the message
     u32 index       the message's index inside that frame's batch
@@ -8,8 +10,20 @@ File ``{root}/index/{subject}/entries``; entry (little-endian, 32 bytes, ``<QIqQ
     u64 tags_mask   OR over the message's tags of 1 << (zlib.crc32(tag.encode()) & 63); 0 without tags
     u32 entry_crc   zlib.crc32 of the entry's first 28 bytes
 
-The position of an entry in its file (byte offset / 32) is the message's *handle*: what
-``pull`` hands out and ``ack`` takes back. Handles of a subject are dense from 0.
+The position of an entry (``base`` + byte offset in its file / 32) is the message's
+*handle*: what ``pull`` hands out and ``ack`` takes back. Handles of a subject are dense
+from 0 and never reused or renumbered.
+
+Compaction (retention, ``node/realtime/retention.py``): once the message-log segments the
+first entries point into are deleted, those entries are dead. The file is rewritten
+without them: entries ``[new_base, upto)`` are copied to ``entries.{new_base:020d}.tmp``
+and fsynced (worker thread), then on the store's thread the entries appended meanwhile
+are copied too and the file is renamed to ``entries.{new_base:020d}``; the old file is
+deleted once the folder is fsynced. The base lives in the file name, so a rename is the
+whole switch. At open (``open_files``) ``*.tmp`` files are removed and the file with the
+highest base is the index; an older file still there (a crash before its deletion) only
+lends entries past the newer file's end (a power cut that lost the new file's unsynced
+tail: the positions are the same in both files), then is deleted.
 
 One append writes, per subject of its batch, one *run*: the entries of that subject's
 messages of the frame, built with numpy and written with one ``os.write``. Entries are in
@@ -27,8 +41,9 @@ the frames they point at are CRC-checked whenever they are read from disk.
 
 Example (the store owns the file descriptors and passes them in)::
 
-    ix = SubjectIndex("orders", path)
-    ix.repair_tail(log_end, log_start)                      # at open
+    base, path, older = open_files(folder)                 # at open
+    ix = SubjectIndex("orders", path, base)
+    ix.repair_tail(log_end, log_start)
     runs = frame_runs(offset=0, subject_idx=batch.subject_idx, store_ms=t, masks=batch_tag_masks(batch))
     ix.append_run(fd, runs[0])                              # subject 0 of the frame's subject table
     ix.read(fd, 1, 2)["index"]                              # -> its 2nd and 3rd messages' frame indexes
@@ -46,6 +61,7 @@ import numpy as np
 
 from cluster.codec import Batch, decode_extra
 from cluster.errors import CorruptRecord
+from node.store.diskspace import enospc, is_enospc
 
 log = logging.getLogger("hourglass.realtime.index")
 
@@ -56,7 +72,59 @@ ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("index", "<u4"), ("store_ms", "<i8")
                         ("crc", "<u4")])
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 ENTRIES_FILE = "entries"
+TMP_SUFFIX = ".tmp"
 TAIL_SCAN_ENTRIES = 4096  # entries read at once while cutting a torn tail at open
+COPY_CHUNK_ENTRIES = 1 << 15  # entries copied at once by a compaction (1 MiB)
+
+
+def index_path(folder: Path, base: int) -> Path:
+    """The index file of a subject whose first entry has handle ``base``."""
+    return folder / (ENTRIES_FILE if base == 0 else f"{ENTRIES_FILE}.{base:020d}")
+
+
+def _file_base(p: Path) -> int | None:
+    if p.name == ENTRIES_FILE:
+        return 0
+    head, _, tail = p.name.partition(".")
+    return int(tail) if head == ENTRIES_FILE and tail.isdigit() else None
+
+
+def open_files(folder: Path) -> tuple[int, Path, list[tuple[int, Path]]]:
+    """At open: remove ``*.tmp`` leftovers of a compaction; return ``(base, path)`` of the
+    index file (the highest base) and the older files still there, newest first."""
+    for tmp in folder.glob(ENTRIES_FILE + "*" + TMP_SUFFIX):
+        tmp.unlink()
+    found = sorted(((b, p) for p in folder.glob(ENTRIES_FILE + "*") if (b := _file_base(p)) is not None),
+                   reverse=True)
+    if not found:
+        return 0, index_path(folder, 0), []
+    return found[0][0], found[0][1], found[1:]
+
+
+def copy_entries(src: Path, src_base: int, dst: Path, first: int, upto: int) -> None:
+    """Any thread: write entries ``[first, upto)`` of ``src`` (a file whose first entry is
+    ``src_base``) to a new file ``dst``, fsynced. The bytes are copied as they are."""
+    fd_in = os.open(src, os.O_RDONLY)
+    fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pos = first
+        while pos < upto:
+            n = min(COPY_CHUNK_ENTRIES, upto - pos)
+            raw = os.pread(fd_in, n * ENTRY_SIZE, (pos - src_base) * ENTRY_SIZE)
+            if len(raw) != n * ENTRY_SIZE:
+                raise CorruptRecord(str(src), (pos - src_base) * ENTRY_SIZE + len(raw), "index file shorter than expected")
+            _write_all(fd_out, raw)
+            pos += n
+        os.fsync(fd_out)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+
+
+def _write_all(fd: int, raw: bytes) -> None:
+    view = memoryview(raw)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def tags_mask(tags) -> int:
@@ -122,14 +190,19 @@ def decode_entries(raw: bytes, *, path: str, first_pos: int) -> np.ndarray:
 
 
 class SubjectIndex:
-    """One subject's index file. RAM: its entry count, its last entry's (offset, index), an fd."""
+    """One subject's index file. RAM: its entry count, its last entry's (offset, index), an fd.
+    ``count`` and every position are handles (absolute); the file holds ``[base, count)``.
+    ``live_from``: the first handle whose frame is still in the message log (retention)."""
 
-    __slots__ = ("subject", "path", "count", "last_offset", "last_index", "fd", "dirty", "trusted_from")
+    __slots__ = ("subject", "path", "base", "count", "last_offset", "last_index", "fd", "dirty", "trusted_from",
+                 "live_from")
 
-    def __init__(self, subject: str, path: Path) -> None:
+    def __init__(self, subject: str, path: Path, base: int = 0) -> None:
         self.subject = subject
         self.path = path
-        self.count = 0
+        self.base = base
+        self.live_from = base
+        self.count = base
         self.last_offset = -1  # message-log offset of the last entry's frame; -1 when empty
         self.last_index = -1
         self.fd = -1
@@ -165,17 +238,46 @@ class SubjectIndex:
                 os.fsync(f.fileno())
             log.warning("index torn tail truncated path=%s offset=%d bytes_dropped=%d",
                         self.path, keep * ENTRY_SIZE, size - keep * ENTRY_SIZE)
-        self.count = self.trusted_from = keep
+        self.count = self.trusted_from = self.base + keep
         self.last_offset, self.last_index = last if last else (-1, -1)
         if crc_dropped:
             return self.last_offset if last else log_start
         return None
 
+    def adopt_tail(self, fd: int, older: Path, older_base: int, log_end: int) -> int:
+        """At open, after ``repair_tail``: append the entries an older file of this subject
+        (a compaction's source, not deleted yet) holds past this file's end, as long as they
+        pass their CRC and point below ``log_end``. Returns entries adopted."""
+        size = older.stat().st_size
+        first, upto = self.count, older_base + size // ENTRY_SIZE
+        if upto <= first or first < older_base:
+            return 0
+        with open(older, "rb") as f:
+            f.seek((first - older_base) * ENTRY_SIZE)
+            raw = f.read((upto - first) * ENTRY_SIZE)
+        e = np.frombuffer(raw, ENTRY_DTYPE, len(raw) // ENTRY_SIZE)
+        bad = np.flatnonzero((_crcs(raw, len(e)) != e["crc"]) | (e["offset"] >= log_end))
+        n = int(bad[0]) if len(bad) else len(e)
+        if n:
+            self.append_run(fd, raw[:n * ENTRY_SIZE])
+            os.fsync(fd)
+            self.dirty = False
+            log.warning("index entries taken from the previous file path=%s from=%s entries=%d", self.path, older, n)
+        return n
+
     def append_run(self, fd: int, raw: bytes) -> None:
         view = memoryview(raw)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError as e:
+            # a short write leaves part of the run behind: cut the file back to whole entries
+            # the count knows, so positions and handles stay aligned
+            os.ftruncate(fd, (self.count - self.base) * ENTRY_SIZE)
+            if is_enospc(e):
+                raise enospc(e, str(self.path)) from None
+            raise
         tail = np.frombuffer(raw, ENTRY_DTYPE, 1, len(raw) - ENTRY_SIZE)
         self.last_offset, self.last_index = int(tail["offset"][0]), int(tail["index"][0])
         self.count += len(raw) // ENTRY_SIZE
@@ -187,29 +289,33 @@ class SubjectIndex:
         n = min(n, self.count - pos)
         if n <= 0:
             return np.zeros(0, ENTRY_DTYPE)
-        raw = os.pread(fd, n * ENTRY_SIZE, pos * ENTRY_SIZE)
+        assert pos >= self.base, f"handle {pos} below the index base {self.base} of {self.subject!r}"
+        rel = pos - self.base
+        raw = os.pread(fd, n * ENTRY_SIZE, rel * ENTRY_SIZE)
         if len(raw) != n * ENTRY_SIZE:
-            raise CorruptRecord(str(self.path), pos * ENTRY_SIZE + len(raw), "index file shorter than expected")
+            raise CorruptRecord(str(self.path), rel * ENTRY_SIZE + len(raw), "index file shorter than expected")
         if pos >= self.trusted_from:
             return np.frombuffer(raw, ENTRY_DTYPE, n)
-        return decode_entries(raw, path=str(self.path), first_pos=pos)
+        return decode_entries(raw, path=str(self.path), first_pos=rel)
 
     def truncate(self, fd: int, keep: int) -> None:
-        """Keep the first ``keep`` entries (a divergent log suffix was cut), fsynced."""
-        os.ftruncate(fd, keep * ENTRY_SIZE)
+        """Keep the entries below handle ``keep`` (a divergent log suffix was cut), fsynced."""
+        keep = max(keep, self.base)
+        os.ftruncate(fd, (keep - self.base) * ENTRY_SIZE)
         os.fsync(fd)
         self.dirty = False
         self.count = keep
         self.trusted_from = min(self.trusted_from, keep)
-        if keep:
+        if keep > self.base:
             e = self.read(fd, keep - 1, 1)
             self.last_offset, self.last_index = int(e["offset"][0]), int(e["index"][0])
         else:
             self.last_offset, self.last_index = -1, -1
 
-    def first_at_or_after(self, fd: int, offset: int) -> int:
-        """Position of the first entry whose frame offset is >= ``offset`` (entries are in log order)."""
-        lo, hi = 0, self.count
+    def first_at_or_after(self, fd: int, offset: int, *, lo: int | None = None) -> int:
+        """Position of the first entry (from ``lo`` on) whose frame offset is >= ``offset``
+        (entries are in log order)."""
+        lo, hi = self.base if lo is None else max(lo, self.base), self.count
         while lo < hi:
             mid = (lo + hi) // 2
             if int(self.read(fd, mid, 1)["offset"][0]) < offset:

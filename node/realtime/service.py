@@ -19,6 +19,12 @@
   property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
   dead-letter subject once ``max_attempts`` is reached; the handles are acked only after
   that succeeded. This path is rare: it builds the copies message by message.
+* Disk (``docs/operations.md``, "Disk"): below the free-space watermark (``DiskMonitor``,
+  read every ``disk_check_interval_ms``) SendBatch is refused whole with ``DiskFull``
+  (RESOURCE_EXHAUSTED, "disk full: ..."), and a write that hits ENOSPC answers the same;
+  pulls, acks and retention go on. Every ``retention_interval_ms`` retention decides and
+  detaches on the loop (``RealtimeStore.retention_plan``), deletes and copies on a worker
+  thread, swaps compacted index files in on the loop, then reports sizes and what holds data.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np
 from cluster import status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, encode_extra
-from cluster.errors import HourglassError, InvalidArgument, Unavailable, UnknownSubject
+from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
@@ -41,7 +47,8 @@ from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, 
 from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
-from node.realtime.store import DLQ_SUBJECT, RealtimeStore
+from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
+from node.store.diskspace import DiskMonitor, is_enospc, read_disk
 from node.store.group_commit import GroupCommitter
 from node.store.verify import verify_dir
 
@@ -93,6 +100,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.committer = GroupCommitter(self.store.messages)
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
+        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark())
+        self.last_retention: tuple[RetentionReport, dict[str, int]] | None = None
+        self._counted: tuple[object, dict[str, int]] = (None, {})  # store counters already put into metrics
         self._new_data: dict[str, set[asyncio.Event]] = {}  # subject -> events of the pulls waiting on it
         self._groups_dirty: set[tuple[str, str]] = set()
         self._groups_lock = asyncio.Lock()
@@ -120,8 +130,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
         try:
+            self.disk.check()  # below the free-space watermark: refused whole, nothing stored
             res = self._append(batch, now_ms=now, immediate=request.immediate)
         except HourglassError as e:
+            if isinstance(e, DiskFull):
+                self._disk_refused(e)
             await context.abort(status.to_grpc(e), str(e))
         await self.committer.sync_to(self.store.messages.end_offset)
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
@@ -132,6 +145,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             hit = np.bincount(batch.subject_idx[stored], minlength=len(batch.subjects))
             self._wake(batch.subjects[k] for k in np.flatnonzero(hit).tolist())
         return res.to_pb()
+
+    def _disk_refused(self, e: DiskFull) -> None:
+        self.metrics.disk_refusals.inc()
+        if "no space left" in str(e):
+            self.disk.note_enospc(str(e))
 
     def _append(self, batch: Batch, *, now_ms: int, immediate: bool) -> BatchResult:
         """Append; without ``immediate``, messages due later are refused (they belong on a delay node)."""
@@ -242,7 +260,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 n += self.store.ack(subject, request.group, ranges, now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
-        await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
+        try:
+            await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
+        except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
+            if isinstance(e, DiskFull):
+                self._disk_refused(e)
+            await context.abort(status.to_grpc(e), str(e))
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
@@ -358,13 +381,72 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds."""
         store = self.store
         plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min)
-        await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
+        except OSError as e:
+            if not is_enospc(e):
+                raise
+            self.disk.note_enospc("checkpoint")  # the previous checkpoint stands; the next flush tries again
+            log.error("checkpoint not written (no space left) path=%s", self.settings.data_dir)
+            return
         if self.store is not store:
             return  # reopened meanwhile (a role change): its own flush covers it
         plan.finish()
         dirty = store.dirty_groups()
         if dirty:
-            await self._groups_durable(set(dirty))
+            try:
+                await self._groups_durable(set(dirty))
+            except DiskFull as e:  # positions stay dirty: the next flush writes them again
+                self.disk.note_enospc(str(e))
+
+    async def _disk_loop(self) -> None:
+        """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
+        interval = self.settings.disk_check_interval_ms / 1000
+        while True:
+            reading = await asyncio.to_thread(read_disk, self.settings.data_dir)
+            self.disk.update(reading)
+            self.metrics.disk_free_bytes.set(reading.free_bytes)
+            self.metrics.disk_total_bytes.set(reading.total_bytes)
+            self.metrics.disk_low.set(1 if self.disk.low else 0)
+            await asyncio.sleep(interval)
+
+    def _retention_slave_holds(self) -> dict[str, int] | None:
+        return None  # no replicas (ReplicatedRealtimeNode: its registered slaves)
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.retention_interval_ms / 1000)
+            try:
+                await self.retention_once()
+            except OSError as e:  # ENOSPC renaming or copying: nothing was half done; next round again
+                log.error("retention round failed path=%s error=%s", self.settings.data_dir, e)
+
+    async def retention_once(self) -> RetentionReport:
+        """One retention round (node/realtime/retention.py): decide and detach on the loop,
+        delete and copy on a worker thread, swap compacted index files in on the loop."""
+        store = self.store
+        work, report = store.retention_plan(now_ms=self.clock.now_ms(), slave_holds=self._retention_slave_holds())
+        try:
+            if work:
+                await asyncio.get_running_loop().run_in_executor(None, work.run)
+        finally:
+            store.retention_finish(work)  # a store closed meanwhile (role change) only drops temp files
+        self.metrics.retention_freed.inc(work.freed_bytes)
+        self.metrics.idle_groups.set(report.idle_groups)
+        self.metrics.set_retention_held({"messages": (report.held_by, report.held_age_ms / 1000)})
+        prev_store, prev = self._counted
+        if prev_store is not store:
+            prev = {}
+        c = store.counters
+        for event, key in (("idle", "groups_idled"), ("resumed", "groups_resumed")):
+            self.metrics.idle_group_events.labels(event=event).inc(max(0, c[key] - prev.get(key, 0)))
+        self.metrics.retention_skipped.inc(max(0, c["resumed_skipped_messages"] - prev.get("resumed_skipped_messages", 0)))
+        self._counted = (store, dict(c))
+        sizes = await asyncio.to_thread(store.disk_bytes)
+        for name, n in sizes.items():
+            self.metrics.disk_bytes.labels(log=name).set(n)
+        self.last_retention = (report, sizes)
+        return report
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
         from node.server import start_grpc
@@ -373,7 +455,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.committer.run(), name="group-commit"),
-                         tg.create_task(self._flush_loop(), name="flush")]
+                         tg.create_task(self._flush_loop(), name="flush"),
+                         tg.create_task(self._disk_loop(), name="disk"),
+                         tg.create_task(self._retention_loop(), name="retention")]
                 if self.settings.meta_servers:
                     from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
@@ -395,5 +479,10 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if self.resolver is not None:
                 await self.resolver.close()
             await server.stop(grace=None)
-            self.store.close()
+            try:
+                self.store.close()
+            except OSError as e:  # the last checkpoint cannot be written: the log is fsynced, replay covers it
+                if not is_enospc(e):
+                    raise
+                log.error("checkpoint at close not written (no space left) path=%s", self.settings.data_dir)
             self.metrics.stop()

@@ -115,16 +115,17 @@ import numpy as np
 
 from cluster import status
 from cluster.codec import INVALID_ARGUMENT, COLUMN_BYTES, HEADER_SIZE as BATCH_HEADER_SIZE, OK, SUBJECT_RE, Batch, Limits
-from cluster.errors import Closed, CorruptRecord, HourglassError, InvalidArgument, Overloaded, PayloadTooLarge, \
-    UnknownSubject
+from cluster.errors import Closed, CorruptRecord, DiskFull, HourglassError, InvalidArgument, Overloaded, \
+    PayloadTooLarge, UnknownSubject
 from cluster.wire import BatchResult
 from node.realtime.dedup import DedupWindow
-from node.realtime.index import ENTRIES_FILE, ENTRY, ENTRY_DTYPE, ENTRY_SIZE, SubjectIndex, batch_tag_masks, \
-    frame_runs, tags_mask
+from node.realtime import retention as RR
+from node.realtime.index import ENTRY, ENTRY_DTYPE, ENTRY_SIZE, TMP_SUFFIX, SubjectIndex, batch_tag_masks, \
+    copy_entries, frame_runs, index_path, open_files, tags_mask
 from node.realtime.inflight import InflightRanges
 from node.realtime.offsets import COMPACT_BYTES_DEFAULT, OffsetsLog
 from node.store import checkpoint
-from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir
+from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir, unlink_segments
 from node.store.syncplan import DocGate, SyncPlan
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
 
@@ -168,6 +169,7 @@ class RealtimeSettings:
     retention_ms: int = 3_600_000
     retention_bytes: int = 0
     group_idle_ms_max: int = 7 * 86_400_000
+    index_compact_entries_min: int = RR.COMPACT_ENTRIES_MIN  # dead index entries before a subject's file is rewritten
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:
@@ -224,7 +226,8 @@ def _legacy_group_files(groups_dir: Path) -> list[Path]:
 class _Group:
     """A consumer group of one subject."""
 
-    __slots__ = ("subject", "name", "start", "next_pos", "inflight", "persisted", "dirty")
+    __slots__ = ("subject", "name", "start", "next_pos", "inflight", "persisted", "dirty", "active_ms", "idle",
+                 "hold")
 
     def __init__(self, subject: str, name: str, start: str, next_pos: int) -> None:
         self.subject = subject
@@ -234,6 +237,9 @@ class _Group:
         self.inflight = InflightRanges()
         self.persisted: dict | None = None
         self.dirty = True
+        self.active_ms: int | None = None  # last pull/ack/nack (None: not known yet, counts from the next retention)
+        self.idle = False                  # retention found it idle past group_idle_ms_max: it holds nothing
+        self.hold: tuple[int, int] = (-1, -1)  # (committed, frame offset of its entry), cached for retention
 
     def committed(self) -> int:
         return self.inflight.committed(self.next_pos)
@@ -241,6 +247,66 @@ class _Group:
     def doc(self) -> dict:
         return {"version": GROUP_FILE_VERSION, "subject": self.subject, "group": self.name, "start": self.start,
                 "committed": self.committed(), "next": self.next_pos, "pending": self.inflight.runs()}
+
+
+@dataclass(slots=True)
+class _Compaction:
+    subject: str
+    src: Path            # the index file when planned
+    src_base: int
+    new_base: int        # the subject's live_from: entries below it are dead
+    upto: int            # entries [new_base, upto) are copied by the worker
+    tmp: Path
+    truncations: int     # store._truncations when planned (a divergent-suffix cut abandons it)
+    copied: bool = False
+
+
+@dataclass(slots=True)
+class RetentionReport:
+    held_by: str = ""      # why the oldest kept segment is kept (retention.decide)
+    held_base: int = 0
+    held_age_ms: int = 0   # how long ago the oldest kept segment was sealed (0: it is the active one)
+    idle_groups: int = 0
+
+
+@dataclass(slots=True)
+class RetentionWork:
+    """What ``retention_plan`` detached: run on a worker thread (``run``), then
+    ``RealtimeStore.retention_finish`` on the store's thread."""
+
+    directory: Path
+    segments: list[Path] = field(default_factory=list)
+    compactions: list[_Compaction] = field(default_factory=list)
+    old_files: list[tuple[Path, Path]] = field(default_factory=list)  # (old index file, the file replacing it)
+    freed_bytes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.segments or self.compactions or self.old_files)
+
+    def run(self) -> None:
+        """Any thread: unlink detached segments (oldest first), copy the live entries of
+        indexes to compact, delete old index files once their replacement is durable."""
+        self.freed_bytes += unlink_segments(self.directory, self.segments)
+        for old, new in self.old_files:
+            try:
+                fd = os.open(new, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(new.parent)
+                self.freed_bytes += old.stat().st_blocks * 512
+                old.unlink()
+                fsync_dir(new.parent)
+            except FileNotFoundError:
+                pass
+        for c in self.compactions:
+            try:
+                copy_entries(c.src, c.src_base, c.tmp, c.new_base, c.upto)
+                c.copied = True
+            except OSError as e:  # ENOSPC, or the store was reopened and removed the files
+                log.error("index compaction failed path=%s error=%s", c.tmp, e)
+                c.tmp.unlink(missing_ok=True)
 
 
 class RealtimeStore:
@@ -268,7 +334,9 @@ class RealtimeStore:
         self._ckpt_saved: dict | None = None
         self._save_checkpoint(self.indexed_offset, dedup_offset)  # the epoch is durable before any seq uses it
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
-                         "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0}
+                         "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0, "groups_idled": 0,
+                         "groups_resumed": 0, "resumed_skipped_messages": 0, "segments_deleted": 0,
+                         "index_compactions": 0}
 
         self._subjects: dict[str, SubjectIndex] = {}
         self._open_fds: OrderedDict[str, None] = OrderedDict()  # LRU of subjects with an open index fd
@@ -282,6 +350,13 @@ class RealtimeStore:
         self.group_seq = 0
         self._dirty_groups: set[tuple[str, str]] = set()  # groups changed since their last snapshot_groups
         self._group_changes: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # retention (retention_plan): sealed time per segment base, index compactions under way,
+        # index folders with a rename not fsynced yet, (old file, new file) pairs to delete
+        self._seg_sealed_ms: dict[int, int] = {}
+        self._compacting: set[str] = set()
+        self._index_dirs_unsynced: set[Path] = set()
+        self._index_old_files: list[tuple[Path, Path]] = []
+        self._truncations = 0
 
         doc = checkpoint.read(root / "subjects.json") or {}
         reindex_from = self.indexed_offset
@@ -335,12 +410,34 @@ class RealtimeStore:
     # ------------------------------------------------------------------ recovery
 
     def _load_index(self, subject: str) -> int | None:
-        """Open a subject's index and cut its torn tail (``SubjectIndex.repair_tail``)."""
+        """Open a subject's index and cut its torn tail (``SubjectIndex.repair_tail``); finish
+        a compaction a crash interrupted (``index.open_files``, ``adopt_tail``). Returns the
+        log offset re-indexing must start from (never below the log start), or None."""
         d = self.root / "index" / subject
         d.mkdir(parents=True, exist_ok=True)
-        ix = SubjectIndex(subject, d / ENTRIES_FILE)
+        base, path, older = open_files(d)
+        ix = SubjectIndex(subject, path, base)
         self._subjects[subject] = ix
-        return ix.repair_tail(self.messages.end_offset, self.messages.start_offset)
+        start, end = self.messages.start_offset, self.messages.end_offset
+        rebuild = ix.repair_tail(end, start)
+        if older:
+            for old_base, old in older:
+                ix.adopt_tail(self._fd(ix), old, old_base, end)
+            for _, old in older:
+                old.unlink()
+            fsync_dir(d)
+            log.warning("index compaction finished at open path=%s base=%d old_files=%d", path, base, len(older))
+        self._advance_live_from(ix)
+        return None if rebuild is None else max(rebuild, start)
+
+    def _advance_live_from(self, ix: SubjectIndex) -> None:
+        """Move ``ix.live_from`` to the first entry whose frame is still in the message log."""
+        start = self.messages.start_offset
+        lo = max(ix.live_from, ix.base)
+        if lo >= ix.count or int(ix.read(self._fd(ix), lo, 1)["offset"][0]) >= start:
+            ix.live_from = lo
+            return
+        ix.live_from = ix.first_at_or_after(self._fd(ix), start, lo=lo)
 
     def _replay(self, reindex_from: int, dedup_offset: int, now_ms: int) -> None:
         """Re-index messages missing from their subject index and rebuild the dedup map."""
@@ -645,14 +742,29 @@ class RealtimeStore:
         [off] = self.messages.append([body])
         self._counter += stored.n
         runs = frame_runs(offset=off, subject_idx=stored.subject_idx, store_ms=now_ms, masks=batch_tag_masks(stored))
-        for k, raw in runs.items():
-            ix = self._subjects[stored.subjects[k]]
-            ix.append_run(self._fd(ix), raw)
+        try:
+            for k, raw in runs.items():
+                ix = self._subjects[stored.subjects[k]]
+                ix.append_run(self._fd(ix), raw)
+        except DiskFull:
+            self._undo_frame(off, [stored.subjects[k] for k in runs])
+            raise
         if contiguous:
             self._indexed_upto = self.messages.end_offset
         self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
         self._cache_frame(off, stored, len(body))
         self.counters["appended"] += stored.n
+
+    def _undo_frame(self, off: int, subjects: list[str]) -> None:
+        """An index write of the frame at ``off`` hit ENOSPC (rare): drop the entries written
+        for it and the frame, so the refused batch leaves nothing behind."""
+        for s in subjects:
+            ix = self._subjects[s]
+            if ix.last_offset == off:
+                fd = self._fd(ix)
+                ix.truncate(fd, ix.first_at_or_after(fd, off))
+        self.messages.truncate(off)
+        log.error("append undone: index write hit no space left path=%s offset=%d", self.messages.directory, off)
 
     # ------------------------------------------------------------------ durability
 
@@ -688,6 +800,7 @@ class RealtimeStore:
                 if ix.dirty:
                     plan.fsync(self._fd(ix))
                     ix.dirty = False
+            self._plan_index_dirs(plan)
             oldest = self._dedup.oldest_offset()
             doc = {"epoch": self.epoch, "indexed_offset": indexed,
                    "dedup_offset": indexed if oldest is None else oldest}
@@ -764,11 +877,33 @@ class RealtimeStore:
             raise InvalidArgument("start", f"must be {START_EARLIEST!r} or {START_LATEST!r}")
         if len(self._groups) >= self.settings.groups_max:
             raise Overloaded(f"{len(self._groups)} consumer groups (groups_max={self.settings.groups_max})")
-        g = _Group(subject, group, start, ix.count if start == START_LATEST else 0)
+        g = _Group(subject, group, start, ix.count if start == START_LATEST else ix.live_from)
         self.write_groups_async([(g, g.doc())]).result()  # the start position survives a restart
         g.dirty = False
         self._groups[(subject, group)] = g
         return g
+
+    def _touch(self, g: _Group, ix: SubjectIndex, now_ms: int) -> None:
+        """A pull, ack or nack of the group: it is active; if it was idle, or is behind the
+        first entry still on disk, it resumes there (``_resume``)."""
+        g.active_ms = now_ms
+        if g.idle or g.committed() < ix.live_from:
+            self._resume(g, ix)
+
+    def _resume(self, g: _Group, ix: SubjectIndex) -> None:
+        """An idle group is back: what retention deleted while it was idle is skipped, its
+        position moves to ``ix.live_from`` (the first entry whose frame is still on disk)."""
+        was_idle, g.idle = g.idle, False
+        skipped = 0
+        if g.committed() < ix.live_from:
+            live = ix.live_from
+            skipped = g.inflight.remove([(0, live)]) + max(0, live - g.next_pos)
+            g.next_pos = max(g.next_pos, live)
+            self._mark_dirty(g)
+        self.counters["groups_resumed"] += 1
+        self.counters["resumed_skipped_messages"] += skipped
+        log.warning("consumer group active again subject=%s group=%s was_idle=%s skipped_messages=%d position=%d "
+                    "path=%s", g.subject, g.name, was_idle, skipped, g.committed(), ix.path)
 
     def pull(self, subjects: Sequence[str], group: str, consumer_id: str, *, max_messages: int,
              tags: Sequence[str] = (), now_ms: int, start: str = START_EARLIEST) -> tuple[Batch, np.ndarray]:
@@ -794,6 +929,8 @@ class RealtimeStore:
             raise InvalidArgument("tags", "a tag filter holds non-empty strings")
         want = np.uint64(tags_mask(tags))
         groups = [self._group(s, group, ix, start) for s, ix in zip(subjects, ixs)]
+        for g, ix in zip(groups, ixs):
+            self._touch(g, ix, now_ms)
         r = self._rotation % len(subjects)
         self._rotation += 1
         order = list(range(r, len(subjects))) + list(range(r))
@@ -896,11 +1033,13 @@ class RealtimeStore:
         handles were in flight. The group file is written by ``persist_group``,
         ``write_groups_async`` or ``flush``."""
         self._check_open()
-        self._index(subject)
+        ix = self._index(subject)
         g = self._groups.get((subject, group))
         if g is None:
             return 0
-        n = g.inflight.remove(_as_pairs(ranges))
+        pairs = _as_pairs(ranges)
+        self._touch(g, ix, now_ms)
+        n = g.inflight.remove(pairs)
         if n:
             self._mark_dirty(g)
             self.counters["acked"] += n
@@ -915,7 +1054,9 @@ class RealtimeStore:
         g = self._groups.get((subject, group))
         if g is None:
             return _EMPTY_BATCH, _NO_HANDLES
-        found = g.inflight.touch(_as_pairs(ranges), now_ms)
+        pairs = _as_pairs(ranges)
+        self._touch(g, ix, now_ms)
+        found = g.inflight.touch(pairs, now_ms)
         if not found:
             return _EMPTY_BATCH, _NO_HANDLES
         entries = np.concatenate([ix.read(self._fd(ix), a, b - a) for a, b in found])
@@ -939,6 +1080,156 @@ class RealtimeStore:
     def groups(self, subject: str) -> list[str]:
         self._index(subject)
         return sorted(name for (s, name) in self._groups if s == subject)
+
+    # ------------------------------------------------------------------ retention (node/realtime/retention.py)
+
+    def retention_plan(self, *, now_ms: int, slave_holds: dict[str, int] | None = None
+                       ) -> tuple["RetentionWork", "RetentionReport"]:
+        """Decide (``retention.decide``) and detach, on the caller's thread: segments that go
+        are renamed ``*.deleting`` (a store reopened on the folder never sees them), the frame
+        cache forgets them, each subject's ``live_from`` moves past their entries, groups found
+        idle are logged once, and index files worth compacting are planned. The returned work
+        runs on a worker thread (``RetentionWork.run``), then ``retention_finish`` on this one."""
+        self._check_open()
+        work, report = RetentionWork(self.messages.directory), RetentionReport()
+        end = self.messages.end_offset
+        positions, by_key = [], {}
+        for (subject, name), g in self._groups.items():
+            ix = self._subjects[subject]
+            if g.active_ms is None:
+                g.active_ms = now_ms
+            c = g.committed()
+            hold = None
+            if ix.live_from <= c < ix.count:
+                if g.hold[0] != c:
+                    g.hold = (c, int(ix.read(self._fd(ix), c, 1)["offset"][0]))
+                hold = g.hold[1]
+            key = f"{subject}/{name}"
+            by_key[key] = g
+            positions.append(RR.GroupPosition(key, hold, g.active_ms))
+        self._dedup.expire(now_ms)
+        s = self.settings
+        decision = RR.decide(self._segments_sealed(now_ms), end, positions, now_ms=now_ms,
+                             retention_ms=s.retention_ms, retention_bytes=s.retention_bytes,
+                             group_idle_ms_max=s.group_idle_ms_max, dedup_offset=self._dedup.oldest_offset(),
+                             indexed_offset=self.indexed_offset, slave_holds=slave_holds)
+        for key in decision.idle:
+            g = by_key[key]
+            if not g.idle:
+                g.idle = True
+                self.counters["groups_idled"] += 1
+                log.warning("consumer group idle: no longer holds data back subject=%s group=%s idle_ms=%d "
+                            "group_idle_ms_max=%d committed=%d", g.subject, g.name, now_ms - g.active_ms,
+                            s.group_idle_ms_max, g.committed())
+        report.idle_groups = len(decision.idle)
+        cut = decision.cut
+        report.held_by, report.held_base = cut.held_by, cut.held_base
+        paths = self.messages.detach_before(cut.offset)
+        start = self.messages.start_offset
+        if paths:
+            work.segments = paths
+            self.counters["segments_deleted"] += len(paths)
+            for b in [b for b in self._seg_sealed_ms if b < start]:
+                del self._seg_sealed_ms[b]
+            for off in [o for o in self._frames if o < start]:
+                self._frames_bytes -= self._frames.pop(off)[1]
+            for ix in self._subjects.values():
+                self._advance_live_from(ix)
+            log.info("retention log=messages segments=%d new_start=%d held_by=%s path=%s", len(paths), start,
+                     cut.held_by, self.messages.directory)
+        sealed = self._seg_sealed_ms.get(self.messages.segment_bases()[0])
+        report.held_age_ms = 0 if sealed is None else max(0, now_ms - sealed)
+        for ix in self._subjects.values():
+            if ix.subject not in self._compacting and RR.compact_index(
+                    ix.base, ix.count, ix.live_from, entries_min=s.index_compact_entries_min):
+                final = index_path(ix.path.parent, ix.live_from)
+                work.compactions.append(_Compaction(ix.subject, ix.path, ix.base, ix.live_from, ix.count,
+                                                    final.with_name(final.name + TMP_SUFFIX), self._truncations))
+                self._compacting.add(ix.subject)
+        work.old_files, self._index_old_files = self._index_old_files, []
+        return work, report
+
+    def _segments_sealed(self, now_ms: int) -> list[tuple[int, int, int]]:
+        """``(base, size, sealed_ms)`` of every segment; a segment was sealed by the append
+        that starts the next one (its ``store_ms``); the active one is ``now_ms``."""
+        info = self.messages.segments_info()
+        end = self.messages.end_offset
+        out = []
+        for (base, size, _), nxt in zip(info, info[1:] + [None]):
+            ms = self._seg_sealed_ms.get(base)
+            if ms is None:
+                if nxt is None or nxt[0] >= end:
+                    out.append((base, size, now_ms))
+                    continue
+                hit = self._frames.get(nxt[0])
+                b = hit[0] if hit is not None else self._decode_frame(nxt[0], self.messages.read(nxt[0])[0])
+                ms = self._seg_sealed_ms[base] = int(b.store_ms[0]) if b.n else now_ms
+            out.append((base, size, ms))
+        return out
+
+    def retention_finish(self, work: "RetentionWork") -> None:
+        """On the store's thread, after ``work.run``: swap compacted index files in. The
+        entries appended since the copy are copied too, then the file is renamed to
+        ``entries.{base}`` (the switch); its folder is fsynced by the next checkpoint plan
+        before the checkpoint, and the old file deleted by the next retention work."""
+        for c in work.compactions:
+            self._compacting.discard(c.subject)
+            ix = self._subjects.get(c.subject)
+            if (not c.copied or self._closed or ix is None or ix.path != c.src or ix.count < c.upto
+                    or c.truncations != self._truncations):
+                c.tmp.unlink(missing_ok=True)
+                continue
+            try:
+                tail = os.pread(self._fd(ix), (ix.count - c.upto) * ENTRY_SIZE, (c.upto - ix.base) * ENTRY_SIZE)
+                fd = os.open(c.tmp, os.O_WRONLY | os.O_APPEND)
+                try:
+                    view = memoryview(tail)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
+                final = index_path(ix.path.parent, c.new_base)
+                os.replace(c.tmp, final)
+            except OSError as e:
+                log.error("index compaction abandoned path=%s error=%s", c.tmp, e)
+                c.tmp.unlink(missing_ok=True)
+                continue
+            self._evict_fd(ix)  # a dirty old fd is fsynced (then closed) by the next flush plan
+            old = ix.path
+            ix.path, ix.base = final, c.new_base
+            ix.trusted_from = max(ix.trusted_from, c.new_base)
+            self._fd(ix)
+            ix.dirty = True  # the copied tail is fsynced before the next checkpoint
+            self._index_dirs_unsynced.add(final.parent)
+            self._index_old_files.append((old, final))
+            self.counters["index_compactions"] += 1
+            log.info("index compacted path=%s base=%d entries_dropped=%d entries=%d", final, c.new_base,
+                     c.new_base - c.src_base, ix.count - c.new_base)
+
+    def _plan_index_dirs(self, plan: SyncPlan) -> None:
+        """Index folders where a compacted file was renamed: fsynced before a checkpoint vouches
+        for entries that are only in the new file."""
+        dirs, self._index_dirs_unsynced = self._index_dirs_unsynced, set()
+        for d in dirs:
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                plan.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def disk_bytes(self) -> dict[str, int]:
+        """Any thread: bytes allocated per part of the data folder (messages, index, groups, other)."""
+        out: dict[str, int] = {}
+        for top in self.root.iterdir():
+            name = top.name if top.is_dir() else "other"
+            n = 0
+            for p in (top.rglob("*") if top.is_dir() else [top]):
+                try:
+                    n += p.stat().st_blocks * 512 if p.is_file() else 0
+                except FileNotFoundError:
+                    pass
+            out[name] = out.get(name, 0) + n
+        return out
 
     # ------------------------------------------------------------------ replication (node/replication/realtime.py)
 
@@ -965,6 +1256,9 @@ class RealtimeStore:
         self._check_open()
         if cut >= self.messages.end_offset:
             return 0
+        self._truncations += 1  # index compactions planned before this cut are abandoned
+        for g in self._groups.values():
+            g.hold = (-1, -1)  # positions at or past the cut will point at other frames
         for ix in self._subjects.values():
             if ix.last_offset < cut:
                 continue

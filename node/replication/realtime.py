@@ -46,6 +46,7 @@ from node.realtime.store import RealtimeStore
 from node.replication.core import SyncTracker
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store.group_commit import GroupCommitter
+from node.store.retention import slave_holds
 
 log = logging.getLogger("hourglass.replication.realtime")
 
@@ -196,6 +197,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
             self.store.apply_group_docs(json.loads(resp.checkpoint).get("groups", []))
         self._caught_up(resp.end_offset, self.store.messages.end_offset)
 
+    def _retention_slave_holds(self) -> dict[str, int] | None:
+        """A master keeps message-log segments until every registered slave fetched them (a
+        master that has not read its group's members yet keeps everything); a slave deletes
+        by its own groups (the master's documents) and holds for nobody."""
+        if self.mode != "master":
+            return None
+        return slave_holds(sorted(self._peers), self.slave_offsets, LOG, known=self._peers_read)
+
     # ------------------------------------------------------------------ roles
 
     async def _master_tasks(self) -> None:
@@ -203,11 +212,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
             tg.create_task(self.committer.run(), name="group-commit")
             tg.create_task(self._flush_loop(), name="flush")
             tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
+            tg.create_task(self._disk_loop(), name="disk")
+            tg.create_task(self._retention_loop(), name="retention")
 
     async def _slave_tasks(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._follow(LOG), name="follow")
             tg.create_task(self._flush_loop(), name="flush")
+            tg.create_task(self._retention_loop(), name="retention")
 
     def _reopen(self, mode: str) -> None:
         self.store.close()
