@@ -248,6 +248,52 @@ def test_data_source_reads_engine_files_and_reports_damage_like_the_engine(spark
     assert {r["outcome"]: r["count"] for r in disp.collect()} == {"delivered": 140, "dead_letter": 9}
 
 
+def test_empty_inputs_are_empty_results_and_wrong_options_are_refused(spark, tmp_path):
+    """A log with no segment is an empty DataFrame (pyspark 4.3 hands ``read`` an empty
+    ``InputPartition``); a wrong option or path fails at ``load()`` naming it and the valid ones."""
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    data = tmp_path / "data"
+    write_logs(data)
+    (tmp_path / "nothing").mkdir()
+    assert read(spark, data / "delay-1", "realtime").count() == 0
+    assert read(spark, data / "realtime-1", "dispatch").count() == 0
+    assert read(spark, data, "message").where("node = 'delay-9'").count() == 0
+    assert read(spark, tmp_path / "nothing", "message").count() == 0
+    # `kind = '...'` is taken by the reader itself (exactly), a narrower schema builds only its columns
+    cancels = read(spark, data, "message").where("kind = 'cancel'").select("id", "cancels_seq").collect()
+    assert [(r["id"], r["cancels_seq"]) for r in cancels] == [("m7", EPOCH + 7)]
+    narrow = (spark.read.format("hourglass").schema("seq bigint, subject string").option("log", "realtime")
+              .load(str(data)))
+    assert narrow.columns == ["seq", "subject"] and narrow.count() == 149
+    for options, words in [({"logs": "dispatch"}, "unknown option 'logs'; valid options: path, log, payload"),
+                           ({"payload": "yes"}, "invalid payload: 'yes' is not true or false"),
+                           ({"log": "bogus"}, "'bogus' is not one of message, schedule, dispatch, realtime")]:
+        r = spark.read.format("hourglass")
+        for k, v in options.items():
+            r = r.option(k, v)
+        with pytest.raises(Exception) as ei:
+            r.load(str(data)).count()
+        assert words in str(ei.value), str(ei.value)[:2000]
+    with pytest.raises(Exception, match="does not exist"):
+        read(spark, tmp_path / "nope", "message").count()
+    bad = StructType([StructField("seq", StringType()), StructField("offset", LongType())])
+    with pytest.raises(Exception, match="column 'seq' is bigint, not string"):
+        spark.read.format("hourglass").schema(bad).load(str(data)).count()
+
+    # the audit of one delay node's folder: nothing received there, so everything due is lost
+    from cluster.errors import InvalidArgument
+    from cluster.spark.audit import AuditSettings, run
+
+    settings = AuditSettings(paths=[str(data / "delay-1")], out=str(tmp_path / "audit"), as_of_ms=T0 + 5 * HOUR)
+    summary = run(spark, settings)
+    assert summary["status"]["lost"] == 199 and summary["status"]["cancelled"] == 1, summary
+    assert summary["logs"]["realtime"] == {"records": 0, "errors": 0}
+    assert (tmp_path / "audit" / "report.html").exists()
+    with pytest.raises(InvalidArgument, match="exists"):  # refused before any Spark job
+        run(spark, settings)
+
+
 def test_rows_match_the_codec_across_merged_frames():
     """Many random batches through the row builder with a small ``rows_max`` (frames are
     merged, and cut between frames): every value is the codec's; undecodable frames are
@@ -421,17 +467,21 @@ def test_bulk_schedule_delivers_every_row_once_also_when_rerun(spark, tmp_path):
         due = now_ms() + 1500
         lines = ["id,subject,deliver_at,payload,tags"]
         lines += [f"b-{i},{subject},{due + 20 * i},payload {i},\"red,blue\"" for i in range(n)]
-        lines += ["bad-subject,no spaces allowed,1,x,", f",{subject},1,no id,", f"bad-time,{subject},tomorrow,x,"]
+        lines += ["bad-subject,no spaces allowed,1,x,", f",{subject},1,no id,", f"bad-time,{subject},tomorrow,x,",
+                  f"long-bad,no spaces,1,{'y' * 10_000},"]
         csv = tmp_path / "rows.csv"
         csv.write_text("\n".join(lines) + "\n")
 
         first = run(spark, BulkSettings(input=str(csv), out=str(tmp_path / "run1"),
                                         delay_nodes=[c.delay[0].address], rate_per_s=200, batch_max=10))
-        assert (first["scheduled"], first["duplicate"], first["rejected"], first["failed"]) == (n, 0, 3, 0)
+        assert (first["scheduled"], first["duplicate"], first["rejected"], first["failed"]) == (n, 0, 4, 0)
         rejects = [json.loads(line) for p in (tmp_path / "run1" / "rejects").glob("*.json")
                    for line in p.read_text().splitlines()]
         reasons = {r.get("id"): r["reason"] for r in rejects}
-        assert set(reasons) == {"bad-subject", None, "bad-time"}
+        assert set(reasons) == {"bad-subject", None, "bad-time", "long-bad"}
+        sources = {r.get("id"): json.loads(r["source"]) for r in rejects}  # whole JSON, however long the row
+        assert sources["long-bad"]["payload"].endswith("[cut: 10000 characters]")
+        assert sources["bad-time"]["deliver_at"] == "tomorrow"
         assert "subject" in reasons["bad-subject"] and "id is missing" in reasons[None]
         assert "deliver_at" in reasons["bad-time"]
 

@@ -47,13 +47,16 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from cluster.codec import DEFAULT_LIMITS, Batch, Limits, encode_extra
-from cluster.errors import HourglassError
+from cluster.errors import HourglassError, InvalidArgument
+
+from . import outdir
 
 FORMATS = ("csv", "json", "parquet")
 CORRUPT_COLUMN = "_corrupt_record"
 RESULT_SCHEMA = ("id string, subject string, deliver_at_ms bigint, status string, reason string, seq bigint, "
                  "delay_node string, source string")
 OUTCOMES = ("scheduled", "duplicate", "rejected", "failed")
+SOURCE_FIELD_CHARS_MAX = 1024   # per field of a reject's ``source``: the JSON stays whole, long values are cut
 
 
 class BulkSettings(BaseModel):
@@ -67,6 +70,7 @@ class BulkSettings(BaseModel):
     payload_encoding: str = "utf8"                  # utf8 | base64
     timeout_s: float = Field(default=10.0, gt=0)
     retries_max: int = Field(default=8, ge=0)
+    overwrite: bool = False                         # replace an earlier output in ``out`` (``outdir``)
 
 
 # ---------------------------------------------------------------------- pure parts
@@ -226,13 +230,21 @@ class TokenBucket:
 
 
 def _source(row: dict) -> str:
+    """The original row as a JSON object for the reject file. A long field (a payload, a
+    malformed line) is cut to ``SOURCE_FIELD_CHARS_MAX`` characters with its length said, so
+    the text stays valid JSON whatever the row holds."""
     def enc(v):
         if isinstance(v, (bytes, bytearray)):
-            return base64.b64encode(bytes(v)).decode()
-        if isinstance(v, (datetime, date)):
-            return v.isoformat()
+            v = base64.b64encode(bytes(v)).decode()
+        elif isinstance(v, (datetime, date)):
+            v = v.isoformat()
+        elif not isinstance(v, (str, int, float, bool)):
+            text = json.dumps(v, default=str)
+            v = v if len(text) <= SOURCE_FIELD_CHARS_MAX else text
+        if isinstance(v, str) and len(v) > SOURCE_FIELD_CHARS_MAX:
+            v = f"{v[:SOURCE_FIELD_CHARS_MAX]}...[cut: {len(v)} characters]"
         return v
-    return json.dumps({k: enc(v) for k, v in row.items() if v is not None}, default=str)[:4096]
+    return json.dumps({k: enc(v) for k, v in row.items() if v is not None}, default=str)
 
 
 # ---------------------------------------------------------------------- executor side
@@ -321,7 +333,7 @@ def read_input(spark, path: str, fmt: str | None):
     if fmt == "jsonl":
         fmt = "json"
     if fmt not in FORMATS:
-        raise HourglassError(f"unknown input format {fmt!r}: give --format {'|'.join(FORMATS)}")
+        raise InvalidArgument("--format", f"{fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt == "parquet":
         return spark.read.parquet(path)
     if fmt == "json":
@@ -335,31 +347,32 @@ def read_input(spark, path: str, fmt: str | None):
 
 
 def run(spark, s: BulkSettings) -> dict:
-    """Send every row; write ``results``, ``rejects`` and ``summary.json`` under ``s.out``."""
+    """Send every row; write ``results``, ``rejects`` and ``summary.json`` under ``s.out``
+    (refused if it exists unless ``s.overwrite``; nothing is left there when the run fails)."""
     from pyspark.sql import functions as F
 
     started = time.time()
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
+    outdir.check(Path(s.out), overwrite=s.overwrite)
     df = read_input(spark, s.input, s.format)
-    if CORRUPT_COLUMN in df.columns:
-        df = df.cache()  # Spark refuses queries on raw JSON/CSV that touch only the corrupt column
-    if s.partitions:
-        df = df.repartition(s.partitions)
-    n_tasks = max(1, df.rdd.getNumPartitions())
-    rate_per_task = s.rate_per_s / n_tasks if s.rate_per_s else 0.0
-    results = df.mapInArrow(_map_partitions(s, rate_per_task), RESULT_SCHEMA)
-    # one pass over the input: results land in Parquet, everything else reads them back
-    results.write.mode("overwrite").parquet(str(out / "results"))
-    res = spark.read.parquet(str(out / "results"))
-    (res.where(F.col("status").isin("rejected", "failed"))
-     .select("id", "subject", "status", "reason", "source").coalesce(1)
-     .write.mode("overwrite").json(str(out / "rejects")))
-    counts = {r["status"]: r["count"] for r in res.groupBy("status").count().collect()}
-    seconds = time.time() - started
-    total = sum(counts.values())
-    summary = {"input": s.input, "rows": total, **{k: counts.get(k, 0) for k in OUTCOMES},
-               "seconds": round(seconds, 3), "rows_per_s": round(total / max(seconds, 1e-9)),
-               "rate_per_s_limit": s.rate_per_s, "tasks": n_tasks, "delay_nodes": s.delay_nodes}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    with outdir.writing(Path(s.out), overwrite=s.overwrite) as out:
+        if CORRUPT_COLUMN in df.columns:
+            df = df.cache()  # Spark refuses queries on raw JSON/CSV that touch only the corrupt column
+        if s.partitions:
+            df = df.repartition(s.partitions)
+        n_tasks = max(1, df.rdd.getNumPartitions())
+        rate_per_task = s.rate_per_s / n_tasks if s.rate_per_s else 0.0
+        results = df.mapInArrow(_map_partitions(s, rate_per_task), RESULT_SCHEMA)
+        # one pass over the input: results land in Parquet, everything else reads them back
+        results.write.parquet(str(out / "results"))
+        res = spark.read.parquet(str(out / "results"))
+        (res.where(F.col("status").isin("rejected", "failed"))
+         .select("id", "subject", "status", "reason", "source").coalesce(1)
+         .write.json(str(out / "rejects")))
+        counts = {r["status"]: r["count"] for r in res.groupBy("status").count().collect()}
+        seconds = time.time() - started
+        total = sum(counts.values())
+        summary = {"input": s.input, "rows": total, **{k: counts.get(k, 0) for k in OUTCOMES},
+                   "seconds": round(seconds, 3), "rows_per_s": round(total / max(seconds, 1e-9)),
+                   "rate_per_s_limit": s.rate_per_s, "tasks": n_tasks, "delay_nodes": s.delay_nodes}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     return summary

@@ -18,91 +18,174 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+from cluster.errors import HourglassError, InvalidArgument
+
+from . import options, outdir
+
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Spark jobs: audit delivery from node logs, schedule a dataset in bulk.")
 
 DEFAULT_CLUSTER_FILE = Path("var/dev/cluster.json")
+INPUT_FORMATS = ("csv", "json", "parquet")
+PAYLOAD_ENCODINGS = ("utf8", "base64")
 
 MasterOpt = typer.Option(None, "--master", help="Spark master; default local[*] (or spark-submit's)")
+OverwriteOpt = typer.Option(False, "--overwrite", help="replace an earlier output in --out (else an existing --out "
+                                                      "is refused)")
 
 
 def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] = None):
     try:
         from cluster.spark.session import LOCAL_MASTER, SessionSettings, build_session
     except ImportError as e:  # pragma: no cover - depends on the installation
-        typer.echo(f"pyspark is not installed: pip install 'hourglass-broker[spark]' ({e})", err=True)
-        raise typer.Exit(2)
+        raise HourglassError(f"pyspark is not installed: pip install 'hourglass-broker[spark]' ({e})") from None
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
     chosen = master or (None if under_submit else LOCAL_MASTER)
     return build_session(SessionSettings(master=chosen, app_name=app_name, driver_memory=driver_memory))
 
 
+@contextmanager
+def _spark_errors() -> Iterator[None]:
+    """A failure inside Spark (a Py4J error, an AnalysisException, a failed task) leaves as one
+    ``HourglassError`` line naming Spark's error class, not a JVM stack trace. What the job
+    itself raises on purpose (``HourglassError``) passes through."""
+    try:
+        yield
+    except HourglassError:
+        raise
+    except Exception as e:
+        module = type(e).__module__ or ""
+        if not module.startswith(("pyspark", "py4j")):
+            raise
+        text = str(e).strip()
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("JVM stacktrace")),
+                     type(e).__name__)
+        kind = InvalidArgument if type(e).__name__ == "AnalysisException" else None
+        if kind is not None:
+            raise InvalidArgument("input", f"Spark refused it: {first}") from None
+        raise HourglassError(f"the Spark job failed: {type(e).__name__}: {first}") from None
+
+
 def _delay_nodes(delay: Optional[str], cluster_file: Optional[Path]) -> list[str]:
     nodes = [a.strip() for a in (delay or os.environ.get("HOURGLASS_DELAY_NODES", "")).split(",") if a.strip()]
     cf = cluster_file or DEFAULT_CLUSTER_FILE
-    if not nodes and cf.exists():
-        nodes = list(json.loads(cf.read_text())["delay"])
+    if not nodes and (cluster_file is not None or cf.exists()):
+        try:
+            nodes = [str(a) for a in json.loads(cf.read_text())["delay"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument("--cluster-file", f"{cf} cannot be read as a cluster file ({e})") from None
     if not nodes:
-        typer.echo("no delay nodes: give --delay, set HOURGLASS_DELAY_NODES, or --cluster-file", err=True)
-        raise typer.Exit(2)
+        raise InvalidArgument("--delay", "no delay nodes: give --delay, set HOURGLASS_DELAY_NODES, or --cluster-file")
+    for a in nodes:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument("--delay", f"{a[:64]!r} is not host:port")
     return nodes
+
+
+def _input_format(input: str, fmt: Optional[str]) -> str:
+    chosen = (fmt or Path(input.rstrip("/")).suffix.lstrip(".")).lower()
+    chosen = "json" if chosen == "jsonl" else chosen
+    if chosen not in INPUT_FORMATS:
+        said = f"--format {fmt!r}" if fmt else f"the name {input[:64]!r}"
+        raise InvalidArgument("--format", f"{said} is not one of {', '.join(INPUT_FORMATS)}; give --format")
+    return chosen
+
+
+def _check_input(input: str) -> None:
+    if options.is_local(input) and not Path(input.removeprefix("file://").removeprefix("file:")).exists():
+        raise InvalidArgument("input", f"{input} does not exist")
 
 
 @app.command("audit")
 def audit(
     data: List[str] = typer.Argument(..., help="node data folders, or folders holding them"),
-    out: Path = typer.Option(Path("audit-out"), "--out", help="output folder (Parquet, summary.json, report)"),
-    as_of_ms: Optional[int] = typer.Option(None, help="audit time for 'overdue' (epoch ms); default now"),
-    grace_ms: int = typer.Option(30_000, help="not received by due + grace = lost"),
-    late_ms: int = typer.Option(1_000, help="deliveries later than this are listed as late"),
+    out: Path = typer.Option(Path("audit-out"), "--out", help="output folder (Parquet, summary.json, report); "
+                                                            "must not exist unless --overwrite"),
+    overwrite: bool = OverwriteOpt,
+    as_of_ms: Optional[int] = typer.Option(None, min=0, help="audit time for 'overdue' (epoch ms); default now"),
+    grace_ms: int = typer.Option(30_000, min=0, help="not received by due + grace = lost"),
+    late_ms: int = typer.Option(1_000, min=0, help="deliveries later than this are listed as late"),
     report: bool = typer.Option(True, help="write report.html and PNG plots"),
     master: Optional[str] = MasterOpt,
     driver_memory: Optional[str] = typer.Option(None, help="e.g. 4g (local mode: all of Spark's memory)"),
 ) -> None:
     """Lost, duplicated, delivered-after-cancel messages and lateness per subject and hour."""
     from cluster.spark.audit import AuditSettings, run
-
-    spark = _session(master, "hourglass-audit", driver_memory)
-    summary = run(spark, AuditSettings(paths=data, out=str(out), as_of_ms=as_of_ms, grace_ms=grace_ms,
-                                       late_ms=late_ms, report=report))
     from cluster.spark.report import verdict
 
+    # everything the command line can get wrong is checked before Spark starts (~20 s)
+    if any(options.is_local(p) for p in data):
+        options.check_has_nodes([p for p in data if options.is_local(p)])
+    outdir.check(out, overwrite=overwrite)
+    settings = AuditSettings(paths=data, out=str(out), as_of_ms=as_of_ms, grace_ms=grace_ms, late_ms=late_ms,
+                             report=report, overwrite=overwrite)
+    with _spark_errors():
+        spark = _session(master, "hourglass-audit", driver_memory)
+        summary = run(spark, settings)
     typer.echo(json.dumps(summary, sort_keys=True))
     typer.echo(verdict(summary))
     if report:
         typer.echo(f"report: {out / 'report.html'}")
 
 
-@app.command("bulk-schedule")
+BULK_HELP = """Schedule every row of a dataset; bad rows go to the reject file with their reason.
+
+\b
+Input columns (CSV needs a header; JSON is one object per line):
+  id          required; makes reruns idempotent (printable ASCII, <= 128 bytes)
+  subject     required; letters, digits, . _ - (starting with a letter or digit)
+  deliver_at  required; epoch ms, ISO-8601 (no zone = UTC) or a timestamp column
+  payload     optional; text as UTF-8 (--payload-encoding base64), or Parquet binary
+  tags        optional; a list, or one string "a,b"
+Other columns are ignored. Exit 1 when a row was rejected or failed (see OUT/rejects).
+"""
+
+
+@app.command("bulk-schedule", help=BULK_HELP)
 def bulk_schedule(
     input: str = typer.Argument(..., help="CSV (with header), JSON lines or Parquet file/folder"),
-    out: Path = typer.Option(Path("bulk-out"), "--out", help="results/, rejects/ and summary.json go here"),
+    out: Path = typer.Option(Path("bulk-out"), "--out", help="results/, rejects/ and summary.json go here; "
+                                                           "must not exist unless --overwrite"),
+    overwrite: bool = OverwriteOpt,
     fmt: Optional[str] = typer.Option(None, "--format", help="csv | json | parquet (default: from the name)"),
     delay: Optional[str] = typer.Option(None, "--delay", help="delay node addresses, comma separated"),
     cluster_file: Optional[Path] = typer.Option(None, "--cluster-file", help="cluster.json of `hourglass dev up`"),
-    rate: float = typer.Option(0, "--rate", help="messages per second for the whole job; 0 = unlimited"),
-    batch: int = typer.Option(500, "--batch", help="messages per SendBatch"),
-    partitions: int = typer.Option(0, help="repartition the input into this many tasks (0 = as read)"),
+    rate: float = typer.Option(0, "--rate", min=0, help="messages per second for the whole job; 0 = unlimited"),
+    batch: int = typer.Option(500, "--batch", min=1, max=10_000, help="messages per SendBatch"),
+    partitions: int = typer.Option(0, min=0, help="repartition the input into this many tasks (0 = as read)"),
     payload_encoding: str = typer.Option("utf8", help="utf8 | base64 for text payload columns"),
     master: Optional[str] = MasterOpt,
 ) -> None:
-    """Schedule every row of a dataset; bad rows go to the reject file with their reason."""
     from cluster.spark.bulk import BulkSettings, run
 
+    _check_input(input)
+    chosen = _input_format(input, fmt)
+    if payload_encoding not in PAYLOAD_ENCODINGS:
+        raise InvalidArgument("--payload-encoding", f"{payload_encoding[:64]!r} is not one of utf8, base64")
     nodes = _delay_nodes(delay, cluster_file)
-    spark = _session(master, "hourglass-bulk-schedule")
-    summary = run(spark, BulkSettings(input=input, out=str(out), delay_nodes=nodes, format=fmt, rate_per_s=rate,
-                                      batch_max=batch, partitions=partitions, payload_encoding=payload_encoding))
+    outdir.check(out, overwrite=overwrite)
+    settings = BulkSettings(input=input, out=str(out), delay_nodes=nodes, format=chosen, rate_per_s=rate,
+                            batch_max=batch, partitions=partitions, payload_encoding=payload_encoding,
+                            overwrite=overwrite)
+    with _spark_errors():
+        spark = _session(master, "hourglass-bulk-schedule")
+        summary = run(spark, settings)
     typer.echo(json.dumps(summary, sort_keys=True))
     if summary["rejected"] or summary["failed"]:
         typer.echo(f"{summary['rejected']} rejected, {summary['failed']} failed: see {out / 'rejects'}")
         raise typer.Exit(1)
 
 
-if __name__ == "__main__":  # spark-submit cluster/spark/cli.py ...
-    app()
+if __name__ == "__main__":  # spark-submit cluster/spark/cli.py ...: the hourglass CLI's error boundary
+    from cluster.cli import app as hourglass
+
+    hourglass(["spark", *sys.argv[1:]], prog_name="hourglass")

@@ -1,178 +1,409 @@
-"""The audit report: a few PNG plots and one HTML page that links them (``out/report.html``).
+"""The audit report: four figures and one HTML page (``out/report.html``).
 
 Written by the driver from small, already aggregated rows (per subject-hour, per hour,
 a bounded number of example problems), so its cost does not grow with the data.
 
-Plots:
+Figures (``figures`` builds them as matplotlib objects, ``write_report`` saves them):
 
-* ``status.png``   - how many scheduled messages ended in each status (log scale);
-* ``lateness.png`` - p50 / p99 / max lateness per UTC hour over all subjects;
-* ``heatmap.png``  - p99 lateness per subject (rows, busiest first) and hour (columns);
-* ``problems.png`` - lost / duplicated / delivered after cancel / late per subject.
+* ``status.png``   - messages per outcome, one bar each (delivered, duplicated, lost,
+  delivered after cancel, cancelled, pending) and ``late`` (a part of the delivered ones,
+  hatched), the count printed at every bar; log axis, ticks as 1 / 10 / 1k / 1M;
+* ``lateness.png`` - p50 / p99 / max lateness per UTC hour of the due time (lines, or
+  grouped bars with their values when there are at most ``BARS_HOURS_MAX`` hours),
+  the ``--late-ms`` threshold as a dashed line; log axis in ms / s / min;
+* ``heatmap.png``  - p99 lateness per subject (rows, busiest first) and hour, the value
+  written in each cell; a cell with nothing delivered says why ("3 lost", "pending",
+  "cancelled") and a cell with a loss is outlined in red; blank means nothing was due;
+* ``problems.png`` - two panels per subject: failures (lost, duplicated, delivered after
+  cancel) and, apart, late deliveries, each bar with its count.
+
+Tables show UTC times ("2026-11-23 11:00:05.120Z"), lateness in ms / s ("120.0 s"), "-"
+for no value, and problems worst first (the longest lateness first; ``audit.run`` orders
+them).
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
 SUBJECTS_SHOWN_MAX = 20
-PROBLEM_KINDS = ("lost", "duplicated", "delivered_after_cancel", "late")
+HOURS_SHOWN_MAX = 48            # heatmap columns (the latest hours)
+BARS_HOURS_MAX = 3              # lateness as grouped bars up to this many hours, lines above
+CELL_TEXT_HOURS_MAX = 24        # heatmap values printed in cells up to this many hour columns
+FAILURE_KINDS = ("lost", "duplicated", "delivered_after_cancel")
+PROBLEM_KINDS = FAILURE_KINDS + ("late",)
+OUTCOMES = ("delivered", "duplicated", "lost", "delivered_after_cancel", "cancelled", "pending")
 COLORS = {"delivered": "#4c9a2a", "duplicated": "#e6a100", "lost": "#c0392b", "delivered_after_cancel": "#8e44ad",
           "cancelled": "#7f8c8d", "pending": "#2980b9", "late": "#d35400"}
+DPI = 110
 
 
-def _hour_label(h) -> str:
+def label(kind: str) -> str:
+    return kind.replace("_", " ")
+
+
+# ---------------------------------------------------------------------- text formats
+
+
+def utc(ms) -> str:
+    """Epoch ms as a UTC time people read; "-" for none."""
+    if ms is None:
+        return "-"
+    t = datetime.fromtimestamp(ms / 1000, timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def duration(ms) -> str:
+    """A lateness: "850 ms", "12.3 s", "4.1 min", "2.0 h"; "-" for none."""
+    if ms is None:
+        return "-"
+    a = abs(ms)
+    if a < 1000:
+        return f"{ms:,.0f} ms"
+    if a < 60_000:
+        return f"{ms / 1000:.1f} s"
+    if a < 3_600_000:
+        return f"{ms / 60_000:.1f} min"
+    return f"{ms / 3_600_000:.1f} h"
+
+
+def count(n) -> str:
+    """Tick text for a count: 1, 10, 100, 1k, 10k, 1M."""
+    if n is None or n <= 0:
+        return "0"
+    for unit, div in (("M", 1_000_000), ("k", 1_000)):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def hour_label(h) -> str:
     if h is None:
         return "?"
     if isinstance(h, datetime):
-        return h.astimezone(timezone.utc).strftime("%m-%d %H:00") if h.tzinfo else h.strftime("%m-%d %H:00")
+        h = h.astimezone(timezone.utc) if h.tzinfo else h
+        return h.strftime("%m-%d %H:00")
     return str(h)
 
 
-def _plots(out: Path, summary: dict, lateness: list[dict], hourly: list[dict]) -> list[tuple[str, str]]:
-    import matplotlib
+# ---------------------------------------------------------------------- figures
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    made: list[tuple[str, str]] = []
+def _status_figure(plt, summary: dict):
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
-    # status bars
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = list(summary["status"])
-    vals = [summary["status"][n] for n in names]
-    bars = ax.barh(names, [max(v, 0) for v in vals], color=[COLORS.get(n, "#555") for n in names])
-    ax.set_xscale("symlog")
+    names = list(OUTCOMES) + ["late"]
+    vals = [summary["status"].get(n, 0) for n in OUTCOMES] + [summary.get("late", 0)]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    top = max(vals + [1])
+    bars = ax.barh([label(n) for n in names], [v if v > 0 else 0 for v in vals],
+                   color=[COLORS[n] for n in names], left=0.8)
+    bars[-1].set_hatch("//")
+    bars[-1].set_alpha(0.75)
+    ax.set_xscale("log")
+    ax.set_xlim(0.8, top * 30)  # room for the count printed after the longest bar
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: count(x)))
     for b, v in zip(bars, vals):
-        ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {v:,}", va="center", fontsize=8)
+        ax.text(max(b.get_width() + 0.8, 0.9) * 1.15, b.get_y() + b.get_height() / 2, f"{v:,}", va="center",
+                fontsize=9, fontweight="bold" if v and b.get_label() != "late" else None)
     ax.invert_yaxis()
-    ax.set_title(f"{summary['scheduled']:,} scheduled messages by outcome")
+    ax.set_xlabel("messages (log scale)")
+    ax.set_ylabel("outcome")
+    ax.set_title(f"{summary['scheduled']:,} scheduled messages by outcome (late: part of delivered)", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / "status.png", dpi=110)
-    plt.close(fig)
-    made.append(("status.png", "Outcome of every scheduled message"))
+    return fig
 
-    # lateness over time
+
+def _ms_axis(ax, lo: float, hi: float) -> None:
+    """A log lateness axis from ``lo`` to ``hi`` ms with ticks in ms / s / min."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    ticks = [t for t in (1, 10, 100, 1e3, 1e4, 6e4, 6e5, 3.6e6, 3.6e7, 8.64e7) if lo <= t <= hi]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: duration(v).replace(".0 ", " ")))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _lateness_figure(plt, hourly: list[dict], late_ms: int):
     rows = [r for r in hourly if r.get("p50_ms") is not None]
-    if rows:
-        fig, ax = plt.subplots(figsize=(8, 3.2))
+    if not rows:
+        return None
+    series = (("p50_ms", "p50", "#2e86c1", "o", "-"), ("p99_ms", "p99", "#d35400", "s", "--"),
+              ("max_ms", "max", "#6c3483", "^", ":"))
+    floor = 1.0  # a log axis: lateness <= 1 ms is drawn at 1 ms
+    vals = [max(r[k] or 0, floor) for r in rows for k, *_ in series] + [max(late_ms, floor)]
+    lo, hi = floor * 0.8, max(vals) * 3
+    labels = [hour_label(r["hour"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    if len(rows) <= BARS_HOURS_MAX:  # a line through one point is a dot: grouped bars with values
+        width = 0.8 / len(series)
+        for k, (key, name, color, _, _) in enumerate(series):
+            xs = [i + (k - 1) * width for i in range(len(rows))]
+            ys = [max(r[key] or 0, floor) for r in rows]
+            ax.bar(xs, ys, width, color=color, label=name, bottom=0)
+            for x, r in zip(xs, rows):
+                ax.text(x, max(r[key] or 0, floor) * 1.15, duration(r[key]), ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_xlim(-0.6, len(rows) - 0.4)
+    else:
         x = list(range(len(rows)))
-        for key, label, style in (("p50_ms", "p50", "-"), ("p99_ms", "p99", "--"), ("max_ms", "max", ":")):
-            ax.plot(x, [max(r[key], 0) for r in rows], style, marker="o", markersize=3, label=label)
-        ax.set_yscale("symlog")
-        ax.set_ylabel("lateness (ms)")
+        for key, name, color, marker, style in series:
+            ax.plot(x, [max(r[key] or 0, floor) for r in rows], style, color=color, marker=marker, markersize=4,
+                    label=name, linewidth=1.6 if name != "max" else 1.0)
         step = max(1, len(rows) // 12)
-        ax.set_xticks(x[::step], [_hour_label(r["hour"]) for r in rows][::step], rotation=30, fontsize=7)
-        ax.legend(fontsize=8)
-        ax.set_title("Lateness per UTC hour of due time (all subjects)")
-        fig.tight_layout()
-        fig.savefig(out / "lateness.png", dpi=110)
-        plt.close(fig)
-        made.append(("lateness.png", "Lateness percentiles per hour"))
+        ax.set_xticks(x[::step], labels[::step], rotation=30, ha="right", fontsize=8)
+    ax.axhline(max(late_ms, floor), color="#c0392b", linestyle="--", linewidth=1.2,
+               label=f"late above {duration(late_ms)}")
+    _ms_axis(ax, lo, hi)
+    ax.set_xlabel("hour of due time (UTC)")
+    ax.set_ylabel("lateness (log scale)")
+    ax.set_title("Lateness of delivered messages per hour (all subjects)", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return fig
 
-    # heatmap subject x hour of p99
+
+def _busiest(lateness: list[dict]) -> list[str]:
     volume: dict[str, int] = {}
     for r in lateness:
-        volume[r["subject"]] = volume.get(r["subject"], 0) + (r["delivered"] or 0)
-    subjects = sorted(volume, key=lambda s: -volume[s])[:SUBJECTS_SHOWN_MAX]
-    hours = sorted({r["hour"] for r in lateness if r["hour"] is not None})
-    if subjects and hours:
-        import numpy as np
+        volume[r["subject"]] = volume.get(r["subject"], 0) + sum(r.get(k) or 0 for k in (
+            "delivered", "lost", "pending", "cancelled", "delivered_after_cancel"))
+    return sorted(volume, key=lambda s: (-volume[s], s))[:SUBJECTS_SHOWN_MAX]
 
-        grid = np.full((len(subjects), len(hours)), np.nan)
-        si = {s: i for i, s in enumerate(subjects)}
-        hi = {h: i for i, h in enumerate(hours)}
-        for r in lateness:
-            if r["subject"] in si and r["hour"] in hi and r.get("p99_ms") is not None:
-                grid[si[r["subject"]], hi[r["hour"]]] = max(r["p99_ms"], 0)
-        fig, ax = plt.subplots(figsize=(min(14, 3 + 0.5 * len(hours)), 1.2 + 0.32 * len(subjects)))
-        im = ax.imshow(np.log10(grid + 1), aspect="auto", cmap="magma_r")
-        ax.set_yticks(range(len(subjects)), subjects, fontsize=7)
-        step = max(1, len(hours) // 12)
-        ax.set_xticks(range(len(hours))[::step], [_hour_label(h) for h in hours][::step], rotation=30, fontsize=7)
-        cb = fig.colorbar(im, ax=ax)
-        cb.set_label("log10(p99 lateness ms + 1)", fontsize=7)
-        ax.set_title("p99 lateness per subject and hour (blank: nothing delivered)")
-        fig.tight_layout()
-        fig.savefig(out / "heatmap.png", dpi=110)
-        plt.close(fig)
-        made.append(("heatmap.png", "p99 lateness per subject and hour"))
 
-    # problems per subject
+def _heatmap_figure(plt, lateness: list[dict], late_ms: int):
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import FuncFormatter
+
+    subjects = _busiest(lateness)
+    hours = sorted({r["hour"] for r in lateness if r["hour"] is not None})[-HOURS_SHOWN_MAX:]
+    if not subjects or not hours:
+        return None
+    si = {s: i for i, s in enumerate(subjects)}
+    hi = {h: i for i, h in enumerate(hours)}
+    grid = np.full((len(subjects), len(hours)), np.nan)
+    cells: dict[tuple[int, int], dict] = {}
+    for r in lateness:
+        if r["subject"] in si and r["hour"] in hi:
+            ij = (si[r["subject"]], hi[r["hour"]])
+            cells[ij] = r
+            if r.get("p99_ms") is not None:
+                grid[ij] = max(r["p99_ms"], 1)
+    finite = grid[np.isfinite(grid)]
+    vmax = max(float(finite.max()) if finite.size else 1.0, late_ms * 2.0, 10.0)
+    width = min(16.0, max(8.0, 3.5 + 0.9 * len(hours)))
+    fig, ax = plt.subplots(figsize=(width, 1.6 + 0.42 * len(subjects)))
+    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="YlOrRd", norm=LogNorm(vmin=1, vmax=vmax))
+    ax.set_facecolor("white")
+    ax.set_yticks(range(len(subjects)), subjects, fontsize=8)
+    step = max(1, len(hours) // 16)
+    ax.set_xticks(range(len(hours))[::step], [hour_label(h) for h in hours][::step], rotation=30, ha="right",
+                  fontsize=8)
+    show_text = len(hours) <= CELL_TEXT_HOURS_MAX
+    for (i, j), r in cells.items():
+        lost = r.get("lost") or 0
+        if lost:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#c0392b", linewidth=2))
+        if not show_text:
+            continue
+        if r.get("p99_ms") is not None:
+            v = r["p99_ms"]
+            text = duration(v) + (f"\n{lost} lost" if lost else "")
+            dark = math.log10(max(v, 1)) > 0.6 * math.log10(vmax)
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        else:  # nothing delivered in this cell: say what happened instead
+            why = (f"{lost} lost" if lost else "pending" if r.get("pending") else
+                   "cancelled" if r.get("cancelled") else "-")
+            ax.text(j, i, why, ha="center", va="center", fontsize=7,
+                    color="#c0392b" if lost else "#555555", fontweight="bold" if lost else None)
+    cb = fig.colorbar(im, ax=ax, format=FuncFormatter(lambda v, _: duration(v)))
+    cb.set_label("p99 lateness (log scale)", fontsize=8)
+    cb.ax.axhline(max(late_ms, 1), color="#1f1f1f", linewidth=1.5, linestyle="--")
+    ax.set_xlabel("hour of due time (UTC)")
+    ax.set_ylabel("subject (busiest first)")
+    ax.set_title("p99 lateness per subject and hour\n(red outline: a message lost; blank: nothing due)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _problems_figure(plt, lateness: list[dict]):
     per: dict[str, dict[str, int]] = {}
     for r in lateness:
         d = per.setdefault(r["subject"], {k: 0 for k in PROBLEM_KINDS})
         for k in PROBLEM_KINDS:
             d[k] += r.get(k) or 0
-    bad = sorted((s for s in per if sum(per[s].values())), key=lambda s: -sum(per[s].values()))[:SUBJECTS_SHOWN_MAX]
-    if bad:
-        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * len(bad)))
-        left = [0] * len(bad)
-        for k in PROBLEM_KINDS:
-            vals = [per[s][k] for s in bad]
-            ax.barh(bad, vals, left=left, color=COLORS[k], label=k)
-            left = [a + b for a, b in zip(left, vals)]
-        ax.invert_yaxis()
-        ax.legend(fontsize=7)
-        ax.set_title("Problems per subject")
-        fig.tight_layout()
-        fig.savefig(out / "problems.png", dpi=110)
-        plt.close(fig)
-        made.append(("problems.png", "Problems per subject"))
-    return made
+    bad = [s for s in per if sum(per[s].values())]
+    if not bad:
+        return None
+    failing = sorted((s for s in bad if any(per[s][k] for k in FAILURE_KINDS)),
+                     key=lambda s: (-sum(per[s][k] for k in FAILURE_KINDS), s))[:SUBJECTS_SHOWN_MAX]
+    late = sorted((s for s in bad if per[s]["late"]), key=lambda s: (-per[s]["late"], s))[:SUBJECTS_SHOWN_MAX]
+    rows = max(len(failing), len(late), 1)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 1.8 + 0.45 * rows))
+    if failing:
+        n = len(FAILURE_KINDS)
+        height = 0.8 / n
+        top = max(per[s][k] for s in failing for k in FAILURE_KINDS)
+        for k, kind in enumerate(FAILURE_KINDS):
+            ys = [i + (k - 1) * height for i in range(len(failing))]
+            vals = [per[s][kind] for s in failing]
+            left.barh(ys, vals, height, color=COLORS[kind], label=label(kind))
+            for y, v in zip(ys, vals):
+                if v:
+                    left.text(v + top * 0.02, y, f"{v:,}", va="center", fontsize=8)
+        left.set_yticks(range(len(failing)), failing, fontsize=8)
+        left.set_xlim(0, top * 1.25 + 1)
+        left.legend(fontsize=8, loc="lower right")
+    else:
+        left.set_yticks([])
+        left.text(0.5, 0.5, "none: nothing lost, duplicated\nor delivered after cancel", ha="center", va="center",
+                  transform=left.transAxes, fontsize=10, color="#4c9a2a")
+    left.invert_yaxis()
+    left.xaxis.get_major_locator().set_params(integer=True)
+    left.set_xlabel("messages")
+    left.set_ylabel("subject")
+    left.set_title("Failures per subject", fontsize=10)
+    if late:
+        top = max(per[s]["late"] for s in late)
+        right.barh(range(len(late)), [per[s]["late"] for s in late], 0.6, color=COLORS["late"])
+        for i, s in enumerate(late):
+            right.text(per[s]["late"] + top * 0.02, i, f"{per[s]['late']:,}", va="center", fontsize=8)
+        right.set_yticks(range(len(late)), late, fontsize=8)
+        right.set_xlim(0, top * 1.25 + 1)
+    else:
+        right.set_yticks([])
+        right.text(0.5, 0.5, "none late", ha="center", va="center", transform=right.transAxes, fontsize=10,
+                   color="#4c9a2a")
+    right.invert_yaxis()
+    right.xaxis.get_major_locator().set_params(integer=True)
+    right.set_xlabel("late deliveries")
+    right.set_ylabel("subject")
+    right.set_title("Late deliveries per subject", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def figures(summary: dict, lateness: list[dict], hourly: list[dict]) -> dict[str, object]:
+    """The report's figures (matplotlib ``Figure`` s) by file name; a figure with nothing to show
+    is left out. The caller closes them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = {"status.png": _status_figure(plt, summary),
+            "lateness.png": _lateness_figure(plt, hourly, summary["late_ms"]),
+            "heatmap.png": _heatmap_figure(plt, lateness, summary["late_ms"]),
+            "problems.png": _problems_figure(plt, lateness)}
+    return {k: v for k, v in made.items() if v is not None}
+
+
+CAPTIONS = {"status.png": "Outcome of every scheduled message",
+            "lateness.png": "Lateness percentiles per hour, with the late threshold",
+            "heatmap.png": "p99 lateness per subject and hour",
+            "problems.png": "Failures and late deliveries per subject"}
+
+
+# ---------------------------------------------------------------------- page
+
+
+def _cell(col: str, v) -> str:
+    if v is None:
+        return "-"
+    if col.endswith("_ms") and col in ("due_ms", "first_received_ms", "accepted_ms", "cancelled_ms"):
+        return utc(v)
+    if col.endswith("_ms"):
+        return duration(v)
+    if col == "hour":
+        return hour_label(v)
+    if isinstance(v, int) and not isinstance(v, bool) and col not in ("seq", "offset"):
+        return f"{v:,}"
+    return str(v)
+
+
+HEADINGS = {"due_ms": "due (UTC)", "first_received_ms": "received (UTC)", "lateness_ms": "lateness",
+            "p50_ms": "p50", "p99_ms": "p99", "max_ms": "max", "hour": "hour (UTC)"}
 
 
 def _table(rows: list[dict], cols: list[str]) -> str:
     if not rows:
         return "<p><i>none</i></p>"
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(r.get(c, '')))}</td>" for c in cols) + "</tr>"
+    head = "".join(f"<th>{html.escape(HEADINGS.get(c, c))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(c, r.get(c)))}</td>" for c in cols) + "</tr>"
                    for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def verdict(summary: dict) -> str:
     st = summary["status"]
-    issues = [f"{st[k]:,} {k.replace('_', ' ')}" for k in ("lost", "duplicated", "delivered_after_cancel") if st[k]]
+    issues = [f"{st[k]:,} {label(k)}" for k in FAILURE_KINDS if st[k]]
     if summary.get("corrupt_records"):
         issues.append(f"{summary['corrupt_records']:,} torn/corrupt records")
     return "PROBLEMS: " + ", ".join(issues) if issues else "OK: nothing lost, duplicated or delivered after cancel"
 
 
+def _problem_sections(summary: dict, examples: dict) -> str:
+    totals = dict(summary["status"], late=summary.get("late", 0))
+    cols = ["subject", "id", "nodes", "due_ms", "first_received_ms", "lateness_ms", "received", "dispatched",
+            "reason"]
+    out = []
+    for k in PROBLEM_KINDS:
+        shown, total = len(examples.get(k, [])), totals.get(k, 0)
+        if not total:
+            out.append(f"<h3>{html.escape(label(k))}: none</h3>")
+            continue
+        note = "all shown" if shown >= total else f"first {shown} shown"
+        order = ", worst first" if k == "late" else ""
+        out.append(f"<h3>{html.escape(label(k))}: {total:,} ({note}{order})</h3>" + _table(examples.get(k, []), cols))
+    return "".join(out)
+
+
 def write_report(out: Path, summary: dict, lateness: list[dict], hourly: list[dict], examples: dict,
                  corrupt: list[dict]) -> Path:
     """Write the PNGs and ``report.html``; return the HTML path."""
-    plots = _plots(out, summary, lateness, hourly)
+    import matplotlib.pyplot as plt
+
+    made = figures(summary, lateness, hourly)
+    for name, fig in made.items():
+        fig.savefig(out / name, dpi=DPI)
+        plt.close(fig)
     st = summary["status"]
     cards = "".join(f"<div class='card' style='border-color:{COLORS.get(k, '#555')}'><b>{v:,}</b><br>"
-                    f"{html.escape(k.replace('_', ' '))}</div>" for k, v in list(st.items()) + [("late", summary["late"])])
-    imgs = "".join(f"<figure><img src='{p}' alt='{html.escape(t)}'><figcaption>{html.escape(t)}</figcaption></figure>"
-                   for p, t in plots)
-    cols = ["subject", "id", "nodes", "seq", "due_ms", "received", "dispatched", "lateness_ms", "reason"]
-    sections = "".join(f"<h3>{html.escape(k.replace('_', ' '))} (first {len(examples.get(k, []))})</h3>"
-                       + _table(examples.get(k, []), cols) for k in PROBLEM_KINDS)
-    worst = [dict(r, hour=_hour_label(r["hour"])) for r in
-             sorted((r for r in lateness if r.get("p99_ms") is not None), key=lambda r: -r["p99_ms"])[:10]]
+                    f"{html.escape(label(k))}</div>" for k, v in list(st.items()) + [("late", summary["late"])])
+    imgs = "".join(f"<figure><img src='{p}' alt='{html.escape(CAPTIONS[p])}'>"
+                   f"<figcaption>{html.escape(CAPTIONS[p])}</figcaption></figure>" for p in made)
+    worst = sorted((r for r in lateness if r.get("p99_ms") is not None), key=lambda r: -r["p99_ms"])[:10]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>Hourglass audit</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} .card{{display:inline-block;border-left:6px solid;
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} .card{{display:inline-block;border-left:6px solid;
 padding:.4em 1em;margin:.2em;background:#f6f6f6}} table{{border-collapse:collapse;font-size:12px}}
-td,th{{border:1px solid #ccc;padding:2px 6px}} figure{{display:inline-block;margin:.5em}} .v{{font-size:1.3em}}</style>
+td,th{{border:1px solid #ccc;padding:2px 6px}} th{{background:#f0f0f0}} figure{{margin:.8em 0}}
+img{{max-width:100%}} .v{{font-size:1.3em}}</style>
 </head><body><h1>Hourglass delivery audit</h1>
 <p class="v"><b>{html.escape(verdict(summary))}</b></p>
 <p>{summary['records_read']:,} log records read in {summary['seconds']} s; as of
-{datetime.fromtimestamp(summary['as_of_ms'] / 1000, timezone.utc).isoformat()} (grace {summary['grace_ms']} ms,
-late above {summary['late_ms']} ms); {summary['received_not_scheduled']:,} received messages were never
+{html.escape(utc(summary['as_of_ms']))} (grace {duration(summary['grace_ms'])},
+late above {duration(summary['late_ms'])}); {summary['received_not_scheduled']:,} received messages were never
 scheduled on a delay node (immediate sends).</p>
 {cards}
 <h2>Plots</h2>{imgs}
 <h2>Worst subject-hours by p99 lateness</h2>
 {_table(worst, ["subject", "hour", "delivered", "p50_ms", "p99_ms", "max_ms", "lost", "duplicated", "late"])}
-<h2>Problems</h2>{sections}
-<h2>Torn or corrupt records (first {len(corrupt)})</h2>
-{_table(corrupt, ["node", "log", "segment", "offset", "error"])}
+<h2>Problems</h2>{_problem_sections(summary, examples)}
+<h2>Torn or corrupt records ({summary.get('corrupt_records', 0):,}; first {len(corrupt)} shown)</h2>
+{_table(corrupt, ["node", "log", "segment", "offset", "frame_bytes", "error"])}
 <h2>Summary</h2><pre>{html.escape(json.dumps(summary, indent=2, sort_keys=True, default=str))}</pre>
 </body></html>"""
     path = out / "report.html"

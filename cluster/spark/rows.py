@@ -46,7 +46,6 @@ KIND_NAMES = ("unknown", "message", "cancel")              # by codec kind (1, 2
 OUTCOME_NAMES = {OUTCOME_OK: "delivered", OUTCOME_DEAD_LETTER: "dead_letter"}
 ROWS_MAX_DEFAULT = 65_536             # rows per record batch (a frame is never split)
 BLOB_BYTES_MAX = 64 * 1024 * 1024     # id and payload bytes pending before a record batch is cut
-RECORD_BYTES_MAX_LIMIT = 1 << 30      # Arrow binary offsets are i32: one frame must stay well below 2 GiB
 
 _KIND_TABLE = pa.array(KIND_NAMES)
 _OUTCOME_TABLE = pa.array([OUTCOME_NAMES[k] for k in sorted(OUTCOME_NAMES)])
@@ -140,9 +139,10 @@ def _extras_of(b: Batch) -> _Extras | None:
     return ex
 
 
-def _decode(fr: Frame) -> _Decoded:
+def _decode(fr: Frame, *, extras: bool = True) -> _Decoded:
     """Decode a good frame with the codec and check what ``Batch.decode`` leaves to readers:
-    ids and extras are UTF-8 text, a tombstone's payload is a u64. Raises ``InvalidArgument``."""
+    ids and extras are UTF-8 text, a tombstone's payload is a u64. Raises ``InvalidArgument``.
+    ``extras=False``: tags and properties are not wanted (not parsed, so not checked)."""
     b = Batch.decode(fr.body)
     if not b.ids.isascii():  # rare: producers send ASCII ids; check each id, not just the blob
         try:
@@ -151,7 +151,7 @@ def _decode(fr: Frame) -> _Decoded:
         except UnicodeDecodeError:
             raise InvalidArgument("batch", "an id is not UTF-8") from None
     cancels = b.cancel_targets().view(np.int64) if bool((b.kind == KIND_CANCEL).any()) else None
-    return _Decoded(fr, b, _extras_of(b), cancels)
+    return _Decoded(fr, b, _extras_of(b) if extras else None, cancels)
 
 
 class _Pending:
@@ -198,37 +198,46 @@ class _Pending:
             payload_bytes[cancel] = 0
         else:
             cancels = pa.nulls(n, pa.int64())
-        if with_payload:
+        if with_payload and "payload" in schema.names:
             valid = pa.py_buffer(np.packbits(~cancel, bitorder="little")) if any_cancel else None
             payload = pa.Array.from_buffers(pa.binary(), n, [valid, _offsets(payload_ends),
                                                              pa.py_buffer(b"".join(b.payloads for b in batches))])
         else:
             payload = pa.nulls(n, pa.binary())
-        tags, props = self._extras(counts)
+        extras: list[tuple[pa.Array, pa.Array]] = []
+
+        def extra(k: int) -> pa.Array:
+            if not extras:
+                extras.append(self._extras(counts))
+            return extras[0][k]
+
+        # only the schema's columns are built (a reader given a narrower schema saves the rest)
         cols = {
-            "node": _const(where.node, n, pa.string()),
-            "log": _const(where.log, n, pa.string()),
-            "segment": _const(where.segment, n, pa.string()),
-            "offset": pa.array(np.repeat(np.fromiter((d.frame.offset for d in self.frames), np.int64), counts)),
-            "frame_bytes": pa.array(np.repeat(np.fromiter((d.frame.size for d in self.frames), np.int32), counts)),
-            "kind": _KIND_TABLE.take(pa.array(kind)),
-            "seq": pa.array(column("seq").view(np.int64)),
-            "attempts": pa.array(column("attempts").astype(np.int32)),
-            "store_ms": pa.array(column("store_ms")),
-            "deliver_at_ms": pa.array(column("deliver_at_ms")),
-            "effective_ms": pa.array(column("effective_ms")),
-            "bucket_start_ms": _const(where.bucket_start_ms, n, pa.int64()),
-            "id": pa.StringArray.from_buffers(n, _offsets(ends("id_end", "ids")),
-                                              pa.py_buffer(b"".join(b.ids for b in batches))),
-            "subject": pa.array(list(table), pa.string()).take(pa.array(subject_idx)),
-            "tags": tags,
-            "properties": props,
-            "payload_bytes": pa.array(payload_bytes.astype(np.int32)),
-            "payload": payload,
-            "cancels_seq": cancels,
-            "error": pa.nulls(n, pa.string()),
+            "node": lambda: _const(where.node, n, pa.string()),
+            "log": lambda: _const(where.log, n, pa.string()),
+            "segment": lambda: _const(where.segment, n, pa.string()),
+            "offset": lambda: pa.array(np.repeat(np.fromiter((d.frame.offset for d in self.frames), np.int64),
+                                                 counts)),
+            "frame_bytes": lambda: pa.array(np.repeat(np.fromiter((d.frame.size for d in self.frames), np.int32),
+                                                      counts)),
+            "kind": lambda: _KIND_TABLE.take(pa.array(kind)),
+            "seq": lambda: pa.array(column("seq").view(np.int64)),
+            "attempts": lambda: pa.array(column("attempts").astype(np.int32)),
+            "store_ms": lambda: pa.array(column("store_ms")),
+            "deliver_at_ms": lambda: pa.array(column("deliver_at_ms")),
+            "effective_ms": lambda: pa.array(column("effective_ms")),
+            "bucket_start_ms": lambda: _const(where.bucket_start_ms, n, pa.int64()),
+            "id": lambda: pa.StringArray.from_buffers(n, _offsets(ends("id_end", "ids")),
+                                                      pa.py_buffer(b"".join(b.ids for b in batches))),
+            "subject": lambda: pa.array(list(table), pa.string()).take(pa.array(subject_idx)),
+            "tags": lambda: extra(0),
+            "properties": lambda: extra(1),
+            "payload_bytes": lambda: pa.array(payload_bytes.astype(np.int32)),
+            "payload": lambda: payload,
+            "cancels_seq": lambda: cancels,
+            "error": lambda: pa.nulls(n, pa.string()),
         }
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+        return pa.RecordBatch.from_arrays([cols[f.name]() for f in schema], schema=schema)
 
     def _extras(self, counts: np.ndarray) -> tuple[pa.Array, pa.Array]:
         """``tags`` (list<string>) and ``properties`` (map<string,string>) of every pending row."""
@@ -258,20 +267,41 @@ class _Pending:
                                         pa.array(values, pa.string())))
 
 
+def _only(d: _Decoded, code: int, extras: bool) -> _Decoded | None:
+    """The messages of kind ``code`` of a decoded frame (None if it has none)."""
+    keep = np.flatnonzero(d.batch.kind == code)
+    if len(keep) == d.batch.n:
+        return d
+    if not len(keep):
+        return None
+    b = d.batch.take(keep)
+    return _Decoded(d.frame, b, _extras_of(b) if extras else None, None if d.cancels is None else d.cancels[keep])
+
+
 def message_batches(frames: Iterable[Frame], schema: pa.Schema, where: Where, *, with_payload: bool,
-                    rows_max: int = ROWS_MAX_DEFAULT) -> Iterator[pa.RecordBatch]:
-    """Record batches of ``schema`` (the message schema) for the frames of one segment."""
+                    rows_max: int = ROWS_MAX_DEFAULT, kind: str | None = None) -> Iterator[pa.RecordBatch]:
+    """Record batches of ``schema`` (the message schema, or some of its columns) for the frames
+    of one segment. ``kind`` ("message" | "cancel"): only the rows of that kind - frames without
+    one cost a decode and nothing else, and error rows (whose kind is null) are left out too."""
     pending = _Pending()
+    extras = "tags" in schema.names or "properties" in schema.names
+    code = KIND_NAMES.index(kind) if kind in KIND_NAMES else -1
     for fr in frames:
         if fr.body is None:
+            if kind is not None:
+                continue
             error = fr.error
         else:
             try:
-                d = _decode(fr)
+                d = _decode(fr, extras=extras)
             except InvalidArgument as e:
+                if kind is not None:
+                    continue
                 error = f"undecodable: {e}"
             else:
-                if d.batch.n:
+                if kind is not None:
+                    d = _only(d, code, extras)
+                if d is not None and d.batch.n:
                     pending.add(d)
                     if pending.rows >= rows_max or pending.blob_bytes >= BLOB_BYTES_MAX:
                         yield pending.take(schema, where, with_payload)
@@ -293,19 +323,20 @@ def _dispatch_batch(schema: pa.Schema, where: Where, frames: list[Frame], recs: 
     n = int(counts.sum())
     outcomes = np.repeat(np.fromiter((r.outcome for r in recs), np.uint8, len(recs)), counts)
     cols = {
-        "node": _const(where.node, n, pa.string()),
-        "log": _const(where.log, n, pa.string()),
-        "segment": _const(where.segment, n, pa.string()),
-        "offset": pa.array(np.repeat(np.fromiter((f.offset for f in frames), np.int64, len(frames)), counts)),
-        "frame_bytes": pa.array(np.repeat(np.fromiter((f.size for f in frames), np.int32, len(frames)), counts)),
-        "seq": pa.array(np.concatenate([r.seq for r in recs]).view(np.int64)),
-        "effective_ms": pa.array(np.concatenate([r.effective_ms for r in recs])),
-        "dispatched_ms": pa.array(np.repeat(np.fromiter((r.dispatched_ms for r in recs), np.int64, len(recs)),
-                                            counts)),
-        "outcome": _OUTCOME_TABLE.take(pa.array(outcomes)),
-        "error": pa.nulls(n, pa.string()),
+        "node": lambda: _const(where.node, n, pa.string()),
+        "log": lambda: _const(where.log, n, pa.string()),
+        "segment": lambda: _const(where.segment, n, pa.string()),
+        "offset": lambda: pa.array(np.repeat(np.fromiter((f.offset for f in frames), np.int64, len(frames)), counts)),
+        "frame_bytes": lambda: pa.array(np.repeat(np.fromiter((f.size for f in frames), np.int32, len(frames)),
+                                                  counts)),
+        "seq": lambda: pa.array(np.concatenate([r.seq for r in recs]).view(np.int64)),
+        "effective_ms": lambda: pa.array(np.concatenate([r.effective_ms for r in recs])),
+        "dispatched_ms": lambda: pa.array(np.repeat(np.fromiter((r.dispatched_ms for r in recs), np.int64,
+                                                                len(recs)), counts)),
+        "outcome": lambda: _OUTCOME_TABLE.take(pa.array(outcomes)),
+        "error": lambda: pa.nulls(n, pa.string()),
     }
-    return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+    return pa.RecordBatch.from_arrays([cols[f.name]() for f in schema], schema=schema)
 
 
 def dispatch_batches(frames: Iterable[Frame], schema: pa.Schema, where: Where, *,

@@ -1,0 +1,264 @@
+"""The Spark pipeline's edges that need no Spark: the ``hourglass spark`` command line refuses
+wrong paths, options and outputs with one line and exit 2 *before* Spark starts; the data
+source's options; the output folder; the reject file's JSON; the report's figures.
+
+The CLI cases run the real ``hourglass`` script in a subprocess (as a user would) and
+must end within seconds: a check that came after Spark's start-up (~20 s) would not.
+(The Spark side of the same fixes - empty inputs, refused options inside Spark, pushdown -
+is in ``tests/test_spark.py``, which shares one SparkSession.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from cluster.errors import InvalidArgument
+
+ROOT = Path(__file__).resolve().parent.parent
+HOURGLASS = shutil.which("hourglass", path=str(Path(sys.executable).parent)) or shutil.which("hourglass")
+RUN_TIMEOUT_S = 60
+BEFORE_SPARK_S = 10.0   # a refusal must come before Spark's start-up (20-30 s here)
+
+
+def hg(*args: str, cwd: Path) -> tuple[int, str, str, float]:
+    assert HOURGLASS, "the hourglass script is not installed (pip install -e .)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")} | {"COLUMNS": "80"}
+    t0 = time.monotonic()
+    p = subprocess.run([HOURGLASS, *args], capture_output=True, text=True, cwd=cwd, timeout=RUN_TIMEOUT_S, env=env,
+                       stdin=subprocess.DEVNULL)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def refused(cwd: Path, *args: str, words: tuple[str, ...]) -> None:
+    code, out, err, took = hg(*args, cwd=cwd)
+    what = f"exit {code} in {took:.1f} s\nstdout: {out[-1500:]}\nstderr: {err[-1500:]}"
+    assert code == 2, what
+    assert "Traceback" not in out + err, what
+    lines = err.splitlines()  # the CLI's convention (docs/cli.md): one error line, at most one hint
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("error: "), what
+    assert len(lines) == 1 or lines[1].startswith("hint: "), what
+    for w in words:
+        assert w in lines[0], (w, what)
+    assert took < BEFORE_SPARK_S, what
+
+
+def node_dirs(root: Path) -> Path:
+    """A delay node folder and a real-time node folder (empty logs): enough for the checks."""
+    (root / "delay-1" / "dispatch").mkdir(parents=True)
+    (root / "realtime-1" / "index").mkdir(parents=True)
+    return root
+
+
+def test_cli_refuses_bad_paths_and_outputs_before_spark_starts(tmp_path):
+    data = node_dirs(tmp_path / "data")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "notes.txt").write_text("mine")
+    refused(tmp_path, "spark", "audit", str(tmp_path / "nope"), words=("invalid path", "does not exist"))
+    refused(tmp_path, "spark", "audit", str(tmp_path / "empty"), words=("no node data folder",))
+    refused(tmp_path, "spark", "audit", str(data), "--out", str(tmp_path / "earlier"),
+            words=("--out", "exists", "--overwrite"))
+    refused(tmp_path, "spark", "audit", str(data), "--out", str(tmp_path / "earlier"), "--overwrite",
+            words=("not an earlier output",))
+    refused(tmp_path, "spark", "audit", str(data), "--grace-ms", "-5", words=("--grace-ms",))
+    rows = tmp_path / "rows.csv"
+    rows.write_text("id,subject,deliver_at\nx,s,1\n")
+    refused(tmp_path, "spark", "bulk-schedule", str(tmp_path / "missing.parquet"), "--delay", "127.0.0.1:7001",
+            words=("missing.parquet", "does not exist"))
+    refused(tmp_path, "spark", "bulk-schedule", str(rows), "--format", "xml", "--delay", "127.0.0.1:7001",
+            words=("--format", "xml"))
+    refused(tmp_path, "spark", "bulk-schedule", str(rows), "--delay", "no-port", words=("--delay", "host:port"))
+    refused(tmp_path, "spark", "bulk-schedule", str(rows), words=("no delay nodes",))
+    refused(tmp_path, "spark", "bulk-schedule", str(rows), "--delay", "127.0.0.1:7001", "--payload-encoding", "hex",
+            words=("payload-encoding",))
+    refused(tmp_path, "spark", "bulk-schedule", str(rows), "--delay", "127.0.0.1:7001", "--out",
+            str(tmp_path / "earlier"), words=("--out", "exists"))
+    # nothing was created by the refused runs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "earlier", "empty", "rows.csv"]
+
+
+def test_bulk_schedule_help_lists_the_input_columns(tmp_path):
+    code, out, err, _ = hg("spark", "bulk-schedule", "--help", cwd=tmp_path)
+    assert code == 0, err
+    for column in ("id", "subject", "deliver_at", "payload", "tags", "ISO-8601", "base64"):
+        assert column in out, out
+
+
+# ---------------------------------------------------------------------- data source options
+
+
+def test_options_are_checked_with_the_valid_names_listed(tmp_path):
+    from cluster.spark import options
+
+    node_dirs(tmp_path)
+    o = options.parse({"path": str(tmp_path), "LOG": "Dispatch", "payload": "TRUE", "pushdown": "false"})
+    assert (o.paths, o.log, o.payload, o.pushdown) == ([str(tmp_path)], "dispatch", True, False)
+    assert options.parse({"paths": json.dumps([str(tmp_path)])}).paths == [str(tmp_path)]
+    cases = [({"path": str(tmp_path), "logs": "dispatch"}, "unknown option 'logs'; valid options: path, log, payload"),
+             ({"path": str(tmp_path), "payload": "yes"}, "invalid payload: 'yes' is not true or false"),
+             ({"path": str(tmp_path), "pushdown": "0"}, "invalid pushdown"),
+             ({"path": str(tmp_path), "log": "bogus"}, "'bogus' is not one of message, schedule, dispatch, realtime"),
+             ({"path": str(tmp_path), "recordBytesMax": "big"}, "not a number of bytes"),
+             ({"path": str(tmp_path), "recordBytesMax": "0"}, "is not in 1.."),
+             ({"path": str(tmp_path / "nope")}, "does not exist"),
+             ({}, "give node data folders")]
+    for given, words in cases:
+        with pytest.raises(InvalidArgument) as ei:
+            options.parse(given)
+        assert words in str(ei.value), (given, str(ei.value))
+
+
+def test_pushed_filters_are_reported_with_pruned_segments(tmp_path):
+    """What ``explain()`` cannot show for a Python data source: the reader's pruning line."""
+    from pyspark.sql.datasource import EqualTo, In
+
+    from cluster.spark.source import HourglassReader, _PushdownReader
+
+    for node in ("delay-1", "delay-2"):
+        (tmp_path / node / "dispatch").mkdir(parents=True)
+        for base in (0, 100):
+            (tmp_path / node / "dispatch" / f"{base:020d}.log").write_bytes(b"")
+    r = _PushdownReader([str(tmp_path)], "dispatch", with_payload=False, record_bytes_max=1 << 20)
+    assert list(r.pushFilters([EqualTo(("node",), "delay-2"), EqualTo(("seq",), 5)])) == [EqualTo(("seq",), 5)]
+    segs, pruning = r.plan()
+    assert [s.node for s in segs] == ["delay-2", "delay-2"]
+    assert pruning.line() == ("hourglass scan log=dispatch pushed=[node = 'delay-2'] segments_read=2 "
+                              "segments_pruned=2 bytes_read=0")
+    list(r.pushFilters([In(("node",), ("delay-1", "delay-9"))]))
+    assert r.plan()[1].segments_read == 2
+    # no segment at all (a node that is not there): one empty partition, read as nothing
+    list(r.pushFilters([EqualTo(("node",), "delay-9")]))
+    assert r.partitions() == []
+    from pyspark.sql.datasource import InputPartition
+
+    plain = HourglassReader([str(tmp_path)], "dispatch", with_payload=False, record_bytes_max=1 << 20)
+    assert list(plain.read(InputPartition(None))) == [] and list(plain.read(None)) == []
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+def test_output_folder_is_refused_replaced_only_when_asked_and_never_left_half_written(tmp_path):
+    from cluster.spark import outdir
+
+    out = tmp_path / "out"
+    with outdir.writing(out, overwrite=False) as w:
+        (w / "summary.json").write_text("{}")
+        assert not out.exists()  # written aside, renamed at the end
+    assert (out / "summary.json").exists()
+    with pytest.raises(InvalidArgument, match="exists"):
+        outdir.check(out, overwrite=False)
+    with pytest.raises(RuntimeError):
+        with outdir.writing(out, overwrite=True) as w:
+            (w / "summary.json").write_text('{"new": 1}')
+            raise RuntimeError("the job failed")
+    assert (out / "summary.json").read_text() == "{}"  # the earlier output stays
+    with outdir.writing(out, overwrite=True) as w:
+        (w / "summary.json").write_text('{"new": 1}')
+    assert json.loads((out / "summary.json").read_text()) == {"new": 1}
+    with pytest.raises(RuntimeError):
+        with outdir.writing(tmp_path / "fresh", overwrite=False):
+            raise RuntimeError("the job failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no empty folder, no partial one
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("x")
+    with pytest.raises(InvalidArgument, match="not an earlier output"):
+        outdir.check(tmp_path / "home", overwrite=True)
+
+
+def test_reject_source_is_valid_json_however_long_the_row():
+    from cluster.spark.bulk import SOURCE_FIELD_CHARS_MAX, _source
+
+    row = {"id": "x", "subject": "no spaces", "payload": "\u00e9\"\\" * 5000, "tags": ["t" * 50] * 100,
+           "raw": b"\x00" * 9000, "deliver_at": datetime(2027, 1, 15, tzinfo=timezone.utc), "none": None}
+    got = json.loads(_source(row))
+    assert got["id"] == "x" and got["subject"] == "no spaces" and "none" not in got
+    assert got["payload"].startswith("\u00e9\"\\") and got["payload"].endswith("[cut: 15000 characters]")
+    assert len(got["payload"]) < SOURCE_FIELD_CHARS_MAX + 40
+    assert got["raw"].endswith("characters]") and got["deliver_at"] == "2027-01-15T00:00:00+00:00"
+    assert isinstance(got["tags"], str) and got["tags"].startswith('["ttt')  # a long list: its JSON, cut
+    assert json.loads(_source({"id": "y", "tags": ["a", "b"]})) == {"id": "y", "tags": ["a", "b"]}
+
+
+# ---------------------------------------------------------------------- report figures
+
+
+def report_rows(hours: int):
+    h0 = datetime(2026, 11, 23, 11, tzinfo=timezone.utc)
+    lateness, hourly = [], []
+    for h in range(hours):
+        hour = h0 + timedelta(hours=h)
+        for k, s in enumerate(("a.orders", "b.billing", "c.push")):
+            delivered = 0 if (s == "c.push" and h == 0) else 100 - k
+            lateness.append(dict(subject=s, hour=hour, delivered=delivered, lost=2 if delivered == 0 else 0,
+                                 duplicated=1 if k == 1 else 0, delivered_after_cancel=0, late=k, pending=0,
+                                 cancelled=0, p50_ms=5 if delivered else None, p90_ms=50 if delivered else None,
+                                 p99_ms=300 * (k + 1) if delivered else None, p999_ms=None,
+                                 max_ms=3000 if delivered else None))
+        hourly.append(dict(hour=hour, delivered=297, p50_ms=5, p90_ms=50, p99_ms=900, p999_ms=2000, max_ms=3000))
+    summary = {"scheduled": 302, "late": 3, "late_ms": 1000, "status": {
+        "delivered": 296, "duplicated": 1, "lost": 2, "delivered_after_cancel": 0, "cancelled": 3, "pending": 0}}
+    return summary, lateness, hourly
+
+
+@pytest.mark.parametrize("hours", [1, 30])
+def test_report_figures_say_what_they_show(hours):
+    import matplotlib.pyplot as plt
+
+    from cluster.spark.report import figures
+
+    summary, lateness, hourly = report_rows(hours)
+    figs = figures(summary, lateness, hourly)
+    try:
+        assert sorted(figs) == ["heatmap.png", "lateness.png", "problems.png", "status.png"]
+        for name, fig in figs.items():
+            for ax in fig.axes:
+                if ax.get_label() == "<colorbar>":
+                    assert ax.get_ylabel(), name
+                    continue
+                assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title(), (name, ax)
+        status = figs["status.png"].axes[0]
+        assert [t.get_text() for t in status.get_yticklabels()][-1] == "late"
+        assert "296" in [t.get_text() for t in status.texts]  # the count at its bar
+        assert status.get_xlim()[1] > 296 * 10  # room for it inside the frame
+        assert "0" in [t.get_text() for t in status.texts]  # zero counts are said, not left out
+        lat = figs["lateness.png"].axes[0]
+        threshold = [ln for ln in lat.get_lines() if list(ln.get_ydata()) == [1000, 1000]]
+        assert threshold and "late above" in threshold[0].get_label()
+        assert "UTC" in lat.get_xlabel() and len(lat.get_yticks()) >= 3
+        heat = figs["heatmap.png"].axes[0]
+        if hours <= 24:  # values in the cells, and a lost-only cell says so
+            texts = [t.get_text() for t in heat.texts]
+            assert "2 lost" in texts and any(t.endswith(" ms") for t in texts)
+        fail_ax, late_ax = figs["problems.png"].axes
+        assert fail_ax.get_title().startswith("Failures") and late_ax.get_title().startswith("Late")
+        assert {t.get_text() for t in fail_ax.get_yticklabels()} >= {"c.push", "b.billing"}
+    finally:
+        for f in figs.values():
+            plt.close(f)
+
+
+def test_report_tables_read_as_times_and_durations(tmp_path):
+    from cluster.spark.report import duration, utc, write_report
+
+    assert utc(1795435895288) == "2026-11-23 12:11:35.288Z" and utc(None) == "-"
+    assert [duration(v) for v in (None, 5, 1500, 120_000, 7_200_000)] == ["-", "5 ms", "1.5 s", "2.0 min", "2.0 h"]
+    summary, lateness, hourly = report_rows(1)
+    summary |= {"records_read": 900, "seconds": 3.2, "as_of_ms": 1795435895288, "grace_ms": 30000,
+                "received_not_scheduled": 0, "corrupt_records": 0}
+    examples = {"lost": [dict(subject="c.push", id="p-1", nodes="delay-1", due_ms=1795434875288, received=0,
+                              dispatched=0, lateness_ms=None, first_received_ms=None, reason="never dispatched")]}
+    page = write_report(tmp_path, summary, lateness, hourly, examples, []).read_text()
+    assert "2026-11-23 11:54:35.288Z" in page and "1795434875288" not in page.split("<h2>Summary")[0]
+    assert "None" not in page.split("<h2>Summary")[0]
+    assert "lost: 2 (first 1 shown)" in page and "delivered after cancel: none" in page
+    assert all((tmp_path / n).stat().st_size > 5000 for n in ("status.png", "lateness.png", "heatmap.png"))
