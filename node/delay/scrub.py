@@ -29,7 +29,7 @@ from node.store.verify import VerifyReport, verify_dir
 
 log = logging.getLogger("hourglass.delay.scrub")
 
-TARGETS_REFRESH_MS = 30_000  # the segment list is listed again this often (and after a change)
+TARGETS_REFRESH_MS = 30_000  # the segment list is listed again this often (and after a pass or a change)
 
 
 def log_targets(lg: SegmentedLog, kind: str) -> list[ScrubTarget]:
@@ -75,10 +75,14 @@ class ScrubTask:
         self.unrepaired: dict[str, str] = {}  # target key -> error, segments still corrupt
         self._targets: list[ScrubTarget] = []
         self._listed_ms = -TARGETS_REFRESH_MS
+        self._listed_pass = 0  # listed again at the end of every pass, too
         self._healed_seen: dict[int, tuple[int, int]] = {}  # id(healer) -> (found, rebuilt) counted
 
     async def targets(self, now_ms: int, *, force: bool = False) -> list[ScrubTarget]:
-        if force or now_ms - self._listed_ms >= TARGETS_REFRESH_MS:
+        passes = self.plan.progress.passes
+        if force or now_ms - self._listed_ms >= TARGETS_REFRESH_MS or passes != self._listed_pass \
+                or not self._targets:
+            self._listed_pass = passes
             s = self.node.store
             logs = log_targets(s.messages, "messages") + log_targets(s.dispatch, "dispatch")
             # one folder per bucket (17k for two years of hours): listed off the event loop
