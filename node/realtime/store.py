@@ -9,7 +9,8 @@ comprehensions.
 Owns a data folder::
 
     {root}/messages/                     SegmentedLog; each frame's body is one codec Batch (v2)
-    {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py)
+    {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py;
+                                         entries.{base:020d} once retention dropped a dead prefix)
     {root}/groups/                       offsets log: group positions (node/realtime/offsets.py)
     {root}/subjects.json                 known subjects (checkpoint.write_atomic)
     {root}/checkpoint                    epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
@@ -90,6 +91,13 @@ once: delivery is at-least-once. Acks after the last group commit are lost by a 
 not by ``close`` (which flushes). A data folder of the old layout (one
 ``groups/{subject}/{group}.json`` per group) is migrated at open: the files become one
 snapshot record, then are deleted.
+
+Retention (``retention_plan``, rules in ``node/realtime/retention.py``): sealed segments
+every non-idle group, the dedup window, the checkpoint and the slaves are past, and that
+are due by age or size, are renamed ``*.deleting`` on the caller's thread and unlinked by
+``RetentionWork.run``; each subject's ``live_from`` moves past the dead entries, a group
+behind it (it was idle) resumes there on its next pull/ack/nack, and index files are
+compacted (``retention_finish`` switches them; handles stay the same).
 
 Example::
 
