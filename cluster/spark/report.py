@@ -13,9 +13,9 @@ Figures (``figures`` builds them as matplotlib objects, ``write_report`` saves t
   the ``--late-ms`` threshold as a dashed line; log axis in ms / s / min;
 * ``heatmap.png``  - p99 lateness per subject (rows, busiest first) and hour, the value
   written in each cell; a cell with nothing delivered says why ("3 lost", "pending",
-  "cancelled") and a cell with a loss is outlined in red; blank means nothing was due;
+  "cancelled") and a cell with a loss is framed in blue; blank means nothing was due;
 * ``problems.png`` - two panels per subject: failures (lost, duplicated, delivered after
-  cancel) and, apart, late deliveries, each bar with its count.
+  cancel, stacked) and, apart, late deliveries, each bar with its count.
 
 Tables show UTC times ("2026-11-23 11:00:05.120Z"), lateness in ms / s ("120.0 s"), "-"
 for no value, and problems worst first (the longest lateness first; ``audit.run`` orders
@@ -40,6 +40,7 @@ OUTCOMES = ("delivered", "duplicated", "lost", "delivered_after_cancel", "cancel
 COLORS = {"delivered": "#4c9a2a", "duplicated": "#e6a100", "lost": "#c0392b", "delivered_after_cancel": "#8e44ad",
           "cancelled": "#7f8c8d", "pending": "#2980b9", "late": "#d35400"}
 DPI = 110
+LOSS_EDGE = "#1a4f9c"   # heatmap frame of a cell with a loss: stands out on every colour of the map
 
 
 def label(kind: str) -> str:
@@ -202,10 +203,11 @@ def _heatmap_figure(plt, lateness: list[dict], late_ms: int):
             if r.get("p99_ms") is not None:
                 grid[ij] = max(r["p99_ms"], 1)
     finite = grid[np.isfinite(grid)]
-    vmax = max(float(finite.max()) if finite.size else 1.0, late_ms * 2.0, 10.0)
+    vmax = max(float(finite.max()) * 1.2 if finite.size else 1.0, late_ms * 1.2, 10.0)
+    vmin = max(1.0, min(float(finite.min()) / 3 if finite.size else 1.0, late_ms / 3))
     width = min(16.0, max(8.0, 3.5 + 0.9 * len(hours)))
     fig, ax = plt.subplots(figsize=(width, 1.6 + 0.42 * len(subjects)))
-    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="YlOrRd", norm=LogNorm(vmin=1, vmax=vmax))
+    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="YlOrRd", norm=LogNorm(vmin=vmin, vmax=vmax))
     ax.set_facecolor("white")
     ax.set_yticks(range(len(subjects)), subjects, fontsize=8)
     step = max(1, len(hours) // 16)
@@ -215,25 +217,29 @@ def _heatmap_figure(plt, lateness: list[dict], late_ms: int):
     for (i, j), r in cells.items():
         lost = r.get("lost") or 0
         if lost:
-            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#c0392b", linewidth=2))
+            ax.add_patch(Rectangle((j - 0.45, i - 0.45), 0.9, 0.9, fill=False, edgecolor=LOSS_EDGE, linewidth=2.5))
         if not show_text:
             continue
         if r.get("p99_ms") is not None:
             v = r["p99_ms"]
             text = duration(v) + (f"\n{lost} lost" if lost else "")
-            dark = math.log10(max(v, 1)) > 0.6 * math.log10(vmax)
+            dark = math.log(max(v, vmin) / vmin) > 0.6 * math.log(vmax / vmin)
             ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
         else:  # nothing delivered in this cell: say what happened instead
             why = (f"{lost} lost" if lost else "pending" if r.get("pending") else
                    "cancelled" if r.get("cancelled") else "-")
             ax.text(j, i, why, ha="center", va="center", fontsize=7,
                     color="#c0392b" if lost else "#555555", fontweight="bold" if lost else None)
-    cb = fig.colorbar(im, ax=ax, format=FuncFormatter(lambda v, _: duration(v)))
-    cb.set_label("p99 lateness (log scale)", fontsize=8)
+    cb = fig.colorbar(im, ax=ax)
+    ticks = [m * 10 ** e for e in range(0, 9) for m in (1, 2, 5) if vmin <= m * 10 ** e <= vmax]
+    cb.set_ticks(ticks if len(ticks) >= 2 else [vmin, vmax])
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: duration(v)))
+    cb.ax.minorticks_off()
+    cb.set_label("p99 lateness (log scale; dashed: late threshold)", fontsize=8)
     cb.ax.axhline(max(late_ms, 1), color="#1f1f1f", linewidth=1.5, linestyle="--")
     ax.set_xlabel("hour of due time (UTC)")
     ax.set_ylabel("subject (busiest first)")
-    ax.set_title("p99 lateness per subject and hour\n(red outline: a message lost; blank: nothing due)",
+    ax.set_title("p99 lateness per subject and hour\n(blue frame: a message lost; blank: nothing due)",
                  fontsize=10)
     fig.tight_layout()
     return fig
@@ -253,19 +259,17 @@ def _problems_figure(plt, lateness: list[dict]):
     late = sorted((s for s in bad if per[s]["late"]), key=lambda s: (-per[s]["late"], s))[:SUBJECTS_SHOWN_MAX]
     rows = max(len(failing), len(late), 1)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 1.8 + 0.45 * rows))
-    if failing:
-        n = len(FAILURE_KINDS)
-        height = 0.8 / n
-        top = max(per[s][k] for s in failing for k in FAILURE_KINDS)
-        for k, kind in enumerate(FAILURE_KINDS):
-            ys = [i + (k - 1) * height for i in range(len(failing))]
+    if failing:  # one stacked bar per subject, its total at the end: a single loss is a visible bar
+        top = max(sum(per[s][k] for k in FAILURE_KINDS) for s in failing)
+        start = [0] * len(failing)
+        for kind in FAILURE_KINDS:
             vals = [per[s][kind] for s in failing]
-            left.barh(ys, vals, height, color=COLORS[kind], label=label(kind))
-            for y, v in zip(ys, vals):
-                if v:
-                    left.text(v + top * 0.02, y, f"{v:,}", va="center", fontsize=8)
+            left.barh(range(len(failing)), vals, 0.6, left=start, color=COLORS[kind], label=label(kind))
+            start = [a + v for a, v in zip(start, vals)]
+        for i, total in enumerate(start):
+            left.text(total + top * 0.02, i, f"{total:,}", va="center", fontsize=8)
         left.set_yticks(range(len(failing)), failing, fontsize=8)
-        left.set_xlim(0, top * 1.25 + 1)
+        left.set_xlim(0, top * 1.8 + 1)  # the legend sits in the room on the right
         left.legend(fontsize=8, loc="lower right")
     else:
         left.set_yticks([])
