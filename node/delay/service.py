@@ -45,7 +45,7 @@ from node.delay.scrub import ScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
-from node.store.diskspace import DiskMonitor, is_enospc, read_disk
+from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 
 log = logging.getLogger("hourglass.delay")
@@ -435,14 +435,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _disk_loop(self) -> None:
         """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
-        interval = self.settings.disk_check_interval_ms / 1000
-        while True:
-            reading = await asyncio.to_thread(read_disk, self.settings.data_dir)
-            self.disk.update(reading)
-            self.metrics.disk_free_bytes.set(reading.free_bytes)
-            self.metrics.disk_total_bytes.set(reading.total_bytes)
-            self.metrics.disk_low.set(1 if self.disk.low else 0)
-            await asyncio.sleep(interval)
+        await self.disk.run(self.settings.disk_check_interval_ms / 1000, self.metrics)
 
     def _retention_slave_holds(self) -> dict[str, dict[str, int]] | None:
         return None  # no replicas (ReplicatedDelayNode: its registered slaves)

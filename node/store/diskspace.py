@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -136,6 +137,17 @@ class DiskMonitor:
             log.warning("disk space back: taking writes again path=%s free_bytes=%d threshold_bytes=%d", self.path,
                         reading.free_bytes, mark)
         return low
+
+    async def run(self, interval_s: float, metrics) -> None:
+        """The node's disk task: a reading every ``interval_s`` (``statvfs`` off the loop),
+        the watermark updated and the disk gauges of ``metrics`` (``NodeMetrics``) set."""
+        while True:
+            reading = await asyncio.to_thread(read_disk, self.path)
+            self.update(reading)
+            metrics.disk_free_bytes.set(reading.free_bytes)
+            metrics.disk_total_bytes.set(reading.total_bytes)
+            metrics.disk_low.set(1 if self.low else 0)
+            await asyncio.sleep(interval_s)
 
     def note_enospc(self, what: str) -> None:
         self.enospc_count += 1
