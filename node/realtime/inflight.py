@@ -108,8 +108,18 @@ class InflightRanges:
     def remove(self, ranges: Iterable[tuple[int, int]]) -> int:
         """Drop handles in ``ranges`` (acked); returns how many were in flight."""
         n = 0
+        lo, hi, t = self.lo, self.hi, self.t
         for a, b in ranges:
-            n += sum(q - p for p, q, _ in self._cut(int(a), int(b), None))
+            a, b = int(a), int(b)
+            i = bisect_right(lo, a) - 1
+            if i >= 0 and lo[i] == a and hi[i] == b:  # the common ack: exactly one pulled run
+                del lo[i], hi[i], t[i]
+                self.count -= b - a
+                n += b - a
+                if not lo:
+                    self.t_floor = _NEVER
+                continue
+            n += sum(q - p for p, q, _ in self._cut(a, b, None))
         return n
 
     def touch(self, ranges: Iterable[tuple[int, int]], t: int) -> list[tuple[int, int]]:
