@@ -26,14 +26,15 @@ from cluster.errors import InvalidArgument
 ROOT = Path(__file__).resolve().parent.parent
 HOURGLASS = shutil.which("hourglass", path=str(Path(sys.executable).parent)) or shutil.which("hourglass")
 RUN_TIMEOUT_S = 60
+SPARK_RUN_TIMEOUT_S = 300  # a command that starts Spark on the shared 2-core machine
 BEFORE_SPARK_S = 10.0   # a refusal must come before Spark's start-up (20-30 s here)
 
 
-def hg(*args: str, cwd: Path) -> tuple[int, str, str, float]:
+def hg(*args: str, cwd: Path, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, str, str, float]:
     assert HOURGLASS, "the hourglass script is not installed (pip install -e .)"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")} | {"COLUMNS": "80"}
     t0 = time.monotonic()
-    p = subprocess.run([HOURGLASS, *args], capture_output=True, text=True, cwd=cwd, timeout=RUN_TIMEOUT_S, env=env,
+    p = subprocess.run([HOURGLASS, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout_s, env=env,
                        stdin=subprocess.DEVNULL)
     return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
@@ -84,6 +85,20 @@ def test_cli_refuses_bad_paths_and_outputs_before_spark_starts(tmp_path):
             str(tmp_path / "earlier"), words=("--out", "exists"))
     # nothing was created by the refused runs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "earlier", "empty", "rows.csv"]
+
+
+def test_a_failure_inside_spark_is_one_error_line_without_a_stack_trace(tmp_path):
+    """The one case here that starts Spark: an input that exists but is not Parquet."""
+    (tmp_path / "rows.parquet").write_text("not parquet")
+    code, out, err, took = hg("spark", "bulk-schedule", "rows.parquet", "--delay", "127.0.0.1:1", "--out", "bulk-out",
+                              cwd=tmp_path, timeout_s=SPARK_RUN_TIMEOUT_S)
+    what = f"exit {code} in {took:.1f} s\nstdout: {out[-1500:]}\nstderr: {err[-3000:]}"
+    assert code == 2, what
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert errors == [err.splitlines()[-1]] and "FAILED_READ_FILE" in errors[0], what
+    assert "Traceback" not in err and "\tat org.apache" not in err and "ERROR" not in err, what
+    assert len(err.splitlines()) <= 4, what  # the JVM's own start-up lines and the error
+    assert not (tmp_path / "bulk-out").exists()
 
 
 def test_bulk_schedule_help_lists_the_input_columns(tmp_path):

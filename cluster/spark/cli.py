@@ -12,6 +12,12 @@ command::
 
 pyspark is imported only when a command runs, so ``hourglass`` works without the
 ``spark`` extra installed.
+
+Errors leave through the ``hourglass`` CLI's boundary (``cluster.cli.HourglassApp``, also
+under spark-submit): what the command line can get wrong (paths, ``--format``, ``--delay``,
+``--out``...) is checked before Spark starts and raised as ``InvalidArgument`` (one line,
+exit 2); a failure inside Spark becomes one line too (``_spark_errors``), and Spark's own
+log is off unless ``HOURGLASS_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -28,14 +34,19 @@ import typer
 
 from cluster.errors import HourglassError, InvalidArgument
 
-from . import options, outdir
+from cluster.spark import options, outdir  # absolute: spark-submit runs this file as __main__
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Spark jobs: audit delivery from node logs, schedule a dataset in bulk.")
 
 DEFAULT_CLUSTER_FILE = Path("var/dev/cluster.json")
+LOG4J_QUIET = Path(__file__).with_name("log4j2-cli.properties")   # Spark's start-up WARN lines off
 INPUT_FORMATS = ("csv", "json", "parquet")
 PAYLOAD_ENCODINGS = ("utf8", "base64")
+
+# Spark error classes that mean "the input is not what it should be": exit 2, like a bad argument
+INPUT_ERROR_CLASSES = ("PATH_NOT_FOUND", "FAILED_READ_FILE", "UNABLE_TO_INFER_SCHEMA", "MALFORMED_RECORD",
+                       "INVALID_PARQUET", "CANNOT_READ_FILE")
 
 MasterOpt = typer.Option(None, "--master", help="Spark master; default local[*] (or spark-submit's)")
 OverwriteOpt = typer.Option(False, "--overwrite", help="replace an earlier output in --out (else an existing --out "
@@ -49,7 +60,14 @@ def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] 
         raise HourglassError(f"pyspark is not installed: pip install 'hourglass-broker[spark]' ({e})") from None
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
     chosen = master or (None if under_submit else LOCAL_MASTER)
-    return build_session(SessionSettings(master=chosen, app_name=app_name, driver_memory=driver_memory))
+    # a failed task is said once, by _spark_errors; Spark's own ERROR lines (a stack trace per
+    # task) only with HOURGLASS_DEBUG=1
+    quiet = os.environ.get("HOURGLASS_DEBUG", "") in ("", "0")
+    conf = {}
+    if quiet and LOG4J_QUIET.is_file():  # read only when this process starts the JVM (not under spark-submit)
+        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile={LOG4J_QUIET.as_uri()}"
+    return build_session(SessionSettings(master=chosen, app_name=app_name, driver_memory=driver_memory,
+                                         log_level="OFF" if quiet else "WARN", conf=conf))
 
 
 @contextmanager
@@ -65,13 +83,14 @@ def _spark_errors() -> Iterator[None]:
         module = type(e).__module__ or ""
         if not module.startswith(("pyspark", "py4j")):
             raise
-        text = str(e).strip()
+        java = getattr(e, "java_exception", None)  # Py4JJavaError: the message is the Java exception's
+        text = (str(java) if java is not None else str(e)).strip()
         first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("JVM stacktrace")),
                      type(e).__name__)
-        kind = InvalidArgument if type(e).__name__ == "AnalysisException" else None
-        if kind is not None:
-            raise InvalidArgument("input", f"Spark refused it: {first}") from None
-        raise HourglassError(f"the Spark job failed: {type(e).__name__}: {first}") from None
+        first = first.removeprefix("org.apache.spark.SparkException: ")
+        if type(e).__name__ == "AnalysisException" or any(f"[{c}" in first for c in INPUT_ERROR_CLASSES):
+            raise InvalidArgument("input", f"Spark cannot read it: {first}") from None
+        raise HourglassError(f"the Spark job failed: {first}") from None
 
 
 def _delay_nodes(delay: Optional[str], cluster_file: Optional[Path]) -> list[str]:
@@ -140,13 +159,13 @@ def audit(
 BULK_HELP = """Schedule every row of a dataset; bad rows go to the reject file with their reason.
 
 \b
-Input columns (CSV needs a header; JSON is one object per line):
-  id          required; makes reruns idempotent (printable ASCII, <= 128 bytes)
-  subject     required; letters, digits, . _ - (starting with a letter or digit)
-  deliver_at  required; epoch ms, ISO-8601 (no zone = UTC) or a timestamp column
-  payload     optional; text as UTF-8 (--payload-encoding base64), or Parquet binary
+Input columns (CSV with a header, JSON one object a line, Parquet):
+  id          required; reruns stay idempotent (ASCII, <= 128 bytes)
+  subject     required; letters, digits, . _ - (first a letter/digit)
+  deliver_at  required; epoch ms, ISO-8601 (no zone: UTC), timestamp
+  payload     optional; UTF-8 text, base64 (--payload-encoding), binary
   tags        optional; a list, or one string "a,b"
-Other columns are ignored. Exit 1 when a row was rejected or failed (see OUT/rejects).
+Other columns are ignored. Exit 1 when a row was rejected or failed.
 """
 
 

@@ -19,6 +19,7 @@ class SessionSettings(BaseModel):
     shuffle_partitions: int = Field(default=0, ge=0)   # 0: 2 x cores in local mode, Spark's default otherwise
     driver_memory: str | None = None           # e.g. "2g"; only effective when this process starts the JVM
     conf: dict[str, str] = {}
+    log_level: str = "WARN"                    # Spark's log4j level once started (the CLI: OFF)
 
 
 def build_session(settings: SessionSettings | None = None):
@@ -46,6 +47,6 @@ def build_session(settings: SessionSettings | None = None):
     for k, v in s.conf.items():
         b = b.config(k, v)
     spark = b.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    spark.sparkContext.setLogLevel(s.log_level)
     register(spark)
     return spark
