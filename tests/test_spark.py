@@ -261,7 +261,9 @@ def test_empty_inputs_are_empty_results_and_wrong_options_are_refused(spark, tmp
     assert read(spark, data, "message").where("node = 'delay-9'").count() == 0
     assert read(spark, tmp_path / "nothing", "message").count() == 0
     # `kind = '...'` is taken by the reader itself (exactly), a narrower schema builds only its columns
-    cancels = read(spark, data, "message").where("kind = 'cancel'").select("id", "cancels_seq").collect()
+    from cluster.spark.source import load
+
+    cancels = load(spark, [data], log="message").where("kind = 'cancel'").select("id", "cancels_seq").collect()
     assert [(r["id"], r["cancels_seq"]) for r in cancels] == [("m7", EPOCH + 7)]
     narrow = (spark.read.format("hourglass").schema("seq bigint, subject string").option("log", "realtime")
               .load(str(data)))

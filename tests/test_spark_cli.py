@@ -132,6 +132,19 @@ def test_options_are_checked_with_the_valid_names_listed(tmp_path):
         assert words in str(ei.value), (given, str(ei.value))
 
 
+def test_script_load_refuses_wrong_options_before_spark(tmp_path):
+    """``source.load`` checks in the calling process: no Spark needed to be told (``spark=None``)."""
+    from cluster.spark.source import load
+
+    node_dirs(tmp_path)
+    with pytest.raises(InvalidArgument, match="unknown option 'logs'"):
+        load(None, str(tmp_path), logs="dispatch")
+    with pytest.raises(InvalidArgument, match="'yes' is not true or false"):
+        load(None, [str(tmp_path)], payload="yes")
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        load(None, str(tmp_path / "nope"), log="dispatch")
+
+
 def test_pushed_filters_are_reported_with_pruned_segments(tmp_path):
     """What ``explain()`` cannot show for a Python data source: the reader's pruning line."""
     from pyspark.sql.datasource import EqualTo, In

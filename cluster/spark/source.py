@@ -53,6 +53,7 @@ without any filter reuses the pruned segment list. Load the DataFrame again for 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -239,6 +240,22 @@ _OPS = {EqualTo: "=", In: "IN", GreaterThan: ">", GreaterThanOrEqual: ">=", Less
 def _text(f) -> str:
     value = f.value if not isinstance(f, In) else tuple(f.value)
     return f"{'.'.join(f.attribute)} {_OPS.get(type(f), type(f).__name__)} {value!r}"
+
+
+def load(spark, path: str | list[str], log: str = "message", **opts):
+    """``spark.read.format("hourglass")...load()`` with the options checked in this process
+    first, so a wrong one is a plain ``InvalidArgument`` here rather than Spark's
+    ``PYTHON_DATA_SOURCE_ERROR`` with a worker's traceback::
+
+        load(spark, "/data", log="dispatch", payload=True).where("node = 'delay-1'")
+    """
+    given = {"path": path if isinstance(path, str) else json.dumps([str(p) for p in path]), "log": log}
+    given |= {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in opts.items()}
+    options.parse(given)
+    r = spark.read.format(NAME)
+    for k, v in given.items():
+        r = r.option(k, v)
+    return r.load()
 
 
 def register(spark) -> None:
