@@ -5,7 +5,8 @@ server and a real-time node on this machine; a producer sends ``--n`` messages (
 payload, 16 subjects, due send time + uniform ``--delay-min-s``..``--delay-max-s``) at
 ``--rate`` msgs/s; a consumer in a separate process records receive times. In the middle
 of the send the delay master is SIGKILLed; a supervisor (this script) restarts it one
-second later, as Kubernetes would. Reports: seconds from the kill until deliveries resume
+second later, as Kubernetes would (``--kills K``: K kills at seeded times in one run, each
+after the group has a caught-up slave again; figures per kill and p50/max). Reports: seconds from the kill until deliveries resume
 (the first delivery by the new master), acknowledged messages lost (must be 0),
 duplicates, lateness of messages due during the gap.
 
@@ -15,6 +16,7 @@ ratio (target: sync >= 70 % of async).
 
     python bench/bench_failover.py                       # both, defaults
     python bench/bench_failover.py --n 20000 --rate 2000 --skip-ingest
+    python bench/bench_failover.py --rate 3000 --kills 20 --skip-ingest   # issue 15 target
 
 One JSON line per figure on stdout, settings beside it.
 """
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import emit, lateness_summary, machine  # noqa: E402
+from bench.common import emit, lateness_summary, machine, percentile  # noqa: E402
 from cluster import errors as E  # noqa: E402
 from cluster.client import Consumer, Producer  # noqa: E402
 from cluster.devcluster import LocalCluster  # noqa: E402
@@ -104,26 +107,63 @@ def group(root: Path, ack_mode: str) -> LocalCluster:
 # ---------------------------------------------------------------------- phase 3
 
 async def phase3(a, work: Path) -> None:
+    """One run: ``--kills`` master SIGKILLs at seeded times, each killed master restarted
+    ``restart_after_ms`` later; the next kill waits until the group has a master and a
+    caught-up slave again (in sync mode a group without a slave takes no writes)."""
     rnd = random.Random(a.seed)
+    kill_rnd = random.Random(a.seed * 7919 + 1)
     with group(work / "p3", "sync") as c:
         c.wait_registered()
-        master = await wait_master(c)
+        await wait_master(c)
         out, ready, stop = work / "p3.recv", work / "p3.ready", work / "p3.stop"
+        run_s_max = a.delay_max_s + 120 + a.kills * (a.kill_every_s + 30)
         cons = subprocess.Popen([sys.executable, __file__, "--consumer", "--meta", ",".join(c.meta_addresses),
-                                 "--expect", str(a.n), "--timeout-s", str(a.delay_max_s + 120), "--out", str(out),
+                                 "--expect", str(1 << 40), "--timeout-s", str(run_s_max), "--out", str(out),
                                  "--ready-file", str(ready), "--stop-file", str(stop)])
+        kills: list[dict] = []   # {"killed": name, "at_ms": wall ms}
         try:
             while not ready.exists():
                 time.sleep(0.05)
             resolver = MetaResolver(c.meta_addresses, refresh_ms=500)
             acked: dict[str, int] = {}
             failed = 0
-            killed_at = restarted = None
             t_start = time.monotonic()
             payload = os.urandom(256)
+            chaos_done = asyncio.Event()
+
+            async def chaos() -> None:
+                """Kill the master, restart it a second later, wait for a caught-up slave; repeat."""
+                try:
+                    first = (a.n / 2) / a.rate if a.kills == 1 else a.delay_min_s + 2.0
+                    await asyncio.sleep(max(0.0, t_start + first - time.monotonic()))
+                    for k in range(a.kills):
+                        master = await c.wait_master("delay", 60)
+                        node = next(n for n in c.delay if n.name == master)
+                        node.kill()
+                        kills.append({"killed": master, "at_ms": now_ms()})
+                        await asyncio.sleep(1.0)
+                        node.start()
+                        t_back = time.monotonic()
+                        try:
+                            await wait_master(c, 60)
+                        except TimeoutError:  # no stable master and caught-up slave: recorded, one more try
+                            kills[-1]["unstable"] = True
+                            try:
+                                await wait_master(c, 120)
+                            except TimeoutError:
+                                kills[-1]["gave_up"] = True
+                                break
+                        kills[-1]["whole_again_s"] = round(time.monotonic() - t_back, 1)
+                        if k + 1 < a.kills:  # seeded spacing: kill at a random point of the load
+                            await asyncio.sleep(kill_rnd.uniform(0.5, 1.0) * a.kill_every_s)
+                finally:
+                    chaos_done.set()
+
             async with Producer(resolver, retries_max=60, linger_ms=5) as p:
+                chaos_task = asyncio.create_task(chaos())
                 pending: list[tuple[str, int, asyncio.Future]] = []
-                for i in range(a.n):
+                i = 0
+                while (i < a.n if a.kills == 1 else not chaos_done.is_set()) and i < a.n_max:
                     target = t_start + i / a.rate
                     lag = target - time.monotonic()
                     if lag > 0:
@@ -131,13 +171,18 @@ async def phase3(a, work: Path) -> None:
                     due = now_ms() + rnd.randint(a.delay_min_s * 1000, a.delay_max_s * 1000)
                     mid = f"f{i}"
                     pending.append((mid, due, await p.send(SUBJECTS[i % 16], payload, id=mid, deliver_at_ms=due)))
-                    if killed_at is None and i == a.n // 2:
-                        next(n for n in c.delay if n.name == master).kill()
-                        killed_at = now_ms()
-                    if killed_at and restarted is None and now_ms() - killed_at > 1000:
-                        old = next(n for n in c.delay if n.name == master)
-                        old.start()
-                        restarted = now_ms()
+                    i += 1
+                    if i % 5000 == 0:  # settle acknowledgements as we go (memory, early failures)
+                        keep = []
+                        for mid_, due_, fut in pending:
+                            if not fut.done():
+                                keep.append((mid_, due_, fut))
+                            elif fut.exception() is None:
+                                acked[mid_] = due_
+                            else:
+                                failed += 1
+                        pending = keep
+                await chaos_task
                 for mid, due, fut in pending:
                     try:
                         await fut
@@ -157,27 +202,41 @@ async def phase3(a, work: Path) -> None:
             if cons.poll() is None:
                 cons.kill()
                 cons.wait()
-        rows = [ln.split() for ln in out.read_text().splitlines()]
+        rows = [(mid, int(t), int(due)) for mid, t, due in (ln.split() for ln in out.read_text().splitlines())]
         first: dict[str, int] = {}
         for mid, t, _ in rows:
-            first.setdefault(mid, int(t))
+            first.setdefault(mid, t)
         lost = sorted(set(acked) - set(first))
         dupes = len(rows) - len(first)
-        # deliveries resume: first receive after the kill of a message due after the kill
-        after = sorted(int(t) for mid, t, due in rows if int(t) > killed_at and int(due) > killed_at)
-        resume_s = (after[0] - killed_at) / 1000 if after else None
-        gap_end = after[0] if after else killed_at
-        during = [first[m] - d for m, d in acked.items() if m in first and killed_at <= d <= gap_end]
-        others = [first[m] - d for m, d in acked.items() if m in first and not killed_at <= d <= gap_end]
+        # deliveries resume: the first receive after a kill of a message due after that kill
+        recv = sorted((t, due) for _, t, due in rows)
+        resumes: list[float | None] = []
+        during: list[int] = []
+        for k in kills:
+            at = k["at_ms"]
+            after = next((t for t, due in recv if t > at and due > at), None)
+            resumes.append(None if after is None else (after - at) / 1000)
+            k["resume_s"] = resumes[-1]
+            end = after if after is not None else at
+            during += [first[m] - d for m, d in acked.items() if m in first and at <= d <= end]
+        ok = sorted(r for r in resumes if r is not None)
         st = await delay_statuses(c)
-        emit({"system": "hourglass", "phase": "3-failover", "messages": a.n, "acked": len(acked),
+        if a.keep_logs:  # node logs, for the breakdown of each failover
+            keep = Path(a.keep_logs)
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in (work / "p3").glob("*.log"):
+                shutil.copy(f, keep / f.name)
+        emit({"system": "hourglass", "phase": "3-failover", "messages": i, "acked": len(acked),
               "refused_after_retries": failed, "lost": len(lost), "lost_ids": lost[:10], "duplicates": dupes,
-              "resume_after_kill_s": resume_s, "send_s": round(send_s, 2),
+              "kills": len(kills), "resumed": len(ok), "kill_log": kills,
+              "resume_after_kill_s": {"p50": percentile(ok, 50), "max": ok[-1] if ok else None,
+                                      "min": ok[0] if ok else None, "each": resumes},
+              "send_s": round(send_s, 2),
               "lateness_due_during_gap_ms": lateness_summary(during),
-              "lateness_others_ms": lateness_summary(others),
-              "new_master": [k for k, v in st.items() if v["master"]], "killed": master,
-              "settings": {"ack_mode": "sync", "lease_ttl_ms": 2000, "rate": a.rate,
-                           "delay_s": [a.delay_min_s, a.delay_max_s], "restart_after_ms": 1000},
+              "new_master": [k for k, v in st.items() if v["master"]], "killed": [k["killed"] for k in kills],
+              "settings": {"ack_mode": "sync", "lease_ttl_ms": 2000, "rate": a.rate, "seed": a.seed,
+                           "delay_s": [a.delay_min_s, a.delay_max_s], "restart_after_ms": 1000,
+                           "kill_every_s": a.kill_every_s},
               "machine": machine()})
 
 
@@ -217,6 +276,13 @@ def main() -> None:
     ap.add_argument("--stop-file", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=20_000, help="phase 3 messages")
     ap.add_argument("--rate", type=float, default=2000, help="phase 3 send rate, msgs/s")
+    ap.add_argument("--kills", type=int, default=1,
+                    help="master SIGKILLs in one run (1: halfway through --n messages; more: the producer "
+                         "sends until the last kill's group has a caught-up slave again)")
+    ap.add_argument("--kill-every-s", type=float, default=12.0,
+                    help="with --kills > 1: seeded pause of 0.5-1x this after the group is whole again")
+    ap.add_argument("--keep-logs", help="copy the cluster's logs to this folder at the end")
+    ap.add_argument("--n-max", type=int, default=2_000_000, help="bound on messages sent in one run")
     ap.add_argument("--delay-min-s", type=int, default=3)
     ap.add_argument("--delay-max-s", type=int, default=13)
     ap.add_argument("--ingest-n", type=int, default=30_000)

@@ -40,8 +40,9 @@ def replicate(master: DelayStore, follower: DelayStore) -> None:
     follower.iterate(limit=None)
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["promote", "reopen"])
 @pytest.mark.parametrize("seed", range(12))
-def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed):
+def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed, in_place):
     rnd = random.Random(seed)
     now = T0
     m = DelayStore.open(tmp_path / "m", S, now_ms=now)
@@ -96,12 +97,20 @@ def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed):
             assert a.read_bytes(off, len(chunk))[: len(chunk)] == chunk
             off += len(chunk)
     before = len(delivered)
-    f.checkpoint()
-    f.close()
-    # promotion, possibly with a clock that is behind or ahead of the old master's
+    # promotion, possibly with a clock that is behind or ahead of the old master's: in place
+    # (what a replicated node does) or by a close and an open as master (a restart)
     skew = rnd.choice([0, -1500, 1500])
     now += rnd.randint(50, 3000) + skew
-    p = DelayStore.open(tmp_path / "f", S, now_ms=now)
+    if in_place:
+        epoch = f.epoch
+        f.promote(now)
+        p = f
+        last = p.ids.last_seq()  # the old master's seqs, filed here: the new epoch is past them, bumped once
+        assert not p.follower and p.epoch == max(epoch + 1, (last >> 40) + 1 if last >= 0 else 0)
+    else:
+        f.checkpoint()
+        f.close()
+        p = DelayStore.open(tmp_path / "f", S, now_ms=now)
     end = max(acked.values(), default=now) + 5000
     while now < end:
         now += 10
@@ -151,3 +160,32 @@ def test_divergent_suffix_is_truncated_and_voided(tmp_path):
     assert sorted(got) == sorted(f"a{i}" for i in range(10))
     old.close()
     f.close()
+
+
+def test_follower_truncated_then_promoted_in_place_never_delivers_the_voided_suffix(tmp_path):
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
+    f.follow()
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"a{i}", subject="s", payload=b"p")
+              for i in range(10)], now_ms=now)
+    m.flush_messages()
+    m.checkpoint()
+    replicate(m, f)
+    cut = f.messages.end_offset
+    # a suffix the follower got from a master that then lost its seat: the next master never had it
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"b{i}", subject="s", payload=b"p")
+              for i in range(5)], now_ms=now)
+    m.flush_messages()
+    m.checkpoint()
+    replicate(m, f)
+    assert f.messages.end_offset > cut
+    f.truncate_messages(cut)
+    f.promote(now + 100)
+    now += 6000
+    got = [i for d in f.poll_due(now_ms=now) for i in d.batch.id_list()]
+    assert sorted(got) == sorted(f"a{i}" for i in range(10))
+    with pytest.raises(Exception):
+        f.lookup("b1")
+    f.close()
+    m.close()

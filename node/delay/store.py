@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time  # promote() step timings only: no rule here reads a clock
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -188,6 +189,37 @@ class DelayStore:
                         self.messages.directory, self.iterate_offset, self.messages.end_offset)
             self.iterate_offset = self.messages.end_offset
         self.durable_offset = self.messages.end_offset  # recovered bytes are what survived
+        self._restore_tick_state(ck, now_ms)
+        self._units: dict[int, _Unit] = {}
+        self._unit_counter = 0
+        self._inflight_count = 0
+        self._unfiled: deque[_Unfiled] = deque()
+        self._unfiled_ids: dict[int, tuple[int, int]] = {}  # id hash -> (seq, message-log offset)
+        self._unfiled_count = 0
+        self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
+                         "dead_lettered": 0}
+        self._voided_path = root / "voided.json"
+        self.voided: list[tuple[int, int]] = [tuple(r) for r in (checkpoint.read(self._voided_path) or {}).get(
+            "ranges", [])]
+        self.wheel_changed = False  # set when a filed message entered the wheel (the shell wakes its loop)
+        # follower (slave) mode: the master's checkpoint, replicated (see follow())
+        self.follower = follower
+        self.replicated: dict | None = ck.get("replicated") if follower else None
+        # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
+        # rebuilt from the message log; the ones the wheel loads first are checked before serving
+        self.healer = BucketHealer(self)
+        self.schedule.healer = self.healer.rebuild
+        self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
+        self._pending = self._count_pending()
+        self._save_checkpoint()  # the new epoch is durable before any seq of it is used
+        self.iterate(limit=None)  # replay: file everything the crash left unfiled
+        if not follower:
+            self._bump_past_filed_seqs()
+
+    def _restore_tick_state(self, ck: dict, now_ms: int) -> None:
+        """Wheel, completed_ms and the delivered-seq map from a checkpoint document (at open,
+        and at a promotion from the master's replicated tick state)."""
+        settings = self.settings
         if "completed_ms" in ck:
             self.completed_ms = int(ck["completed_ms"])
             dispatch_offset = max(int(ck["dispatch_offset"]), self.dispatch.start_offset)
@@ -215,30 +247,9 @@ class DelayStore:
                 if d.n:
                     self._dispatched_eff_max = max(self._dispatched_eff_max, int(d.effective_ms.max()))
                 self._dispatch_trail.append((int(d.effective_ms.max()) if d.n else 0, off))
-        self._units: dict[int, _Unit] = {}
-        self._unit_counter = 0
-        self._inflight_count = 0
-        self._unfiled: deque[_Unfiled] = deque()
-        self._unfiled_ids: dict[int, tuple[int, int]] = {}  # id hash -> (seq, message-log offset)
-        self._unfiled_count = 0
-        self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
-                         "dead_lettered": 0}
-        self._voided_path = root / "voided.json"
-        self.voided: list[tuple[int, int]] = [tuple(r) for r in (checkpoint.read(self._voided_path) or {}).get(
-            "ranges", [])]
-        self.wheel_changed = False  # set when a filed message entered the wheel (the shell wakes its loop)
-        # follower (slave) mode: the master's checkpoint, replicated (see follow())
-        self.follower = follower
-        self.replicated: dict | None = ck.get("replicated") if follower else None
-        # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
-        # rebuilt from the message log; the ones the wheel loads first are checked before serving
-        self.healer = BucketHealer(self)
-        self.schedule.healer = self.healer.rebuild
-        self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
-        self._pending = self._count_pending()
-        self._save_checkpoint()  # the new epoch is durable before any seq of it is used
-        self.iterate(limit=None)  # replay: file everything the crash left unfiled
-        # a promoted slave holds records of the old master's epochs: never reuse their seqs
+
+    def _bump_past_filed_seqs(self) -> None:
+        """A promoted slave holds records of the old master's epochs: never reuse their seqs."""
         last = self.ids.last_seq()
         if last >= 0 and (last >> SEQ_EPOCH_SHIFT) >= self.epoch:
             self.epoch = (last >> SEQ_EPOCH_SHIFT) + 1
@@ -249,7 +260,7 @@ class DelayStore:
     def open(cls, root: str | os.PathLike, settings: StoreSettings | None = None, *, now_ms: int,
              bump_epoch: bool = True, follower: bool = False) -> "DelayStore":
         """``follower``: open as a slave (files only what the master's checkpoint covers,
-        keeps no wheel); a promotion closes it and opens it again as a master."""
+        keeps no wheel); ``promote`` turns it into the master in place."""
         return cls(Path(root), settings or StoreSettings(), now_ms, bump_epoch=bump_epoch, follower=follower)
 
     # ------------------------------------------------------------------ pending counts (metrics)
@@ -819,6 +830,51 @@ class DelayStore:
         if master_checkpoint is not None:
             self.replicated = dict(master_checkpoint)
             self.persisted_completed_ms = self.completed_ms = int(master_checkpoint["completed_ms"])
+
+    def promote(self, now_ms: int) -> dict[str, int]:
+        """Turn this follower into the master in place (no close, no reopen): what a close
+        and an open as master did, once. Returns the milliseconds of each step (logged).
+
+        1. file what the master's checkpoint covered and persist the follower checkpoint
+           (the master's tick state with this replica's iterate offset), as a close did;
+        2. the new epoch, once: past this store's and past every seq already filed (the
+           old master's), durable before any seq of it is issued;
+        3. the wheel restored from that tick state (``completed_ms``, the dispatch-log
+           records from ``dispatch_offset`` on name what was delivered): it aligns to the
+           wall clock in ``poll_due`` (behind: catch-up; ahead: it waits);
+        4. the buckets the wheel loads first verified (heal.py), pending counts rebuilt;
+        5. the rest of the replicated log filed as a master files it, under the restored
+           ``completed_ms``. Voided seqs (divergent suffixes truncated while following)
+           stay voided: they live in ``voided.json`` and memory, not in the checkpoint."""
+        if not self.follower:
+            raise AssertionError("promote() of a store that is already the master")
+        t = {"t0": time.perf_counter()}
+        self.iterate(limit=None)
+        self.checkpoint()
+        t["file_checkpoint"] = time.perf_counter()
+        ck = checkpoint.read(self._ckpt_path) or {}
+        self.follower = False
+        self.replicated = None
+        self.epoch = max(self.epoch, int(ck.get("epoch", 0))) + 1
+        last = self.ids.last_seq()
+        if last >= 0 and (last >> SEQ_EPOCH_SHIFT) >= self.epoch:
+            self.epoch = (last >> SEQ_EPOCH_SHIFT) + 1
+        self._counter = 0
+        self._units.clear()
+        self._unit_counter = 0
+        self._inflight_count = 0
+        self._restore_tick_state(ck, now_ms)
+        self._save_checkpoint()  # the new epoch is durable before any seq of it is used
+        t["epoch_wheel"] = time.perf_counter()
+        self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)
+        t["verify"] = time.perf_counter()
+        self._pending = self._count_pending()
+        t["pending"] = time.perf_counter()
+        self.iterate(limit=None)
+        self._bump_past_filed_seqs()
+        t["file_rest"] = time.perf_counter()
+        steps = list(t)
+        return {k: round((t[k] - t[steps[i - 1]]) * 1000, 1) for i, k in enumerate(steps) if i}
 
     def appended(self) -> None:
         """Replicated bytes were appended and fsynced: they are durable here."""
