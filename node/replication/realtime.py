@@ -262,7 +262,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
             await asyncio.sleep(0.02)
         else:
             self._handing_over = False
-            self._start_role_task("master")
+            self._role_task = asyncio.create_task(self._master_tasks())
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
         self._handing_over = False
         return await self._resign_and_follow()

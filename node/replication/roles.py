@@ -6,25 +6,13 @@ the master's side of the fetch preamble, metrics, status and lifecycle.
 
 * ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
   its groups);
-* ``_become(mode)``: turn the store into a master (``DelayStore.promote``, in place) or a
-  follower; ``_switch`` stops the old mode's tasks first and starts the new mode's tasks
-  in the node's root TaskGroup (``self._role_task``);
+* ``_switch(mode)``: close and reopen the store as master or slave and start that mode's
+  tasks in ``self._role_task``;
 * ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
 * ``_on_peers(peers)``: the group's other members changed (sync trackers);
 * ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
 
 The pure rules are in ``node/replication/core.py``.
-
-How a slave learns that the master's seat is empty: the best-placed slave (the most
-caught-up, ``campaign_delay_ms`` == 0) keeps a **watched campaign** open at the meta
-server (``Campaign`` with ``wait_ms``): the meta server watches the leader key in etcd
-and runs the campaign transaction the moment the key is deleted (the old master's lease
-expired), so the seat is taken within one etcd round trip of the expiry instead of at
-the next poll. The campaign is bounded (``CAMPAIGN_WATCH_MS_MAX``) and the meta server
-re-reads the key at least every second while it waits (a lost watch event); between two
-watched campaigns, and for slaves that are not first in line, the loop polls ``Leader``
-every ``leader_poll_ms`` as before. Only a deleted key frees the seat: the election
-rules are unchanged.
 """
 
 from __future__ import annotations
@@ -47,9 +35,6 @@ from node.store import checkpoint
 from node.aio import wait_event, within
 
 log = logging.getLogger("hourglass.replication")
-
-CAMPAIGN_WATCH_MS_MAX = 5_000   # one watched campaign waits at most this long, then the loop re-reads
-PEERS_REFRESH_S = 1.0           # the group's registrations (ranking, sync slaves) are re-read this often
 
 
 def mono_ms() -> int:
@@ -94,7 +79,6 @@ class ReplicaRoles:
         self._tickets: dict[tuple[str, int], asyncio.Future] = {}
         self._changed = asyncio.Event()
         self._role_task: asyncio.Task | None = None
-        self._tg: asyncio.TaskGroup | None = None  # the root TaskGroup of run(): role tasks live in it
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
         self._lease_seen: int | None = None
@@ -301,12 +285,7 @@ class ReplicaRoles:
                     backoff = 0.05
             except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
                 log.info("replication of %s from %s interrupted: %s", name, addr, e)
-                # back off from a failing master, but not from a new one: a new leader ends the wait
-                for _ in range(max(1, round(backoff / 0.05))):
-                    await asyncio.sleep(0.05)
-                    if self.member.leader_address != addr:
-                        backoff = 0.025
-                        break
+                await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
             finally:
                 call.cancel()
@@ -318,94 +297,36 @@ class ReplicaRoles:
 
     # ------------------------------------------------------------------ roles
 
-    async def _become(self, mode: str) -> None:
-        """Turn the store into ``mode``'s (default: ``_reopen``)."""
-        self._reopen(mode)
-
-    def _start_role_task(self, mode: str) -> None:
-        """The mode's tasks, in the root TaskGroup: nothing outlives the node, and a role task
-        that fails (a broken invariant) stops the node instead of vanishing."""
-        coro = self._master_tasks() if mode == "master" else self._slave_tasks()
-        if self._tg is not None:
-            self._role_task = self._tg.create_task(coro, name=f"role-{mode}")
-        else:  # not started through run() (tests driving a node directly)
-            self._role_task = asyncio.create_task(coro, name=f"role-{mode}")
-
     async def _switch(self, mode: str) -> None:
-        """Become master or slave: stop the current mode's tasks, fail waiting sync acks, turn
-        the store for ``mode`` (``_become``), start the new mode's tasks."""
+        """Become master or slave: stop the current mode's tasks, fail waiting sync acks, reopen
+        the store for ``mode`` (``_reopen``), start the new mode's tasks."""
         async with self._switch_lock:
             if self.mode == mode and self._role_task is not None:
                 return
             await self._stop_role_task()
             self._release_all(E.NotLeader(self.member.leader_address or None))
-            await self._become(mode)
+            self._reopen(mode)
             if mode == "master":
                 self.failovers += 1
             else:
                 log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
                             self.member.leader_address)
             self.mode = mode
-            self._start_role_task(mode)
+            self._role_task = asyncio.create_task(self._master_tasks() if mode == "master" else self._slave_tasks())
 
     async def _stop_role_task(self) -> None:
-        task, self._role_task = self._role_task, None
-        if task is not None:
-            task.cancel()
+        if self._role_task is not None:
+            self._role_task.cancel()
             try:
-                await task
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # we were cancelled ourselves, not just the role task
-                    raise
-
-    async def _peers_loop(self) -> None:
-        """The group's other members and their message-log ends, every ``PEERS_REFRESH_S``."""
-        group, me = self.settings.group, self.settings.node_id
-        while True:
-            await self.registrar.registered.wait()
-            try:
-                resp = await self.registrar.meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND))
-                peers = {}
-                for g in resp.groups:
-                    if g.name == group:
-                        peers = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in g.members
-                                 if m.node_id != me}
-                self._peers = peers
-                self._peers_read = True  # retention may now trust the slave set (node/store/retention.py)
-                if self.mode == "master":
-                    for kind, tr in self._trackers().items():
-                        self._release(kind, tr.set_slaves(set(peers)))
-            except E.HourglassError as e:
-                log.info("peers: %s", e)
-            await asyncio.sleep(PEERS_REFRESH_S)
-
-    def _campaign_wait_ms(self) -> int:
-        """How long to wait before campaigning for an empty seat: ranked against the other
-        slaves only (the last master is the one whose seat emptied: its registration, on the
-        same lease, is gone or about to be)."""
-        others = {k: v for k, v in self._peers.items() if k != self.member.leader}
-        return campaign_delay_ms(self._role_log_end(), others, step_ms=self.settings.campaign_step_ms)
-
-    async def _campaign(self, lease: int, wait_ms: int) -> None:
-        """One campaign with this node's registration lease; ``wait_ms`` > 0: the meta server
-        watches the seat and campaigns when it is freed, for at most that long."""
-        group, me = self.settings.group, self.settings.node_id
-        self._campaigned_lease = lease
-        timeout_s = (wait_ms + self.settings.meta_timeout_ms) / 1000
-        cr = await self.registrar.meta.call("Campaign", mpb.CampaignRequest(role=self.ROLE, group=group, node_id=me,
-                                                                            lease_id=lease, wait_ms=wait_ms),
-                                            timeout_s=timeout_s)
-        if cr.elected:
-            self.member.won(cr.leader.epoch, self.address)
-            await self._switch("master")
-        else:
-            self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
+                await self._role_task
+            except (asyncio.CancelledError, Exception):
+                pass
 
     async def _role_loop(self) -> None:
         meta = self.registrar.meta
         group, me = self.settings.group, self.settings.node_id
         await self._switch("slave")
-        watch_ms = min(CAMPAIGN_WATCH_MS_MAX, 2 * self.settings.meta_lease_ttl_ms)
+        next_peers = 0.0
         while True:
             await self.registrar.registered.wait()
             lease = self.registrar.lease_id
@@ -413,7 +334,21 @@ class ReplicaRoles:
                 if self._lease_seen is not None:
                     self.member.lease_lost()  # leadership died with the old lease
                 self._lease_seen = lease
+            loop_now = time.monotonic()
             try:
+                if loop_now >= next_peers:
+                    resp = await meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND))
+                    peers = {}
+                    for g in resp.groups:
+                        if g.name == group:
+                            peers = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in g.members
+                                     if m.node_id != me}
+                    self._peers = peers
+                    self._peers_read = True  # retention may now trust the slave set (node/store/retention.py)
+                    if self.mode == "master":
+                        for kind, tr in self._trackers().items():
+                            self._release(kind, tr.set_slaves(set(peers)))
+                    next_peers = loop_now + 1.0
                 lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group))
                 if lr.present and lr.leader.node_id == me and self.mode != "master" \
                         and lease is not None and self._campaigned_lease == lease:
@@ -427,16 +362,19 @@ class ReplicaRoles:
                     self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
                 elif self.member.leader is not None and self.member.leader != me:
                     self.member.observed(None, "", self.member.epoch)
-                may_campaign = self.mode != "master" and mono_ms() >= self._no_campaign_until and lease is not None
-                if not lr.present and may_campaign:
-                    wait = self._campaign_wait_ms()
+                if not lr.present and self.mode != "master" and mono_ms() >= self._no_campaign_until \
+                        and lease is not None:
+                    wait = campaign_delay_ms(self._role_log_end(), self._peers, step_ms=self.settings.campaign_step_ms)
                     if wait:
                         await asyncio.sleep(wait / 1000)
-                    await self._campaign(lease, 0)
-                elif lr.present and lr.leader.node_id != me and may_campaign and self._peers_read \
-                        and self._campaign_wait_ms() == 0:
-                    # first in line: wait at the meta server for the seat to be freed (an etcd watch)
-                    await self._campaign(lease, watch_ms)
+                    self._campaigned_lease = lease
+                    cr = await meta.call("Campaign", mpb.CampaignRequest(role=self.ROLE, group=group, node_id=me,
+                                                                         lease_id=lease, wait_ms=0))
+                    if cr.elected:
+                        self.member.won(cr.leader.epoch, self.address)
+                        await self._switch("master")
+                    else:
+                        self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
             except E.HourglassError as e:
                 log.info("role loop: %s", e)
             if self.mode == "master" and not self.member.is_master(mono_ms()):
@@ -459,7 +397,7 @@ class ReplicaRoles:
         except E.HourglassError as e:
             return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
         self.member.lease_lost()
-        await self._stop_role_task()
+        self._role_task = None
         self.mode = "handing-over"
         await self._switch("slave")
         return pb.HandoverResponse(done=True)
@@ -478,10 +416,8 @@ class ReplicaRoles:
         self.registrar.on_beat = self._on_beat
         try:
             async with asyncio.TaskGroup() as tg:
-                self._tg = tg
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
-                         tg.create_task(self._peers_loop(), name="peers"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
                 scrubber = getattr(self, "scrubber", None)  # delay nodes scrub their segments in both roles
                 if scrubber is not None and self.settings.scrub_rate_mib_s > 0:
@@ -507,7 +443,6 @@ class ReplicaRoles:
                 if self._role_task is not None:
                     self._role_task.cancel()
         finally:
-            self._tg = None
             await self._stop_role_task()
             await self.channels.close()
             await self._close_clients()
