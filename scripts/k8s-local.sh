@@ -6,7 +6,11 @@
 #   scripts/k8s-local.sh up   [DIR]    start etcd, kube-apiserver, kube-controller-manager and
 #                                      kube-scheduler with their state in DIR (default .cache/k8s);
 #                                      writes DIR/kubeconfig; prints DIR/env (KUBECONFIG=..., PATH=...)
-#   scripts/k8s-local.sh down [DIR]    stop what `up` started in DIR, by the PIDs in DIR/pids
+#   scripts/k8s-local.sh node-up [DIR] add a node to DIR's cluster: containerd, runc, a kubelet, a
+#                                      pause image built here, a bridge pod network (root; level 3)
+#   scripts/k8s-local.sh down [DIR]    stop what `up` and `node-up` started in DIR, by the PIDs in
+#                                      DIR/pids (the pods' containers first, then the processes,
+#                                      then the kubelet's mounts and the pod bridge)
 #   scripts/k8s-local.sh status [DIR]  which of DIR's processes still run
 #   scripts/k8s-local.sh crd NAME      path of a Prometheus Operator CRD file (NAME: servicemonitors),
 #                                      from the Go module github.com/prometheus-operator/prometheus-operator
@@ -222,6 +226,16 @@ cmd_status() {
   done < "$DIR/pids"
 }
 
+stop_named() {  # stop_named NAME: SIGTERM to NAME's recorded PID, SIGKILL after 15 s
+  [ -f "$DIR/pids" ] || return 0
+  local pid t0=$SECONDS
+  pid=$(awk -v n="$1" '$1==n{print $2}' "$DIR/pids")
+  [ -n "$pid" ] && alive "$pid" "$1" || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt 15 ]; do sleep 0.1; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
 cmd_down() {
   [ -f "$DIR/pids" ] || { echo "k8s-local.sh: nothing started in $DIR" >&2; return 0; }
   local name pid pids=()
@@ -238,14 +252,161 @@ cmd_down() {
   echo "k8s-local.sh: stopped ${#pids[@]} processes of $DIR" >&2
 }
 
+
+# ------------------------------------------------------------------ node-up / node-down (level 3)
+# A kubelet with Debian's containerd and runc, a sandbox ("pause") image built here (a static Go
+# program, imported with ctr) and a bridge pod network (Debian's containernetworking-plugins).
+# containerd runs with restrict_oom_score_adj = true: this sandbox lacks CAP_SYS_RESOURCE, and
+# without it runc fails every sandbox with "can't get final child's PID from pipe: EOF" (it cannot
+# lower oom_score_adj to -998). The kubelet runs with failCgroupV1: false (the machine has cgroup
+# v1) and cgroupsPerQOS: false.
+
+PAUSE_IMAGE=registry.k8s.io/pause:3.10
+
+pause_image() {  # prints the path of a docker-archive tar of the pause image (built once)
+  local d=$CACHE/pause
+  if [ ! -s "$d/pause.tar" ]; then
+    mkdir -p "$d"
+    cat > "$d/main.go" <<'GO'
+// pause: a pod's sandbox process; sleeps until SIGINT or SIGTERM.
+package main
+
+import (
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+func main() {
+	c := make(chan os.Signal, 1)
+	signal.Notify(c, syscall.SIGINT, syscall.SIGTERM)
+	<-c
+}
+GO
+    printf 'module hourglass.local/pause\n\ngo 1.26\n' > "$d/go.mod"
+    (cd "$d" && GOCACHE=$CACHE/gocache CGO_ENABLED=0 GOFLAGS= go build -trimpath -ldflags '-s -w' -o pause .) >&2 \
+      || die "go build of the pause program failed"
+    python3 - "$d/pause" "$PAUSE_IMAGE" "$d/pause.tar.tmp" <<'PY' || die "writing the pause image failed"
+import hashlib, io, json, sys, tarfile
+binary, tag, out = sys.argv[1:4]
+layer = io.BytesIO()
+with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as t:
+    ti = t.gettarinfo(binary, arcname="pause")
+    ti.uid = ti.gid = 0; ti.uname = ti.gname = ""; ti.mtime = 0; ti.mode = 0o755
+    with open(binary, "rb") as f:
+        t.addfile(ti, f)
+data = layer.getvalue()
+config = json.dumps({"architecture": "amd64", "os": "linux",
+                     "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
+                     "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(data).hexdigest()]}},
+                    sort_keys=True).encode()
+name = hashlib.sha256(config).hexdigest() + ".json"
+manifest = json.dumps([{"Config": name, "RepoTags": [tag], "Layers": ["layer.tar"]}]).encode()
+with tarfile.open(out, "w") as t:
+    for n, b in ((name, config), ("layer.tar", data), ("manifest.json", manifest)):
+        ti = tarfile.TarInfo(n); ti.size = len(b); ti.mtime = 0
+        t.addfile(ti, io.BytesIO(b))
+PY
+    mv "$d/pause.tar.tmp" "$d/pause.tar"
+  fi
+  echo "$d/pause.tar"
+}
+
+cmd_node_up() {
+  [ -f "$DIR/env" ] || die "no cluster in $DIR (scripts/k8s-local.sh up $DIR first)"
+  [ "$(id -u)" = 0 ] || die "a kubelet needs root"
+  local c
+  for c in containerd runc ctr ip; do command -v $c >/dev/null 2>&1 || die "no $c on PATH (Debian: containerd, runc, iproute2)"; done
+  [ -x /usr/lib/cni/bridge ] || die "no /usr/lib/cni/bridge (Debian: containernetworking-plugins)"
+  local n=$DIR/node tar kport hport tag br net t0=$SECONDS
+  tag=$(echo "$DIR" | sha256sum | cut -c1-6); br=hg$tag; net=$((16#${tag:0:2}))
+  tar=$(pause_image)
+  mkdir -p "$n/cni" "$n/cni-state" "$n/kubelet"
+  containerd config default > "$n/containerd.toml" || die "containerd config default failed"
+  sed -i -e "s#^root = .*#root = \"$n/containerd-root\"#" -e "s#^state = .*#state = \"$n/containerd-state\"#" \
+    -e "s#sandbox_image = .*#sandbox_image = \"$PAUSE_IMAGE\"#" -e "s#bin_dir = \"/opt/cni/bin\"#bin_dir = \"/usr/lib/cni\"#" \
+    -e "s#conf_dir = \"/etc/cni/net.d\"#conf_dir = \"$n/cni\"#" \
+    -e "s#restrict_oom_score_adj = false#restrict_oom_score_adj = true#" "$n/containerd.toml"
+  grep -q "restrict_oom_score_adj = true" "$n/containerd.toml" || die "containerd config has no restrict_oom_score_adj"
+  cat > "$n/cni/10-hourglass.conflist" <<CNI
+{"cniVersion": "1.0.0", "name": "hourglass-pods", "plugins": [
+  {"type": "bridge", "bridge": "$br", "isGateway": true, "ipMasq": false,
+   "ipam": {"type": "host-local", "dataDir": "$n/cni-state", "ranges": [[{"subnet": "10.244.$net.0/24"}]]}},
+  {"type": "loopback"}]}
+CNI
+  start containerd containerd --config "$n/containerd.toml" --address "$n/containerd.sock"
+  wait_for containerd containerd ctr --address "$n/containerd.sock" version
+  ctr --address "$n/containerd.sock" -n k8s.io images import "$tar" >&2 || die "ctr images import $tar failed"
+  kport=$(free_port); hport=$(free_port)
+  cat > "$n/kubelet.yaml" <<KL
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failSwapOn: false
+address: 127.0.0.1
+port: $kport
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $hport
+authentication: {anonymous: {enabled: false}, webhook: {enabled: false}}
+authorization: {mode: AlwaysAllow}
+containerRuntimeEndpoint: unix://$n/containerd.sock
+clusterDomain: cluster.local
+resolvConf: /etc/resolv.conf
+evictionHard: {}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+localStorageCapacityIsolation: false
+KL
+  start kubelet "$BIN/kubelet" --config "$n/kubelet.yaml" --kubeconfig "$DIR/kubeconfig" --root-dir "$n/kubelet" \
+    --hostname-override "hg-node-$tag"
+  wait_for "node hg-node-$tag Ready" kubelet "$BIN/kubectl" --kubeconfig "$DIR/kubeconfig" wait --for=condition=Ready \
+    "node/hg-node-$tag" --timeout=1s
+  { echo "K8S_NODE=hg-node-$tag"; echo "CONTAINERD_ADDRESS=$n/containerd.sock"; echo "POD_BRIDGE=$br"; } >> "$DIR/env"
+  echo "k8s-local.sh: node hg-node-$tag Ready in $((SECONDS - t0)) s" >&2
+}
+
+node_cleanup() {  # the pods' containers, mounts and bridge, when the node goes down
+  local n=$DIR/node a=$DIR/node/containerd.sock t br
+  if [ -S "$a" ] && ctr --address "$a" version >/dev/null 2>&1; then
+    for t in $(ctr --address "$a" -n k8s.io tasks ls -q 2>/dev/null); do
+      ctr --address "$a" -n k8s.io tasks kill -s SIGKILL "$t" >/dev/null 2>&1 || true
+    done
+    for t in $(ctr --address "$a" -n k8s.io containers ls -q 2>/dev/null); do
+      timeout 10 ctr --address "$a" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1 || true
+      ctr --address "$a" -n k8s.io containers delete "$t" >/dev/null 2>&1 || true
+    done
+  fi
+}
+
+node_unmount() {
+  local n=$DIR/node br m
+  [ -d "$n" ] || return 0
+  # deepest first: the kubelet's volumes, then its bind mount of its own root folder
+  for m in $(awk -v p="$n/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r); do umount -l "$m" 2>/dev/null || true; done
+  br=$(awk -F= '$1=="POD_BRIDGE"{print $2}' "$DIR/env" 2>/dev/null)
+  [ -n "$br" ] && ip link del "$br" 2>/dev/null || true
+}
+
 cmd=${1:-}
 DIR=${2:-$ROOT/.cache/k8s}
 case "$cmd" in
   build) cmd_build ;;
   cached) built_ok || die "Kubernetes $K8S_VERSION is not built in $BIN" ;;
-  up) cmd_up ;;
-  down) cmd_down ;;
+  up)  # a port chosen free may be taken before etcd or a server binds it (other tests run too): retry
+    for attempt in 1 2 3; do
+      (cmd_up) && exit 0
+      grep -qs "address already in use" "$DIR"/logs/*.log || exit 1
+      cmd_down
+      echo "k8s-local.sh: a port was taken meanwhile: starting again ($attempt/3)" >&2
+    done
+    exit 1 ;;
+  down) stop_named kubelet; node_cleanup; cmd_down; node_unmount ;;
+  node-up) cmd_node_up ;;
   status) cmd_status ;;
   crd) cmd_crd "${2:-servicemonitors}" ;;
-  *) echo "usage: scripts/k8s-local.sh build | cached | up [DIR] | down [DIR] | status [DIR] | crd NAME" >&2; exit 2 ;;
+  *) echo "usage: scripts/k8s-local.sh build | cached | up [DIR] | node-up [DIR] | down [DIR] | status [DIR] | crd NAME" >&2; exit 2 ;;
 esac

@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,13 @@ assert {p.name for p in (CHART / "ci").glob("*.yaml")} == {v.name for v, _ in VA
 BUILD_TIMEOUT_S = int(os.environ.get("K8S_BUILD_TIMEOUT_S", "2700"))
 WAIT_S = 90  # every wait on the cluster below is bounded by this
 
+# the test tier (tests/conftest.py) is `integration`, once pyproject.toml registers it
+# (--strict-markers refuses an unregistered one)
+_MARKERS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+_TIER = [pytest.mark.integration] if any(m.startswith("integration:") for m in _MARKERS) else []
 # a first run may build Kubernetes inside the session fixture (~25 min on 2 cores): the fixture's
 # own subprocess timeouts bound it, the per-test timeout must not cut it short
-pytestmark = [pytest.mark.k8s, pytest.mark.integration, pytest.mark.timeout(BUILD_TIMEOUT_S + 600)]
+pytestmark = [pytest.mark.k8s, *_TIER, pytest.mark.timeout(BUILD_TIMEOUT_S + 600)]
 
 
 def _cached() -> bool:
@@ -54,8 +59,9 @@ def _cached() -> bool:
 
 
 class Cluster:
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], dir: Path):
         self.env = env
+        self.dir = dir
         self.kubeconfig = env["KUBECONFIG"]
         self.kubectl_bin = env["KUBECTL"]
         self.helm_bin = env["HELM"]
@@ -125,7 +131,7 @@ def cluster(tmp_path_factory):
         assert r.returncode == 0, f"`bash scripts/k8s-local.sh up {d}` failed:\n{r.stderr[-3000:]}"
         print(f"k8s: control plane up in {time.monotonic() - t0:.1f} s")
         env = dict(line.split("=", 1) for line in (d / "env").read_text().splitlines() if "=" in line)
-        yield Cluster(env)
+        yield Cluster(env, d)
     finally:
         subprocess.run(down, capture_output=True, timeout=60)
         left = subprocess.run(["bash", str(SCRIPT), "status", str(d)], capture_output=True, text=True, timeout=30)
@@ -293,3 +299,62 @@ def test_server_refuses_what_offline_validation_accepts(cluster, tmp_path):
     assert r.returncode != 0 and "minAvailable" in r.stderr and "maxUnavailable" in r.stderr, r.stderr
     r = cluster.helm("install", RELEASE, str(chart), "-n", ns, check=False)
     assert r.returncode != 0 and "PodDisruptionBudget" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ level 3: a kubelet runs pods
+
+
+@pytest.fixture(scope="module")
+def node(cluster):
+    """A kubelet with containerd and runc (Debian) joins the cluster; last in this module, so the
+    level-2 pods above never had a node. Stopped with the cluster."""
+    r = subprocess.run(["bash", str(SCRIPT), "node-up", str(cluster.dir)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "K8S_READY_TIMEOUT_S": "120"})
+    if r.returncode != 0:
+        pytest.skip(f"`bash scripts/k8s-local.sh node-up` refused: {r.stderr.strip()[-800:]}")
+    env = dict(line.split("=", 1) for line in (cluster.dir / "env").read_text().splitlines() if "=" in line)
+    return env
+
+
+def _task_pid(node_env: dict, container_id: str) -> int:
+    r = subprocess.run(["ctr", "--address", node_env["CONTAINERD_ADDRESS"], "-n", "k8s.io", "tasks", "ls"],
+                       capture_output=True, text=True, timeout=30)
+    for line in r.stdout.splitlines():
+        f = line.split()
+        if f and f[0] == container_id and f[2] == "RUNNING":
+            return int(f[1])
+    raise AssertionError(f"no running task {container_id}: {r.stdout}")
+
+
+def test_pods_run_and_come_back_after_kill_9(cluster, node):
+    """Level 3 as far as it goes here: a pod under Pod Security `restricted` really runs (runc,
+    a pod IP from the bridge network, the sandbox image built here); `kill -9` of its process is
+    answered by the kubelet with a restart; deleting the pod stops the process."""
+    ns = cluster.namespace("hg-node")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper", "namespace": ns},
+           "spec": {"securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10", "imagePullPolicy": "Never",
+                                    "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                        "capabilities": {"drop": ["ALL"]}}}]}}
+    t0 = time.monotonic()
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    cluster.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod/sleeper", f"--timeout={WAIT_S}s")
+    print(f"k8s: pod Ready {time.monotonic() - t0:.1f} s after create")
+    (p,) = cluster.get("pods", ns)
+    assert p["spec"]["nodeName"] == node["K8S_NODE"]
+    assert p["status"]["podIP"].startswith("10.244."), p["status"]
+    cid = p["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    pid = _task_pid(node, cid)
+    assert Path(f"/proc/{pid}/status").read_text().count("10001") >= 1  # runs as the pod's uid
+
+    os.kill(pid, 9)
+    def restarted():
+        (q,) = cluster.get("pods", ns)
+        st = q["status"]["containerStatuses"][0]
+        return st["restartCount"] >= 1 and st.get("ready") and q
+    q = wait_until(restarted, "container restarted by the kubelet after kill -9")
+    new = _task_pid(node, q["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://"))
+    assert new != pid
+
+    cluster.kubectl("delete", "pod", "-n", ns, "sleeper", "--wait=true", f"--timeout={WAIT_S}s")
+    wait_until(lambda: not Path(f"/proc/{new}").exists(), "the container process gone after the pod's deletion")
