@@ -315,7 +315,18 @@ PY
 cmd_node_up() {
   [ -f "$DIR/env" ] || die "no cluster in $DIR (scripts/k8s-local.sh up $DIR first)"
   [ "$(id -u)" = 0 ] || die "a kubelet needs root"
-  local c
+  local c want=()
+  command -v containerd >/dev/null 2>&1 || want+=(containerd)
+  command -v runc >/dev/null 2>&1 || want+=(runc)
+  [ -x /usr/lib/cni/bridge ] || want+=(containernetworking-plugins)
+  if [ ${#want[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "k8s-local.sh: apt-get install ${want[*]}" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${want[@]}" >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+             --no-install-recommends "${want[@]}" >/dev/null 2>&1; } \
+      || die "apt-get install ${want[*]} failed"
+    command -v systemctl >/dev/null 2>&1 && systemctl stop containerd >/dev/null 2>&1 || true  # we start our own
+  fi
   for c in containerd runc ctr ip; do command -v $c >/dev/null 2>&1 || die "no $c on PATH (Debian: containerd, runc, iproute2)"; done
   [ -x /usr/lib/cni/bridge ] || die "no /usr/lib/cni/bridge (Debian: containernetworking-plugins)"
   local n=$DIR/node tar kport hport tag br net t0=$SECONDS
