@@ -8,6 +8,17 @@ etcd (issue 4): a real etcd, never a fake.
   The container case starts a Docker daemon with ``scripts/dockerd.sh start`` and is
   skipped, saying why, only when no daemon can be started;
 * ``etcd_client`` - an ``EtcdClient`` on ``etcd``.
+
+Other shared fixtures: ``meta_server`` (one meta server process on ``etcd``), ``resolver``
+(a ``StaticResolver`` on the module's own ``cluster`` fixture) and ``tmpfs`` (mounts a small
+file system that a test fills on purpose; root only, else skipped).
+
+Tiers (docs/testing.md): every test is exactly one of ``unit`` (pure, in-process, no
+subprocess, socket, etcd, Docker or Spark; the whole tier runs in under a minute),
+``integration`` (real processes, ports, etcd) or ``slow`` (over ~30 s: crash loops, large
+backlogs, image builds, Spark jobs). A module's tier is its row in ``MODULE_TIERS``; a test
+or class that differs says so with its own marker (``@pytest.mark.integration``). A test
+module missing from the table, or a test with two tiers, stops the collection.
 """
 
 from __future__ import annotations
@@ -19,6 +30,77 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+TIERS = ("unit", "integration", "slow")
+
+# module (relative to tests/) -> tier of its tests, unless a test or class carries its own tier marker
+MODULE_TIERS = {
+    "chaos/test_chaos.py": "slow",
+    "chaos/test_partition.py": "slow",
+    "test_cli.py": "integration",
+    "test_cli_dev.py": "integration",
+    "test_cli_verify.py": "integration",
+    "test_client.py": "integration",
+    "test_codec.py": "unit",
+    "test_crash.py": "slow",
+    "test_delay_store.py": "unit",
+    "test_disk_full.py": "integration",
+    "test_docs.py": "unit",
+    "test_e2e.py": "integration",
+    "test_election.py": "integration",
+    "test_failover_store.py": "integration",  # seeded runs: minutes
+    "test_healing.py": "integration",
+    "test_helm.py": "integration",
+    "test_idindex.py": "unit",
+    "test_image.py": "slow",
+    "test_log.py": "unit",
+    "test_metaserver.py": "integration",
+    "test_realtime_inflight.py": "unit",
+    "test_realtime_offsets.py": "unit",
+    "test_realtime_replication.py": "unit",
+    "test_realtime_service.py": "integration",
+    "test_realtime_store.py": "unit",
+    "test_records.py": "unit",
+    "test_replication.py": "integration",
+    "test_replication_realtime.py": "integration",
+    "test_replication_sim.py": "unit",
+    "test_restart_large.py": "slow",
+    "test_retention.py": "unit",
+    "test_retention_realtime.py": "unit",
+    "test_schedule.py": "unit",
+    "test_scrub.py": "integration",
+    "test_sdk_errors.py": "integration",
+    "test_server_edges.py": "integration",
+    "test_spark.py": "slow",
+    "test_spark_cli.py": "slow",
+    "test_status.py": "unit",
+    "test_wheel.py": "unit",
+}
+
+
+def pytest_configure(config) -> None:
+    missing = sorted(m for m in MODULE_TIERS if not (TESTS / m).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py MODULE_TIERS names modules that do not exist: {missing}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    """Give every test its module's tier unless it has its own; refuse a test with none or two."""
+    wrong = []
+    for item in items:
+        module = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else str(item.path)
+        own = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if not own and module in MODULE_TIERS:
+            item.add_marker(MODULE_TIERS[module])
+            own = {MODULE_TIERS[module]}
+        if len(own) != 1:
+            wrong.append(f"{item.nodeid}: {sorted(own) or 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            "every test needs exactly one tier (unit, integration or slow; docs/testing.md): add the "
+            "module to MODULE_TIERS in tests/conftest.py, or mark the test\n  " + "\n  ".join(wrong[:20]))
 
 
 _DOCKER_WAS_RUNNING: bool | None = None
@@ -82,6 +164,37 @@ async def etcd_client(etcd):
     client = EtcdClient(etcd.endpoints)
     yield client
     await client.close()
+
+
+@pytest.fixture
+def resolver(cluster):
+    """A ``StaticResolver`` on the nodes of the module's own ``cluster`` fixture (a ``LocalCluster``)."""
+    from cluster.client import StaticResolver
+
+    return StaticResolver(delay=[n.address for n in cluster.delay], realtime=[n.address for n in cluster.realtime])
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size_bytes)`` mounts a small file system for a test that fills a disk on purpose and
+    returns its path; unmounted at teardown. Skipped, saying why, when not root or mount refuses."""
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root (this test fills a small file system on purpose)")
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,7 @@ def test_dev_chaos_without_a_cluster_says_so(tmp_path):
 # ---------------------------------------------------------------------- restart rule (pure)
 
 
+@pytest.mark.unit
 def test_restart_budget_backs_off_and_gives_up_per_window():
     b = RestartBudget(RestartPolicy(restart_backoff_ms=500, restarts_max=2, restart_window_ms=10_000))
     assert b.restart_at_ms("delay-1", 1_000) == 1_500
@@ -95,6 +96,7 @@ def _kill_listed(cluster_json: dict) -> None:
 
 @pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
 @pytest.mark.timeout(240)
+@pytest.mark.slow  # tier: ~45 s, a dev cluster and a master kill
 def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
     """`dev up --replicas 2 --ack-mode sync` from a directory outside the repository; `dev chaos`
     SIGKILLs the delay master under traffic: the slave takes over, nothing acknowledged is lost,

@@ -310,6 +310,7 @@ async def test_a_pull_in_flight_when_the_caller_gives_up_is_kept_for_the_next_pu
     assert [m.id for m in got] == ["k1"] and len(node.pulls) == 1
 
 
+@pytest.mark.unit
 def test_group_for_matches_crc32_over_sorted_groups():
     groups = [("g0", "a"), ("g1", "b"), ("g2", "c")]
     assert all(group_for(i, groups) == groups[zlib.crc32(i.encode()) % 3][0] for i in ("x", "y", "order-42"))

@@ -1,54 +1,187 @@
-"""docs/format.md must match the code that writes the bytes."""
+"""The documents must match the code: every name a user or operator meets is written down.
+
+Each list is derived from the code (the CLI's command tree, the proto's ``Code`` enum and
+``cluster.status.TABLE``, the settings models, the metrics registry, the on-disk formats),
+so a new command, setting, code or metric without documentation fails here.
+
+Settings and metrics that were undocumented when these checks were written are listed in
+``*_UNDOCUMENTED``; the lists may only shrink (a listed name that gets documented fails
+the test until it is taken off the list).
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from node.realtime import store as rt_store
-from cluster import codec
-from node.store import idindex, log, schedule
-from node import wheel
+import grpc
+import pytest
+import typer.main
 
-DOC = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+from cluster import codec, status
+from cluster import errors as E
+from cluster.cli import app
+from cluster.proto import hourglass_pb2 as pb
+from metaserver.config import MetaSettings
+from node import wheel
+from node.config import NodeSettings
+from node.metrics import NodeMetrics
+from node.realtime import store as rt_store
+from node.replication import delay as delay_replication
+from node.replication import realtime as realtime_replication
+from node.store import idindex, log, schedule, verify
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+FORMAT = (DOCS / "format.md").read_text()
+API = (DOCS / "api.md").read_text()
+CLI = (DOCS / "cli.md").read_text()
+ALL_DOCS = "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+
+NODE_SETTINGS_UNDOCUMENTED = {
+    "ready_file", "replication_chunk_bytes", "leader_poll_ms", "subject_bytes_max", "tick_ms", "window_ms",
+    "bucket_ms", "iterate_interval_ms", "dispatch_backoff_ms_max", "inflight_max", "pull_max",
+    "auto_create_subjects", "clock_offset_ms", "allow_clock_control", "log_level",
+}
+META_SETTINGS_UNDOCUMENTED = {"advertise", "etcd_endpoints", "ready_file", "log_level"}
+METRICS_UNDOCUMENTED = {
+    "hourglass_acked_messages", "hourglass_dead_lettered_messages", "hourglass_dispatch_lag_seconds",
+    "hourglass_dispatched_messages", "hourglass_election_epoch", "hourglass_errors", "hourglass_in_flight_messages",
+    "hourglass_ingested_messages", "hourglass_is_master", "hourglass_node_info", "hourglass_pending_messages",
+    "hourglass_pulled_messages", "hourglass_replication_lag_bytes", "hourglass_replication_lag_seconds",
+    "hourglass_wheel_entries",
+}
+
+
+def code_words(text: str) -> set[str]:
+    """Every identifier inside an inline code span (`...`): where the documents name things."""
+    return {w for span in re.findall(r"`([^`\n]+)`", text) for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", span)}
+
+
+DOC_WORDS = code_words(ALL_DOCS)
+
+
+def ratchet(names: set[str], documented, known_undocumented: set[str], what: str) -> None:
+    missing = {n for n in names if not documented(n)}
+    new = sorted(missing - known_undocumented)
+    assert not new, f"{what} not documented in docs/*.md (name them in `code`): {new}"
+    fixed = sorted(known_undocumented - missing)
+    assert not fixed, f"{what} now documented or gone: take them off the undocumented list in {__file__}: {fixed}"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def cli_commands(group=None, prefix: tuple[str, ...] = ()) -> list[str]:
+    group = group or typer.main.get_command(app)
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        if getattr(cmd, "commands", None):
+            out += cli_commands(cmd, prefix + (name,))
+        else:
+            out.append(" ".join(prefix + (name,)))
+    return out
+
+
+def test_cli_tree_is_found():
+    assert {"send", "dev up", "admin verify"} <= set(cli_commands())
+
+
+@pytest.mark.parametrize("command", cli_commands())
+def test_every_cli_command_is_in_the_command_table(command):
+    rows = [line for line in CLI.splitlines() if line.startswith("| `hourglass ")]
+    assert any(re.search(rf"`hourglass {re.escape(command)}( [^`]*)?`", row) for row in rows), \
+        f"`hourglass {command}` has no row in the command table of docs/cli.md"
+
+
+# ----------------------------------------------------------------------------------- error codes
+
+
+def api_error_rows() -> list[tuple[str, str, str]]:
+    """(domain error, Code, gRPC status) of each row of the table in docs/api.md, 'Errors'."""
+    section = API.split("## Errors", 1)[1]
+    return re.findall(r"^\| (`\w+`|anything else) \| `(\w+)` \| `(\w+)` \|", section, re.M)
+
+
+def test_every_code_of_the_proto_is_in_the_error_table():
+    documented = {code for _, code, _ in api_error_rows()}
+    missing = sorted(set(pb.Code.keys()) - {"OK"} - documented)
+    assert not missing, f"Code values without a row in docs/api.md 'Errors': {missing}"
+
+
+@pytest.mark.parametrize("row", api_error_rows(), ids=lambda r: r[0].strip("`"))
+def test_each_error_row_says_what_the_status_table_does(row):
+    name, code, grpc_status = row
+    if name == "anything else":
+        exc = RuntimeError("a bug")
+    else:
+        cls = getattr(E, name.strip("`"))
+        exc = cls.__new__(cls)  # the table matches on the class only
+    assert pb.Code.Name(status.to_code(exc)) == code
+    assert status.to_grpc(exc) == getattr(grpc.StatusCode, grpc_status)
+
+
+# ------------------------------------------------------------------------------ settings, metrics
+
+
+def test_every_node_setting_is_documented():
+    ratchet(set(NodeSettings.model_fields), lambda f: f in DOC_WORDS or f"HOURGLASS_{f.upper()}" in DOC_WORDS,
+            NODE_SETTINGS_UNDOCUMENTED, "node settings")
+
+
+def test_every_meta_setting_is_documented():
+    ratchet(set(MetaSettings.model_fields), lambda f: f in DOC_WORDS or f"HOURGLASS_META_{f.upper()}" in DOC_WORDS,
+            META_SETTINGS_UNDOCUMENTED, "meta server settings")
+
+
+def test_every_metric_is_documented():
+    names = {m.name for m in NodeMetrics("delay", "docs").registry.collect()}
+    assert len(names) >= 20
+    ratchet(names, lambda n: n in DOC_WORDS or f"{n}_total" in DOC_WORDS, METRICS_UNDOCUMENTED, "metrics")
+
+
+# ------------------------------------------------------------------------------ on-disk formats
 
 
 def test_schedule_index_layout_documented():
-    assert schedule.ENTRY.format in DOC
-    assert schedule.ENTRY_SIZE == 48 and "48-byte" in DOC
-    assert schedule.HEADS_MAGIC.decode() in DOC
+    assert schedule.ENTRY.format in FORMAT
+    assert schedule.ENTRY_SIZE == 48 and "48-byte" in FORMAT
+    assert schedule.HEADS_MAGIC.decode() in FORMAT
 
 
 def test_frame_header_documented():
     assert log.HEADER_SIZE == 12
     for field in ("u32 body_len", "u32 body_crc", "u32 header_crc"):
-        assert field in DOC
+        assert field in FORMAT
 
 
 def test_batch_record_documented():
-    assert codec.VERSION == 2 and codec.HEADER.format in DOC and codec.HEADER_SIZE == 24
-    assert codec.COLUMN_BYTES == 49 and "49 bytes per record" in DOC
+    assert codec.VERSION == 2 and codec.HEADER.format in FORMAT and codec.HEADER_SIZE == 24
+    assert codec.COLUMN_BYTES == 49 and "49 bytes per record" in FORMAT
     for field in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end",
                   "attempts", "subject_idx", "kind"):
-        assert f"| {field} |" in DOC
-    assert codec.DISPATCH_HEADER.size == 16 and "16 + 24 n bytes" in DOC
+        assert f"| {field} |" in FORMAT
+    assert codec.DISPATCH_HEADER.size == 16 and "16 + 24 n bytes" in FORMAT
 
 
 def test_tick_state_documented():
-    assert '"HGTS"' in DOC
+    assert '"HGTS"' in FORMAT
     assert len(wheel.TickState(1, 2, 3, 4).encode()) == 37
 
 
 def test_id_index_layout_documented():
-    assert idindex.ENTRY.format in DOC and idindex.ENTRY_SIZE == 40
-    assert f'"{idindex.MAGIC.decode()}"' in DOC
+    assert idindex.ENTRY.format in FORMAT and idindex.ENTRY_SIZE == 40
+    assert f'"{idindex.MAGIC.decode()}"' in FORMAT
 
 
 def test_realtime_layout_documented():
-    assert rt_store.ENTRY.format in DOC and rt_store.ENTRY.size == 32 and "32 bytes" in DOC
+    assert rt_store.ENTRY.format in FORMAT and rt_store.ENTRY.size == 32 and "32 bytes" in FORMAT
     for field in ('"committed"', '"next"', '"pending"'):
-        assert field in DOC
+        assert field in FORMAT
 
 
-def test_replication_files_documented():
-    for name in ("messages.epochs", "dispatch.epochs", "voided.json", '"replicated"'):
-        assert name in DOC
+def test_every_checkpoint_file_is_documented():
+    names = {*verify.CHECKPOINT_NAMES, *(f"{log_name}.epochs" for log_name in (*delay_replication.LOGS,
+                                                                              realtime_replication.LOG))}
+    missing = sorted(n for n in names if f"{{data}}/{n}" not in FORMAT and f"`{n}`" not in FORMAT)
+    assert not missing, f"checkpoint files not in docs/format.md: {missing}"
+    assert '"replicated"' in FORMAT

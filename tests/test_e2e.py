@@ -35,11 +35,6 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture
-def resolver(cluster):
-    return StaticResolver(delay=[n.address for n in cluster.delay], realtime=[n.address for n in cluster.realtime])
-
-
 async def collect(resolver, subject, group, n, timeout_s=15.0, tags=(), ack=True):
     got = []
     deadline = time.monotonic() + timeout_s

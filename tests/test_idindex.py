@@ -356,6 +356,7 @@ class IdIndexModel(RuleBasedStateMachine):
 
 
 TestIdIndexModel = IdIndexModel.TestCase
+TestIdIndexModel.pytestmark = [pytest.mark.integration]  # tier: the state machine alone takes over 20 s on a loaded machine
 TestIdIndexModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 

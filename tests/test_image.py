@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.devcluster import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = os.environ.get("HOURGLASS_IMAGE", "hourglass:dev")
@@ -74,10 +75,15 @@ def test_demo_runs_inside_the_image(image):
     assert "cluster stopped" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s; nothing is left running."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def _health(address: str) -> int:
@@ -97,7 +103,7 @@ def _wait_serving(address: str, alive) -> int:
 
 def test_node_in_the_image_answers_kubernetes_grpc_probe(image):
     """What the chart's `grpc:` probes call, against a node started as the chart starts it."""
-    port = _free_port()
+    port = free_port()
     name = f"hourglass-probe-{os.getpid()}-{port}"
     cid = subprocess.run(
         ["docker", "run", "-d", "--rm", "--name", name, "--network", "host", "--read-only", "--tmpfs", "/tmp",
@@ -123,7 +129,7 @@ def test_node_in_the_image_answers_kubernetes_grpc_probe(image):
 
 def test_node_process_answers_grpc_health(tmp_path):
     """The same probe against a node process on this machine (runs without Docker too)."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "node.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "node", "--role=realtime", "--node-id=probe-1", "--group=r1",
@@ -133,12 +139,7 @@ def test_node_process_answers_grpc_health(tmp_path):
         assert _wait_serving(f"127.0.0.1:{port}", lambda: proc.poll() is None) == \
             health_pb2.HealthCheckResponse.SERVING
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        _stop(proc)
         log.close()
 
 
@@ -146,7 +147,7 @@ def test_node_process_answers_grpc_health(tmp_path):
 def test_metaserver_health_follows_etcd(tmp_path):
     """The chart's meta server probes: "" (liveness) answers while the process runs; the Meta
     service (readiness) is SERVING with etcd reachable and NOT_SERVING once etcd is gone."""
-    client, peer, port = _free_port(), _free_port(), _free_port()
+    client, peer, port = free_port(), free_port(), free_port()
     etcd_log, meta_log = open(tmp_path / "etcd.log", "wb"), open(tmp_path / "meta.log", "wb")
     etcd = subprocess.Popen(
         ["/usr/bin/etcd", "--name=m0", f"--data-dir={tmp_path / 'etcd'}",
@@ -187,12 +188,6 @@ def test_metaserver_health_follows_etcd(tmp_path):
         assert _health(address) == health_pb2.HealthCheckResponse.SERVING  # alive: no restart for etcd's outage
     finally:
         for proc in (meta, etcd):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+            _stop(proc)
         etcd_log.close()
         meta_log.close()

@@ -630,6 +630,7 @@ class RealtimeModel(RuleBasedStateMachine):
 
 
 TestRealtimeModel = RealtimeModel.TestCase
+TestRealtimeModel.pytestmark = [pytest.mark.integration]  # tier: the state machine alone takes over 20 s on a loaded machine
 TestRealtimeModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
 

@@ -59,6 +59,7 @@ async def collect(resolver, subject, group_name, ids, timeout_s):
     return got
 
 
+@pytest.mark.slow  # tier: ~35 s of load and a SIGKILL
 async def test_master_sigkill_under_load_loses_nothing_acknowledged(group):
     master = await master_of(group)
     resolver = MetaResolver(group.meta_addresses, refresh_ms=500)

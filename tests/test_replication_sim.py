@@ -300,6 +300,7 @@ RUNS = int(os.environ.get("HOURGLASS_SIM_RUNS", "2000"))
 ONE = os.environ.get("HOURGLASS_SIM_SEED")
 
 
+@pytest.mark.slow  # tier: minutes of simulated traffic
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_seeded_runs_keep_every_acknowledged_write(nodes):
     seeds = [int(ONE)] if ONE else range(RUNS if nodes == 2 else RUNS // 4)

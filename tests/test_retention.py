@@ -221,6 +221,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration  # tier: a subprocess killed with SIGKILL
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_during_retention_loses_nothing_acknowledged(tmp_path, seed):
     """A child process sends, delivers and runs retention in a loop; it is SIGKILLed at a

@@ -258,6 +258,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration  # tier: a subprocess killed with SIGKILL
 @pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_during_retention_loses_nothing_unacked(tmp_path, seed):
     """A child appends, pulls, acks and runs retention in a loop; it is SIGKILLed at a seeded
@@ -316,79 +317,66 @@ def test_sigkill_during_retention_loses_nothing_unacked(tmp_path, seed):
 TMPFS_BYTES = 8 << 20
 
 
-def _mount(path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (this test fills a small file system on purpose)")
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-
-
+@pytest.mark.integration  # tier: a node on a real port, a tmpfs mounted
 @pytest.mark.parametrize("watermark_bytes", [2 << 20, 0], ids=["watermark", "enospc"])
-async def test_realtime_send_refused_when_disk_low_pulls_and_acks_go_on(tmp_path, watermark_bytes):
-    disk = tmp_path / "disk"
-    _mount(disk)
+async def test_realtime_send_refused_when_disk_low_pulls_and_acks_go_on(tmpfs, watermark_bytes):
+    disk = tmpfs(TMPFS_BYTES)
+    settings = NodeSettings(role="realtime", node_id="rt-disk", data_dir=disk / "rt", port=0,
+                            disk_free_min_bytes=watermark_bytes, disk_free_min_ratio=0.5,
+                            disk_resume_margin_bytes=256 << 10, disk_check_interval_ms=50,
+                            realtime_segment_bytes=1 << 20, retention_interval_ms=100_000)
+    n = RealtimeNode(settings)
+    stop = asyncio.Event()
+    ready = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
+    address = await asyncio.wait_for(ready, 10)
+    channel = grpc.aio.insecure_channel(address)
+    producer, consumer = rpc.ProducerStub(channel), rpc.ConsumerStub(channel)
     try:
-        settings = NodeSettings(role="realtime", node_id="rt-disk", data_dir=disk / "rt", port=0,
-                                disk_free_min_bytes=watermark_bytes, disk_free_min_ratio=0.5,
-                                disk_resume_margin_bytes=256 << 10, disk_check_interval_ms=50,
-                                realtime_segment_bytes=1 << 20, retention_interval_ms=100_000)
-        n = RealtimeNode(settings)
-        stop = asyncio.Event()
-        ready = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
-        address = await asyncio.wait_for(ready, 10)
-        channel = grpc.aio.insecure_channel(address)
-        producer, consumer = rpc.ProducerStub(channel), rpc.ConsumerStub(channel)
-        try:
-            await producer.SendBatch(make_request(Batch.build("orders", [b"a", b"b"], ["first", "second"], 0)))
-            pull = pb.PullRequest(subject="orders", group="g", consumer_id="c", max_messages=1)
-            assert Batch.decode((await consumer.Pull(pull)).batch).id_list() == ["first"]  # the group exists
-            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-            ballast = (free - (1 << 20)) if watermark_bytes else free  # below the mark / completely full
-            with open(disk / "ballast", "wb") as f:
-                try:
-                    f.write(b"\1" * ballast)
-                except OSError:
-                    pass
-            await asyncio.sleep(0.3)  # a disk reading
-            code = details = None
-            for k in range(50):
-                b = Batch.build("orders", [os.urandom(2000)] * 50, [f"k{k}-{j}" for j in range(50)], 0)
-                try:
-                    await producer.SendBatch(make_request(b))
-                except grpc.aio.AioRpcError as e:
-                    code, details = e.code(), e.details()
-                    break
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("disk full"), (code, details)
-            # pulls and acks go on
-            resp = await consumer.Pull(pull)
-            h = np.frombuffer(resp.handles, "<u8")
-            assert Batch.decode(resp.batch).id_list() == ["second"]
-            ack = pb.AckRequest(group="g", acks=[pb.SubjectHandles(subject="orders", ranges=pack_ranges(h))])
+        await producer.SendBatch(make_request(Batch.build("orders", [b"a", b"b"], ["first", "second"], 0)))
+        pull = pb.PullRequest(subject="orders", group="g", consumer_id="c", max_messages=1)
+        assert Batch.decode((await consumer.Pull(pull)).batch).id_list() == ["first"]  # the group exists
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        ballast = (free - (1 << 20)) if watermark_bytes else free  # below the mark / completely full
+        with open(disk / "ballast", "wb") as f:
             try:
-                await consumer.Ack(ack)
-            except grpc.aio.AioRpcError as e:  # a disk with no reserve left cannot record an ack either
-                assert not watermark_bytes and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-                assert e.details().startswith("disk full"), e.details()
-            (disk / "ballast").unlink()
-            for _ in range(100):  # writes are taken again, by themselves
-                try:
-                    await producer.SendBatch(make_request(Batch.build("orders", [b"y"], ["after"], 0)))
-                    break
-                except grpc.aio.AioRpcError as e:
-                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    await asyncio.sleep(0.05)
-            else:
-                pytest.fail("writes not taken again after space was freed")
+                f.write(b"\1" * ballast)
+            except OSError:
+                pass
+        await asyncio.sleep(0.3)  # a disk reading
+        code = details = None
+        for k in range(50):
+            b = Batch.build("orders", [os.urandom(2000)] * 50, [f"k{k}-{j}" for j in range(50)], 0)
+            try:
+                await producer.SendBatch(make_request(b))
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+                break
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("disk full"), (code, details)
+        # pulls and acks go on
+        resp = await consumer.Pull(pull)
+        h = np.frombuffer(resp.handles, "<u8")
+        assert Batch.decode(resp.batch).id_list() == ["second"]
+        ack = pb.AckRequest(group="g", acks=[pb.SubjectHandles(subject="orders", ranges=pack_ranges(h))])
+        try:
             await consumer.Ack(ack)
-            assert n.metrics.disk_refusals._value.get() >= 1
-        finally:
-            (disk / "ballast").unlink(missing_ok=True)
-            await channel.close()
-            stop.set()
-            await asyncio.wait_for(task, 10)
+        except grpc.aio.AioRpcError as e:  # a disk with no reserve left cannot record an ack either
+            assert not watermark_bytes and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+            assert e.details().startswith("disk full"), e.details()
+        (disk / "ballast").unlink()
+        for _ in range(100):  # writes are taken again, by themselves
+            try:
+                await producer.SendBatch(make_request(Batch.build("orders", [b"y"], ["after"], 0)))
+                break
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(0.05)
+        else:
+            pytest.fail("writes not taken again after space was freed")
+        await consumer.Ack(ack)
+        assert n.metrics.disk_refusals._value.get() >= 1
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        (disk / "ballast").unlink(missing_ok=True)
+        await channel.close()
+        stop.set()
+        await asyncio.wait_for(task, 10)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from cluster import errors as E
-from cluster.client import Producer, StaticResolver
+from cluster.client import Producer
 from cluster.codec import Batch
 from cluster.devcluster import LocalCluster
 from cluster.proto import hourglass_pb2 as pb
@@ -25,11 +25,6 @@ def cluster(tmp_path_factory):
     c.start()
     yield c
     c.stop()
-
-
-@pytest.fixture
-def resolver(cluster):
-    return StaticResolver(delay=[n.address for n in cluster.delay], realtime=[n.address for n in cluster.realtime])
 
 
 def field(number: int, raw: bytes) -> bytes:

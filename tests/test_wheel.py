@@ -237,6 +237,7 @@ def test_next_due_ms_skips_cancelled_entries():
     assert w.advance(1_000) == []
 
 
+@pytest.mark.integration  # tier: ~10 s on a loaded machine
 def test_many_chunks_cancels_and_readds_at_scale():
     # enough entries to index in several batches, merge index runs and rebuild the index
     w = TimingWheel(start_ms=0, entries_max=10**6)
@@ -575,3 +576,4 @@ WheelVsHeap.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_wheel_against_heapq = WheelVsHeap.TestCase
+test_wheel_against_heapq.pytestmark = [pytest.mark.integration]  # tier: the state machine alone takes over 20 s on a loaded machine

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary no
 CI_KINDS = FAULT_KINDS
 
 
+@pytest.mark.unit
 def test_schedule_is_a_pure_function_of_the_seed():
     a = fault_schedule(123, 600)
     assert a == fault_schedule(123, 600)
