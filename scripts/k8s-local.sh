@@ -400,6 +400,20 @@ node_unmount() {
   for m in $(awk -v p="$n/" 'index($2, p) == 1 {print $2}' /proc/self/mounts | sort -r); do umount -l "$m" 2>/dev/null || true; done
   br=$(awk -F= '$1=="POD_BRIDGE"{print $2}' "$DIR/env" 2>/dev/null)
   [ -n "$br" ] && ip link del "$br" 2>/dev/null || true
+  # what the CNI plugins and the kubelet leave on the host: pod network namespaces and the
+  # kubelet's iptables chains (ours alone: this script's kubelet is the only one here)
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk '$1 ~ /^cni-/ {print $1}'); do ip netns delete "$ns" 2>/dev/null || true; done
+  if command -v iptables >/dev/null 2>&1; then
+    iptables -D INPUT -j KUBE-FIREWALL 2>/dev/null || true
+    iptables -D OUTPUT -j KUBE-FIREWALL 2>/dev/null || true
+    for ch in KUBE-FIREWALL KUBE-KUBELET-CANARY; do
+      iptables -F "$ch" 2>/dev/null || true; iptables -X "$ch" 2>/dev/null || true
+    done
+    for t in nat mangle; do iptables -t "$t" -F KUBE-KUBELET-CANARY 2>/dev/null || true
+      iptables -t "$t" -X KUBE-KUBELET-CANARY 2>/dev/null || true; done
+  fi
+  return 0
 }
 
 cmd=${1:-}
