@@ -135,15 +135,20 @@ def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed, in_p
     m.close()
 
 
+def accept_durable(m: DelayStore, prefix: str, n: int, due_ms: int, now: int) -> None:
+    """Accept ``n`` messages ``{prefix}0..`` due at ``due_ms`` and make them durable (log + checkpoint)."""
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=due_ms, msg_id=f"{prefix}{i}", subject="s", payload=b"p")
+              for i in range(n)], now_ms=now)
+    m.flush_messages()
+    m.checkpoint()
+
+
 def test_divergent_suffix_is_truncated_and_voided(tmp_path):
     now = T0
     m = DelayStore.open(tmp_path / "m", S, now_ms=now)
     f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
     f.follow()
-    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"a{i}", subject="s", payload=b"p")
-              for i in range(10)], now_ms=now)
-    m.flush_messages()
-    m.checkpoint()
+    accept_durable(m, "a", 10, now + 5000, now)
     replicate(m, f)
     cut = f.messages.end_offset
     # the old master goes on alone: these records never reach the new master
@@ -172,17 +177,11 @@ def test_follower_truncated_then_promoted_in_place_never_delivers_the_voided_suf
     m = DelayStore.open(tmp_path / "m", S, now_ms=now)
     f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
     f.follow()
-    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"a{i}", subject="s", payload=b"p")
-              for i in range(10)], now_ms=now)
-    m.flush_messages()
-    m.checkpoint()
+    accept_durable(m, "a", 10, now + 5000, now)
     replicate(m, f)
     cut = f.messages.end_offset
     # a suffix the follower got from a master that then lost its seat: the next master never had it
-    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"b{i}", subject="s", payload=b"p")
-              for i in range(5)], now_ms=now)
-    m.flush_messages()
-    m.checkpoint()
+    accept_durable(m, "b", 5, now + 5000, now)
     replicate(m, f)
     assert f.messages.end_offset > cut
     f.truncate_messages(cut)
