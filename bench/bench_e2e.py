@@ -107,7 +107,7 @@ class _Watch:
         return self.got >= self.expect or time.monotonic() > self.deadline or os.path.exists(self.stop_file)
 
 
-async def _consume_hourglass(target: dict, subjects: list[str], watch: _Watch, out) -> None:
+async def _consume_hourglass(target: dict, subjects: list[str], watch: _Watch, out, stages: bool = False) -> None:
     from cluster.client import Consumer, StaticResolver
 
     resolver = StaticResolver(delay=target["delay"], realtime=target["realtime"])
@@ -122,6 +122,8 @@ async def _consume_hourglass(target: dict, subjects: list[str], watch: _Watch, o
     try:
         async for batch in consumer.batches():
             out.write(f"T {batch.received_ms}\n" + "\n".join(batch.ids) + "\n")
+            if stages:  # when the real-time node stored each message (--stages)
+                out.write("S " + " ".join(map(str, batch.batch.store_ms.tolist())) + "\n")
             watch.got += len(batch)
             await batch.ack(defer=True)  # rides on the next pull
     finally:
@@ -153,7 +155,7 @@ def consumer_main(a) -> None:
     try:
         with open(body, "w") as out:
             if target["system"] == "hourglass":
-                asyncio.run(_consume_hourglass(target, subjects, watch, out))
+                asyncio.run(_consume_hourglass(target, subjects, watch, out, a.stages))
             else:
                 _consume_redis(target, subjects, watch, out)
     finally:  # what was received counts even if the consumer failed
@@ -166,15 +168,18 @@ def consumer_main(a) -> None:
 
 
 class ConsumerProcess:
-    def __init__(self, work: Path, name: str, target: dict, subjects: list[str], expect: int, timeout_s: float):
+    def __init__(self, work: Path, name: str, target: dict, subjects: list[str], expect: int, timeout_s: float,
+                 stages: bool = False):
         self.out = work / f"{name}.recv"
+        self.stages: list[tuple[int, np.ndarray]] = []  # (block number, store_ms per id) with --stages
         self.ready = work / f"{name}.ready"
         self.stop_file = work / f"{name}.stop"
         self.cpu_s = 0.0
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--consumer", "--target", json.dumps(target), "--subjects",
              ",".join(subjects), "--expect", str(expect), "--timeout-s", str(timeout_s), "--out", str(self.out),
-             "--ready-file", str(self.ready), "--stop-file", str(self.stop_file)], cwd=REPO)
+             "--ready-file", str(self.ready), "--stop-file", str(self.stop_file), *(["--stages"] if stages else [])],
+            cwd=REPO)
         deadline = time.monotonic() + CONSUMER_START_TIMEOUT_S
         while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -208,6 +213,8 @@ class ConsumerProcess:
                 line = line.rstrip("\n")
                 if line.startswith("T "):
                     blocks.append((int(line[2:]), []))
+                elif line.startswith("S "):
+                    self.stages.append((len(blocks) - 1, np.array(line[2:].split(), np.int64)))
                 elif line and blocks:
                     blocks[-1][1].append(line)
         return blocks
@@ -260,6 +267,25 @@ def score(acked: Acked, blocks: list[tuple[int, list[str]]], *, ignore: set[str]
     return {"received": int(got.sum()), "lost": lost, "duplicates": receipts - distinct,
             "early": int((late < 0).sum()), "lateness_ms": lateness_summary(late[in_time].tolist()),
             "lateness_all_ms": {q: summary_all[q] for q in ("p50", "p99", "p999", "max")}}
+
+
+def stage_split(acked: Acked, blocks: list[tuple[int, list[str]]], stages: list[tuple[int, np.ndarray]]) -> dict:
+    """Lateness split at the real-time node's store time (``--stages``): due -> stored (the
+    delay node firing and dispatching, the real-time append) and stored -> received (group
+    commit, the pull, the consumer), percentiles over every receipt."""
+    k, n = len(acked.prefix), len(acked.due)
+    before, after = [], []
+    for b, store_ms in stages:
+        t, ids = blocks[b]
+        idx = np.fromiter((int(i[k:]) if i.startswith(acked.prefix) else -1 for i in ids), np.int64, len(ids))
+        ok = (idx >= 0) & (idx < n)
+        ok[ok] &= acked.due[idx[ok]] >= 0
+        before.append(store_ms[ok] - acked.due[idx[ok]])
+        after.append(t - store_ms[ok])
+    if not before:
+        return {}
+    return {"due_to_stored": lateness_summary(np.concatenate(before).tolist()),
+            "stored_to_received": lateness_summary(np.concatenate(after).tolist())}
 
 
 # ---------------------------------------------------------------------- systems
@@ -580,7 +606,8 @@ def sustain_step(system, work: Path, args, rate: int) -> dict:
     n_max = int(rate * args.sustain_s) + rate  # ids are indices below this
     prefix = f"r{rate}-"
     horizon_s = args.sustain_s + SUSTAIN_DUE_MS[1] / 1000 + LOST_AFTER_MS / 1000 + SEND_FINISH_TIMEOUT_S
-    cons = ConsumerProcess(work, f"{system.name}-r{rate}", system.target(), SUBJECTS, n_max, horizon_s)
+    cons = ConsumerProcess(work, f"{system.name}-r{rate}", system.target(), SUBJECTS, n_max, horizon_s,
+                           stages=args.stages and system.name == "hourglass")
     meter = CpuMeter({"producer": "self", **system.pids()}).start()
     t0 = time.perf_counter()
     sender, acked, blocks = produce_and_receive(system, cons, open_loop(prefix, rate, args.sustain_s, pool, rnd),
@@ -593,6 +620,8 @@ def sustain_step(system, work: Path, args, rate: int) -> dict:
     holds_loose = achieved >= HOLD_RATE_FRACTION * rate and p99 is not None and p99 <= HOLD_P99_LOOSE_MS
     bad = achieved < BAD_RATE_FRACTION * rate or p99 is None or p99 > BAD_P99_MS
     counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
+    if cons.stages:
+        sc["stages_ms"] = stage_split(acked, blocks, cons.stages)
     return {"bench": "e2e", "phase": "sustain", "system": system.name, "rate": rate, "seconds": args.sustain_s,
             "acked": acked.count, "send_errors": sender.errors, "achieved_per_s": round(achieved),
             "holds": holds, "holds_p99_50ms": holds_loose, "fails_badly": bad, **sc,
@@ -682,6 +711,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"sustain  {r['system']:16} R {r['rate']:>7}  achieved/s {r['achieved_per_s']:>7}  "
                          f"p50 {la['p50']!s:>6} p99 {la['p99']!s:>6} p999 {la['p999']!s:>6} max {la['max']!s:>6} ms"
                          f"  lost {r['lost']}  dup {r['duplicates']}  {verdict}" + _cpu_cell(r))
+            for name, st in (r.get("stages_ms") or {}).items():
+                lines.append(f"           {name:>20}: p50 {st['p50']!s:>6} p99 {st['p99']!s:>6} p999 {st['p999']!s:>6} "
+                             f"max {st['max']!s:>6} ms")
         elif r["phase"] == "sustain-headline":
             lines.append(f"sustain  {r['system']:16} headline: highest R held (p99 <= {HOLD_P99_MS} ms) "
                          f"{r['highest_rate_held']}, at p99 <= {HOLD_P99_LOOSE_MS} ms "
@@ -710,6 +742,8 @@ def main() -> None:
     p.add_argument("--node-env", action="append", default=[], metavar="HOURGLASS_X=V",
                    help="a node setting for the Hourglass nodes (repeatable), e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5")
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
+    p.add_argument("--stages", action="store_true",
+                   help="sustain: split lateness at the real-time node's store time (due -> stored -> received)")
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
     for k in ("target", "subjects", "out", "ready-file", "stop-file"):
         p.add_argument(f"--{k}", help=argparse.SUPPRESS)

@@ -1240,7 +1240,7 @@ class Consumer:
         if acks:
             req.acks.extend(acks)
         try:
-            resp = await self.channels.consumer(node).Pull(req, timeout=self.timeout_s + wait_ms / 1000)
+            resp = await self.channels.pull_stream(node).call(req, timeout=self.timeout_s + wait_ms / 1000)
         except grpc.RpcError as e:
             if acks:  # not applied (or not known to be): keep them for the next call
                 self._deferred.setdefault(node, [])[:0] = acks

@@ -71,10 +71,23 @@ def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.H
     return E.HourglassError(message or f"code {code}")
 
 
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The ``grpc.StatusCode`` of its number (an ordered stream's ``refused.code``)."""
+    return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
 def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
     """Map a failed call to a domain error (client side)."""
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
+    return from_status(status, detail)
+
+
+def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError:
+    """Map a gRPC status and its details to a domain error (client side)."""
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         return E.InvalidArgument("request", detail or "")
     if status == grpc.StatusCode.NOT_FOUND:

@@ -1,10 +1,16 @@
-"""gRPC channels: one cached ``grpc.aio`` channel per address, with the size limits set once."""
+"""gRPC channels: one cached ``grpc.aio`` channel per address, with the size limits set once,
+and the client side of the ordered streams (``OrderedStream``)."""
 
 from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
 
 import grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.status import status_code
 
 MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -15,6 +21,133 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
 ]
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+# A stream that ends with one of these did not refuse a request (refusals travel in the
+# responses): the connection broke (a peer killed mid-stream shows as INTERNAL "Internal
+# error from Core"), so its waiting calls fail as UNAVAILABLE, as a unary call would.
+_BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+
+
+def _broken(e: grpc.RpcError, name: str) -> grpc.RpcError:
+    if e.code() not in _BROKEN:
+        return e
+    return _error(grpc.StatusCode.UNAVAILABLE, f"{name}: the stream broke ({e.code().name}: {e.details()})")
+
+
+class _OpenStream:
+    """One open bidirectional call and the callers waiting for its responses, in order."""
+
+    __slots__ = ("call", "waiting", "reader", "failed")
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.waiting: deque[asyncio.Future] = deque()
+        self.reader: asyncio.Task | None = None
+        self.failed = False
+
+
+class OrderedStream:
+    """Unary-style calls carried on one open bidirectional stream whose server answers every
+    request once, in request order (``SendBatchStream``, ``PullStream``; docs/api.md,
+    "Ordered streams"). A message on an open stream costs both sides about a third of a
+    unary call's CPU here (``bench/bench_grpc.py``), which is what the hot path's hops pay.
+
+    ``await call(request, timeout)`` behaves like the unary call: it returns the response or
+    raises ``grpc.RpcError`` (a request the server refused whole raises an error with the
+    status the unary call would have ended with). The stream opens on first use; when it
+    breaks, every caller waiting on it gets the error and the next call opens a new one. A
+    timeout closes the stream too: a response that did not come cannot be told apart from
+    the ones queued behind it.
+
+    A server that does not have the stream method (``UNIMPLEMENTED``: a node of an older
+    version, during a rolling upgrade) is called with ``unary`` from then on."""
+
+    def __init__(self, open_call: Callable[[], object], name: str, *, unary: Callable | None = None) -> None:
+        self._open = open_call
+        self._unary = unary
+        self.name = name
+        self._stream: _OpenStream | None = None
+        self._lock = asyncio.Lock()  # one write at a time, and writes in the order of ``waiting``
+        self.opened = 0
+        self.unary_only = False
+
+    async def call(self, request, timeout: float):
+        if self.unary_only:
+            return await self._unary(request, timeout=timeout)
+        try:
+            resp = await self._call(request, timeout)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED or self._unary is None:
+                raise
+            self.unary_only = True
+            return await self._unary(request, timeout=timeout)
+        refused = resp.refused
+        if refused.code:
+            raise _error(status_code(refused.code), refused.details)
+        return resp
+
+    async def _call(self, request, timeout: float):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        async with self._lock:
+            st = self._stream
+            if st is None:
+                st = self._stream = _OpenStream(self._open())
+                st.reader = loop.create_task(self._read(st), name=f"stream-{self.name}")
+                self.opened += 1
+            st.waiting.append(fut)
+            try:
+                await st.call.write(request)
+            except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
+                self._fail(st, _broken(e, self.name) if isinstance(e, grpc.RpcError)
+                           else _error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stream closed ({e})"))
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await fut
+        except TimeoutError:
+            self._fail(st, _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s"))
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s") from None
+        return resp
+
+    async def _read(self, st: _OpenStream) -> None:
+        try:
+            while True:
+                resp = await st.call.read()
+                if resp is grpc.aio.EOF:
+                    raise _error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: the server closed the stream")
+                if not st.waiting:
+                    raise _error(grpc.StatusCode.INTERNAL, f"{self.name}: a response nobody asked for")
+                fut = st.waiting.popleft()
+                if not fut.done():  # a caller that gave up (cancelled) leaves its slot in the order
+                    fut.set_result(resp)
+        except grpc.RpcError as e:
+            self._fail(st, _broken(e, self.name))
+        except asyncio.CancelledError:
+            self._fail(st, _error(grpc.StatusCode.CANCELLED, f"{self.name}: stream closed"))
+            raise
+
+    def _fail(self, st: _OpenStream, err: grpc.RpcError) -> None:
+        if st.failed:
+            return
+        st.failed = True
+        if self._stream is st:
+            self._stream = None
+        st.call.cancel()
+        if st.reader is not None and st.reader is not asyncio.current_task():
+            st.reader.cancel()
+        waiting, st.waiting = st.waiting, deque()
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._fail(self._stream, _error(grpc.StatusCode.CANCELLED, f"{self.name}: closed"))
 
 
 class Channels:
@@ -46,7 +179,26 @@ class Channels:
     def admin(self, address: str) -> rpc.AdminStub:
         return self._stub(rpc.AdminStub, address)
 
+    def send_stream(self, address: str) -> OrderedStream:
+        """``SendBatch`` on an ordered stream to ``address`` (opened on first use)."""
+        return self._ordered("SendBatchStream", address, lambda: self.producer(address).SendBatchStream(),
+                             lambda req, timeout: self.producer(address).SendBatch(req, timeout=timeout))
+
+    def pull_stream(self, address: str) -> OrderedStream:
+        """``Pull`` on an ordered stream to ``address`` (opened on first use)."""
+        return self._ordered("PullStream", address, lambda: self.consumer(address).PullStream(),
+                             lambda req, timeout: self.consumer(address).Pull(req, timeout=timeout))
+
+    def _ordered(self, method: str, address: str, open_call, unary) -> OrderedStream:
+        st = self._stubs.get((method, address))
+        if st is None:
+            st = self._stubs[(method, address)] = OrderedStream(open_call, f"{method} {address}", unary=unary)
+        return st
+
     async def drop(self, address: str) -> None:
+        for k, v in list(self._stubs.items()):
+            if k[1] == address and isinstance(v, OrderedStream):
+                v.close()
         self._stubs = {k: v for k, v in self._stubs.items() if k[1] != address}
         ch = self._channels.pop(address, None)
         if ch is not None:
@@ -54,6 +206,9 @@ class Channels:
 
     async def close(self) -> None:
         chans, self._channels = list(self._channels.values()), {}
+        for v in self._stubs.values():
+            if isinstance(v, OrderedStream):
+                v.close()
         self._stubs = {}
         for ch in chans:
             await ch.close()

@@ -1,5 +1,6 @@
 """Wire protocol v2 helpers shared by servers and the SDK: a ``SendBatch`` request's batch
-in and out, its columnar answer, handle ranges for acks (``docs/api.md``), and the
+in and out, its columnar answer, handle ranges for acks (``docs/api.md``), the server side
+of the ordered streams (``serve_ordered``: ``SendBatchStream``, ``PullStream``) and the
 server's guard against requests protobuf cannot parse (``UndecodableRequests``).
 
 Nothing here is per message in Python: arrays go in and out as packed bytes.
@@ -7,7 +8,10 @@ Nothing here is per message in Python: arrays go in and out as packed bytes.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +21,8 @@ from google.protobuf.message import DecodeError
 from cluster.codec import Batch, pack_i64, pack_u64, unpack_i64
 from cluster.errors import InvalidArgument
 from cluster.proto import hourglass_pb2 as pb
+
+log = logging.getLogger("hourglass.wire")
 
 
 def request_batch(req: pb.SendBatchRequest, *, now_ms: int, immediate: bool = False) -> Batch:
@@ -121,6 +127,97 @@ def expand_ranges(ranges: np.ndarray, count_max: int = 1 << 20) -> np.ndarray:
     return (np.arange(total, dtype=np.int64) + starts).astype(np.uint64)
 
 
+# ---------------------------------------------------------------------- ordered streams
+
+
+class _Refused(Exception):
+    """A unary handler's ``context.abort`` while it answers one request of an ordered stream."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _OneRequestContext:
+    """The context a unary handler sees when it answers one request of an ordered stream:
+    ``abort`` refuses that request only (its response carries ``refused``); everything else
+    is the stream's context (peer, metadata, deadline)."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context) -> None:
+        self._context = context
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        raise _Refused(code, details)
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+
+def refused_response(make: Callable[[], object], code: grpc.StatusCode, details: str):
+    """A response of type ``make`` that refuses its request whole with ``code``."""
+    resp = make()
+    resp.refused.code = code.value[0]
+    resp.refused.details = details
+    return resp
+
+
+async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[object, object], Awaitable],
+                        response: Callable[[], object], *, window: int) -> AsyncIterator:
+    """The server side of an ordered stream (docs/api.md, "Ordered streams"): every request
+    of ``requests`` is answered by ``handler`` (the unary handler of the same call), one
+    response per request, in request order. Up to ``window`` requests are answered at once
+    (a SendBatch waits for its group commit while the next one is appended); with
+    ``window`` 1 each request is answered before the next is read (a pull). A refusal or a
+    failure of one request becomes that request's ``refused`` status; the stream stays open."""
+    ctx = _OneRequestContext(context)
+
+    async def answer(req):
+        if isinstance(req, _Undecodable):
+            return refused_response(response, grpc.StatusCode.INVALID_ARGUMENT, _undecodable_text(req))
+        try:
+            return await handler(req, ctx)
+        except _Refused as e:
+            return refused_response(response, e.code, e.details)
+        except Exception as e:  # a bug answering one request must not fail the others on the stream
+            log.exception("ordered stream: request failed")
+            return refused_response(response, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+
+    if window <= 1:
+        async for req in requests:
+            yield await answer(req)
+        return
+    loop = asyncio.get_running_loop()
+    answers: asyncio.Queue = asyncio.Queue(window)
+
+    async def read() -> None:
+        try:
+            async for req in requests:
+                await answers.put(loop.create_task(answer(req)))
+        finally:
+            answers.put_nowait(None) if not answers.full() else None
+
+    reader = loop.create_task(read())
+    try:
+        while True:
+            task = await answers.get()
+            if task is None:
+                break
+            yield await task
+            if reader.done() and answers.empty():
+                break
+        if reader.done() and not reader.cancelled() and reader.exception() is not None:
+            raise reader.exception()
+    finally:
+        reader.cancel()
+        while not answers.empty():
+            t = answers.get_nowait()
+            if t is not None:
+                t.cancel()
+
+
 # ---------------------------------------------------------------------- requests protobuf refuses
 
 
@@ -136,15 +233,19 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
     ``INVALID_ARGUMENT`` saying which request and why. Without this, grpc answers
     ``UNKNOWN: Unexpected DecodeError`` and logs a traceback for every such call.
 
-    Unary requests only (every producer, consumer and admin call); the streamed
-    ``Replicate`` requests come from nodes of the same build."""
+    Unary requests, and the requests of the ordered streams (``...Stream``: that request
+    alone is refused, ``serve_ordered``); the streamed ``Replicate`` requests come from
+    nodes of the same build."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        if handler.request_streaming and not (handler.response_streaming
+                                              and handler_call_details.method.endswith("Stream")):
             return handler
         method = handler_call_details.method
         known = self._wrapped.get(method)
@@ -155,9 +256,12 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+def _undecodable_text(bad: _Undecodable) -> str:
+    return str(InvalidArgument("request", f"{bad.method}: cannot parse the request: {bad.reason}"))
+
+
 async def _refuse(bad: _Undecodable, context) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        str(InvalidArgument("request", f"{bad.method}: cannot parse the request: {bad.reason}")))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_text(bad))
 
 
 def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -169,6 +273,9 @@ def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
         except DecodeError as e:
             return _Undecodable(method, str(e))
 
+    if handler.stream_stream is not None:  # an ordered stream: serve_ordered refuses an _Undecodable
+        return grpc.stream_stream_rpc_method_handler(handler.stream_stream, request_deserializer=deserialize,
+                                                     response_serializer=handler.response_serializer)
     if handler.unary_unary is not None:
         inner = handler.unary_unary
 

@@ -58,6 +58,8 @@ class NodeSettings(BaseSettings):
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
     request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
+    stream_window_max: int = Field(default=8, ge=1,
+                                   description="requests of one SendBatchStream answered at once (in order)")
 
     # delay node
     tick_ms: int = 10

@@ -208,6 +208,20 @@ async def test_tags_and_properties_travel_as_extras(nodes):
 # ---------------------------------------------------------------------- consumer
 
 
+async def test_pulls_ride_one_stream_and_fall_back_to_unary_on_an_older_node(nodes):
+    new, old = await nodes(2)
+    old.streams = False  # a node of an older version: no PullStream
+    for node in (new, old):
+        async with Consumer(StaticResolver(realtime=[node.address]), "up", group="g", wait_ms=0) as c:
+            for k in range(3):
+                node.ready("up", [f"u{k}"])
+                (m,) = await c.pull()
+                assert m.id == f"u{k}"
+            stream = c.channels.pull_stream(node.address)
+            assert (stream.opened, stream.unary_only) == ((1, False) if node is new else (1, True))
+    assert len(new.pulls) == len(old.pulls) == 3
+
+
 async def test_several_subjects_are_pulled_with_one_request_per_node(nodes):
     rt1, rt2 = await nodes(2)
     resolver = StaticResolver(realtime=[rt1.address, rt2.address])

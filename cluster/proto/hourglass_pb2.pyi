@@ -53,18 +53,28 @@ class BatchError(_message.Message):
     def __init__(self, index: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SendBatchResponse(_message.Message):
-    __slots__ = ("codes", "seqs", "deliver_at_ms", "duplicates", "errors")
+    __slots__ = ("codes", "seqs", "deliver_at_ms", "duplicates", "errors", "refused")
     CODES_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     codes: bytes
     seqs: bytes
     deliver_at_ms: bytes
     duplicates: bytes
     errors: _containers.RepeatedCompositeFieldContainer[BatchError]
-    def __init__(self, codes: _Optional[bytes] = ..., seqs: _Optional[bytes] = ..., deliver_at_ms: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ...) -> None: ...
+    refused: StreamStatus
+    def __init__(self, codes: _Optional[bytes] = ..., seqs: _Optional[bytes] = ..., deliver_at_ms: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ..., refused: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
+
+class StreamStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("id",)
@@ -125,12 +135,14 @@ class PullRequest(_message.Message):
     def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ..., acks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("batch", "handles")
+    __slots__ = ("batch", "handles", "refused")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     batch: bytes
     handles: bytes
-    def __init__(self, batch: _Optional[bytes] = ..., handles: _Optional[bytes] = ...) -> None: ...
+    refused: StreamStatus
+    def __init__(self, batch: _Optional[bytes] = ..., handles: _Optional[bytes] = ..., refused: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
 
 class SubjectHandles(_message.Message):
     __slots__ = ("subject", "ranges")

@@ -197,6 +197,11 @@ class ProducerStub:
                 request_serializer=hourglass__pb2.SendBatchRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.SendBatchResponse.FromString,
                 _registered_method=True)
+        self.SendBatchStream = channel.stream_stream(
+                '/hourglass.v1.Producer/SendBatchStream',
+                request_serializer=hourglass__pb2.SendBatchRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.SendBatchResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/hourglass.v1.Producer/Cancel',
                 request_serializer=hourglass__pb2.CancelRequest.SerializeToString,
@@ -218,6 +223,13 @@ class ProducerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendBatchStream(self, request_iterator, context):
+        """SendBatch on one open stream: one response per request, in order (delay nodes dispatching)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Cancel(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -235,6 +247,11 @@ def add_ProducerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'SendBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.SendBatch,
+                    request_deserializer=hourglass__pb2.SendBatchRequest.FromString,
+                    response_serializer=hourglass__pb2.SendBatchResponse.SerializeToString,
+            ),
+            'SendBatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SendBatchStream,
                     request_deserializer=hourglass__pb2.SendBatchRequest.FromString,
                     response_serializer=hourglass__pb2.SendBatchResponse.SerializeToString,
             ),
@@ -274,6 +291,33 @@ class Producer:
             request,
             target,
             '/hourglass.v1.Producer/SendBatch',
+            hourglass__pb2.SendBatchRequest.SerializeToString,
+            hourglass__pb2.SendBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hourglass.v1.Producer/SendBatchStream',
             hourglass__pb2.SendBatchRequest.SerializeToString,
             hourglass__pb2.SendBatchResponse.FromString,
             options,
@@ -355,6 +399,11 @@ class ConsumerStub:
                 request_serializer=hourglass__pb2.PullRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PullStream = channel.stream_stream(
+                '/hourglass.v1.Consumer/PullStream',
+                request_serializer=hourglass__pb2.PullRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.PullResponse.FromString,
+                _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/hourglass.v1.Consumer/Ack',
                 request_serializer=hourglass__pb2.AckRequest.SerializeToString,
@@ -376,6 +425,13 @@ class ConsumerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullStream(self, request_iterator, context):
+        """Pull on one open stream: one response per request, in order (the SDK's consumers)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Ack(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -393,6 +449,11 @@ def add_ConsumerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
+                    request_deserializer=hourglass__pb2.PullRequest.FromString,
+                    response_serializer=hourglass__pb2.PullResponse.SerializeToString,
+            ),
+            'PullStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PullStream,
                     request_deserializer=hourglass__pb2.PullRequest.FromString,
                     response_serializer=hourglass__pb2.PullResponse.SerializeToString,
             ),
@@ -432,6 +493,33 @@ class Consumer:
             request,
             target,
             '/hourglass.v1.Consumer/Pull',
+            hourglass__pb2.PullRequest.SerializeToString,
+            hourglass__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hourglass.v1.Consumer/PullStream',
             hourglass__pb2.PullRequest.SerializeToString,
             hourglass__pb2.PullResponse.FromString,
             options,

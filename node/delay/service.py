@@ -37,7 +37,7 @@ from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailabl
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, request_batch
+from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
 from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
 from node.delay import retention
@@ -53,6 +53,7 @@ log = logging.getLogger("hourglass.delay")
 PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS],
                            np.uint8)
 METRICS_INTERVAL_S = 0.1
+DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time node
 MIB = 1 << 20
 
 
@@ -124,6 +125,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self._count_refusals(res)
         self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
         return res.to_pb()
+
+    async def SendBatchStream(self, requests, context):
+        """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
+        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
+                                        window=self.settings.stream_window_max):
+            yield resp
 
     def _count_refusals(self, res: BatchResult) -> None:
         if not res.errors:
@@ -345,7 +352,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def _send_part(self, address: str, unit: int, b: Batch, part: np.ndarray) -> None:
         sub = b if len(part) == b.n else b.take(part)
         try:
-            resp = await self.channels.producer(address).SendBatch(make_request(sub, immediate=True), timeout=10)
+            resp = await self.channels.send_stream(address).call(make_request(sub, immediate=True),
+                                                                 timeout=DISPATCH_TIMEOUT_S)
             res = BatchResult.from_pb(resp, sub.n)
         except grpc.RpcError as e:
             err = status.from_rpc_error(e)

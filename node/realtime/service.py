@@ -43,7 +43,7 @@ from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailabl
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, unpack_ranges
+from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
 from node.aio import tune_gc, wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
@@ -146,6 +146,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             self._wake(batch.subjects[k] for k in np.flatnonzero(hit).tolist())
         return res.to_pb()
 
+    async def SendBatchStream(self, requests, context):
+        """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
+        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
+                                        window=self.settings.stream_window_max):
+            yield resp
+
     def _disk_refused(self, e: DiskFull) -> None:
         self.metrics.disk_refusals.inc()
         if "no space left" in str(e):
@@ -244,6 +250,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.calls["pull_messages"] += batch.n
         self.metrics.delivered.inc(batch.n)
         return pb.PullResponse(batch=batch.encode(), handles=handles.astype("<u8").tobytes())
+
+    async def PullStream(self, requests, context):
+        """Pull on an ordered stream (docs/api.md): each pull is answered before the next is read."""
+        async for resp in serve_ordered(requests, context, self.Pull, pb.PullResponse, window=1):
+            yield resp
 
     def _ranges(self, items) -> list[tuple[str, np.ndarray]]:
         """(subject, (k, 2) ranges) of the SubjectHandles of an Ack or Nack."""

@@ -46,7 +46,7 @@ from cluster.codec import Batch, encode_extra
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import CHANNEL_OPTIONS
-from cluster.wire import BatchResult, expand_ranges, request_batch, unpack_ranges
+from cluster.wire import BatchResult, expand_ranges, request_batch, serve_ordered, unpack_ranges
 
 RUN_S_MAX = 3600.0  # a standalone fake stops after this long whatever happens
 
@@ -81,6 +81,7 @@ class FakeNode:
     nacked: list[tuple[str, list[int], int]] = field(default_factory=list)
     pulls_cancelled: int = 0
     stall: bool = False
+    streams: bool = True  # serves PullStream (False: a node of an older version, unary Pull only)
     cancelled: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -248,6 +249,12 @@ class _Consumer(rpc.ConsumerServicer):
             self._record_acks(request.acks)
             self.node.acks_on_pull += 1
         return await self.node.pull(request)
+
+    async def PullStream(self, requests, context):
+        if not self.node.streams:  # a node of an older version: no PullStream (UNIMPLEMENTED)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        async for resp in serve_ordered(requests, context, self.Pull, pb.PullResponse, window=1):
+            yield resp
 
     async def Ack(self, request, context):
         return pb.AckResponse(acked=self._record_acks(request.acks))

@@ -1,0 +1,146 @@
+"""Ordered streams (docs/api.md, "Ordered streams"): ``serve_ordered`` on a real grpc.aio
+server and ``OrderedStream`` as its client. One response per request, in request order,
+even when later requests finish first; a refusal answers one request and leaves the stream
+open; a broken or timed-out stream fails the calls waiting on it and the next call opens a
+new one; an unparsable request is refused alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cluster import status
+from cluster.errors import InvalidArgument, NotLeader, Unavailable
+from cluster.proto import hourglass_pb2 as pb
+from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.transport import Channels
+from cluster.wire import UndecodableRequests, serve_ordered
+
+
+class _Producer(rpc.ProducerServicer):
+    """SendBatch answers ``epoch`` back in ``seqs`` after ``epoch`` ms (so later requests can
+    finish first); epoch 999 is refused as "not the master"; 777 raises a bug; 555 hangs."""
+
+    def __init__(self) -> None:
+        self.hang = asyncio.Event()
+        self.streams_opened = 0
+
+    async def SendBatch(self, request, context):
+        if request.epoch == 999:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not the master; leader_hint=127.0.0.1:1")
+        if request.epoch == 777:
+            raise RuntimeError("boom")
+        if request.epoch == 555:
+            await self.hang.wait()
+        await asyncio.sleep(request.epoch / 1000)
+        return pb.SendBatchResponse(seqs=request.epoch.to_bytes(8, "little"))
+
+    async def SendBatchStream(self, requests, context):
+        self.streams_opened += 1
+        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse, window=8):
+            yield resp
+
+
+@pytest.fixture
+async def server():
+    srv = grpc.aio.server(interceptors=[UndecodableRequests()])
+    svc = _Producer()
+    rpc.add_ProducerServicer_to_server(svc, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    channels = Channels()
+    try:
+        yield svc, f"127.0.0.1:{port}", channels
+    finally:
+        svc.hang.set()
+        await channels.close()
+        await srv.stop(None)
+
+
+def _req(epoch: int) -> pb.SendBatchRequest:
+    return pb.SendBatchRequest(epoch=epoch)
+
+
+def _got(resp) -> int:
+    return int.from_bytes(resp.seqs, "little")
+
+
+async def test_responses_come_back_in_request_order(server):
+    svc, address, channels = server
+    stream = channels.send_stream(address)
+    delays = [40, 5, 30, 1, 20, 0, 10, 2, 15, 3]  # later requests finish first inside the window
+    got = await asyncio.gather(*(stream.call(_req(d), timeout=5) for d in delays))
+    assert [_got(r) for r in got] == delays
+    assert svc.streams_opened == 1 and stream.opened == 1
+
+
+async def test_a_refusal_answers_one_request_and_the_stream_stays_open(server):
+    svc, address, channels = server
+    stream = channels.send_stream(address)
+    results = await asyncio.gather(stream.call(_req(3), timeout=5), stream.call(_req(999), timeout=5),
+                                   stream.call(_req(777), timeout=5), stream.call(_req(4), timeout=5),
+                                   return_exceptions=True)
+    assert _got(results[0]) == 3 and _got(results[3]) == 4
+    assert isinstance(results[1], grpc.RpcError) and results[1].code() == grpc.StatusCode.UNAVAILABLE
+    err = status.from_rpc_error(results[1])
+    assert isinstance(err, NotLeader) and err.leader_hint == "127.0.0.1:1"  # the unary call's error, as it was
+    assert isinstance(results[2], grpc.RpcError) and results[2].code() == grpc.StatusCode.UNKNOWN
+    assert "boom" in results[2].details()
+    assert _got(await stream.call(_req(1), timeout=5)) == 1
+    assert svc.streams_opened == 1
+
+
+async def test_a_timeout_closes_the_stream_and_the_next_call_opens_a_new_one(server):
+    svc, address, channels = server
+    stream = channels.send_stream(address)
+    hung = asyncio.create_task(stream.call(_req(555), timeout=5))
+    await asyncio.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as e:
+        await stream.call(_req(1), timeout=0.2)  # queued behind the hung one
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.RpcError):  # the call waiting on the closed stream fails too, at once
+        await asyncio.wait_for(hung, 2)
+    assert _got(await stream.call(_req(2), timeout=5)) == 2
+    assert stream.opened == 2
+    await asyncio.sleep(0.05)
+    assert svc.streams_opened == 2
+
+
+async def test_a_dead_server_fails_the_waiting_calls_with_unavailable():
+    srv = grpc.aio.server()
+    svc = _Producer()
+    rpc.add_ProducerServicer_to_server(svc, srv)
+    port = srv.add_insecure_port("127.0.0.1:0")
+    await srv.start()
+    channels = Channels()
+    try:
+        stream = channels.send_stream(f"127.0.0.1:{port}")
+        assert _got(await stream.call(_req(1), timeout=5)) == 1
+        waiting = asyncio.create_task(stream.call(_req(555), timeout=10))
+        await asyncio.sleep(0.05)
+        await srv.stop(None)
+        with pytest.raises(grpc.RpcError) as e:
+            await asyncio.wait_for(waiting, 5)
+        assert isinstance(status.from_rpc_error(e.value), Unavailable)
+    finally:
+        svc.hang.set()
+        await channels.close()
+        await srv.stop(None)
+
+
+async def test_an_unparsable_request_is_refused_alone(server):
+    svc, address, channels = server
+    ch = channels.get(address)
+    raw = ch.stream_stream("/hourglass.v1.Producer/SendBatchStream", request_serializer=lambda b: b,
+                           response_deserializer=pb.SendBatchResponse.FromString)()
+    await raw.write(_req(2).SerializeToString())
+    await raw.write(b"\xff\xff\xff")  # not a protobuf message
+    await raw.write(_req(1).SerializeToString())
+    first, bad, third = [await asyncio.wait_for(raw.read(), 5) for _ in range(3)]
+    assert _got(first) == 2 and _got(third) == 1
+    assert bad.refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "cannot parse the request" in bad.refused.details
+    assert isinstance(status.from_status(status.status_code(bad.refused.code), bad.refused.details), InvalidArgument)
+    raw.cancel()
