@@ -56,6 +56,7 @@ import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -512,29 +513,38 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence["Batch"]) -> "Batch":
-        """One batch of every message of ``batches``, in order (subject tables merged)."""
+        """One batch of every message of ``batches``, in order (subject tables merged).
+        Work per batch is a few list items: a second loaded from hundreds of filed frames
+        is one concatenate per column (the node does this on its event loop)."""
         batches = [b for b in batches if b.n]
         if not batches:
             return Batch.empty()
         if len(batches) == 1:
             return batches[0]
-        table: dict[str, int] = {}
-        sidx = []
-        for b in batches:
-            remap = np.array([table.setdefault(s, len(table)) for s in b.subjects], np.uint16)
-            sidx.append(remap[b.subject_idx])
+        first = batches[0].subjects
+        if all(b.subjects is first or b.subjects == first for b in batches):  # one table (the usual case)
+            subjects, subject_idx = first, np.concatenate([b.subject_idx for b in batches])
+        else:  # every table's names in one list, numbered in one pass; then one gather
+            flat = list(chain.from_iterable([b.subjects for b in batches]))
+            table = {x: i for i, x in enumerate(dict.fromkeys(flat))}  # first appearance order
+            number = np.fromiter(map(table.__getitem__, flat), np.uint16, len(flat))
+            sizes = np.fromiter((len(b.subjects) for b in batches), np.int64, len(batches))
+            base = np.repeat(np.cumsum(sizes) - sizes, [b.n for b in batches])
+            local = np.concatenate([b.subject_idx for b in batches]).astype(np.int64)
+            subjects, subject_idx = tuple(table), number[base + local]
         cols = {name: np.concatenate([getattr(b, name) for b in batches])
                 for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
+        counts = np.fromiter((b.n for b in batches), np.int64, len(batches))
         for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
-            shift, parts = 0, []
-            for b in batches:
-                parts.append(getattr(b, name).astype(np.int64) + shift)
-                shift += len(getattr(b, blob_name))
-            if shift >= 1 << 32:
+            blobs = [getattr(b, blob_name) for b in batches]
+            sizes = np.fromiter(map(len, blobs), np.int64, len(blobs))
+            shifts = np.cumsum(sizes) - sizes
+            if len(sizes) and int(shifts[-1] + sizes[-1]) >= 1 << 32:
                 raise InvalidArgument("batch", "a blob exceeds 4 GiB")
-            cols[name] = np.concatenate(parts).astype(np.uint32)
-            cols[blob_name] = b"".join(getattr(b, blob_name) for b in batches)
-        return Batch(subject_idx=np.concatenate(sidx), subjects=tuple(table), **cols)
+            ends = np.concatenate([getattr(b, name) for b in batches]).astype(np.int64)
+            cols[name] = (ends + np.repeat(shifts, counts)).astype(np.uint32)
+            cols[blob_name] = b"".join(blobs)
+        return Batch(subject_idx=subject_idx, subjects=subjects, **cols)
 
     def split_by_subject(self) -> dict[str, np.ndarray]:
         """subject -> indices of its messages, in batch order."""

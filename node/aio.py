@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import sys
+import threading
+import time
+import traceback
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -45,3 +50,44 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
+
+
+class StallWatch:
+    """Reports event-loop stalls (setting ``loop_stall_report_ms``; 0 = off): a task on the
+    loop marks a heartbeat every quarter of the threshold, and a thread that finds the
+    heartbeat older than the threshold logs the loop thread's stack once per stall (WARNING
+    ``event loop stalled``): the call that held the loop, named while it holds it. Every
+    message due during a stall is late by it, so this is where a p99 comes from."""
+
+    def __init__(self, threshold_ms: int, log: logging.Logger) -> None:
+        self.threshold_s = threshold_ms / 1000
+        self.log = log
+        self.beat = time.monotonic()
+        self.stalls = 0
+        self._stop = threading.Event()
+        self._loop_thread = threading.get_ident()
+
+    async def run(self) -> None:
+        interval = self.threshold_s / 4
+        thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                self.beat = time.monotonic()
+                await asyncio.sleep(interval)
+        finally:
+            self._stop.set()
+
+    def _watch(self) -> None:
+        reported_beat = None
+        while not self._stop.wait(self.threshold_s / 4):
+            beat = self.beat
+            late = time.monotonic() - beat - self.threshold_s / 4
+            if late < self.threshold_s or beat == reported_beat:
+                continue
+            reported_beat = beat
+            self.stalls += 1
+            frame = sys._current_frames().get(self._loop_thread)
+            stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no stack)"
+            self.log.warning("event loop stalled for more than %.0f ms; the loop thread is at:\n%s",
+                             late * 1000, stack)

@@ -58,6 +58,8 @@ class NodeSettings(BaseSettings):
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
     request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
+    loop_stall_report_ms: int = Field(default=0, ge=0,
+                                      description="log the event loop's stack when it is held this long (0 = off)")
     stream_window_max: int = Field(default=8, ge=1,
                                    description="requests of one SendBatchStream answered at once (in order)")
 

@@ -41,6 +41,7 @@ MODULE_TIERS = {
     "test_cli.py": "integration",
     "test_cli_dev.py": "integration",
     "test_cli_verify.py": "integration",
+    "test_aio.py": "unit",
     "test_client.py": "integration",
     "test_codec.py": "unit",
     "test_crash.py": "slow",

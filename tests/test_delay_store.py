@@ -330,3 +330,31 @@ def test_message_and_its_cancel_filed_in_one_round_never_fire(tmp_path):
     assert h.store.iterate(limit=None) == 3
     h.run_until(T0 + 1_000)
     assert h.delivered == ["m2"]
+
+
+def test_a_busy_second_loads_a_few_frames_per_poll_and_keeps_what_is_filed_meanwhile(tmp_path):
+    """A second of many frames is merged LOAD_STEP_FRAMES at a time over several polls (no
+    one long stall of the event loop); messages and cancels filed into it while it loads are
+    still taken: everything fires once, in due order, the cancelled message never."""
+    from node.delay.store import LOAD_STEP_FRAMES
+
+    h = Harness(tmp_path)
+    due = T0 + 10_000
+    n = LOAD_STEP_FRAMES * 2 + 20
+    for i in range(n):  # one frame each
+        h.send([msg(i, due + (i * 7) % 1000)])
+    h.run_until(due - 500 + 10)  # the first poll inside the window: the load has started, not finished
+    assert h.store._loading is not None and h.store._loading.second == due // 1000
+    assert (due // 1000) * 1000 >= h.store.wheel.loaded_until_ms  # not in the wheel yet
+    h.send([msg(n, due + 3), msg(n + 1, due + 999)])  # filed into the second while it loads
+    assert h.store.cancel("m5", now_ms=h.now) > 0
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    h.run_until(due - 500 + 40)
+    assert h.store._loading is None and h.store.wheel.loaded_until_ms > due
+    h.run_until(due + 1_000)
+    expected = sorted((d, f"m{i}") for i, d in [*((i, due + (i * 7) % 1000) for i in range(n)),
+                                                 (n, due + 3), (n + 1, due + 999)] if i != 5)
+    assert sorted(h.delivered) == sorted(i for _, i in expected) and len(h.delivered) == len(expected)
+    dues = {i: d for d, i in expected}
+    assert [dues[i] for i in h.delivered] == sorted(dues[i] for i in h.delivered)  # in due order

@@ -38,7 +38,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
-from node.aio import tune_gc, wait_event
+from node.aio import StallWatch, tune_gc, wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import ScrubTask, verify_online
@@ -505,6 +505,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
+                if self.settings.loop_stall_report_ms:
+                    tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
+                                                name="stall-watch"))
                 self.metrics.start(self.settings.metrics_port)
                 tune_gc()
                 log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,

@@ -44,7 +44,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
-from node.aio import tune_gc, wait_event
+from node.aio import StallWatch, tune_gc, wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
@@ -466,6 +466,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                     from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
+                if self.settings.loop_stall_report_ms:
+                    tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
+                                                name="stall-watch"))
                 self.metrics.start(self.settings.metrics_port)
                 tune_gc()
                 log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,

@@ -355,12 +355,13 @@ class Bucket:
 
     # -- reading -----------------------------------------------------------------
 
-    def chain(self, second_in_bucket: int) -> list[tuple[int, int, int, int]]:
-        """(entry number, data_offset, frame_size, last_seq) of the frames due in one second, newest first."""
+    def chain(self, second_in_bucket: int, *, newer_than: int = 0) -> list[tuple[int, int, int, int]]:
+        """(entry number, data_offset, frame_size, last_seq) of the frames due in one second,
+        newest first; only entries numbered above ``newer_than`` (appended after it)."""
         n = int(self.heads[second_in_bucket])
         out = []
         steps = 0
-        while n:
+        while n > newer_than:
             if n > self.entries or steps > self.entries:
                 raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain points past the end")
             off, fsize, prev, _first, last, second, *_ = self._read_entry(n - 1)
@@ -497,6 +498,7 @@ class ScheduleLog:
         self.open_buckets_max = open_buckets_max
         self._open: OrderedDict[int, Bucket] = OrderedDict()
         self.cache = _FrameCache(cache_bytes_max)
+        self.rebuilds = 0  # buckets replaced (replace_bucket) since open
         # called with (bucket start, error) when a bucket fails a check; it rebuilds the
         # bucket (``replace_bucket``) or raises. None: corruption is raised to the caller.
         self.healer: Callable[[int, CorruptRecord], None] | None = None
@@ -576,6 +578,7 @@ class ScheduleLog:
             except (OSError, CorruptRecord):
                 pass  # the broken bucket goes away whatever its files say
         self.cache.drop_bucket(start_ms)
+        self.rebuilds += 1  # entry numbers and offsets of this bucket changed (DelayStore's second loads restart)
         if main.exists():
             gone = self.root / f"{start_ms:018d}.old"
             os.replace(main, gone)
@@ -672,6 +675,20 @@ class ScheduleLog:
                 if cache_before_ms is not None and int(g.effective_ms[0]) < cache_before_ms:
                     self.cache.put(ref)
         return Filed(filed, bucket_col, off_col, size_col, frames)
+
+    def second_entries(self, second: int, *, newer_than: int = 0) -> list[tuple[int, int, int]]:
+        """(entry number, data_offset, frame_size) of the frames due in epoch-second ``second``,
+        newest first, only those appended after entry ``newer_than`` (0: all); with ``frame``,
+        a second read a few frames at a time (``DelayStore._load_seconds``)."""
+        ms = second * 1000
+        start = self.bucket_start(ms)
+
+        def walk() -> list[tuple[int, int, int]]:
+            b = self.bucket(start, create=False)
+            if b is None:
+                return []
+            return [(n, off, size) for n, off, size, _ in b.chain((ms - start) // 1000, newer_than=newer_than)]
+        return self._healing(start, walk)
 
     def load_second(self, second: int) -> list[FrameRef]:
         """Every frame due within epoch-second ``second``, newest first (chain order)."""
