@@ -704,13 +704,16 @@ class DelayStore:
             else:
                 take, ld.todo = ld.todo[:budget], ld.todo[budget:]
                 budget -= len(take)
-            self._merge_frames(ld, take)
+            if not self._merge_frames(ld, take):
+                self._loading = None  # the bucket was rebuilt (healing): its offsets moved, start over
+                continue
             if ld.todo:
                 return
             self._loading = None
             if self.schedule.rebuilds != ld.rebuilds or self.wheel.seconds_to_load(1) != [ld.second]:
                 continue  # the bucket was rebuilt (offsets moved) or the wheel moved on: start over
-            self._merge_frames(ld, self.schedule.second_entries(ld.second, newer_than=ld.head)[::-1])
+            if not self._merge_frames(ld, self.schedule.second_entries(ld.second, newer_than=ld.head)[::-1]):
+                continue
             merged = Batch.concat(ld.parts)
             targets = np.concatenate(ld.cancels) if ld.cancels else None
             chunk = self._chunk(FrameRef(-1, -1, 0, merged), reload=True, cancelled=targets,
@@ -720,18 +723,24 @@ class DelayStore:
             if budget is not None and budget <= 0:
                 return
 
-    def _merge_frames(self, ld: "_SecondLoad", entries: list[tuple[int, int, int]]) -> None:
+    def _merge_frames(self, ld: "_SecondLoad", entries: list[tuple[int, int, int]]) -> bool:
         """Frames ``entries`` (oldest first) of the second being loaded: one merged part, and
-        the targets of their (not voided) cancel records."""
+        the targets of their (not voided) cancel records. False when a frame was corrupt and
+        its bucket got rebuilt (the load must start over)."""
         if not entries:
-            return
-        start = self.schedule.bucket_start(ld.second * 1000)
-        batches = [self.schedule.frame(start, off, size).batch for _, off, size in entries]
+            return True
+        if self.schedule.rebuilds != ld.rebuilds:
+            return False
+        refs = self.schedule.frames_of(self.schedule.bucket_start(ld.second * 1000), entries)
+        if refs is None:
+            return False
+        batches = [r.batch for r in refs]
         for b in batches:
             cancels = b.kind == KIND_CANCEL
             if bool(cancels.any()):
                 ld.cancels.append(b.cancel_targets()[cancels & ~self._voided_mask(b.seq)])
         ld.parts.append(Batch.concat(batches))
+        return True
 
     def next_due_ms(self) -> int | None:
         """When the earliest held message is due (the shell sleeps until then)."""

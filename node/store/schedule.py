@@ -690,6 +690,18 @@ class ScheduleLog:
             return [(n, off, size) for n, off, size, _ in b.chain((ms - start) // 1000, newer_than=newer_than)]
         return self._healing(start, walk)
 
+    def frames_of(self, bucket_start_ms: int, entries) -> list[FrameRef] | None:
+        """The frames at ``entries`` ((entry, data_offset, frame_size) of ``second_entries``)
+        of one bucket; None when a frame failed its check and the healer rebuilt the bucket:
+        the entries are stale then (offsets moved), walk the chain again."""
+        try:
+            return [self._frame(bucket_start_ms, off, size) for _, off, size in entries]
+        except CorruptRecord as e:
+            if self.healer is None:
+                raise
+            self.healer(bucket_start_ms, e)
+            return None
+
     def load_second(self, second: int) -> list[FrameRef]:
         """Every frame due within epoch-second ``second``, newest first (chain order)."""
         ms = second * 1000
