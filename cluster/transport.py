@@ -106,6 +106,11 @@ class OrderedStream:
             except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as e:
                 self._fail(st, _broken(e, self.name) if isinstance(e, grpc.RpcError)
                            else _error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stream closed ({e})"))
+            except asyncio.CancelledError:
+                # the request may or may not have gone out: the responses can no longer be
+                # matched to their callers, so this stream ends (the next call opens another)
+                self._fail(st, _error(grpc.StatusCode.CANCELLED, f"{self.name}: a write was cancelled"))
+                raise
         try:
             async with asyncio.timeout(timeout):
                 resp = await fut

@@ -43,16 +43,21 @@ class _Producer(rpc.ProducerServicer):
             yield resp
 
 
-@pytest.fixture
-async def server():
+async def _serve() -> tuple[grpc.aio.Server, _Producer, str]:
     srv = grpc.aio.server(interceptors=[UndecodableRequests()])
     svc = _Producer()
     rpc.add_ProducerServicer_to_server(svc, srv)
     port = srv.add_insecure_port("127.0.0.1:0")
     await srv.start()
+    return srv, svc, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def server():
+    srv, svc, address = await _serve()
     channels = Channels()
     try:
-        yield svc, f"127.0.0.1:{port}", channels
+        yield svc, address, channels
     finally:
         svc.hang.set()
         await channels.close()
@@ -109,14 +114,10 @@ async def test_a_timeout_closes_the_stream_and_the_next_call_opens_a_new_one(ser
 
 
 async def test_a_dead_server_fails_the_waiting_calls_with_unavailable():
-    srv = grpc.aio.server()
-    svc = _Producer()
-    rpc.add_ProducerServicer_to_server(svc, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
+    srv, svc, address = await _serve()
     channels = Channels()
     try:
-        stream = channels.send_stream(f"127.0.0.1:{port}")
+        stream = channels.send_stream(address)
         assert _got(await stream.call(_req(1), timeout=5)) == 1
         waiting = asyncio.create_task(stream.call(_req(555), timeout=10))
         await asyncio.sleep(0.05)
@@ -144,3 +145,16 @@ async def test_an_unparsable_request_is_refused_alone(server):
     assert "cannot parse the request" in bad.refused.details
     assert isinstance(status.from_status(status.status_code(bad.refused.code), bad.refused.details), InvalidArgument)
     raw.cancel()
+
+
+async def test_a_write_cancelled_midway_ends_the_stream_and_later_calls_still_match(server):
+    svc, address, channels = server
+    stream = channels.send_stream(address)
+    assert _got(await stream.call(_req(1), timeout=5)) == 1
+    big = pb.SendBatchRequest(epoch=2, batch=bytes(8 << 20))  # a write that takes a while
+    task = asyncio.create_task(stream.call(big, timeout=5))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    got = await asyncio.gather(*(stream.call(_req(d), timeout=5) for d in (3, 4, 5)))
+    assert [_got(r) for r in got] == [3, 4, 5]  # every later caller gets its own answer
