@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cluster.errors import CorruptRecord
 from node.store.log import SegmentedLog
-from node.store.scrub import ScrubPlan, ScrubTarget, check_span
+from node.store.scrub import RATE_BYTES_PER_S_DEFAULT, ScrubPlan, ScrubTarget, check_span
 from node.store.verify import VerifyReport, verify_dir
 
 log = logging.getLogger("hourglass.delay.scrub")
@@ -70,7 +70,10 @@ class ScrubTask:
     def __init__(self, node, *, rate_bytes_per_s: int, step_bytes_max: int,
                  repair: Callable[[str, int, CorruptRecord], Awaitable[bool]] | None = None) -> None:
         self.node = node  # .store (may be replaced by a role change), .metrics
-        self.plan = ScrubPlan(rate_bytes_per_s=rate_bytes_per_s, step_bytes_max=step_bytes_max)
+        # rate 0 = no background scrub (the node does not run ``run``); the task still repairs
+        # what ``admin verify`` finds, so it exists with a placeholder rate
+        self.plan = ScrubPlan(rate_bytes_per_s=rate_bytes_per_s or RATE_BYTES_PER_S_DEFAULT,
+                              step_bytes_max=step_bytes_max)
         self.repair = repair
         self.unrepaired: dict[str, str] = {}  # target key -> error, segments still corrupt
         self._targets: list[ScrubTarget] = []
