@@ -149,6 +149,27 @@ def test_one_pull_covers_several_subjects(tmp_path):
         st_.pull([], "g", "c", max_messages=1, now_ms=T0)
 
 
+def test_acks_of_several_subjects_in_one_call(tmp_path):
+    from cluster.wire import pack_ranges
+
+    st_ = open_store(tmp_path)
+    append(st_, *[M(i, subject=("a", "b", "c")[i % 3]) for i in range(12)])
+    b, h = pull(st_, ["a", "b", "c"], "g", 100, T0)
+    by = {s: [hh for ss, hh in zip(b.subject_list(), h.tolist()) if ss == s] for s in ("a", "b", "c")}
+    # a malformed range in any subject: refused whole, nothing acked
+    for bad in (b"\x00" * 15, pack_ranges([3]) [8:] + pack_ranges([3])[:8]):
+        with pytest.raises(InvalidArgument):
+            st_.ack_many("g", [("a", pack_ranges(by["a"])), ("b", bad)], now_ms=T0)
+    assert all(st_.lag(s, "g") == 4 for s in ("a", "b", "c"))
+    # a, and part of b, in one call; c not at all; an unknown group acks nothing
+    assert st_.ack_many("g", [("a", pack_ranges(by["a"])), ("b", pack_ranges(by["b"][:2])), ("c", b"")],
+                        now_ms=T0) == 6
+    assert st_.ack_many("other", [("a", pack_ranges(by["a"]))], now_ms=T0) == 0
+    assert [st_.lag(s, "g") for s in ("a", "b", "c")] == [0, 2, 4]
+    with pytest.raises(UnknownSubject):
+        st_.ack_many("g", [("nope", pack_ranges([0]))], now_ms=T0)
+
+
 def test_two_consumers_in_one_group_share_work(tmp_path):
     st_ = open_store(tmp_path)
     append(st_, *[M(i) for i in range(10)])

@@ -278,8 +278,7 @@ class SubjectIndex:
             if is_enospc(e):
                 raise enospc(e, str(self.path)) from None
             raise
-        tail = np.frombuffer(raw, ENTRY_DTYPE, 1, len(raw) - ENTRY_SIZE)
-        self.last_offset, self.last_index = int(tail["offset"][0]), int(tail["index"][0])
+        self.last_offset, self.last_index = ENTRY.unpack_from(raw, len(raw) - ENTRY_SIZE)[:2]
         self.count += len(raw) // ENTRY_SIZE
         self.dirty = True
 

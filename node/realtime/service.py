@@ -213,10 +213,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         if request.acks:  # acks riding on this pull: committed with the next round, not awaited
-            n = 0
             try:
-                for subject, ranges in self._ranges(request.acks):
-                    n += self.store.ack(subject, group, ranges, now_ms=self.clock.now_ms())
+                n = self.store.ack_many(group, [(sh.subject, sh.ranges) for sh in request.acks],
+                                        now_ms=self.clock.now_ms())
             except HourglassError as e:
                 await context.abort(status.to_grpc(e), str(e))
             self.calls["ack_on_pull"] += 1
@@ -265,10 +264,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
         self.calls["ack"] += 1
         now = self.clock.now_ms()
-        n = 0
         try:
-            for subject, ranges in self._ranges(request.acks):
-                n += self.store.ack(subject, request.group, ranges, now_ms=now)
+            n = self.store.ack_many(request.group, [(sh.subject, sh.ranges) for sh in request.acks], now_ms=now)
         except HourglassError as e:
             await context.abort(status.to_grpc(e), str(e))
         try:

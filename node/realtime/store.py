@@ -189,6 +189,14 @@ def _check_name(what: str, name: str, bytes_max: int) -> None:
         raise InvalidArgument(what, f"{name[:64]!r} does not match {SUBJECT_RE.pattern}")
 
 
+def _cat_entries(arrays: list[np.ndarray]) -> np.ndarray:
+    """Index entries of several reads as one array. Joined as bytes: ``np.concatenate`` of
+    structured arrays promotes their fields pair by pair (~8 us per array, 16 per pull)."""
+    if len(arrays) == 1:
+        return arrays[0]
+    return np.concatenate([np.ascontiguousarray(a).view(np.uint8) for a in arrays]).view(arrays[0].dtype)
+
+
 def _as_pairs(ranges) -> list[list[int]]:
     """Handle ranges as ``[[lo, hi], ...]`` from a (k, 2) array (``wire.unpack_ranges``) or pairs."""
     if isinstance(ranges, np.ndarray):
@@ -961,7 +969,7 @@ class RealtimeStore:
                 raise Overloaded(f"group {group!r} has inflight_per_group_max="
                                  f"{self.settings.inflight_per_group_max} messages in flight")
             return _EMPTY_BATCH, _NO_HANDLES
-        return self._gather(np.concatenate([e for e, _ in parts]), np.concatenate([h for _, h in parts]))
+        return self._gather(_cat_entries([e for e, _ in parts]), np.concatenate([h for _, h in parts]))
 
     def _take_new(self, groups: list[_Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
                   parts: list) -> bool:
@@ -1051,6 +1059,36 @@ class RealtimeStore:
         if n:
             self._mark_dirty(g)
             self.counters["acked"] += n
+        return n
+
+    def ack_many(self, group: str, items: Sequence[tuple[str, bytes]], *, now_ms: int) -> int:
+        """``ack`` of several subjects' packed ranges at once (a pull's or an Ack's
+        ``SubjectHandles``: u64 LE ``[lo, hi)`` pairs per subject): the ranges of every subject
+        are decoded and checked as one array, so a round's acks cost one pass, not one per
+        subject. ``InvalidArgument`` (nothing acked) for a malformed range of any subject."""
+        self._check_open()
+        if not items:
+            return 0
+        sizes = [len(raw) for _, raw in items]
+        if any(n % 16 for n in sizes):
+            raise InvalidArgument("ranges", "not a whole number of [lo, hi) pairs")
+        r = np.frombuffer(b"".join([raw for _, raw in items]), "<u8").reshape(-1, 2)
+        if len(r) and bool((r[:, 1] <= r[:, 0]).any() or (r[:, 1] > np.uint64(1 << 62)).any()):
+            raise InvalidArgument("ranges", "every range must have 0 <= lo < hi")
+        flat = r.astype(np.int64).tolist()
+        n, at = 0, 0
+        for (subject, _), size in zip(items, sizes):
+            pairs, at = flat[at:at + size // 16], at + size // 16
+            ix = self._index(subject)
+            g = self._groups.get((subject, group))
+            if g is None or not pairs:
+                continue
+            self._touch(g, ix, now_ms)
+            k = g.inflight.remove(pairs)
+            if k:
+                self._mark_dirty(g)
+                self.counters["acked"] += k
+                n += k
         return n
 
     def nack(self, subject: str, group: str, ranges, *, now_ms: int) -> tuple[Batch, np.ndarray]:
