@@ -491,8 +491,10 @@ class Batch:
             if not blob:
                 cols[name], cols[blob_name] = np.zeros(m, np.uint32), b""
                 continue
-            ends = getattr(self, name).astype(np.int64)
-            s, e = _starts(ends)[idx], ends[idx]
+            ends = getattr(self, name)
+            e = ends[idx].astype(np.int64)  # only the taken messages' ends: a round's take from a
+            s = ends[idx - 1].astype(np.int64)  # loaded second must not convert the whole second
+            s[idx == 0] = 0
             cols[blob_name] = b"".join([blob[a:b] for a, b in zip(s.tolist(), e.tolist())])
             cols[name] = np.cumsum(e - s).astype(np.uint32)
         return Batch(subjects=self.subjects, **cols)
