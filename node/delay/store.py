@@ -54,7 +54,6 @@ import time  # promote() step timings only: no rule here reads a clock
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import repeat
 from pathlib import Path
 
 import numpy as np
@@ -209,7 +208,6 @@ class DelayStore:
         self._unit_counter = 0
         self._inflight_count = 0
         self._unfiled: deque[_Unfiled] = deque()
-        self._unfiled_ids: dict[int, tuple[int, int]] = {}  # id hash -> (seq, message-log offset)
         self._unfiled_count = 0
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
@@ -375,9 +373,8 @@ class DelayStore:
             ok[i] = False
         # ids seen before (candidates: the 8-byte hash may collide; confirmed on the record)
         cand = self.ids.probe(hashes)
-        if self._unfiled_ids:
-            d = self._unfiled_ids
-            cand |= np.fromiter((h in d for h in hashes.tolist()), bool, n)
+        if self._unfiled:  # accepted and not filed yet (not in the id index): one isin, nothing per message
+            cand |= np.isin(hashes, np.concatenate([u.hashes for u in self._unfiled]))
         for i in np.flatnonzero(cand & ok).tolist():
             found = self._find(batch.id(i))
             if found is None:
@@ -413,7 +410,6 @@ class DelayStore:
             part_hashes = kept_hashes[start:start + part.n]
             start += part.n
             self._unfiled.append(_Unfiled(off, self.messages.end_offset, part, part_hashes))
-            self._unfiled_ids.update(zip(part_hashes.tolist(), zip(part.seq.tolist(), repeat(off))))
         self._unfiled_count += len(keep)
         res.seqs[keep] = seqs
         res.deliver_at_ms[keep] = stored.deliver_at_ms
@@ -435,10 +431,22 @@ class DelayStore:
         body, _ = self.messages.read(offset)
         return Batch.decode(body)
 
+    def _unfiled_lookup(self, h: int) -> tuple[int, int] | None:
+        """(seq, message-log offset) of the newest record with id hash ``h`` that was accepted
+        and is not filed yet (so not in the id index), or None. The records waiting to be
+        filed are few (filing follows each group commit): a scan of their hash arrays costs
+        less than keeping a map with one entry per message on the ingest path."""
+        hh = np.uint64(h)
+        for u in reversed(self._unfiled):
+            at = np.flatnonzero(u.hashes == hh)
+            if len(at):
+                return int(u.batch.seq[int(at[-1])]), u.offset
+        return None
+
     def _find(self, msg_id: str) -> tuple[Message, int | None] | None:
         """The newest record (message or tombstone) with this id and its effective time
         (None while not filed), or None."""
-        hit = self._unfiled_ids.get(key_hash(msg_id))
+        hit = self._unfiled_lookup(key_hash(msg_id))
         if hit is not None:
             b = self._unfiled_batch(hit[1])
             at = np.flatnonzero(b.seq == hit[0])
@@ -514,7 +522,6 @@ class DelayStore:
         (off,) = self.messages.append([tomb.encode()])
         h = key_hashes([msg_id.encode()])
         self._unfiled.append(_Unfiled(off, self.messages.end_offset, tomb, h))
-        self._unfiled_ids[int(h[0])] = (int(seqs[0]), off)
         self._unfiled_count += 1
         self.wheel.cancel(np.array([m.seq], np.uint64))
         self.counters["cancelled"] += 1
@@ -592,13 +599,6 @@ class DelayStore:
         filed = placed.filed
         if filed.any():
             self._pending_add(eff[filed], np.where(is_cancel[filed], -1, 1))
-        d = self._unfiled_ids
-        if d:
-            for h, s in zip(hashes.tolist(), seq.tolist()):
-                if d.get(h, (None,))[0] == s:
-                    del d[h]
-            if not d:
-                self._unfiled_ids = {}  # a dict keeps the table of its largest size: give it back
         if self.follower:
             return  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
@@ -1002,7 +1002,6 @@ class DelayStore:
         kept = [u for u in self._unfiled if u.offset < cut]
         self._unfiled = deque(kept)
         self._unfiled_count = sum(u.batch.n for u in kept)
-        self._unfiled_ids = {h: (s, u.offset) for u in kept for h, s in zip(u.hashes.tolist(), u.batch.seq.tolist())}
         log.warning("message log truncated to %d (divergent suffix, %d bytes, %d records voided)",
                     cut, dropped, len(seqs))
         return dropped
