@@ -75,6 +75,7 @@ log = logging.getLogger("hourglass.delay.store")
 
 ALREADY_EXISTS = 4  # hourglass.v1.Code
 LOAD_STEP_FRAMES = 64  # filed frames merged per poll while a second is loaded (_load_seconds)
+LOAD_RESTARTS_MAX = 2  # second loads started over (bucket rebuilt meanwhile) in one poll at most
 DISPATCHED_PRUNE_STEP = 4096  # delivered seqs forgotten per dispatch record at most (_prune_dispatched)
 
 
@@ -683,8 +684,8 @@ class DelayStore:
         the walk (the chain's newer entries) before the wheel gets it. A bucket rebuilt
         meanwhile (healing) restarts the second."""
         budget = step_frames
-        seconds = 0
-        while True:
+        seconds = restarts = 0
+        while restarts <= LOAD_RESTARTS_MAX:  # past it: the next poll tries again (each rebuild is logged)
             ld = self._loading
             if ld is None:
                 if seconds >= self.settings.seconds_load_max:
@@ -706,13 +707,16 @@ class DelayStore:
                 budget -= len(take)
             if not self._merge_frames(ld, take):
                 self._loading = None  # the bucket was rebuilt (healing): its offsets moved, start over
+                restarts += 1
                 continue
             if ld.todo:
                 return
             self._loading = None
             if self.schedule.rebuilds != ld.rebuilds or self.wheel.seconds_to_load(1) != [ld.second]:
-                continue  # the bucket was rebuilt (offsets moved) or the wheel moved on: start over
+                restarts += 1  # the bucket was rebuilt (offsets moved) or the wheel moved on: start over
+                continue
             if not self._merge_frames(ld, self.schedule.second_entries(ld.second, newer_than=ld.head)[::-1]):
+                restarts += 1
                 continue
             merged = Batch.concat(ld.parts)
             targets = np.concatenate(ld.cancels) if ld.cancels else None
@@ -755,7 +759,10 @@ class DelayStore:
         fired = self.wheel.advance(now_ms)
         # a catch-up may need more seconds than one load allowed
         while not fired and self.wheel.cursor_ms <= now_ms and self.wheel.seconds_to_load(1):
+            loaded = self.wheel.loaded_until_ms
             self._load_seconds(step_frames=None)
+            if self.wheel.loaded_until_ms == loaded:
+                break  # no progress (a bucket that failed its checks again): the next poll tries again
             fired = self.wheel.advance(now_ms)
         out: list[DueBatch] = []
         if fired:
