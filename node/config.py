@@ -71,7 +71,7 @@ class NodeSettings(BaseSettings):
     iterate_interval_ms: int = 2
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
     dispatch_concurrency_max: int = 2      # dispatch rounds in flight; due messages gather while they run
-    dispatch_round_interval_ms: int = 2    # firing rounds at least this far apart (batches under load)
+    dispatch_round_interval_ms: int = 3    # firing rounds at least this far apart (batches under load)
     dispatch_round_interval_busy_ms: int = 3  # ... and this far after a round of dispatch_round_busy_messages or more
     dispatch_round_busy_messages: int = 32
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
