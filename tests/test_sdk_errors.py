@@ -8,6 +8,7 @@ Every test checks the error type, its message and that the call returned in time
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -166,7 +167,10 @@ async def test_lookup_and_cancel_of_a_stopped_node_say_what_they_tried(dead_addr
                 await call("order-1")
             assert clock.s <= 1 + SLACK_S
             msg = str(e.value)
-            assert "gave up after call_timeout_s=1 s" in msg and dead_address in msg and "attempts" in msg
+            # whichever limit came first: the deadline, or the retry budget (a refused connection
+            # fails in microseconds, so on a quiet machine 50 retries end inside the second)
+            assert re.search(r"gave up after (call_timeout_s=1 s|\d+ retries)", msg), msg
+            assert dead_address in msg and "attempts" in msg
 
 
 class NoGroups(StaticResolver):
