@@ -32,7 +32,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
 from node.store import checkpoint
-from node.aio import wait_event, within
+from node.aio import StallWatch, wait_event, within
 
 log = logging.getLogger("hourglass.replication")
 
@@ -422,6 +422,9 @@ class ReplicaRoles:
                 scrubber = getattr(self, "scrubber", None)  # delay nodes scrub their segments in both roles
                 if scrubber is not None and self.settings.scrub_rate_mib_s > 0:
                     tasks.append(tg.create_task(scrubber.run(), name="scrub"))
+                if self.settings.loop_stall_report_ms:
+                    tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
+                                                name="stall-watch"))
                 self.metrics.start(self.settings.metrics_port)
                 log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
                          self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)
