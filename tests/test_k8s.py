@@ -149,8 +149,16 @@ def servicemonitor_crd(cluster) -> Path:
 
 def install_crd(cluster: Cluster, crd: Path) -> None:
     cluster.kubectl("apply", "--server-side", "-f", str(crd))
-    cluster.kubectl("wait", "--for=condition=Established", f"--timeout={WAIT_S}s",
-                    "crd/servicemonitors.monitoring.coreos.com")
+    # right after the apply the CRD may have no status yet, and `kubectl wait` then fails at
+    # once ("status.conditions accessor error: <nil>") instead of waiting: ask again (bounded)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        r = cluster.kubectl("wait", "--for=condition=Established", f"--timeout={WAIT_S}s",
+                            "crd/servicemonitors.monitoring.coreos.com", check=False)
+        if r.returncode == 0 or "accessor error" not in r.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.returncode == 0, f"the ServiceMonitor CRD is not established: {r.stderr}"
 
 
 def values_args(name: str) -> list[str]:
