@@ -1053,7 +1053,10 @@ class RealtimeStore:
         g = self._groups.get((subject, group))
         if g is None:
             return 0
-        pairs = _as_pairs(ranges)
+        return self._ack_pairs(g, ix, _as_pairs(ranges), now_ms)
+
+    def _ack_pairs(self, g: _Group, ix: SubjectIndex, pairs: list, now_ms: int) -> int:
+        """The group is active; drop ``pairs`` from its in-flight set (``ack``, ``ack_many``)."""
         self._touch(g, ix, now_ms)
         n = g.inflight.remove(pairs)
         if n:
@@ -1081,14 +1084,8 @@ class RealtimeStore:
             pairs, at = flat[at:at + size // 16], at + size // 16
             ix = self._index(subject)
             g = self._groups.get((subject, group))
-            if g is None or not pairs:
-                continue
-            self._touch(g, ix, now_ms)
-            k = g.inflight.remove(pairs)
-            if k:
-                self._mark_dirty(g)
-                self.counters["acked"] += k
-                n += k
+            if g is not None and pairs:
+                n += self._ack_pairs(g, ix, pairs, now_ms)
         return n
 
     def nack(self, subject: str, group: str, ranges, *, now_ms: int) -> tuple[Batch, np.ndarray]:
