@@ -91,7 +91,7 @@ def _bucket_dir(tmp_path):
     return tmp_path / f"{T0:018d}"
 
 
-def test_crash_after_data_before_index_reindexes(tmp_path):
+def test_crash_after_data_before_index_drops_the_unindexed_frames(tmp_path):
     s = ScheduleLog(tmp_path)
     for seq in range(1, 11):
         put(s, seq, T0 + seq * 100)
@@ -100,10 +100,52 @@ def test_crash_after_data_before_index_reindexes(tmp_path):
     with open(idx, "r+b") as f:  # lose the last three index entries and a torn half entry
         f.truncate(7 * ENTRY_SIZE + 13)
     s2 = ScheduleLog(tmp_path)  # the first one was never closed (a kill)
-    assert sorted(seqs_of(s2.load_second(T0 // 1000))) == list(range(1, 10))
+    assert sorted(seqs_of(s2.load_second(T0 // 1000))) == list(range(1, 8))
+    assert seqs_of(s2.load_second(T0 // 1000 + 1)) == []
+    assert put(s2, 7, T0 + 700) is None  # high-water mark recovered
+    for seq in range(8, 11):  # the message log replay files the dropped ones again
+        assert put(s2, seq, T0 + seq * 100) is not None
     assert seqs_of(s2.load_second(T0 // 1000 + 1)) == [10]
-    assert put(s2, 10, T0 + 1000) is None  # high-water mark recovered
-    assert put(s2, 11, T0 + 1000) is not None
+
+
+def test_a_filing_call_cut_short_loses_none_of_its_groups(tmp_path):
+    """One batch due over seconds 3 and 4 of a bucket (seqs interleaved: the second-3 group
+    holds the highest seq). The process dies after the second-3 frame reached the data log
+    and before the second-4 frame did (a segment roll between them). Keeping the second-3
+    frame would make its seq the replay mark and skip the second-4 records for good."""
+    s = ScheduleLog(tmp_path, data_segment_bytes=64)  # every frame in a segment of its own
+    put(s, 1, T0 + 100)
+    s.flush()
+    b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])
+    s.file(b)
+    s.flush()
+    bdir = _bucket_dir(tmp_path)
+    segs = sorted(p for p in (bdir / "data").iterdir() if p.stat().st_size)
+    assert len(segs) == 3
+    segs[-1].unlink()  # the second-4 frame never written
+    with open(bdir / "index", "r+b") as f:  # nor were the call's index entries
+        f.truncate(ENTRY_SIZE)
+    s2 = ScheduleLog(tmp_path, data_segment_bytes=64)
+    f = s2.file(b)  # replay of the message log
+    assert f.filed.tolist() == [True, True, True, True]
+    assert sorted(seqs_of(s2.load_second(T0 // 1000 + 3))) == [2, 5]
+    assert sorted(seqs_of(s2.load_second(T0 // 1000 + 4))) == [3, 4]
+    s2.close()
+
+
+def test_a_filing_call_with_missing_index_entries_is_dropped_whole(tmp_path):
+    s = ScheduleLog(tmp_path)
+    put(s, 1, T0 + 100)
+    b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])
+    s.file(b)
+    s.flush()
+    with open(_bucket_dir(tmp_path) / "index", "r+b") as f:  # the call's second entry lost
+        f.truncate(2 * ENTRY_SIZE)
+    s2 = ScheduleLog(tmp_path)
+    assert seqs_of(s2.load_second(T0 // 1000 + 3)) == []
+    assert s2.file(b).filed.tolist() == [True, True, True, True]
+    assert sorted(seqs_of(s2.load_second(T0 // 1000 + 4))) == [3, 4]
+    s2.close()
 
 
 def test_heads_rebuilt_when_header_is_bad(tmp_path):

@@ -24,7 +24,7 @@ Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
     u32 second        due second relative to the bucket start
     u32 messages      records of kind message in the frame
     u32 cancels       cancel tombstones in the frame
-    u32 pad
+    u32 pad           entries written after this one by the same filing call (0: its last)
 
 heads: 32-byte header ``magic "HGH2" | u32 version | i64 bucket_start_ms | u32 seconds |
 u64 entries_covered | u32 crc32(first 28 bytes)`` then ``seconds`` x u32 (entry number +
@@ -36,14 +36,21 @@ recently filed frame is served from a bounded in-memory cache of decoded batches
 Invariants and recovery (``Bucket.open``):
 
 * data is written before its index entries, index entries before their heads;
-* the data log recovers its own torn tail; index entries pointing past the data end are
-  dropped; frames in data past the last index entry are re-indexed from their bodies;
+* the frames one filing call puts in a bucket are all kept or all dropped: the data log
+  recovers its own torn tail; index entries pointing past the data end are dropped, and so
+  are the entries of a call cut short (``pad`` of an entry counts the entries written after
+  it by the same call, so a call's last entry has 0); frames in data past the last kept
+  entry are cut off. Replaying the message log files them again: a checkpoint only covers
+  records whose index entries were written and flushed;
 * ``entries_covered`` in the heads header says which index entries are reflected in the
   heads; entries after it are re-applied; a heads file failing its checks is rebuilt;
 * the high-water mark ``last_seq`` is the largest ``last_seq`` of the index entries (the
   groups of one batch are filed second by second, so their seqs interleave; every batch
   is filed after the ones before it in the log): replaying the message log re-offers
-  records and ``file`` skips any with ``seq <= last_seq``, so nothing is filed twice.
+  records and ``file`` skips any with ``seq <= last_seq``, so nothing is filed twice. This
+  is only sound because a call's frames are kept or dropped together: had the group due in
+  second 4 been lost while the group due in second 3 (holding a higher seq) was kept, the
+  mark would skip the lost records for good.
 
 Healing (derived data, ``docs/operations.md`` "Self-healing and scrubbing"): every entry
 point that reads a bucket (``bucket``, ``load_second``, ``find``, ``locate``) catches
@@ -193,6 +200,10 @@ class Bucket:
             if off + fsize <= data_end:
                 break
             n -= 1
+        while n > 0:  # and a filing call cut short: its entries after one whose count is not 0
+            if self._read_entry(n - 1)[-1] == 0:
+                break
+            n -= 1
         if n * ENTRY_SIZE != size:
             os.ftruncate(self._index_fd, n * ENTRY_SIZE)
             log.warning("schedule index truncated path=%s entries=%d bytes_dropped=%d",
@@ -206,14 +217,14 @@ class Bucket:
             # the groups of one batch are filed by second, not by seq: the mark is the maximum
             self.last_seq = int(self.entries_array()["last_seq"].max())
         if indexed_end < data_end:
-            # frames reached the data log but not the index: index them now (heads follow)
-            rows = []
-            for off, body in self.data.iterate(indexed_end):
-                b = Batch.decode(body)
-                rows.append(self._entry_row(off, HEADER_SIZE + len(body), b))
-            self._write_entries(rows, link=False)
+            # frames of a filing call that reached the data log but not the index (the process
+            # died between the two writes, maybe after only some of its frames): cut them off.
+            # Indexing them would keep part of a call, and its highest seq as the mark would
+            # skip the rest when the message log is replayed; the replay files them all again.
+            dropped = self.data.truncate(indexed_end)
             self._repaired = True
-            log.warning("schedule index rebuilt path=%s frames=%d", self._index_path, len(rows))
+            log.warning("schedule data cut to its index path=%s offset=%d bytes_dropped=%d",
+                        self.data.directory, indexed_end, dropped)
 
     def _check_mark(self) -> None:
         """The replay high-water mark comes from one entry (the largest ``last_seq``): read
@@ -291,20 +302,19 @@ class Bucket:
 
     # -- writing -----------------------------------------------------------------
 
-    def _write_entries(self, rows: list[tuple], *, link: bool = True) -> None:
-        """Append index entries with one pwrite, then (``link``) point their seconds' heads
-        at them: one step per frame, never per message. Recovery writes unlinked entries
-        and relinks everything from the heads rebuild."""
+    def _write_entries(self, rows: list[tuple]) -> None:
+        """Append one filing call's index entries with one pwrite, then point their seconds'
+        heads at them: one step per frame, never per message."""
         if not rows:
             return
         arr = np.array(rows, ENTRY_DTYPE)
+        arr["pad"] = np.arange(len(rows) - 1, -1, -1)  # one call's entries: kept or dropped together
         n0 = self.entries
         new_heads: dict[int, int] = {}
-        if link:
-            heads = self.heads
-            for i, sec in enumerate(arr["second"].tolist()):
-                arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
-                new_heads[sec] = n0 + i + 1
+        heads = self.heads
+        for i, sec in enumerate(arr["second"].tolist()):
+            arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
+            new_heads[sec] = n0 + i + 1
         os.pwrite(self._index_fd, arr.tobytes(), n0 * ENTRY_SIZE)
         for sec, head in new_heads.items():
             self.heads[sec] = head
