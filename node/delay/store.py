@@ -766,7 +766,7 @@ class DelayStore:
             fired = self.wheel.advance(now_ms)
         out: list[DueBatch] = []
         if fired:
-            b = Batch.concat([f.ref.batch.take(f.idx) for f in fired])
+            b = Batch.gather([(f.ref.batch, f.idx) for f in fired])
             self._unit_counter += 1
             self._units[self._unit_counter] = _Unit(b, np.ones(b.n, bool))
             self._inflight_count += b.n

@@ -657,19 +657,24 @@ class ScheduleLog:
         order = np.argsort(eff, kind="stable")  # each group in due order: the wheel fires ranges of it
         sorted_secs = eff[order] // 1000
         cuts = np.flatnonzero(np.diff(sorted_secs)) + 1
-        parts = np.split(order, cuts)
-        by_bucket: dict[int, list[np.ndarray]] = {}
+        bounds = [0, *cuts.tolist(), n]
+        by_bucket: dict[int, list[tuple[int, int]]] = {}  # bucket start -> [(a, b)] ranges of ``order``
         bms = self.bucket_ms
-        for part in parts:
-            start = int(eff[part[0]]) - int(eff[part[0]]) % bms
-            by_bucket.setdefault(start, []).append(part)
+        for a, z in zip(bounds[:-1], bounds[1:]):
+            e0 = int(eff[order[a]])
+            by_bucket.setdefault(e0 - e0 % bms, []).append((a, z))
         seq = batch.seq
-        for start, bparts in by_bucket.items():
+        in_order = batch.take(order)  # one take; each group is then a slice of it (views, no copy)
+        for start, ranges in by_bucket.items():
             b = self.bucket(start)
             groups, idxs = [], []
-            for part in bparts:
+            for a, z in ranges:
+                part = order[a:z]
                 fresh = part[seq[part] > b.last_seq] if b.last_seq >= 0 else part
-                if len(fresh):
+                if len(fresh) == len(part):
+                    groups.append(in_order.take(slice(a, z)))
+                    idxs.append(part)
+                elif len(fresh):  # replay after a crash: part of the group was filed before
                     groups.append(batch.take(fresh))
                     idxs.append(fresh)
             if not groups:
