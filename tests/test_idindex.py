@@ -90,12 +90,63 @@ def test_collisions_with_tiny_slot_table(tmp_path: Path) -> None:
 
 def test_full_hash_collision_returns_every_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Two ids with the same 8-byte hash are indistinguishable to the index: both come back.
-    monkeypatch.setattr(idindex, "key_hash", lambda msg_id: 42)
+    monkeypatch.setattr(idindex, "key_hash", lambda msg_id, version=idindex.VERSION: 42)
     with IdIndex.open(tmp_path, slots_count=4, entries_max=16) as ids:
         ids.put("x", loc(1))
         ids.put("y", loc(2))
         assert ids.get_all("x") == [loc(2), loc(1)]
         assert ids.get_all("y") == [loc(2), loc(1)]
+
+
+def _as_version_1(path: Path, ids: list[str]) -> None:
+    """Rewrite a closed index file as a version 1 file (blake2b key hashes) of ``ids``,
+    as a node before the xxh3 change wrote it: every entry's hash and the slot chains."""
+    raw = bytearray(path.read_bytes())
+    magic, _v, slots_count, entries_max, used, first_seq, last_seq = idindex.HEADER.unpack_from(raw)
+    assert used == len(ids)
+    ent_off = HEADER_SIZE + 4 * slots_count
+    slots = np.zeros(slots_count, np.uint32)
+    e = np.frombuffer(raw, idindex.ENTRY_DTYPE, used, ent_off).copy()
+    e["key_hash"] = key_hashes([i.encode() for i in ids], idindex.VERSION_BLAKE2B)
+    for n, h in enumerate(e["key_hash"].tolist()):
+        e["prev"][n] = slots[h % slots_count]
+        slots[h % slots_count] = n + 1
+    raw[HEADER_SIZE:ent_off] = slots.tobytes()
+    raw[ent_off:ent_off + used * ENTRY_SIZE] = e.tobytes()
+    raw[:HEADER_SIZE] = idindex.pack_header(slots_count, entries_max, used, first_seq, last_seq,
+                                            idindex.VERSION_BLAKE2B)
+    path.write_bytes(bytes(raw))
+
+
+def test_version_1_files_are_read_never_written(tmp_path: Path) -> None:
+    """An index written before the xxh3 change (blake2b hashes, version 1) still answers
+    probe and get_all; the next put rolls to a version 2 file; compaction keeps version 1."""
+    old = [f"old-{i}" for i in range(20)]
+    with IdIndex.open(tmp_path, slots_count=8, entries_max=64) as ids:
+        ids.put_many(key_hashes([i.encode() for i in old]), np.full(20, 3_600_000), np.arange(20) * 10,
+                     np.full(20, 100), np.arange(1, 21, dtype=np.uint64))
+    [f1] = idx_files(tmp_path)
+    _as_version_1(f1, old)
+    new = [f"new-{i}" for i in range(5)]
+    with IdIndex.open(tmp_path, slots_count=8, entries_max=64) as ids:
+        raw = [i.encode() for i in old + new]
+        assert ids.probe(key_hashes(raw), raw).tolist() == [True] * 20 + [False] * 5
+        with pytest.raises(InvalidArgument, match="pass ids"):
+            ids.probe(key_hashes(raw))
+        assert ids.get_all("old-7") == [loc(8, off=70)]
+        for k, i in enumerate(new):
+            ids.put(i, loc(30 + k))
+        files = idx_files(tmp_path)
+        assert len(files) == 2  # rolled off the version 1 file, which was not full
+        assert ids.probe(key_hashes(raw), raw).tolist() == [True] * 25
+        assert ids.get_all("new-2") == [loc(32)] and ids.get_all("old-19") == [loc(20, off=190)]
+        src = ids.compact_source(1)
+        built = idindex.build_compacted(src[0], src[1], src[2], np.array([], np.int64), first_seq=1)
+        assert ids.swap_compacted(1, built)
+        assert ids.get_all("old-3") == [loc(4, off=30)]
+    with IdIndex.open(tmp_path, slots_count=8, entries_max=64) as ids:
+        assert [idindex._read_header(p, int(p.name[:20])).version for p in idx_files(tmp_path)] == [1, 2]
+        assert ids.get_all("old-3") == [loc(4, off=30)] and ids.get_all("new-4") == [loc(34)]
 
 
 def test_reopen_after_close(tmp_path: Path) -> None:

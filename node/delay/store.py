@@ -13,8 +13,8 @@ takes ``now_ms`` from the caller; nothing here reads a clock, and no step makes 
 Python object per message: per-message work is numpy, ``bytes.join`` or one
 comprehension over a hash function.
 
-1. ``accept(batch)`` validates the whole batch with numpy, hashes its ids (one
-   comprehension over blake2b), finds possible duplicates with one vectorised probe
+1. ``accept(batch)`` validates the whole batch with numpy, hashes its ids (xxh3,
+   one pass over the C function), finds possible duplicates with one vectorised probe
    of the id index plus the not-yet-filed map, gives the new records contiguous seqs
    ``(epoch << 40) | counter`` and appends them as **one frame**. The caller makes it
    durable (a ``GroupCommitter``) before acknowledging. The decoded batch and its id
@@ -364,7 +364,8 @@ class DelayStore:
         for i, reason in reasons.items():
             res.refuse(i, int(codes[i]), reason)
         ok = codes == 0
-        hashes = key_hashes(batch.id_bytes_list())
+        id_bytes = batch.id_bytes_list()
+        hashes = key_hashes(id_bytes)
         # an id twice in one batch: the first stands, the others are refused
         order = np.argsort(hashes, kind="stable")
         twice = np.zeros(n, bool)
@@ -373,7 +374,7 @@ class DelayStore:
             res.refuse(i, ALREADY_EXISTS, f"id {batch.id(i)!r} appears twice in one batch")
             ok[i] = False
         # ids seen before (candidates: the 8-byte hash may collide; confirmed on the record)
-        cand = self.ids.probe(hashes)
+        cand = self.ids.probe(hashes, id_bytes)
         if self._unfiled:  # accepted and not filed yet (not in the id index): one isin, nothing per message
             cand |= np.isin(hashes, np.concatenate([u.hashes for u in self._unfiled]))
         for i in np.flatnonzero(cand & ok).tolist():
