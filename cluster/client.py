@@ -414,8 +414,12 @@ def _pick(values: list, idx: np.ndarray) -> list:
     return [values[i] for i in idx.tolist()]
 
 
-def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None]:
-    """The codec batch (and delay column) of a wire request made of ``pieces``."""
+def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None, np.ndarray | None]:
+    """The codec batch (and delay column) of a wire request made of ``pieces``, sorted by
+    due time (stable), and the order that sorted it (None: it already was). A delay node
+    files a batch by due second: records already in due order are filed as slices of the
+    frame it received, with no per-record copy (``ScheduleLog.file``); the sort is done
+    here, in the producer's process, once per wire batch."""
     ids: list[str] = []
     payloads: list[bytes] = []
     subject_set = {j.subjects for j, _, _ in pieces if isinstance(j.subjects, str)}
@@ -435,9 +439,34 @@ def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None]:
     if any(j.delay is not None for j, _, _ in pieces):
         delay = np.concatenate([j.delay[idx] if j.delay is not None else np.zeros(len(idx), np.int64)
                                 for j, idx, _ in pieces])
+    key = deliver if delay is None else np.where(delay != 0, _now_ms() + delay, deliver)
+    order = None
+    if len(key) > 1 and bool((key[1:] < key[:-1]).any()):
+        order = np.argsort(key, kind="stable")
+        ol = order.tolist()
+        ids, payloads, deliver = [ids[i] for i in ol], [payloads[i] for i in ol], deliver[order]
+        if not one_subject:
+            subjects = [subjects[i] for i in ol]
+        if any_extras:
+            extras = [extras[i] for i in ol]
+        if delay is not None:
+            delay = delay[order]
     batch = Batch.build(subject_set.pop() if one_subject else subjects, payloads, ids, deliver,
                         extras=extras if any_extras else None)
-    return batch, delay
+    return batch, delay, order
+
+
+def _unsorted(res: BatchResult, order: np.ndarray | None) -> BatchResult:
+    """The answer to a batch ``_build`` sorted, in the order of its pieces again."""
+    if order is None:
+        return res
+    out = BatchResult.sized(res.n)
+    out.codes[order] = res.codes
+    out.seqs[order] = res.seqs
+    out.deliver_at_ms[order] = res.deliver_at_ms
+    out.duplicates[order] = res.duplicates
+    out.errors = {int(order[k]): e for k, e in res.errors.items()}
+    return out
 
 
 def _too_large_for_grpc(err: grpc.RpcError) -> bool:
@@ -893,7 +922,7 @@ class Producer:
 
     async def _send_to(self, address: str, pieces: list[_Piece], immediate: bool):
         try:
-            batch, delay = _build(pieces)
+            batch, delay, order = _build(pieces)
         except E.InvalidArgument as err:
             self._fail(pieces, err)
             return [], None
@@ -912,7 +941,7 @@ class Producer:
             self._fail(pieces, err)
             return [], None
         try:
-            res = BatchResult.from_pb(resp, batch.n)
+            res = _unsorted(BatchResult.from_pb(resp, batch.n), order)
         except E.InvalidArgument as err:
             self._fail(pieces, E.HourglassError(f"malformed answer from {address}: {err}"))
             return [], None

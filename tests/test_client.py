@@ -133,6 +133,22 @@ async def test_a_message_that_stays_refused_gets_its_own_error(nodes):
     assert res.result(0) == SendResult("ok-1", int(res.seqs[0]), int(res.deliver_at_ms[0]), False)
 
 
+async def test_a_wire_batch_travels_in_due_order_and_answers_come_back_in_call_order(nodes):
+    """The SDK sorts each wire batch by due time (a delay node files sorted runs without
+    copying records); seqs, due times and errors still answer the caller's indices."""
+    (node,) = await nodes()
+    t0 = now_ms() + 60_000
+    due = [t0 + 5000, t0 + 1000, t0 + 3000, t0 + 1000, t0 + 4000]
+    ids = ["e", "b", "c", "has space", "d"]  # index 3 is refused for good by the node
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        res = await (await p.send_many("s", [i.encode() for i in ids], ids=ids, deliver_at_ms=due))
+    [req] = node.requests
+    assert req.ids == ["b", "has space", "c", "d", "e"]  # stable: equal due times keep call order
+    assert set(res.errors) == {3} and isinstance(res.errors[3], E.InvalidArgument)
+    assert res.deliver_at_ms.tolist()[:3] == due[:3] and int(res.deliver_at_ms[4]) == due[4]
+    assert all(node.stored[ids[i]] == (int(res.seqs[i]), due[i]) for i in (0, 1, 2, 4))
+
+
 async def test_a_call_failing_as_unavailable_is_sent_again(nodes):
     (node,) = await nodes()
     node.fail_rpc = [grpc.StatusCode.UNAVAILABLE]

@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.codec import Batch
+from node.store import schedule
 from node.store.schedule import ENTRY_SIZE, ScheduleLog
 
 H = 3_600_000
@@ -56,6 +59,37 @@ def test_batches_filed_per_second_and_chained_newest_first_across_buckets(tmp_pa
         for second, frames in model.items():
             assert seqs_of(s2.load_second(second)) == [q for qs in reversed(frames) for q in qs]
     assert s2.load_second(T0 // 1000 + 10 * 3600) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5_000), min_size=1, max_size=12), min_size=1, max_size=5),
+       st.booleans())
+def test_sorted_runs_are_filed_as_slices_like_a_sorted_batch(tmp_path_factory, runs, sort_each):
+    """A batch of a few due-ordered runs (the SDK's sorted wire batches, concatenated by the
+    iterator) is filed without a record-by-record copy; loading any second gives the same
+    records, each frame in due order, as filing through the sort."""
+    dues = [sorted(r) if sort_each else r for r in runs]
+    flat = [T0 + d for r in dues for d in r]
+    b = batch(range(1, len(flat) + 1), flat)
+    got = {}
+    for limit in (schedule.FILE_SORTED_RUNS_MAX, -1):
+        d = tmp_path_factory.mktemp("s")
+        old, schedule.FILE_SORTED_RUNS_MAX = schedule.FILE_SORTED_RUNS_MAX, limit
+        try:
+            s = ScheduleLog(d)
+            f = s.file(b)
+        finally:
+            schedule.FILE_SORTED_RUNS_MAX = old
+        assert f.filed.all()
+        seconds = {}
+        for sec in range(T0 // 1000, T0 // 1000 + 6):
+            frames = s.load_second(sec)
+            for fr in frames:
+                assert (np.diff(fr.batch.effective_ms) >= 0).all()  # each frame in due order
+            seconds[sec] = sorted(seqs_of(frames))
+        got[limit] = seconds
+        s.close()
+    assert got[schedule.FILE_SORTED_RUNS_MAX] == got[-1]
 
 
 def test_bucket_size_fixed_at_creation(tmp_path):
@@ -108,11 +142,12 @@ def test_crash_after_data_before_index_drops_the_unindexed_frames(tmp_path):
     assert seqs_of(s2.load_second(T0 // 1000 + 1)) == [10]
 
 
-def test_a_filing_call_cut_short_loses_none_of_its_groups(tmp_path):
+def test_a_filing_call_cut_short_loses_none_of_its_groups(tmp_path, monkeypatch):
     """One batch due over seconds 3 and 4 of a bucket (seqs interleaved: the second-3 group
     holds the highest seq). The process dies after the second-3 frame reached the data log
     and before the second-4 frame did (a segment roll between them). Keeping the second-3
     frame would make its seq the replay mark and skip the second-4 records for good."""
+    monkeypatch.setattr(schedule, "FILE_SORTED_RUNS_MAX", -1)  # the sorting path: groups by second
     s = ScheduleLog(tmp_path, data_segment_bytes=64)  # every frame in a segment of its own
     put(s, 1, T0 + 100)
     s.flush()
@@ -133,7 +168,8 @@ def test_a_filing_call_cut_short_loses_none_of_its_groups(tmp_path):
     s2.close()
 
 
-def test_a_filing_call_with_missing_index_entries_is_dropped_whole(tmp_path):
+def test_a_filing_call_with_missing_index_entries_is_dropped_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(schedule, "FILE_SORTED_RUNS_MAX", -1)
     s = ScheduleLog(tmp_path)
     put(s, 1, T0 + 100)
     b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])

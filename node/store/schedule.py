@@ -106,6 +106,7 @@ OPEN_BUCKETS_MAX_DEFAULT = 32
 CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
 REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
 REBUILT_MARKER = "rebuilt"
+FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices
 
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
@@ -654,9 +655,19 @@ class ScheduleLog:
         if not n:
             return Filed(filed, bucket_col, off_col, size_col, frames)
         eff = batch.effective_ms
-        order = np.argsort(eff, kind="stable")  # each group in due order: the wheel fires ranges of it
-        sorted_secs = eff[order] // 1000
-        cuts = np.flatnonzero(np.diff(sorted_secs)) + 1
+        # each group in due order: the wheel fires ranges of it
+        descents = eff[1:] < eff[:-1]
+        if int(np.count_nonzero(descents)) <= FILE_SORTED_RUNS_MAX:
+            # a few runs already in due order (the SDK sorts each wire batch; the iterator
+            # files several batches at once): a group is a run's slice within one second,
+            # so nothing is copied record by record
+            order = np.arange(n)
+            cuts = np.flatnonzero((eff[1:] // 1000 != eff[:-1] // 1000) | descents) + 1
+            in_order = batch
+        else:
+            order = np.argsort(eff, kind="stable")
+            cuts = np.flatnonzero(np.diff(eff[order] // 1000)) + 1
+            in_order = batch.take(order)  # one take; each group is then a slice of it
         bounds = [0, *cuts.tolist(), n]
         by_bucket: dict[int, list[tuple[int, int]]] = {}  # bucket start -> [(a, b)] ranges of ``order``
         bms = self.bucket_ms
@@ -664,7 +675,6 @@ class ScheduleLog:
             e0 = int(eff[order[a]])
             by_bucket.setdefault(e0 - e0 % bms, []).append((a, z))
         seq = batch.seq
-        in_order = batch.take(order)  # one take; each group is then a slice of it (views, no copy)
         for start, ranges in by_bucket.items():
             b = self.bucket(start)
             groups, idxs = [], []
