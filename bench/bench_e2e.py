@@ -379,7 +379,7 @@ class Hourglass:
 
     def settings(self) -> dict:
         return {"producer": {"api": "send_many", "call": self.args.batch, "linger_ms": 2,
-                             "batch_max": self.args.batch, "inflight_max": self.args.inflight},
+                             "batch_max": self._batch_max(), "inflight_max": self.args.inflight},
                 "consumer": {"api": "batches()", "subjects": 16, "batch_max": 1000, "wait_ms": 200,
                              "ack": "every batch"},
                 "nodes": "1 delay + 1 real-time (LocalCluster defaults)", "node_env": self.args.node_env}
@@ -388,8 +388,13 @@ class Hourglass:
         from cluster.client import Producer, StaticResolver
 
         t = self.target()
-        return Producer(StaticResolver(delay=t["delay"], realtime=t["realtime"]), batch_max=self.args.batch,
+        return Producer(StaticResolver(delay=t["delay"], realtime=t["realtime"]), batch_max=self._batch_max(),
                         inflight_max=self.args.inflight, timeout_s=60)
+
+    def _batch_max(self) -> int:
+        from cluster.client import BATCH_MAX_DEFAULT
+
+        return self.args.sdk_batch_max or max(self.args.batch, BATCH_MAX_DEFAULT)
 
     async def produce(self, chunks, *, keep: bool = True) -> HourglassSender:
         async with self.sender() as p:
@@ -736,6 +741,9 @@ def main() -> None:
     p.add_argument("--sustain-s", type=float, default=30.0, help="sustain: seconds per rate")
     p.add_argument("--batch", type=int, default=1000,
                    help="messages per send call (Hourglass send_many, Redis pipeline)")
+    p.add_argument("--sdk-batch-max", type=int, default=None,
+                   help="Hourglass SDK: messages per wire request (default: the SDK's batch_max "
+                        "default; calls queued together share a request)")
     p.add_argument("--inflight", type=int, default=8, help="batches in flight")
     p.add_argument("--redis-poll-ms", type=int, default=10, help="Redis poller interval")
     p.add_argument("--seed", type=int, default=1)

@@ -92,6 +92,11 @@ CALL_TIMEOUT_S = 30.0  # default deadline of every SDK call (``call_timeout_s``)
 # batch_messages_max x (3 x id_bytes_max + subject_bytes_max + 2) bytes, under 6 MiB).
 MESSAGE_OVERHEAD_BYTES = COLUMN_BYTES + 8
 REQUEST_MARGIN_BYTES = 16 * 1024 * 1024
+# messages per wire batch by default: calls queued together share one request, and a request
+# costs the delay node about as much gRPC work for 4,000 messages as for 1,000 (phase 1 of
+# docs/benchmarks.md, 1,000 per call: ~190,000 accepted msgs/s with 1,000 per request, ~250,000
+# with 4,000). At low rates a request carries what ``linger_ms`` gathered, so nothing waits longer.
+BATCH_MAX_DEFAULT = 4000
 # the most any Producer may set ``batch_bytes_max`` to: under the gRPC message limit the nodes
 # and the SDK's channels use (``transport.MESSAGE_BYTES_MAX``, node ``request_bytes_max``)
 BATCH_BYTES_MAX = min(MESSAGE_BYTES_MAX, DEFAULT_LIMITS.batch_bytes_max) - REQUEST_MARGIN_BYTES
@@ -478,7 +483,7 @@ def _too_large_for_grpc(err: grpc.RpcError) -> bool:
 
 
 class Producer:
-    def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = 1000,
+    def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = BATCH_MAX_DEFAULT,
                  batch_bytes_max: int = 32 * 1024 * 1024, inflight_max: int = 8, queue_max: int = 100_000,
                  timeout_s: float = 10.0, call_timeout_s: float = CALL_TIMEOUT_S, retries_max: int = 50,
                  backoff_ms_min: int = 25, backoff_ms_max: int = 2000, limits: Limits = DEFAULT_LIMITS) -> None:
