@@ -104,3 +104,20 @@ def test_frame_runs_split_a_frame_by_subject_in_frame_order():
     r1 = decode_entries(runs[1], path="p", first_pos=0)
     assert r1["index"].tolist() == [0, 2, 3] and r1["mask"].tolist() == [0, 2, 3] and set(r1["offset"]) == {64}
     assert decode_entries(runs[0], path="p", first_pos=0)["index"].tolist() == [1, 4]
+
+
+def test_dedup_window_entries_are_not_walked_by_the_cyclic_gc():
+    """A full collection walks every tracked container: with the keys of a 10-minute window
+    held in lists, each one paused a real-time node for tens of ms. Tuples of strs and ints
+    are untracked by the collections that meet them (inner ones first, so two), lists never."""
+    import gc
+
+    d = DedupWindow(window_ms=60_000, entries_max=100_000)
+    for f in range(50):
+        keys = [("orders", f"id-{f}-{i}") for i in range(100)]
+        d.add(keys, list(range(f * 100, f * 100 + 100)), store_ms=f, offset=f * 1000)
+    gc.collect()
+    gc.collect()
+    assert not any(gc.is_tracked(entry) for entry in d.order)
+    assert not gc.is_tracked(d.map)
+    assert d.lookup([("orders", "id-3-7"), ("orders", "nope")]) == [307, None]
