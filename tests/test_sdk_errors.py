@@ -181,7 +181,9 @@ class NoGroups(StaticResolver):
 
 
 async def test_lookup_and_cancel_with_no_delay_group_registered_raise_unavailable(node):
-    async with fast(NoGroups(delay=[node.address]), call_timeout_s=1) as p:
+    # retries_max far above what fits in the deadline: with jittered 1-50 ms backoffs, 50
+    # retries sometimes ran out within 1 s (a CI run), and the deadline is what this checks
+    async with fast(NoGroups(delay=[node.address]), call_timeout_s=1, retries_max=100_000) as p:
         for call in (p.lookup, p.cancel):
             clock = Clock()
             with pytest.raises(E.Unavailable, match=r"^no delay group registered") as e:

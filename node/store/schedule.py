@@ -12,7 +12,9 @@ UTC milliseconds (zero padded, so names sort by time)::
 A *group* is the part of one accepted batch that is due in one second, in due order: its
 frame body is a ``cluster.codec.Batch`` (effective_ms column = the time it is filed under,
 >= deliver_at_ms). Filing a batch of N messages due over k seconds writes k frames with
-one ``write`` per bucket, k index entries with one ``pwrite`` per bucket, and k heads.
+one ``write`` per bucket, k index entries with one ``pwrite`` per bucket, and k heads. A
+batch made of a few due-ordered runs (SDK batches are sent sorted) is cut into slices
+instead, one frame per (run, second): a second may then hold several frames of one call.
 
 Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
 
