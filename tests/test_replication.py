@@ -288,3 +288,39 @@ async def test_a_clean_stop_of_the_master_hands_over(group):
             assert (await p.lookup("t99")).status == "pending"
     finally:
         await resolver.close()
+
+
+async def test_a_fetch_claiming_a_huge_epoch_does_not_depose_the_master(group):
+    """A request is not an election: ``Replicate`` (or ``SendBatch``) with ``epoch=2**62`` from a
+    process that is no member is refused, and the master stays master of its epoch (it asks
+    the election, which names no newer term). It used to step down at once."""
+    from cluster.proto import hourglass_pb2_grpc as rpc
+
+    master = await master_of(group)
+    before = (await statuses(group))[master]
+    node = next(n for n in group.delay if n.name == master)
+    ch = Channels()
+    try:
+        stub = rpc.ReplicationStub(ch.get(node.address))
+        for _ in range(3):
+            call = stub.Replicate(iter([pb.FetchRequest(node_id="intruder", epoch=2**62, log="messages", offset=0,
+                                                        max_bytes=1024, wait_ms=0)]), timeout=10)
+            with pytest.raises(Exception) as e:
+                async for _resp in call:
+                    pass
+            assert "not the master" in str(e.value)
+        with pytest.raises(Exception, match="not the master"):
+            await ch.producer(node.address).SendBatch(pb.SendBatchRequest(epoch=2**62), timeout=5)
+    finally:
+        await ch.close()
+    await asyncio.sleep(1.0)  # a deposed master would have stepped down and another won by now
+    after = (await statuses(group))[master]
+    assert after["master"] and after["epoch"] == before["epoch"]
+    assert await master_of(group) == master
+    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
+    try:
+        async with Producer(resolver, retries_max=10) as p:
+            r = await p.send_and_wait("rep.epoch", "x", id="after-claim", delay_ms=100)
+        assert r.seq
+    finally:
+        await resolver.close()

@@ -150,10 +150,9 @@ class Sim:
     # ------------------------------------------------------------------ replication
 
     def on_fetch(self, m: Node, src: str, epoch: int, offset: int, hist: tuple) -> None:
-        if epoch > m.member.epoch:
-            m.member.deposed(epoch)
-            self.fail_waiters(m)
-        if not m.member.is_master(self.now) or epoch < m.member.epoch:
+        # a claim of a newer term deposes nobody (node/replication/roles.py _refuse_newer_term):
+        # it is refused; the master learns of a newer term from the election (its lease)
+        if not m.member.is_master(self.now) or epoch != m.member.epoch:
             self.send(m.id, src, ("refused", m.member.epoch))
             return
         cut = divergence(EpochHistory(list(hist)), offset, m.history, len(m.log))

@@ -81,6 +81,7 @@ class ReplicaRoles:
         self._role_task: asyncio.Task | None = None
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
+        self._term_checked_at = -(1 << 62)  # mono ms of the last _check_term
         self._lease_seen: int | None = None
         self._campaigned_lease: int | None = None
         self._peers: dict[str, int] = {}
@@ -98,10 +99,36 @@ class ReplicaRoles:
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the master; leader_hint={hint or 'unknown'}")
 
     async def _refuse_newer_term(self, request_epoch: int, context) -> None:
-        """The caller has seen a newer term of this group than this node: it was deposed."""
+        """The caller claims a newer term of this group than this node knows: the request is
+        refused. The claim alone deposes nobody (any client could send ``epoch=2**63``): it
+        is checked with the election first (``_check_term``), and only a newer term that the
+        election confirms makes this node stop acting as master."""
         if request_epoch > self.member.epoch:
-            self.member.deposed(request_epoch)
+            await self._check_term(request_epoch)
             await self._not_master(context)
+
+    async def _check_term(self, claimed: int) -> None:
+        """Ask the election (the meta server, etcd behind it) who leads this group now; at
+        most once per ``leader_poll_ms`` (the role loop asks that often anyway), so a flood of
+        such claims costs the meta server nothing more."""
+        now = mono_ms()
+        if now < self._term_checked_at + self.settings.leader_poll_ms:
+            return
+        self._term_checked_at = now
+        try:
+            lr = await self.registrar.meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=self.settings.group))
+        except E.HourglassError as e:
+            log.warning("a request claimed epoch %d of group %s; the election could not be asked: %s",
+                        claimed, self.settings.group, e)
+            return
+        if lr.present and lr.leader.epoch > self.member.epoch:
+            self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
+            log.warning("a request showed a newer term of group %s; the election confirms epoch %d (leader %s)",
+                        self.settings.group, lr.leader.epoch, lr.leader.node_id)
+        else:
+            self.metrics.errors.labels(kind="UnconfirmedEpoch").inc()
+            log.warning("a request claimed epoch %d of group %s; the election says %d: not believed",
+                        claimed, self.settings.group, lr.leader.epoch if lr.present else self.member.epoch)
 
     def _caught_up(self, master_end: int, own_end: int) -> None:
         self.lag_bytes = max(0, master_end - own_end)
@@ -193,8 +220,7 @@ class ReplicaRoles:
         """Fencing, divergence and retention checks every fetch goes through. Returns the
         fields every answer carries and, when the slave must first truncate or reset, that
         answer (the caller yields it and goes on with the next request)."""
-        if req.epoch > self.member.epoch:
-            self.member.deposed(req.epoch)  # someone saw a newer term: stop acting at once
+        await self._refuse_newer_term(req.epoch, context)  # believed only once the election confirms it
         if not self.is_master() or req.epoch < self.member.epoch:
             await self._not_master(context)
         if req.log not in logs:
