@@ -419,12 +419,13 @@ def _pick(values: list, idx: np.ndarray) -> list:
     return [values[i] for i in idx.tolist()]
 
 
-def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None, np.ndarray | None]:
+def _build(pieces: list[_Piece], *, immediate: bool = False) -> tuple[Batch, np.ndarray | None, np.ndarray | None]:
     """The codec batch (and delay column) of a wire request made of ``pieces``, sorted by
-    due time (stable), and the order that sorted it (None: it already was). A delay node
-    files a batch by due second: records already in due order are filed as slices of the
-    frame it received, with no per-record copy (``ScheduleLog.file``); the sort is done
-    here, in the producer's process, once per wire batch."""
+    due time (stable), and the order that sorted it (None: it already was, or the batch is
+    ``immediate``: a real-time node stores it in the order it was sent). A delay node files
+    a batch by due second: records already in due order are filed as slices of the frame
+    it received, with no per-record copy (``ScheduleLog.file``); the sort is done here, in
+    the producer's process, once per wire batch."""
     ids: list[str] = []
     payloads: list[bytes] = []
     subject_set = {j.subjects for j, _, _ in pieces if isinstance(j.subjects, str)}
@@ -446,7 +447,7 @@ def _build(pieces: list[_Piece]) -> tuple[Batch, np.ndarray | None, np.ndarray |
                                 for j, idx, _ in pieces])
     key = deliver if delay is None else np.where(delay != 0, _now_ms() + delay, deliver)
     order = None
-    if len(key) > 1 and bool((key[1:] < key[:-1]).any()):
+    if not immediate and len(key) > 1 and bool((key[1:] < key[:-1]).any()):
         order = np.argsort(key, kind="stable")
         ol = order.tolist()
         ids, payloads, deliver = [ids[i] for i in ol], [payloads[i] for i in ol], deliver[order]
@@ -927,7 +928,7 @@ class Producer:
 
     async def _send_to(self, address: str, pieces: list[_Piece], immediate: bool):
         try:
-            batch, delay, order = _build(pieces)
+            batch, delay, order = _build(pieces, immediate=immediate)
         except E.InvalidArgument as err:
             self._fail(pieces, err)
             return [], None

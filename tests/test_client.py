@@ -147,6 +147,12 @@ async def test_a_wire_batch_travels_in_due_order_and_answers_come_back_in_call_o
     assert set(res.errors) == {3} and isinstance(res.errors[3], E.InvalidArgument)
     assert res.deliver_at_ms.tolist()[:3] == due[:3] and int(res.deliver_at_ms[4]) == due[4]
     assert all(node.stored[ids[i]] == (int(res.seqs[i]), due[i]) for i in (0, 1, 2, 4))
+    # immediate messages go to a real-time node in the order they were sent, never sorted
+    async with fast(StaticResolver(delay=[node.address], realtime=[node.address])) as p:
+        now = now_ms()
+        res = await (await p.send_many("s", [b"1", b"2", b"3"], ids=["i1", "i2", "i3"],
+                                       deliver_at_ms=[now, now - 2000, now - 1000], immediate=True))
+    assert res.ok and node.requests[-1].ids == ["i1", "i2", "i3"]
 
 
 async def test_a_call_failing_as_unavailable_is_sent_again(nodes):
