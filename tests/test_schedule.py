@@ -92,6 +92,20 @@ def test_sorted_runs_are_filed_as_slices_like_a_sorted_batch(tmp_path_factory, r
     assert got[schedule.FILE_SORTED_RUNS_MAX] == got[-1]
 
 
+def test_an_unsorted_batch_is_sorted_not_cut_into_tiny_frames(tmp_path):
+    """Few runs go as slices; a batch in no particular order (an old SDK) is sorted first,
+    so a second gets one frame per call, not one per run of one or two records."""
+    rnd = random.Random(3)
+    dues = [T0 + rnd.randrange(0, 3000) for _ in range(120)]
+    s = ScheduleLog(tmp_path)
+    f = s.file(batch(range(1, 121), dues))
+    assert len(f.frames) == len({d // 1000 for d in dues})  # one frame per second
+    s2 = ScheduleLog(tmp_path / "runs")
+    two_runs = sorted(dues[:60]) + sorted(dues[60:])
+    f2 = s2.file(batch(range(1, 121), two_runs))
+    assert len(f2.frames) <= 2 * len({d // 1000 for d in dues})  # one per (run, second)
+
+
 def test_bucket_size_fixed_at_creation(tmp_path):
     ScheduleLog(tmp_path, bucket_ms=60_000).close()
     assert ScheduleLog(tmp_path, bucket_ms=H).bucket_ms == 60_000

@@ -108,7 +108,8 @@ OPEN_BUCKETS_MAX_DEFAULT = 32
 CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
 REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
 REBUILT_MARKER = "rebuilt"
-FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices
+FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices,
+FILE_SORTED_RUN_MIN = 16  # ... of this many records each on average (else sorted: no tiny frames)
 
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 
@@ -659,7 +660,8 @@ class ScheduleLog:
         eff = batch.effective_ms
         # each group in due order: the wheel fires ranges of it
         descents = eff[1:] < eff[:-1]
-        if int(np.count_nonzero(descents)) <= FILE_SORTED_RUNS_MAX:
+        runs = int(np.count_nonzero(descents)) + 1
+        if runs <= FILE_SORTED_RUNS_MAX and runs * FILE_SORTED_RUN_MIN <= n:
             # a few runs already in due order (the SDK sorts each wire batch; the iterator
             # files several batches at once): a group is a run's slice within one second,
             # so nothing is copied record by record
