@@ -44,6 +44,16 @@ def group(tmp_path):
         yield c
 
 
+async def send_through_meta(cluster, subject: str, msg_id: str) -> int:
+    """Send one message as a user would (meta server discovery, retries); its seq."""
+    resolver = MetaResolver(cluster.meta_addresses, refresh_ms=500)
+    try:
+        async with Producer(resolver, retries_max=40) as p:
+            return (await p.send_and_wait(subject, "x", id=msg_id, delay_ms=100)).seq
+    finally:
+        await resolver.close()
+
+
 async def collect(resolver, subject, group_name, ids, timeout_s):
     got: list[str] = []
     async with Consumer(resolver, subject, group=group_name, wait_ms=300) as c:
@@ -262,13 +272,7 @@ async def test_group_has_a_master_again_after_the_meta_server_stalls(group):
     meta.proc.send_signal(_signal.SIGCONT)
     await asyncio.sleep(0.5)
     await master_of(group)
-    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
-    try:
-        async with Producer(resolver, retries_max=40) as p:
-            r = await p.send_and_wait("rep.stall", "x", id="after-stall", delay_ms=100)
-        assert r.seq
-    finally:
-        await resolver.close()
+    assert await send_through_meta(group, "rep.stall", "after-stall")
 
 
 async def test_a_clean_stop_of_the_master_hands_over(group):
@@ -317,10 +321,4 @@ async def test_a_fetch_claiming_a_huge_epoch_does_not_depose_the_master(group):
     after = (await statuses(group))[master]
     assert after["master"] and after["epoch"] == before["epoch"]
     assert await master_of(group) == master
-    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
-    try:
-        async with Producer(resolver, retries_max=10) as p:
-            r = await p.send_and_wait("rep.epoch", "x", id="after-claim", delay_ms=100)
-        assert r.seq
-    finally:
-        await resolver.close()
+    assert await send_through_meta(group, "rep.epoch", "after-claim")
