@@ -141,9 +141,11 @@ def _bucket_dir(tmp_path):
 
 def test_crash_after_data_before_index_drops_the_unindexed_frames(tmp_path):
     s = ScheduleLog(tmp_path)
-    for seq in range(1, 11):
+    for seq in range(1, 8):
         put(s, seq, T0 + seq * 100)
-    s.flush()
+    s.flush()  # the heads header vouches for 7 entries
+    for seq in range(8, 11):
+        put(s, seq, T0 + seq * 100)  # written, never flushed: a kill comes first
     idx = _bucket_dir(tmp_path) / "index"
     with open(idx, "r+b") as f:  # lose the last three index entries and a torn half entry
         f.truncate(7 * ENTRY_SIZE + 13)
@@ -166,8 +168,7 @@ def test_a_filing_call_cut_short_loses_none_of_its_groups(tmp_path, monkeypatch)
     put(s, 1, T0 + 100)
     s.flush()
     b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])
-    s.file(b)
-    s.flush()
+    s.file(b)  # the kill comes before any flush
     bdir = _bucket_dir(tmp_path)
     segs = sorted(p for p in (bdir / "data").iterdir() if p.stat().st_size)
     assert len(segs) == 3
@@ -186,9 +187,9 @@ def test_a_filing_call_with_missing_index_entries_is_dropped_whole(tmp_path, mon
     monkeypatch.setattr(schedule, "FILE_SORTED_RUNS_MAX", -1)
     s = ScheduleLog(tmp_path)
     put(s, 1, T0 + 100)
-    b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])
-    s.file(b)
     s.flush()
+    b = batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200])
+    s.file(b)  # a power loss before the flush: only part of the call's index entries on disk
     with open(_bucket_dir(tmp_path) / "index", "r+b") as f:  # the call's second entry lost
         f.truncate(2 * ENTRY_SIZE)
     s2 = ScheduleLog(tmp_path)
@@ -196,6 +197,31 @@ def test_a_filing_call_with_missing_index_entries_is_dropped_whole(tmp_path, mon
     assert s2.file(b).filed.tolist() == [True, True, True, True]
     assert sorted(seqs_of(s2.load_second(T0 // 1000 + 4))) == [3, 4]
     s2.close()
+
+
+def test_index_entries_a_flush_vouched_for_are_never_dropped(tmp_path, monkeypatch):
+    """Damage, not a kill: the index loses entries after a flush vouched for them (a checkpoint
+    may cover their records, so nothing would file them again). Their frames are indexed
+    again from the data, and a flipped bit in a vouched entry's call count drops nothing."""
+    monkeypatch.setattr(schedule, "FILE_SORTED_RUNS_MAX", -1)
+    s = ScheduleLog(tmp_path)
+    put(s, 1, T0 + 100)
+    s.file(batch([2, 3, 4, 5], [T0 + 3100, T0 + 4100, T0 + 4200, T0 + 3200]))
+    s.flush()
+    idx = _bucket_dir(tmp_path) / "index"
+    raw = bytearray(idx.read_bytes())
+    raw[-4:] = (7).to_bytes(4, "little")  # the last entry's count: a flipped bit
+    idx.write_bytes(bytes(raw))
+    s2 = ScheduleLog(tmp_path)
+    assert sorted(seqs_of(s2.load_second(T0 // 1000 + 3))) == [2, 5]
+    assert sorted(seqs_of(s2.load_second(T0 // 1000 + 4))) == [3, 4]
+    s2.close()
+    with open(idx, "r+b") as f:
+        f.truncate(2 * ENTRY_SIZE)  # two vouched entries lost
+    s3 = ScheduleLog(tmp_path)
+    assert sorted(seqs_of(s3.load_second(T0 // 1000 + 3))) == [2, 5]
+    assert sorted(seqs_of(s3.load_second(T0 // 1000 + 4))) == [3, 4]
+    s3.close()
 
 
 def test_heads_rebuilt_when_header_is_bad(tmp_path):

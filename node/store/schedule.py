@@ -43,7 +43,9 @@ Invariants and recovery (``Bucket.open``):
   are the entries of a call cut short (``pad`` of an entry counts the entries written after
   it by the same call, so a call's last entry has 0); frames in data past the last kept
   entry are cut off. Replaying the message log files them again: a checkpoint only covers
-  records whose index entries were written and flushed;
+  records whose index entries were written and flushed. Nothing a flush vouched for (the
+  heads header's ``entries_covered``) is ever dropped this way: if the index holds fewer
+  entries than that, it was damaged, and the frames past it are indexed again instead;
 * ``entries_covered`` in the heads header says which index entries are reflected in the
   heads; entries after it are re-applied; a heads file failing its checks is rebuilt;
 * the high-water mark ``last_seq`` is the largest ``last_seq`` of the index entries (the
@@ -204,7 +206,11 @@ class Bucket:
             if off + fsize <= data_end:
                 break
             n -= 1
-        while n > 0:  # and a filing call cut short: its entries after one whose count is not 0
+        # a filing call cut short: its entries after one whose count is not 0. Never below what
+        # a flush vouched for (the heads header's count): a checkpoint may cover those records,
+        # so they would not be filed again; a count there that is not 0 is a flipped bit.
+        vouched = self._vouched_entries()
+        while n > vouched:
             if self._read_entry(n - 1)[-1] == 0:
                 break
             n -= 1
@@ -220,15 +226,42 @@ class Bucket:
             indexed_end = off + fsize
             # the groups of one batch are filed by second, not by seq: the mark is the maximum
             self.last_seq = int(self.entries_array()["last_seq"].max())
-        if indexed_end < data_end:
+        if indexed_end < data_end and n >= vouched:
             # frames of a filing call that reached the data log but not the index (the process
             # died between the two writes, maybe after only some of its frames): cut them off.
             # Indexing them would keep part of a call, and its highest seq as the mark would
-            # skip the rest when the message log is replayed; the replay files them all again.
+            # skip the rest when the message log is replayed; the replay files them all again
+            # (no flush vouched for them, so no checkpoint covers them).
             dropped = self.data.truncate(indexed_end)
             self._repaired = True
             log.warning("schedule data cut to its index path=%s offset=%d bytes_dropped=%d",
                         self.data.directory, indexed_end, dropped)
+        elif indexed_end < data_end:
+            # the index lost entries a flush vouched for (damage, not a kill): a checkpoint may
+            # cover these frames, so they are indexed again from their bodies rather than lost
+            rows = []
+            for off, body in self.data.iterate(indexed_end):
+                rows.append(self._entry_row(off, HEADER_SIZE + len(body), Batch.decode(body)))
+            self._write_entries(rows, link=False)
+            self._repaired = True
+            log.warning("schedule index rebuilt from data path=%s frames=%d (fewer entries than flushed: %d < %d)",
+                        self._index_path, len(rows), n, vouched)
+
+    def _vouched_entries(self) -> int:
+        """``entries_covered`` of the heads header when it passes its checks (the entries the
+        last completed flush made durable), else 0."""
+        try:
+            with open(self._heads_path, "rb") as f:
+                hdr = f.read(HEADS_HEADER_SIZE)
+        except FileNotFoundError:
+            return 0
+        if len(hdr) < HEADS_HEADER_SIZE:
+            return 0
+        magic, version, start, seconds, covered = HEADS_HEADER.unpack_from(hdr)
+        crc = struct.unpack_from("<I", hdr, 28)[0]
+        ok = (magic == HEADS_MAGIC and version == FORMAT_VERSION and start == self.start_ms
+              and seconds == self.seconds and crc == zlib.crc32(hdr[:28]))
+        return int(covered) if ok else 0
 
     def _check_mark(self) -> None:
         """The replay high-water mark comes from one entry (the largest ``last_seq``): read
@@ -306,19 +339,21 @@ class Bucket:
 
     # -- writing -----------------------------------------------------------------
 
-    def _write_entries(self, rows: list[tuple]) -> None:
-        """Append one filing call's index entries with one pwrite, then point their seconds'
-        heads at them: one step per frame, never per message."""
+    def _write_entries(self, rows: list[tuple], *, link: bool = True) -> None:
+        """Append one filing call's index entries with one pwrite, then (``link``) point their
+        seconds' heads at them: one step per frame, never per message. Recovery writes
+        unlinked entries and relinks everything from the heads rebuild."""
         if not rows:
             return
         arr = np.array(rows, ENTRY_DTYPE)
         arr["pad"] = np.arange(len(rows) - 1, -1, -1)  # one call's entries: kept or dropped together
         n0 = self.entries
         new_heads: dict[int, int] = {}
-        heads = self.heads
-        for i, sec in enumerate(arr["second"].tolist()):
-            arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
-            new_heads[sec] = n0 + i + 1
+        if link:
+            heads = self.heads
+            for i, sec in enumerate(arr["second"].tolist()):
+                arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
+                new_heads[sec] = n0 + i + 1
         os.pwrite(self._index_fd, arr.tobytes(), n0 * ENTRY_SIZE)
         for sec, head in new_heads.items():
             self.heads[sec] = head
