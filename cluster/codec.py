@@ -129,6 +129,22 @@ def _starts(ends: np.ndarray) -> np.ndarray:
     return out
 
 
+def _merged_subjects(batches: Sequence["Batch"]) -> tuple[tuple[str, ...], np.ndarray]:
+    """One subject table for ``batches`` and the subject_idx of all their messages, in order,
+    numbered in it (``Batch.concat``, ``Batch.gather``)."""
+    first = batches[0].subjects
+    if all(b.subjects is first or b.subjects == first for b in batches):  # one table (the usual case)
+        return first, np.concatenate([b.subject_idx for b in batches])
+    # every table's names in one list, numbered in one pass; then one gather
+    flat = list(chain.from_iterable([b.subjects for b in batches]))
+    table = {x: i for i, x in enumerate(dict.fromkeys(flat))}  # first appearance order
+    number = np.fromiter(map(table.__getitem__, flat), np.uint16, len(flat))
+    sizes = np.fromiter((len(b.subjects) for b in batches), np.int64, len(batches))
+    base = np.repeat(np.cumsum(sizes) - sizes, [b.n for b in batches])
+    local = np.concatenate([b.subject_idx for b in batches]).astype(np.int64)
+    return tuple(table), number[base + local]
+
+
 _GATHER_WHOLE_MAX = 1024  # Batch.gather joins sources this small whole; larger ones are taken first
 
 
@@ -522,17 +538,8 @@ class Batch:
         counts = np.fromiter((b.n for b in srcs), np.int64, len(srcs))
         takes = np.fromiter(map(len, idxs), np.int64, len(idxs))
         gidx = np.concatenate(idxs) + np.repeat(np.cumsum(counts) - counts, takes)
-        first = srcs[0].subjects
-        if all(b.subjects is first or b.subjects == first for b in srcs):
-            subjects, subject_idx = first, np.concatenate([b.subject_idx for b in srcs])[gidx]
-        else:
-            flat = list(chain.from_iterable([b.subjects for b in srcs]))
-            table = {x: k for k, x in enumerate(dict.fromkeys(flat))}
-            number = np.fromiter(map(table.__getitem__, flat), np.uint16, len(flat))
-            sizes = np.fromiter((len(b.subjects) for b in srcs), np.int64, len(srcs))
-            base = np.repeat(np.cumsum(sizes) - sizes, counts)
-            local = np.concatenate([b.subject_idx for b in srcs]).astype(np.int64)
-            subjects, subject_idx = tuple(table), number[(base + local)[gidx]]
+        subjects, subject_idx = _merged_subjects(srcs)
+        subject_idx = subject_idx[gidx]
         cols = {name: np.concatenate([getattr(b, name) for b in srcs])[gidx]
                 for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
         src_of = np.repeat(np.arange(len(srcs)), takes).tolist()
@@ -578,17 +585,7 @@ class Batch:
             return Batch.empty()
         if len(batches) == 1:
             return batches[0]
-        first = batches[0].subjects
-        if all(b.subjects is first or b.subjects == first for b in batches):  # one table (the usual case)
-            subjects, subject_idx = first, np.concatenate([b.subject_idx for b in batches])
-        else:  # every table's names in one list, numbered in one pass; then one gather
-            flat = list(chain.from_iterable([b.subjects for b in batches]))
-            table = {x: i for i, x in enumerate(dict.fromkeys(flat))}  # first appearance order
-            number = np.fromiter(map(table.__getitem__, flat), np.uint16, len(flat))
-            sizes = np.fromiter((len(b.subjects) for b in batches), np.int64, len(batches))
-            base = np.repeat(np.cumsum(sizes) - sizes, [b.n for b in batches])
-            local = np.concatenate([b.subject_idx for b in batches]).astype(np.int64)
-            subjects, subject_idx = tuple(table), number[base + local]
+        subjects, subject_idx = _merged_subjects(batches)
         cols = {name: np.concatenate([getattr(b, name) for b in batches])
                 for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
         counts = np.fromiter((b.n for b in batches), np.int64, len(batches))

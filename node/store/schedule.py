@@ -257,11 +257,16 @@ class Bucket:
             return 0
         if len(hdr) < HEADS_HEADER_SIZE:
             return 0
+        covered = self._heads_covered(hdr)
+        return 0 if covered is None else covered
+
+    def _heads_covered(self, hdr: bytes) -> int | None:
+        """``entries_covered`` of a heads header that is this bucket's and passes its CRC, else None."""
         magic, version, start, seconds, covered = HEADS_HEADER.unpack_from(hdr)
         crc = struct.unpack_from("<I", hdr, 28)[0]
         ok = (magic == HEADS_MAGIC and version == FORMAT_VERSION and start == self.start_ms
               and seconds == self.seconds and crc == zlib.crc32(hdr[:28]))
-        return int(covered) if ok else 0
+        return int(covered) if ok else None
 
     def _check_mark(self) -> None:
         """The replay high-water mark comes from one entry (the largest ``last_seq``): read
@@ -300,11 +305,9 @@ class Bucket:
         self.heads = np.frombuffer(self._heads_map, "<u4", self.seconds, HEADS_HEADER_SIZE)
         covered = 0
         if not fresh:
-            hdr = bytes(self._heads_map[:HEADS_HEADER_SIZE])
-            magic, version, start, seconds, covered = HEADS_HEADER.unpack_from(hdr)
-            crc = struct.unpack_from("<I", hdr, 28)[0]
-            ok = (magic == HEADS_MAGIC and version == FORMAT_VERSION and start == self.start_ms
-                  and seconds == self.seconds and crc == zlib.crc32(hdr[:28]) and covered <= self.entries)
+            vouched = self._heads_covered(bytes(self._heads_map[:HEADS_HEADER_SIZE]))
+            ok = vouched is not None and vouched <= self.entries
+            covered = vouched or 0
             if not ok or self._repaired:
                 log.warning("schedule heads rebuilt path=%s reason=%s", self._heads_path,
                             "index repaired" if ok else "bad header")
@@ -701,7 +704,8 @@ class ScheduleLog:
             # files several batches at once): a group is a run's slice within one second,
             # so nothing is copied record by record
             order = np.arange(n)
-            cuts = np.flatnonzero((eff[1:] // 1000 != eff[:-1] // 1000) | descents) + 1
+            secs = eff // 1000
+            cuts = np.flatnonzero((secs[1:] != secs[:-1]) | descents) + 1
             in_order = batch
         else:
             order = np.argsort(eff, kind="stable")
