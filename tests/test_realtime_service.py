@@ -213,3 +213,47 @@ async def test_a_failed_offsets_write_fails_its_ack_and_its_retry_writes_again(n
     await consumer.Ack(ack)  # the retry: its handle is no longer in flight, the document still must be written
     assert written and written[-1][0]["committed"] == 1
     assert n.store.group_doc("orders", "g")["committed"] == 1
+
+
+async def test_a_waiting_pull_gets_messages_before_their_fsync_but_no_ack_outruns_it(node):
+    """A long poll is woken at the append, not after the group-commit fsync (lateness); the
+    sender is answered only after the fsync, and a position that passes those messages is
+    written only after they are durable (else a crash could leave it beyond the log's end)."""
+    import threading
+
+    n, producer, consumer, _ = node
+    await send(producer, msgs("orders", ["warm"]))
+    b, h = await pull(consumer, ["orders"], "g2")
+    await consumer.Ack(pb.AckRequest(group="g2", acks=by_subject(b, h)))
+    gate, order = threading.Event(), []
+    flush = n.committer.log.flush
+
+    def slow_flush():  # runs on the group-commit thread
+        assert gate.wait(10)
+        flush()
+        order.append("messages fsynced")
+
+    write_groups = n.store.write_groups_async
+
+    def logged_write_groups(items):
+        order.append("positions written")
+        return write_groups(items)
+
+    n.committer.log.flush = slow_flush
+    n.store.write_groups_async = logged_write_groups
+    try:
+        waiting = asyncio.create_task(pull(consumer, ["orders"], "g2", wait_ms=5_000))
+        await asyncio.sleep(0.2)  # the pull is parked
+        sending = asyncio.create_task(send(producer, msgs("orders", ["a", "b"])))
+        b, h = await asyncio.wait_for(waiting, 5)
+        assert b.id_list() == ["a", "b"]
+        await asyncio.sleep(0.1)
+        assert not sending.done()  # not durable yet: the sender waits
+        acking = asyncio.ensure_future(consumer.Ack(pb.AckRequest(group="g2", acks=by_subject(b, h))))
+        await asyncio.sleep(0.2)
+        assert not acking.done() and order == []  # the positions wait for the messages' fsync
+    finally:
+        gate.set()
+    assert (await asyncio.wait_for(sending, 5)).codes.tolist() == [pb.OK, pb.OK]
+    assert (await asyncio.wait_for(acking, 5)).acked == b.n
+    assert order[0] == "messages fsynced" and "positions written" in order

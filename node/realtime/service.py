@@ -136,14 +136,17 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
             await context.abort(status.to_grpc(e), str(e))
-        await self.committer.sync_to(self.store.messages.end_offset)
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
+        if self._new_data:  # a long poll waits: wake it for the subjects that got messages
+            # before the fsync: a pull may hand out what is not durable yet (at least once:
+            # the sender is answered only after the fsync and sends again after a crash;
+            # an ack is made durable only after the messages it covers, _groups_durable)
+            hit = np.bincount(batch.subject_idx[stored], minlength=len(batch.subjects))
+            self._wake(batch.subjects[k] for k in np.flatnonzero(hit).tolist())
+        await self.committer.sync_to(self.store.messages.end_offset)
         self.metrics.ingested.inc(int(stored.sum()))
         if res.errors:
             self.metrics.errors.labels(kind="refused_message").inc(len(res.errors))
-        if self._new_data:  # a long poll waits: wake it for the subjects that got messages
-            hit = np.bincount(batch.subject_idx[stored], minlength=len(batch.subjects))
-            self._wake(batch.subjects[k] for k in np.flatnonzero(hit).tolist())
         return res.to_pb()
 
     async def SendBatchStream(self, requests, context):
@@ -290,6 +293,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             keys, self._groups_dirty = self._groups_dirty, set()
             items = self.store.snapshot_groups(keys)
             if items:
+                # a pull may hand out messages before their fsync (SendBatch): a position is
+                # never durable before the messages it passes, or a crash would skip new ones
+                await self.committer.sync_to(self.store.messages.end_offset)
                 self.calls["ack_rounds"] += 1
                 try:
                     await asyncio.wrap_future(self.store.write_groups_async(items))

@@ -836,6 +836,7 @@ class RealtimeStore:
         self._check_open()
         items = self.snapshot_groups([(subject, group)])
         if items:
+            self.messages.flush()  # a position is never durable before the messages it passes
             self.write_groups_async(items).result()
         return bool(items)
 
