@@ -15,6 +15,9 @@ from typing import Protocol
 class Clock(Protocol):
     def now_ms(self) -> int: ...
 
+    def seconds_until(self, at_ms: int) -> float:
+        """Seconds from now until ``now_ms()`` reaches ``at_ms`` (<= 0: it has)."""
+
 
 class SystemClock:
     def __init__(self, offset_ms: int = 0) -> None:
@@ -23,6 +26,9 @@ class SystemClock:
     def now_ms(self) -> int:
         return time.time_ns() // 1_000_000 + self.offset_ms
 
+    def seconds_until(self, at_ms: int) -> float:
+        return (at_ms - self.offset_ms) / 1000 - time.time()  # to the sub-millisecond, not from now_ms()
+
 
 class FakeClock:
     def __init__(self, start_ms: int = 1_800_000_000_000) -> None:
@@ -30,6 +36,9 @@ class FakeClock:
 
     def now_ms(self) -> int:
         return self._now
+
+    def seconds_until(self, at_ms: int) -> float:
+        return (at_ms - self._now) / 1000
 
     def advance(self, ms: int) -> None:
         if ms < 0:

@@ -74,6 +74,8 @@ class NodeSettings(BaseSettings):
     dispatch_round_interval_ms: int = 3    # firing rounds at least this far apart (batches under load)
     dispatch_round_interval_busy_ms: int = 3  # ... and this far after a round of dispatch_round_busy_messages or more
     dispatch_round_busy_messages: int = 32
+    dispatch_lead_ms: int = Field(default=5, ge=0, description="a firing round takes messages due this far ahead; "
+                                  "the real-time node holds them until due (<= visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
     dispatch_backoff_ms_max: int = 2000
     inflight_max: int = 100_000
@@ -110,6 +112,11 @@ class NodeSettings(BaseSettings):
     max_attempts: int = 16
     auto_create_subjects: bool = True
     subjects: list[str] = []
+    visible_hold_ms_max: int = Field(default=100, ge=0, le=60_000,
+                                     description="a message stored ahead of its due time is handed out when due, "
+                                                 "held at most this long")
+    visible_step_ms: int = Field(default=4, ge=1, le=1000,
+                                 description="... at its due time rounded up to a multiple of this (batches pulls)")
 
     # clock (tests inject skew; allow_clock_control lets an admin call move it forward)
     clock_offset_ms: int = 0
@@ -146,4 +153,5 @@ class NodeSettings(BaseSettings):
                                 max_attempts=self.max_attempts, limits=self.limits(),
                                 segment_bytes=self.realtime_segment_bytes, retention_ms=self.realtime_retention_ms,
                                 retention_bytes=self.realtime_retention_bytes,
-                                group_idle_ms_max=self.group_idle_ms_max)
+                                group_idle_ms_max=self.group_idle_ms_max,
+                                visible_hold_ms_max=self.visible_hold_ms_max, visible_step_ms=self.visible_step_ms)

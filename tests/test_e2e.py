@@ -57,7 +57,7 @@ async def test_delays_from_already_due_to_seconds(resolver):
     got = await collect(resolver, "e2e.delays", "g", 5)
     assert sorted(m.id for m in got) == [f"delays-{i}" for i in range(5)]
     for m in got:
-        assert m.received_ms >= m.deliver_at_ms - 5  # never early (5 ms of clock granularity)
+        assert m.received_ms >= m.deliver_at_ms  # never early: the delay node fires a round ahead, the real-time node holds it
         assert m.received_ms - max(m.deliver_at_ms, t) < 1000  # a past due time means now
 
 

@@ -85,10 +85,10 @@ def test_dedup_window_expires_by_time_and_evicts_whole_frames_by_size():
 
 
 def test_index_entries_round_trip_and_every_bit_flip_is_detected():
-    raw = encode_entries(offset=1 << 40, index=np.array([3, 9]), store_ms=-5, masks=np.array([1, 1 << 63], np.uint64))
+    raw = encode_entries(offset=1 << 40, index=np.array([3, 9]), visible_ms=-5, masks=np.array([1, 1 << 63], np.uint64))
     e = decode_entries(raw, path="p", first_pos=0)
     assert e["offset"].tolist() == [1 << 40] * 2 and e["index"].tolist() == [3, 9]
-    assert e["store_ms"].tolist() == [-5, -5] and e["mask"].tolist() == [1, 1 << 63]
+    assert e["visible_ms"].tolist() == [-5, -5] and e["mask"].tolist() == [1, 1 << 63]
     for bit in range(ENTRY_SIZE * 8 * 2):
         flipped = bytearray(raw)
         flipped[bit // 8] ^= 1 << (bit % 8)
@@ -98,7 +98,7 @@ def test_index_entries_round_trip_and_every_bit_flip_is_detected():
 
 
 def test_frame_runs_split_a_frame_by_subject_in_frame_order():
-    runs = frame_runs(offset=64, subject_idx=np.array([1, 0, 1, 1, 0], np.uint16), store_ms=9,
+    runs = frame_runs(offset=64, subject_idx=np.array([1, 0, 1, 1, 0], np.uint16), visible_ms=9,
                       masks=np.arange(5, dtype=np.uint64))
     assert sorted(runs) == [0, 1]
     r1 = decode_entries(runs[1], path="p", first_pos=0)

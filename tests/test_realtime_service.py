@@ -257,3 +257,22 @@ async def test_a_waiting_pull_gets_messages_before_their_fsync_but_no_ack_outrun
     assert (await asyncio.wait_for(sending, 5)).codes.tolist() == [pb.OK, pb.OK]
     assert (await asyncio.wait_for(acking, 5)).acked == b.n
     assert order[0] == "messages fsynced" and "positions written" in order
+
+
+async def test_a_message_sent_ahead_of_its_due_time_is_held_until_due(node):
+    """Delay nodes dispatch a firing round dispatch_lead_ms ahead (``immediate``): a parked
+    pull is answered when the message is due, not when it arrives."""
+    n, producer, consumer, _ = node
+    await send(producer, msgs("orders", ["warm"]))
+    b, h = await pull(consumer, ["orders"], "g3")
+    await consumer.Ack(pb.AckRequest(group="g3", acks=by_subject(b, h)))
+    waiting = asyncio.create_task(pull(consumer, ["orders"], "g3", wait_ms=5_000))
+    await asyncio.sleep(0.1)  # the pull is parked
+    due = now_ms() + 60
+    res = await send(producer, msgs("orders", ["ahead"], due=due), immediate=True)
+    assert res.codes.tolist() == [pb.OK]
+    b, _ = await asyncio.wait_for(waiting, 5)
+    assert b.id_list() == ["ahead"] and now_ms() >= due
+    # not immediate: a message due later is refused (it belongs on a delay node)
+    res = await send(producer, msgs("orders", ["later"], due=now_ms() + 60_000))
+    assert res.codes.tolist() == [pb.INVALID_ARGUMENT]

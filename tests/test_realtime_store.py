@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cluster.codec import INVALID_ARGUMENT, OK, PAYLOAD_TOO_LARGE, Batch, Limits, encode_extra
@@ -306,12 +306,18 @@ def test_validation_errors_change_nothing(tmp_path):
     assert st_.messages.end_offset == end and st_.subjects() == subjects
     r = append(st_, M(7, subject="bad subject"), M(8))
     assert r.codes.tolist() == [INVALID_ARGUMENT, OK]
-    # a far-future or past deliver_at is fine on the real-time side: the message is due now
+    # a far-future or past deliver_at is fine on the real-time side: a future one is held at
+    # most visible_hold_ms_max (100 ms), and the subject's later messages wait behind it
     assert append(st_, M(9, deliver_at_ms=T0 + 10 * 366 * 86_400_000), M(10, deliver_at_ms=0)).codes.tolist() == \
         [OK, OK]
     tomb = batch(M(11)).replace(kind=2)  # producers store messages only
     assert st_.append(tomb, now_ms=T0).codes.tolist() == [INVALID_ARGUMENT]
-    assert ids(st_, "orders", "g", 10, T0) == ["m0", "m8", "m9", "m10"]
+    assert ids(st_, "orders", "g", 10, T0) == ["m0", "m8"]
+    step = RealtimeSettings().visible_step_ms
+    at = -(-(T0 + 100) // step) * step  # rounded up to visible_step_ms
+    assert st_.held_next_ms == at
+    assert ids(st_, "orders", "g", 10, at - 1) == []
+    assert ids(st_, "orders", "g", 10, at) == ["m9", "m10"]
     with pytest.raises(InvalidArgument):
         st_.pull(["orders"], "bad/group", "c", max_messages=1, now_ms=T0)
     with pytest.raises(InvalidArgument):
@@ -686,3 +692,78 @@ def test_evicted_dirty_index_fds_are_fsynced_by_the_next_flush_not_on_eviction(t
     reopened = RealtimeStore.open(tmp_path, RealtimeSettings(index_files_open_max=2), now_ms=T0 + 1)
     assert sum(reopened.lag(f"s{k}", "g") for k in range(5)) == 5
     reopened.close()
+
+
+# ---------------------------------------------------------------- messages stored ahead of their due time
+
+AHEAD = RealtimeSettings(segment_bytes=1 << 16, ack_timeout_ms=60_000, visible_hold_ms_max=100, visible_step_ms=4)
+
+
+def test_messages_stored_ahead_of_due_are_handed_out_when_due(tmp_path):
+    """A delay node dispatches a round a few ms ahead: each message is handed out at its due
+    time rounded up to visible_step_ms; a subject's later messages wait behind a held one."""
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, M("a", deliver_at_ms=T0 + 5), M("b", deliver_at_ms=T0 + 9), M("c", subject="audit", deliver_at_ms=T0 + 2))
+    append(st_, M("x"), M("y", subject="logs"))  # due now
+    subjects = ["orders", "audit", "logs"]
+    assert ids(st_, subjects, "g", 10, T0) == ["y"]
+    assert st_.held_next_ms == T0 + 4
+    assert ids(st_, subjects, "g", 10, T0 + 3) == [] and st_.held_next_ms == T0 + 4
+    assert ids(st_, subjects, "g", 10, T0 + 4) == ["c"]
+    assert ids(st_, subjects, "g", 10, T0 + 8) == ["a"]  # b (T0 + 12) holds x back
+    assert st_.held_next_ms == T0 + 12
+    assert sorted(ids(st_, subjects, "g", 10, T0 + 12)) == ["b", "x"]
+    assert ids(st_, subjects, "g", 10, T0 + 10_000) == [] and st_.held_next_ms is None
+
+
+def test_held_messages_stay_held_across_a_restart(tmp_path):
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, M("a", deliver_at_ms=T0 + 20))
+    st_.close()
+    st_ = open_store(tmp_path, AHEAD, now=T0 + 1)
+    assert ids(st_, "orders", "g", 10, T0 + 1) == [] and st_.held_next_ms == T0 + 20
+    assert ids(st_, "orders", "g", 10, T0 + 20) == ["a"]
+    st_.close()
+
+
+def test_holding_is_bounded_by_the_limit_and_by_a_clock_that_stepped_back(tmp_path):
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, M("far", deliver_at_ms=T0 + 3_600_000))  # an hour ahead: held visible_hold_ms_max at most
+    assert ids(st_, "orders", "g", 10, T0 + 99) == [] and st_.held_next_ms == T0 + 100
+    assert ids(st_, "orders", "g", 10, T0 + 100) == ["far"]
+    append(st_, M("late", deliver_at_ms=T0 + 50), now=T0)
+    # the clock stepped back ten seconds: the entry is not held for ten seconds
+    assert ids(st_, "orders", "g", 10, T0 - 10_000) == ["late"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.integers(0, 6), st.lists(st.tuples(st.sampled_from(["s1", "s2"]),
+                                                                         st.integers(-20, 150)), max_size=6)),
+                      min_size=1, max_size=25),
+       step=st.sampled_from([1, 3, 4]))
+def test_property_never_early_never_lost_in_order(tmp_path_factory, steps, step):
+    """Whatever the dues and pull times: a message is handed out no earlier than its due
+    time (clamped to [stored, stored + hold]), each exactly once, in log order per subject."""
+    cfg = RealtimeSettings(segment_bytes=1 << 16, ack_timeout_ms=600_000, visible_hold_ms_max=100,
+                           visible_step_ms=step)
+    st_ = open_store(tmp_path_factory.mktemp("ahead"), cfg)
+    st_.create_subject("s1")
+    st_.create_subject("s2")
+    now, k, sent, got = T0, 0, {}, {}
+    for dt, msgs in steps:
+        now += dt
+        if msgs:
+            ms = [M(k + j, subject=s, deliver_at_ms=now + d) for j, (s, d) in enumerate(msgs)]
+            k += len(ms)
+            assert (append(st_, *ms, now=now).codes == OK).all()
+            for m in ms:
+                sent[m.id] = (m.subject, min(max(m.deliver_at_ms, now), now + 100))
+        for i in ids(st_, ["s1", "s2"], "g", 1000, now):
+            assert i not in got and now >= sent[i][1]
+            got[i] = now
+    got.update(dict.fromkeys(ids(st_, ["s1", "s2"], "g", 1000, now + 1000), now + 1000))
+    assert set(got) == set(sent)
+    for s in ("s1", "s2"):  # handed out in log (id) order within a subject
+        order = [i for i in sorted(got, key=lambda i: (got[i], int(i[1:]))) if sent[i][0] == s]
+        assert order == sorted(order, key=lambda i: int(i[1:]))
+    st_.close()

@@ -243,6 +243,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         round_s = self.settings.dispatch_round_interval_ms / 1000
         busy_s = max(round_s, self.settings.dispatch_round_interval_busy_ms / 1000)
         busy_n = self.settings.dispatch_round_busy_messages
+        lead = self.settings.dispatch_lead_ms
         loop = asyncio.get_running_loop()
         next_metrics = next_pending = next_round = 0.0
         while True:
@@ -252,7 +253,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 await asyncio.sleep(next_round - t)
             await self._dispatch_slots.acquire()
             now = self.clock.now_ms()
-            due = self.store.poll_due(now_ms=now)
+            due = self.store.poll_due(now_ms=now + lead)  # the real-time node holds them until due
             if due:
                 fired = sum(d.batch.n for d in due)
                 next_round = loop.time() + (busy_s if fired >= busy_n else round_s)
@@ -270,7 +271,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 self.metrics.set_pending(self.store.pending_by_bucket())
                 next_pending = t + 1.0
             nxt = self.store.next_due_ms()
-            wait = tick_s if nxt is None else min(tick_s, max(0, nxt - self.clock.now_ms()) / 1000)
+            wait = tick_s if nxt is None else min(tick_s, max(0.0, self.clock.seconds_until(nxt - lead)))
             if wait > 0:
                 await wait_event(self._wheel_wake, wait)
             else:

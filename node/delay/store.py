@@ -768,6 +768,9 @@ class DelayStore:
         out: list[DueBatch] = []
         if fired:
             b = Batch.gather([(f.ref.batch, f.idx) for f in fired])
+            due = b.deliver_at_ms
+            if len(due) > 1 and (due[1:] < due[:-1]).any():  # in due order: a real-time node holds a
+                b = b.take(np.argsort(due, kind="stable"))   # subject at its first message not due yet
             self._unit_counter += 1
             self._units[self._unit_counter] = _Unit(b, np.ones(b.n, bool))
             self._inflight_count += b.n

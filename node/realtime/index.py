@@ -6,7 +6,11 @@ retention dropped a dead prefix, see "Compaction" below); entry (little-endian, 
 
     u64 offset      message-log offset of the frame (one codec batch) holding the message
     u32 index       the message's index inside that frame's batch
-    i64 store_ms    when this node accepted it (= the frame's store_ms column)
+    i64 visible_ms  when a pull may hand it out: 0 if it was due when accepted, else its
+                    due time ``deliver_at_ms``, at most ``visible_hold_ms_max`` after it was
+                    accepted, rounded up to a multiple of ``visible_step_ms`` (``visible_ms``);
+                    files written before this rule hold the acceptance time, which reads
+                    the same (never held: ``held_mask``)
     u64 tags_mask   OR over the message's tags of 1 << (zlib.crc32(tag.encode()) & 63); 0 without tags
     u32 entry_crc   zlib.crc32 of the entry's first 28 bytes
 
@@ -44,7 +48,7 @@ Example (the store owns the file descriptors and passes them in)::
     base, path, older = open_files(folder)                 # at open
     ix = SubjectIndex("orders", path, base)
     ix.repair_tail(log_end, log_start)
-    runs = frame_runs(offset=0, subject_idx=batch.subject_idx, store_ms=t, masks=batch_tag_masks(batch))
+    runs = frame_runs(offset=0, subject_idx=batch.subject_idx, visible_ms=t, masks=batch_tag_masks(batch))
     ix.append_run(fd, runs[0])                              # subject 0 of the frame's subject table
     ix.read(fd, 1, 2)["index"]                              # -> its 2nd and 3rd messages' frame indexes
 """
@@ -68,7 +72,7 @@ log = logging.getLogger("hourglass.realtime.index")
 ENTRY = struct.Struct("<QIqQI")
 ENTRY_SIZE = ENTRY.size  # 32
 _CRC_SPAN = ENTRY_SIZE - 4  # the CRC covers every byte before it
-ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("index", "<u4"), ("store_ms", "<i8"), ("mask", "<u8"),
+ENTRY_DTYPE = np.dtype([("offset", "<u8"), ("index", "<u4"), ("visible_ms", "<i8"), ("mask", "<u8"),
                         ("crc", "<u4")])
 assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
 ENTRIES_FILE = "entries"
@@ -154,23 +158,54 @@ def _crcs(raw: bytes, n: int) -> np.ndarray:
     return np.fromiter(map(crc, [raw[p:p + _CRC_SPAN] for p in range(0, n * ENTRY_SIZE, ENTRY_SIZE)]), np.uint32, n)
 
 
-def encode_entries(*, offset: int, index: np.ndarray, store_ms: int, masks: np.ndarray) -> bytes:
+def visible_ms(batch: Batch, store_ms, hold_ms_max: int, step_ms: int = 1) -> np.ndarray:
+    """When each message of a stored frame may be handed out: its due time rounded up to a
+    multiple of ``step_ms``, never before it was accepted (``store_ms``, the frame's or per
+    message) nor more than ``hold_ms_max`` (+ the rounding) after; a message due by then is
+    visible at once. A delay node dispatches each firing round a few milliseconds ahead
+    (``dispatch_lead_ms``) and the real-time node holds those messages until they are due;
+    the step lets the messages of a few milliseconds become visible together (one pull
+    answer, not one per millisecond)."""
+    due = batch.deliver_at_ms
+    store = np.asarray(store_ms, np.int64)
+    ahead = due > store
+    if not ahead.any():  # due already (producers' messages): visible when stored
+        return np.zeros(len(due), np.int64)
+    v = np.minimum(due, store + hold_ms_max)
+    if step_ms > 1:
+        v = -(-v // step_ms) * step_ms
+    v[~ahead] = 0
+    return v
+
+
+def held_mask(visible: np.ndarray, now_ms: int, window_ms: int) -> np.ndarray:
+    """Entries a pull at ``now_ms`` holds back: visible later, but at most ``window_ms``
+    later (the hold limit and its rounding). A value further ahead was written under a
+    clock that has since stepped back: it is not held for that long. Old entries (the
+    acceptance time) and entries due when stored (0) are never held."""
+    return (visible - (now_ms + 1)).view(np.uint64) < np.uint64(window_ms)
+
+
+def encode_entries(*, offset: int, index: np.ndarray, visible_ms, masks: np.ndarray) -> bytes:
     """The bytes of one run: entries of messages ``index`` of the frame at ``offset``."""
     n = len(index)
     e = np.zeros(n, ENTRY_DTYPE)
     e["offset"] = offset
     e["index"] = index
-    e["store_ms"] = store_ms
+    e["visible_ms"] = visible_ms
     e["mask"] = masks
     e["crc"] = _crcs(e.tobytes(), n)
     return e.tobytes()
 
 
-def frame_runs(*, offset: int, subject_idx: np.ndarray, store_ms: int, masks: np.ndarray) -> dict[int, bytes]:
+def frame_runs(*, offset: int, subject_idx: np.ndarray, visible_ms, masks: np.ndarray) -> dict[int, bytes]:
     """Every run of one frame at once: subject index -> the bytes of its entries (messages of
-    that subject in frame order). One structured array, one CRC comprehension."""
+    that subject in frame order). One structured array, one CRC comprehension.
+    ``visible_ms``: one value for the frame, or one per message."""
     order = np.argsort(subject_idx, kind="stable")
-    raw = encode_entries(offset=offset, index=order, store_ms=store_ms, masks=masks[order])
+    if np.ndim(visible_ms):
+        visible_ms = np.asarray(visible_ms)[order]
+    raw = encode_entries(offset=offset, index=order, visible_ms=visible_ms, masks=masks[order])
     keys = subject_idx[order]
     cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
     starts = np.concatenate(([0], cuts)).tolist()
@@ -195,7 +230,7 @@ class SubjectIndex:
     ``live_from``: the first handle whose frame is still in the message log (retention)."""
 
     __slots__ = ("subject", "path", "base", "count", "last_offset", "last_index", "fd", "dirty", "trusted_from",
-                 "live_from")
+                 "live_from", "held_until")
 
     def __init__(self, subject: str, path: Path, base: int = 0) -> None:
         self.subject = subject
@@ -208,6 +243,8 @@ class SubjectIndex:
         self.fd = -1
         self.dirty = False     # written since the last fsync
         self.trusted_from = 0  # entries from here on were written by this process: read without CRC checks
+        # no entry has visible_ms past this (pulls skip the check until then); set by the store
+        self.held_until = 0
 
     def repair_tail(self, log_end: int, log_start: int) -> int | None:
         """Cut a torn tail (see module docstring); set count and last entry. Returns the

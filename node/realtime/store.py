@@ -129,7 +129,7 @@ from cluster.wire import BatchResult
 from node.realtime.dedup import DedupWindow
 from node.realtime import retention as RR
 from node.realtime.index import ENTRY, ENTRY_DTYPE, ENTRY_SIZE, TMP_SUFFIX, SubjectIndex, batch_tag_masks, \
-    copy_entries, frame_runs, index_path, open_files, tags_mask
+    copy_entries, frame_runs, held_mask, index_path, open_files, tags_mask, visible_ms
 from node.realtime.inflight import InflightRanges
 from node.realtime.offsets import COMPACT_BYTES_DEFAULT, OffsetsLog
 from node.store import checkpoint
@@ -178,6 +178,10 @@ class RealtimeSettings:
     retention_bytes: int = 0
     group_idle_ms_max: int = 7 * 86_400_000
     index_compact_entries_min: int = RR.COMPACT_ENTRIES_MIN  # dead index entries before a subject's file is rewritten
+    # a message stored with a due time ahead (a delay node's firing round, dispatch_lead_ms) is
+    # handed out at that time, held at most this long after it was stored
+    visible_hold_ms_max: int = 100
+    visible_step_ms: int = 4                # ... at its due time rounded up to a multiple of this
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:
@@ -362,6 +366,8 @@ class RealtimeStore:
         self._frames: OrderedDict[int, tuple[Batch, int]] = OrderedDict()  # offset -> (batch, body bytes), LRU
         self._frames_bytes = 0
         self._rotation = 0  # which subject of a multi-subject pull goes first (fairness)
+        self.held_next_ms: int | None = None  # after a pull: when the first entry it held back becomes visible
+        self.appended_visible_ms = 0  # after an append: when its first message becomes visible
         # replication: every group file write gets a seq; (subject, group) -> seq of its last write, oldest first
         self.group_seq = 0
         self._dirty_groups: set[tuple[str, str]] = set()  # groups changed since their last snapshot_groups
@@ -383,6 +389,8 @@ class RealtimeStore:
         if DLQ_SUBJECT not in self._subjects:
             self._create_subject(DLQ_SUBJECT)
         self._replay(reindex_from, dedup_offset, now_ms)
+        for ix in self._subjects.values():  # entries written before a restart may still be held
+            ix.held_until = now_ms + self.settings.visible_hold_ms_max
         self._load_groups(self._migrate_group_files(group_docs))
         self._indexed_upto = self.messages.end_offset
         self.flush()
@@ -494,7 +502,9 @@ class RealtimeStore:
                 continue
             last_seq = int(b.seq[-1])
             if off >= reindex_from:
-                runs = frame_runs(offset=off, subject_idx=b.subject_idx, store_ms=int(b.store_ms[0]),
+                runs = frame_runs(offset=off, subject_idx=b.subject_idx,
+                                  visible_ms=visible_ms(b, b.store_ms, self.settings.visible_hold_ms_max,
+                                                        self.settings.visible_step_ms),
                                   masks=batch_tag_masks(b))
                 for k, raw in runs.items():
                     s = b.subjects[k]
@@ -757,11 +767,16 @@ class RealtimeStore:
         contiguous = self._indexed_upto == self.messages.end_offset  # else replay repairs a failed index write
         [off] = self.messages.append([body])
         self._counter += stored.n
-        runs = frame_runs(offset=off, subject_idx=stored.subject_idx, store_ms=now_ms, masks=batch_tag_masks(stored))
+        vis = visible_ms(stored, now_ms, self.settings.visible_hold_ms_max, self.settings.visible_step_ms)
+        held = int(vis.max())
+        self.appended_visible_ms = int(vis.min())
+        runs = frame_runs(offset=off, subject_idx=stored.subject_idx, visible_ms=vis, masks=batch_tag_masks(stored))
         try:
             for k, raw in runs.items():
                 ix = self._subjects[stored.subjects[k]]
                 ix.append_run(self._fd(ix), raw)
+                if held > ix.held_until:
+                    ix.held_until = held
         except DiskFull:
             self._undo_frame(off, [stored.subjects[k] for k in runs])
             raise
@@ -964,6 +979,7 @@ class RealtimeStore:
                 self.counters["redelivered"] += b - a
                 self._mark_dirty(g)
 
+        self.held_next_ms = None
         full = self._take_new(groups, ixs, left, want, now_ms, parts)  # 2. new positions
         if not parts:
             if full:
@@ -979,13 +995,19 @@ class RealtimeStore:
         subject's unread entries (a little more than its share), merges the matching ones by
         log position and keeps the first ``left``; a subject's ``next`` moves past what it
         handed out and past skipped entries before it. Returns True when a group could not
-        hand out because its in-flight set is full while its subject has more entries."""
+        hand out because its in-flight set is full while its subject has more entries.
+
+        A subject's entries are handed out in order up to the first one not visible yet
+        (``visible_ms`` after ``now_ms``: dispatched ahead of its due time); the earliest such
+        time over the subjects is left in ``held_next_ms`` for the caller's wait."""
         scan_left = self.settings.pull_scan_entries_max
         full = False
+        hold_window = self.settings.visible_hold_ms_max + self.settings.visible_step_ms
+        held: set[int] = set()  # groups stopped at an entry not visible yet
         while left > 0 and scan_left > 0:
             live = []
             for g, ix in zip(groups, ixs):
-                if g.next_pos < ix.count:
+                if g.next_pos < ix.count and id(g) not in held:
                     room = self.settings.inflight_per_group_max - len(g.inflight)
                     if room > 0:
                         live.append((g, ix, room))
@@ -999,6 +1021,14 @@ class RealtimeStore:
             cands = []
             for g, ix, room in live:
                 e = ix.read(self._fd(ix), g.next_pos, chunk)
+                if ix.held_until > now_ms:
+                    late = np.flatnonzero(held_mask(e["visible_ms"], now_ms, hold_window))
+                    if len(late):
+                        cut = int(late[0])
+                        at = int(e["visible_ms"][cut])
+                        self.held_next_ms = at if self.held_next_ms is None else min(self.held_next_ms, at)
+                        held.add(id(g))
+                        e = e[:cut]
                 if want:
                     sel = np.flatnonzero(e["mask"] & want)
                     cands.append((g, e, sel, min(room, len(sel))))
@@ -1042,8 +1072,10 @@ class RealtimeStore:
         cuts = np.flatnonzero(np.diff(offsets)) + 1
         starts = np.concatenate(([0], cuts)).tolist()
         ends = np.concatenate((cuts, [len(order)])).tolist()
-        parts = [self._frame(int(offsets[a])).take(index[a:b]) for a, b in zip(starts, ends)]
-        return Batch.concat(parts), handles[order].astype(np.uint64)
+        if len(starts) == 1:
+            return self._frame(int(offsets[0])).take(index), handles[order].astype(np.uint64)
+        return Batch.gather([(self._frame(int(offsets[a])), index[a:b]) for a, b in zip(starts, ends)]), \
+            handles[order].astype(np.uint64)
 
     def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
         """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many
