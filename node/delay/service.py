@@ -372,6 +372,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     self._permanent_failures.pop(seq, None)
             self.metrics.dispatched.inc(int(ok.sum()))
             self.metrics.observe_lateness(np.maximum(0, now - sub.deliver_at_ms[ok]) / 1000)
+        if ok.all():  # the common case: nothing refused (np.isin alone costs ~30 us a round)
+            return
         perm = np.isin(res.codes, PERMANENT_CODES)
         if perm.any():
             await self._handle_permanent(unit, b, part[perm], {int(part[i]): (int(res.codes[i]), res.errors.get(i, ""))
