@@ -74,7 +74,7 @@ class NodeSettings(BaseSettings):
     dispatch_round_interval_ms: int = 3    # firing rounds at least this far apart (batches under load)
     dispatch_round_interval_busy_ms: int = 3  # ... and this far after a round of dispatch_round_busy_messages or more
     dispatch_round_busy_messages: int = 32
-    dispatch_lead_ms: int = Field(default=5, ge=0, description="a firing round takes messages due this far ahead; "
+    dispatch_lead_ms: int = Field(default=10, ge=0, description="a firing round takes messages due this far ahead; "
                                   "the real-time node holds them until due (<= visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
     dispatch_backoff_ms_max: int = 2000
