@@ -261,9 +261,6 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await self._wait_new_data(subjects, wait_s)
         self.calls["pull"] += 1
         self.calls["pull_messages"] += batch.n
-        if self.calls["pull"] % 500 == 0:
-            import json as _j, os as _o, time as _t
-            open(f"/tmp/rtcalls.{_o.getpid()}.jsonl", "a").write(_j.dumps({"t": _t.time(), **self.calls}) + "\n")
         self.metrics.delivered.inc(batch.n)
         return pb.PullResponse(batch=batch.encode(), handles=handles.astype("<u8").tobytes())
 
