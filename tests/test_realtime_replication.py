@@ -92,3 +92,23 @@ def test_truncation_inside_a_group_window_clamps_the_group(tmp_path):
     assert b.id_list() == ["c"] and h.tolist() == [2]
     assert np.array_equal(b.payload_list(), [b"3"])
     st.close()
+
+
+def test_a_replica_indexes_messages_stored_ahead_of_due_the_same_way(tmp_path):
+    """visible_ms comes from the frame's own columns: the replica's index is byte for byte the
+    master's, and a message the master holds until due is held on the replica too."""
+    t = 1_000_000
+    m = RealtimeStore.open(tmp_path / "m", now_ms=t)
+    r = RealtimeStore.open(tmp_path / "r", now_ms=t - 1000)  # long before: only indexing marks what is held
+    m.append(batch(["s1", "s1", "s2"], ["now", "ahead", "s2now"], [b"x"] * 3, np.array([t, t + 50, t], np.int64)),
+             now_ms=t)
+    ship(m, r, -1, t + 1)
+    for s in ("s1", "s2"):
+        assert (tmp_path / "r" / "index" / s / "entries").read_bytes() == \
+            (tmp_path / "m" / "index" / s / "entries").read_bytes()
+    b, _ = r.pull(["s1", "s2"], "g", "c", max_messages=10, now_ms=t + 1)
+    assert sorted(b.id_list()) == ["now", "s2now"] and r.held_next_ms == t + 52  # 50 ahead, rounded up to 4 ms
+    b, _ = r.pull(["s1"], "g", "c", max_messages=10, now_ms=t + 52)
+    assert b.id_list() == ["ahead"]
+    m.close()
+    r.close()

@@ -502,10 +502,9 @@ class RealtimeStore:
                 continue
             last_seq = int(b.seq[-1])
             if off >= reindex_from:
-                runs = frame_runs(offset=off, subject_idx=b.subject_idx,
-                                  visible_ms=visible_ms(b, b.store_ms, self.settings.visible_hold_ms_max,
-                                                        self.settings.visible_step_ms),
-                                  masks=batch_tag_masks(b))
+                vis = visible_ms(b, b.store_ms, self.settings.visible_hold_ms_max, self.settings.visible_step_ms)
+                held = int(vis.max())
+                runs = frame_runs(offset=off, subject_idx=b.subject_idx, visible_ms=vis, masks=batch_tag_masks(b))
                 for k, raw in runs.items():
                     s = b.subjects[k]
                     ix = self._subjects.get(s)
@@ -520,6 +519,8 @@ class RealtimeStore:
                     if raw:
                         ix.append_run(self._fd(ix), raw)
                         self.counters["reindexed"] += len(raw) // ENTRY_SIZE
+                        if held > ix.held_until:  # a replica's frames: held the same once it is promoted
+                            ix.held_until = held
             store_ms = int(b.store_ms[0])
             if off >= dedup_offset and store_ms > cutoff:
                 keys = list(zip(b.subject_list(), b.id_list()))
