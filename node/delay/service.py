@@ -41,7 +41,7 @@ from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
 from node.aio import StallWatch, tune_gc, wait_event
 from node.config import NodeSettings
 from node.delay import retention
-from node.delay.scrub import ScrubTask, verify_online
+from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
@@ -99,7 +99,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.address = ""
         self.server: grpc.aio.Server | None = None
         # background CRC re-checks of segments at rest (node/delay/scrub.py)
-        self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
+        self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
                                   step_bytes_max=settings.scrub_step_bytes_max)
 
     # ------------------------------------------------------------------ gRPC: producer
@@ -191,9 +191,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     def health_stats(self) -> dict:
         """Scrub progress and what healing did (part of ``stats``)."""
-        p = self.scrubber.plan.progress
-        return {"scrub": {"passes": p.passes, "pass_progress": round(p.ratio, 4), "bytes_checked": p.bytes_checked,
-                          "unrepaired": dict(self.scrubber.unrepaired)},
+        return {"scrub": self.scrubber.status(),
                 "healing": dict(self.store.healer.counters)}
 
     async def Verify(self, request, context) -> pb.VerifyResponse:

@@ -50,6 +50,7 @@ from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
+from node.store.scrubtask import ScrubTask
 from node.store.verify import verify_dir
 
 log = logging.getLogger("hourglass.realtime")
@@ -98,6 +99,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         for s in settings.subjects:
             self.store.create_subject(s)
         self.committer = GroupCommitter(self.store.messages)
+        # background CRC re-checks of the message log's sealed segments (node/store/scrubtask.py)
+        self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * (1 << 20)),
+                                  step_bytes_max=settings.scrub_step_bytes_max)
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
         self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark())
@@ -375,7 +379,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return {"role": "realtime", "node_id": self.settings.node_id, "group": self.settings.group,
                 "epoch": self.store.epoch, "address": self.address, "now_ms": self.clock.now_ms(),
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
-                "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls)}
+                "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
+                "scrub": self.scrubber.status()}
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,
@@ -386,11 +391,14 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
 
     async def Verify(self, request, context) -> pb.VerifyResponse:
-        """Check this node's files now (throttled, on a worker thread); nothing is repaired here."""
+        """Check this node's files now (throttled, on a worker thread); a corrupt sealed
+        message-log segment goes to the scrub task's repair (a replicated node fetches it
+        from a member of its group)."""
         store = self.store
         report = await asyncio.get_running_loop().run_in_executor(None, lambda: verify_dir(
             store.root, online=True, rate_bytes_per_s=self.settings.verify_rate_mib_s * (1 << 20),
             record_bytes_max=store.messages.record_bytes_max))
+        await self.scrubber.take_findings(report)
         return pb.VerifyResponse(summary=report.summary(), corrupt=report.corrupt_count,
                                  unrepaired=report.unrepaired, json=report.to_json())
 
@@ -476,6 +484,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                          tg.create_task(self._flush_loop(), name="flush"),
                          tg.create_task(self._disk_loop(), name="disk"),
                          tg.create_task(self._retention_loop(), name="retention")]
+                if self.settings.scrub_rate_mib_s > 0:
+                    tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
                 if self.settings.meta_servers:
                     from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)

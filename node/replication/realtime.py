@@ -44,6 +44,7 @@ from cluster.proto import meta_pb2 as mpb
 from node.realtime.service import RealtimeNode
 from node.realtime.store import RealtimeStore
 from node.replication.core import SyncTracker
+from node.replication.repair import SegmentRepair
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store.group_commit import GroupCommitter
 from node.store.retention import slave_holds
@@ -55,7 +56,7 @@ GROUP_DOCS_BYTES_MAX = 512 * 1024   # group documents one FetchResponse carries 
 ROLE = "realtime"
 
 
-class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer):
+class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.ReplicationServicer):
     ROLE = ROLE
     DISCOVERY_KIND = mpb.CONSUMER
 
@@ -65,6 +66,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
         self.history = self.histories[LOG]
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)    # message-log bytes
         self.gtracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)   # group documents (store group_seq)
+        self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.server = None
         self._handing_over = False
 
@@ -82,6 +84,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, RealtimeNode, rpc.ReplicationServicer
     async def _close_clients(self) -> None:
         if self.resolver is not None:
             await self.resolver.close()
+
+    REPAIR_LOGS = (LOG,)
 
     def _log(self, name: str):
         return self.store.messages

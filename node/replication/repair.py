@@ -3,7 +3,7 @@
 A slave's message and dispatch logs are byte-identical to its master's (``append_raw``
 splits segments exactly as the master did), so a sealed segment the scrub finds corrupt on
 one member can be replaced by the same segment of another. ``SegmentRepair`` is a mixin of
-``ReplicatedDelayNode``:
+``ReplicatedDelayNode`` and ``ReplicatedRealtimeNode`` (its message log only):
 
 * ``ReadLog`` (Replication service, any role): raw framed bytes of ``messages`` or
   ``dispatch`` from an offset, at most ``replication_chunk_bytes`` (``read_bytes``: whole
@@ -33,8 +33,10 @@ LOG_NAMES = ("messages", "dispatch")
 
 
 class SegmentRepair:
+    REPAIR_LOGS = LOG_NAMES  # the logs a member may be asked for (a real-time group: messages only)
+
     async def ReadLog(self, request: pb.ReadLogRequest, context) -> pb.ReadLogResponse:
-        if request.log not in LOG_NAMES:
+        if request.log not in self.REPAIR_LOGS:
             return pb.ReadLogResponse(error=f"unknown log {request.log!r}")
         lg = self._log(request.log)
         try:
