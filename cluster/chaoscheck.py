@@ -9,6 +9,8 @@ Invariants (violations fail the run):
   least once by every consumer group of its subject (a message whose cancel was answered with an
   error is left out: that cancel may have taken effect; such messages are counted apart);
 * **received after cancel**: no receive of a message later than the acknowledgement of its cancel;
+* **early**: no receive before the message's due time (``deliver_at`` of the received message;
+  one machine, one clock: delay nodes fire ahead and real-time nodes hold until due);
 * **restart**: every killed process came back on its files (no restart error), and no process log
   holds a ``CorruptRecord`` (or other ``StorageError``).
 
@@ -110,6 +112,9 @@ def check(out_dir: str | Path) -> dict:
                 lost.append({"id": mid, "group": g, "subject": s["subject"], "deliver_at": s["deliver_at"],
                              "t_ack": s["t_ack"]})
 
+    early = [{"id": r["id"], "group": r["group"], "received": r["t"], "deliver_at": r["deliver_at"]}
+             for r in receives if r.get("deliver_at") is not None and r["t"] < r["deliver_at"]]
+
     after_cancel, before_cancel_answer = [], 0
     for mid, c in cancel_ok.items():
         for g in groups_of.get(acked.get(mid, {}).get("subject", ""), []):
@@ -153,6 +158,8 @@ def check(out_dir: str | Path) -> dict:
         violations.append(f"{len(lost)} acknowledged, non-cancelled messages never received")
     if after_cancel:
         violations.append(f"{len(after_cancel)} receives after the cancel was acknowledged")
+    if early:
+        violations.append(f"{len(early)} receives before the message's due time")
     if restart_errors:
         violations.append(f"{len(restart_errors)} processes did not restart on their files")
     if logs["storage_errors"]:
@@ -172,6 +179,7 @@ def check(out_dir: str | Path) -> dict:
                      "not_checked_due_after_run": not_checked, "receives": len(receives)},
         "lost": {"count": len(lost), "examples": lost[:EXAMPLES_MAX]},
         "received_after_cancel": {"count": len(after_cancel), "examples": after_cancel[:EXAMPLES_MAX]},
+        "received_early": {"count": len(early), "examples": early[:EXAMPLES_MAX]},
         "cancelled_received_before_cancel_answer": before_cancel_answer,
         "ambiguous_cancels": {"received": ambiguous_received, "not_received": ambiguous_not_received},
         "duplicates": {"extra_receives": dup_count, "messages": dup_ids},
@@ -196,7 +204,7 @@ def summarize(r: dict) -> str:
         f"recovery ms (fault start -> all groups healthy): {pct(f['recovery_ms'])}",
         f"messages: sent={m['sent']} acked={m['acked']} send_failed={m['send_failed']} cancels={m['cancel_results']}",
         f"expected deliveries={m['expected_deliveries']} receives={m['receives']} lost={r['lost']['count']} "
-        f"received_after_cancel={r['received_after_cancel']['count']} "
+        f"received_after_cancel={r['received_after_cancel']['count']} early={r['received_early']['count']} "
         f"duplicates={r['duplicates']['extra_receives']} (messages {r['duplicates']['messages']}) "
         f"ambiguous cancels (error answer) received/not={r['ambiguous_cancels']['received']}/"
         f"{r['ambiguous_cancels']['not_received']}",

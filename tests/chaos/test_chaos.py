@@ -36,6 +36,30 @@ def test_schedule_is_a_pure_function_of_the_seed():
     assert {f.kind for f in fault_schedule(5, 60, kinds=CI_KINDS)} <= set(CI_KINDS)
 
 
+def test_checker_counts_a_receive_before_its_due_time_as_a_violation(tmp_path):
+    """The checker's own invariants on recorded files: one message received on time, one
+    received a millisecond before its due time (a delay node fires ahead; the real-time
+    node must hold it until due)."""
+    import json
+
+    from tests.chaos.checker import check
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps({"seed": 0, "duration_s": 1, "groups": {"s": ["g1"]},
+                                                   "due_limit_ms": 10_000, "log_dir": str(tmp_path / "logs")}))
+    sends = [{"id": m, "subject": "s", "deliver_at": 5_000, "t_req": 1_000, "t_ack": 1_001, "ok": True}
+             for m in ("ontime", "early")]
+    receives = [{"id": "ontime", "subject": "s", "group": "g1", "t": 5_000, "deliver_at": 5_000},
+                {"id": "early", "subject": "s", "group": "g1", "t": 4_999, "deliver_at": 5_000}]
+    for name, rows in (("sends", sends), ("cancels", []), ("receives", receives), ("faults", [])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = check(tmp_path)
+    assert not r["passed"] and r["violations"] == ["1 receives before the message's due time"]
+    assert r["received_early"]["examples"] == [{"id": "early", "group": "g1", "received": 4_999,
+                                                "deliver_at": 5_000}]
+    assert "early=1" in summarize(r)
+
+
 def _run(tmp_path, seed: int, duration_s: float, kinds) -> dict:
     report = run_chaos(ChaosConfig(seed=seed, duration_s=duration_s, out_dir=tmp_path / f"chaos-{seed}",
                                    kinds=tuple(kinds)))
