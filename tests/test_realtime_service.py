@@ -16,6 +16,7 @@ from cluster.wire import BatchResult, make_request, pack_ranges, request_batch
 from node.config import NodeSettings
 from node.realtime.service import ORIGIN_ID, RealtimeNode
 from node.realtime.store import DLQ_SUBJECT
+from tests.helpers.inprocess import serving
 
 
 def now_ms() -> int:
@@ -47,17 +48,10 @@ async def node(tmp_path):
                             delay_nodes=[f"127.0.0.1:{delay_port}"], ack_timeout_ms=60_000, max_attempts=3,
                             batch_messages_max=100, pull_wait_ms_max=5_000)
     n = RealtimeNode(settings)
-    stop = asyncio.Event()
-    ready = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
-    address = await asyncio.wait_for(ready, 10)
-    channel = grpc.aio.insecure_channel(address)
     try:
-        yield n, rpc.ProducerStub(channel), rpc.ConsumerStub(channel), delay
+        async with serving(n) as channel:
+            yield n, rpc.ProducerStub(channel), rpc.ConsumerStub(channel), delay
     finally:
-        await channel.close()
-        stop.set()
-        await asyncio.wait_for(task, 10)
         await delay_server.stop(None)
 
 

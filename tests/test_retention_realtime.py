@@ -28,6 +28,7 @@ from node.config import NodeSettings
 from node.realtime import retention as RR
 from node.realtime.retention import GroupPosition
 from node.realtime.service import RealtimeNode
+from tests.helpers.inprocess import serving
 from node.realtime.store import RealtimeSettings, RealtimeStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,57 +327,50 @@ async def test_realtime_send_refused_when_disk_low_pulls_and_acks_go_on(tmpfs, w
                             disk_resume_margin_bytes=256 << 10, disk_check_interval_ms=50,
                             realtime_segment_bytes=1 << 20, retention_interval_ms=100_000)
     n = RealtimeNode(settings)
-    stop = asyncio.Event()
-    ready = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
-    address = await asyncio.wait_for(ready, 10)
-    channel = grpc.aio.insecure_channel(address)
-    producer, consumer = rpc.ProducerStub(channel), rpc.ConsumerStub(channel)
-    try:
-        await producer.SendBatch(make_request(Batch.build("orders", [b"a", b"b"], ["first", "second"], 0)))
-        pull = pb.PullRequest(subject="orders", group="g", consumer_id="c", max_messages=1)
-        assert Batch.decode((await consumer.Pull(pull)).batch).id_list() == ["first"]  # the group exists
-        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-        ballast = (free - (1 << 20)) if watermark_bytes else free  # below the mark / completely full
-        with open(disk / "ballast", "wb") as f:
-            try:
-                f.write(b"\1" * ballast)
-            except OSError:
-                pass
-        await asyncio.sleep(0.3)  # a disk reading
-        code = details = None
-        for k in range(50):
-            b = Batch.build("orders", [os.urandom(2000)] * 50, [f"k{k}-{j}" for j in range(50)], 0)
-            try:
-                await producer.SendBatch(make_request(b))
-            except grpc.aio.AioRpcError as e:
-                code, details = e.code(), e.details()
-                break
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("disk full"), (code, details)
-        # pulls and acks go on
-        resp = await consumer.Pull(pull)
-        h = np.frombuffer(resp.handles, "<u8")
-        assert Batch.decode(resp.batch).id_list() == ["second"]
-        ack = pb.AckRequest(group="g", acks=[pb.SubjectHandles(subject="orders", ranges=pack_ranges(h))])
+    async with serving(n) as channel:
+        producer, consumer = rpc.ProducerStub(channel), rpc.ConsumerStub(channel)
         try:
-            await consumer.Ack(ack)
-        except grpc.aio.AioRpcError as e:  # a disk with no reserve left cannot record an ack either
-            assert not watermark_bytes and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-            assert e.details().startswith("disk full"), e.details()
-        (disk / "ballast").unlink()
-        for _ in range(100):  # writes are taken again, by themselves
+            await producer.SendBatch(make_request(Batch.build("orders", [b"a", b"b"], ["first", "second"], 0)))
+            pull = pb.PullRequest(subject="orders", group="g", consumer_id="c", max_messages=1)
+            assert Batch.decode((await consumer.Pull(pull)).batch).id_list() == ["first"]  # the group exists
+            free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+            ballast = (free - (1 << 20)) if watermark_bytes else free  # below the mark / completely full
+            with open(disk / "ballast", "wb") as f:
+                try:
+                    f.write(b"\1" * ballast)
+                except OSError:
+                    pass
+            await asyncio.sleep(0.3)  # a disk reading
+            code = details = None
+            for k in range(50):
+                b = Batch.build("orders", [os.urandom(2000)] * 50, [f"k{k}-{j}" for j in range(50)], 0)
+                try:
+                    await producer.SendBatch(make_request(b))
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details()
+                    break
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("disk full"), (code, details)
+            # pulls and acks go on
+            resp = await consumer.Pull(pull)
+            h = np.frombuffer(resp.handles, "<u8")
+            assert Batch.decode(resp.batch).id_list() == ["second"]
+            ack = pb.AckRequest(group="g", acks=[pb.SubjectHandles(subject="orders", ranges=pack_ranges(h))])
             try:
-                await producer.SendBatch(make_request(Batch.build("orders", [b"y"], ["after"], 0)))
-                break
-            except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                await asyncio.sleep(0.05)
-        else:
-            pytest.fail("writes not taken again after space was freed")
-        await consumer.Ack(ack)
-        assert n.metrics.disk_refusals._value.get() >= 1
-    finally:
-        (disk / "ballast").unlink(missing_ok=True)
-        await channel.close()
-        stop.set()
-        await asyncio.wait_for(task, 10)
+                await consumer.Ack(ack)
+            except grpc.aio.AioRpcError as e:  # a disk with no reserve left cannot record an ack either
+                assert not watermark_bytes and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                assert e.details().startswith("disk full"), e.details()
+            (disk / "ballast").unlink()
+            for _ in range(100):  # writes are taken again, by themselves
+                try:
+                    await producer.SendBatch(make_request(Batch.build("orders", [b"y"], ["after"], 0)))
+                    break
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await asyncio.sleep(0.05)
+            else:
+                pytest.fail("writes not taken again after space was freed")
+            await consumer.Ack(ack)
+            assert n.metrics.disk_refusals._value.get() >= 1
+        finally:
+            (disk / "ballast").unlink(missing_ok=True)

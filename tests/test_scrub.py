@@ -164,14 +164,10 @@ def test_scrub_task_finds_a_flipped_byte_in_a_sealed_segment(tmp_path, where):
 async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its_slave(tmp_path):
     """The scrub finds a flipped byte in a sealed message-log segment of the master; the
     master fetches the segment from its slave (Replication.ReadLog) and swaps it in."""
-    import json
-    import os
     import time
 
     from cluster.client import Producer, StaticResolver
     from cluster.devcluster import LocalCluster
-    from cluster.proto import hourglass_pb2 as pb
-    from cluster.transport import Channels
     from node.config import NodeSettings
 
     if "message_segment_bytes" not in NodeSettings.model_fields:
@@ -190,31 +186,7 @@ async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its
             for k in range(4):
                 await asyncio.gather(*[p.send_and_wait("scrub.repair", b"r" * 1000, deliver_at_ms=due,
                                                        id=f"r{k}-{i}") for i in range(40)])
-        seg = node.data_dir / "messages" / f"{0:020d}.log"
-        copy = slave.data_dir / "messages" / f"{0:020d}.log"
-        assert len(sorted((node.data_dir / "messages").glob("*.log"))) >= 2, "a sealed segment"
-        for _ in range(100):  # the slave holds the sealed segment whole (bounded wait: 10 s)
-            if copy.exists() and copy.stat().st_size == seg.stat().st_size:
-                break
-            await asyncio.sleep(0.1)
-        healthy = seg.read_bytes()
-        fd = os.open(seg, os.O_RDWR)
-        try:
-            os.pwrite(fd, bytes([healthy[len(healthy) // 2] ^ 0x04]), len(healthy) // 2)
-        finally:
-            os.close(fd)
-        for _ in range(200):  # bounded: 20 s
-            if "segment repaired from" in node.log_path.read_text():
-                break
-            await asyncio.sleep(0.1)
-        assert "segment repaired from" in node.log_path.read_text(), node.tail_log()
-        assert seg.read_bytes() == healthy == copy.read_bytes()
-        ch = Channels()
-        try:
-            st = json.loads((await ch.admin(node.address).Status(pb.StatusRequest(), timeout=5)).json)
-        finally:
-            await ch.close()
-        assert st["scrub"]["unrepaired"] == {}
+        await flip_and_expect_repair(node, slave)
 
 
 async def test_realtime_node_scrub_finds_a_flipped_byte_in_a_sealed_segment(tmp_path):
@@ -222,7 +194,6 @@ async def test_realtime_node_scrub_finds_a_flipped_byte_in_a_sealed_segment(tmp_
     counted, logged and reported by Status and Verify (no member to fetch it from here)."""
     import json
 
-    import grpc
     import numpy as np
 
     from cluster.codec import Batch
@@ -231,16 +202,12 @@ async def test_realtime_node_scrub_finds_a_flipped_byte_in_a_sealed_segment(tmp_
     from cluster.wire import make_request
     from node.config import NodeSettings
     from node.realtime.service import RealtimeNode
+    from tests.helpers.inprocess import serving
 
     settings = NodeSettings(role="realtime", node_id="rt-scrub", data_dir=tmp_path / "rt", port=0,
                             realtime_segment_bytes=65536, scrub_rate_mib_s=64, retention_interval_ms=3_600_000)
     n = RealtimeNode(settings)
-    stop = asyncio.Event()
-    ready = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(n.run(stop, on_ready=ready.set_result))
-    address = await asyncio.wait_for(ready, 10)
-    channel = grpc.aio.insecure_channel(address)
-    try:
+    async with serving(n) as channel:
         producer = rpc.ProducerStub(channel)
         for k in range(5):  # 200 KB: the log rolls segments of 64 KiB
             b = Batch.build("scrub.rt", [b"q" * 1000] * 40, [f"q{k}-{i}" for i in range(40)], np.zeros(40, np.int64))
@@ -259,23 +226,15 @@ async def test_realtime_node_scrub_finds_a_flipped_byte_in_a_sealed_segment(tmp_
         assert list(st["scrub"]["unrepaired"]) == [sealed[0].key]
         v = await admin.Verify(pb.VerifyRequest(), timeout=30)
         assert v.corrupt == 1 and v.unrepaired == 1
-    finally:
-        await channel.close()
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 async def test_replicated_realtime_master_fetches_a_corrupt_sealed_segment_again_from_its_slave(tmp_path):
     """The same repair as the delay group's, for a real-time group (Replication.ReadLog of
     the message log)."""
-    import json
-    import os
     import time
 
     from cluster.client import Producer, StaticResolver
     from cluster.devcluster import LocalCluster
-    from cluster.proto import hourglass_pb2 as pb
-    from cluster.transport import Channels
 
     env = {"HOURGLASS_REALTIME_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # retention would delete the segment first
@@ -291,32 +250,44 @@ async def test_replicated_realtime_master_fetches_a_corrupt_sealed_segment_again
             for k in range(5):
                 await asyncio.gather(*[p.send_and_wait("scrub.rt.repair", b"r" * 1000, deliver_at_ms=now,
                                                        id=f"rr{k}-{i}") for i in range(40)])
-        seg = node.data_dir / "messages" / f"{0:020d}.log"
-        copy = slave.data_dir / "messages" / f"{0:020d}.log"
         for _ in range(100):  # delivered through the delay node: the master's log rolls (bounded: 10 s)
             if len(sorted((node.data_dir / "messages").glob("*.log"))) >= 2:
                 break
             await asyncio.sleep(0.1)
-        assert len(sorted((node.data_dir / "messages").glob("*.log"))) >= 2, "a sealed segment"
-        for _ in range(100):  # the slave holds the sealed segment whole (bounded wait: 10 s)
-            if copy.exists() and copy.stat().st_size == seg.stat().st_size:
-                break
-            await asyncio.sleep(0.1)
-        healthy = seg.read_bytes()
-        fd = os.open(seg, os.O_RDWR)
-        try:
-            os.pwrite(fd, bytes([healthy[len(healthy) // 2] ^ 0x04]), len(healthy) // 2)
-        finally:
-            os.close(fd)
-        for _ in range(200):  # bounded: 20 s
-            if "segment repaired from" in node.log_path.read_text():
-                break
-            await asyncio.sleep(0.1)
-        assert "segment repaired from" in node.log_path.read_text(), node.tail_log()
-        assert seg.read_bytes() == healthy == copy.read_bytes()
-        ch = Channels()
-        try:
-            st = json.loads((await ch.admin(node.address).Status(pb.StatusRequest(), timeout=5)).json)
-        finally:
-            await ch.close()
-        assert st["scrub"]["unrepaired"] == {}
+        await flip_and_expect_repair(node, slave)
+
+
+async def flip_and_expect_repair(node, slave) -> None:
+    """Flip a byte in the master ``node``'s first sealed message-log segment once ``slave``
+    holds it whole; the scrub must fetch it again from the slave (bounded waits)."""
+    import json
+    import os
+
+    from cluster.proto import hourglass_pb2 as pb
+    from cluster.transport import Channels
+
+    seg = node.data_dir / "messages" / f"{0:020d}.log"
+    copy = slave.data_dir / "messages" / f"{0:020d}.log"
+    assert len(sorted((node.data_dir / "messages").glob("*.log"))) >= 2, "a sealed segment"
+    for _ in range(100):  # the slave holds the sealed segment whole (bounded wait: 10 s)
+        if copy.exists() and copy.stat().st_size == seg.stat().st_size:
+            break
+        await asyncio.sleep(0.1)
+    healthy = seg.read_bytes()
+    fd = os.open(seg, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([healthy[len(healthy) // 2] ^ 0x04]), len(healthy) // 2)
+    finally:
+        os.close(fd)
+    for _ in range(200):  # bounded: 20 s
+        if "segment repaired from" in node.log_path.read_text():
+            break
+        await asyncio.sleep(0.1)
+    assert "segment repaired from" in node.log_path.read_text(), node.tail_log()
+    assert seg.read_bytes() == healthy == copy.read_bytes()
+    ch = Channels()
+    try:
+        st = json.loads((await ch.admin(node.address).Status(pb.StatusRequest(), timeout=5)).json)
+    finally:
+        await ch.close()
+    assert st["scrub"]["unrepaired"] == {}
