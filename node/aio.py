@@ -10,6 +10,7 @@ chaos runs: a slave elected master never finished stopping its follower tasks).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import sys
@@ -50,6 +51,32 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
+
+
+MALLOC_TRIM_INTERVAL_S = 2.0  # how often a node hands freed heap back to the OS (malloc_trim)
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+async def trim_memory_loop(interval_s: float = MALLOC_TRIM_INTERVAL_S) -> None:
+    """Every ``interval_s``, give freed heap back to the OS (on a worker thread). Ingest builds
+    and frees large buffers (a 4,000-message request, its frames, numpy temporaries); glibc
+    keeps what was freed in its arenas, so after a burst a node's RSS stayed tens of bytes
+    per pending message higher than what it holds (``docs/benchmarks.md``, phase 2)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval_s)
+        await loop.run_in_executor(None, trim, 0)
 
 
 class StallWatch:

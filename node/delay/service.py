@@ -38,7 +38,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
-from node.aio import StallWatch, tune_gc, wait_event
+from node.aio import StallWatch, trim_memory_loop, tune_gc, wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
@@ -510,6 +510,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
                                                 name="stall-watch"))
                 self.metrics.start(self.settings.metrics_port)
+                tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
                 tune_gc()
                 log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,
                          self.address, self.store.epoch, self.settings.data_dir)

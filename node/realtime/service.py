@@ -44,7 +44,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
-from node.aio import StallWatch, tune_gc, wait_event
+from node.aio import StallWatch, trim_memory_loop, tune_gc, wait_event
 from node.config import NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
@@ -494,6 +494,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                     tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
                                                 name="stall-watch"))
                 self.metrics.start(self.settings.metrics_port)
+                tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
                 tune_gc()
                 log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,
                          self.address, self.store.epoch)

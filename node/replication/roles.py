@@ -32,7 +32,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
 from node.store import checkpoint
-from node.aio import StallWatch, wait_event, within
+from node.aio import StallWatch, trim_memory_loop, wait_event, within
 
 log = logging.getLogger("hourglass.replication")
 
@@ -445,9 +445,9 @@ class ReplicaRoles:
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
-                scrubber = getattr(self, "scrubber", None)  # delay nodes scrub their segments in both roles
-                if scrubber is not None and self.settings.scrub_rate_mib_s > 0:
-                    tasks.append(tg.create_task(scrubber.run(), name="scrub"))
+                tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
+                if self.settings.scrub_rate_mib_s > 0:  # both roles scrub their segments
+                    tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
                 if self.settings.loop_stall_report_ms:
                     tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
                                                 name="stall-watch"))
