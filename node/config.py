@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from node.delay.store import StoreSettings
@@ -74,8 +74,9 @@ class NodeSettings(BaseSettings):
     dispatch_round_interval_ms: int = 3    # firing rounds at least this far apart (batches under load)
     dispatch_round_interval_busy_ms: int = 3  # ... and this far after a round of dispatch_round_busy_messages or more
     dispatch_round_busy_messages: int = 32
-    dispatch_lead_ms: int = Field(default=10, ge=0, description="a firing round takes messages due this far ahead; "
-                                  "the real-time node holds them until due (<= visible_hold_ms_max)")
+    dispatch_lead_ms: int = Field(default=10, ge=0, le=1000,
+                                  description="a firing round takes messages due this far ahead; the real-time "
+                                              "node holds them until due (must stay below visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
     dispatch_backoff_ms_max: int = 2000
     inflight_max: int = 100_000
@@ -128,6 +129,15 @@ class NodeSettings(BaseSettings):
     verify_rate_mib_s: float = Field(default=64.0, gt=0, description="read rate of `hourglass admin verify`")
 
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _lead_within_hold(self) -> "NodeSettings":
+        """A real-time node holds a message stored ahead of its due time at most
+        ``visible_hold_ms_max``: a longer lead would deliver messages early."""
+        if self.dispatch_lead_ms >= self.visible_hold_ms_max and self.dispatch_lead_ms > 0:
+            raise ValueError(f"dispatch_lead_ms ({self.dispatch_lead_ms}) must be below visible_hold_ms_max "
+                             f"({self.visible_hold_ms_max}): real-time nodes would hand messages out early")
+        return self
 
     def limits(self) -> Limits:
         return Limits(subject_bytes_max=self.subject_bytes_max, id_bytes_max=self.id_bytes_max,

@@ -767,3 +767,19 @@ def test_property_never_early_never_lost_in_order(tmp_path_factory, steps, step)
         order = [i for i in sorted(got, key=lambda i: (got[i], int(i[1:]))) if sent[i][0] == s]
         assert order == sorted(order, key=lambda i: int(i[1:]))
     st_.close()
+
+
+def test_a_dispatch_lead_beyond_the_real_time_hold_is_refused(tmp_path):
+    """A lead the real-time nodes would not hold for would deliver messages early: the
+    settings refuse it (the CLI prints the one-line reason)."""
+    from pydantic import ValidationError
+
+    from node.config import NodeSettings
+
+    base = dict(role="delay", node_id="n", data_dir=tmp_path)
+    assert NodeSettings(**base).dispatch_lead_ms < NodeSettings(**base).visible_hold_ms_max
+    assert NodeSettings(**base, dispatch_lead_ms=99).dispatch_lead_ms == 99
+    for lead, hold in ((100, 100), (200, 100), (20, 10)):
+        with pytest.raises(ValidationError, match="dispatch_lead_ms .* must be below visible_hold_ms_max"):
+            NodeSettings(**base, dispatch_lead_ms=lead, visible_hold_ms_max=hold)
+    assert NodeSettings(**base, dispatch_lead_ms=0, visible_hold_ms_max=0).dispatch_lead_ms == 0
