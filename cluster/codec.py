@@ -70,6 +70,20 @@ KIND_CANCEL = 2
 HEADER = struct.Struct("<BBHIIIII")
 HEADER_SIZE = HEADER.size  # 24
 COLUMN_BYTES = 8 * 4 + 4 * 3 + 2 * 2 + 1  # 49 per message
+# flags bit 0: the columns are *packed* (docs/format.md "Packed columns"): each column stored
+# as offsets from a base in the fewest bytes that hold them (0 = every value the same). The
+# delay node packs its schedule frames (``encode(packed=True)``), where most columns are
+# constant or span under a second; every reader decodes both layouts.
+FLAG_PACKED = 0x01
+PACKED_COLUMNS = ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end",
+                  "attempts", "subject_idx", "kind")
+_PACKED_DTYPE = {"seq": np.uint64, "deliver_at_ms": np.int64, "effective_ms": np.int64, "store_ms": np.int64,
+                 "id_end": np.uint32, "payload_end": np.uint32, "extra_end": np.uint32, "attempts": np.uint16,
+                 "subject_idx": np.uint16, "kind": np.uint8}
+_PACKED_ENDS = {"id_end": "ids", "payload_end": "payloads", "extra_end": "extras"}
+_PACKED_BASE = 0x80  # descriptor bit: an 8-byte base follows (absent: the base is 0)
+_PACKED_WIDTHS = (0, 1, 2, 4, 8)
+PACKED_N_MIN = 8  # below this the plain layout is as small (the descriptor and bases cost up to 90 bytes)
 N_MAX = 1 << 20
 SUBJECTS_MAX = 65535
 
@@ -333,9 +347,17 @@ class Batch:
 
     # ------------------------------------------------------------------ bytes
 
-    def encode(self) -> bytes:
+    def encode(self, *, packed: bool = False) -> bytes:
+        """The body bytes. ``packed``: the packed column layout when it is smaller (a frame
+        kept on disk for a long time; the wire and the logs that are read back at once keep
+        the plain layout, whose columns decode as views without a copy)."""
         n = self.n
         table = _subject_table(self.subjects)
+        cols = _pack_columns(self) if packed and n >= PACKED_N_MIN else None
+        if cols is not None:
+            head = HEADER.pack(VERSION, FLAG_PACKED, len(self.subjects), n, len(self.ids), len(self.payloads),
+                               len(self.extras), len(table))
+            return b"".join((head, cols, table, self.ids, self.payloads, self.extras))
         head = HEADER.pack(VERSION, 0, len(self.subjects), n, len(self.ids), len(self.payloads), len(self.extras),
                            len(table))
         return b"".join((
@@ -360,12 +382,18 @@ class Batch:
             body = bytes(body)
         if len(body) < HEADER_SIZE:
             raise InvalidArgument("batch", f"{len(body)} bytes is shorter than the {HEADER_SIZE}-byte header")
-        version, _flags, nsub, n, ids_len, pay_len, ext_len, sub_len = HEADER.unpack_from(body, 0)
+        version, flags, nsub, n, ids_len, pay_len, ext_len, sub_len = HEADER.unpack_from(body, 0)
         if version != VERSION:
             raise InvalidArgument("batch", f"unknown batch version {version} (this node reads {VERSION})")
+        if flags & ~FLAG_PACKED:
+            raise InvalidArgument("batch", f"unknown flags {flags:#04x}")
         if n > N_MAX:
             raise InvalidArgument("batch", f"{n} messages exceeds {N_MAX}")
-        want = HEADER_SIZE + n * COLUMN_BYTES + sub_len + ids_len + pay_len + ext_len
+        if flags & FLAG_PACKED:
+            columns, cols_len = _unpack_columns(body, n, {"ids": ids_len, "payloads": pay_len, "extras": ext_len})
+        else:
+            columns, cols_len = None, n * COLUMN_BYTES
+        want = HEADER_SIZE + cols_len + sub_len + ids_len + pay_len + ext_len
         if want != len(body):
             raise InvalidArgument("batch", f"sizes add up to {want} bytes, the batch has {len(body)}")
         pos = HEADER_SIZE
@@ -376,16 +404,20 @@ class Batch:
             pos += n * width
             return a
 
-        seq = col("<u8", 8)
-        deliver = col("<i8", 8)
-        effective = col("<i8", 8)
-        store = col("<i8", 8)
-        id_end = col("<u4", 4)
-        payload_end = col("<u4", 4)
-        extra_end = col("<u4", 4)
-        attempts = col("<u2", 2)
-        sidx = col("<u2", 2)
-        kind = col("u1", 1)
+        if columns is None:
+            seq = col("<u8", 8)
+            deliver = col("<i8", 8)
+            effective = col("<i8", 8)
+            store = col("<i8", 8)
+            id_end = col("<u4", 4)
+            payload_end = col("<u4", 4)
+            extra_end = col("<u4", 4)
+            attempts = col("<u2", 2)
+            sidx = col("<u2", 2)
+            kind = col("u1", 1)
+        else:
+            pos += cols_len
+            seq, deliver, effective, store, id_end, payload_end, extra_end, attempts, sidx, kind = columns
         subjects = []
         end_table = pos + sub_len
         try:
@@ -687,6 +719,98 @@ def _check_extra(tags, props, limits: Limits) -> None:
             raise InvalidArgument("property key", f"must be 1..{limits.property_key_bytes_max} bytes")
         if len(v.encode()) > limits.property_value_bytes_max:
             raise InvalidArgument("property value", f"must be at most {limits.property_value_bytes_max} bytes")
+
+
+def _packed_values(b: Batch, name: str) -> np.ndarray:
+    """The values a packed column stores: ends as lengths, effective_ms as its lead over
+    deliver_at_ms, the rest as they are (u64 arithmetic: offsets wrap, bases add back)."""
+    col = getattr(b, name)
+    if name in _PACKED_ENDS:
+        e = col.astype(np.int64)
+        return e - _starts(e)
+    if name == "effective_ms":
+        return col.astype(np.int64) - b.deliver_at_ms.astype(np.int64)
+    return col.astype(np.uint64 if name == "seq" else np.int64)
+
+
+def _pack_columns(b: Batch) -> bytes | None:
+    """The packed column block (descriptor, bases, offsets) or None when the plain
+    layout is not larger. One min/max and one cast per column, nothing per message."""
+    n = b.n
+    descr = bytearray(len(PACKED_COLUMNS))
+    bases: list[bytes] = []
+    data: list[bytes] = []
+    size = len(descr)
+    for k, name in enumerate(PACKED_COLUMNS):
+        v = _packed_values(b, name)
+        lo, hi = int(v.min()), int(v.max())
+        span = hi - lo
+        w = 0 if span == 0 else 1 if span < 1 << 8 else 2 if span < 1 << 16 else 4 if span < 1 << 32 else 8
+        descr[k] = w
+        if lo:
+            descr[k] |= _PACKED_BASE
+            bases.append(_U64.pack(lo & 0xFFFF_FFFF_FFFF_FFFF))
+            size += 8
+        if w:
+            off = (v - v.dtype.type(lo)) if v.dtype == np.uint64 else (v - lo)
+            data.append(off.astype(f"<u{w}").tobytes())
+            size += n * w
+    if size >= n * COLUMN_BYTES:
+        return None
+    return b"".join((bytes(descr), *bases, *data))
+
+
+def _unpack_columns(body: bytes, n: int, blob_lens: dict[str, int]) -> tuple[list[np.ndarray], int]:
+    """Columns of a packed body (in ``PACKED_COLUMNS`` order) and the block's length. The
+    arrays are new (read-only, like the views of a plain body); ends are checked to be a
+    partition of their blob here, the rest by ``Batch.decode`` as for a plain body."""
+    pos = HEADER_SIZE
+    nd = len(PACKED_COLUMNS)
+    if len(body) < pos + nd:
+        raise InvalidArgument("batch", "packed columns: the descriptor is cut short")
+    descr = body[pos:pos + nd]
+    pos += nd
+    specs = []
+    for k, d in enumerate(descr):
+        w = d & ~_PACKED_BASE
+        if w not in _PACKED_WIDTHS:
+            raise InvalidArgument("batch", f"packed columns: column {PACKED_COLUMNS[k]} has width {w}")
+        specs.append((w, bool(d & _PACKED_BASE)))
+    bases = []
+    for w, has_base in specs:
+        if has_base:
+            if len(body) < pos + 8:
+                raise InvalidArgument("batch", "packed columns: the bases are cut short")
+            bases.append(_U64.unpack_from(body, pos)[0])
+            pos += 8
+        else:
+            bases.append(0)
+    if len(body) < pos + n * sum(w for w, _ in specs):
+        raise InvalidArgument("batch", "packed columns: the offsets are cut short")
+    out: list[np.ndarray] = []
+    deliver = None
+    for name, (w, _), base in zip(PACKED_COLUMNS, specs, bases):
+        if w:
+            v = np.frombuffer(body, f"<u{w}", n, pos).astype(np.uint64)
+            pos += n * w
+            v += np.uint64(base)
+        else:
+            v = np.full(n, base, np.uint64)
+        if name in _PACKED_ENDS:
+            total = blob_lens[_PACKED_ENDS[name]]
+            if n and int(v.max()) > total:
+                raise InvalidArgument("batch", f"packed columns: a {name[:-4]} length exceeds its blob")
+            v = np.cumsum(v)
+            if n and int(v[-1]) != total:
+                raise InvalidArgument("batch", f"packed columns: {name[:-4]} lengths do not add up to the blob")
+        elif name == "deliver_at_ms":
+            deliver = v
+        elif name == "effective_ms":
+            v = v + deliver  # u64: the lead added back, wrapping as it was taken
+        a = v.view(np.int64) if _PACKED_DTYPE[name] is np.int64 else v.astype(_PACKED_DTYPE[name])
+        a.flags.writeable = False
+        out.append(a)
+    return out, pos - HEADER_SIZE
 
 
 def pack_u64(values) -> bytes:

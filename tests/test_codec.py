@@ -83,6 +83,62 @@ def test_gather_is_take_then_concat(sources, data, whole_max):
     assert g.seq.tolist() == [int(b.seq[k]) for b, i in parts for k in i.tolist()]
 
 
+COLUMNS = ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end", "attempts",
+           "subject_idx", "kind")
+i64_st = st.integers(-2**63, 2**63 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(record_st, max_size=40), st.data())
+def test_packed_columns_decode_to_exactly_the_plain_ones(rows, data):
+    """``encode(packed=True)`` (schedule frames) decodes to the same columns, dtypes and
+    blobs as the plain layout, for any values (u64 seqs near the top, negative and extreme
+    times, an effective time below the due time), and is never larger."""
+    n = len(rows)
+    col = lambda elem: np.array(data.draw(st.lists(elem, min_size=n, max_size=n)))  # noqa: E731
+    small = data.draw(st.booleans())  # narrow spans (the usual frame) or anything at all
+    seq0 = data.draw(st.integers(0, 2**64 - 1 - 70_000))
+    seq = (np.uint64(seq0) + col(st.integers(0, 65_535 if small else 70_000)).astype(np.uint64)) if n else None
+    times = (lambda: col(st.integers(0, 999)).astype(np.int64) + data.draw(st.integers(-2**40, 2**40))) if small \
+        else (lambda: col(i64_st).astype(np.int64))
+    b = build(rows)
+    if n:
+        b = b.replace(seq=seq, deliver_at_ms=times(), effective_ms=times(), store_ms=times(),
+                      attempts=col(st.integers(0, 65_535)).astype(np.uint16),
+                      kind=col(st.sampled_from([1, 2])).astype(np.uint8))
+    plain, packed = b.encode(), b.encode(packed=True)
+    assert len(packed) <= len(plain)
+    p, q = Batch.decode(plain), Batch.decode(packed)
+    for name in COLUMNS:
+        a, c = getattr(p, name), getattr(q, name)
+        assert a.dtype == c.dtype and a.tolist() == c.tolist(), name
+    assert (p.ids, p.payloads, p.extras, p.subjects) == (q.ids, q.payloads, q.extras, q.subjects)
+
+
+def test_packed_frame_of_one_second_is_small_and_refuses_damage():
+    n = 1000
+    b = Batch.build("orders", [bytes(256)] * n, [f"id-{i:017d}" for i in range(n)],
+                    np.full(n, 1_800_000_003_600_000, np.int64) + np.arange(n) % 1000,
+                    seq=np.arange(n, dtype=np.uint64) + (3 << 40), store_ms=np.full(n, 1_800_000_000_000))
+    plain, packed = b.encode(), b.encode(packed=True)
+    assert packed[1] == 1 and plain[1] == 0  # the flag
+    assert (len(plain) - len(packed)) / n > 44  # 49 bytes of columns -> seq and due as u16 offsets
+    one = b.take(np.array([0]))
+    assert one.encode(packed=True) == one.encode()  # too small to gain: plain
+    rng = np.random.default_rng(5)
+    cols_end = len(packed) - len(b.ids) - len(b.payloads) - 2 - len("orders")
+    for _ in range(300):  # damage in the descriptor, bases and offsets: a clean refusal or a batch
+        raw = bytearray(packed)
+        raw[int(rng.integers(HEADER_SIZE, cols_end))] ^= 1 << int(rng.integers(8))
+        try:
+            Batch.decode(bytes(raw))
+        except InvalidArgument:
+            pass
+    for raw in (packed[:HEADER_SIZE + 5], packed[:-1], bytes([2, 3]) + packed[2:]):
+        with pytest.raises(InvalidArgument):
+            Batch.decode(raw)
+
+
 def test_decode_refuses_every_malformed_structure():
     good = Batch.build(["s", "t"], [b"ab", b"c"], ["i1", "i2"], [1, 2]).encode()
     Batch.decode(good)

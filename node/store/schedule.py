@@ -103,7 +103,12 @@ ENTRY_DTYPE = np.dtype([("data_offset", "<u8"), ("frame_size", "<u4"), ("prev", 
 HEADS_HEADER = struct.Struct("<4sIqIQ")  # 28 bytes, then u32 crc, padded to 32
 HEADS_HEADER_SIZE = 32
 HEADS_MAGIC = b"HGH2"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # of the heads header
+# meta.json "version": 3 = frames may use the packed column layout (cluster/codec.py
+# FLAG_PACKED); a version 2 folder (plain frames only) is read the same and marked 3 when
+# opened, so a node older than the packed layout refuses it instead of misreading it.
+META_VERSION = 3
+META_VERSIONS_READ = (2, 3)
 BUCKET_MS_DEFAULT = 3_600_000
 DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
 OPEN_BUCKETS_MAX_DEFAULT = 32
@@ -366,7 +371,7 @@ class Bucket:
     def append_groups(self, groups: list[Batch]) -> list[tuple[int, int]]:
         """File groups (each due in one second of this bucket, in due order, all newer than
         ``last_seq``): one data write, one index write. Returns (offset, size) each."""
-        bodies = [g.encode() for g in groups]
+        bodies = [g.encode(packed=True) for g in groups]
         data_end = self.data.end_offset
         offsets = self.data.append(bodies)
         sizes = [HEADER_SIZE + len(body) for body in bodies]
@@ -523,6 +528,12 @@ class Bucket:
             pass
 
 
+def _write_meta(path: Path, bucket_ms: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"bucket_ms": bucket_ms, "version": META_VERSION}))
+    os.replace(tmp, path)
+
+
 class ScheduleLog:
     """All buckets of one node. Keeps at most ``open_buckets_max`` buckets open (LRU)."""
 
@@ -535,16 +546,17 @@ class ScheduleLog:
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
-            if int(meta.get("version", 1)) != FORMAT_VERSION:
+            version = int(meta.get("version", 1))
+            if version not in META_VERSIONS_READ:
                 raise CorruptRecord(str(meta_path), 0, f"schedule log format {meta.get('version')} "
-                                                       f"(this node reads {FORMAT_VERSION})")
+                                                       f"(this node reads {', '.join(map(str, META_VERSIONS_READ))})")
             bucket_ms = int(meta["bucket_ms"])  # fixed at creation
+            if version != META_VERSION:
+                _write_meta(meta_path, bucket_ms)
         else:
             if bucket_ms % 1000 or bucket_ms <= 0:
                 raise InvalidArgument("bucket_ms", "must be a positive whole number of seconds")
-            tmp = meta_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"bucket_ms": bucket_ms, "version": FORMAT_VERSION}))
-            os.replace(tmp, meta_path)
+            _write_meta(meta_path, bucket_ms)
         self.bucket_ms = bucket_ms
         self.data_segment_bytes = data_segment_bytes
         self.open_buckets_max = open_buckets_max
