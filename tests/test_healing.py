@@ -128,7 +128,8 @@ def test_healthy_store_rebuilds_nothing(tmp_path):
     h.run_until(T0 + 3_500)
     h.restart()
     h.crash()
-    assert h.store.healer.counters == {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
+    assert h.store.healer.counters == {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0,
+                                       "id_files_rebuilt": 0}
 
 
 def test_an_interrupted_swap_is_finished_or_discarded_at_open(tmp_path):
@@ -245,3 +246,42 @@ def test_a_bad_id_index_location_is_not_a_reason_to_rebuild_a_bucket(tmp_path):
         s.lookup("m10")
     assert s.healer.counters["buckets_rebuilt"] == 0
     assert not bucket_dir(tmp_path, future + HOUR).exists()
+
+
+@pytest.mark.parametrize("which", ["sealed", "newest", "both"])
+def test_an_id_file_with_a_corrupt_header_is_rebuilt_from_the_schedule_log(tmp_path, which):
+    """A flipped byte in an id-index file header used to stop the node at every start. Now
+    the file is rebuilt from the schedule frames: every id is found again (pending,
+    cancelled, dispatched), a re-send is still a duplicate, nothing is delivered twice."""
+    import dataclasses
+
+    h = Harness(tmp_path, settings=dataclasses.replace(SMALL, id_entries_max=16))
+    h.send([msg(i, T0 + 1_000 + 100 * i) for i in range(30)])  # two files of 16, then the newest
+    h.send([msg(i, T0 + 2 * HOUR + i) for i in range(30, 60)])
+    h.store.cancel("m40", now_ms=h.now)
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    h.run_until(T0 + 2_000)  # m0..m9 delivered
+    h.store.checkpoint()
+    first = list(h.delivered)
+    files = sorted((tmp_path / "ids").glob("*.idx"))
+    assert len(files) >= 3
+    targets = {"sealed": [files[1]], "newest": [files[-1]], "both": [files[0], files[-1]]}[which]
+    for p in targets:
+        flip(p, at=20)  # inside the CRC'd header
+    h.crash()
+    h.delivered = []
+    s = h.store
+    assert s.healer.counters["id_files_rebuilt"] == len(targets)
+    assert all(p.with_name(p.name + ".corrupt").exists() for p in targets)
+    want = {f"m{i}": "dispatched" if f"m{i}" in first else "cancelled" if i == 40 else "pending" for i in range(60)}
+    assert {mid: s.lookup(mid).status for mid in want} == want
+    again = h.send([msg(5, T0 + 1_500), msg(45, T0 + 2 * HOUR + 45)])
+    assert [a.duplicate for a in again] == [True, True]
+    h.run_until(T0 + 2 * HOUR + 1_000, step=500)
+    everything = first + h.delivered
+    assert sorted(everything) == sorted(f"m{i}" for i in range(60) if i != 40)
+    assert len(everything) == len(set(everything))
+    h.restart()  # the rebuilt files are ordinary files now
+    assert h.store.healer.counters["id_files_rebuilt"] == 0
+    assert h.store.lookup("m45").status == "dispatched"

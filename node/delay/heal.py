@@ -30,6 +30,15 @@ else by a search for the next good header, at most ``RESYNC_BYTES_MAX``). Record
 corrupt frame that the message log no longer holds are lost here: the log line says how
 many bytes were skipped (``lost_bytes``) and ``docs/operations.md`` tells what to do.
 
+The **id index** is derived too: ``id_entries`` rebuilds the entries of one id file (a seq
+range) from the schedule frames that hold those records, read through each bucket's index
+(first/last seq per frame). ``IdIndex.open`` uses it for a file whose header fails its
+checks, which used to stop the node at every start. What it cannot give back: entries of
+messages whose bucket retention already deleted (delivered or cancelled, still inside the
+dedupe window) - a re-send of such an id inside the window is then accepted as new - and
+entries in a bucket that itself fails to read (it is rebuilt right after, and its records
+are found by seq, ``docs/format.md``). Both are counted in the log line.
+
 ``BucketHealer.check_soon`` runs at open, before the node announces serving: the buckets
 the wheel loads first are verified (``Bucket.verify``: the whole index and heads, and the
 frames due within ``verify_ahead_ms``) and rebuilt when they fail. Later buckets are rebuilt
@@ -50,10 +59,12 @@ import numpy as np
 from cluster.codec import KIND_CANCEL, Batch, DispatchBatch
 from cluster.errors import CorruptRecord, InvalidArgument
 from node.store import records
+from node.store.idindex import ENTRY_DTYPE, key_hashes
 from node.store.log import HEADER, HEADER_SIZE
 
 if TYPE_CHECKING:
     from node.delay.store import DelayStore
+    from node.store.schedule import ScheduleLog
 
 log = logging.getLogger("hourglass.delay.heal")
 
@@ -104,6 +115,51 @@ def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], 
             lost += found - pos
             pos = found
     return out, lost
+
+
+def id_entries(schedule: "ScheduleLog", lo_seq: int, hi_seq: int | None) -> np.ndarray:
+    """Id-index entries (``ENTRY_DTYPE``, sorted by seq) of every filed record with
+    ``lo_seq <= seq < hi_seq``: one per record of the schedule frames whose seq range meets
+    it, pointing at that frame (module docs). Buckets or frames that fail to read are
+    skipped and logged: the bucket healer deals with them, the index loses those entries."""
+    hi = (1 << 64) - 1 if hi_seq is None else hi_seq - 1
+    parts: list[np.ndarray] = []
+    skipped = 0
+    for start in schedule.bucket_starts():
+        try:
+            b = schedule.bucket(start, create=False)
+            frames = b.entries_array() if b is not None else None
+        except CorruptRecord as e:
+            log.warning("id index rebuild skips a bucket that does not open bucket=%d error=%s", start, e)
+            skipped += 1
+            continue
+        if frames is None:
+            continue
+        sel = np.flatnonzero((frames["last_seq"] >= np.uint64(lo_seq)) & (frames["first_seq"] <= np.uint64(hi)))
+        for off, size in zip(frames["data_offset"][sel].tolist(), frames["frame_size"][sel].tolist()):
+            try:
+                batch = b.read(off, size)
+            except (CorruptRecord, InvalidArgument) as e:
+                log.warning("id index rebuild skips a frame that does not read bucket=%d offset=%d error=%s",
+                            start, off, e)
+                skipped += 1
+                continue
+            m = (batch.seq >= np.uint64(lo_seq)) & (batch.seq <= np.uint64(hi))
+            if not m.any():
+                continue
+            part = batch.take(np.flatnonzero(m))
+            e = np.zeros(part.n, ENTRY_DTYPE)
+            e["key_hash"] = key_hashes(part.id_bytes_list())
+            e["bucket_start_ms"] = start
+            e["data_offset"] = off
+            e["seq"] = part.seq
+            e["frame_size"] = size
+            parts.append(e)
+    out = np.concatenate(parts) if parts else np.zeros(0, ENTRY_DTYPE)
+    out = out[np.argsort(out["seq"], kind="stable")]
+    log.warning("id index entries rebuilt from the schedule log seqs=[%d, %s) entries=%d unreadable=%d", lo_seq,
+                "end" if hi_seq is None else hi_seq, len(out), skipped)
+    return out
 
 
 def group_by_second(b: Batch) -> list[Batch]:

@@ -53,6 +53,7 @@ class DelayScrubTask(ScrubTask):
     def __init__(self, node, **kw) -> None:
         super().__init__(node, **kw)
         self._healed_seen: dict[int, tuple[int, int]] = {}  # id(healer) -> (found, rebuilt) counted
+        self._ids_seen: set[int] = set()  # id(healer) whose id-index rebuilds at open are counted
 
     def logs(self) -> list[tuple[SegmentedLog, str]]:
         s = self.node.store
@@ -73,6 +74,11 @@ class DelayScrubTask(ScrubTask):
         if rebuilt > rebuilt0:
             m.corrupt_repaired.labels(kind="schedule").inc(rebuilt - rebuilt0)
         self._healed_seen = {id(h): (found, rebuilt)}
+        ids = h.counters.get("id_files_rebuilt", 0)
+        if ids and id(h) not in self._ids_seen:  # once per store opened
+            m.corrupt_found.labels(kind="ids").inc(ids)
+            m.corrupt_repaired.labels(kind="ids").inc(ids)
+        self._ids_seen = {id(h)}
 
     async def on_derived_corrupt(self, target: ScrubTarget, err: CorruptRecord) -> bool:
         if target.kind != "schedule":

@@ -62,7 +62,7 @@ from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCO
                            Limits)
 from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
-from node.delay.heal import BucketHealer
+from node.delay.heal import BucketHealer, id_entries
 from node.store import checkpoint, records
 from node.store.syncplan import DocGate, SyncPlan
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
@@ -191,7 +191,9 @@ class DelayStore:
         self.schedule = ScheduleLog(root / "schedule", bucket_ms=settings.bucket_ms,
                                     data_segment_bytes=settings.schedule_segment_bytes,
                                     cache_bytes_max=settings.schedule_cache_bytes_max)
-        self.ids = IdIndex.open(root / "ids", slots_count=settings.id_slots, entries_max=settings.id_entries_max)
+        # derived from the schedule log: a file with a corrupt header is rebuilt from it
+        self.ids = IdIndex.open(root / "ids", slots_count=settings.id_slots, entries_max=settings.id_entries_max,
+                                rebuild=lambda lo, hi: id_entries(self.schedule, lo, hi))
         self._ckpt_path = root / "checkpoint"
         self._gate = DocGate()
         ck = checkpoint.read(self._ckpt_path) or {}
@@ -222,6 +224,7 @@ class DelayStore:
         # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
         self.healer = BucketHealer(self)
+        self.healer.counters["id_files_rebuilt"] = len(self.ids.rebuilt_files)
         self.schedule.healer = self.healer.rebuild
         self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
         self._pending = self._count_pending()

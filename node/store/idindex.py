@@ -107,6 +107,7 @@ import os
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,10 +287,31 @@ def build_compacted(path: Path, entries_offset: int, entries_used: int, gone_buc
     for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
         e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
         keep_total += int(np.count_nonzero(~np.isin(e["bucket_start_ms"], gone_buckets)))
-    entries_max = max(1, keep_total)
+
+    def kept():
+        for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
+            e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
+            yield e[~np.isin(e["bucket_start_ms"], gone_buckets)].copy()
+
+    return _write_table(path.with_name(path.name + ".tmp"), kept(), max(1, keep_total), first_seq=first_seq,
+                        version=version)
+
+
+def build_from_entries(path: Path, entries: np.ndarray, *, first_seq: int) -> Compacted:
+    """Write ``{path}.tmp`` holding ``entries`` (``ENTRY_DTYPE``, sorted by seq, each seq >=
+    ``first_seq``), chains linked; fsynced. How a corrupt file is rebuilt (``IdIndex.open``)."""
+    e = np.array(entries, ENTRY_DTYPE)  # a writable copy: the writer sets ``prev``
+    chunks = (e[lo:lo + COMPACT_CHUNK_ENTRIES] for lo in range(0, len(e), COMPACT_CHUNK_ENTRIES))
+    return _write_table(path.with_name(path.name + ".tmp"), chunks, max(1, len(e)), first_seq=first_seq,
+                        version=VERSION)
+
+
+def _write_table(tmp: Path, chunks: Iterable[np.ndarray], entries_max: int, *, first_seq: int,
+                 version: int) -> Compacted:
+    """A sealed file at ``tmp`` from chunks of entries in order (``prev`` is set here), with
+    about two slots per entry; fsynced. Removed again if anything fails."""
     slots_count = 1 << max(10, (2 * entries_max - 1).bit_length())  # about two slots per entry
     slots = np.zeros(slots_count, np.uint32)
-    tmp = path.with_name(path.name + ".tmp")
     size = file_size(slots_count, entries_max)
     ent_off = HEADER_SIZE + SLOT_SIZE * slots_count
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -297,9 +319,7 @@ def build_compacted(path: Path, entries_offset: int, entries_used: int, gone_buc
         allocate(fd, 0, size, str(tmp))
         n = 0
         last_seq = -1
-        for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
-            e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
-            e = e[~np.isin(e["bucket_start_ms"], gone_buckets)].copy()
+        for e in chunks:
             k = len(e)
             if not k:
                 continue
@@ -331,6 +351,21 @@ def build_compacted(path: Path, entries_offset: int, entries_used: int, gone_buc
     return Compacted(tmp, slots_count, entries_max, n, last_seq if n else first_seq)
 
 
+def _rebuild_file(p: Path, first_seq: int, next_first_seq: int | None,
+                  rebuild: Callable[[int, int | None], np.ndarray], why: CorruptRecord) -> _IndexFile:
+    """Replace corrupt file ``p`` by one written from ``rebuild``'s entries (module docs)."""
+    log.warning("id index file corrupt, rebuilding it from the schedule log path=%s offset=%d reason=%r",
+                p, why.offset, why.reason)
+    entries = rebuild(first_seq, next_first_seq)
+    built = build_from_entries(p, entries, first_seq=first_seq)
+    os.replace(p, p.with_name(p.name + ".corrupt"))  # kept for a look; never read again
+    os.replace(built.tmp, p)
+    fsync_dir(p.parent)
+    log.warning("id index file rebuilt path=%s entries=%d last_seq=%d (the bad file is %s.corrupt)",
+                p, built.entries_used, built.last_seq, p.name)
+    return _read_header(p, first_seq)
+
+
 class IdIndex:
     """Message id -> ``IdLocation`` candidates, in rolling mmap'd hash-slot files."""
 
@@ -344,13 +379,21 @@ class IdIndex:
         self._mapped: OrderedDict[int, _IndexFile] = OrderedDict()  # first_seq -> file, LRU order
         self._closed = False
         self._last_seq = -1
+        self.rebuilt_files: list[Path] = []  # files rebuilt at open (their header was corrupt)
 
     # -- opening and recovery ------------------------------------------------------
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], *, slots_count: int = SLOTS_COUNT_DEFAULT,
-             entries_max: int = ENTRIES_MAX_DEFAULT, open_files_max: int = OPEN_FILES_MAX_DEFAULT) -> IdIndex:
-        """Open (or create) the folder; ``slots_count``/``entries_max`` apply to new files."""
+             entries_max: int = ENTRIES_MAX_DEFAULT, open_files_max: int = OPEN_FILES_MAX_DEFAULT,
+             rebuild: Callable[[int, int | None], np.ndarray] | None = None) -> IdIndex:
+        """Open (or create) the folder; ``slots_count``/``entries_max`` apply to new files.
+
+        ``rebuild(first_seq, next_first_seq)``: the entries (``ENTRY_DTYPE``, sorted by seq)
+        of the records with ``first_seq <= seq < next_first_seq`` (None: no bound), from the
+        data the index is derived from. A file whose header fails its checks is then rebuilt
+        from them (the bad file kept as ``{name}.corrupt``) instead of failing the open;
+        without it the ``CorruptRecord`` is raised."""
         for name, value, lo, hi in (("slots_count", slots_count, 1, _U32_MAX),
                                     ("entries_max", entries_max, 1, _U32_MAX - 1),
                                     ("open_files_max", open_files_max, 1, 1 << 16)):
@@ -364,12 +407,22 @@ class IdIndex:
             log.warning("id index removing unfinished file path=%s", tmp)
             tmp.unlink()
         files = []
-        for p in sorted(path.glob(f"*{SUFFIX}")):
+        rebuilt: list[Path] = []
+        names = sorted(path.glob(f"*{SUFFIX}"))
+        for k, p in enumerate(names):
             stem = p.name[: -len(SUFFIX)]
             if len(stem) != 20 or not stem.isdigit():
                 raise CorruptRecord(str(p), 0, "file name is not a 20-digit first seq")
-            files.append(_read_header(p, int(stem)))
+            try:
+                files.append(_read_header(p, int(stem)))
+            except CorruptRecord as e:
+                if rebuild is None:
+                    raise
+                nxt = int(names[k + 1].name[: -len(SUFFIX)]) if k + 1 < len(names) else None
+                files.append(_rebuild_file(p, int(stem), nxt, rebuild, e))
+                rebuilt.append(p)
         self = cls(path, files, slots_count=slots_count, entries_max=entries_max, open_files_max=open_files_max)
+        self.rebuilt_files = rebuilt
         try:
             self._recover_newest()
         except BaseException:
