@@ -614,9 +614,13 @@ def sustain_step(system, work: Path, args, rate: int) -> dict:
     cons = ConsumerProcess(work, f"{system.name}-r{rate}", system.target(), SUBJECTS, n_max, horizon_s,
                            stages=args.stages and system.name == "hourglass")
     meter = CpuMeter({"producer": "self", **system.pids()}).start()
+    sampler = Sampler(system, args.sample_s).start() if args.sample_s and hasattr(system, "data_dirs") else None
     t0 = time.perf_counter()
-    sender, acked, blocks = produce_and_receive(system, cons, open_loop(prefix, rate, args.sustain_s, pool, rnd),
-                                                prefix, n_max)
+    try:
+        sender, acked, blocks = produce_and_receive(system, cons,
+                                                    open_loop(prefix, rate, args.sustain_s, pool, rnd), prefix, n_max)
+    finally:
+        samples = sampler.stop() if sampler else None
     seconds = max(sender.last_ack - t0, args.sustain_s)
     sc = score(acked, blocks)
     achieved = acked.count / seconds
@@ -627,10 +631,44 @@ def sustain_step(system, work: Path, args, rate: int) -> dict:
     counts = {"producer": acked.count, **{k: acked.count for k in system.pids()}}
     if cons.stages:
         sc["stages_ms"] = stage_split(acked, blocks, cons.stages)
-    return {"bench": "e2e", "phase": "sustain", "system": system.name, "rate": rate, "seconds": args.sustain_s,
-            "acked": acked.count, "send_errors": sender.errors, "achieved_per_s": round(achieved),
-            "holds": holds, "holds_p99_50ms": holds_loose, "fails_badly": bad, **sc,
-            "cpu_us_per_msg": cpu_report(meter, counts, cons, sc["received"])}
+    out = {"bench": "e2e", "phase": "sustain", "system": system.name, "rate": rate, "seconds": args.sustain_s,
+           "acked": acked.count, "send_errors": sender.errors, "achieved_per_s": round(achieved),
+           "holds": holds, "holds_p99_50ms": holds_loose, "fails_badly": bad, **sc,
+           "cpu_us_per_msg": cpu_report(meter, counts, cons, sc["received"])}
+    if samples:
+        out["samples"] = samples
+    return out
+
+
+class Sampler:
+    """Every ``every_s`` during a sustain step (``--sample-s``, a soak): bytes on disk of
+    each node's data folder and anonymous memory of each node process, on a thread."""
+
+    def __init__(self, system, every_s: float) -> None:
+        import threading
+
+        self.system, self.every_s = system, every_s
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._t0 = time.monotonic()
+
+    def start(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+
+        pids = self.system.pids()
+        while not self._stop.wait(self.every_s):
+            self.rows.append({"t_s": round(time.monotonic() - self._t0),
+                              "disk_mb": {d.name: round(dir_bytes(d) / 2**20, 1) for d in self.system.data_dirs()},
+                              "anon_mb": {k: round(tree_mem(p)["anon"] / 2**20, 1) for k, p in pids.items()}})
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        return self.rows
 
 
 def sustain(system, work: Path, args) -> list[dict]:
@@ -750,6 +788,8 @@ def main() -> None:
     p.add_argument("--node-env", action="append", default=[], metavar="HOURGLASS_X=V",
                    help="a node setting for the Hourglass nodes (repeatable), e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5")
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
+    p.add_argument("--sample-s", type=float, default=0,
+                   help="sustain: sample each node's disk and memory this often (a soak)")
     p.add_argument("--stages", action="store_true",
                    help="sustain: split lateness at the real-time node's store time (due -> stored -> received)")
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)

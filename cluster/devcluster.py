@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,36 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.errors import Unavailable
+from cluster.etcdproc import EtcdCluster
+from cluster.ports import free_port
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A free 127.0.0.1 port *below* the kernel's ephemeral range. A node that is killed and
-    restarted binds its port again; a port from the ephemeral range may meanwhile have been
-    taken as the source port of some outgoing connection, and the restart fails to bind."""
-    lo, _ = _ephemeral_range()
-    start = max(1024, lo - 12_000)
-    for _ in range(200):
-        port = random.randrange(start, lo)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below was busy: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def wait_until(pred, timeout_s: float, what: str):
@@ -201,7 +174,6 @@ class LocalCluster:
         self.etcd = None
         self.etcd_endpoints = list(etcd_endpoints or [])
         if n_meta and not self.etcd_endpoints:
-            from cluster.etcdproc import EtcdCluster
             self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members)
             self.etcd_endpoints = self.etcd.endpoints
         hosts, prefixes = hosts or {}, prefixes or {}

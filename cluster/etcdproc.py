@@ -33,8 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import devcluster
 from cluster.errors import Unavailable
+from cluster.ports import free_port
 
 ETCD_BINARY = os.environ.get("HOURGLASS_ETCD_BINARY", "/usr/bin/etcd")
 ETCD_IMAGE = "hourglass/etcd-local:3.4"
@@ -120,7 +120,7 @@ class EtcdCluster:
         if not Path(ETCD_BINARY).exists():
             raise Unavailable(f"no etcd binary at {ETCD_BINARY} (Debian: apt-get install etcd-server)")
         self.root = Path(root)
-        self.members = [EtcdMember(f"etcd-{i + 1}", self.root / f"etcd-{i + 1}", devcluster.free_port(), devcluster.free_port())
+        self.members = [EtcdMember(f"etcd-{i + 1}", self.root / f"etcd-{i + 1}", free_port(), free_port())
                         for i in range(members)]
         initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
         for m in self.members:
@@ -209,8 +209,8 @@ class EtcdContainer:
     def __init__(self, *, image: str | None = None) -> None:
         os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
         self.image = image or build_image()
-        self.client_port = devcluster.free_port()
-        self.peer_port = devcluster.free_port()
+        self.client_port = free_port()
+        self.peer_port = free_port()
         self.container = None
 
     @property

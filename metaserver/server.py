@@ -12,6 +12,7 @@ import signal
 
 import grpc
 
+from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.transport import CHANNEL_OPTIONS
 from cluster.wire import UndecodableRequests
@@ -67,7 +68,5 @@ async def serve(settings: MetaSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-    from node.server import write_ready_file
 
     await run(settings, stop, on_ready=lambda address: write_ready_file(settings.ready_file, address))

@@ -13,10 +13,19 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from node.delay.store import StoreSettings
-from node.realtime.store import RealtimeSettings
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
+from node.store.settings import REALTIME_DEFAULTS as R
+from node.store.settings import STORE_DEFAULTS as S
+from node.store.settings import RealtimeSettings, StoreSettings
+
+# NodeSettings field -> StoreSettings / RealtimeSettings field (the same name unless listed):
+# the defaults are written once, in node/store/settings.py, and every one of them can be set
+# here as HOURGLASS_<FIELD> (tests/test_config.py checks both)
+STORE_FIELDS = {"delay_dedupe_window_ms": "dedupe_window_ms"}
+REALTIME_FIELDS = {"realtime_segment_bytes": "segment_bytes", "realtime_retention_ms": "retention_ms",
+                   "realtime_retention_bytes": "retention_bytes",
+                   "realtime_frame_cache_bytes_max": "frame_cache_bytes_max"}
 
 
 class NodeSettings(BaseSettings):
@@ -64,9 +73,9 @@ class NodeSettings(BaseSettings):
                                    description="requests of one SendBatchStream answered at once (in order)")
 
     # delay node
-    tick_ms: int = 10
-    window_ms: int = 500                   # the wheel loads a second this long before it starts
-    bucket_ms: int = 3_600_000
+    tick_ms: int = Field(default=S.tick_ms, ge=1)
+    window_ms: int = Field(default=S.window_ms, ge=1, description="the wheel loads a second this long before it starts")
+    bucket_ms: int = Field(default=S.bucket_ms, ge=1000, description="schedule bucket length (fixed at creation)")
     checkpoint_interval_ms: int = 200
     iterate_interval_ms: int = 2
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
@@ -79,15 +88,25 @@ class NodeSettings(BaseSettings):
                                               "node holds them until due (must stay below visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
     dispatch_backoff_ms_max: int = 2000
-    inflight_max: int = 100_000
-    unfiled_max: int = 1_000_000
+    inflight_max: int = Field(default=S.inflight_max, ge=1, description="fired, not yet acknowledged messages")
+    unfiled_max: int = Field(default=S.unfiled_max, ge=1, description="accepted, not yet filed messages")
+    wheel_entries_max: int = Field(default=S.wheel_entries_max, ge=1, description="messages in the timing wheel")
+    schedule_cache_bytes_max: int = Field(default=S.schedule_cache_bytes_max, ge=0,
+                                          description="decoded schedule frames kept for the wheel")
+    cache_ahead_ms: int = Field(default=S.cache_ahead_ms, ge=0,
+                                description="frames due this far past the loaded seconds are cached when filed")
+    seconds_load_max: int = Field(default=S.seconds_load_max, ge=1, description="seconds loaded from disk per poll")
+    frame_bytes_max: int = Field(default=S.frame_bytes_max, ge=4096,
+                                 description="a larger accepted batch is appended as several frames")
+    verify_ahead_ms: int = Field(default=S.verify_ahead_ms, ge=0,
+                                 description="at open, frames due this far ahead are verified before serving")
 
     # segment sizes (a segment is the unit retention deletes)
-    message_segment_bytes: int = Field(default=64 << 20, ge=4096)
-    dispatch_segment_bytes: int = Field(default=16 << 20, ge=4096)
-    schedule_segment_bytes: int = Field(default=256 << 20, ge=4096)
-    id_entries_max: int = Field(default=4 << 20, ge=16, description="entries per id-index file")
-    id_slots: int = Field(default=1 << 20, ge=16)
+    message_segment_bytes: int = Field(default=S.message_segment_bytes, ge=4096)
+    dispatch_segment_bytes: int = Field(default=S.dispatch_segment_bytes, ge=4096)
+    schedule_segment_bytes: int = Field(default=S.schedule_segment_bytes, ge=4096)
+    id_entries_max: int = Field(default=S.id_entries_max, ge=16, description="entries per id-index file")
+    id_slots: int = Field(default=S.id_slots, ge=16)
 
     # disk lifecycle (docs/operations.md "Disk"): writes are refused (DiskFull) while free space is
     # below min(disk_free_min_bytes, disk_free_min_ratio x disk size), resumed above it plus the margin
@@ -96,27 +115,42 @@ class NodeSettings(BaseSettings):
     disk_resume_margin_bytes: int = Field(default=64 << 20, ge=0)
     disk_check_interval_ms: int = Field(default=1000, ge=10)
     retention_interval_ms: int = Field(default=10_000, ge=10, description="how often retention runs")
-    delay_dedupe_window_ms: int = Field(default=7 * 86_400_000, ge=0,
+    delay_dedupe_window_ms: int = Field(default=S.dedupe_window_ms, ge=0,
                                         description="ids of delivered/cancelled messages kept for re-send dedupe")
-    id_compact_ratio_min: float = Field(default=0.5, gt=0, le=1)
-    realtime_retention_ms: int = Field(default=3_600_000, ge=0, description="consumed real-time segments kept")
-    realtime_retention_bytes: int = Field(default=0, ge=0, description="0 = no size trigger")
-    realtime_segment_bytes: int = Field(default=64 << 20, ge=4096)
-    group_idle_ms_max: int = Field(default=7 * 86_400_000, ge=1000,
+    id_compact_ratio_min: float = Field(default=S.id_compact_ratio_min, gt=0, le=1)
+    realtime_retention_ms: int = Field(default=R.retention_ms, ge=0, description="consumed real-time segments kept")
+    realtime_retention_bytes: int = Field(default=R.retention_bytes, ge=0, description="0 = no size trigger")
+    realtime_segment_bytes: int = Field(default=R.segment_bytes, ge=4096)
+    group_idle_ms_max: int = Field(default=R.group_idle_ms_max, ge=1000,
                                    description="a consumer group idle this long stops holding data back")
+    index_compact_entries_min: int = Field(default=R.index_compact_entries_min, ge=1,
+                                           description="dead index entries before a subject's index is rewritten")
 
     # real-time node
-    dedup_window_ms: int = 600_000
-    ack_timeout_ms: int = 30_000
-    pull_max: int = 1000
+    dedup_window_ms: int = Field(default=R.dedup_window_ms, ge=0)
+    dedup_entries_max: int = Field(default=R.dedup_entries_max, ge=1,
+                                   description="dedup map size; new messages beyond it are answered OVERLOADED")
+    ack_timeout_ms: int = Field(default=R.ack_timeout_ms, ge=1)
+    inflight_per_group_max: int = Field(default=R.inflight_per_group_max, ge=1,
+                                        description="pulled, unacked messages per (subject, group)")
+    pull_max: int = Field(default=R.pull_max, ge=1)
     pull_wait_ms_max: int = 30_000
-    max_attempts: int = 16
-    auto_create_subjects: bool = True
+    max_attempts: int = Field(default=R.max_attempts, ge=1)
+    auto_create_subjects: bool = R.auto_create_subjects
     subjects: list[str] = []
-    visible_hold_ms_max: int = Field(default=100, ge=0, le=60_000,
+    subjects_max: int = Field(default=R.subjects_max, ge=1)
+    groups_max: int = Field(default=R.groups_max, ge=1)
+    pull_scan_entries_max: int = Field(default=R.pull_scan_entries_max, ge=1,
+                                       description="index entries one pull may examine (tag filters skip entries)")
+    index_files_open_max: int = Field(default=R.index_files_open_max, ge=1)
+    realtime_frame_cache_bytes_max: int = Field(default=R.frame_cache_bytes_max, ge=0,
+                                                description="decoded recent frames kept for pulls")
+    offsets_compact_bytes: int = Field(default=R.offsets_compact_bytes, ge=4096)
+    checkpoint_bytes_min: int = Field(default=R.checkpoint_bytes_min, ge=0)
+    visible_hold_ms_max: int = Field(default=R.visible_hold_ms_max, ge=0, le=60_000,
                                      description="a message stored ahead of its due time is handed out when due, "
                                                  "held at most this long")
-    visible_step_ms: int = Field(default=4, ge=1, le=1000,
+    visible_step_ms: int = Field(default=R.visible_step_ms, ge=1, le=1000,
                                  description="... at its due time rounded up to a multiple of this (batches pulls)")
 
     # clock (tests inject skew; allow_clock_control lets an admin call move it forward)
@@ -145,23 +179,17 @@ class NodeSettings(BaseSettings):
                       batch_messages_max=self.batch_messages_max)
 
     def store_settings(self) -> StoreSettings:
-        return StoreSettings(tick_ms=self.tick_ms, window_ms=self.window_ms, bucket_ms=self.bucket_ms,
-                             inflight_max=self.inflight_max, unfiled_max=self.unfiled_max, limits=self.limits(),
-                             message_segment_bytes=self.message_segment_bytes,
-                             dispatch_segment_bytes=self.dispatch_segment_bytes,
-                             schedule_segment_bytes=self.schedule_segment_bytes, id_slots=self.id_slots,
-                             id_entries_max=self.id_entries_max, dedupe_window_ms=self.delay_dedupe_window_ms,
-                             id_compact_ratio_min=self.id_compact_ratio_min)
+        return StoreSettings(limits=self.limits(), **self._mapped(StoreSettings, STORE_FIELDS))
+
+    def _mapped(self, cls, renamed: dict[str, str]) -> dict:
+        """Every field of ``cls`` but ``limits``, from this model (its name, or the one
+        ``renamed`` gives)."""
+        name_of = {store: mine for mine, store in renamed.items()}
+        return {f: getattr(self, name_of.get(f, f)) for f in cls.__dataclass_fields__ if f != "limits"}
 
     def disk_watermark(self) -> DiskWatermark:
         return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
                              resume_margin_bytes=self.disk_resume_margin_bytes)
 
     def realtime_settings(self) -> RealtimeSettings:
-        return RealtimeSettings(dedup_window_ms=self.dedup_window_ms, ack_timeout_ms=self.ack_timeout_ms,
-                                pull_max=self.pull_max, auto_create_subjects=self.auto_create_subjects,
-                                max_attempts=self.max_attempts, limits=self.limits(),
-                                segment_bytes=self.realtime_segment_bytes, retention_ms=self.realtime_retention_ms,
-                                retention_bytes=self.realtime_retention_bytes,
-                                group_idle_ms_max=self.group_idle_ms_max,
-                                visible_hold_ms_max=self.visible_hold_ms_max, visible_step_ms=self.visible_step_ms)
+        return RealtimeSettings(limits=self.limits(), **self._mapped(RealtimeSettings, REALTIME_FIELDS))

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
+from cluster.cli import common
 from cluster.devcluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,8 +215,8 @@ def test_send_lookup_cancel_consume(hg, cluster):
 
 def test_an_unexpected_error_is_one_line_unless_debugging(cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")}
-    code = ("import sys, cluster.cli as c\n"
-            "c._now_ms = lambda: 1 // 0\n"
+    code = ("import sys, cluster.cli as c, cluster.cli.messages as m\n"
+            "m._now_ms = lambda: 1 // 0\n"
             "sys.argv = ['hourglass', 'send', 'a.b', 'x']\n"
             "c.app()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env,
@@ -228,8 +229,8 @@ def test_an_unexpected_error_is_one_line_unless_debugging(cwd):
 
 
 def test_shorten_keeps_one_line_and_both_ends():
-    s = cli.shorten("a" * 1000 + "\nEND")
-    assert "\n" not in s and len(s) < cli.MESSAGE_CHARS_MAX + 40 and s.startswith("aaa") and s.endswith("END")
+    s = common.shorten("a" * 1000 + "\nEND")
+    assert "\n" not in s and len(s) < common.MESSAGE_CHARS_MAX + 40 and s.startswith("aaa") and s.endswith("END")
 
 
 def test_docs_list_every_command_and_exit_code():
@@ -240,5 +241,5 @@ def test_docs_list_every_command_and_exit_code():
     for name, cmd in group.commands.items():
         assert f"`hourglass {name}" in doc, name
     for name in ("EXIT_FAILED", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_NOT_FOUND", "EXIT_CONFLICT"):
-        assert f"| {getattr(cli, name)} |" in doc, name
+        assert f"| {getattr(common, name)} |" in doc, name
     assert "HOURGLASS_DEBUG=1" in doc and "--timeout-s" in doc

@@ -295,7 +295,7 @@ def test_metaserver_container_is_accepted_by_cli_and_settings(helm, monkeypatch)
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    # the CLI hands its flags over as these overrides (cluster/cli.py metaserver)
+    # the CLI hands its flags over as these overrides (cluster/cli/servers.py metaserver)
     s = MetaSettings(host=flags["--host"], port=int(flags["--port"]),
                      etcd_endpoints=flags["--etcd-endpoints"].split(","))
     assert (s.host, s.port, s.advertise) == ("0.0.0.0", 7100, "10.1.2.3:7100")

@@ -33,6 +33,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from cluster import status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
+from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
@@ -43,8 +44,10 @@ from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
+from node.grpcserver import start_grpc
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
+from node.registration import Registrar
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 
@@ -80,9 +83,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.committer = GroupCommitter(self.store.messages)
         self.channels = Channels()
         if router is None and settings.meta_servers:
-            from cluster.discovery import MetaResolver  # subject -> real-time group through the meta server
-            router = MetaResolver(settings.meta_servers, refresh_ms=settings.meta_refresh_ms,
-                                  timeout_s=settings.meta_timeout_ms / 1000)
+            router = MetaResolver(  # subject -> real-time group through the meta server
+                settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
         self.router = router or StaticRouter(settings.realtime_nodes)
         self.registrar = None
         self.metrics = NodeMetrics("delay", settings.node_id)
@@ -491,8 +493,6 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        from node.server import start_grpc  # local import: server wires every role
-
         self.server, self.address = await start_grpc(self.settings, producer=self, admin=self)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -509,7 +509,6 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 if self.settings.scrub_rate_mib_s > 0:
                     tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
                 if self.settings.meta_servers:
-                    from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 if self.settings.loop_stall_report_ms:

@@ -58,17 +58,17 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.codec import (KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch,
-                           Limits)
+from cluster.codec import KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch
 from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
 from node.delay.heal import BucketHealer, id_entries
 from node.store import checkpoint, records
-from node.store.syncplan import DocGate, SyncPlan
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
 from node.store.log import SegmentedLog
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Message
 from node.store.schedule import FrameRef, ScheduleLog
+from node.store.settings import StoreSettings
+from node.store.syncplan import DocGate, SyncPlan
 from node.wheel import Chunk, TickState, TimingWheel
 
 log = logging.getLogger("hourglass.delay.store")
@@ -77,32 +77,6 @@ ALREADY_EXISTS = 4  # hourglass.v1.Code
 LOAD_STEP_FRAMES = 64  # filed frames merged per poll while a second is loaded (_load_seconds)
 LOAD_RESTARTS_MAX = 2  # second loads started over (bucket rebuilt meanwhile) in one poll at most
 DISPATCHED_PRUNE_STEP = 4096  # delivered seqs forgotten per dispatch record at most (_prune_dispatched)
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    tick_ms: int = 10
-    window_ms: int = 500
-    bucket_ms: int = 3_600_000
-    message_segment_bytes: int = 64 * 1024 * 1024
-    dispatch_segment_bytes: int = 16 * 1024 * 1024
-    schedule_segment_bytes: int = 256 * 1024 * 1024
-    schedule_cache_bytes_max: int = 32 * 1024 * 1024  # decoded schedule frames kept for the wheel
-    cache_ahead_ms: int = 10_000          # frames due this far past the loaded seconds are cached when filed
-    wheel_entries_max: int = 2_000_000
-    unfiled_max: int = 1_000_000          # accepted but not yet iterated into the schedule log
-    inflight_max: int = 100_000           # fired but not yet acknowledged by the real-time side
-    seconds_load_max: int = 64            # seconds loaded from disk per poll (catch-up is gradual)
-    frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
-    id_slots: int = 1 << 20
-    id_entries_max: int = 4 << 20
-    verify_ahead_ms: int = 10_000         # at open, frames due in [completed_ms, +this] are verified (heal.py)
-    limits: Limits = field(default_factory=Limits)
-    # retention (node/delay/retention.py): ids of delivered/cancelled messages stay this long
-    # after their bucket ended, so a re-send is still a duplicate; a sealed id file is
-    # rewritten once this share of its entries may go
-    dedupe_window_ms: int = 7 * 86_400_000
-    id_compact_ratio_min: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

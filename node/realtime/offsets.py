@@ -48,11 +48,12 @@ from pathlib import Path
 
 from cluster.errors import CorruptRecord
 from node.store.log import HEADER_SIZE, SegmentedLog
+from node.store.settings import REALTIME_DEFAULTS
 
 log = logging.getLogger("hourglass.realtime.offsets")
 
 OFFSETS_RECORD_VERSION = 1
-COMPACT_BYTES_DEFAULT = 16 * 1024 * 1024
+COMPACT_BYTES_DEFAULT = REALTIME_DEFAULTS.offsets_compact_bytes
 RECORD_BYTES_MAX = 256 * 1024 * 1024  # a snapshot of groups_max groups (about 200 bytes each) fits
 
 GroupKey = tuple[str, str]

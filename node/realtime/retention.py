@@ -42,9 +42,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from node.store.retention import SegmentCut, aged_segment_cut
+from node.store.settings import REALTIME_DEFAULTS
 
 COMPACT_RATIO_MIN = 0.5
-COMPACT_ENTRIES_MIN = 4096  # 128 KiB of dead entries before a subject's index is rewritten
+COMPACT_ENTRIES_MIN = REALTIME_DEFAULTS.index_compact_entries_min  # 128 KiB of dead entries before a rewrite
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ import numpy as np
 from cluster import status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, encode_extra
+from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
@@ -46,8 +47,10 @@ from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
 from node.aio import StallWatch, trim_memory_loop, tune_gc, wait_event
 from node.config import NodeSettings
+from node.grpcserver import start_grpc
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
+from node.registration import Registrar
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 from node.store.scrubtask import ScrubTask
@@ -117,9 +120,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.registrar = None
         self.resolver = None
         if settings.meta_servers:
-            from cluster.discovery import MetaResolver  # delay nodes for nacks through the meta server
-            self.resolver = MetaResolver(settings.meta_servers, refresh_ms=settings.meta_refresh_ms,
-                                         timeout_s=settings.meta_timeout_ms / 1000)
+            self.resolver = MetaResolver(  # delay nodes for nacks through the meta server
+                settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
 
     # ------------------------------------------------------------------ producer side
 
@@ -475,8 +477,6 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return report
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        from node.server import start_grpc
-
         server, self.address = await start_grpc(self.settings, producer=self, consumer=self, admin=self)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -487,7 +487,6 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 if self.settings.scrub_rate_mib_s > 0:
                     tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
                 if self.settings.meta_servers:
-                    from node.registration import Registrar
                     self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
                     tasks.append(tg.create_task(self.registrar.run(), name="registration"))
                 if self.settings.loop_stall_report_ms:

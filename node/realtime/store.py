@@ -122,20 +122,43 @@ from pathlib import Path
 import numpy as np
 
 from cluster import status
-from cluster.codec import INVALID_ARGUMENT, COLUMN_BYTES, HEADER_SIZE as BATCH_HEADER_SIZE, OK, SUBJECT_RE, Batch, Limits
-from cluster.errors import Closed, CorruptRecord, DiskFull, HourglassError, InvalidArgument, Overloaded, \
-    PayloadTooLarge, UnknownSubject
+from cluster.codec import COLUMN_BYTES, INVALID_ARGUMENT, OK, SUBJECT_RE, Batch
+from cluster.codec import HEADER_SIZE as BATCH_HEADER_SIZE
+from cluster.errors import (
+    Closed,
+    CorruptRecord,
+    DiskFull,
+    HourglassError,
+    InvalidArgument,
+    Overloaded,
+    PayloadTooLarge,
+    UnknownSubject,
+)
 from cluster.wire import BatchResult
-from node.realtime.dedup import DedupWindow
 from node.realtime import retention as RR
-from node.realtime.index import ENTRY, ENTRY_DTYPE, ENTRY_SIZE, TMP_SUFFIX, SubjectIndex, batch_tag_masks, \
-    copy_entries, frame_runs, held_mask, index_path, open_files, tags_mask, visible_ms
+from node.realtime.dedup import DedupWindow
+from node.realtime.index import (
+    ENTRY,
+    ENTRY_DTYPE,
+    ENTRY_SIZE,
+    TMP_SUFFIX,
+    SubjectIndex,
+    batch_tag_masks,
+    copy_entries,
+    frame_runs,
+    held_mask,
+    index_path,
+    open_files,
+    tags_mask,
+    visible_ms,
+)
 from node.realtime.inflight import InflightRanges
-from node.realtime.offsets import COMPACT_BYTES_DEFAULT, OffsetsLog
+from node.realtime.offsets import OffsetsLog
 from node.store import checkpoint
 from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir, unlink_segments
-from node.store.syncplan import DocGate, SyncPlan
 from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
+from node.store.settings import RealtimeSettings
+from node.store.syncplan import DocGate, SyncPlan
 
 __all__ = ["DLQ_SUBJECT", "ENTRY", "ENTRY_SIZE", "RealtimeSettings", "RealtimeStore", "START_EARLIEST",
            "START_LATEST", "tags_mask"]
@@ -151,37 +174,6 @@ _SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skip
 _OVERLOADED = status.to_code(Overloaded(""))
 _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
-
-
-@dataclass(frozen=True, slots=True)
-class RealtimeSettings:
-    segment_bytes: int = 64 * 1024 * 1024
-    dedup_window_ms: int = 600_000          # de-duplicate by (subject, message id) within this window
-    dedup_entries_max: int = 2_000_000      # dedup map size; new messages beyond it are answered OVERLOADED
-    ack_timeout_ms: int = 30_000            # a pulled, unacked message is redelivered after this
-    inflight_per_group_max: int = 100_000   # in-flight handles per (subject, group); pull stops handing out
-    pull_max: int = 1000                    # max_messages above this is clamped
-    auto_create_subjects: bool = True
-    max_attempts: int = 16                  # nack: after this many attempts -> dead letter (used by the service)
-    limits: Limits = field(default_factory=Limits)
-    subjects_max: int = 10_000              # known subjects (each costs a little RAM and an index file)
-    groups_max: int = 100_000               # consumer groups over all subjects
-    pull_scan_entries_max: int = 65_536     # index entries one pull may examine (tag filters skip entries)
-    index_files_open_max: int = 256         # open index file descriptors (LRU)
-    frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
-    offsets_compact_bytes: int = COMPACT_BYTES_DEFAULT  # offsets log bytes past its last snapshot before compaction
-    checkpoint_bytes_min: int = 4 * 1024 * 1024  # a periodic flush checkpoints the index after this many log bytes
-    # retention (node/realtime/retention.py): a sealed segment every group is past goes once it is
-    # older than retention_ms or the log is over retention_bytes (0 = no size limit); a group that
-    # has not pulled or acked for group_idle_ms_max stops holding segments back
-    retention_ms: int = 3_600_000
-    retention_bytes: int = 0
-    group_idle_ms_max: int = 7 * 86_400_000
-    index_compact_entries_min: int = RR.COMPACT_ENTRIES_MIN  # dead index entries before a subject's file is rewritten
-    # a message stored with a due time ahead (a delay node's firing round, dispatch_lead_ms) is
-    # handed out at that time, held at most this long after it was stored
-    visible_hold_ms_max: int = 100
-    visible_step_ms: int = 4                # ... at its due time rounded up to a multiple of this
 
 
 def _check_name(what: str, name: str, bytes_max: int) -> None:

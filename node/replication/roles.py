@@ -30,9 +30,11 @@ from cluster import status
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
+from node.aio import StallWatch, trim_memory_loop, wait_event, within
+from node.grpcserver import start_grpc
+from node.registration import Registrar
 from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
 from node.store import checkpoint
-from node.aio import StallWatch, trim_memory_loop, wait_event, within
 
 log = logging.getLogger("hourglass.replication")
 
@@ -431,9 +433,6 @@ class ReplicaRoles:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        from node.registration import Registrar
-        from node.server import start_grpc
-
         if not self.settings.meta_servers:
             raise E.InvalidArgument("meta_servers", "a replicated node needs meta servers (election)")
         self.server, self.address = await start_grpc(

@@ -8,13 +8,13 @@ starts this file with ``PYSPARK_GATEWAY_PORT`` set) the master comes from the su
 command::
 
     spark-submit --master spark://host:7077 --py-files hourglass.zip \\
-        cluster/spark/cli.py audit /shared/nodes --out /shared/audit
+        cluster/spark_submit.py audit /shared/nodes --out /shared/audit
 
 pyspark is imported only when a command runs, so ``hourglass`` works without the
 ``spark`` extra installed.
 
-Errors leave through the ``hourglass`` CLI's boundary (``cluster.cli.HourglassApp``, also
-under spark-submit): what the command line can get wrong (paths, ``--format``, ``--delay``,
+Errors leave through the ``hourglass`` CLI's boundary (``cluster.cli.common.HourglassApp``,
+also under spark-submit, whose entry file ``cluster/spark_submit.py`` runs the whole CLI): what the command line can get wrong (paths, ``--format``, ``--delay``,
 ``--out``...) is checked before Spark starts and raised as ``InvalidArgument`` (one line,
 exit 2); a failure inside Spark becomes one line too (``_spark_errors``), and Spark's own
 log is off unless ``HOURGLASS_DEBUG=1``.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,8 +32,7 @@ from typing import List, Optional
 import typer
 
 from cluster.errors import HourglassError, InvalidArgument
-
-from cluster.spark import options, outdir  # absolute: spark-submit runs this file as __main__
+from cluster.spark import options, outdir
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Spark jobs: audit delivery from node logs, schedule a dataset in bulk.")
@@ -202,9 +200,3 @@ def bulk_schedule(
     if summary["rejected"] or summary["failed"]:
         typer.echo(f"{summary['rejected']} rejected, {summary['failed']} failed: see {out / 'rejects'}")
         raise typer.Exit(1)
-
-
-if __name__ == "__main__":  # spark-submit cluster/spark/cli.py ...: the hourglass CLI's error boundary
-    from cluster.cli import app as hourglass
-
-    hourglass(["spark", *sys.argv[1:]], prog_name="hourglass")

@@ -4,9 +4,9 @@
     hourglass admin verify --data DIR            a stopped node's data folder, offline, read-only
     hourglass admin handover GROUP               graceful handover of a delay group's master
 
-Part of the ``hourglass`` app (``cluster/cli.py`` adds this sub-app after its helpers, which
-this module uses: the resolver, the option types, the error boundary's ``CliError`` and exit
-codes, docs/cli.md). Failures leave through that boundary as one ``error:`` line.
+Part of the ``hourglass`` app (``cluster/cli/__init__.py`` adds this sub-app). It uses the
+helpers of ``cluster/cli/common.py``: the resolver, the option types, the error boundary's
+``CliError`` and exit codes (docs/cli.md). Failures leave through that boundary as one ``error:`` line.
 
 ``admin verify`` prints one line per corrupt record (``corrupt: PATH at offset N: reason``,
 ``repaired`` when the node healed it: derived data is rebuilt), ``note:`` lines for what is
@@ -27,9 +27,24 @@ import grpc
 import typer
 
 from cluster import errors as E
-from cluster.cli import (EXIT_FAILED, EXIT_UNAVAILABLE, RPC_TIMEOUT_S_MAX, CliError, ClusterFileOpt, DelayOpt,
-                         MetaOpt, RealtimeOpt, _resolver, _split, _status_rows, _within, console, err_console,
-                         shorten, shown)
+from cluster.cli.common import (
+    EXIT_FAILED,
+    EXIT_UNAVAILABLE,
+    RPC_TIMEOUT_S_MAX,
+    CliError,
+    ClusterFileOpt,
+    DelayOpt,
+    MetaOpt,
+    RealtimeOpt,
+    _resolver,
+    _split,
+    _within,
+    console,
+    err_console,
+    shorten,
+    shown,
+)
+from cluster.cli.status import _status_rows
 
 admin = typer.Typer(help="Operations on a running cluster (verify, handover).", no_args_is_help=True)
 

@@ -1,0 +1,35 @@
+"""The gRPC server of a node: one ``grpc.aio`` server with the role's services, the
+standard health service, and the node's message size limits. Role services call
+``start_grpc`` from their ``run``; ``node/server.py`` (the process root) picks the role."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.wire import UndecodableRequests
+from node.config import NodeSettings
+
+
+async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, admin=None, extra=()) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", settings.request_bytes_max),
+        ("grpc.max_receive_message_length", settings.request_bytes_max),
+        ("grpc.so_reuseport", 0),
+    ], interceptors=[UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT, not UNKNOWN
+    if producer is not None:
+        rpc.add_ProducerServicer_to_server(producer, server)
+    if consumer is not None:
+        rpc.add_ConsumerServicer_to_server(consumer, server)
+    if admin is not None:
+        rpc.add_AdminServicer_to_server(admin, server)
+    for add in extra:
+        add(server)
+    # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    await server.start()
+    return server, settings.advertise or f"{settings.host}:{port}"

@@ -1,0 +1,72 @@
+"""The storage settings of a delay node (``StoreSettings``) and a real-time node
+(``RealtimeSettings``): the one place their defaults are written. ``node.config.NodeSettings``
+(the process's settings, ``HOURGLASS_*``) takes its defaults for these fields from here and
+builds these objects (``store_settings``, ``realtime_settings``); stores and tests use them
+directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from node.store.records import Limits
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    tick_ms: int = 10
+    window_ms: int = 500
+    bucket_ms: int = 3_600_000
+    message_segment_bytes: int = 64 * 1024 * 1024
+    dispatch_segment_bytes: int = 16 * 1024 * 1024
+    schedule_segment_bytes: int = 256 * 1024 * 1024
+    schedule_cache_bytes_max: int = 32 * 1024 * 1024  # decoded schedule frames kept for the wheel
+    cache_ahead_ms: int = 10_000          # frames due this far past the loaded seconds are cached when filed
+    wheel_entries_max: int = 2_000_000
+    unfiled_max: int = 1_000_000          # accepted but not yet iterated into the schedule log
+    inflight_max: int = 100_000           # fired but not yet acknowledged by the real-time side
+    seconds_load_max: int = 64            # seconds loaded from disk per poll (catch-up is gradual)
+    frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
+    id_slots: int = 1 << 20
+    id_entries_max: int = 4 << 20
+    verify_ahead_ms: int = 10_000         # at open, frames due in [completed_ms, +this] are verified (heal.py)
+    limits: Limits = field(default_factory=Limits)
+    # retention (node/delay/retention.py): ids of delivered/cancelled messages stay this long
+    # after their bucket ended, so a re-send is still a duplicate; a sealed id file is
+    # rewritten once this share of its entries may go
+    dedupe_window_ms: int = 7 * 86_400_000
+    id_compact_ratio_min: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RealtimeSettings:
+    segment_bytes: int = 64 * 1024 * 1024
+    dedup_window_ms: int = 600_000          # de-duplicate by (subject, message id) within this window
+    dedup_entries_max: int = 2_000_000      # dedup map size; new messages beyond it are answered OVERLOADED
+    ack_timeout_ms: int = 30_000            # a pulled, unacked message is redelivered after this
+    inflight_per_group_max: int = 100_000   # in-flight handles per (subject, group); pull stops handing out
+    pull_max: int = 1000                    # max_messages above this is clamped
+    auto_create_subjects: bool = True
+    max_attempts: int = 16                  # nack: after this many attempts -> dead letter (used by the service)
+    limits: Limits = field(default_factory=Limits)
+    subjects_max: int = 10_000              # known subjects (each costs a little RAM and an index file)
+    groups_max: int = 100_000               # consumer groups over all subjects
+    pull_scan_entries_max: int = 65_536     # index entries one pull may examine (tag filters skip entries)
+    index_files_open_max: int = 256         # open index file descriptors (LRU)
+    frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
+    offsets_compact_bytes: int = 16 * 1024 * 1024  # offsets log bytes past its last snapshot before compaction
+    checkpoint_bytes_min: int = 4 * 1024 * 1024  # a periodic flush checkpoints the index after this many log bytes
+    # retention (node/realtime/retention.py): a sealed segment every group is past goes once it is
+    # older than retention_ms or the log is over retention_bytes (0 = no size limit); a group that
+    # has not pulled or acked for group_idle_ms_max stops holding segments back
+    retention_ms: int = 3_600_000
+    retention_bytes: int = 0
+    group_idle_ms_max: int = 7 * 86_400_000
+    index_compact_entries_min: int = 4096       # dead index entries before a subject's file is rewritten
+    # a message stored with a due time ahead (a delay node's firing round, dispatch_lead_ms) is
+    # handed out at that time, held at most this long after it was stored
+    visible_hold_ms_max: int = 100
+    visible_step_ms: int = 4                # ... at its due time rounded up to a multiple of this
+
+
+STORE_DEFAULTS = StoreSettings()
+REALTIME_DEFAULTS = RealtimeSettings()

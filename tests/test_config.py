@@ -1,0 +1,41 @@
+"""node/config.py: one settings tree. Storage defaults are written once (node/store/settings.py);
+every one of them can be set as HOURGLASS_<FIELD>, and the store settings a node builds carry
+what was set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from node.config import REALTIME_FIELDS, STORE_FIELDS, NodeSettings
+from node.store.settings import REALTIME_DEFAULTS, STORE_DEFAULTS, RealtimeSettings, StoreSettings
+
+CASES = [(StoreSettings, STORE_DEFAULTS, STORE_FIELDS, "store_settings"),
+         (RealtimeSettings, REALTIME_DEFAULTS, REALTIME_FIELDS, "realtime_settings")]
+
+
+@pytest.mark.parametrize("cls, defaults, renamed, build", CASES, ids=["delay", "realtime"])
+def test_every_store_setting_has_one_default_and_can_be_set(monkeypatch, cls, defaults, renamed, build):
+    mine = {store: node for node, store in renamed.items()}
+    fields = [f for f in dataclasses.fields(cls) if f.name != "limits"]
+    built = getattr(NodeSettings(), build)()
+    for f in fields:
+        assert getattr(built, f.name) == getattr(defaults, f.name), f"{f.name}: NodeSettings has another default"
+    for f in fields:
+        name = mine.get(f.name, f.name)
+        assert name in NodeSettings.model_fields, f"{f.name} cannot be set (no NodeSettings.{name})"
+        value = getattr(defaults, f.name)
+        new = (not value) if isinstance(value, bool) else value * 2 if isinstance(value, int) else value / 2
+        monkeypatch.setenv(f"HOURGLASS_{name.upper()}", str(new).lower() if isinstance(new, bool) else str(new))
+    built = getattr(NodeSettings(), build)()
+    for f in fields:
+        value = getattr(defaults, f.name)
+        want = (not value) if isinstance(value, bool) else value * 2 if isinstance(value, int) else value / 2
+        assert getattr(built, f.name) == want, f"HOURGLASS_{mine.get(f.name, f.name).upper()} did not reach {f.name}"
+
+
+def test_limits_reach_both_stores(monkeypatch):
+    monkeypatch.setenv("HOURGLASS_PAYLOAD_BYTES_MAX", "1234")
+    n = NodeSettings()
+    assert n.store_settings().limits.payload_bytes_max == n.realtime_settings().limits.payload_bytes_max == 1234
