@@ -10,14 +10,26 @@ Errors are named by what the caller should do about them:
   These name the file and the byte offset.
 
 The mapping of these errors to gRPC status codes lives in one table
-(``cluster.status``), so servicers never pick status codes themselves.
+(``cluster.status``), so servicers never pick status codes themselves. The table works both
+ways: a server's error travels with its class name and constructor arguments
+(``wire_args``), and the client rebuilds the same error (``cluster.status.from_rpc_error``).
 """
 
 from __future__ import annotations
 
 
 class HourglassError(Exception):
-    """Base class of every error Hourglass raises on purpose."""
+    """Base class of every error Hourglass raises on purpose. Remembers the arguments it
+    was made with (``wire_args``): what a server sends so that a client can make the same
+    error again."""
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls, *args)
+        self._wire_args = list(args) + list(kwargs.values())
+        return self
+
+    def wire_args(self) -> list:
+        return list(getattr(self, "_wire_args", [str(self)]))
 
 
 # --- the caller's request is wrong -------------------------------------------------

@@ -7,6 +7,8 @@ themselves: they call these functions.
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from cluster import errors as E
@@ -79,15 +81,71 @@ def status_code(value: int) -> grpc.StatusCode:
     return _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
 
 
+# trailing metadata of a failed call: the domain error's class and constructor arguments
+ERROR_KEY = "hourglass-error"
+ERROR_ARGS_KEY = "hourglass-error-args"
+ERROR_ARGS_BYTES_MAX = 4096  # longer arguments are not sent (the status detail still says it all)
+
+
+def _error_classes() -> dict[str, type[E.HourglassError]]:
+    out, todo = {}, [E.HourglassError]
+    while todo:
+        cls = todo.pop()
+        out[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def to_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What travels with the status so that the client rebuilds exactly this error."""
+    if not isinstance(exc, E.HourglassError):
+        return ()
+    try:
+        args = json.dumps(exc.wire_args())
+    except (TypeError, ValueError):
+        return ((ERROR_KEY, type(exc).__name__),)
+    if len(args) > ERROR_ARGS_BYTES_MAX:
+        return ((ERROR_KEY, type(exc).__name__),)
+    return (ERROR_KEY, type(exc).__name__), (ERROR_ARGS_KEY, args)
+
+
+async def abort(context, exc: BaseException) -> None:
+    """End a call with ``exc``: its status from the table, its text, and its class and
+    arguments for the client (``from_rpc_error``)."""
+    await context.abort(to_grpc(exc), str(exc), trailing_metadata=to_metadata(exc))
+
+
+def from_metadata(metadata, detail: str) -> E.HourglassError | None:
+    """The error a server sent (``to_metadata``), or None when the call carries none (not an
+    Hourglass server's answer, or a transport failure)."""
+    md = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    cls = _error_classes().get(md.get(ERROR_KEY, ""))
+    if cls is None:
+        return None
+    try:
+        args = json.loads(md[ERROR_ARGS_KEY]) if ERROR_ARGS_KEY in md else [detail]
+        if not isinstance(args, list):
+            raise ValueError("not a list")
+        return cls(*args)
+    except (TypeError, ValueError, KeyError):  # another version's arguments: keep the class, lose nothing said
+        err = cls.__new__(cls, detail)
+        Exception.__init__(err, detail)
+        return err
+
+
 def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
-    """Map a failed call to a domain error (client side)."""
+    """Map a failed call to a domain error (client side): the one the server sent, or one
+    from the status when the call carries none."""
     status = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     detail = err.details() if hasattr(err, "details") else str(err)
-    return from_status(status, detail)
+    md = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    return from_metadata(md, detail or "") or from_status(status, detail)
 
 
 def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError:
-    """Map a gRPC status and its details to a domain error (client side)."""
+    """Map a gRPC status and its details to a domain error (client side), for a call that
+    carries no error of its own (``from_metadata``): a transport failure, a deadline, an
+    older server."""
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         return E.InvalidArgument("request", detail or "")
     if status == grpc.StatusCode.NOT_FOUND:

@@ -66,7 +66,7 @@ class MetaService(mrpc.MetaServicer):
     async def _fail(self, context, e: HourglassError):
         if isinstance(e, Unavailable) and not isinstance(e, NotLeader):
             self.healthy, self.health_error = False, str(e)
-        await context.abort(status.to_grpc(e), str(e))
+        await status.abort(context, e)
 
     # ------------------------------------------------------------------ registration
 

@@ -10,14 +10,50 @@ from cluster import status
 
 
 class _RpcError(grpc.RpcError):
-    def __init__(self, code, details):
-        self._code, self._details = code, details
+    def __init__(self, code, details, trailing=None):
+        self._code, self._details, self._trailing = code, details, trailing
 
     def code(self):
         return self._code
 
     def details(self):
         return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+# one instance of every domain error, with the arguments its constructor takes
+EVERY_ERROR = [
+    E.HourglassError("plain"), E.InvalidArgument("subject", "empty"), E.PayloadTooLarge("payload", "9 MiB"),
+    E.UnknownSubject("orders.x"), E.NotFound("no such id"), E.TooLate("dispatched"), E.AlreadyExists("other content"),
+    E.Unavailable("down"), E.NotLeader("127.0.0.1:7001"), E.NotLeader(None), E.StaleEpoch(3, 7),
+    E.Overloaded("queue full"), E.DiskFull("no space left"), E.ReplicationTimeout("no slave confirmed"),
+    E.Closed("closing"), E.StorageError("broken"), E.CorruptRecord("/data/x.log", 4096, "crc mismatch"),
+    E.OffsetOutOfRange(5, 0, 4, "past the end"),
+]
+
+
+def test_every_error_class_is_listed_here():
+    listed = {type(e) for e in EVERY_ERROR}
+    assert {c for c in status._error_classes().values() if c.__module__ == E.__name__} == listed
+
+
+@pytest.mark.parametrize("err", EVERY_ERROR, ids=lambda e: type(e).__name__)
+def test_the_table_works_both_ways(err):
+    """A server's error (``status.abort``: status, text, class and arguments) comes back as
+    the same error: class, text and attributes; the status alone could not tell DiskFull from
+    Overloaded, StaleEpoch's epochs or a CorruptRecord's file."""
+    back = status.from_rpc_error(_RpcError(status.to_grpc(err), str(err), status.to_metadata(err)))
+    assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
+
+
+def test_an_error_from_another_version_keeps_its_class_and_text():
+    md = ((status.ERROR_KEY, "StaleEpoch"), (status.ERROR_ARGS_KEY, '["one too few"]'))
+    back = status.from_rpc_error(_RpcError(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch 1, current 2", md))
+    assert type(back) is E.StaleEpoch and str(back) == "stale epoch 1, current 2"
+    md = ((status.ERROR_KEY, "SomethingNew"),)  # a class this client does not know: from the status
+    assert type(status.from_rpc_error(_RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", md))) is E.Overloaded
 
 
 @pytest.mark.parametrize("err", [

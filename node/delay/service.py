@@ -121,7 +121,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
-            await context.abort(status.to_grpc(e), str(e))
+            await status.abort(context, e)
         await self.committer.sync_to(self.store.messages.end_offset)
         self._note_durable()
         self._count_refusals(res)

@@ -131,7 +131,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             batch = request_batch(request, now_ms=now)
         except HourglassError as e:
-            await context.abort(status.to_grpc(e), str(e))
+            await status.abort(context, e)
         if batch.n > self.settings.batch_messages_max:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
@@ -141,7 +141,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
-            await context.abort(status.to_grpc(e), str(e))
+            await status.abort(context, e)
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
         if self._new_data and stored.any():  # a long poll waits: wake it for the subjects that got messages
             # before the fsync: a pull may hand out what is not durable yet (at least once:
@@ -234,7 +234,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 n = self.store.ack_many(group, [(sh.subject, sh.ranges) for sh in request.acks],
                                         now_ms=self.clock.now_ms())
             except HourglassError as e:
-                await context.abort(status.to_grpc(e), str(e))
+                await status.abort(context, e)
             self.calls["ack_on_pull"] += 1
             self.metrics.acked.inc(n)
         loop = asyncio.get_running_loop()
@@ -249,15 +249,15 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                                             now_ms=self.clock.now_ms())
             except UnknownSubject as e:
                 if not self.settings.auto_create_subjects or e.subject in created:
-                    await context.abort(status.to_grpc(e), str(e))
+                    await status.abort(context, e)
                 try:  # consumers may subscribe before the first message of a subject arrives
                     store.create_subject(e.subject)
                 except HourglassError as e2:
-                    await context.abort(status.to_grpc(e2), str(e2))
+                    await status.abort(context, e2)
                 created.add(e.subject)
                 continue
             except HourglassError as e:
-                await context.abort(status.to_grpc(e), str(e))
+                await status.abort(context, e)
             left = deadline - loop.time()
             if batch.n or left <= 0:
                 break
@@ -287,13 +287,13 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             n = self.store.ack_many(request.group, [(sh.subject, sh.ranges) for sh in request.acks], now_ms=now)
         except HourglassError as e:
-            await context.abort(status.to_grpc(e), str(e))
+            await status.abort(context, e)
         try:
             await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
         except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
-            await context.abort(status.to_grpc(e), str(e))
+            await status.abort(context, e)
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
@@ -347,7 +347,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 if handles.size:
                     self.store.ack(subject, request.group, unpack_ranges(pack_ranges(handles)), now_ms=now)
             except HourglassError as e:
-                await context.abort(status.to_grpc(e), str(e))
+                await status.abort(context, e)
             retried += to_retry.n
             dead += to_dlq.n
         await self._groups_durable({(sh.subject, request.group) for sh in request.nacks})

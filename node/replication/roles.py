@@ -98,7 +98,7 @@ class ReplicaRoles:
 
     async def _not_master(self, context):
         hint = self.member.leader_address if self.member.leader and self.member.leader != self.settings.node_id else ""
-        await context.abort(grpc.StatusCode.UNAVAILABLE, f"not the master; leader_hint={hint or 'unknown'}")
+        await status.abort(context, E.NotLeader(hint or None))
 
     async def _refuse_newer_term(self, request_epoch: int, context) -> None:
         """The caller claims a newer term of this group than this node knows: the request is
@@ -177,7 +177,7 @@ class ReplicaRoles:
             err = E.ReplicationTimeout("no live slave in the group (ack_mode=sync): stored on the master only "
                                        "and may still take effect; retry (ids and acks are idempotent)")
             self.metrics.errors.labels(kind=type(err).__name__).inc()
-            await context.abort(status.to_grpc(err), str(err))
+            await status.abort(context, err)
         t = tracker.wait(offset, mono_ms())
         if t is None:
             return
@@ -189,7 +189,7 @@ class ReplicaRoles:
             self._tickets.pop((kind, t), None)
         if err is not None:
             self.metrics.errors.labels(kind=type(err).__name__).inc()
-            await context.abort(status.to_grpc(err), str(err))
+            await status.abort(context, err)
 
     def _release(self, kind: str, tickets: list[int], err: Exception | None = None) -> None:
         for t in tickets:
