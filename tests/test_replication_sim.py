@@ -1,5 +1,11 @@
 """Deterministic simulation of replication + election (the pure core in node/replication/core.py).
 
+The simulation decides nothing itself that the shipped shell decides: a master answers a
+fetch with ``answer_fetch`` (fencing, divergence), a slave takes an answer by
+``take_answer``, and every node's role loop turn (observe, campaign, seat reclaim, step
+down) is ``role_step`` - the same functions ``node/replication/roles.py`` calls. What is
+modelled here is only the world around them: etcd, the network, faults.
+
 One group of a master and slaves, an etcd model (a leader key under a lease, a revision
 counter), a network that loses, delays and partitions messages, and faults from a seed:
 crashes with restarts, freezes (SIGSTOP-like pauses), partitions from peers and from etcd.
@@ -23,7 +29,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
+from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
+                                   divergence, role_step, take_answer)
 
 STEP_MS = 10
 TTL_MS = 2000
@@ -49,9 +56,14 @@ class Node:
     tracker: SyncTracker | None = None
     tickets: dict = field(default_factory=dict)   # ticket -> (offset, record)
     lease: int = 0                                # etcd lease id of this incarnation
+    mode: str = "slave"                           # what the shell runs: master or slave tasks
+    campaigned_lease: int | None = None           # the lease of this node's last campaign
 
     def active(self, now: int) -> bool:
         return self.alive and now >= self.frozen_until
+
+    def acting_master(self, now: int) -> bool:
+        return self.mode == "master" and self.member.is_master(now)
 
 
 class Sim:
@@ -71,6 +83,7 @@ class Sim:
         self.loss = self.rnd.choice([0.0, 0.05, 0.2])
         self.acked: dict[int, tuple] = {}           # offset -> record, acknowledged to a client
         self.epochs_won: list[int] = []
+        self.won_by: list[str] = []
         self.value = 0
         self.faults = 0
         self.leases = 0
@@ -95,29 +108,47 @@ class Sim:
                     if self.key is not None and self.key[2] == n.lease:
                         self.key_expiry = self.now + TTL_MS
                         n.member.keepalive_sent(self.now)
-            if self.rnd.random() < 0.5:  # watch events arrive late or early
-                if self.key is not None:
-                    n.member.observed(self.key[0], self.key[0], self.key[1])
-                elif n.member.leader is not None and n.member.leader != n.id:
-                    n.member.observed(None, "", n.member.epoch)
-            if self.key is None and not n.member.is_master(self.now):
-                if n.campaign_at is None:
-                    peers = {k: v[0] for k, v in self.registry.items() if k != n.id and v[1] > self.now}
-                    n.campaign_at = self.now + campaign_delay_ms(len(n.log), peers, step_ms=200)
-                elif self.now >= n.campaign_at:
-                    n.campaign_at = None
-                    self.revision += 1
-                    epoch = self.revision
-                    self.key, self.key_expiry = (n.id, epoch, n.lease), self.now + TTL_MS
-                    self.win(n, epoch)
-            elif self.key is not None:
-                n.campaign_at = None
+            if self.rnd.random() < 0.5:  # the role loop's turn (its poll comes late or early)
+                self.role_turn(n)
+
+    def role_turn(self, n: Node) -> None:
+        """One turn of the shipped role loop (``role_step``), the leader key read from the model."""
+        key = LeaderKey(self.key[0], self.key[0], self.key[1]) if self.key is not None else LeaderKey(None)
+        action = role_step(n.member, key, me=n.id, address=n.id, mode=n.mode, lease=n.lease,
+                           campaigned_lease=n.campaigned_lease, now_ms=self.now, campaign_allowed=True)
+        if action == "campaign":
+            if n.campaign_at is None:  # the shell sleeps campaign_delay_ms, then asks
+                peers = {k: v[0] for k, v in self.registry.items() if k != n.id and v[1] > self.now}
+                n.campaign_at = self.now + campaign_delay_ms(len(n.log), peers, step_ms=200)
+                return
+            if self.now < n.campaign_at:
+                return
+            n.campaign_at = None
+            n.campaigned_lease = n.lease
+            if self.key is not None:  # someone was faster: the answer names the winner
+                n.member.observed(self.key[0], self.key[0], self.key[1])
+                return
+            self.revision += 1
+            self.key, self.key_expiry = (n.id, self.revision, n.lease), self.now + TTL_MS
+            n.member.won(self.revision, n.id)
+            n.member.keepalive_sent(self.now)  # the model's campaign also renews the lease
+            action = "master"
+        else:
+            n.campaign_at = None
+        if action == "master" and n.mode != "master":
+            self.win(n, n.member.epoch)
+        elif action == "slave" and n.mode != "slave":
+            n.mode = "slave"
+            self.fail_waiters(n)
 
     def win(self, n: Node, epoch: int) -> None:
-        assert not self.epochs_won or epoch > self.epochs_won[-1], "epochs must strictly increase"
-        self.epochs_won.append(epoch)
-        n.member.won(epoch, n.id)
-        n.member.keepalive_sent(self.now)  # the model's campaign also renews the lease
+        """``n`` takes the seat of ``epoch`` (won, or reclaimed: the key is still its own)."""
+        reclaim = bool(self.epochs_won) and epoch == self.epochs_won[-1] and self.won_by[-1] == n.id
+        assert reclaim or not self.epochs_won or epoch > self.epochs_won[-1], "epochs must strictly increase"
+        if not reclaim:
+            self.epochs_won.append(epoch)
+            self.won_by.append(n.id)
+        n.mode = "master"
         n.history.begin(epoch, len(n.log))
         n.tracker = SyncTracker(timeout_ms=1000)
         n.tickets = {}
@@ -150,18 +181,15 @@ class Sim:
     # ------------------------------------------------------------------ replication
 
     def on_fetch(self, m: Node, src: str, epoch: int, offset: int, hist: tuple) -> None:
-        # a claim of a newer term deposes nobody (node/replication/roles.py _refuse_newer_term):
-        # it is refused; the master learns of a newer term from the election (its lease)
-        if not m.member.is_master(self.now) or epoch != m.member.epoch:
+        ans = answer_fetch(serving=m.acting_master(self.now), my_epoch=m.member.epoch, req_epoch=epoch,
+                           theirs=EpochHistory(list(hist)), offset=offset, mine=m.history, start=0, end=len(m.log))
+        if ans.kind == "not_master":
             self.send(m.id, src, ("refused", m.member.epoch))
             return
-        cut = divergence(EpochHistory(list(hist)), offset, m.history, len(m.log))
-        if cut is not None:
-            self.send(m.id, src, ("truncate", m.member.epoch, offset, cut))
+        if ans.kind == "truncate":
+            self.send(m.id, src, ("truncate", m.member.epoch, offset, ans.to))
             return
-        if offset > len(m.log):
-            self.send(m.id, src, ("refused", m.member.epoch))
-            return
+        assert ans.kind == "records", ans  # the model's logs start at 0: no reset
         for t in m.tracker.on_fetch(src, offset, self.now):
             off, rec = m.tickets.pop(t)
             self.acked[off] = rec
@@ -169,15 +197,20 @@ class Sim:
                               tuple(m.history.entries)))
 
     def on_refused(self, s: Node, src: str, epoch: int) -> None:
-        if epoch > s.member.epoch:
-            s.member.deposed(epoch)
-            self.fail_waiters(s)
+        pass  # the shell's follow loop backs off and asks again; a peer's epoch deposes nobody
+
+    def _takes(self, s: Node, src: str, epoch: int, asked_at: int) -> bool:
+        """``take_answer``, and the answer is to the question asked last (the shipped stream
+        has one fetch in flight; this network may deliver an old answer late)."""
+        if not take_answer(my_epoch=s.member.epoch, answer_epoch=epoch, from_leader=s.member.leader == src,
+                           acting_master=s.acting_master(self.now)):
+            return False
+        s.member.epoch = max(s.member.epoch, epoch)
+        return asked_at == len(s.log)
 
     def on_truncate(self, s: Node, src: str, epoch: int, asked_at: int, cut: int) -> None:
-        if epoch != s.member.epoch or s.member.leader != src or s.member.is_master(self.now):
+        if not self._takes(s, src, epoch, asked_at):
             return
-        if asked_at != len(s.log):
-            return  # an answer to an older question: the log changed since
         if cut < len(s.log):
             for off in range(cut, len(s.log)):
                 assert off not in self.acked or self.acked[off] != s.log[off], \
@@ -186,9 +219,7 @@ class Sim:
             s.history.truncate(cut)
 
     def on_records(self, s: Node, src: str, epoch: int, offset: int, recs: tuple, hist: tuple) -> None:
-        if epoch != s.member.epoch or s.member.leader != src or s.member.is_master(self.now):
-            return
-        if offset != len(s.log):
+        if not self._takes(s, src, epoch, offset):
             return
         s.log.extend(recs)
         s.history.adopt(list(hist), len(s.log))
@@ -201,7 +232,7 @@ class Sim:
     def node_step(self, n: Node) -> None:
         if not n.active(self.now):
             return
-        if n.member.is_master(self.now):
+        if n.acting_master(self.now):
             for t in n.tracker.expire(self.now):
                 n.tickets.pop(t, None)
             slaves = {k for k, (_, exp) in self.registry.items() if k != n.id and exp > self.now}
@@ -247,7 +278,7 @@ class Sim:
 
     def faulty(self, n: Node) -> bool:
         # a node counts as failed until it is back and has caught up with the master again
-        masters = [m for m in self.nodes.values() if m.member.is_master(self.now)]
+        masters = [m for m in self.nodes.values() if m.acting_master(self.now)]
         behind = bool(masters) and masters[0] is not n and len(n.log) < len(masters[0].log) - CHUNK * 10
         return (not n.alive or self.now < n.frozen_until or self.now < n.cut_etcd_until
                 or self.now < n.cut_peers_until or behind or not masters)
@@ -262,11 +293,12 @@ class Sim:
                 n.member = Member(n.id, lease_ttl_ms=TTL_MS, margin_ms=MARGIN_MS)
                 n.member.epoch = n.history.last_epoch if n.history.entries else 0
                 n.tracker, n.tickets, n.campaign_at = None, {}, None
+                n.mode, n.campaigned_lease = "slave", None
 
     # ------------------------------------------------------------------ run
 
     def check_single_master(self) -> None:
-        masters = [n.id for n in self.nodes.values() if n.active(self.now) and n.member.is_master(self.now)]
+        masters = [n.id for n in self.nodes.values() if n.active(self.now) and n.acting_master(self.now)]
         assert len(masters) <= 1, f"two masters at {self.now}: {masters}"
 
     def run(self) -> None:
@@ -285,7 +317,7 @@ class Sim:
         # healed: everything converges on the master's log
         for n in self.nodes.values():
             assert n.alive and n.active(self.now)
-        masters = [n for n in self.nodes.values() if n.member.is_master(self.now)]
+        masters = [n for n in self.nodes.values() if n.acting_master(self.now)]
         assert len(masters) == 1, "no master after healing"
         m = masters[0]
         for off, rec in self.acked.items():

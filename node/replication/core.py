@@ -1,7 +1,10 @@
 """Pure replication core: epoch history, divergence, sync-ack tracking, candidate ranking.
 
-Nothing here does I/O or reads a clock; the asyncio shell (``node/replication/shell.py``)
-and the deterministic simulation (``tests/test_replication_sim.py``) drive the same code.
+Nothing here does I/O or reads a clock; the asyncio shell (``node/replication/roles.py``)
+and the deterministic simulation (``tests/test_replication_sim.py``) drive the same code:
+the fetch answer (``answer_fetch``: fencing, divergence, retention), what a slave takes
+(``take_answer``) and each turn of the role loop (``role_step``: observe, campaign, seat
+reclaim, step down) are decided here, never in the shell or the simulation.
 
 Vocabulary
 ----------
@@ -247,3 +250,78 @@ class Member:
 
     def is_master(self, now_ms: int) -> bool:
         return self.leader == self.node_id and self._won_epoch == self.epoch and now_ms < self._lease_ok_until
+
+
+# ---------------------------------------------------------------------- the rules the shell applies
+# node/replication/roles.py asks these; tests/test_replication_sim.py drives the same functions.
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAnswer:
+    """What a master answers a slave's fetch: ``not_master`` (refused: not master now, or
+    the request's term is not this master's), ``truncate`` (the slave's log diverges: cut it
+    at ``to`` first), ``reset`` (retention deleted what it asks for: its log must start at
+    ``to``, a rebuild) or ``records`` (send bytes from the asked offset)."""
+
+    kind: str
+    to: int = -1
+
+
+def answer_fetch(*, serving: bool, my_epoch: int, req_epoch: int, theirs: EpochHistory, offset: int,
+                 mine: EpochHistory, start: int, end: int) -> FetchAnswer:
+    """Fencing, divergence and retention, in that order, for one fetch. A request of a newer
+    term is refused like an older one: a claim deposes nobody (any client could send
+    ``epoch=2**63``); the shell asks the election about it first (``_check_term``)."""
+    if not serving or req_epoch != my_epoch:
+        return FetchAnswer("not_master")
+    cut = divergence(theirs, offset, mine, end)
+    if cut is None and offset > end:
+        cut = end  # longer than the master's log in the same history: the tail was never the master's
+    if cut is not None:
+        return FetchAnswer("truncate", cut)
+    if offset < start:
+        return FetchAnswer("reset", start)
+    return FetchAnswer("records")
+
+
+def take_answer(*, my_epoch: int, answer_epoch: int, from_leader: bool, acting_master: bool) -> bool:
+    """A slave applies a fetch answer (bytes, a truncation) only from the node it follows,
+    of a term not older than the one it knows, and never while it acts as master itself."""
+    return from_leader and not acting_master and answer_epoch >= my_epoch
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderKey:
+    """What the election says now: the leader key's holder, or nobody (``node_id`` None)."""
+
+    node_id: str | None
+    address: str = ""
+    epoch: int = 0
+
+
+def role_step(member: Member, key: LeaderKey, *, me: str, address: str, mode: str, lease: int | None,
+              campaigned_lease: int | None, now_ms: int, campaign_allowed: bool) -> str:
+    """One turn of a node's role loop, after reading the leader key: updates ``member`` and
+    says what the shell does next: ``"master"`` (take or keep the seat), ``"campaign"``
+    (nobody holds it: try, after ``campaign_delay_ms``), ``"slave"`` (follow someone, or
+    stop acting as master) or ``""`` (nothing changes).
+
+    Seat reclaim: the key names this node under the lease it campaigned with, yet it is
+    not acting as master (its campaign's answer was lost, or it stepped down because a
+    keepalive was confirmed late while the lease lived on). It takes the seat back as soon
+    as the lease is confirmed again, so that the seat is never held by nobody."""
+    if key.node_id == me and mode != "master" and lease is not None and campaigned_lease == lease:
+        member.won(key.epoch, address)
+        if member.is_master(now_ms):
+            return "master"
+    elif key.node_id is not None:
+        member.observed(key.node_id, key.address, key.epoch)
+    elif member.leader is not None and member.leader != me:
+        member.observed(None, "", member.epoch)
+    if key.node_id is None and mode != "master" and campaign_allowed and lease is not None:
+        return "campaign"
+    if mode == "master" and not member.is_master(now_ms):
+        return "slave"
+    if mode != "slave" and member.leader not in (None, me):
+        return "slave"
+    return ""

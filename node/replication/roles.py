@@ -33,7 +33,8 @@ from cluster.proto import meta_pb2 as mpb
 from node.aio import StallWatch, trim_memory_loop, wait_event, within
 from node.grpcserver import start_grpc
 from node.registration import Registrar
-from node.replication.core import EpochHistory, Member, SyncTracker, campaign_delay_ms, divergence
+from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
+                                   role_step, take_answer)
 from node.store import checkpoint
 
 log = logging.getLogger("hourglass.replication")
@@ -223,8 +224,6 @@ class ReplicaRoles:
         fields every answer carries and, when the slave must first truncate or reset, that
         answer (the caller yields it and goes on with the next request)."""
         await self._refuse_newer_term(req.epoch, context)  # believed only once the election confirms it
-        if not self.is_master() or req.epoch < self.member.epoch:
-            await self._not_master(context)
         if req.log not in logs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown log {req.log!r}")
         lg = logs[req.log]
@@ -235,13 +234,14 @@ class ReplicaRoles:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad history: {e}")
         base = dict(epoch=self.member.epoch, offset=req.offset, end_offset=lg.end_offset, truncate_to=-1,
                     reset_to=-1, history=json.dumps(hist.entries))
-        cut = divergence(theirs, req.offset, hist, lg.end_offset)
-        if cut is None and req.offset > lg.end_offset:
-            cut = lg.end_offset
-        if cut is not None:
-            return base, pb.FetchResponse(**dict(base, truncate_to=cut))
-        if req.offset < lg.start_offset:
-            return base, pb.FetchResponse(**dict(base, reset_to=lg.start_offset))
+        ans = answer_fetch(serving=self.is_master(), my_epoch=self.member.epoch, req_epoch=req.epoch, theirs=theirs,
+                           offset=req.offset, mine=hist, start=lg.start_offset, end=lg.end_offset)
+        if ans.kind == "not_master":
+            await self._not_master(context)
+        if ans.kind == "truncate":
+            return base, pb.FetchResponse(**dict(base, truncate_to=ans.to))
+        if ans.kind == "reset":
+            return base, pb.FetchResponse(**dict(base, reset_to=ans.to))
         self.slave_offsets.setdefault(req.node_id, {})[req.log] = req.offset
         return base, None
 
@@ -294,7 +294,9 @@ class ReplicaRoles:
                     lg = self._log(name)
                     await call.write(self._fetch_request(name, lg))
                     resp = await within(call.read(), 10)
-                    if resp is grpc.aio.EOF or resp.epoch < self.member.epoch:
+                    if resp is grpc.aio.EOF or not take_answer(
+                            my_epoch=self.member.epoch, answer_epoch=resp.epoch, from_leader=addr == self.member.leader_address,
+                            acting_master=self.is_master()):
                         break
                     self.member.epoch = max(self.member.epoch, resp.epoch)
                     if resp.truncate_to >= 0:
@@ -378,20 +380,12 @@ class ReplicaRoles:
                             self._release(kind, tr.set_slaves(set(peers)))
                     next_peers = loop_now + 1.0
                 lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group))
-                if lr.present and lr.leader.node_id == me and self.mode != "master" \
-                        and lease is not None and self._campaigned_lease == lease:
-                    # the key is ours, on our lease: our campaign's answer was lost, or we stepped down
-                    # because a heartbeat confirmation came late (etcd busy) while the lease lived on.
-                    # Take the seat back once the lease is confirmed again; never leave it empty.
-                    self.member.won(lr.leader.epoch, self.address)
-                    if self.member.is_master(mono_ms()):
-                        await self._switch("master")
-                elif lr.present:
-                    self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
-                elif self.member.leader is not None and self.member.leader != me:
-                    self.member.observed(None, "", self.member.epoch)
-                if not lr.present and self.mode != "master" and mono_ms() >= self._no_campaign_until \
-                        and lease is not None:
+                key = LeaderKey(lr.leader.node_id, lr.leader.address, lr.leader.epoch) if lr.present \
+                    else LeaderKey(None)
+                action = role_step(self.member, key, me=me, address=self.address, mode=self.mode, lease=lease,
+                                   campaigned_lease=self._campaigned_lease, now_ms=mono_ms(),
+                                   campaign_allowed=mono_ms() >= self._no_campaign_until)
+                if action == "campaign":
                     wait = campaign_delay_ms(self._role_log_end(), self._peers, step_ms=self.settings.campaign_step_ms)
                     if wait:
                         await asyncio.sleep(wait / 1000)
@@ -400,15 +394,16 @@ class ReplicaRoles:
                                                                          lease_id=lease, wait_ms=0))
                     if cr.elected:
                         self.member.won(cr.leader.epoch, self.address)
-                        await self._switch("master")
+                        action = "master"
                     else:
                         self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
+                        action = ""
+                if action in ("master", "slave"):
+                    await self._switch(action)
             except E.HourglassError as e:
                 log.info("role loop: %s", e)
-            if self.mode == "master" and not self.member.is_master(mono_ms()):
-                await self._switch("slave")
-            elif self.mode != "slave" and self.member.leader not in (None, me):
-                await self._switch("slave")
+                if self.mode == "master" and not self.member.is_master(mono_ms()):
+                    await self._switch("slave")
             await asyncio.sleep(self.settings.leader_poll_ms / 1000)
 
     def _on_beat(self, sent_at_ms: int) -> None:
