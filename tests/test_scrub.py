@@ -257,11 +257,29 @@ async def test_replicated_realtime_master_fetches_a_corrupt_sealed_segment_again
         await flip_and_expect_repair(node, slave)
 
 
+def flip_in_place(path: Path, pos: int) -> None:
+    """Flip a bit at ``pos`` through the file's own inode (a running node keeps it open)."""
+    import os
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0x04]), pos)
+    finally:
+        os.close(fd)
+
+
+async def wait_for_line(node, text: str, timeout_s: float) -> None:
+    """Until ``text`` is in the node's log (bounded by ``timeout_s``)."""
+    for _ in range(int(timeout_s * 10)):
+        if text in node.log_path.read_text():
+            return
+        await asyncio.sleep(0.1)
+
+
 async def flip_and_expect_repair(node, slave) -> None:
     """Flip a byte in the master ``node``'s first sealed message-log segment once ``slave``
     holds it whole; the scrub must fetch it again from the slave (bounded waits)."""
     import json
-    import os
 
     from cluster.proto import hourglass_pb2 as pb
     from cluster.transport import Channels
@@ -274,15 +292,8 @@ async def flip_and_expect_repair(node, slave) -> None:
             break
         await asyncio.sleep(0.1)
     healthy = seg.read_bytes()
-    fd = os.open(seg, os.O_RDWR)
-    try:
-        os.pwrite(fd, bytes([healthy[len(healthy) // 2] ^ 0x04]), len(healthy) // 2)
-    finally:
-        os.close(fd)
-    for _ in range(200):  # bounded: 20 s
-        if "segment repaired from" in node.log_path.read_text():
-            break
-        await asyncio.sleep(0.1)
+    flip_in_place(seg, len(healthy) // 2)
+    await wait_for_line(node, "segment repaired from", 20)
     assert "segment repaired from" in node.log_path.read_text(), node.tail_log()
     assert seg.read_bytes() == healthy == copy.read_bytes()
     ch = Channels()
@@ -298,7 +309,6 @@ async def test_replicated_master_completes_a_bucket_from_its_slave_after_retenti
     (retention deleted those segments) used to lose them ("lost_bytes"). The master now
     fetches the bucket's frames from its slave (Replication.ReadLog "schedule:{start}") and
     rebuilds the bucket with them: every message is still pending, none lost."""
-    import os
     import time
 
     from cluster.client import Producer, StaticResolver
@@ -326,16 +336,8 @@ async def test_replicated_master_completes_a_bucket_from_its_slave_after_retenti
                 await asyncio.sleep(0.1)
             assert not first_seg.exists(), node.tail_log()
             (seg,) = sorted((node.data_dir / "schedule").glob("*/data/*.log"))
-            fd = os.open(seg, os.O_RDWR)
-            try:
-                pos = 200  # inside the first frame: records the message log no longer has
-                os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0x04]), pos)
-            finally:
-                os.close(fd)
-            for _ in range(300):  # bounded: 30 s
-                if "schedule bucket completed from a member" in node.log_path.read_text():
-                    break
-                await asyncio.sleep(0.1)
+            flip_in_place(seg, 200)  # inside the first frame: records the message log no longer has
+            await wait_for_line(node, "schedule bucket completed from a member", 30)
             statuses = {}
             for mid in ids:
                 try:

@@ -76,10 +76,13 @@ class StaticRouter:
 
 
 class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
+    STORE_FOLLOWER = False  # a replicated node opens its store as a follower: the election decides
+
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None, router=None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
-        self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms())
+        self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
+                                     follower=self.STORE_FOLLOWER)
         self.committer = GroupCommitter(self.store.messages)
         self.channels = Channels()
         if router is None and settings.meta_servers:

@@ -14,10 +14,13 @@ The pure rules live in ``node/replication/core.py``; this is the asyncio/grpc.ai
 * **slave** - one follower task per log: CRC-checked ``append_raw``, fsync, then the next
   fetch (its acknowledgement); the message log is filed into the slave's own schedule
   log under the master's tick state (``DelayStore`` follower mode).
-* **promotion** - close the follower store, open it as master: the wheel restarts from
-  the replicated completed_ms and the dispatch log, and aligns to the wall clock (behind:
-  everything overdue fires at once; ahead: it waits). **Demotion** - the reverse; a
-  returning old master truncates the suffix the new master never had.
+* **promotion** - ``DelayStore.promote`` turns the follower store into the master in place
+  (no close, no reopen; one new store epoch): the wheel restarts from the replicated
+  completed_ms and the dispatch log, and aligns to the wall clock (behind: everything
+  overdue fires at once; ahead: it waits). The node opens its store once, as a follower
+  (every node starts as a slave). **Demotion** (rare: a master deposed while running)
+  closes the store and opens it as a follower; a returning old master truncates the
+  suffix the new master never had.
 """
 
 from __future__ import annotations
@@ -57,13 +60,11 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     ROLE = "delay"
     DISCOVERY_KIND = mpb.DELAYED_PRODUCER
 
+    STORE_FOLLOWER = True  # every node starts as a slave: DelayNode opens the store once, as a follower
+
     def __init__(self, settings, **kw) -> None:
         super().__init__(settings, **kw)
-        # start as a slave: the election decides; reopen the store in follower mode
-        self.store.close()
-        self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
-                                     follower=True)
-        self.store.follow()
+        self.store.follow()  # the election decides; promote() makes it the master in place
         self.committer = GroupCommitter(self.store.messages)
         root = Path(settings.data_dir)
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
@@ -294,21 +295,29 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             tg.create_task(self._retention_loop(), name="retention")
 
     def _reopen(self, mode: str) -> None:
+        """Promotion turns the follower store into the master in place (``DelayStore.promote``:
+        one epoch bump, no close and open). Demotion (a master deposed while running, rare)
+        still closes the store and opens it as a follower: its in-flight state goes with it."""
         self._dispatch_q = asyncio.Queue()
         self._dispatch_slots = asyncio.Semaphore(self.settings.dispatch_concurrency_max)
-        self.store.checkpoint()
-        self.store.close()
         now = self.clock.now_ms()
-        self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
-                                     follower=mode != "master")
         if mode == "master":
+            t0 = time.perf_counter()
+            steps = self.store.promote(now) if self.store.follower else {}
             self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
             self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
             self.tracker.set_slaves(set(self._peers))
-            log.warning("became MASTER group=%s epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d",
-                        self.settings.group, self.member.epoch, self.store.completed_ms, now,
-                        now - self.store.completed_ms, sum(self.store.pending_by_bucket().values()))
+            log.warning("became MASTER group=%s epoch=%d store_epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d "
+                        "promote_ms=%.1f steps_ms=%s", self.settings.group, self.member.epoch, self.store.epoch,
+                        self.store.completed_ms, now, now - self.store.completed_ms,
+                        sum(self.store.pending_by_bucket().values()), (time.perf_counter() - t0) * 1000,
+                        json.dumps(steps))
         else:
+            if not self.store.follower:
+                self.store.checkpoint()
+                self.store.close()
+                self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
+                                             follower=True)
             self.store.follow()
         self.committer = GroupCommitter(self.store.messages)
 
