@@ -84,7 +84,8 @@ def soak(args) -> dict:
     rnd = np.random.default_rng(2)
     pool = [rnd.bytes(256) for _ in range(64)]
     s = StoreSettings(bucket_ms=60_000, message_segment_bytes=1 << 20, dispatch_segment_bytes=256 << 10,
-                      id_entries_max=65_536, id_slots=16_384, dedupe_window_ms=args.dedupe_window_s * 1000)
+                      id_entries_max=args.id_entries_max, id_slots=args.id_entries_max // 4,
+                      dedupe_window_ms=args.dedupe_window_s * 1000)
     samples, rss = [], []
     sent = delivered = 0
     with tempfile.TemporaryDirectory() as d:
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=500, help="messages per fake second")
     ap.add_argument("--delay-s", type=int, default=120)
     ap.add_argument("--dedupe-window-s", type=int, default=300)
+    ap.add_argument("--id-entries-max", type=int, default=65_536,
+                    help="soak: entries per id file (every file is probed for each accepted batch)")
     ap.add_argument("--phases", default="pending,soak")
     args = ap.parse_args()
     for ph in args.phases.split(","):
