@@ -214,6 +214,9 @@ class StaticResolver:
     async def refresh(self) -> None:
         pass
 
+    def invalidate(self, subject: str) -> None:
+        """A route failed (the delay node's dispatch says so): fixed lists have nothing to forget."""
+
     def describe(self) -> str:
         """Where this resolver looks (for errors that say what was tried)."""
         return f"static delay={','.join(self.delay) or '-'} realtime={','.join(self.realtime) or '-'}"

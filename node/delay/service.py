@@ -21,16 +21,15 @@ and translate back through ``cluster.wire`` / ``cluster.status``.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
-import zlib
 
 import grpc
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from cluster import status
+from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
 from cluster.discovery import MetaResolver
@@ -60,21 +59,6 @@ DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time nod
 MIB = 1 << 20
 
 
-class StaticRouter:
-    """subject -> real-time node address, by a stable hash (before the meta server)."""
-
-    def __init__(self, addresses: list[str]) -> None:
-        self.addresses = list(addresses)
-
-    def realtime_for(self, subject: str) -> str:
-        if not self.addresses:
-            raise Unavailable("no real-time node configured")
-        return self.addresses[zlib.crc32(subject.encode()) % len(self.addresses)]
-
-    def invalidate(self, subject: str) -> None:
-        pass
-
-
 class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     STORE_FOLLOWER = False  # a replicated node opens its store as a follower: the election decides
 
@@ -88,7 +72,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         if router is None and settings.meta_servers:
             router = MetaResolver(  # subject -> real-time group through the meta server
                 settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
-        self.router = router or StaticRouter(settings.realtime_nodes)
+        # subject -> real-time node: the SDK's resolvers, one hash rule (cluster.client)
+        self.router = router or StaticResolver(realtime=settings.realtime_nodes)
         self.registrar = None
         self.metrics = NodeMetrics("delay", settings.node_id)
         self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark())
@@ -300,10 +285,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     self._wheel_wake.set()
 
     async def _route(self, subject: str) -> str:
-        address = self.router.realtime_for(subject)
-        if inspect.isawaitable(address):  # MetaResolver answers asynchronously
-            address = await address
-        return address
+        return await self.router.realtime_for(subject)
 
     async def _deliver(self, unit: int, idx: np.ndarray) -> None:
         """Deliver messages ``idx`` of an in-flight unit: one SendBatch per real-time node,
