@@ -129,7 +129,7 @@ class NodeSettings(BaseSettings):
     # real-time node
     dedup_window_ms: int = Field(default=R.dedup_window_ms, ge=0)
     dedup_entries_max: int = Field(default=R.dedup_entries_max, ge=1,
-                                   description="dedup map size; new messages beyond it are answered OVERLOADED")
+                                   description="dedup map size; beyond it the oldest ids are forgotten early")
     ack_timeout_ms: int = Field(default=R.ack_timeout_ms, ge=1)
     inflight_per_group_max: int = Field(default=R.inflight_per_group_max, ge=1,
                                         description="pulled, unacked messages per (subject, group)")

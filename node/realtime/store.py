@@ -171,7 +171,7 @@ START_EARLIEST = "earliest"
 START_LATEST = "latest"
 _DUE_NOW_MS = -(1 << 62)  # pulled_at of handles restored from disk: due for redelivery at once
 _SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skips entries
-_OVERLOADED = status.to_code(Overloaded(""))
+DEDUP_FULL_LOG_EVERY_MS = 60_000  # "dedup map full" is logged at most this often
 _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
 
@@ -345,8 +345,9 @@ class RealtimeStore:
         dedup_offset = min(max(int(ck.get("dedup_offset", start)), start), end)
         self._ckpt_saved: dict | None = None
         self._save_checkpoint(self.indexed_offset, dedup_offset)  # the epoch is durable before any seq uses it
+        self._dedup_full_logged_ms = -DEDUP_FULL_LOG_EVERY_MS
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
-                         "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0, "groups_idled": 0,
+                         "dedup_evicted_early": 0, "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0, "groups_idled": 0,
                          "groups_resumed": 0, "resumed_skipped_messages": 0, "segments_deleted": 0,
                          "index_compactions": 0}
 
@@ -704,16 +705,6 @@ class RealtimeStore:
         seen = prior >= 0
         repeated = (first_idx != np.arange(m)) & ~seen
         new = np.flatnonzero(~seen & ~repeated)
-        refused = np.zeros(m, bool)
-        room = self._dedup.room()
-        if len(new) > room:  # the dedup map is full: refuse what it cannot remember
-            refused[new[room:]] = True
-            new = new[:room]
-        refused |= repeated & refused[first_idx]  # a repeat of a refused first copy
-        if refused.any():
-            full = f"dedup map holds {len(self._dedup)} ids (dedup_entries_max={self.settings.dedup_entries_max})"
-            codes[ok[refused]] = _OVERLOADED
-            errors.update(dict.fromkeys(ok[refused].tolist(), full))
         k = len(new)
         seqs = np.zeros(m, np.uint64)
         if k:
@@ -775,9 +766,23 @@ class RealtimeStore:
             raise
         if contiguous:
             self._indexed_upto = self.messages.end_offset
-        self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
+        evicted = self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
+        if evicted:
+            self._dedup_full(evicted, now_ms)
         self._cache_frame(off, stored, len(body))
         self.counters["appended"] += stored.n
+
+    def _dedup_full(self, evicted: int, now_ms: int) -> None:
+        """The dedup map reached ``dedup_entries_max``: the oldest ids were forgotten before
+        their window ended (the window is shorter while the rate is this high). Counted,
+        and said at most once per ``DEDUP_FULL_LOG_EVERY_MS``; never a reason to refuse."""
+        self.counters["dedup_evicted_early"] += evicted
+        if now_ms - self._dedup_full_logged_ms >= DEDUP_FULL_LOG_EVERY_MS:
+            self._dedup_full_logged_ms = now_ms
+            oldest = self._dedup.order[0][0] if self._dedup.order else now_ms
+            log.warning("dedup map full path=%s dedup_entries_max=%d: ids are remembered for %d ms, not "
+                        "dedup_window_ms=%d (evicted early so far: %d)", self.root, self.settings.dedup_entries_max,
+                        now_ms - oldest, self.settings.dedup_window_ms, self.counters["dedup_evicted_early"])
 
     def _undo_frame(self, off: int, subjects: list[str]) -> None:
         """An index write of the frame at ``off`` hit ENOSPC (rare): drop the entries written
