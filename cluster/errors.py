@@ -31,6 +31,11 @@ class HourglassError(Exception):
     def wire_args(self) -> list:
         return list(getattr(self, "_wire_args", [str(self)]))
 
+    def __reduce__(self):
+        # pickled (a worker process, a thread pool's future) as made: cls(*its arguments), not
+        # cls(its message), which the errors with their own __init__ do not take
+        return type(self), tuple(self.wire_args()), self.__dict__
+
 
 # --- the caller's request is wrong -------------------------------------------------
 

@@ -48,6 +48,14 @@ def test_the_table_works_both_ways(err):
     assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
 
 
+@pytest.mark.parametrize("err", EVERY_ERROR, ids=lambda e: type(e).__name__)
+def test_every_error_pickles_as_it_was_made(err):
+    import pickle
+
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
+
+
 def test_an_error_from_another_version_keeps_its_class_and_text():
     md = ((status.ERROR_KEY, "StaleEpoch"), (status.ERROR_ARGS_KEY, '["one too few"]'))
     back = status.from_rpc_error(_RpcError(grpc.StatusCode.FAILED_PRECONDITION, "stale epoch 1, current 2", md))
