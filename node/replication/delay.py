@@ -341,7 +341,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 break
             await asyncio.sleep(0.02)
         else:
-            self._role_task = asyncio.create_task(self._master_tasks())
+            self._start_role_task("master")
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
         await asyncio.sleep(2 * self.settings.replication_wait_ms / 1000)  # the final tick state reaches them
         return await self._resign_and_follow()

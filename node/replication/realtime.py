@@ -266,7 +266,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
             await asyncio.sleep(0.02)
         else:
             self._handing_over = False
-            self._role_task = asyncio.create_task(self._master_tasks())
+            self._start_role_task("master")
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
         self._handing_over = False
         return await self._resign_and_follow()

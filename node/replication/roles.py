@@ -6,8 +6,9 @@ the master's side of the fetch preamble, metrics, status and lifecycle.
 
 * ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
   its groups);
-* ``_switch(mode)``: close and reopen the store as master or slave and start that mode's
-  tasks in ``self._role_task``;
+* ``_switch(mode)``: make the store the master's or a slave's (``_reopen``) and start that
+  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup (a role task
+  that fails stops the node with its error, instead of leaving a master that does nothing);
 * ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
 * ``_on_peers(peers)``: the group's other members changed (sync trackers);
 * ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
@@ -82,6 +83,7 @@ class ReplicaRoles:
         self._tickets: dict[tuple[str, int], asyncio.Future] = {}
         self._changed = asyncio.Event()
         self._role_task: asyncio.Task | None = None
+        self._tg: asyncio.TaskGroup | None = None
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
         self._term_checked_at = -(1 << 62)  # mono ms of the last _check_term
@@ -342,15 +344,26 @@ class ReplicaRoles:
                 log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
                             self.member.leader_address)
             self.mode = mode
-            self._role_task = asyncio.create_task(self._master_tasks() if mode == "master" else self._slave_tasks())
+            self._start_role_task(mode)
+
+    def _start_role_task(self, mode: str) -> None:
+        coro = self._master_tasks() if mode == "master" else self._slave_tasks()
+        self._role_task = self._tg.create_task(coro, name=f"role-{mode}") if self._tg is not None \
+            else asyncio.create_task(coro, name=f"role-{mode}")
 
     async def _stop_role_task(self) -> None:
-        if self._role_task is not None:
-            self._role_task.cancel()
-            try:
-                await self._role_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        t = self._role_task
+        if t is None or t.done():  # a failed one: the TaskGroup holds its error
+            return
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise  # this task is being cancelled itself (the node stops): never swallow that
+        except Exception:  # noqa: BLE001 - its error reached the TaskGroup, which stops the node
+            pass
 
     async def _role_loop(self) -> None:
         meta = self.registrar.meta
@@ -436,6 +449,7 @@ class ReplicaRoles:
         self.registrar.on_beat = self._on_beat
         try:
             async with asyncio.TaskGroup() as tg:
+                self._tg = tg  # role tasks are its children (_start_role_task)
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
@@ -466,6 +480,7 @@ class ReplicaRoles:
                 if self._role_task is not None:
                     self._role_task.cancel()
         finally:
+            self._tg = None
             await self._stop_role_task()
             await self.channels.close()
             await self._close_clients()
