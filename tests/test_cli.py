@@ -243,3 +243,15 @@ def test_docs_list_every_command_and_exit_code():
     for name in ("EXIT_FAILED", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_NOT_FOUND", "EXIT_CONFLICT"):
         assert f"| {getattr(common, name)} |" in doc, name
     assert "HOURGLASS_DEBUG=1" in doc and "--timeout-s" in doc
+
+
+def test_the_spark_submit_entry_runs_the_cli_boundary(cwd):
+    """``spark-submit cluster/spark_submit.py ...`` (docs/spark.md) runs ``hourglass spark``:
+    its help, and a usage error as one line with exit 2."""
+    entry = ROOT / "cluster" / "spark_submit.py"
+    r = subprocess.run([sys.executable, str(entry), "audit", "--help"], capture_output=True, text=True, cwd=cwd,
+                       timeout=RUN_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and "audit" in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, str(entry), "no-such-job"], capture_output=True, text=True, cwd=cwd,
+                       timeout=RUN_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
