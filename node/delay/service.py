@@ -38,15 +38,15 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
-from node.aio import StallWatch, trim_memory_loop, tune_gc, wait_event
+from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.grpcserver import start_grpc
+from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
-from node.registration import Registrar
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 
@@ -491,17 +491,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
                       for i in range(self.settings.dispatch_concurrency_max)],
                 ]
-                if self.settings.scrub_rate_mib_s > 0:
-                    tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
-                if self.settings.meta_servers:
-                    self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
-                    tasks.append(tg.create_task(self.registrar.run(), name="registration"))
-                if self.settings.loop_stall_report_ms:
-                    tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
-                                                name="stall-watch"))
-                self.metrics.start(self.settings.metrics_port)
-                tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
-                tune_gc()
+                tasks += side_tasks(tg, self, log)
                 log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,
                          self.address, self.store.epoch, self.settings.data_dir)
                 if on_ready:

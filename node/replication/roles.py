@@ -31,8 +31,9 @@ from cluster import status
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
-from node.aio import StallWatch, trim_memory_loop, wait_event, within
+from node.aio import wait_event, within
 from node.grpcserver import start_grpc
+from node.lifecycle import side_tasks
 from node.registration import Registrar
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
                                    role_step, take_answer)
@@ -453,13 +454,8 @@ class ReplicaRoles:
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
-                tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
-                if self.settings.scrub_rate_mib_s > 0:  # both roles scrub their segments
-                    tasks.append(tg.create_task(self.scrubber.run(), name="scrub"))
-                if self.settings.loop_stall_report_ms:
-                    tasks.append(tg.create_task(StallWatch(self.settings.loop_stall_report_ms, log).run(),
-                                                name="stall-watch"))
-                self.metrics.start(self.settings.metrics_port)
+                # both roles scrub their segments; the registration above has the heartbeat hook
+                tasks += side_tasks(tg, self, log, register=False, gc_tuned=False)
                 log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
                          self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)
                 if on_ready:

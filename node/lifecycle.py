@@ -1,0 +1,32 @@
+"""What every node process runs beside its own loops: the scrub, its registration at the
+meta servers, the stall watch, the malloc trim, the metrics endpoint. One place, so a delay
+node, a real-time node and a replicated one start them alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from node.aio import StallWatch, trim_memory_loop, tune_gc
+from node.registration import Registrar
+
+
+def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bool = True,
+               gc_tuned: bool = True) -> list[asyncio.Task]:
+    """Start them in ``tg`` for ``node`` (its ``settings``, ``scrubber``, ``metrics``,
+    ``address``, ``registration_info``); ``register``: also its registration (a replicated
+    node makes its own, with a heartbeat hook)."""
+    settings = node.settings
+    tasks = []
+    if settings.scrub_rate_mib_s > 0:
+        tasks.append(tg.create_task(node.scrubber.run(), name="scrub"))
+    if register and settings.meta_servers:
+        node.registrar = Registrar(settings, node.address, describe=node.registration_info)
+        tasks.append(tg.create_task(node.registrar.run(), name="registration"))
+    if settings.loop_stall_report_ms:
+        tasks.append(tg.create_task(StallWatch(settings.loop_stall_report_ms, log).run(), name="stall-watch"))
+    node.metrics.start(settings.metrics_port)
+    tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
+    if gc_tuned:
+        tune_gc()
+    return tasks
