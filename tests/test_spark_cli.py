@@ -87,6 +87,15 @@ def test_cli_refuses_bad_paths_and_outputs_before_spark_starts(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "earlier", "empty", "rows.csv"]
 
 
+@pytest.mark.unit  # tier: a path check, no Spark
+def test_the_quiet_log4j_file_is_where_the_cli_looks():
+    """The CLI quiets Spark's log with a file beside the jobs; when the CLI module moved, the
+    path pointed nowhere and Spark's WARN lines came back (the check below caught it in CI)."""
+    from cluster.cli import spark
+
+    assert spark.LOG4J_QUIET.is_file(), spark.LOG4J_QUIET
+
+
 def test_a_failure_inside_spark_is_one_error_line_without_a_stack_trace(tmp_path):
     """The one case here that starts Spark: an input that exists but is not Parquet."""
     (tmp_path / "rows.parquet").write_text("not parquet")

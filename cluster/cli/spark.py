@@ -38,7 +38,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Spark jobs: audit delivery from node logs, schedule a dataset in bulk.")
 
 DEFAULT_CLUSTER_FILE = Path("var/dev/cluster.json")
-LOG4J_QUIET = Path(__file__).with_name("log4j2-cli.properties")   # Spark's start-up WARN lines off
+# Spark's start-up WARN lines off: the file lives beside the Spark jobs (cluster/spark/)
+LOG4J_QUIET = Path(options.__file__).with_name("log4j2-cli.properties")
 INPUT_FORMATS = ("csv", "json", "parquet")
 PAYLOAD_ENCODINGS = ("utf8", "base64")
 
