@@ -282,7 +282,7 @@ class BucketHealer:
         order = np.argsort(seq, kind="stable")
         return seq[order], eff[order]
 
-    def _first_log_seq(self) -> int | None:
+    def first_log_seq(self) -> int | None:
         s = self.store
         if s.messages.start_offset >= s.messages.end_offset:
             return None
@@ -304,7 +304,7 @@ class BucketHealer:
         known_seq, known_eff = self._known_times(start_ms, end_ms)
         if s.messages.start_offset > 0:
             # retention deleted the log's beginning: older records come from the old bucket as they were
-            first = self._first_log_seq()
+            first = self.first_log_seq()
             frames, lost = salvage_frames(s.schedule.bucket_path(start_ms) / "data", s.messages.record_bytes_max)
             counted["lost_bytes"] = lost
             seen: list[np.ndarray] = []

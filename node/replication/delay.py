@@ -144,7 +144,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             return
         for start, lost in list(healer.fetch_wanted.items()):
             store = self.store
-            first = healer._first_log_seq()
+            first = healer.first_log_seq()
             for address in members:
                 try:
                     frames = await self._fetch_bucket_frames(address, start, first)
