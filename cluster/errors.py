@@ -126,6 +126,14 @@ class Closed(Unavailable):
     """The component is shutting down."""
 
 
+# --- a server cannot start -------------------------------------------------------
+
+
+class CannotListen(HourglassError):
+    """A server could not bind its address: the port is taken, or the host is not an address
+    of this machine. Nothing was started."""
+
+
 # --- disk state is broken ---------------------------------------------------------
 
 

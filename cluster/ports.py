@@ -7,6 +7,10 @@ from __future__ import annotations
 import random
 import socket
 
+# Ports this process handed out. A port is only free when checked: two picks for the same
+# cluster (or two clusters of one test run) must not get the same one before either binds.
+_GIVEN: set[int] = set()
+
 
 def _ephemeral_range() -> tuple[int, int]:
     try:
@@ -24,12 +28,15 @@ def free_port() -> int:
     start = max(1024, lo - 12_000)
     for _ in range(200):
         port = random.randrange(start, lo)
+        if port in _GIVEN:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _GIVEN.add(port)
+        return port
     with socket.socket() as s:  # everything below was busy: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

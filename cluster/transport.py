@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import grpc
 
+from cluster.errors import CannotListen
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.status import status_code
 
@@ -21,6 +22,20 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
 ]
+
+
+def listen(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind ``server`` to ``host:port`` (0: any free port); the bound port. A port in use is
+    ``CannotListen`` naming the address, not grpc's RuntimeError."""
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise CannotListen(f"cannot listen on {address}: the port is in use, or {host} is not an address "
+                           f"of this machine")
+    return bound
 
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -151,7 +151,7 @@ class Election:
     async def _wait_deleted(self, from_revision: int, timeout_s: float) -> None:
         try:
             await self.etcd.call(lambda c: c.watch_once(self.key, timeout=timeout_s, start_revision=from_revision,
-                                                        kind=EventKind.DELETE))
+                                                        kind=EventKind.DELETE), wait_s=timeout_s)
         except (aex.WatchTimeoutError, aex.RevisionCompactedError):
             pass
         except Unavailable:

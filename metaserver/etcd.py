@@ -3,8 +3,12 @@
 ``aetcd.Client`` talks to one endpoint. ``EtcdClient`` holds the list and, when a
 call fails with a connection error or timeout, closes the client, moves to the
 next endpoint and tries again, at most ``attempts_max`` times with a short
-backoff (tenacity). What still fails is ``cluster.errors.Unavailable`` naming the
-endpoint, so callers see one error type for "etcd cannot be reached".
+backoff (tenacity), and within ``budget_s`` in all: each attempt gets at most
+``timeout_s`` and never more than what is left of the budget, so a caller with a
+deadline (a meta server RPC answering a client) hears ``Unavailable`` in time
+rather than its own deadline running out. What still fails is
+``cluster.errors.Unavailable`` naming the endpoint, so callers see one error type
+for "etcd cannot be reached".
 
 Errors that are answers (a lease that is gone, a compacted revision) are not
 retried: they come back as the aetcd exception for the caller to translate.
@@ -19,7 +23,7 @@ from typing import TypeVar
 
 import aetcd
 from aetcd import exceptions as aex
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
 
 from cluster.errors import Unavailable
 
@@ -31,12 +35,16 @@ RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.Time
 
 
 class EtcdClient:
-    def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None):
+    def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None,
+                 budget_s: float | None = None):
         if not endpoints:
             raise ValueError("at least one etcd endpoint")
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self.attempts_max = attempts_max or 2 * len(self.endpoints) + 1
+        # every endpoint once at full timeout, plus one more try: a dead member costs one
+        # timeout, and all of etcd down is reported within budget_s
+        self.budget_s = budget_s if budget_s is not None else timeout_s * (len(self.endpoints) + 1)
         self._index = 0
         self._client: aetcd.Client | None = None
 
@@ -60,15 +68,23 @@ class EtcdClient:
             except Exception:  # closing a broken channel may fail; it is gone either way
                 pass
 
-    async def call(self, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run ``fn(client)``; on connection errors rotate and retry, then raise Unavailable."""
+    async def call(self, fn: Callable[[aetcd.Client], Awaitable[T]], *, wait_s: float = 0.0) -> T:
+        """Run ``fn(client)``; on connection errors rotate and retry, then raise Unavailable.
+        ``wait_s`` is how long ``fn`` itself may wait by design (a watch with a timeout); it is
+        added to each attempt's timeout and to the budget."""
+        loop = asyncio.get_running_loop()
+        budget_s = self.budget_s + wait_s
+        deadline = loop.time() + budget_s
         try:
             async for attempt in AsyncRetrying(retry=retry_if_exception_type(RETRYABLE),
-                                               stop=stop_after_attempt(self.attempts_max),
+                                               stop=stop_after_attempt(self.attempts_max) | stop_after_delay(budget_s),
                                                wait=wait_exponential(multiplier=0.05, max=0.5), reraise=True):
                 with attempt:
                     try:
-                        return await asyncio.wait_for(fn(self.client()), self.timeout_s * 2)
+                        left = deadline - loop.time()
+                        if left <= 0:
+                            raise asyncio.TimeoutError(f"no time left of the {budget_s:g} s budget")
+                        return await asyncio.wait_for(fn(self.client()), min(self.timeout_s + wait_s, left))
                     except RETRYABLE:
                         log.info("etcd endpoint=%s failed; trying the next one", self.endpoint)
                         await self.rotate()

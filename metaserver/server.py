@@ -14,7 +14,7 @@ import grpc
 
 from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
-from cluster.transport import CHANNEL_OPTIONS
+from cluster.transport import CHANNEL_OPTIONS, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
@@ -34,9 +34,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     probes = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    port = listen(server, settings.host, settings.port)
     await server.start()
     address = settings.advertise or f"{settings.host}:{port}"
     try:

@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.transport import listen
 from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
@@ -28,8 +29,6 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
         add(server)
     # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {settings.host}:{settings.port}")
+    port = listen(server, settings.host, settings.port)
     await server.start()
     return server, settings.advertise or f"{settings.host}:{port}"

@@ -51,6 +51,7 @@ MODULE_TIERS = {
     "test_docs.py": "unit",
     "test_e2e.py": "integration",
     "test_election.py": "integration",
+    "test_etcd_client.py": "unit",
     "test_failover_store.py": "integration",  # seeded runs: minutes
     "test_healing.py": "integration",
     "test_helm.py": "integration",

@@ -167,6 +167,23 @@ def test_no_cluster_given(hg):
     assert "hourglass dev up" in r.err
 
 
+@pytest.mark.parametrize("role", ["delay", "realtime"])
+def test_a_server_whose_port_is_taken_says_so_without_a_traceback(hg, cwd, role):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = hg("node", "--role", role, "--data-dir", str(cwd / role), "--port", str(port))
+    assert r.code == 1, r
+    assert "Traceback" not in r.out + r.err, r
+    lines = r.err.splitlines()
+    assert lines[-2] == f"error: cannot listen on 127.0.0.1:{port}: the port is in use, or 127.0.0.1 is not an " \
+                        "address of this machine", r
+    assert lines[-1].startswith("hint: give another --port"), r
+
+
 # ------------------------------------------------------------------ against a running cluster
 
 

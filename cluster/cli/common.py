@@ -50,6 +50,7 @@ EXIT_CODES: list[tuple[type[BaseException], int, str]] = [
     (E.Unavailable, EXIT_UNAVAILABLE, HINT_UNAVAILABLE),
     (E.StaleEpoch, EXIT_UNAVAILABLE, "hint: a new master was elected meanwhile; retry"),
     (E.StorageError, EXIT_FAILED, "hint: a node's files are damaged; see its log and docs/operations.md"),
+    (E.CannotListen, EXIT_FAILED, "hint: give another --port (HOURGLASS_PORT), or stop what holds this one"),
     (E.HourglassError, EXIT_FAILED, ""),
 ]
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from cluster import errors as E
 from cluster.cli.common import CliError, _split, app
 
 # ---------------------------------------------------------------------- node
@@ -40,6 +41,9 @@ def _serve(settings_cls, overrides: dict, serve) -> None:
         with cProfile.Profile() as prof:
             asyncio.run(serve(settings))
         prof.dump_stats(f"{profile_to}.{os.getpid()}")
+    except E.HourglassError as e:  # a known refusal (a port in use): one log line, no traceback
+        logging.getLogger("hourglass").error("%s stopped: %s", settings_cls.__name__, e)
+        raise
     except Exception:
         logging.getLogger("hourglass").exception("%s stopped by an error", settings_cls.__name__)
         raise
