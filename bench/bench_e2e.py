@@ -343,7 +343,9 @@ class Hourglass:
         for kv in args.node_env:  # e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5: settings under test
             k, _, v = kv.partition("=")
             env[k] = v
-        self.cluster = LocalCluster(self.root, env=env)
+        self.cluster = LocalCluster(self.root, env=env, secure=args.secure)
+        if args.secure:  # the producer here and the consumer process: a client certificate and the admin token
+            os.environ.update(self.cluster.security.client_env())
         self.metrics_port = free_port()
         self.cluster.delay[0].env["HOURGLASS_METRICS_PORT"] = str(self.metrics_port)
         self.args = args
@@ -382,7 +384,8 @@ class Hourglass:
                              "batch_max": self._batch_max(), "inflight_max": self.args.inflight},
                 "consumer": {"api": "batches()", "subjects": 16, "batch_max": 1000, "wait_ms": 200,
                              "ack": "every batch"},
-                "nodes": "1 delay + 1 real-time (LocalCluster defaults)", "node_env": self.args.node_env}
+                "nodes": "1 delay + 1 real-time (LocalCluster defaults)", "node_env": self.args.node_env,
+                "secure": self.args.secure}
 
     def sender(self):
         from cluster.client import Producer, StaticResolver
@@ -787,6 +790,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--node-env", action="append", default=[], metavar="HOURGLASS_X=V",
                    help="a node setting for the Hourglass nodes (repeatable), e.g. HOURGLASS_DISPATCH_ROUND_INTERVAL_MS=5")
+    p.add_argument("--secure", action="store_true",
+                   help="hourglass: mutual TLS on every port and tokens checked (docs/security.md)")
     p.add_argument("--dir", default=None, help="where servers keep data (default: system temp)")
     p.add_argument("--sample-s", type=float, default=0,
                    help="sustain: sample each node's disk and memory this often (a soak)")

@@ -76,6 +76,7 @@ from cluster import errors as E
 from cluster import status
 from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, encode_extra
 from cluster.proto import hourglass_pb2 as pb
+from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
 from cluster.wire import BatchResult, make_request, pack_ranges
 
@@ -191,9 +192,11 @@ class StaticResolver:
     """Fixed node lists. Subjects map to real-time nodes by a stable hash, the same
     rule the delay nodes use, so producers, delay nodes and consumers agree."""
 
-    def __init__(self, *, delay: list[str] = (), realtime: list[str] = ()) -> None:
+    def __init__(self, *, delay: list[str] = (), realtime: list[str] = (),
+                 security: ClientSecurity | None = None) -> None:
         self.delay = list(delay)
         self.realtime = list(realtime)
+        self.security = security  # None: HOURGLASS_TLS_* / HOURGLASS_TOKEN from the environment
 
     async def delay_nodes(self) -> list[str]:
         if not self.delay:
@@ -490,7 +493,8 @@ class Producer:
     def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = BATCH_MAX_DEFAULT,
                  batch_bytes_max: int = 32 * 1024 * 1024, inflight_max: int = 8, queue_max: int = 100_000,
                  timeout_s: float = 10.0, call_timeout_s: float = CALL_TIMEOUT_S, retries_max: int = 50,
-                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000, limits: Limits = DEFAULT_LIMITS) -> None:
+                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000, limits: Limits = DEFAULT_LIMITS,
+                 security: ClientSecurity | None = None) -> None:
         if not 0 < batch_bytes_max <= BATCH_BYTES_MAX:
             raise E.InvalidArgument("batch_bytes_max", f"{batch_bytes_max} is not in 1..{BATCH_BYTES_MAX} "
                                     f"(the gRPC message limit {MESSAGE_BYTES_MAX} less {REQUEST_MARGIN_BYTES})")
@@ -509,7 +513,7 @@ class Producer:
         self.backoff_ms_min = backoff_ms_min
         self.backoff_ms_max = backoff_ms_max
         self.limits = limits
-        self.channels = Channels()
+        self.channels = Channels(security or getattr(resolver, "security", None))
         self._id_prefix = secrets.token_hex(ID_PREFIX_BYTES)
         self._id_next = 0
         self._queue: deque[_Job] = deque()
@@ -1217,7 +1221,8 @@ def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandle
 class Consumer:
     def __init__(self, resolver, subjects: str | Sequence[str], *, group: str, consumer_id: str | None = None,
                  tags: Sequence[str] = (), batch_max: int = 500, wait_ms: int = 1000, timeout_s: float = 10.0,
-                 call_timeout_s: float = CALL_TIMEOUT_S, backoff_ms_min: int = 25, backoff_ms_max: int = 2000) -> None:
+                 call_timeout_s: float = CALL_TIMEOUT_S, backoff_ms_min: int = 25, backoff_ms_max: int = 2000,
+                 security: ClientSecurity | None = None) -> None:
         if not call_timeout_s > 0:
             raise E.InvalidArgument("call_timeout_s", "must be positive")
         self.resolver = resolver
@@ -1232,7 +1237,7 @@ class Consumer:
         self.wait_ms = wait_ms
         self.timeout_s = timeout_s            # one request (a pull: plus its wait_ms)
         self.call_timeout_s = call_timeout_s  # one call of pull / pull_batch (plus its wait_ms), ack, nack
-        self.channels = Channels()
+        self.channels = Channels(security or getattr(resolver, "security", None))
         self._wait = _backoff(backoff_ms_min, backoff_ms_max)
         self._pulls: dict[str, asyncio.Task] = {}   # node -> its pull in flight
         self._failures: dict[str, int] = {}         # node -> failed pulls in a row

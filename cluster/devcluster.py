@@ -39,9 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.certs import dev_security
 from cluster.errors import Unavailable
 from cluster.etcdproc import EtcdCluster
 from cluster.ports import free_port
+from cluster.security import ClientSecurity, SecuritySettings
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -166,10 +168,14 @@ class LocalCluster:
                  etcd_members: int = 1, etcd_endpoints: list[str] | None = None,
                  delay_replicas: int = 1, ack_mode: str = "async", lease_ttl_ms: int | None = None,
                  realtime_replicas: int = 1, hosts: dict[str, str] | None = None,
-                 prefixes: dict[str, list[str]] | None = None) -> None:
+                 prefixes: dict[str, list[str]] | None = None, secure: bool = False) -> None:
         self.root = Path(root).resolve()  # children run in the repository, not the caller's cwd
         self.root.mkdir(parents=True, exist_ok=True)
-        self.env = env or {}
+        # secure: mutual TLS on every port, tokens checked (docs/security.md); the material
+        # (a CA, the nodes' certificate, a client certificate, an admin token) is made here
+        self.security = dev_security(self.root, hosts=sorted({"127.0.0.1", "localhost", *(hosts or {}).values()})) \
+            if secure else None
+        self.env = {**(self.security.node_env() if self.security else {}), **(env or {})}
         n_meta = n_meta or (1 if meta else 0)
         self.etcd = None
         self.etcd_endpoints = list(etcd_endpoints or [])
@@ -214,6 +220,24 @@ class LocalCluster:
             for n in self.realtime:
                 n.args += ["--delay-nodes", dl]
 
+    def node_security(self) -> ClientSecurity:
+        """Credentials of the harness itself: the nodes' certificate when secure (it may do
+        anything), plaintext otherwise."""
+        if self.security is None:
+            return ClientSecurity(SecuritySettings())
+        return ClientSecurity(SecuritySettings(tls_ca_file=self.security.ca, tls_cert_file=self.security.node_cert,
+                                               tls_key_file=self.security.node_key))
+
+    def client_security(self, token_file: Path | None = None, **settings) -> ClientSecurity:
+        """Credentials of a client: the client certificate and a token (the admin token unless
+        given); plaintext when the cluster is not secure."""
+        if self.security is None:
+            return ClientSecurity(SecuritySettings())
+        fields = {"tls_ca_file": self.security.ca, "tls_cert_file": self.security.client_cert,
+                  "tls_key_file": self.security.client_key,
+                  "token_file": token_file or self.security.admin_token_file}
+        return ClientSecurity(SecuritySettings(**(fields | settings)))
+
     @property
     def meta_addresses(self) -> list[str]:
         return [m.address for m in self.meta]
@@ -229,7 +253,7 @@ class LocalCluster:
         from cluster.proto import hourglass_pb2 as pb
         from cluster.transport import Channels
 
-        ch = Channels()
+        ch = Channels(self.node_security())
         out: dict[str, dict] = {}
         try:
             for n in (self.delay if role == "delay" else self.realtime):
@@ -294,7 +318,7 @@ class LocalCluster:
         want = {n.address for n in self.nodes if n.running}
 
         async def listed() -> set[str]:
-            r = MetaResolver(self.meta_addresses)
+            r = MetaResolver(self.meta_addresses, security=self.node_security())
             try:
                 await r.load()
                 return set(r.delay) | set(r.realtime)
@@ -332,6 +356,8 @@ class LocalCluster:
         if self.meta:
             out["meta"] = self.meta_addresses
             out["etcd"] = self.etcd_endpoints
+        if self.security is not None:
+            out["security"] = self.security.cluster_file_entry()
         return out
 
     def restart(self, node: NodeProcess) -> None:

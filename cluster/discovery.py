@@ -40,7 +40,8 @@ from cluster import errors as E
 from cluster import status
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
-from cluster.transport import CHANNEL_OPTIONS
+from cluster.security import ClientSecurity
+from cluster.transport import Channels
 
 log = logging.getLogger("hourglass.discovery")
 
@@ -51,20 +52,18 @@ SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 class MetaClient:
     """Calls one RPC on the first meta server that answers, remembering which one did."""
 
-    def __init__(self, meta_servers: list[str], *, timeout_s: float = 2.0) -> None:
+    def __init__(self, meta_servers: list[str], *, timeout_s: float = 2.0,
+                 security: ClientSecurity | None = None) -> None:
         servers = [a.strip() for a in meta_servers if a.strip()]
         if not servers:
             raise E.InvalidArgument("meta_servers", "give at least one meta server address")
         self.servers = servers
         self.timeout_s = timeout_s
         self._current = 0
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels(security)
 
     def stub(self, address: str) -> mrpc.MetaStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return mrpc.MetaStub(ch)
+        return mrpc.MetaStub(self._channels.get(address))
 
     @property
     def current(self) -> str:
@@ -89,18 +88,18 @@ class MetaClient:
         raise E.Unavailable(f"no meta server answered {method} ({', '.join(self.servers)}): {detail}")
 
     async def close(self) -> None:
-        chans, self._channels = list(self._channels.values()), {}
-        for ch in chans:
-            await ch.close()
+        await self._channels.close()
 
 
 class MetaResolver:
     def __init__(self, meta_servers: list[str] | str, *, refresh_ms: int = 5000, refresh_min_ms: int = 200,
                  timeout_s: float = 2.0, routes_max: int = 100_000,
-                 realtime_kind: int = mpb.IMMEDIATE_PRODUCER) -> None:
+                 realtime_kind: int = mpb.IMMEDIATE_PRODUCER, security: ClientSecurity | None = None) -> None:
         if isinstance(meta_servers, str):
             meta_servers = meta_servers.split(",")
-        self.meta = MetaClient(list(meta_servers), timeout_s=timeout_s)
+        # how to talk to this cluster (TLS, token): the SDK's channels use it too
+        self.security = security if security is not None else ClientSecurity()
+        self.meta = MetaClient(list(meta_servers), timeout_s=timeout_s, security=self.security)
         self.refresh_ms = refresh_ms
         self.refresh_min_ms = refresh_min_ms
         self.routes_max = routes_max

@@ -80,6 +80,19 @@ class AlreadyExists(HourglassError):
     """A message with this id exists with different content."""
 
 
+# --- the caller is not allowed ------------------------------------------------------
+
+
+class Unauthenticated(HourglassError):
+    """The call carried no credentials the server accepts (no client certificate, no token,
+    or an unknown one). Nothing was done; fix the credentials, do not retry."""
+
+
+class PermissionDenied(HourglassError):
+    """The caller is known but may not do this (this subject, group or method). Nothing was
+    done; do not retry."""
+
+
 # --- try again, maybe elsewhere ---------------------------------------------------
 
 

@@ -29,6 +29,8 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
     (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
     (E.OffsetOutOfRange, pb.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE),
+    (E.Unauthenticated, pb.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED),
+    (E.PermissionDenied, pb.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
 # codes a client may retry (possibly elsewhere); everything else is final
@@ -148,6 +150,10 @@ def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError
     older server."""
     if status == grpc.StatusCode.INVALID_ARGUMENT:
         return E.InvalidArgument("request", detail or "")
+    if status == grpc.StatusCode.UNAUTHENTICATED:
+        return E.Unauthenticated(detail or "unauthenticated")
+    if status == grpc.StatusCode.PERMISSION_DENIED:
+        return E.PermissionDenied(detail or "permission denied")
     if status == grpc.StatusCode.NOT_FOUND:
         return E.NotFound(detail or "")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import grpc
 
 from cluster.errors import CannotListen
+from cluster.security import ClientSecurity, ServerSecurity
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.status import status_code
 
@@ -24,12 +25,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def listen(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind ``server`` to ``host:port`` (0: any free port); the bound port. A port in use is
-    ``CannotListen`` naming the address, not grpc's RuntimeError."""
+def listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity) -> int:
+    """Bind ``server`` to ``host:port`` (0: any free port), with mutual TLS when ``security``
+    has it; the bound port. A port in use is ``CannotListen`` naming the address, not grpc's
+    RuntimeError."""
     address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = security.add_port(server, address)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -170,21 +172,45 @@ class OrderedStream:
             self._fail(self._stream, _error(grpc.StatusCode.CANCELLED, f"{self.name}: closed"))
 
 
-class Channels:
-    """Owns channels to many peers; close() closes them all."""
+RETIRED_CHANNELS_MAX = 16  # channels made with certificates since rotated, kept for their calls in flight
 
-    def __init__(self) -> None:
+
+class Channels:
+    """Owns channels to many peers; close() closes them all. With TLS (``ClientSecurity``,
+    from ``HOURGLASS_TLS_*`` unless given) every channel speaks mutual TLS and sends the
+    token; when the certificate files change on disk, later calls dial again with the new
+    ones (calls in flight finish on the old channel)."""
+
+    def __init__(self, security: ClientSecurity | None = None) -> None:
+        self.security = security if security is not None else ClientSecurity()
+        self._generation = self.security.generation()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[type, str], object] = {}  # a stub per (kind, address): made once
+        self._retired: list[grpc.aio.Channel] = []
+
+    def _fresh(self) -> None:
+        if not self.security.tls:
+            return
+        gen = self.security.generation()
+        if gen == self._generation:
+            return
+        self._generation = gen
+        self._retired.extend(self._channels.values())
+        self._channels, self._stubs = {}, {}
+        while len(self._retired) > RETIRED_CHANNELS_MAX:
+            old = self._retired.pop(0)
+            asyncio.get_running_loop().create_task(old.close(grace=5))
 
     def get(self, address: str) -> grpc.aio.Channel:
+        self._fresh()
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self.security.channel(address, CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 
     def _stub(self, kind: type, address: str):
+        self._fresh()
         stub = self._stubs.get((kind, address))
         if stub is None:
             stub = self._stubs[(kind, address)] = kind(self.get(address))
@@ -210,6 +236,7 @@ class Channels:
                              lambda req, timeout: self.consumer(address).Pull(req, timeout=timeout))
 
     def _ordered(self, method: str, address: str, open_call, unary) -> OrderedStream:
+        self._fresh()
         st = self._stubs.get((method, address))
         if st is None:
             st = self._stubs[(method, address)] = OrderedStream(open_call, f"{method} {address}", unary=unary)
@@ -225,7 +252,8 @@ class Channels:
             await ch.close()
 
     async def close(self) -> None:
-        chans, self._channels = list(self._channels.values()), {}
+        chans, self._channels = list(self._channels.values()) + self._retired, {}
+        self._retired = []
         for v in self._stubs.values():
             if isinstance(v, OrderedStream):
                 v.close()

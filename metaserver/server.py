@@ -14,6 +14,7 @@ import grpc
 
 from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.security import ServerSecurity, open_warning
 from cluster.transport import CHANNEL_OPTIONS, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
@@ -26,15 +27,19 @@ log = logging.getLogger("hourglass.meta")
 async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> None:
     etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000)
     service = MetaService(settings, etcd)
+    security = ServerSecurity.from_settings()  # HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE (docs/security.md)
     server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)],
-                             interceptors=[UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT
+                             interceptors=[*security.interceptors(),
+                                           UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT
     mrpc.add_MetaServicer_to_server(service, server)
     # grpc.health.v1 for Kubernetes probes: "" (liveness) SERVING while the process runs;
     # "hourglass.meta.v1.Meta" (readiness) follows the etcd health check
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     probes = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
-    port = listen(server, settings.host, settings.port)
+    port = listen(server, settings.host, settings.port, security)
+    if not security.tls:
+        log.warning(open_warning(f"meta server on {settings.host}:{port}"))
     await server.start()
     address = settings.advertise or f"{settings.host}:{port}"
     try:

@@ -4,21 +4,28 @@ standard health service, and the node's message size limits. Role services call
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.security import ServerSecurity, open_warning
 from cluster.transport import listen
 from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
+log = logging.getLogger("hourglass.node")
+
 
 async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, admin=None, extra=()) -> tuple[grpc.aio.Server, str]:
+    security = ServerSecurity.from_settings()  # HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE (docs/security.md)
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", settings.request_bytes_max),
         ("grpc.max_receive_message_length", settings.request_bytes_max),
         ("grpc.so_reuseport", 0),
-    ], interceptors=[UndecodableRequests()])  # unparseable bytes: INVALID_ARGUMENT, not UNKNOWN
+    ], interceptors=[*security.interceptors(),  # who calls, may they call this method
+                     UndecodableRequests()])    # unparseable bytes: INVALID_ARGUMENT, not UNKNOWN
     if producer is not None:
         rpc.add_ProducerServicer_to_server(producer, server)
     if consumer is not None:
@@ -29,6 +36,8 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
         add(server)
     # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = listen(server, settings.host, settings.port)
+    port = listen(server, settings.host, settings.port, security)
+    if not security.tls:
+        log.warning(open_warning(f"{settings.role} node {settings.node_id} on {settings.host}:{port}"))
     await server.start()
     return server, settings.advertise or f"{settings.host}:{port}"

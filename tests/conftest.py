@@ -74,6 +74,8 @@ MODULE_TIERS = {
     "test_retention_realtime.py": "unit",
     "test_schedule.py": "unit",
     "test_scrub.py": "integration",
+    "test_security.py": "integration",
+    "test_security_unit.py": "unit",
     "test_sdk_errors.py": "integration",
     "test_server_edges.py": "integration",
     "test_spark.py": "slow",

@@ -235,7 +235,9 @@ async def test_returning_master_truncates_its_divergent_suffix(tmp_path):
             s.proc.send_signal(_signal.SIGSTOP)
             # the long poll the slave had pending is answered (empty) within replication_wait_ms:
             # wait it out, or that answer would carry the next writes into the frozen slave's socket
-            await asyncio.sleep(0.5)
+            # (2 s, not the 50 ms it takes: a loaded machine delays the master's loop; at 0.5 s CI
+            # once saw the writes reach the slave, and then there is no suffix to truncate)
+            await asyncio.sleep(2.0)
             async with Producer(resolver) as p:
                 await asyncio.gather(*[await p.send("rep.div", "y", id=f"b{k}", delay_ms=60_000) for k in range(50)])
             m.kill()

@@ -30,7 +30,9 @@ EVERY_ERROR = [
     E.Unavailable("down"), E.NotLeader("127.0.0.1:7001"), E.NotLeader(None), E.StaleEpoch(3, 7),
     E.Overloaded("queue full"), E.DiskFull("no space left"), E.ReplicationTimeout("no slave confirmed"),
     E.Closed("closing"), E.StorageError("broken"), E.CorruptRecord("/data/x.log", 4096, "crc mismatch"),
-    E.OffsetOutOfRange(5, 0, 4, "past the end"),
+    E.OffsetOutOfRange(5, 0, 4, "past the end"), E.Unauthenticated("unauthenticated: unknown token"),
+    E.PermissionDenied("permission denied: 'orders' may not consume subject 'pay.x'"),
+    E.CannotListen("cannot listen on 127.0.0.1:1"),
 ]
 
 
@@ -46,6 +48,14 @@ def test_the_table_works_both_ways(err):
     Overloaded, StaleEpoch's epochs or a CorruptRecord's file."""
     back = status.from_rpc_error(_RpcError(status.to_grpc(err), str(err), status.to_metadata(err)))
     assert type(back) is type(err) and str(back) == str(err) and vars(back) == vars(err)
+
+
+@pytest.mark.parametrize("code, cls", [(grpc.StatusCode.UNAUTHENTICATED, E.Unauthenticated),
+                                       (grpc.StatusCode.PERMISSION_DENIED, E.PermissionDenied)])
+def test_a_refusal_by_the_authenticator_comes_back_as_its_class(code, cls):
+    """The interceptor refuses before any servicer runs, with a status and no error metadata."""
+    back = status.from_rpc_error(_RpcError(code, "permission denied: 'x' may not produce", None))
+    assert type(back) is cls and "permission denied" in str(back)
 
 
 @pytest.mark.parametrize("err", EVERY_ERROR, ids=lambda e: type(e).__name__)

@@ -6,6 +6,7 @@
     hourglass send SUBJECT PAYLOAD --delay-ms 5000 [--count N]
     hourglass consume SUBJECT --group G [--count N]
     hourglass cancel ID | lookup ID | status
+    hourglass certs ca | issue | token  certificates and tokens of a secure cluster
 
 Client commands find the cluster through ``--meta``/``--delay``/``--realtime`` addresses,
 an explicit ``--cluster-file``, the ``HOURGLASS_META_SERVERS``/``HOURGLASS_DELAY_NODES``/
@@ -30,6 +31,7 @@ import sys
 
 from cluster.cli import demo, messages, servers, status  # noqa: F401  (their commands join ``app``)
 from cluster.cli.admin import admin
+from cluster.cli.certs import certs_app
 from cluster.cli.common import app
 from cluster.cli.dev import dev
 from cluster.cli.spark import app as spark_app  # imports pyspark only when a command runs
@@ -37,6 +39,7 @@ from cluster.cli.spark import app as spark_app  # imports pyspark only when a co
 app.add_typer(dev, name="dev")
 app.add_typer(spark_app, name="spark")
 app.add_typer(admin, name="admin")
+app.add_typer(certs_app, name="certs")
 
 __all__ = ["app", "main"]
 

@@ -96,16 +96,16 @@ def admin_verify(
         from cluster.proto import hourglass_pb2 as pb
         from cluster.transport import Channels
 
+        resolver = _resolver(delay, realtime, cluster_file, meta) if not node else None
         if node:
             addresses = _split(node)
         else:
             rows = await _within(min(RPC_TIMEOUT_S_MAX, timeout_s), "admin verify: listing nodes",
-                                 _status_rows(_resolver(delay, realtime, cluster_file, meta),
-                                              min(RPC_TIMEOUT_S_MAX, timeout_s)))
+                                 _status_rows(resolver, min(RPC_TIMEOUT_S_MAX, timeout_s)))
             addresses = [r["address"] for r in rows]
             if not addresses:
                 raise E.Unavailable("no node is registered with the meta servers")
-        ch = Channels()
+        ch = Channels(getattr(resolver, "security", None))
 
         async def ask(address: str) -> tuple[str, VerifyReport | None, str]:
             try:
@@ -154,7 +154,7 @@ def admin_handover(group: str = typer.Argument(..., help="delay group whose mast
         groups = {g.name: g for g in resp.groups}
         if group not in groups or not groups[group].master:
             raise E.NotFound(f"no delay group {shown(group)} with a live master (known: {sorted(groups)})")
-        ch = Channels()
+        ch = Channels(getattr(resolver, "security", None))
         try:
             return groups[group].master, await rpc.ReplicationStub(ch.get(groups[group].master)).Handover(
                 pb.HandoverRequest(wait_ms=wait_ms), timeout=wait_ms / 1000 + 10)

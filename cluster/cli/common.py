@@ -50,6 +50,9 @@ EXIT_CODES: list[tuple[type[BaseException], int, str]] = [
     (E.Unavailable, EXIT_UNAVAILABLE, HINT_UNAVAILABLE),
     (E.StaleEpoch, EXIT_UNAVAILABLE, "hint: a new master was elected meanwhile; retry"),
     (E.StorageError, EXIT_FAILED, "hint: a node's files are damaged; see its log and docs/operations.md"),
+    (E.Unauthenticated, EXIT_FAILED, "hint: give a token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE) and a "
+                                     "client certificate (HOURGLASS_TLS_*); docs/security.md"),
+    (E.PermissionDenied, EXIT_FAILED, "hint: this token's grants do not cover it; docs/security.md"),
     (E.CannotListen, EXIT_FAILED, "hint: give another --port (HOURGLASS_PORT), or stop what holds this one"),
     (E.HourglassError, EXIT_FAILED, ""),
 ]
@@ -142,8 +145,9 @@ def _split(v: str | None) -> list[str]:
     return [a.strip() for a in (v or "").split(",") if a.strip()]
 
 
-def _read_cluster_file(path: Path) -> tuple[list[str], list[str], list[str]]:
-    """(delay, realtime, meta) addresses from a cluster.json; every failure names the file."""
+def _read_cluster_file(path: Path) -> tuple[list[str], list[str], list[str], dict | None]:
+    """(delay, realtime, meta) addresses and the client credentials (``security``: file paths,
+    written by ``dev up --secure``) from a cluster.json; every failure names the file."""
     hint = "hint: `hourglass dev up` writes var/dev/cluster.json while it runs; or give --meta"
     try:
         info = json.loads(path.read_text())
@@ -156,7 +160,10 @@ def _read_cluster_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     lists = [info.get(k) or [] for k in ("delay", "realtime", "meta")]
     if not all(isinstance(v, list) and all(isinstance(a, str) for a in v) for v in lists) or not any(lists):
         raise CliError(f"cluster file {path} lists no delay, realtime or meta addresses", hint=hint)
-    return lists[0], lists[1], lists[2]
+    sec = info.get("security")
+    if sec is not None and not (isinstance(sec, dict) and all(isinstance(v, str) for v in sec.values())):
+        raise CliError(f"cluster file {path}: security is not an object of file paths", hint=hint)
+    return lists[0], lists[1], lists[2], sec
 
 
 def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None, meta: str | None = None):
@@ -166,24 +173,40 @@ def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None
     from cluster.client import StaticResolver
 
     env = os.environ.get
+    sec = None
     if delay or realtime or meta:
         d = _split(delay or env("HOURGLASS_DELAY_NODES"))
         r = _split(realtime or env("HOURGLASS_REALTIME_NODES"))
         m = _split(meta)
     elif cluster_file is not None:
-        d, r, m = _read_cluster_file(cluster_file)
+        d, r, m, sec = _read_cluster_file(cluster_file)
     else:
         d, r, m = (_split(env(k)) for k in ("HOURGLASS_DELAY_NODES", "HOURGLASS_REALTIME_NODES",
                                            "HOURGLASS_META_SERVERS"))
         if not (d or r or m) and DEFAULT_CLUSTER_FILE.exists():
-            d, r, m = _read_cluster_file(DEFAULT_CLUSTER_FILE)
+            d, r, m, sec = _read_cluster_file(DEFAULT_CLUSTER_FILE)
+    security = _client_security(sec)
     if m and not (delay or realtime):
         from cluster.discovery import MetaResolver
-        return MetaResolver(m)  # each meta call has its own deadline (timeout_s)
+        return MetaResolver(m, security=security)  # each meta call has its own deadline (timeout_s)
     if not d and not r:
         raise CliError("no cluster given", hint="hint: give --meta (or --delay/--realtime, or --cluster-file), "
                        "set HOURGLASS_META_SERVERS, or run `hourglass dev up`")
-    return StaticResolver(delay=d, realtime=r)
+    return StaticResolver(delay=d, realtime=r, security=security)
+
+
+def _client_security(from_cluster_file: dict | None):
+    """Credentials: ``HOURGLASS_TLS_*`` / ``HOURGLASS_TOKEN[_FILE]`` when set, else the cluster
+    file's ``security`` entry (``dev up --secure``), else none (plaintext)."""
+    from cluster.security import ClientSecurity, load_settings
+
+    settings = load_settings()
+    if not settings.tls and from_cluster_file:
+        fields = {k: v for k, v in from_cluster_file.items() if k in type(settings).model_fields}
+        if settings.token is not None or settings.token_file is not None:
+            fields.pop("token_file", None)  # a token of the caller's own wins over the cluster file's
+        settings = load_settings(**fields)
+    return ClientSecurity(settings)
 
 
 def _sdk_timeouts(timeout_s: float) -> dict:

@@ -71,6 +71,9 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
        restarts_max: int = typer.Option(_DEFAULT_POLICY.restarts_max, min=0, max=1000,
                                         help="restarts of one process per --restart-window-ms; then it stays down"),
        restart_window_ms: int = typer.Option(_DEFAULT_POLICY.restart_window_ms, min=1000, max=86_400_000),
+       secure: bool = typer.Option(False, "--secure/--open",
+                                   help="mutual TLS on every port and tokens checked; client credentials are "
+                                        "written beside cluster.json (docs/security.md)"),
        ) -> None:
     """Start a local cluster (etcd, a meta server, delay and real-time nodes), restart whatever dies, run until Ctrl-C."""
     from cluster.devcluster import LocalCluster, Supervisor
@@ -91,9 +94,15 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     cluster = LocalCluster(data, meta=meta, delay_replicas=replicas, n_delay=replicas, ack_mode=ack_mode.value,
-                           lease_ttl_ms=LEASE_TTL_MS if meta else None)
+                           lease_ttl_ms=LEASE_TTL_MS if meta else None, secure=secure)
     say(f"starting in {data}: " + ("etcd, a meta server, " if meta else "")
         + f"{replicas} delay node(s) (ack_mode={ack_mode.value}), a real-time node")
+    if secure:
+        say(f"secure: mutual TLS on every port, tokens checked; client credentials in {data / 'security'} "
+            f"(cluster.json names them; the admin token is {data / 'security' / 'admin.token'})")
+    else:
+        say("OPEN: plaintext gRPC and no authentication on 127.0.0.1, for local play only; "
+            "`hourglass dev up --secure` for TLS and tokens (docs/security.md)")
     try:
         cluster.start()  # stops what it started if it fails or is interrupted
         try:

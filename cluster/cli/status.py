@@ -68,7 +68,7 @@ async def _status_rows(resolver, rpc_timeout_s: float) -> list[dict]:
                       for role, addrs in (("delay", resolver.delay), ("realtime", resolver.realtime)) for a in addrs]
     finally:
         await resolver.close()
-    ch = Channels()
+    ch = Channels(getattr(resolver, "security", None))
 
     async def ask(node: dict) -> dict:
         try:

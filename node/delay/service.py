@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
-from cluster import status
+from cluster import security, status
 from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
@@ -36,6 +36,7 @@ from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
 from node.aio import wait_event
@@ -100,6 +101,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             batch = request_batch(request, now_ms=now)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        await security.require(context, Action.PRODUCE, batch.subjects)
+        if request.epoch:  # a sender's term (fencing) is believed only from a node certificate
+            await security.require(context, Action.NODE)
         if batch.n > self.settings.batch_messages_max:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
@@ -135,6 +139,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self.disk.note_enospc(str(e))
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        await self._may_cancel(context, request.id)
         try:
             self.disk.check()
             seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
@@ -146,11 +151,23 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self._note_durable()
         return pb.CancelResponse(code=pb.OK, seq=seq)
 
+    async def _may_cancel(self, context, id_: str) -> None:
+        """Cancel and lookup are granted per subject: the subject of the stored message. An id
+        this node does not know is answered NOT_FOUND whoever asks."""
+        if security.caller() is None:
+            return
+        try:
+            subject = self.store.lookup(id_).subject
+        except HourglassError:
+            return
+        await security.require(context, Action.CANCEL, [subject])
+
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         try:
             r = self.store.lookup(request.id)
         except HourglassError as e:
             return pb.LookupResponse(code=status.to_code(e), error=str(e))
+        await security.require(context, Action.CANCEL, [r.subject])
         return pb.LookupResponse(code=pb.OK, status=r.status, seq=r.seq, deliver_at_ms=r.deliver_at_ms,
                                  subject=r.subject)
 

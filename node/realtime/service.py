@@ -36,13 +36,14 @@ import logging
 import grpc
 import numpy as np
 
-from cluster import status
+from cluster import security, status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, encode_extra
 from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
+from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
 from node.aio import wait_event
@@ -132,6 +133,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             batch = request_batch(request, now_ms=now)
         except HourglassError as e:
             await status.abort(context, e)
+        await security.require(context, Action.PRODUCE, batch.subjects)
+        if request.epoch:  # a sender's term (fencing) is believed only from a node certificate
+            await security.require(context, Action.NODE)
         if batch.n > self.settings.batch_messages_max:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
@@ -227,6 +231,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         subjects = list(dict.fromkeys([*([request.subject] if request.subject else []), *request.subjects]))
         if not subjects:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a subject (subject or subjects)")
+        await security.require(context, Action.CONSUME, [*subjects, *(sh.subject for sh in request.acks)],
+                               request.group)
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         if request.acks:  # acks riding on this pull: committed with the next round, not awaited
@@ -282,6 +288,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
         if not request.group:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
+        await security.require(context, Action.CONSUME, {sh.subject for sh in request.acks}, request.group)
         self.calls["ack"] += 1
         now = self.clock.now_ms()
         try:
@@ -327,6 +334,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def Nack(self, request: pb.NackRequest, context) -> pb.NackResponse:
         if not request.group:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
+        await security.require(context, Action.CONSUME, {sh.subject for sh in request.nacks}, request.group)
         now = self.clock.now_ms()
         retried = dead = 0
         for subject, ranges in self._ranges(request.nacks):

@@ -1,0 +1,170 @@
+"""Certificates and tokens for a cluster: a CA, node and client certificates signed by it,
+random tokens and the auth file that holds their digests (docs/security.md).
+
+``hourglass certs ...`` and ``hourglass dev up --secure`` use this; a production cluster may
+bring its own CA (cert-manager, an internal PKI) as long as node certificates carry the
+common name ``node:<name>`` and client certificates ``client:<name>``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from cluster.security import CLIENT_PREFIX, NODE_PREFIX, AuthFile, Grant, TokenEntry, token_digest
+
+DEFAULT_DAYS = 365
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+TOKEN_BYTES = 32
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a secret (key, token) readable by its owner only, atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def make_ca(directory: Path, *, name: str = "hourglass-ca", days: int = DEFAULT_DAYS * 5) -> tuple[Path, Path]:
+    """A self-signed CA: ``ca.crt`` and ``ca.key`` in ``directory``."""
+    key = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    crt, kp = directory / "ca.crt", directory / "ca.key"
+    _write_private(kp, _pem_key(key))
+    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    return crt, kp
+
+
+def issue(ca_dir: Path, out_dir: Path, name: str, *, kind: str, hosts=DEFAULT_HOSTS,
+          days: int = DEFAULT_DAYS, stem: str | None = None) -> tuple[Path, Path]:
+    """A certificate for ``kind`` ``node`` (common name ``node:<name>``) or ``client``,
+    signed by the CA in ``ca_dir``, valid for ``hosts`` (IP addresses and DNS names: a node's
+    certificate is also its server certificate). Writes ``<stem>.crt`` and ``<stem>.key``."""
+    if kind not in ("node", "client"):
+        raise ValueError(f"kind must be node or client, not {kind!r}")
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.crt").read_bytes())
+    key = _key()
+    cn = (NODE_PREFIX if kind == "node" else CLIENT_PREFIX) + name
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    usage = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if kind == "node" else [])
+    now = dt.datetime.now(dt.timezone.utc)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+               .issuer_name(ca_cert.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number())
+               .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    stem = stem or f"{kind}-{name}"
+    crt, kp = out_dir / f"{stem}.crt", out_dir / f"{stem}.key"
+    _write_private(kp, _pem_key(key))
+    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    return crt, kp
+
+
+def new_token() -> str:
+    return "hgt_" + secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def add_token(auth_file: Path, name: str, grants: list[Grant], token_path: Path | None = None) -> str:
+    """A new token for ``name`` with ``grants``, its digest added to ``auth_file`` (created if
+    missing; an entry of the same name is replaced). The token itself is returned and, with
+    ``token_path``, written there (owner-only); it is stored nowhere else."""
+    current = AuthFile.model_validate(json.loads(auth_file.read_text())) if auth_file.exists() else AuthFile()
+    token = new_token()
+    entries = [t for t in current.tokens if t.name != name]
+    entries.append(TokenEntry(name=name, sha256=token_digest(token), allow=grants))
+    _write_private(auth_file, (AuthFile(tokens=entries).model_dump_json(indent=2) + "\n").encode())
+    if token_path is not None:
+        _write_private(token_path, (token + "\n").encode())
+    return token
+
+
+@dataclass
+class DevSecurity:
+    """What ``dev up --secure`` and ``LocalCluster(secure=True)`` make in ``<root>/security``."""
+
+    dir: Path
+    ca: Path
+    node_cert: Path
+    node_key: Path
+    client_cert: Path
+    client_key: Path
+    auth_file: Path
+    admin_token_file: Path
+
+    def node_env(self) -> dict[str, str]:
+        return {"HOURGLASS_TLS_CA_FILE": str(self.ca), "HOURGLASS_TLS_CERT_FILE": str(self.node_cert),
+                "HOURGLASS_TLS_KEY_FILE": str(self.node_key), "HOURGLASS_AUTH_FILE": str(self.auth_file)}
+
+    def client_env(self, token_file: Path | None = None) -> dict[str, str]:
+        return {"HOURGLASS_TLS_CA_FILE": str(self.ca), "HOURGLASS_TLS_CERT_FILE": str(self.client_cert),
+                "HOURGLASS_TLS_KEY_FILE": str(self.client_key),
+                "HOURGLASS_TOKEN_FILE": str(token_file or self.admin_token_file)}
+
+    def cluster_file_entry(self) -> dict[str, str]:
+        """The ``security`` entry of cluster.json: the CLI and SDK read their credentials there."""
+        return {"tls_ca_file": str(self.ca), "tls_cert_file": str(self.client_cert),
+                "tls_key_file": str(self.client_key), "token_file": str(self.admin_token_file)}
+
+
+def dev_security(root: Path, *, hosts=DEFAULT_HOSTS) -> DevSecurity:
+    """A CA, one node certificate shared by the local cluster's processes, one client
+    certificate, and an ``admin`` token allowed everything (``admin.token``)."""
+    d = root / "security"
+    d.mkdir(parents=True, exist_ok=True)
+    make_ca(d)
+    node_cert, node_key = issue(d, d, "dev", kind="node", hosts=hosts, stem="node")
+    client_cert, client_key = issue(d, d, "dev", kind="client", hosts=(), stem="client")
+    auth = d / "auth.json"
+    admin = d / "admin.token"
+    add_token(auth, "admin", [Grant(action=a) for a in ("produce", "consume", "cancel", "admin")], admin)
+    return DevSecurity(d, d / "ca.crt", node_cert, node_key, client_cert, client_key, auth, admin)

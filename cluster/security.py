@@ -1,0 +1,517 @@
+"""Transport security and access control (docs/security.md).
+
+With TLS on, every gRPC port of a node or a meta server speaks **mutual TLS**: the server
+shows a certificate signed by the cluster CA and asks every peer for one (grpc-python can
+only *require* a client certificate or not ask for one, so one port cannot serve both).
+Certificates tell *what* is calling: a certificate whose common name starts with ``node:``
+is a node (replication, dispatch, registration, elections); any other one (``client:...``)
+is a client, which must also present a **bearer token** (``authorization: Bearer ...``) that
+says *who* it is and what it may do: ``produce`` / ``consume`` / ``cancel`` on subject
+patterns (consume per group) and ``admin``. Tokens are stored as SHA-256 digests in the
+auth file, compared in constant time, and never logged.
+
+This module is pure policy plus the grpc glue of both ends:
+
+* ``SecuritySettings``: file paths from ``HOURGLASS_TLS_*`` / ``HOURGLASS_AUTH_FILE`` /
+  ``HOURGLASS_TOKEN[_FILE]``, read by every server, the SDK and the CLI;
+* ``TlsFiles``: the CA, certificate and key, read again when they change on disk (checked at
+  most every ``reload_check_ms``): new handshakes use the new files, nothing restarts;
+* ``AuthTable``: tokens -> ``Principal`` with grants; ``Principal.may(action, subject, group)``;
+* ``Authenticator``: the server interceptor (who is calling, may they call this method);
+  servicers check subjects with ``require(context, action, subjects, group)``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import fnmatch
+import hashlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from prometheus_client import Counter
+from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cluster.errors import InvalidArgument
+
+log = logging.getLogger("hourglass.security")
+
+NODE_PREFIX = "node:"       # common name of a node certificate: "node:<name>"
+CLIENT_PREFIX = "client:"   # common name of a client certificate: "client:<name>"
+TOKEN_BYTES_MAX = 4096      # a longer authorization header is refused unread
+DECISIONS_MAX = 4096        # cached (principal, action, subject, group) answers per principal
+
+
+class Action(str, enum.Enum):
+    PRODUCE = "produce"     # SendBatch / SendBatchStream of these subjects
+    CONSUME = "consume"     # Pull / PullStream / Ack / Nack of these subjects, in these groups
+    CANCEL = "cancel"       # Cancel / Lookup of messages of these subjects
+    ADMIN = "admin"         # Status details, Verify, Handover
+    DISCOVER = "discover"   # GetServers / Route / Leader / Health: every authenticated caller
+    NODE = "node"           # Replicate, ReadLog, Register, Heartbeat, Campaign ...: node certificates only
+
+
+class SecuritySettings(BaseSettings):
+    """Where the credentials are. Servers: ``tls_*`` and ``auth_file``; clients: ``tls_*``
+    (a client certificate) and ``token`` or ``token_file``. No TLS files: plaintext, no checks
+    (the local dev cluster only; it says so when it starts)."""
+
+    model_config = SettingsConfigDict(env_prefix="HOURGLASS_", extra="ignore")
+
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_server_name: str | None = Field(default=None, description="name to check in server certificates "
+                                                                  "(default: the host dialled)")
+    auth_file: Path | None = Field(default=None, description="servers: tokens (SHA-256) and their grants")
+    token: SecretStr | None = None
+    token_file: Path | None = None
+    reload_check_ms: int = Field(default=1000, ge=10, le=600_000)
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> "SecuritySettings":
+        tls = [self.tls_ca_file, self.tls_cert_file, self.tls_key_file]
+        if any(tls) and not all(tls):
+            raise ValueError("TLS needs all of HOURGLASS_TLS_CA_FILE, HOURGLASS_TLS_CERT_FILE and "
+                             "HOURGLASS_TLS_KEY_FILE (the cluster's CA, this process's certificate and key)")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_ca_file is not None
+
+    def read_token(self) -> str | None:
+        if self.token is not None:
+            return self.token.get_secret_value()
+        if self.token_file is not None:
+            try:
+                return self.token_file.read_text().strip()
+            except OSError as e:
+                raise InvalidArgument("token_file", f"cannot read {self.token_file}: {e.strerror or e}") from None
+        return None
+
+    def files(self) -> "TlsFiles":
+        return TlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file,
+                        check_every_s=self.reload_check_ms / 1000)
+
+
+def load_settings(**overrides) -> SecuritySettings:
+    """``SecuritySettings`` from the environment; bad settings are one ``InvalidArgument``."""
+    try:
+        return SecuritySettings(**overrides)
+    except ValidationError as e:
+        raise InvalidArgument("security", "; ".join(x["msg"] for x in e.errors())) from None
+
+
+# ---------------------------------------------------------------------- TLS material
+
+
+class TlsFiles:
+    """The CA, certificate and key files of one process, read again when one of them
+    changes (mtime or size), at most every ``check_every_s``."""
+
+    def __init__(self, ca: Path, cert: Path, key: Path, *, check_every_s: float = 1.0) -> None:
+        self.paths = (Path(ca), Path(cert), Path(key))
+        self.check_every_s = check_every_s
+        self._stamp: tuple | None = None
+        self._checked = 0.0
+        self.generation = 0
+        self.ca = self.cert = self.key = b""
+        self.refresh(force=True)
+
+    def _stamps(self) -> tuple:
+        out = []
+        for p in self.paths:
+            st = p.stat()
+            out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(out)
+
+    def refresh(self, *, force: bool = False) -> bool:
+        """Read the files again if they changed; True when they did. A half-written or
+        unreadable set keeps the old material (logged) and is tried again later."""
+        now = time.monotonic()
+        if not force and now - self._checked < self.check_every_s:
+            return False
+        self._checked = now
+        try:
+            stamp = self._stamps()
+            if stamp == self._stamp:
+                return False
+            ca, cert, key = (p.read_bytes() for p in self.paths)
+            if not (b"-----BEGIN" in ca and b"-----BEGIN" in cert and b"-----BEGIN" in key):
+                raise ValueError("not PEM")
+        except (OSError, ValueError) as e:
+            if force:
+                raise InvalidArgument("tls", f"cannot read TLS files {', '.join(map(str, self.paths))}: "
+                                             f"{getattr(e, 'strerror', None) or e}") from None
+            log.warning("TLS files changed but cannot be read (%s); keeping the ones loaded", e)
+            return False
+        self.ca, self.cert, self.key, self._stamp = ca, cert, key, stamp
+        self.generation += 1
+        if not force:
+            log.info("TLS files reloaded (generation %d)", self.generation)
+        return True
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Mutual TLS: the server's certificate, and a client certificate signed by the CA
+        required of every caller. New handshakes pick up changed files."""
+        def config():
+            return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.ca)
+
+        def fetch():
+            return config() if self.refresh() else None
+        return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+class ClientSecurity:
+    """The client end: credentials for a channel (the certificate, and the token on every
+    call), rebuilt when the files change. ``generation`` moves when they did, so a channel
+    cache knows to dial again."""
+
+    def __init__(self, settings: SecuritySettings | None = None) -> None:
+        self.settings = settings if settings is not None else load_settings()
+        self.files = self.settings.files() if self.settings.tls else None
+        self._token = self.settings.read_token()
+
+    @property
+    def tls(self) -> bool:
+        return self.files is not None
+
+    def generation(self) -> int:
+        if self.files is None:
+            return 0
+        self.files.refresh()
+        return self.files.generation
+
+    def channel(self, address: str, options: list) -> grpc.aio.Channel:
+        if self.files is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        creds = self.files.channel_credentials()
+        if self._token:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(self._token))
+        opts = list(options)
+        if self.settings.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", self.settings.tls_server_name))
+        return grpc.aio.secure_channel(address, creds, options=opts)
+
+
+# ---------------------------------------------------------------------- who may do what
+
+
+class Grant(BaseModel):
+    action: Action
+    subjects: list[str] = ["*"]    # fnmatch patterns: "orders.*", "*"
+    groups: list[str] = ["*"]      # consume only: consumer groups
+
+
+class TokenEntry(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    allow: list[Grant] = []
+
+
+class AuthFile(BaseModel):
+    """The auth file (JSON): ``{"tokens": [{"name", "sha256", "allow": [{"action",
+    "subjects", "groups"}]}]}``."""
+
+    tokens: list[TokenEntry] = []
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass
+class Principal:
+    name: str
+    node: bool = False
+    grants: list[Grant] = field(default_factory=list)
+    _decisions: dict = field(default_factory=dict, repr=False)
+
+    def may(self, action: Action, subject: str | None = None, group: str | None = None) -> bool:
+        if self.node:
+            return True  # node certificates: the cluster's own processes
+        if action is Action.DISCOVER:
+            return True
+        key = (action, subject, group)
+        hit = self._decisions.get(key)
+        if hit is not None:
+            return hit
+        ok = any(g.action is action
+                 and (subject is None or any(fnmatch.fnmatchcase(subject, p) for p in g.subjects))
+                 and (group is None or any(fnmatch.fnmatchcase(group, p) for p in g.groups))
+                 for g in self.grants)
+        if len(self._decisions) >= DECISIONS_MAX:
+            self._decisions.clear()
+        self._decisions[key] = ok
+        return ok
+
+
+class AuthTable:
+    """The tokens a server knows, read from its auth file (again when it changes)."""
+
+    def __init__(self, path: Path | None, *, check_every_s: float = 1.0) -> None:
+        self.path = path
+        self.check_every_s = check_every_s
+        self._stamp = None
+        self._checked = 0.0
+        self._entries: list[tuple[bytes, Principal]] = []
+        if path is not None:
+            self._load(force=True)
+
+    def _load(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < self.check_every_s:
+            return
+        self._checked = now
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp == self._stamp:
+                return
+            parsed = AuthFile.model_validate(json.loads(self.path.read_text()))
+        except (OSError, ValueError) as e:
+            msg = f"auth file {self.path}: {getattr(e, 'strerror', None) or e}"
+            if force:
+                raise InvalidArgument("auth_file", msg[:500]) from None
+            log.warning("%s; keeping the tokens loaded", msg[:500])
+            return
+        self._entries = [(bytes.fromhex(t.sha256), Principal(t.name, grants=t.allow)) for t in parsed.tokens]
+        self._stamp = stamp
+        if not force:
+            log.info("auth file %s reloaded: %d tokens", self.path, len(self._entries))
+
+    def principal(self, token: str) -> Principal | None:
+        if self.path is not None:
+            self._load()
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for want, p in self._entries:  # every entry, compared in constant time
+            if hmac.compare_digest(digest, want):
+                found = p
+        return found
+
+
+# ---------------------------------------------------------------------- the server end
+
+_CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("hourglass_caller", default=None)
+
+REFUSALS = Counter("hourglass_auth_refusals", "Calls refused by authentication or permissions",
+                   ["reason", "action"])
+
+# method -> the action it needs before any subject is known (subject checks: ``require``)
+METHOD_ACTIONS: dict[str, Action] = {
+    "/hourglass.v1.Producer/SendBatch": Action.PRODUCE,
+    "/hourglass.v1.Producer/SendBatchStream": Action.PRODUCE,
+    "/hourglass.v1.Producer/Cancel": Action.CANCEL,
+    "/hourglass.v1.Producer/Lookup": Action.CANCEL,
+    "/hourglass.v1.Consumer/Pull": Action.CONSUME,
+    "/hourglass.v1.Consumer/PullStream": Action.CONSUME,
+    "/hourglass.v1.Consumer/Ack": Action.CONSUME,
+    "/hourglass.v1.Consumer/Nack": Action.CONSUME,
+    "/hourglass.v1.Admin/Status": Action.ADMIN,
+    "/hourglass.v1.Admin/Verify": Action.ADMIN,
+    "/hourglass.v1.Replication/Handover": Action.ADMIN,
+    "/hourglass.v1.Replication/Replicate": Action.NODE,
+    "/hourglass.v1.Replication/ReadLog": Action.NODE,
+    "/hourglass.meta.v1.Meta/Register": Action.NODE,
+    "/hourglass.meta.v1.Meta/Heartbeat": Action.NODE,
+    "/hourglass.meta.v1.Meta/Deregister": Action.NODE,
+    "/hourglass.meta.v1.Meta/Campaign": Action.NODE,
+    "/hourglass.meta.v1.Meta/Resign": Action.NODE,
+    "/hourglass.meta.v1.Meta/GetServers": Action.DISCOVER,
+    "/hourglass.meta.v1.Meta/Route": Action.DISCOVER,
+    "/hourglass.meta.v1.Meta/Leader": Action.DISCOVER,
+    "/hourglass.meta.v1.Meta/Health": Action.DISCOVER,
+    "/grpc.health.v1.Health/Check": Action.DISCOVER,
+    "/grpc.health.v1.Health/Watch": Action.DISCOVER,
+}
+# a method not listed needs a node certificate: a new RPC is closed until someone opens it
+
+
+class Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def refuse(reason: str, action: Action | str, code: grpc.StatusCode, message: str) -> Refused:
+    REFUSALS.labels(reason=reason, action=getattr(action, "value", action)).inc()
+    return Refused(code, message)
+
+
+def caller() -> Principal | None:
+    """The principal of the call being served (None: security is off)."""
+    return _CALLER.get()
+
+
+def check(action: Action, subjects: Iterable[str] = (None,), group: str | None = None) -> None:
+    """Raise ``Refused`` (PERMISSION_DENIED) unless the caller may ``action`` every one of
+    ``subjects`` (in ``group``). Security off: always allowed."""
+    p = _CALLER.get()
+    if p is None:
+        return
+    for s in subjects:
+        if not p.may(action, s, group) or (action is Action.NODE and not p.node):
+            what = f" subject {s[:200]!r}" if s is not None else ""
+            what += f" in group {group[:200]!r}" if group is not None else ""
+            log.info("refused: %s may not %s%s", p.name, action.value, what)
+            raise refuse("permission", action, grpc.StatusCode.PERMISSION_DENIED,
+                         f"permission denied: {p.name!r} may not {action.value}{what}")
+
+
+async def require(context, action: Action, subjects: Iterable[str] = (None,), group: str | None = None) -> None:
+    """``check`` for a servicer: a refusal ends the call with its status."""
+    try:
+        check(action, subjects, group)
+    except Refused as e:
+        await context.abort(e.code, str(e))
+
+
+def _bearer(metadata) -> str | None:
+    for k, v in metadata or ():
+        if k == "authorization":
+            if isinstance(v, bytes):
+                v = v.decode(errors="replace")
+            if len(v) > TOKEN_BYTES_MAX or not v.startswith("Bearer "):
+                return ""
+            return v[len("Bearer "):].strip()
+    return None
+
+
+class Authenticator(grpc.aio.ServerInterceptor):
+    """Who is calling (a node certificate, or a client certificate with a token) and may
+    they call this method at all. Subject checks happen in the servicers (``require``)."""
+
+    def __init__(self, table: AuthTable) -> None:
+        self.table = table
+
+    def identify(self, context) -> Principal:
+        auth = context.auth_context()
+        names = [n.decode(errors="replace") for n in auth.get("x509_common_name", ())]
+        if not names:  # mutual TLS should make this impossible: refuse rather than trust
+            raise refuse("no_certificate", "-", grpc.StatusCode.UNAUTHENTICATED,
+                         "unauthenticated: no client certificate")
+        cn = names[0]
+        if cn.startswith(NODE_PREFIX):
+            return Principal(cn, node=True)
+        token = _bearer(context.invocation_metadata())
+        if token is None:
+            raise refuse("no_token", "-", grpc.StatusCode.UNAUTHENTICATED,
+                         "unauthenticated: no bearer token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE)")
+        p = self.table.principal(token) if token else None
+        if p is None:
+            raise refuse("bad_token", "-", grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: unknown token")
+        return p
+
+    def authorize(self, method: str, context) -> Principal:
+        p = self.identify(context)
+        need = METHOD_ACTIONS.get(method, Action.NODE)
+        if need is Action.NODE and not p.node:
+            log.info("refused: %s called %s, which needs a node certificate", p.name, method)
+            raise refuse("permission", need, grpc.StatusCode.PERMISSION_DENIED,
+                         f"permission denied: {method} needs a node certificate")
+        if need is Action.ADMIN and not p.may(Action.ADMIN):
+            log.info("refused: %s called %s without admin", p.name, method)
+            raise refuse("permission", need, grpc.StatusCode.PERMISSION_DENIED,
+                         f"permission denied: {p.name!r} may not {method.rsplit('/', 1)[-1]} (needs admin)")
+        return p
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return _checked(self, details.method, handler)
+
+
+def _checked(auth: Authenticator, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def enter(context) -> Refused | None:
+        try:
+            _CALLER.set(auth.authorize(method, context))
+            return None
+        except Refused as e:
+            return e
+
+    if handler.unary_unary or handler.stream_unary:
+        inner = handler.unary_unary or handler.stream_unary
+
+        async def unary(request, context):
+            refused = enter(context)
+            if refused is not None:
+                await context.abort(refused.code, str(refused))
+            return await inner(request, context)
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(unary, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+    inner = handler.unary_stream or handler.stream_stream
+
+    async def streaming(request, context):
+        refused = enter(context)
+        if refused is not None:
+            await context.abort(refused.code, str(refused))
+        async for item in inner(request, context):
+            yield item
+    make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+    return make(streaming, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+@dataclass
+class ServerSecurity:
+    """A server's end: credentials for its port and the interceptor, or plaintext."""
+
+    settings: SecuritySettings
+    files: TlsFiles | None = None
+    table: AuthTable | None = None
+
+    @classmethod
+    def from_settings(cls, settings: SecuritySettings | None = None) -> "ServerSecurity":
+        settings = settings if settings is not None else load_settings()
+        if not settings.tls:
+            return cls(settings)
+        if settings.auth_file is None:
+            raise InvalidArgument("auth_file", "TLS is on but HOURGLASS_AUTH_FILE is not set: a server with "
+                                               "TLS needs the tokens clients may use (docs/security.md)")
+        return cls(settings, settings.files(), AuthTable(settings.auth_file,
+                                                         check_every_s=settings.reload_check_ms / 1000))
+
+    @property
+    def tls(self) -> bool:
+        return self.files is not None
+
+    def interceptors(self) -> list:
+        return [Authenticator(self.table)] if self.table is not None else []
+
+    def add_port(self, server: grpc.aio.Server, address: str) -> int:
+        if self.files is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, self.files.server_credentials())
+
+
+def open_warning(what: str) -> str:
+    return (f"{what} is OPEN: plaintext gRPC, no authentication (local development only; "
+            f"set HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE, or `hourglass dev up --secure`)")
+
+
+def env_for(settings: SecuritySettings) -> dict[str, str]:
+    """The ``HOURGLASS_*`` variables that give a child process these settings."""
+    out = {}
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "auth_file", "token_file"):
+        v = getattr(settings, name)
+        if v is not None:
+            out[f"HOURGLASS_{name.upper()}"] = str(v)
+    return out
+
