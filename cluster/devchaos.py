@@ -26,6 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
+from cluster.security import client_security_from
 
 KILLS_MAX = 100
 STATUS_TIMEOUT_S = 2.0
@@ -248,7 +249,7 @@ class DevChaos:
     async def kills(self) -> None:
         from cluster.transport import Channels
 
-        channels = Channels()
+        channels = Channels(client_security_from(self.info().get("security")))
         try:
             for i, (wait_s, draw) in enumerate(kill_schedule(self.cfg.seed, self.cfg.kills, self.cfg.first_kill_s,
                                                              self.cfg.kill_gap_s)):
@@ -266,7 +267,7 @@ class DevChaos:
         info = self.info()
         if not info.get("meta"):
             raise E.InvalidArgument("dev chaos needs a cluster with meta servers (`hourglass dev up --meta`)")
-        resolver = MetaResolver(info["meta"], refresh_ms=500)
+        resolver = MetaResolver(info["meta"], refresh_ms=500, security=client_security_from(info.get("security")))
         t0 = now_ms()
         try:
             async with Producer(resolver, retries_max=40) as producer:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from cluster.certs import dev_security
 from cluster.errors import Unavailable
-from cluster.etcdproc import EtcdCluster
+from cluster.etcdproc import EtcdCluster, EtcdFiles
 from cluster.ports import free_port
 from cluster.security import ClientSecurity, SecuritySettings
 
@@ -180,14 +180,22 @@ class LocalCluster:
         self.etcd = None
         self.etcd_endpoints = list(etcd_endpoints or [])
         if n_meta and not self.etcd_endpoints:
-            self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members)
+            # secure: etcd serves mutual TLS too (client and peer), with the nodes' certificate
+            etcd_tls = EtcdFiles(self.security.ca, self.security.node_cert, self.security.node_key) \
+                if self.security else None
+            self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members, tls=etcd_tls)
             self.etcd_endpoints = self.etcd.endpoints
         hosts, prefixes = hosts or {}, prefixes or {}
 
         def place(name: str) -> dict:
             return {"host": hosts.get(name, "127.0.0.1"), "prefix": list(prefixes.get(name, []))}
 
-        self.meta = [MetaProcess(f"meta-{i + 1}", "meta", self.root / f"meta-{i + 1}", free_port(), dict(self.env),
+        meta_env = dict(self.env)
+        if self.security is not None and self.etcd is not None:
+            meta_env.update({"HOURGLASS_META_ETCD_CA_FILE": str(self.security.ca),
+                             "HOURGLASS_META_ETCD_CERT_FILE": str(self.security.node_cert),
+                             "HOURGLASS_META_ETCD_KEY_FILE": str(self.security.node_key)})
+        self.meta = [MetaProcess(f"meta-{i + 1}", "meta", self.root / f"meta-{i + 1}", free_port(), dict(meta_env),
                                  etcd_endpoints=self.etcd_endpoints, **place(f"meta-{i + 1}"))
                      for i in range(n_meta)]
         self.realtime = [NodeProcess(f"realtime-{i + 1}", "realtime", self.root / f"realtime-{i + 1}", free_port(),

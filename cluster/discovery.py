@@ -84,8 +84,9 @@ class MetaClient:
                 continue
             self._current = index
             return resp
-        detail = last.details() if isinstance(last, grpc.RpcError) else last
-        raise E.Unavailable(f"no meta server answered {method} ({', '.join(self.servers)}): {detail}")
+        detail = last.details() if isinstance(last, grpc.RpcError) else str(last)
+        raise E.Unavailable(f"no meta server answered {method} ({', '.join(self.servers)}): {detail}"
+                            f"{status.tls_note(detail)}")
 
     async def close(self) -> None:
         await self._channels.close()

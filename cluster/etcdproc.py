@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tarfile
 import time
@@ -46,23 +47,46 @@ HEARTBEAT_MS = 100
 ELECTION_MS = 500
 
 
+@dataclass(frozen=True)
+class EtcdFiles:
+    """Mutual TLS for clients and peers: the CA, and the certificate and key every member
+    serves with (and shows its peers). A client must show a certificate of the same CA."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def args(self) -> list[str]:
+        return ["--cert-file", str(self.cert), "--key-file", str(self.key), "--trusted-ca-file", str(self.ca),
+                "--client-cert-auth",
+                "--peer-cert-file", str(self.cert), "--peer-key-file", str(self.key),
+                "--peer-trusted-ca-file", str(self.ca), "--peer-client-cert-auth"]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        ctx.load_cert_chain(str(self.cert), str(self.key))
+        return ctx
+
+
 def _member_args(name: str, data_dir: str, client_port: int, peer_port: int, initial_cluster: str,
-                 token: str) -> list[str]:
+                 token: str, tls: EtcdFiles | None = None) -> list[str]:
+    scheme = "https" if tls else "http"
     return ["--name", name, "--data-dir", data_dir,
-            "--listen-client-urls", f"http://127.0.0.1:{client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+            "--listen-client-urls", f"{scheme}://127.0.0.1:{client_port}",
+            "--advertise-client-urls", f"{scheme}://127.0.0.1:{client_port}",
+            "--listen-peer-urls", f"{scheme}://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls", f"{scheme}://127.0.0.1:{peer_port}",
             "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", token,
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
-            "--log-level", "warn", "--logger", "zap"]
+            "--log-level", "warn", "--logger", "zap", *(tls.args() if tls else [])]
 
 
-def healthy(endpoint: str, timeout_s: float = 1.0) -> bool:
+def healthy(endpoint: str, timeout_s: float = 1.0, tls: EtcdFiles | None = None) -> bool:
     """True when the member answers ``/health`` with health=true (it has a raft leader)."""
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout_s) as r:
+        url = f"{'https' if tls else 'http'}://{endpoint}/health"
+        with urllib.request.urlopen(url, timeout=timeout_s, context=tls.ssl_context() if tls else None) as r:
             return json.loads(r.read()).get("health") == "true"
     except Exception:
         return False
@@ -114,18 +138,20 @@ class EtcdMember:
 class EtcdCluster:
     """``members`` etcd processes forming one cluster on free 127.0.0.1 ports."""
 
-    def __init__(self, root: str | os.PathLike, *, members: int = 1) -> None:
+    def __init__(self, root: str | os.PathLike, *, members: int = 1, tls: EtcdFiles | None = None) -> None:
         if members < 1:
             raise ValueError("members must be >= 1")
         if not Path(ETCD_BINARY).exists():
             raise Unavailable(f"no etcd binary at {ETCD_BINARY} (Debian: apt-get install etcd-server)")
         self.root = Path(root)
+        self.tls = tls
         self.members = [EtcdMember(f"etcd-{i + 1}", self.root / f"etcd-{i + 1}", free_port(), free_port())
                         for i in range(members)]
-        initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
+        scheme = "https" if tls else "http"
+        initial = ",".join(f"{m.name}={scheme}://127.0.0.1:{m.peer_port}" for m in self.members)
         for m in self.members:
             m.args = _member_args(m.name, str(m.data_dir), m.client_port, m.peer_port, initial,
-                                  f"hourglass-{self.members[0].peer_port}")
+                                  f"hourglass-{self.members[0].peer_port}", tls)
 
     @property
     def endpoints(self) -> list[str]:
@@ -146,7 +172,7 @@ class EtcdCluster:
         for m in self.members:
             if not m.running and m.proc is not None:
                 continue  # a killed member stays down until start_member()
-            while not healthy(m.endpoint):
+            while not healthy(m.endpoint, tls=self.tls):
                 if m.proc is not None and m.proc.poll() is not None:
                     raise Unavailable(f"{m.name} exited with {m.proc.returncode}:\n{m.tail_log()}")
                 if time.monotonic() > deadline:

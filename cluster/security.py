@@ -207,6 +207,18 @@ class ClientSecurity:
         return grpc.aio.secure_channel(address, creds, options=opts)
 
 
+def client_security_from(cluster_file_entry: dict | None) -> ClientSecurity:
+    """Credentials: ``HOURGLASS_TLS_*`` / ``HOURGLASS_TOKEN[_FILE]`` when set, else the
+    ``security`` entry of a cluster file (``dev up --secure`` writes it), else none."""
+    settings = load_settings()
+    if not settings.tls and cluster_file_entry:
+        fields = {k: v for k, v in cluster_file_entry.items() if k in SecuritySettings.model_fields}
+        if settings.token is not None or settings.token_file is not None:
+            fields.pop("token_file", None)  # a token of the caller's own wins over the cluster file's
+        settings = load_settings(**fields)
+    return ClientSecurity(settings)
+
+
 # ---------------------------------------------------------------------- who may do what
 
 

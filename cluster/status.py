@@ -144,6 +144,24 @@ def from_rpc_error(err: grpc.RpcError) -> E.HourglassError:
     return from_metadata(md, detail or "") or from_status(status, detail)
 
 
+# connection failures that mean "TLS on one end, not on the other" (docs/security.md): what grpc
+# says, and what a user should read
+TLS_MISMATCH = [
+    ("socket closed", "the server may require TLS: give a client certificate and token "
+                      "(HOURGLASS_TLS_*, HOURGLASS_TOKEN_FILE, or the cluster file of `dev up --secure`)"),
+    ("ssl", "the TLS handshake failed: the server may speak plaintext, or not trust this certificate's CA"),
+    ("handshake", "the TLS handshake failed: the server may speak plaintext, or not trust this certificate's CA"),
+]
+
+
+def tls_note(detail: str) -> str:
+    low = detail.lower()
+    for needle, note in TLS_MISMATCH:
+        if needle in low:
+            return f" ({note}; docs/security.md)"
+    return ""
+
+
 def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError:
     """Map a gRPC status and its details to a domain error (client side), for a call that
     carries no error of its own (``from_metadata``): a transport failure, a deadline, an
@@ -168,5 +186,5 @@ def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError
         if detail and detail.startswith("not the master"):
             hint = detail.split("leader_hint=", 1)[-1] if "leader_hint=" in detail else None
             return E.NotLeader(None if hint in (None, "unknown") else hint)
-        return E.Unavailable(f"{status.name}: {detail}")
+        return E.Unavailable(f"{status.name}: {detail}{tls_note(detail or '')}")
     return E.HourglassError(f"{status.name}: {detail}")

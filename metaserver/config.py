@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,8 +16,20 @@ class MetaSettings(BaseSettings):
     advertise: str | None = None
     etcd_endpoints: list[str] = ["127.0.0.1:2379"]
     etcd_timeout_ms: int = Field(default=2000, ge=100)
+    # mutual TLS to etcd (docs/security.md): etcd's CA, and this meta server's client certificate
+    etcd_ca_file: Path | None = None
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
     node_ttl_ms: int = Field(default=5000, ge=2000, le=300_000, description="default node lease TTL")
     campaign_wait_ms_max: int = Field(default=30_000, ge=0)
     health_check_interval_ms: int = Field(default=1000, ge=100)
     ready_file: Path | None = None
     log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _etcd_tls_all_or_none(self) -> "MetaSettings":
+        files = [self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file]
+        if any(files) and not all(files):
+            raise ValueError("TLS to etcd needs all of HOURGLASS_META_ETCD_CA_FILE, HOURGLASS_META_ETCD_CERT_FILE "
+                             "and HOURGLASS_META_ETCD_KEY_FILE")
+        return self

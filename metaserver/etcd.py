@@ -12,6 +12,12 @@ for "etcd cannot be reached".
 
 Errors that are answers (a lease that is gone, a compacted revision) are not
 retried: they come back as the aetcd exception for the caller to translate.
+
+TLS (docs/security.md "etcd"): ``EtcdClient(..., tls=EtcdTls(ca, cert, key))`` talks mutual
+TLS to etcd. aetcd 1.0 opens only plaintext channels (``Client.connect`` calls
+``aetcd.rpc.insecure_channel``), so this module gives ``aetcd.client`` a ``rpc`` that opens a
+secure channel for the endpoints registered with credentials and delegates everything else;
+``tests/test_metaserver.py`` runs a meta server against an etcd that refuses plaintext.
 """
 
 from __future__ import annotations
@@ -19,13 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import aetcd
+import aetcd.client
+import aetcd.rpc
+import grpc
 from aetcd import exceptions as aex
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
 
-from cluster.errors import Unavailable
+from cluster.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("hourglass.etcd")
 T = TypeVar("T")
@@ -34,11 +45,53 @@ CALL_TIMEOUT_S = 2.0
 RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.TimeoutError)
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """The CA that signed etcd's certificate, and this client's certificate and key."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        try:
+            ca, cert, key = (p.read_bytes() for p in (self.ca, self.cert, self.key))
+        except OSError as e:
+            raise InvalidArgument("etcd_tls", f"cannot read etcd TLS files: {e.strerror or e}: {e.filename}") from None
+        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+_SECURE_TARGETS: dict[str, grpc.ChannelCredentials] = {}
+
+
+class _Rpc:
+    """``aetcd.rpc`` as ``aetcd.client`` sees it: the same, except that ``insecure_channel``
+    opens a TLS channel to a target registered in ``_SECURE_TARGETS``."""
+
+    def __getattr__(self, name: str):
+        return getattr(aetcd.rpc, name)
+
+    @staticmethod
+    def insecure_channel(target: str, options=None, **kw):
+        creds = _SECURE_TARGETS.get(target)
+        if creds is None:
+            return aetcd.rpc.insecure_channel(target, options=options, **kw)
+        return aetcd.rpc.secure_channel(target, creds, options=options, **kw)
+
+
+if not isinstance(getattr(aetcd.client, "rpc", None), _Rpc):
+    aetcd.client.rpc = _Rpc()
+
+
 class EtcdClient:
     def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None,
-                 budget_s: float | None = None):
+                 budget_s: float | None = None, tls: EtcdTls | None = None):
         if not endpoints:
             raise ValueError("at least one etcd endpoint")
+        if tls is not None:
+            creds = tls.credentials()
+            for e in endpoints:
+                _SECURE_TARGETS[e] = creds
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self.attempts_max = attempts_max or 2 * len(self.endpoints) + 1

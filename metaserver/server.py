@@ -18,14 +18,16 @@ from cluster.security import ServerSecurity, open_warning
 from cluster.transport import CHANNEL_OPTIONS, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
-from metaserver.etcd import EtcdClient
+from metaserver.etcd import EtcdClient, EtcdTls
 from metaserver.service import MetaService
 
 log = logging.getLogger("hourglass.meta")
 
 
 async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> None:
-    etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000)
+    tls = EtcdTls(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file) \
+        if settings.etcd_ca_file else None
+    etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000, tls=tls)
     service = MetaService(settings, etcd)
     security = ServerSecurity.from_settings()  # HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE (docs/security.md)
     server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)],

@@ -169,5 +169,60 @@ def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
     assert f"{killed} restarted pid={seen['pids'][killed]}" in text, text
     assert "is now master" in text and f"{killed} is now slave" in text, text
     assert "cluster stopped" in text
+    assert "OPEN: plaintext gRPC and no authentication" in text, "plain dev up says it is open"
     assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"
     assert not (data / "cluster.json").exists()
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+@pytest.mark.timeout(180)
+def test_dev_up_secure_serves_the_cli_through_the_cluster_file_and_refuses_plaintext(tmp_path):
+    """`dev up --secure`: the CLI sends and consumes with the credentials cluster.json names; a
+    client without them is refused in one line; the launcher says what it is."""
+    data = tmp_path / "d"
+    out_path = tmp_path / "dev-up.out"
+    seen: dict = {}
+    with open(out_path, "w") as out:
+        up = subprocess.Popen([*HOURGLASS, "dev", "up", "--secure", "--data", str(data)], cwd=tmp_path, stdout=out,
+                              stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while not (data / "cluster.json").exists():
+            assert up.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(0.2)
+        seen = json.loads((data / "cluster.json").read_text())
+        assert set(seen["security"]) == {"tls_ca_file", "tls_cert_file", "tls_key_file", "token_file"}
+        cf = str(data / "cluster.json")
+        sent = run_cli("send", "sec.hello", "hi", "--delay-ms", "500", "--id", "s1", "--cluster-file", cf, cwd=tmp_path)
+        assert sent.returncode == 0, sent.stdout + sent.stderr
+        got = run_cli("consume", "sec.hello", "--group", "g", "--count", "1", "--cluster-file", cf, cwd=tmp_path)
+        assert got.returncode == 0 and "s1" in got.stdout, got.stdout + got.stderr
+        # the same command without credentials: a TLS server refuses a plaintext client
+        plain = run_cli("send", "sec.hello", "hi", "--meta", ",".join(seen["meta"]), "--timeout-s", "5", cwd=tmp_path)
+        assert plain.returncode != 0
+        assert_no_traceback(plain.stdout + plain.stderr)
+        assert len([line for line in plain.stderr.splitlines() if line.startswith("error: ")]) == 1, plain.stderr
+        # credentials but a wrong token: unauthenticated, one line, exit 1
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("hgt_not-a-token\n")
+        bad = subprocess.run([*HOURGLASS, "send", "sec.hello", "hi", "--cluster-file", cf], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, HOURGLASS_TOKEN_FILE=str(wrong)))
+        assert bad.returncode == 1, bad.stdout + bad.stderr
+        assert bad.stderr.startswith("error: unauthenticated: unknown token"), bad.stderr
+        assert "hgt_not-a-token" not in bad.stderr
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait(timeout=10)
+        _kill_listed(seen)
+    text = out_path.read_text()
+    assert_no_traceback(text)
+    assert "secure: mutual TLS on every port" in text and "OPEN" not in text, text

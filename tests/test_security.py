@@ -67,6 +67,40 @@ async def test_a_plaintext_client_is_refused_on_every_port(secure):
     assert len(addresses) == 4
     for a in addresses:
         assert await _health_plain(a) == grpc.StatusCode.UNAVAILABLE, a
+    # etcd too: mutual TLS only (the meta servers reach it with the nodes' certificate)
+    from cluster.etcdproc import healthy
+
+    endpoint = secure.etcd_endpoints[0]
+    assert healthy(endpoint, tls=secure.etcd.tls) and not healthy(endpoint)
+    from metaserver.etcd import EtcdClient
+
+    plain = EtcdClient([endpoint], timeout_s=1)
+    try:
+        with pytest.raises(E.Unavailable):
+            await plain.status()
+    finally:
+        await plain.close()
+    from cluster.security import ClientSecurity, SecuritySettings
+
+    r = MetaResolver(secure.meta_addresses, security=ClientSecurity(SecuritySettings()))
+    try:
+        with pytest.raises(E.Unavailable, match="the server may require TLS"):  # said, not just "Socket closed"
+            await r.load()
+    finally:
+        await r.close()
+
+
+async def test_a_tls_client_of_a_plaintext_server_is_told_so(tmp_path, secure):
+    with LocalCluster(tmp_path / "open", n_delay=1, n_realtime=0) as plain:
+        ch = Channels(secure.client_security())
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                await ch.admin(plain.delay[0].address).Status(pb.StatusRequest(), timeout=5)
+        finally:
+            await ch.close()
+    from cluster import status
+
+    assert "TLS handshake failed" in str(status.from_rpc_error(err.value)), err.value.details()
 
 
 async def test_no_token_or_a_wrong_one_is_unauthenticated(secure, tmp_path):

@@ -185,7 +185,9 @@ def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None
                                            "HOURGLASS_META_SERVERS"))
         if not (d or r or m) and DEFAULT_CLUSTER_FILE.exists():
             d, r, m, sec = _read_cluster_file(DEFAULT_CLUSTER_FILE)
-    security = _client_security(sec)
+    from cluster.security import client_security_from
+
+    security = client_security_from(sec)  # HOURGLASS_TLS_* / HOURGLASS_TOKEN win over the cluster file's
     if m and not (delay or realtime):
         from cluster.discovery import MetaResolver
         return MetaResolver(m, security=security)  # each meta call has its own deadline (timeout_s)
@@ -193,20 +195,6 @@ def _resolver(delay: str | None, realtime: str | None, cluster_file: Path | None
         raise CliError("no cluster given", hint="hint: give --meta (or --delay/--realtime, or --cluster-file), "
                        "set HOURGLASS_META_SERVERS, or run `hourglass dev up`")
     return StaticResolver(delay=d, realtime=r, security=security)
-
-
-def _client_security(from_cluster_file: dict | None):
-    """Credentials: ``HOURGLASS_TLS_*`` / ``HOURGLASS_TOKEN[_FILE]`` when set, else the cluster
-    file's ``security`` entry (``dev up --secure``), else none (plaintext)."""
-    from cluster.security import ClientSecurity, load_settings
-
-    settings = load_settings()
-    if not settings.tls and from_cluster_file:
-        fields = {k: v for k, v in from_cluster_file.items() if k in type(settings).model_fields}
-        if settings.token is not None or settings.token_file is not None:
-            fields.pop("token_file", None)  # a token of the caller's own wins over the cluster file's
-        settings = load_settings(**fields)
-    return ClientSecurity(settings)
 
 
 def _sdk_timeouts(timeout_s: float) -> dict:

@@ -72,6 +72,7 @@ class ChaosConfig(BaseModel):
     subjects: tuple[str, ...] = ("chaos.a", "chaos.b", "chaos.c", "chaos.d")
     lease_ttl_ms: int = 2000
     kinds: tuple[str, ...] = FAULT_KINDS
+    secure: bool = True                              # mutual TLS and tokens, as a production cluster runs
 
 
 class Fault(BaseModel):
@@ -374,7 +375,7 @@ class ChaosRun:
     async def faults(self) -> None:
         from cluster.transport import Channels
 
-        channels = Channels()
+        channels = Channels(self.cluster.node_security())
         try:
             for fault in self.schedule:
                 if self.stop_sending.is_set():
@@ -420,14 +421,14 @@ class ChaosRun:
         self.cluster = LocalCluster(cluster_root, n_delay=2 * N_DELAY_GROUPS, delay_replicas=2,
                                     n_realtime=2 * N_REALTIME, realtime_replicas=2,
                                     meta=True, n_meta=N_META, etcd_members=ETCD_MEMBERS, ack_mode="sync",
-                                    lease_ttl_ms=cfg.lease_ttl_ms)
+                                    lease_ttl_ms=cfg.lease_ttl_ms, secure=cfg.secure)
         t_cluster = time.monotonic()
         await asyncio.to_thread(self.cluster.start)
         restore_errors: list[str] = []
         try:
             await asyncio.to_thread(self.cluster.wait_registered)
             from cluster.transport import Channels
-            ch = Channels()
+            ch = Channels(self.cluster.node_security())
             try:
                 ok = await wait_until(lambda: self._healthy(ch), RECOVERY_TIMEOUT_S)
             finally:
@@ -435,7 +436,8 @@ class ChaosRun:
             if not ok:
                 raise E.Unavailable("cluster did not elect delay masters")
             cluster_start_s = time.monotonic() - t_cluster
-            resolver = MetaResolver(self.cluster.meta_addresses, refresh_ms=500)
+            resolver = MetaResolver(self.cluster.meta_addresses, refresh_ms=500,
+                                    security=self.cluster.client_security())
             self.t0_ms = now_ms()
             try:
                 async with Producer(resolver, retries_max=40) as producer:
@@ -525,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=os.environ.get("HOURGLASS_CHAOS_KINDS", ",".join(FAULT_KINDS)),
                     help="comma-separated fault kinds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--open", action="store_true", help="plaintext, no tokens (default: mutual TLS and tokens)")
     ap.add_argument("--schedule-only", action="store_true", help="print the fault schedule and exit")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -540,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.chaos.checker import summarize
 
     report = run_chaos(ChaosConfig(seed=a.seed, duration_s=a.duration, out_dir=out, rate_per_s=a.rate,
-                                   fault_gap_s=a.gap, kinds=kinds))
+                                   fault_gap_s=a.gap, kinds=kinds, secure=not a.open))
     print(summarize(report))
     print(f"report: {out / 'report.json'}")
     if not report["passed"]:
