@@ -40,6 +40,40 @@ def listen(server: grpc.aio.Server, host: str, port: int, security: ServerSecuri
     return bound
 
 
+async def start_probe_server(host: str, port: int, servicer) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server with only ``grpc.health.v1.Health`` (``servicer``, shared with the main
+    server so both answer the same): Kubernetes ``grpc:`` probes cannot speak TLS, and health
+    says nothing a stranger may not know."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise CannotListen(f"cannot listen on {address} (health probes): the port is in use, or {host} is not "
+                           f"an address of this machine")
+    await server.start()
+    return server, bound
+
+
+class WithProbes:
+    """The main server and its probe server, stopped together; anything else is the main one's."""
+
+    def __init__(self, main: grpc.aio.Server, probes: grpc.aio.Server) -> None:
+        self.main, self.probes = main, probes
+
+    async def stop(self, grace: float | None) -> None:
+        await self.probes.stop(grace)
+        await self.main.stop(grace)
+
+    def __getattr__(self, name: str):
+        return getattr(self.main, name)
+
+
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 

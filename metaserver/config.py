@@ -14,6 +14,8 @@ class MetaSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one")
     advertise: str | None = None
+    health_port: int | None = Field(default=None, ge=0, le=65535,
+                                    description="plaintext grpc.health.v1 only, for Kubernetes probes (TLS on `port`)")
     etcd_endpoints: list[str] = ["127.0.0.1:2379"]
     etcd_timeout_ms: int = Field(default=2000, ge=100)
     # mutual TLS to etcd (docs/security.md): etcd's CA, and this meta server's client certificate

@@ -38,6 +38,8 @@ class NodeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; 0 = free one")
+    health_port: int | None = Field(default=None, ge=0, le=65535,
+                                    description="plaintext grpc.health.v1 only, for Kubernetes probes (TLS on `port`)")
     advertise: str | None = None  # address others use to reach this node (default host:port)
     ready_file: Path | None = None  # written with "host:port" once serving (tests, dev up)
 

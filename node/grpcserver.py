@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import ServerSecurity, open_warning
-from cluster.transport import listen
+from cluster.transport import WithProbes, listen, start_probe_server
 from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
@@ -35,9 +35,18 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
     for add in extra:
         add(server)
     # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    probes = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     port = listen(server, settings.host, settings.port, security)
     if not security.tls:
         log.warning(open_warning(f"{settings.role} node {settings.node_id} on {settings.host}:{port}"))
     await server.start()
-    return server, settings.advertise or f"{settings.host}:{port}"
+    address = settings.advertise or f"{settings.host}:{port}"
+    if settings.health_port is None:
+        return server, address
+    try:
+        probe_server, _ = await start_probe_server(settings.host, settings.health_port, probes)
+    except BaseException:
+        await server.stop(None)
+        raise
+    return WithProbes(server, probe_server), address

@@ -135,10 +135,11 @@ def test_default_install(helm):
     assert env["HOURGLASS_REPLICATED"] == "true"  # master chosen by election, not by pod name
     assert env["HOURGLASS_DATA_DIR"] == "/var/lib/hourglass" and env["HOURGLASS_METRICS_PORT"] == "9100"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert c[probe]["grpc"] == {"port": 7000}, probe
+        assert c[probe]["grpc"] == {"port": 7001}, probe  # plaintext health only: the node port is mutual TLS
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert d1["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {"data": "/var/lib/hourglass", "tmp": "/tmp"}
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {
+        "data": "/var/lib/hourglass", "tmp": "/tmp", "tls": "/etc/hourglass/tls", "auth": "/etc/hourglass/auth"}
     (pvc,) = d1["spec"]["volumeClaimTemplates"]
     assert pvc["metadata"]["name"] == "data"
     assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
@@ -159,8 +160,8 @@ def test_default_install(helm):
     mc = container(ms)
     members = ",".join(f"hg-hourglass-etcd-{i}.hg-hourglass-etcd-headless.{DOMAIN}:2379" for i in range(3))
     assert mc["args"] == ["metaserver", "--host=0.0.0.0", "--port=7100", f"--etcd-endpoints={members}"]
-    assert mc["livenessProbe"]["grpc"] == {"port": 7100}  # "" = the process answers
-    assert mc["readinessProbe"]["grpc"] == {"port": 7100, "service": "hourglass.meta.v1.Meta"}  # etcd reachable
+    assert mc["livenessProbe"]["grpc"] == {"port": 7101}  # "" = the process answers
+    assert mc["readinessProbe"]["grpc"] == {"port": 7101, "service": "hourglass.meta.v1.Meta"}  # etcd reachable
 
     pdb = by_kind(objs, "PodDisruptionBudget")
     assert pdb["hg-hourglass-metaserver"]["spec"]["minAvailable"] == 1
@@ -172,7 +173,7 @@ def test_default_install(helm):
     ec = container(etcd)
     assert ec["image"] == "quay.io/coreos/etcd:v3.5.17"
     cluster = next(a for a in ec["args"] if a.startswith("--initial-cluster="))
-    assert cluster.count("=http://") == 3 and f"hg-hourglass-etcd-2.hg-hourglass-etcd-headless.{DOMAIN}:2380" in cluster
+    assert cluster.count("=https://") == 3 and f"hg-hourglass-etcd-2.hg-hourglass-etcd-headless.{DOMAIN}:2380" in cluster
     assert "ServiceMonitor" not in {o["kind"] for o in objs}
 
 
@@ -268,7 +269,12 @@ def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
     assert s.dispatch_concurrency_max == 16
     if "ack_mode" in NodeSettings.model_fields:  # the replication work adds it
         assert s.ack_mode == "sync"
-    known = {f"HOURGLASS_{f.upper()}" for f in NodeSettings.model_fields} | {"HOURGLASS_ACK_MODE"}
+    from cluster.security import SecuritySettings
+
+    sec = SecuritySettings()
+    assert sec.tls and sec.tls_server_name == "hg-hourglass.brokers.hourglass"
+    assert str(sec.auth_file) == "/etc/hourglass/auth/auth.json" and s.health_port == 7001
+    known = {f"HOURGLASS_{f.upper()}" for f in [*NodeSettings.model_fields, *SecuritySettings.model_fields]}
     assert set(resolved) <= known, set(resolved) - known
 
 
@@ -356,3 +362,103 @@ def test_bad_values_are_refused(helm, sets, message):
     assert r.returncode != 0, f"accepted: {sets}"
     assert message in r.stderr, r.stderr
     assert r.stdout == ""  # nothing rendered, so nothing would be installed
+
+
+# ------------------------------------------------------------------ security on by default (issue 18)
+
+
+def _secrets(objs: list[dict]) -> dict[str, dict[str, bytes]]:
+    import base64
+
+    return {n: {k: base64.b64decode(v) for k, v in o["data"].items()} for n, o in by_kind(objs, "Secret").items()}
+
+
+def test_security_is_on_by_default(helm):
+    objs = render(helm)
+    sec = _secrets(objs)
+    assert set(sec) == {"hg-hourglass-tls", "hg-hourglass-etcd-tls", "hg-hourglass-client-tls", "hg-hourglass-auth",
+                        "hg-hourglass-client-token"}
+    token = sec["hg-hourglass-client-token"]["token"].decode()
+    auth = json.loads(sec["hg-hourglass-auth"]["auth.json"])
+    import hashlib
+
+    assert token.startswith("hgt_") and token not in json.dumps(auth)
+    assert auth["tokens"][0]["sha256"] == hashlib.sha256(token.encode()).hexdigest()
+    sts = by_kind(objs, "StatefulSet")
+    for name in ("hg-hourglass-delay-d1", "hg-hourglass-realtime-r1"):
+        c = container(sts[name])
+        env = env_of(c)
+        assert env["HOURGLASS_TLS_CERT_FILE"] == "/etc/hourglass/tls/tls.crt"
+        assert env["HOURGLASS_AUTH_FILE"] == "/etc/hourglass/auth/auth.json"
+        assert env["HOURGLASS_TLS_SERVER_NAME"] == "hg-hourglass.brokers.hourglass"
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"] == {"port": 7001}, probe  # the plaintext health port
+        vols = {v["name"]: v for v in sts[name]["spec"]["template"]["spec"]["volumes"]}
+        assert vols["tls"]["secret"]["secretName"] == "hg-hourglass-tls"  # a folder mount: updated in place
+        assert all("subPath" not in m for m in c["volumeMounts"])
+    mc = container(by_kind(objs, "Deployment")["hg-hourglass-metaserver"])
+    menv = env_of(mc)
+    assert menv["HOURGLASS_META_ETCD_CERT_FILE"] == "/etc/hourglass/etcd-client/tls.crt"
+    assert mc["readinessProbe"]["grpc"] == {"port": 7101, "service": "hourglass.meta.v1.Meta"}
+    ec = container(sts["hg-hourglass-etcd"])
+    assert "--client-cert-auth" in ec["args"] and "--peer-client-cert-auth" in ec["args"]
+    assert next(a for a in ec["args"] if a.startswith("--listen-client-urls=")).startswith("--listen-client-urls=https://")
+    nps = by_kind(objs, "NetworkPolicy")
+    assert set(nps) == {"hg-hourglass-servers", "hg-hourglass-etcd"}
+    etcd_from = nps["hg-hourglass-etcd"]["spec"]["ingress"][0]["from"]
+    assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in etcd_from} == {"metaserver", "etcd"}
+
+
+def test_security_off_is_plaintext_and_says_so(helm):
+    objs = render(helm, sets=["security.enabled=false"])
+    assert not by_kind(objs, "Secret") and not by_kind(objs, "NetworkPolicy")
+    c = container(by_kind(objs, "StatefulSet")["hg-hourglass-delay-d1"])
+    assert not any(k.startswith("HOURGLASS_TLS_") for k in env_of(c))
+
+
+def test_cert_manager_certificates_when_its_api_is_there(helm):
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", "1.37.0",
+                 "--api-versions", "cert-manager.io/v1")
+    assert r.returncode == 0, r.stderr
+    objs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    certs = by_kind(objs, "Certificate")
+    assert set(certs) == {"hg-hourglass-ca", "hg-hourglass-node", "hg-hourglass-etcd", "hg-hourglass-client"}
+    assert certs["hg-hourglass-node"]["spec"]["commonName"] == "node:hg-hourglass"
+    assert certs["hg-hourglass-node"]["spec"]["secretName"] == "hg-hourglass-tls"
+    assert set(by_kind(objs, "Issuer")) == {"hg-hourglass-selfsigned", "hg-hourglass-ca"}
+    assert set(by_kind(objs, "Secret")) == {"hg-hourglass-auth", "hg-hourglass-client-token"}  # certs: cert-manager's
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+async def test_the_charts_certificates_and_token_work_with_the_real_processes(helm, tmp_path):
+    """What the chart generates (sprig's RSA keys, the fixed server name, the admin token and
+    its digest) runs a real secure cluster: nodes, meta server and etcd with the chart's node
+    and etcd certificates, a client with the chart's client Secret."""
+    from cluster.client import Consumer, Producer
+    from cluster.devcluster import LocalCluster
+    from cluster.discovery import MetaResolver
+
+    sec = _secrets(render(helm))
+    c = LocalCluster(tmp_path / "c", meta=True, secure=True,
+                     env={"HOURGLASS_TLS_SERVER_NAME": "hg-hourglass.brokers.hourglass"})
+    d = c.security
+    files = {d.ca: sec["hg-hourglass-tls"]["ca.crt"], d.node_cert: sec["hg-hourglass-tls"]["tls.crt"],
+             d.node_key: sec["hg-hourglass-tls"]["tls.key"], d.client_cert: sec["hg-hourglass-client-tls"]["tls.crt"],
+             d.client_key: sec["hg-hourglass-client-tls"]["tls.key"], d.auth_file: sec["hg-hourglass-auth"]["auth.json"],
+             d.admin_token_file: sec["hg-hourglass-client-token"]["token"]}
+    for path, data in files.items():
+        path.write_bytes(data)
+    with c:
+        c.wait_registered()
+        r = MetaResolver(c.meta_addresses, security=c.client_security(tls_server_name="hg-hourglass.brokers.hourglass"))
+        async with Producer(r) as p, Consumer(r, "chart.x", group="g") as cons:
+            await p.send_and_wait("chart.x", b"hi", delay_ms=100, id="chart-1")
+            got: set[str] = set()
+            for _ in range(20):  # bounded: 20 long polls of 0.5 s
+                batch = await cons.pull(wait_ms=500)
+                got.update(m.id for m in batch)
+                await cons.ack(batch)
+                if "chart-1" in got:
+                    break
+        await r.close()
+    assert "chart-1" in got

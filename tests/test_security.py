@@ -288,3 +288,22 @@ async def _status_code(ch: Channels, address: str) -> grpc.StatusCode:
         return e.code()
     finally:
         await ch.close()
+
+
+async def test_the_probe_port_answers_health_in_plaintext_and_nothing_else(tmp_path):
+    """Kubernetes `grpc:` probes cannot speak TLS: HOURGLASS_HEALTH_PORT serves grpc.health.v1
+    alone, in plaintext, beside the mutual-TLS port."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from cluster.ports import free_port
+
+    probe = free_port()
+    with LocalCluster(tmp_path / "c", n_delay=1, n_realtime=0, secure=True,
+                      env={"HOURGLASS_HEALTH_PORT": str(probe)}) as c:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{probe}") as ch:
+            r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                await rpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert await _health_plain(c.delay[0].address) == grpc.StatusCode.UNAVAILABLE

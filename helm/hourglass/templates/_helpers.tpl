@@ -116,3 +116,68 @@ podAntiAffinity:
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/* ---------------------------------------------------------------- security (docs/security.md) */}}
+
+{{/* the DNS name every Hourglass certificate carries and every TLS client checks (HOURGLASS_TLS_SERVER_NAME) */}}
+{{- define "hourglass.serverName" -}}
+{{- default (printf "%s.%s.hourglass" (include "hourglass.fullname" .) .Release.Namespace) .Values.security.serverName -}}
+{{- end -}}
+
+{{/* where certificates come from: helm | cert-manager | existing ("auto" resolved) */}}
+{{- define "hourglass.certSource" -}}
+{{- $src := .Values.security.certificates -}}
+{{- if eq $src "auto" -}}
+{{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" -}}cert-manager{{- else -}}helm{{- end -}}
+{{- else -}}{{ $src }}{{- end -}}
+{{- end -}}
+
+{{/* Secret names: the node certificate (ca.crt, tls.crt, tls.key), etcd's, the client's, the tokens */}}
+{{- define "hourglass.tlsSecret" -}}
+{{- if eq (include "hourglass.certSource" .) "existing" -}}
+{{- required "security.certificates=existing: set security.existingSecrets.tls" .Values.security.existingSecrets.tls -}}
+{{- else -}}{{ printf "%s-tls" (include "hourglass.fullname" .) }}{{- end -}}
+{{- end -}}
+{{- define "hourglass.etcdTlsSecret" -}}
+{{- if eq (include "hourglass.certSource" .) "existing" -}}
+{{- default .Values.security.existingSecrets.tls .Values.security.existingSecrets.etcd -}}
+{{- else -}}{{ printf "%s-etcd-tls" (include "hourglass.fullname" .) }}{{- end -}}
+{{- end -}}
+{{- define "hourglass.authSecret" -}}
+{{- default (printf "%s-auth" (include "hourglass.fullname" .)) .Values.security.authSecret -}}
+{{- end -}}
+
+{{/* env of a node or meta server pod with security on */}}
+{{- define "hourglass.securityEnv" -}}
+- name: HOURGLASS_TLS_CA_FILE
+  value: /etc/hourglass/tls/ca.crt
+- name: HOURGLASS_TLS_CERT_FILE
+  value: /etc/hourglass/tls/tls.crt
+- name: HOURGLASS_TLS_KEY_FILE
+  value: /etc/hourglass/tls/tls.key
+- name: HOURGLASS_TLS_SERVER_NAME
+  value: {{ include "hourglass.serverName" . }}
+- name: HOURGLASS_AUTH_FILE
+  value: /etc/hourglass/auth/auth.json
+{{- end -}}
+
+{{- define "hourglass.securityMounts" -}}
+- name: tls
+  mountPath: /etc/hourglass/tls
+  readOnly: true
+- name: auth
+  mountPath: /etc/hourglass/auth
+  readOnly: true
+{{- end -}}
+
+{{/* Secrets are mounted as folders (not subPath) so Kubernetes updates them in place: rotation */}}
+{{- define "hourglass.securityVolumes" -}}
+- name: tls
+  secret:
+    secretName: {{ include "hourglass.tlsSecret" . }}
+    defaultMode: 0440
+- name: auth
+  secret:
+    secretName: {{ include "hourglass.authSecret" . }}
+    defaultMode: 0440
+{{- end -}}
