@@ -18,6 +18,7 @@ refused command. A cluster that was built but does not come up fails.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import re
@@ -39,6 +40,7 @@ VALUES = {  # values file -> the pods its workloads ask for
     "default": (None, 2 + 2 + 2 + 3),  # meta servers, d1, r1, etcd
     "large": (CHART / "ci" / "large-values.yaml", 3 + (3 + 2 + 4) + (3 + 2) + 5),
     "external-etcd": (CHART / "ci" / "external-etcd-values.yaml", 1 + 1 + 1),
+    "local-node": (CHART / "ci" / "local-node-values.yaml", 1 + 2 + 1 + 1),
 }
 assert {p.name for p in (CHART / "ci").glob("*.yaml")} == {v.name for v, _ in VALUES.values() if v}, \
     "a values file in helm/hourglass/ci/ has no row in VALUES"
@@ -374,3 +376,287 @@ def test_pods_run_and_come_back_after_kill_9(cluster, node):
 
     cluster.kubectl("delete", "pod", "-n", ns, "sleeper", "--wait=true", f"--timeout={WAIT_S}s")
     wait_until(lambda: not Path(f"/proc/{new}").exists(), "the container process gone after the pod's deletion")
+
+
+# ------------------------------------------------------------------ level 3: the chart's own pods
+
+LOCAL_VALUES = CHART / "ci" / "local-node-values.yaml"
+PODS_NS = "hg-pods"
+IMAGE = os.environ.get("HOURGLASS_IMAGE", "hourglass:dev")
+PROBE_SEND_MAX_S = 60  # a probe stops sending after this long even if it never saw a failover
+PROBE_TAIL_S = 5  # ... or this long after the first acknowledgement from a new master
+PROBE_DELAY_MS = 1000  # every message goes through the delay group: due 1 s after its send
+PROBE_DRAIN_S = 30  # after the last send, the wait for every acknowledged message to arrive
+
+# Runs inside a pod of the Hourglass image (the chart's meta server Service as HOURGLASS_META_SERVERS):
+# sends one delayed message every 50 ms, consumes and acks them, and prints one JSON line per
+# event. It stops sending PROBE_TAIL_S after the first acknowledgement answered by a new delay
+# master (or after PROBE_SEND_MAX_S), waits for every acknowledged message, prints a summary.
+PROBE = r'''
+import asyncio, json, os, sys, time
+from cluster.client import Consumer, Producer
+from cluster.discovery import MetaResolver
+
+META = os.environ["HOURGLASS_META_SERVERS"]
+SUBJECT, SEND_MAX_S, TAIL_S, DELAY_MS, DRAIN_S = sys.argv[1], *map(float, sys.argv[2:6])
+INTERVAL_S = 0.05
+acked, received, state = {}, set(), {"master": None, "changed_at": None, "done": False, "errors": 0}
+
+
+def out(**kw):
+    print(json.dumps({"t": time.time(), **kw}), flush=True)
+
+
+async def watch_master():
+    r = MetaResolver(META, refresh_ms=100, refresh_min_ms=100, timeout_s=1.0)
+    while not state["done"]:
+        try:
+            groups = dict(await r.delay_groups())
+        except Exception as e:
+            groups = {}
+            out(ev="meta_err", error=f"{type(e).__name__}: {str(e)[:200]}")
+        master = groups.get("d1") or None
+        if master != state["master"]:
+            if state["master"] is not None and master is not None:
+                state["changed_at"] = time.time()
+            state["master"] = master
+            out(ev="master", master=master)
+        await asyncio.sleep(0.1)
+    await r.close()
+
+
+async def produce():
+    r = MetaResolver(META, refresh_ms=1000, refresh_min_ms=100, timeout_s=1.0)
+    async with Producer(r, timeout_s=1.0, call_timeout_s=2.0) as p:
+        t_start, i, first_new = time.time(), 0, None
+        while time.time() - t_start < SEND_MAX_S and not (first_new and time.time() - first_new > TAIL_S):
+            mid, t0 = f"{SUBJECT}-{i}", time.time()
+            i += 1
+            try:
+                res = await p.send_and_wait(SUBJECT, b"probe", delay_ms=int(DELAY_MS), id=mid)
+                acked[mid] = res.deliver_at_ms
+                out(ev="ack", id=mid, sent=t0, due_ms=res.deliver_at_ms)
+                if state["changed_at"] and t0 > state["changed_at"] and first_new is None:
+                    first_new = time.time()
+            except Exception as e:
+                state["errors"] += 1
+                out(ev="err", id=mid, sent=t0, error=f"{type(e).__name__}: {str(e)[:200]}")
+            await asyncio.sleep(max(0.0, INTERVAL_S - (time.time() - t0)))
+    await r.close()
+    state["done"] = True
+
+
+async def consume():
+    r = MetaResolver(META, refresh_ms=1000, refresh_min_ms=100, timeout_s=1.0)
+    async with Consumer(r, SUBJECT, group="probe", wait_ms=300, timeout_s=2.0, call_timeout_s=3.0) as c:
+        drain_until = None
+        while True:
+            try:
+                batch = await c.pull()
+                for m in batch:
+                    if m.id not in received:
+                        out(ev="recv", id=m.id, lateness_ms=m.lateness_ms)
+                    received.add(m.id)
+                await c.ack(batch)
+            except Exception as e:
+                out(ev="pull_err", error=f"{type(e).__name__}: {str(e)[:200]}")
+                await asyncio.sleep(0.2)
+            if state["done"]:
+                drain_until = drain_until or time.time() + DRAIN_S
+                if set(acked) <= received or time.time() > drain_until:
+                    break
+    await r.close()
+
+
+async def main():
+    await asyncio.gather(watch_master(), produce(), consume())
+    lost = sorted(set(acked) - received)
+    out(ev="summary", acked=len(acked), received=len(received), lost=len(lost), lost_ids=lost[:20],
+        errors=state["errors"])
+
+
+asyncio.run(main())
+'''
+
+
+def _pod_log(node_env: dict, ns: str, pod: dict, container: str) -> list[dict]:
+    """A pod's stdout JSON lines, read from the kubelet's log folder (the API server cannot reach
+    this kubelet: it serves on 127.0.0.1 only, so `kubectl logs` has no way in)."""
+    m = pod["metadata"]
+    d = Path(node_env["POD_LOGS"]) / f"{ns}_{m['name']}_{m['uid']}" / container
+    out = []
+    for f in sorted(d.glob("*.log")) if d.is_dir() else []:
+        for line in f.read_text().splitlines():
+            parts = line.split(" ", 3)  # CRI format: time stream tag text
+            if len(parts) == 4 and parts[1] == "stdout" and parts[3].startswith("{"):
+                try:
+                    out.append(json.loads(parts[3]))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def static_volumes(cluster: Cluster, ns: str, claims: list[str], size: str) -> None:
+    """A hostPath PersistentVolume bound in advance to each claim (there is no provisioner), its
+    folder owned by the image's uid (the kubelet applies no fsGroup to hostPath volumes)."""
+    root = cluster.dir / "node" / "volumes" / ns
+    docs = []
+    for c in claims:
+        d = root / c
+        d.mkdir(parents=True, exist_ok=True)
+        os.chown(d, 10001, 10001)
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{c}"},
+                     "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                              "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": ns, "name": c},
+                              "hostPath": {"path": str(d), "type": "Directory"}}})
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+
+
+@pytest.fixture(scope="module")
+def image(node, cluster):
+    """hourglass:dev built by scripts/image.sh (Docker, nothing pulled) and imported into the node's
+    containerd; a Docker daemon this fixture started is stopped afterwards."""
+    def docker_answers() -> bool:
+        try:
+            return subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    was_running = docker_answers()
+    try:
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh"), "build"], capture_output=True, text=True,
+                           timeout=1200, cwd=ROOT, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+        if "image.sh: SKIP:" in r.stdout:
+            pytest.skip("`bash scripts/image.sh build` refused: " + r.stdout.split("image.sh: SKIP:", 1)[1].strip())
+        assert r.returncode == 0, f"scripts/image.sh build failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
+        r = subprocess.run(["bash", str(SCRIPT), "node-image", str(cluster.dir)], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+        assert r.returncode == 0, f"`k8s-local.sh node-image` failed:\n{r.stderr[-3000:]}"
+    finally:
+        if not was_running:
+            subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop"], capture_output=True, timeout=120,
+                           check=False)
+    return IMAGE
+
+
+def _pod(cluster: Cluster, ns: str, name: str) -> dict | None:
+    r = cluster.kubectl("get", "pod", "-n", ns, name, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def _ready(p: dict | None) -> bool:
+    return bool(p) and "deletionTimestamp" not in p["metadata"] and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+
+
+def run_probe(cluster: Cluster, node_env: dict, ns: str, name: str, fault) -> dict:
+    """Starts a probe pod, calls fault(master_pod_name) once the probe has 40 acknowledgements,
+    and returns what the probe saw: events, the fault time, the summary."""
+    meta = f"{RELEASE}-hourglass-metaserver.{ns}.svc.cluster.local:7100"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+           "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{"name": "probe", "image": IMAGE, "imagePullPolicy": "Never",
+                                    "command": ["/opt/hourglass/bin/python", "/probe/probe.py", name,
+                                                str(PROBE_SEND_MAX_S), str(PROBE_TAIL_S), str(PROBE_DELAY_MS),
+                                                str(PROBE_DRAIN_S)],
+                                    "env": [{"name": "HOURGLASS_META_SERVERS", "value": meta}],
+                                    "volumeMounts": [{"name": "probe", "mountPath": "/probe"}],
+                                    "securityContext": {"allowPrivilegeEscalation": False,
+                                                        "readOnlyRootFilesystem": True,
+                                                        "capabilities": {"drop": ["ALL"]}}}],
+                    "volumes": [{"name": "probe", "configMap": {"name": "probe"}}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    p = wait_until(lambda: (q := _pod(cluster, ns, name)) and q["metadata"].get("uid") and q, f"pod {name}")
+    acks = wait_until(lambda: len([e for e in _pod_log(node_env, ns, p, "probe") if e["ev"] == "ack"]) >= 40,
+                      f"{name}: 40 acknowledged sends")
+    del acks
+    events = _pod_log(node_env, ns, p, "probe")
+    master = [e["master"] for e in events if e["ev"] == "master"][-1]
+    assert master, f"{name}: no delay master: {events[-5:]}"
+    victim = master.split(".", 1)[0]  # <pod>.<group service>.<ns>.svc...:port
+    t_fault = time.time()
+    fault(victim)
+    deadline = PROBE_SEND_MAX_S + PROBE_DRAIN_S + 30
+    wait_until(lambda: (_pod(cluster, ns, name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
+               f"{name} finished", timeout_s=deadline)
+    events = _pod_log(node_env, ns, p, "probe")
+    summaries = [e for e in events if e["ev"] == "summary"]
+    assert summaries, f"{name}: no summary; last lines: {events[-10:]}"
+    return {"events": events, "t_fault": t_fault, "victim": victim, "summary": summaries[-1]}
+
+
+def failover_figures(run: dict) -> dict:
+    """Seconds from the fault to the first acknowledged send started after it, and to the first
+    receive of a message due after it; the longest gap between acknowledgements."""
+    ev, tf = run["events"], run["t_fault"]
+    acks = [e for e in ev if e["ev"] == "ack"]
+    after = [e for e in acks if e["sent"] >= tf]
+    due = {e["id"]: e["due_ms"] / 1000 for e in acks}
+    recv_after = [e for e in ev if e["ev"] == "recv" and due.get(e["id"], 0) >= tf]
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(acks)]
+    return {"sends_resume_s": round(after[0]["t"] - tf, 2) if after else None,
+            "deliveries_resume_s": round(recv_after[0]["t"] - tf, 2) if recv_after else None,
+            "longest_ack_gap_s": round(max(gaps), 2) if gaps else None,
+            "acked": run["summary"]["acked"], "lost": run["summary"]["lost"], "send_errors": run["summary"]["errors"],
+            "new_masters": [e["master"].split(".", 1)[0] for e in ev if e["ev"] == "master" and e["t"] > tf and e["master"]]}
+
+
+def test_chart_pods_run_deliver_and_fail_over(cluster, node, image, record_property):
+    """Level 3 with the chart's own pods: `helm install` with ci/local-node-values.yaml brings up
+    etcd, the meta server and the delay and real-time groups from the image built here; a probe pod
+    sends and consumes through them; deleting the delay master pod, then `kill -9` of the new
+    master's process, is followed by deliveries resuming with no acknowledged message lost."""
+    ns = cluster.namespace(PODS_NS)
+    values = yaml.safe_load(LOCAL_VALUES.read_text())
+    claims = [f"data-{RELEASE}-hourglass-etcd-{i}" for i in range(values["etcd"]["replicas"])]
+    for role, groups in (("delay", values["delayGroups"]), ("realtime", values["realtimeGroups"])):
+        claims += [f"data-{RELEASE}-hourglass-{role}-{g['name']}-{i}" for g in groups for i in range(g["replicas"])]
+    static_volumes(cluster, ns, claims, "1Gi")
+    cluster.kubectl("create", "configmap", "probe", "-n", ns, "--from-literal", f"probe.py={PROBE}")
+    t0 = time.monotonic()
+    cluster.helm("install", RELEASE, str(CHART), "-n", ns, "-f", str(LOCAL_VALUES))
+    want = VALUES["local-node"][1]
+    r = cluster.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod", "--all", f"--timeout={WAIT_S}s",
+                        check=False)
+    pods = cluster.get("pods", ns)
+    assert r.returncode == 0 and len(pods) == want, (
+        f"chart pods not Ready within {WAIT_S} s: {r.stderr}\n"
+        + "\n".join(f"{p['metadata']['name']}: {p['status'].get('phase')} "
+                    f"{[c.get('state') for c in p['status'].get('containerStatuses', [])]}" for p in pods))
+    ready_s = time.monotonic() - t0
+    record_property("helm_install_to_ready_s", round(ready_s, 1))
+    print(f"k8s: helm install to {want} chart pods Ready in {ready_s:.1f} s")
+    for p in pods:
+        assert p["spec"]["nodeName"] == node["K8S_NODE"]
+        assert p["status"]["podIP"].startswith("10.244."), p["status"]
+
+    # 1. delete the delay master pod (graceful: SIGTERM, the grace period, the StatefulSet makes it again)
+    def delete(victim):
+        cluster.kubectl("delete", "pod", "-n", ns, victim, "--wait=false")
+    run = run_probe(cluster, node, ns, "probe-delete", delete)
+    first_ready = time.monotonic() - t0
+    print(f"k8s: first probe acknowledged 40 sends {first_ready:.1f} s after helm install")
+    fig = failover_figures(run)
+    print(f"k8s: delete pod {run['victim']}: {fig}")
+    record_property("delete_master_pod", json.dumps(fig))
+    assert fig["lost"] == 0, f"acknowledged messages lost after deleting {run['victim']}: {run['summary']}"
+    assert fig["acked"] > 40 and fig["sends_resume_s"] is not None, fig
+    assert fig["deliveries_resume_s"] is not None, fig
+    assert fig["new_masters"], f"no new delay master after deleting {run['victim']}: {fig}"
+    wait_until(lambda: _ready(_pod(cluster, ns, run["victim"])), f"{run['victim']} made again and Ready")
+
+    # 2. kill -9 of the (new) delay master's process: the kubelet restarts the container
+    def kill_9(victim):
+        p = _pod(cluster, ns, victim)
+        cid = p["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+        os.kill(_task_pid(node, cid), 9)
+    run = run_probe(cluster, node, ns, "probe-kill9", kill_9)
+    fig = failover_figures(run)
+    print(f"k8s: kill -9 of {run['victim']}: {fig}")
+    record_property("kill_9_master", json.dumps(fig))
+    assert fig["lost"] == 0, f"acknowledged messages lost after kill -9 of {run['victim']}: {run['summary']}"
+    assert fig["acked"] > 40 and fig["sends_resume_s"] is not None and fig["deliveries_resume_s"] is not None, fig
+    p = wait_until(lambda: (q := _pod(cluster, ns, run["victim"])) and _ready(q) and q, f"{run['victim']} Ready again")
+    assert p["status"]["containerStatuses"][0]["restartCount"] >= 1  # the same pod, its container restarted
+    cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", f"--timeout={WAIT_S}s")
