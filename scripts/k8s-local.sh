@@ -27,10 +27,10 @@
 # builds nothing. One build at a time (flock). helm comes from scripts/helm-tools.sh (also cached).
 # First build on 2 cores: ~25 min CPU, ~2 GB peak memory, ~4-5 GB of cache.
 #
-# The cluster: no kubelet (pods are created and admitted, not run; see docs/deploy-kubernetes.md,
-# "Tests against a real API server"), a token file (one admin token), RBAC + Node authorization,
-# PodSecurity admission, a service-account key pair and a self-signed serving certificate made
-# with openssl. Every wait is bounded; every process is stopped by its PID.
+# The cluster: no kubelet until node-up (before it, pods are created and admitted, not run; see
+# docs/deploy-kubernetes.md, "Tests against a real API server"), a token file (one admin token),
+# RBAC + Node authorization, PodSecurity admission, a service-account key pair and a self-signed
+# serving certificate made with openssl. Every wait is bounded; every process is stopped by its PID.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 K8S_VERSION=${K8S_VERSION:-v1.37.2}

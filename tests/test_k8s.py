@@ -1,10 +1,13 @@
-"""The Helm chart against a real Kubernetes control plane built here (issue 17, levels 1 and 2).
+"""The Helm chart against a real Kubernetes control plane built here (issue 17, levels 1 to 3).
 
 ``scripts/k8s-local.sh up`` starts etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler (Kubernetes v1.37.2, built once from the Go module proxy and cached under
 ``~/.cache/hourglass/k8s-v1.37.2``) on 127.0.0.1 for the whole session; the fixture stops them by
-PID at the end. There is no kubelet: pods are created by the real controllers and admitted by
-the real admission chain (PodSecurity ``restricted``, ServiceAccount), then stay Pending.
+PID at the end. Levels 1 and 2 run without a kubelet: pods are created by the real controllers
+and admitted by the real admission chain (PodSecurity ``restricted``, ServiceAccount), then stay
+Pending. Level 3 (last in the module) adds a node (``k8s-local.sh node-up``: containerd, runc,
+CoreDNS, a kubelet): a pause pod, then the chart's own pods from the image built here, with a
+probe pod measuring the failover after the delay master pod is deleted and after ``kill -9``.
 
 What a real server checks that ``kubernetes-validate`` (tests/test_helm.py) cannot: admission,
 cross-field validation, CRDs, owner references and garbage collection, the chart's
