@@ -405,6 +405,7 @@ CNI
     ip addr add "$gw/24" dev "$br" || die "ip addr add $gw/24 dev $br failed"
   fi
   ip link set "$br" up || die "ip link set $br up failed"
+  echo "POD_BRIDGE=$br" >> "$DIR/env"  # now: `down` removes the bridge even if a step below fails
   start containerd containerd --config "$n/containerd.toml" --address "$n/containerd.sock"
   wait_for containerd containerd ctr --address "$n/containerd.sock" version
   ctr --address "$n/containerd.sock" -n k8s.io images import "$tar" >&2 || die "ctr images import $tar failed"
@@ -460,8 +461,8 @@ KL
     --hostname-override "hg-node-$tag"
   wait_for "node hg-node-$tag Ready" kubelet "$BIN/kubectl" --kubeconfig "$DIR/kubeconfig" wait --for=condition=Ready \
     "node/hg-node-$tag" --timeout=1s
-  { echo "K8S_NODE=hg-node-$tag"; echo "CONTAINERD_ADDRESS=$n/containerd.sock"; echo "POD_BRIDGE=$br"
-    echo "CLUSTER_DNS=$gw"; echo "POD_LOGS=$n/pod-logs"; } >> "$DIR/env"
+  { echo "K8S_NODE=hg-node-$tag"; echo "CONTAINERD_ADDRESS=$n/containerd.sock"; echo "CLUSTER_DNS=$gw"
+    echo "POD_LOGS=$n/pod-logs"; } >> "$DIR/env"
   echo "k8s-local.sh: node hg-node-$tag Ready in $((SECONDS - t0)) s" >&2
 }
 

@@ -670,13 +670,13 @@ def test_chart_pods_run_deliver_and_fail_over(cluster, node, image, record_prope
     def delete(victim):
         cluster.kubectl("delete", "pod", "-n", ns, victim, "--wait=false")
     run = run_probe(cluster, node, ns, "probe-delete", delete)
-    first = next(e["t"] for e in run["events"] if e["ev"] == "recv") - t_install
-    record_property("helm_install_to_first_delivery_s", round(first, 1))
-    print(f"k8s: helm install to the first message delivered through the chart's pods: {first:.1f} s")
     fig = failover_figures(run)
     print(f"k8s: delete pod {run['victim']}: {fig}; elections: {_elections(node, ns, run['t_fault'])}")
     record_property("delete_master_pod", json.dumps(fig))
     assert fig["lost"] == 0, f"acknowledged messages lost after deleting {run['victim']}: {run['summary']}"
+    first = min(e["t"] for e in run["events"] if e["ev"] == "recv") - t_install
+    record_property("helm_install_to_first_delivery_s", round(first, 1))
+    print(f"k8s: helm install to the first message delivered through the chart's pods: {first:.1f} s")
     # sends were acknowledged, and messages due after the fault delivered, after the fault
     assert fig["sends_resume_s"] is not None and fig["lateness_max_ms"] is not None, fig
     assert set(fig["masters_after"]) - {"-", run["victim"]}, f"no other delay master after deleting {run['victim']}: {fig}"
