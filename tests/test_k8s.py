@@ -1,10 +1,13 @@
-"""The Helm chart against a real Kubernetes control plane built here (issue 17, levels 1 and 2).
+"""The Helm chart against a real Kubernetes control plane built here (issue 17, levels 1 to 3).
 
 ``scripts/k8s-local.sh up`` starts etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler (Kubernetes v1.37.2, built once from the Go module proxy and cached under
 ``~/.cache/hourglass/k8s-v1.37.2``) on 127.0.0.1 for the whole session; the fixture stops them by
-PID at the end. There is no kubelet: pods are created by the real controllers and admitted by
-the real admission chain (PodSecurity ``restricted``, ServiceAccount), then stay Pending.
+PID at the end. Levels 1 and 2 run without a kubelet: pods are created by the real controllers
+and admitted by the real admission chain (PodSecurity ``restricted``, ServiceAccount), then stay
+Pending. Level 3 (last in the module) adds a node (``k8s-local.sh node-up``: containerd, runc,
+CoreDNS, a kubelet): a pause pod, then the chart's own pods from the image built here, with a
+probe pod measuring the failover after the delay master pod is deleted and after ``kill -9``.
 
 What a real server checks that ``kubernetes-validate`` (tests/test_helm.py) cannot: admission,
 cross-field validation, CRDs, owner references and garbage collection, the chart's
@@ -18,6 +21,8 @@ refused command. A cluster that was built but does not come up fails.
 from __future__ import annotations
 
 import atexit
+import datetime
+import itertools
 import json
 import os
 import re
@@ -39,6 +44,7 @@ VALUES = {  # values file -> the pods its workloads ask for
     "default": (None, 2 + 2 + 2 + 3),  # meta servers, d1, r1, etcd
     "large": (CHART / "ci" / "large-values.yaml", 3 + (3 + 2 + 4) + (3 + 2) + 5),
     "external-etcd": (CHART / "ci" / "external-etcd-values.yaml", 1 + 1 + 1),
+    "local-node": (CHART / "ci" / "local-node-values.yaml", 1 + 2 + 1 + 1),
 }
 assert {p.name for p in (CHART / "ci").glob("*.yaml")} == {v.name for v, _ in VALUES.values() if v}, \
     "a values file in helm/hourglass/ci/ has no row in VALUES"
@@ -374,3 +380,319 @@ def test_pods_run_and_come_back_after_kill_9(cluster, node):
 
     cluster.kubectl("delete", "pod", "-n", ns, "sleeper", "--wait=true", f"--timeout={WAIT_S}s")
     wait_until(lambda: not Path(f"/proc/{new}").exists(), "the container process gone after the pod's deletion")
+
+
+# ------------------------------------------------------------------ level 3: the chart's own pods
+
+LOCAL_VALUES = CHART / "ci" / "local-node-values.yaml"
+PODS_NS = "hg-pods"
+IMAGE = os.environ.get("HOURGLASS_IMAGE", "hourglass:dev")
+PROBE_SEND_MAX_S = 45  # a probe stops sending after this long even if it never saw an outage
+PROBE_TAIL_S = 5  # ... or this long after the first acknowledgement that ends an outage
+PROBE_OUTAGE_S = 1.0  # an outage: a send refused, or this long without an acknowledgement
+PROBE_DELAY_MS = 1000  # every message goes through the delay group: due 1 s after its send
+PROBE_DRAIN_S = 30  # after the last send, the wait for every acknowledged message to arrive
+
+# Runs inside a pod of the Hourglass image (the chart's meta server Service as HOURGLASS_META_SERVERS):
+# sends one delayed message every 50 ms, consumes and acks them, prints one JSON line per event
+# (and the delay group's master whenever the meta server names another). It stops sending
+# PROBE_TAIL_S after the first acknowledgement that ends an outage (the first one after the
+# first 40 acknowledgements, when the cluster was steady), or after PROBE_SEND_MAX_S; then
+# waits for every acknowledged message and prints a summary.
+PROBE = r'''
+import asyncio, json, os, sys, time
+from cluster.client import Consumer, Producer
+from cluster.discovery import MetaResolver
+
+META = os.environ["HOURGLASS_META_SERVERS"]
+SUBJECT, SEND_MAX_S, TAIL_S, OUTAGE_S, DELAY_MS, DRAIN_S = sys.argv[1], *map(float, sys.argv[2:7])
+INTERVAL_S, STEADY_ACKS = 0.05, 40
+acked, received, state = {}, set(), {"master": None, "done": False, "errors": 0}
+
+
+def out(**kw):
+    print(json.dumps({"t": time.time(), **kw}), flush=True)
+
+
+async def watch_master():
+    r = MetaResolver(META, refresh_ms=100, refresh_min_ms=100, timeout_s=1.0)
+    while not state["done"]:
+        try:
+            groups = dict(await r.delay_groups())
+        except Exception as e:
+            groups = {}
+            out(ev="meta_err", error=f"{type(e).__name__}: {str(e)[:200]}")
+        master = groups.get("d1") or None
+        if master != state["master"]:
+            state["master"] = master
+            out(ev="master", master=master)
+        await asyncio.sleep(0.1)
+    await r.close()
+
+
+async def produce():
+    r = MetaResolver(META, refresh_ms=1000, refresh_min_ms=100, timeout_s=1.0)
+    async with Producer(r, timeout_s=1.0, call_timeout_s=2.0) as p:
+        t_start, i, last_ack, refused, resumed = time.time(), 0, None, False, None
+        while time.time() - t_start < SEND_MAX_S and not (resumed and time.time() - resumed > TAIL_S):
+            mid, t0 = f"{SUBJECT}-{i}", time.time()
+            i += 1
+            try:
+                res = await p.send_and_wait(SUBJECT, b"probe", delay_ms=int(DELAY_MS), id=mid)
+                acked[mid] = res.deliver_at_ms
+                now = time.time()
+                out(ev="ack", id=mid, sent=t0, due_ms=res.deliver_at_ms)
+                outage = refused or (last_ack is not None and now - last_ack >= OUTAGE_S)
+                if outage and resumed is None and len(acked) > STEADY_ACKS:
+                    resumed = now
+                    out(ev="resumed", after_s=round(now - last_ack, 3))
+                last_ack, refused = now, False
+            except Exception as e:
+                state["errors"] += 1
+                refused = True
+                out(ev="err", id=mid, sent=t0, error=f"{type(e).__name__}: {str(e)[:200]}")
+            await asyncio.sleep(max(0.0, INTERVAL_S - (time.time() - t0)))
+    await r.close()
+    state["done"] = True
+
+
+async def consume():
+    r = MetaResolver(META, refresh_ms=1000, refresh_min_ms=100, timeout_s=1.0)
+    async with Consumer(r, SUBJECT, group="probe", wait_ms=300, timeout_s=2.0, call_timeout_s=3.0) as c:
+        drain_until = None
+        while True:
+            try:
+                batch = await c.pull()
+                for m in batch:
+                    if m.id not in received:
+                        out(ev="recv", id=m.id, lateness_ms=m.lateness_ms)
+                    received.add(m.id)
+                await c.ack(batch)
+            except Exception as e:
+                out(ev="pull_err", error=f"{type(e).__name__}: {str(e)[:200]}")
+                await asyncio.sleep(0.2)
+            if state["done"]:
+                drain_until = drain_until or time.time() + DRAIN_S
+                if set(acked) <= received or time.time() > drain_until:
+                    break
+    await r.close()
+
+
+async def main():
+    await asyncio.gather(watch_master(), produce(), consume())
+    lost = sorted(set(acked) - received)
+    out(ev="summary", acked=len(acked), received=len(received), lost=len(lost), lost_ids=lost[:20],
+        errors=state["errors"])
+
+
+asyncio.run(main())
+'''
+
+
+def _pod_log(node_env: dict, ns: str, pod: dict, container: str) -> list[dict]:
+    """A pod's stdout JSON lines, read from the kubelet's log folder (the API server cannot reach
+    this kubelet: it serves on 127.0.0.1 only, so `kubectl logs` has no way in)."""
+    m = pod["metadata"]
+    d = Path(node_env["POD_LOGS"]) / f"{ns}_{m['name']}_{m['uid']}" / container
+    out = []
+    for f in sorted(d.glob("*.log")) if d.is_dir() else []:
+        for line in f.read_text().splitlines():
+            parts = line.split(" ", 3)  # CRI format: time stream tag text
+            if len(parts) == 4 and parts[1] == "stdout" and parts[3].startswith("{"):
+                try:
+                    out.append(json.loads(parts[3]))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def _elections(node_env: dict, ns: str, since: float) -> list[str]:
+    """The meta servers' `elected` log lines (who won which group, epoch) from `since` on."""
+    out = []
+    for f in Path(node_env["POD_LOGS"]).glob(f"{ns}_*-metaserver-*/metaserver/*.log"):
+        for line in f.read_text().splitlines():
+            t, _, text = line.partition(" ")
+            if " elected " in text:
+                try:
+                    when = datetime.datetime.fromisoformat(t[:26] + "+00:00").timestamp()
+                except ValueError:
+                    continue
+                if when >= since:
+                    out.append(f"+{when - since:.2f} s " + text.split(" elected ", 1)[1])
+    return sorted(out)
+
+
+def static_volumes(cluster: Cluster, ns: str, claims: list[str], size: str) -> None:
+    """A hostPath PersistentVolume bound in advance to each claim (there is no provisioner), its
+    folder owned by the image's uid (the kubelet applies no fsGroup to hostPath volumes)."""
+    root = cluster.dir / "node" / "volumes" / ns
+    docs = []
+    for c in claims:
+        d = root / c
+        d.mkdir(parents=True, exist_ok=True)
+        os.chown(d, 10001, 10001)
+        docs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-{c}"},
+                     "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                              "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": ns, "name": c},
+                              "hostPath": {"path": str(d), "type": "Directory"}}})
+    cluster.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+
+
+@pytest.fixture(scope="module")
+def image(node, cluster):
+    """hourglass:dev built by scripts/image.sh (Docker, nothing pulled) and imported into the node's
+    containerd; a Docker daemon this fixture started is stopped afterwards."""
+    def docker_answers() -> bool:
+        try:
+            return subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    was_running = docker_answers()
+    try:
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh"), "build"], capture_output=True, text=True,
+                           timeout=1200, cwd=ROOT, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+        if "image.sh: SKIP:" in r.stdout:
+            pytest.skip("`bash scripts/image.sh build` refused: " + r.stdout.split("image.sh: SKIP:", 1)[1].strip())
+        assert r.returncode == 0, f"scripts/image.sh build failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
+        r = subprocess.run(["bash", str(SCRIPT), "node-image", str(cluster.dir)], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+        assert r.returncode == 0, f"`k8s-local.sh node-image` failed:\n{r.stderr[-3000:]}"
+    finally:
+        if not was_running:
+            subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop"], capture_output=True, timeout=120,
+                           check=False)
+    return IMAGE
+
+
+def _pod(cluster: Cluster, ns: str, name: str) -> dict | None:
+    r = cluster.kubectl("get", "pod", "-n", ns, name, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def _ready(p: dict | None) -> bool:
+    return bool(p) and "deletionTimestamp" not in p["metadata"] and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
+
+
+def run_probe(cluster: Cluster, node_env: dict, ns: str, name: str, fault) -> dict:
+    """Starts a probe pod, calls fault(master_pod_name) once the probe has 40 acknowledgements,
+    and returns what the probe saw: events, the fault time, the summary."""
+    meta = f"{RELEASE}-hourglass-metaserver.{ns}.svc.cluster.local:7100"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+           "spec": {"restartPolicy": "Never", "enableServiceLinks": False,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{"name": "probe", "image": IMAGE, "imagePullPolicy": "Never",
+                                    "command": ["/opt/hourglass/bin/python", "/probe/probe.py", name,
+                                                str(PROBE_SEND_MAX_S), str(PROBE_TAIL_S), str(PROBE_OUTAGE_S),
+                                                str(PROBE_DELAY_MS),
+                                                str(PROBE_DRAIN_S)],
+                                    "env": [{"name": "HOURGLASS_META_SERVERS", "value": meta}],
+                                    "volumeMounts": [{"name": "probe", "mountPath": "/probe"}],
+                                    "securityContext": {"allowPrivilegeEscalation": False,
+                                                        "readOnlyRootFilesystem": True,
+                                                        "capabilities": {"drop": ["ALL"]}}}],
+                    "volumes": [{"name": "probe", "configMap": {"name": "probe"}}]}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    p = wait_until(lambda: (q := _pod(cluster, ns, name)) and q["metadata"].get("uid") and q, f"pod {name}")
+    acks = wait_until(lambda: len([e for e in _pod_log(node_env, ns, p, "probe") if e["ev"] == "ack"]) >= 40,
+                      f"{name}: 40 acknowledged sends")
+    del acks
+    events = _pod_log(node_env, ns, p, "probe")
+    master = [e["master"] for e in events if e["ev"] == "master"][-1]
+    assert master, f"{name}: no delay master: {events[-5:]}"
+    victim = master.split(".", 1)[0]  # <pod>.<group service>.<ns>.svc...:port
+    t_fault = time.time()
+    fault(victim)
+    deadline = PROBE_SEND_MAX_S + PROBE_DRAIN_S + 30
+    wait_until(lambda: (_pod(cluster, ns, name) or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"),
+               f"{name} finished", timeout_s=deadline)
+    events = _pod_log(node_env, ns, p, "probe")
+    summaries = [e for e in events if e["ev"] == "summary"]
+    assert summaries, f"{name}: no summary; last lines: {events[-10:]}"
+    return {"events": events, "t_fault": t_fault, "victim": victim, "summary": summaries[-1]}
+
+
+def failover_figures(run: dict) -> dict:
+    """From the fault on: the longest stretch without an acknowledged send (sends_gap_s) and when
+    it ended (sends_resume_s, seconds after the fault), the same for receives, the lateness of
+    messages due after the fault, and the delay masters the meta server named."""
+    ev, tf = run["events"], run["t_fault"]
+
+    def gap(ts: list[float]) -> tuple[float, float] | tuple[None, None]:
+        ts = [tf] + [t for t in ts if t >= tf]
+        if len(ts) < 2:
+            return None, None
+        g, end = max((b - a, b) for a, b in itertools.pairwise(ts))
+        return round(g, 2), round(end - tf, 2)
+    acks = [e for e in ev if e["ev"] == "ack"]
+    recvs = [e for e in ev if e["ev"] == "recv"]
+    due = {e["id"]: e["due_ms"] / 1000 for e in acks}
+    late = sorted(e["lateness_ms"] for e in recvs if due.get(e["id"], 0) >= tf)
+    sends_gap, sends_resume = gap([e["t"] for e in acks])
+    recv_gap, recv_resume = gap([e["t"] for e in recvs])
+    return {"sends_gap_s": sends_gap, "sends_resume_s": sends_resume, "receives_gap_s": recv_gap,
+            "receives_resume_s": recv_resume, "lateness_max_ms": late[-1] if late else None,
+            "acked": run["summary"]["acked"], "lost": run["summary"]["lost"], "send_errors": run["summary"]["errors"],
+            "masters_after": [(e["master"] or "-").split(".", 1)[0] for e in ev if e["ev"] == "master" and e["t"] > tf]}
+
+
+def test_chart_pods_run_deliver_and_fail_over(cluster, node, image, record_property):
+    """Level 3 with the chart's own pods: `helm install` with ci/local-node-values.yaml brings up
+    etcd, the meta server and the delay and real-time groups from the image built here; a probe pod
+    sends and consumes through them; deleting the delay master pod, then `kill -9` of the new
+    master's process, is followed by deliveries resuming with no acknowledged message lost."""
+    ns = cluster.namespace(PODS_NS)
+    values = yaml.safe_load(LOCAL_VALUES.read_text())
+    claims = [f"data-{RELEASE}-hourglass-etcd-{i}" for i in range(values["etcd"]["replicas"])]
+    for role, groups in (("delay", values["delayGroups"]), ("realtime", values["realtimeGroups"])):
+        claims += [f"data-{RELEASE}-hourglass-{role}-{g['name']}-{i}" for g in groups for i in range(g["replicas"])]
+    static_volumes(cluster, ns, claims, "1Gi")
+    cluster.kubectl("create", "configmap", "probe", "-n", ns, "--from-literal", f"probe.py={PROBE}")
+    t0, t_install = time.monotonic(), time.time()
+    cluster.helm("install", RELEASE, str(CHART), "-n", ns, "-f", str(LOCAL_VALUES))
+    want = VALUES["local-node"][1]
+    r = cluster.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod", "--all", f"--timeout={WAIT_S}s",
+                        check=False)
+    pods = cluster.get("pods", ns)
+    assert r.returncode == 0 and len(pods) == want, (
+        f"chart pods not Ready within {WAIT_S} s: {r.stderr}\n"
+        + "\n".join(f"{p['metadata']['name']}: {p['status'].get('phase')} "
+                    f"{[c.get('state') for c in p['status'].get('containerStatuses', [])]}" for p in pods))
+    ready_s = time.monotonic() - t0
+    record_property("helm_install_to_ready_s", round(ready_s, 1))
+    print(f"k8s: helm install to {want} chart pods Ready in {ready_s:.1f} s")
+    for p in pods:
+        assert p["spec"]["nodeName"] == node["K8S_NODE"]
+        assert p["status"]["podIP"].startswith("10.244."), p["status"]
+
+    # 1. delete the delay master pod (graceful: SIGTERM, the grace period, the StatefulSet makes it again)
+    def delete(victim):
+        cluster.kubectl("delete", "pod", "-n", ns, victim, "--wait=false")
+    run = run_probe(cluster, node, ns, "probe-delete", delete)
+    fig = failover_figures(run)
+    print(f"k8s: delete pod {run['victim']}: {fig}; elections: {_elections(node, ns, run['t_fault'])}")
+    record_property("delete_master_pod", json.dumps(fig))
+    assert fig["lost"] == 0, f"acknowledged messages lost after deleting {run['victim']}: {run['summary']}"
+    first = min(e["t"] for e in run["events"] if e["ev"] == "recv") - t_install
+    record_property("helm_install_to_first_delivery_s", round(first, 1))
+    print(f"k8s: helm install to the first message delivered through the chart's pods: {first:.1f} s")
+    # sends were acknowledged, and messages due after the fault delivered, after the fault
+    assert fig["sends_resume_s"] is not None and fig["lateness_max_ms"] is not None, fig
+    assert set(fig["masters_after"]) - {"-", run["victim"]}, f"no other delay master after deleting {run['victim']}: {fig}"
+    wait_until(lambda: _ready(_pod(cluster, ns, run["victim"])), f"{run['victim']} made again and Ready")
+
+    # 2. kill -9 of the (new) delay master's process: the kubelet restarts the container
+    def kill_9(victim):
+        p = _pod(cluster, ns, victim)
+        cid = p["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+        os.kill(_task_pid(node, cid), 9)
+    run = run_probe(cluster, node, ns, "probe-kill9", kill_9)
+    fig = failover_figures(run)
+    print(f"k8s: kill -9 of {run['victim']}: {fig}; elections: {_elections(node, ns, run['t_fault'])}")
+    record_property("kill_9_master", json.dumps(fig))
+    assert fig["lost"] == 0, f"acknowledged messages lost after kill -9 of {run['victim']}: {run['summary']}"
+    assert fig["sends_resume_s"] is not None and fig["lateness_max_ms"] is not None, fig
+    p = wait_until(lambda: (q := _pod(cluster, ns, run["victim"])) and _ready(q) and q, f"{run['victim']} Ready again")
+    assert p["status"]["containerStatuses"][0]["restartCount"] >= 1  # the same pod, its container restarted
+    cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", f"--timeout={WAIT_S}s")
