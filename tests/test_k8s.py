@@ -574,6 +574,10 @@ def _ready(p: dict | None) -> bool:
         c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions", []))
 
 
+CLIENT_ENV = {"TLS_CA_FILE": "/client/tls/ca.crt", "TLS_CERT_FILE": "/client/tls/tls.crt",
+              "TLS_KEY_FILE": "/client/tls/tls.key", "TOKEN_FILE": "/client/token/token"}
+
+
 def run_probe(cluster: Cluster, node_env: dict, ns: str, name: str, fault) -> dict:
     """Starts a probe pod, calls fault(master_pod_name) once the probe has 40 acknowledgements,
     and returns what the probe saw: events, the fault time, the summary."""
@@ -587,12 +591,22 @@ def run_probe(cluster: Cluster, node_env: dict, ns: str, name: str, fault) -> di
                                                 str(PROBE_SEND_MAX_S), str(PROBE_TAIL_S), str(PROBE_OUTAGE_S),
                                                 str(PROBE_DELAY_MS),
                                                 str(PROBE_DRAIN_S)],
-                                    "env": [{"name": "HOURGLASS_META_SERVERS", "value": meta}],
-                                    "volumeMounts": [{"name": "probe", "mountPath": "/probe"}],
+                                    # the chart is secure by default: the client Secrets it made
+                                    # (docs/security.md), mounted as a user's client would
+                                    "env": [{"name": "HOURGLASS_META_SERVERS", "value": meta},
+                                            *({"name": f"HOURGLASS_{k}", "value": v} for k, v in CLIENT_ENV.items()),
+                                            {"name": "HOURGLASS_TLS_SERVER_NAME", "valueFrom": {"secretKeyRef": {
+                                                "name": f"{RELEASE}-hourglass-client-token", "key": "server-name"}}}],
+                                    "volumeMounts": [{"name": "probe", "mountPath": "/probe"},
+                                                     {"name": "client-tls", "mountPath": "/client/tls"},
+                                                     {"name": "client-token", "mountPath": "/client/token"}],
                                     "securityContext": {"allowPrivilegeEscalation": False,
                                                         "readOnlyRootFilesystem": True,
                                                         "capabilities": {"drop": ["ALL"]}}}],
-                    "volumes": [{"name": "probe", "configMap": {"name": "probe"}}]}}
+                    "volumes": [{"name": "probe", "configMap": {"name": "probe"}},
+                                {"name": "client-tls", "secret": {"secretName": f"{RELEASE}-hourglass-client-tls"}},
+                                {"name": "client-token",
+                                 "secret": {"secretName": f"{RELEASE}-hourglass-client-token"}}]}}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
     p = wait_until(lambda: (q := _pod(cluster, ns, name)) and q["metadata"].get("uid") and q, f"pod {name}")
     acks = wait_until(lambda: len([e for e in _pod_log(node_env, ns, p, "probe") if e["ev"] == "ack"]) >= 40,
