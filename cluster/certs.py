@@ -114,18 +114,27 @@ def new_token() -> str:
     return "hgt_" + secrets.token_urlsafe(TOKEN_BYTES)
 
 
-def add_token(auth_file: Path, name: str, grants: list[Grant], token_path: Path | None = None) -> str:
-    """A new token for ``name`` with ``grants``, its digest added to ``auth_file`` (created if
-    missing; an entry of the same name is replaced). The token itself is returned and, with
-    ``token_path``, written there (owner-only); it is stored nowhere else."""
+def _put_entry(auth_file: Path, entry: TokenEntry) -> None:
+    """Add ``entry`` to ``auth_file`` (created if missing); an entry of the same name is replaced."""
     current = AuthFile.model_validate(json.loads(auth_file.read_text())) if auth_file.exists() else AuthFile()
+    entries = [t for t in current.tokens if t.name != entry.name] + [entry]
+    _write_private(auth_file, (AuthFile(tokens=entries).model_dump_json(indent=2, exclude_none=True) + "\n").encode())
+
+
+def add_token(auth_file: Path, name: str, grants: list[Grant], token_path: Path | None = None) -> str:
+    """A new token for ``name`` with ``grants``, its digest added to ``auth_file``. The token
+    itself is returned and, with ``token_path``, written there (owner-only); it is stored
+    nowhere else."""
     token = new_token()
-    entries = [t for t in current.tokens if t.name != name]
-    entries.append(TokenEntry(name=name, sha256=token_digest(token), allow=grants))
-    _write_private(auth_file, (AuthFile(tokens=entries).model_dump_json(indent=2) + "\n").encode())
+    _put_entry(auth_file, TokenEntry(name=name, sha256=token_digest(token), allow=grants))
     if token_path is not None:
         _write_private(token_path, (token + "\n").encode())
     return token
+
+
+def grant_certificate(auth_file: Path, name: str, common_name: str, grants: list[Grant]) -> None:
+    """Let the client certificate with ``common_name`` (``client:orders``) do ``grants`` without a token."""
+    _put_entry(auth_file, TokenEntry(name=name, certificate=common_name, allow=grants))
 
 
 @dataclass

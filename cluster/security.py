@@ -229,14 +229,27 @@ class Grant(BaseModel):
 
 
 class TokenEntry(BaseModel):
+    """A token (its ``sha256``) or a client certificate (its common name, ``certificate``:
+    ``client:orders``) and what it may do."""
+
     name: str = Field(min_length=1, max_length=200)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    certificate: str | None = Field(default=None, min_length=1, max_length=200)
     allow: list[Grant] = []
+
+    @model_validator(mode="after")
+    def _one_credential(self) -> "TokenEntry":
+        if (self.sha256 is None) == (self.certificate is None):
+            raise ValueError(f"entry {self.name!r}: give exactly one of sha256 (a token) or certificate "
+                             "(a client certificate's common name)")
+        if self.certificate is not None and self.certificate.startswith(NODE_PREFIX):
+            raise ValueError(f"entry {self.name!r}: node certificates need no entry (they may do everything)")
+        return self
 
 
 class AuthFile(BaseModel):
-    """The auth file (JSON): ``{"tokens": [{"name", "sha256", "allow": [{"action",
-    "subjects", "groups"}]}]}``."""
+    """The auth file (JSON): ``{"tokens": [{"name", "sha256" | "certificate", "allow":
+    [{"action", "subjects", "groups"}]}]}``."""
 
     tokens: list[TokenEntry] = []
 
@@ -280,6 +293,7 @@ class AuthTable:
         self._stamp = None
         self._checked = 0.0
         self._entries: list[tuple[bytes, Principal]] = []
+        self._certificates: dict[str, Principal] = {}
         if path is not None:
             self._load(force=True)
 
@@ -300,10 +314,19 @@ class AuthTable:
                 raise InvalidArgument("auth_file", msg[:500]) from None
             log.warning("%s; keeping the tokens loaded", msg[:500])
             return
-        self._entries = [(bytes.fromhex(t.sha256), Principal(t.name, grants=t.allow)) for t in parsed.tokens]
+        self._entries = [(bytes.fromhex(t.sha256), Principal(t.name, grants=t.allow))
+                         for t in parsed.tokens if t.sha256 is not None]
+        self._certificates = {t.certificate: Principal(t.name, grants=t.allow)
+                              for t in parsed.tokens if t.certificate is not None}
         self._stamp = stamp
         if not force:
             log.info("auth file %s reloaded: %d tokens", self.path, len(self._entries))
+
+    def by_certificate(self, common_name: str) -> Principal | None:
+        """The principal of a client certificate listed in the auth file (no token needed)."""
+        if self.path is not None:
+            self._load()
+        return self._certificates.get(common_name)
 
     def principal(self, token: str) -> Principal | None:
         if self.path is not None:
@@ -320,8 +343,9 @@ class AuthTable:
 
 _CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("hourglass_caller", default=None)
 
+# registered by each process's own metrics registry (node/metrics.py)
 REFUSALS = Counter("hourglass_auth_refusals", "Calls refused by authentication or permissions",
-                   ["reason", "action"])
+                   ["reason", "action"], registry=None)
 
 # method -> the action it needs before any subject is known (subject checks: ``require``)
 METHOD_ACTIONS: dict[str, Action] = {
@@ -421,8 +445,12 @@ class Authenticator(grpc.aio.ServerInterceptor):
             return Principal(cn, node=True)
         token = _bearer(context.invocation_metadata())
         if token is None:
+            p = self.table.by_certificate(cn)  # a client certificate the auth file lists: its own identity
+            if p is not None:
+                return p
             raise refuse("no_token", "-", grpc.StatusCode.UNAUTHENTICATED,
-                         "unauthenticated: no bearer token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE)")
+                         "unauthenticated: no bearer token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE), and the "
+                         "client certificate is not listed in the auth file")
         p = self.table.principal(token) if token else None
         if p is None:
             raise refuse("bad_token", "-", grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: unknown token")

@@ -9,6 +9,8 @@ import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from cluster.security import REFUSALS
+
 log = logging.getLogger("hourglass.metrics")
 
 LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -17,6 +19,7 @@ LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1,
 class NodeMetrics:
     def __init__(self, role: str, node_id: str) -> None:
         self.registry = r = CollectorRegistry()
+        r.register(REFUSALS)  # calls refused by authentication or permissions (cluster/security.py)
         labels = {"role": role, "node": node_id}
         self.ingested = Counter("hourglass_ingested_messages", "Messages accepted (durable)", registry=r)
         self.dispatched = Counter("hourglass_dispatched_messages", "Delayed messages handed to real-time nodes",

@@ -16,6 +16,7 @@ from cluster.client import Consumer, Producer
 from cluster.codec import Batch
 from cluster.devcluster import LocalCluster
 from cluster.discovery import MetaResolver
+from cluster.ports import free_port
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
@@ -40,6 +41,12 @@ def secure(tmp_path_factory):
     for name, grants in GRANTS.items():
         path = c.security.dir / f"{name}.token"
         tokens[name] = (certs.add_token(c.security.auth_file, name, grants, path), path)
+    # a client known by its certificate alone (no token): produce orders.* only
+    certs.issue(c.security.dir, c.security.dir, "orders", kind="client", hosts=(), stem="client-orders")
+    certs.grant_certificate(c.security.auth_file, "orders-by-cert", "client:orders",
+                            [Grant(action="produce", subjects=["orders.*"])])
+    c.metrics_port = free_port()
+    c.delay[0].env["HOURGLASS_METRICS_PORT"] = str(c.metrics_port)
     with c:
         c.wait_registered()
         c.tokens = tokens
@@ -224,6 +231,31 @@ async def test_handover_needs_admin(secure):
     finally:
         await ch.close()
     assert (await secure.wait_master("delay")) == master_name
+
+
+async def test_a_client_certificate_listed_in_the_auth_file_needs_no_token(secure):
+    from cluster.security import ClientSecurity, SecuritySettings
+
+    d = secure.security.dir
+    sec = ClientSecurity(SecuritySettings(tls_ca_file=d / "ca.crt", tls_cert_file=d / "client-orders.crt",
+                                          tls_key_file=d / "client-orders.key"))
+    r = MetaResolver(secure.meta_addresses, security=sec)
+    async with Producer(r, call_timeout_s=10) as p:
+        await p.send_and_wait("orders.bycert", b"x", delay_ms=100, id="sec-cert-1")
+        with pytest.raises(E.PermissionDenied, match="'orders-by-cert' may not produce subject 'payments.x'"):
+            await p.send_and_wait("payments.x", b"x", delay_ms=100, id="sec-cert-2")
+    await r.close()
+
+
+def test_refusals_are_counted_in_the_metrics(secure):
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{secure.metrics_port}/metrics", timeout=5).read().decode()
+    counted = {line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("hourglass_auth_refusals_total{")}
+    # the earlier tests of this module were refused by this node: a wrong token, a node method, admin
+    assert counted.get('action="-",reason="bad_token"', 0) >= 1, counted
+    assert counted.get('action="node",reason="permission"', 0) >= 1, counted
 
 
 def test_no_token_appears_in_any_log(secure):

@@ -128,3 +128,16 @@ def test_certificates_carry_the_role_in_their_common_name(tmp_path):
         crt, _ = certs.issue(tmp_path, tmp_path, "a", kind=kind)
         cn = x509.load_pem_x509_certificate(crt.read_bytes()).subject.rfc4514_string()
         assert cn == f"CN={kind}:a"
+
+
+def test_an_auth_entry_names_a_token_or_a_certificate_never_both_nor_a_node(tmp_path):
+    auth = tmp_path / "auth.json"
+    certs.grant_certificate(auth, "orders", "client:orders", [Grant(action="produce", subjects=["orders.*"])])
+    table = AuthTable(auth)
+    assert table.by_certificate("client:orders").may(Action.PRODUCE, "orders.x")
+    assert table.by_certificate("client:other") is None
+    for entry in ({"name": "x", "allow": []}, {"name": "x", "sha256": "0" * 64, "certificate": "client:x"},
+                  {"name": "x", "certificate": "node:n1"}):
+        auth.write_text(json.dumps({"tokens": [entry]}))
+        with pytest.raises(InvalidArgument, match="auth file"):
+            AuthTable(auth)

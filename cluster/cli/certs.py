@@ -55,18 +55,9 @@ def issue(kind: str = typer.Argument(..., help="node | client"),
     _say(f"wrote {crt} and {key} (owner-only)")
 
 
-@certs_app.command("token")
-def token(name: str = typer.Argument(..., help="who the token is for (logged on refusals)"),
-          auth_file: Path = typer.Option(..., "--auth-file", help="the servers' HOURGLASS_AUTH_FILE"),
-          allow: list[str] = typer.Option([], "--allow",
-                                          help="ACTION[:SUBJECTS[@GROUPS]], e.g. produce:orders.*, "
-                                               "consume:orders.*@billing, cancel, admin (repeatable)"),
-          out: Path = typer.Option(..., "--out", help="where the token is written (owner-only)")) -> None:
-    """A new token with its grants. Only its SHA-256 goes into the auth file; the servers read the
-    file again within a second. Giving an existing NAME replaces that token (rotation)."""
+def _grants(allow: list[str]):
     from pydantic import ValidationError
 
-    from cluster.certs import add_token
     from cluster.security import Grant
 
     grants = []
@@ -82,5 +73,36 @@ def token(name: str = typer.Argument(..., help="who the token is for (logged on 
             raise CliError(f"--allow {a!r}: {action} is not granted to tokens (node certificates only)")
     if not grants:
         raise CliError("give at least one --allow")
-    add_token(auth_file, name, grants, out)
+    return grants
+
+
+ALLOW_HELP = "ACTION[:SUBJECTS[@GROUPS]], e.g. produce:orders.*, consume:orders.*@billing, cancel, admin (repeatable)"
+
+
+@certs_app.command("token")
+def token(name: str = typer.Argument(..., help="who the token is for (logged on refusals)"),
+          auth_file: Path = typer.Option(..., "--auth-file", help="the servers' HOURGLASS_AUTH_FILE"),
+          allow: list[str] = typer.Option([], "--allow", help=ALLOW_HELP),
+          out: Path = typer.Option(..., "--out", help="where the token is written (owner-only)")) -> None:
+    """A new token with its grants. Only its SHA-256 goes into the auth file; the servers read the
+    file again within a second. Giving an existing NAME replaces that token (rotation)."""
+    from cluster.certs import add_token
+
+    add_token(auth_file, name, _grants(allow), out)
     _say(f"token {name!r} written to {out}; its digest is in {auth_file}")
+
+
+@certs_app.command("grant")
+def grant(name: str = typer.Argument(..., help="who it is (logged on refusals)"),
+          certificate: str = typer.Option(..., "--certificate", help="the client certificate's common name, "
+                                                                      "e.g. client:orders"),
+          auth_file: Path = typer.Option(..., "--auth-file", help="the servers' HOURGLASS_AUTH_FILE"),
+          allow: list[str] = typer.Option([], "--allow", help=ALLOW_HELP)) -> None:
+    """Let a client certificate act without a token: calls that carry no token and show this
+    certificate get these grants."""
+    from cluster.certs import grant_certificate
+
+    if certificate.startswith("node:"):
+        raise CliError("node certificates may do everything already; grant client certificates only")
+    grant_certificate(auth_file, name, certificate, _grants(allow))
+    _say(f"certificate {certificate!r} ({name!r}) granted in {auth_file}")
