@@ -51,13 +51,21 @@ built_ok() {  # every component there and reporting the pinned version
   "$BIN/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION"
 }
 
+# build_needed CHECK DIR WHAT: false when CHECK passes (cached); else takes DIR/.lock (on a new
+# fd held until the shell exits: one build at a time per cache) and checks once more
+build_needed() {
+  local fd
+  "$1" && return 1
+  command -v go >/dev/null 2>&1 || die "no go toolchain (go not on PATH) to build $3"
+  mkdir -p "$2"
+  exec {fd}>"$2/.lock"
+  flock -w "$BUILD_TIMEOUT_S" "$fd" || die "another build holds $2/.lock"
+  ! "$1"
+}
+
 cmd_build() {
-  if built_ok; then echo "$BIN"; return; fi
-  command -v go >/dev/null 2>&1 || die "no go toolchain (go not on PATH) to build Kubernetes"
+  build_needed built_ok "$CACHE" Kubernetes || { echo "$BIN"; return; }
   mkdir -p "$CACHE/src" "$BIN"
-  exec 8>"$CACHE/.lock"
-  flock -w "$BUILD_TIMEOUT_S" 8 || die "another build holds $CACHE/.lock"
-  if built_ok; then echo "$BIN"; return; fi
   export GOMODCACHE=$CACHE/gomod GOCACHE=$CACHE/gocache GOFLAGS=-mod=mod CGO_ENABLED=0
   local staging=v0.${K8S_VERSION#v1.} mod t0=$SECONDS
   cd "$CACHE/src"
@@ -115,12 +123,8 @@ coredns_ok() {
 }
 
 cmd_build_coredns() {
-  if coredns_ok; then echo "$COREDNS_CACHE/bin/coredns"; return; fi
-  command -v go >/dev/null 2>&1 || die "no go toolchain (go not on PATH) to build CoreDNS"
+  build_needed coredns_ok "$COREDNS_CACHE" CoreDNS || { echo "$COREDNS_CACHE/bin/coredns"; return; }
   mkdir -p "$COREDNS_CACHE/src" "$COREDNS_CACHE/bin"
-  exec 7>"$COREDNS_CACHE/.lock"
-  flock -w "$BUILD_TIMEOUT_S" 7 || die "another build holds $COREDNS_CACHE/.lock"
-  if coredns_ok; then echo "$COREDNS_CACHE/bin/coredns"; return; fi
   # the module and build caches of the Kubernetes build: client-go and friends are shared
   export GOMODCACHE=$CACHE/gomod GOCACHE=$CACHE/gocache GOFLAGS=-mod=mod CGO_ENABLED=0
   local t0=$SECONDS p imports="" dirs=""

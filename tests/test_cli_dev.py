@@ -83,6 +83,33 @@ def _pid_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
+def _start_dev_up(args: list[str], cwd: Path, out_path: Path) -> subprocess.Popen:
+    with open(out_path, "w") as out:
+        return subprocess.Popen([*HOURGLASS, "dev", "up", *args], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+
+
+def _stop_dev_up(up: subprocess.Popen) -> None:
+    """The launcher stops its processes on SIGTERM; SIGKILL only if it hangs."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(timeout=10)
+
+
+def _wait_cluster_json(up: subprocess.Popen, data: Path, out_path: Path) -> dict:
+    """The cluster.json `dev up` writes once its cluster is up (bounded by UP_TIMEOUT_S)."""
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not (data / "cluster.json").exists():
+        assert up.poll() is None, out_path.read_text()
+        assert time.monotonic() < deadline, out_path.read_text()
+        time.sleep(0.2)
+    return json.loads((data / "cluster.json").read_text())
+
+
 def _kill_listed(cluster_json: dict) -> None:
     """Safety net after a failed test: SIGKILL the listed processes that are still that process."""
     for name, p in cluster_json.get("processes", {}).items():
@@ -106,16 +133,9 @@ def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
     data = cwd / "var" / "dev"  # the default --data, relative to the caller's directory
     out_path = tmp_path / "dev-up.out"
     seen: dict = {}
-    with open(out_path, "w") as out:
-        up = subprocess.Popen([*HOURGLASS, "dev", "up", "--replicas", "2", "--ack-mode", "sync"], cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+    up = _start_dev_up(["--replicas", "2", "--ack-mode", "sync"], cwd, out_path)
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while not (data / "cluster.json").exists():
-            assert up.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(0.2)
-        seen = json.loads((data / "cluster.json").read_text())
+        seen = _wait_cluster_json(up, data, out_path)
         for name in ("delay-1", "delay-2"):  # what the killed master's log tail will show
             with open(data / f"{name}.log", "a") as f:
                 f.write(MARKUP_BAIT + "\n")
@@ -152,13 +172,7 @@ def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
-        if up.poll() is None:  # the launcher stops its processes on SIGTERM; SIGKILL only if it hangs
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait(timeout=10)
+        _stop_dev_up(up)
         if (data / "cluster.json").exists():
             seen = json.loads((data / "cluster.json").read_text())
         _kill_listed(seen)
@@ -182,16 +196,9 @@ def test_dev_up_secure_serves_the_cli_through_the_cluster_file_and_refuses_plain
     data = tmp_path / "d"
     out_path = tmp_path / "dev-up.out"
     seen: dict = {}
-    with open(out_path, "w") as out:
-        up = subprocess.Popen([*HOURGLASS, "dev", "up", "--secure", "--data", str(data)], cwd=tmp_path, stdout=out,
-                              stderr=subprocess.STDOUT, env=dict(os.environ, COLUMNS="200", PYTHONUNBUFFERED="1"))
+    up = _start_dev_up(["--secure", "--data", str(data)], tmp_path, out_path)
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        while not (data / "cluster.json").exists():
-            assert up.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(0.2)
-        seen = json.loads((data / "cluster.json").read_text())
+        seen = _wait_cluster_json(up, data, out_path)
         assert set(seen["security"]) == {"tls_ca_file", "tls_cert_file", "tls_key_file", "token_file"}
         cf = str(data / "cluster.json")
         sent = run_cli("send", "sec.hello", "hi", "--delay-ms", "500", "--id", "s1", "--cluster-file", cf, cwd=tmp_path)
@@ -215,13 +222,7 @@ def test_dev_up_secure_serves_the_cli_through_the_cluster_file_and_refuses_plain
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait(timeout=10)
+        _stop_dev_up(up)
         _kill_listed(seen)
     text = out_path.read_text()
     assert_no_traceback(text)

@@ -24,6 +24,7 @@ from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.security import Grant
 from cluster.transport import Channels
 from cluster.wire import make_request
+from tests.helpers.flow import receive_ids, round_trip
 
 
 GRANTS = {
@@ -56,6 +57,16 @@ def secure(tmp_path_factory):
 def _resolver(c: LocalCluster, token: str | None = None, **settings) -> MetaResolver:
     path = c.tokens[token][1] if token else None
     return MetaResolver(c.meta_addresses, security=c.client_security(path, **settings))
+
+
+async def _produce(c: LocalCluster, subject: str, msg_id: str, *, delay_ms: int) -> None:
+    """One message sent with the produce-only token."""
+    r = _resolver(c, "producer")
+    try:
+        async with Producer(r) as p:
+            await p.send_and_wait(subject, b"x", delay_ms=delay_ms, id=msg_id)
+    finally:
+        await r.close()
 
 
 async def _health_plain(address: str) -> grpc.StatusCode:
@@ -151,20 +162,10 @@ async def test_a_produce_token_produces_its_subjects_only_and_cannot_consume_or_
 
 
 async def test_a_consume_token_reads_its_subject_and_group_only(secure):
-    pr = _resolver(secure, "producer")
-    async with Producer(pr) as p:
-        await p.send_and_wait("orders.paid", b"y", delay_ms=50, id="sec-c1")
-    await pr.close()
+    await _produce(secure, "orders.paid", "sec-c1", delay_ms=50)
     r = _resolver(secure, "orders-reader")
-    got: set[str] = set()
     async with Consumer(r, "orders.paid", group="billing") as cons:
-        for _ in range(20):  # bounded: 20 long polls of 0.5 s
-            batch = await cons.pull(wait_ms=500)
-            got.update(m.id for m in batch)
-            await cons.ack(batch)
-            if "sec-c1" in got:
-                break
-    assert "sec-c1" in got
+        assert "sec-c1" in await receive_ids(cons, {"sec-c1"})
     for subject, group in (("payments.x", "billing"), ("orders.paid", "other-group")):
         async with Consumer(r, subject, group=group, call_timeout_s=5) as cons:
             with pytest.raises(E.PermissionDenied):
@@ -173,10 +174,7 @@ async def test_a_consume_token_reads_its_subject_and_group_only(secure):
 
 
 async def test_a_cancel_token_cancels_its_subjects(secure):
-    pr = _resolver(secure, "producer")
-    async with Producer(pr) as p:
-        await p.send_and_wait("orders.late", b"z", delay_ms=600_000, id="sec-x1")
-    await pr.close()
+    await _produce(secure, "orders.late", "sec-x1", delay_ms=600_000)
     r = _resolver(secure, "canceller")
     async with Producer(r) as p:
         assert (await p.lookup("sec-x1")).status == "pending"
@@ -298,17 +296,10 @@ async def test_certificates_rotated_on_disk_are_used_without_a_restart(tmp_path)
             await asyncio.sleep(0.2)
         assert code == grpc.StatusCode.OK
         r = MetaResolver(c.meta_addresses, security=c.client_security())
-        async with Producer(r) as p, Consumer(r, "rot.x", group="g") as cons:
-            await p.send_and_wait("rot.x", b"after", delay_ms=100, id="rot-1")
-            got: set[str] = set()
-            for _ in range(20):  # bounded
-                batch = await cons.pull(wait_ms=500)
-                got.update(m.id for m in batch)
-                await cons.ack(batch)
-                if "rot-1" in got:
-                    break
-        await r.close()
-        assert "rot-1" in got
+        try:
+            assert "rot-1" in await round_trip(r, "rot.x", "rot-1")
+        finally:
+            await r.close()
         assert {n.name: n.proc.pid for n in c.meta + c.nodes} == pids and all(n.running for n in c.nodes)
 
 
