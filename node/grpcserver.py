@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import ServerSecurity, open_warning
@@ -16,6 +16,8 @@ from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
 log = logging.getLogger("hourglass.node")
+
+READY_SERVICE = "hourglass.v1.Node"  # grpc.health.v1 service name of the readiness probe
 
 
 async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, admin=None, extra=()) -> tuple[grpc.aio.Server, str]:
@@ -37,16 +39,21 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
     # standard grpc.health.v1.Health (Kubernetes `grpc:` probes); overall status "" is SERVING once started
     probes = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
+    # readiness (READY_SERVICE): SERVING once the node is registered with the meta servers (the
+    # Registrar sets it), at once without them; "" (liveness) is SERVING while the process runs
+    await probes.set(READY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if settings.meta_servers
+                     else health_pb2.HealthCheckResponse.SERVING)
     port = listen(server, settings.host, settings.port, security)
     if not security.tls:
         log.warning(open_warning(f"{settings.role} node {settings.node_id} on {settings.host}:{port}"))
     await server.start()
     address = settings.advertise or f"{settings.host}:{port}"
-    if settings.health_port is None:
-        return server, address
-    try:
-        probe_server, _ = await start_probe_server(settings.host, settings.health_port, probes)
-    except BaseException:
-        await server.stop(None)
-        raise
-    return WithProbes(server, probe_server), address
+    if settings.health_port is not None:
+        try:
+            probe_server, _ = await start_probe_server(settings.host, settings.health_port, probes)
+        except BaseException:
+            await server.stop(None)
+            raise
+        server = WithProbes(server, probe_server)
+    server.health = probes  # the Registrar reports readiness through it
+    return server, address

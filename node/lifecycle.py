@@ -22,6 +22,7 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
         tasks.append(tg.create_task(node.scrubber.run(), name="scrub"))
     if register and settings.meta_servers:
         node.registrar = Registrar(settings, node.address, describe=node.registration_info)
+        node.registrar.health = getattr(node, "health", None)
         tasks.append(tg.create_task(node.registrar.run(), name="registration"))
     if settings.loop_stall_report_ms:
         tasks.append(tg.create_task(StallWatch(settings.loop_stall_report_ms, log).run(), name="stall-watch"))

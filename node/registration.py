@@ -28,10 +28,13 @@ import time
 import logging
 from collections.abc import Callable
 
+from grpc_health.v1 import health_pb2
+
 from cluster import errors as E
 from cluster.discovery import MetaClient
 from cluster.proto import meta_pb2 as mpb
 from node.config import NodeSettings
+from node.grpcserver import READY_SERVICE
 
 log = logging.getLogger("hourglass.registration")
 
@@ -57,6 +60,8 @@ class Registrar:
         self.registered = asyncio.Event()
         self.heartbeats = 0
         self.on_beat: Callable[[int], None] | None = None  # called with the send time (monotonic ms) of a confirmed beat
+        # the node's grpc.health.v1 servicer: its readiness service follows the registration
+        self.health = None
 
     def _info(self) -> mpb.NodeInfo:
         return node_info(self.settings, self.address, self.describe())
@@ -77,6 +82,7 @@ class Registrar:
             log.info("registered node_id=%s lease=%x ttl_ms=%d via=%s", self.settings.node_id, resp.lease_id,
                      resp.ttl_ms, self.meta.current)
             self.registered.set()
+            await self._ready(True)
         else:
             await self.meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=self.lease_id, node=self._info()))
         self.heartbeats += 1
@@ -92,6 +98,7 @@ class Registrar:
                 log.warning("registration lost node_id=%s (%s); registering again", self.settings.node_id, e)
                 self.lease_id = None
                 self.registered.clear()
+                await self._ready(False)
                 delay_ms = 0
             except E.AlreadyExists as e:
                 log.error("node id %s is in use by another live node: %s", self.settings.node_id, e)
@@ -103,6 +110,11 @@ class Registrar:
                 delay_ms = min(self.heartbeat_ms, BACKOFF_MS_MIN * 2 ** min(failures, 8))
                 log.warning("heartbeat failed node_id=%s attempt=%d: %s", self.settings.node_id, failures, e)
             await asyncio.sleep(delay_ms / 1000)
+
+    async def _ready(self, ready: bool) -> None:
+        if self.health is not None:
+            await self.health.set(READY_SERVICE, health_pb2.HealthCheckResponse.SERVING if ready
+                                  else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def close(self) -> None:
         """Revoke the lease (best effort, bounded): a cleanly stopped node disappears at once."""

@@ -134,8 +134,9 @@ def test_default_install(helm):
     assert env["HOURGLASS_ACK_MODE"] == "async"
     assert env["HOURGLASS_REPLICATED"] == "true"  # master chosen by election, not by pod name
     assert env["HOURGLASS_DATA_DIR"] == "/var/lib/hourglass" and env["HOURGLASS_METRICS_PORT"] == "9100"
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 7001}, probe  # plaintext health only: the node port is mutual TLS
+    assert c["readinessProbe"]["grpc"] == {"port": 7001, "service": "hourglass.v1.Node"}  # registered
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert d1["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {
@@ -392,7 +393,7 @@ def test_security_is_on_by_default(helm):
         assert env["HOURGLASS_AUTH_FILE"] == "/etc/hourglass/auth/auth.json"
         assert env["HOURGLASS_TLS_SERVER_NAME"] == "hg-hourglass.brokers.hourglass"
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert c[probe]["grpc"] == {"port": 7001}, probe  # the plaintext health port
+            assert c[probe]["grpc"]["port"] == 7001, probe  # the plaintext health port
         vols = {v["name"]: v for v in sts[name]["spec"]["template"]["spec"]["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == "hg-hourglass-tls"  # a folder mount: updated in place
         assert all("subPath" not in m for m in c["volumeMounts"])

@@ -51,6 +51,37 @@ async def _snapshot(endpoints: list[str]) -> list[tuple]:
 # ---------------------------------------------------------------------- registration and expiry
 
 
+async def _ready(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as ch:
+        r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="hourglass.v1.Node"),
+                                                       timeout=5)
+    return r.status
+
+
+async def test_a_node_is_ready_only_once_registered(etcd_any, tmp_path):
+    """The readiness service (the chart's readiness probe) waits for the registration: a rolling
+    update must not take the next member while this one is not yet known to the meta servers."""
+    from grpc_health.v1 import health_pb2
+
+    meta = MetaProcess("meta-1", "meta", tmp_path / "meta-1", free_port(), etcd_endpoints=etcd_any.endpoints)
+    node = NodeProcess("rt-r", "realtime", tmp_path / "rt-r", free_port(), dict(FAST_NODES),
+                       ["--meta", meta.address, "--group", "rt-r"])
+    try:
+        node.start()  # its meta server is not up yet
+        node.wait_ready()
+        assert await _ready(node.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        meta.start()
+        meta.wait_ready()
+        async def serving() -> bool:
+            return await _ready(node.address) == health_pb2.HealthCheckResponse.SERVING
+        assert await _wait_for(serving, 15), "not ready after its registration"
+    finally:
+        node.stop()
+        meta.stop()
+
+
 async def test_node_registers_and_disappears_after_sigkill(etcd_any, tmp_path):
     meta = MetaProcess("meta-1", "meta", tmp_path / "meta-1", free_port(), etcd_endpoints=etcd_any.endpoints)
     node = NodeProcess("rt-a", "realtime", tmp_path / "rt-a", free_port(), dict(FAST_NODES),

@@ -496,6 +496,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
         self.server, self.address = await start_grpc(self.settings, producer=self, admin=self)
+        self.health = self.server.health
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [

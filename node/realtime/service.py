@@ -486,6 +486,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
         server, self.address = await start_grpc(self.settings, producer=self, consumer=self, admin=self)
+        self.health = server.health
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.committer.run(), name="group-commit"),

@@ -448,6 +448,7 @@ class ReplicaRoles:
             self.settings, **self._grpc_services(), extra=[lambda srv: rpc.add_ReplicationServicer_to_server(self, srv)])
         self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
         self.registrar.on_beat = self._on_beat
+        self.registrar.health = self.server.health
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg  # role tasks are its children (_start_role_task)
