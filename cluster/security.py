@@ -177,23 +177,60 @@ class TlsFiles:
 
 class ClientSecurity:
     """The client end: credentials for a channel (the certificate, and the token on every
-    call), rebuilt when the files change. ``generation`` moves when they did, so a channel
-    cache knows to dial again."""
+    call), rebuilt when the files change (the certificate files, and the token file: a
+    rotated token is sent from the next dial on). ``generation`` moves when they did, so a
+    channel cache knows to dial again."""
 
     def __init__(self, settings: SecuritySettings | None = None) -> None:
         self.settings = settings if settings is not None else load_settings()
         self.files = self.settings.files() if self.settings.tls else None
         self._token = self.settings.read_token()
+        self._token_stamp = self._stamp_token()
+        self._token_checked = time.monotonic()
+        self._files_generation = self.files.generation if self.files is not None else 0
+        self._generation = 0
 
     @property
     def tls(self) -> bool:
         return self.files is not None
 
+    def _stamp_token(self):
+        try:
+            st = self.settings.token_file.stat() if self.settings.token_file is not None else None
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino) if st is not None else None
+
+    def _token_changed(self) -> bool:
+        now = time.monotonic()
+        if self.settings.token_file is None or now - self._token_checked < self.settings.reload_check_ms / 1000:
+            return False
+        self._token_checked = now
+        stamp = self._stamp_token()
+        if stamp is None or stamp == self._token_stamp:
+            return False
+        try:
+            token = self.settings.read_token()
+        except InvalidArgument as e:
+            log.warning("token file changed but cannot be read (%s); keeping the token loaded", e)
+            return False
+        self._token_stamp = stamp
+        if not token or token == self._token:
+            return False
+        self._token = token
+        log.info("token file %s changed: new connections use the new token", self.settings.token_file)
+        return True
+
     def generation(self) -> int:
         if self.files is None:
             return 0
         self.files.refresh()
-        return self.files.generation
+        if self.files.generation != self._files_generation:
+            self._files_generation = self.files.generation
+            self._generation += 1
+        if self._token_changed():
+            self._generation += 1
+        return self._generation
 
     def channel(self, address: str, options: list) -> grpc.aio.Channel:
         if self.files is None:

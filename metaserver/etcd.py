@@ -88,11 +88,9 @@ class EtcdClient:
                  budget_s: float | None = None, tls: EtcdTls | None = None):
         if not endpoints:
             raise ValueError("at least one etcd endpoint")
-        if tls is not None:
-            creds = tls.credentials()
-            for e in endpoints:
-                _SECURE_TARGETS[e] = creds
         self.endpoints = list(endpoints)
+        self.tls = tls
+        self._secure_targets()
         self.timeout_s = timeout_s
         self.attempts_max = attempts_max or 2 * len(self.endpoints) + 1
         # every endpoint once at full timeout, plus one more try: a dead member costs one
@@ -111,8 +109,22 @@ class EtcdClient:
             self._client = aetcd.Client(host=host, port=int(port), timeout=self.timeout_s)
         return self._client
 
+    def _secure_targets(self) -> None:
+        """Register this client's endpoints with the TLS files as they are now (read again on
+        every rotation: a renewed client certificate is used from the next connection on)."""
+        if self.tls is None:
+            return
+        creds = self.tls.credentials()
+        for e in self.endpoints:
+            _SECURE_TARGETS[e] = creds
+
     async def rotate(self) -> None:
         """Drop the current connection and use the next endpoint."""
+        if self.tls is not None:
+            try:
+                self._secure_targets()
+            except InvalidArgument as e:  # a half-written renewal: keep the credentials loaded
+                log.warning("%s; keeping the etcd credentials loaded", e)
         old, self._client = self._client, None
         self._index = (self._index + 1) % len(self.endpoints)
         if old is not None:

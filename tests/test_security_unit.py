@@ -141,3 +141,24 @@ def test_an_auth_entry_names_a_token_or_a_certificate_never_both_nor_a_node(tmp_
         auth.write_text(json.dumps({"tokens": [entry]}))
         with pytest.raises(InvalidArgument, match="auth file"):
             AuthTable(auth)
+
+
+def test_a_client_sends_a_rotated_token_from_the_next_dial(tmp_path):
+    from cluster.security import ClientSecurity
+
+    certs.make_ca(tmp_path)
+    crt, key = certs.issue(tmp_path, tmp_path, "c", kind="client", hosts=())
+    token_file = tmp_path / "t.token"
+    token_file.write_text("hgt_one\n")
+    sec = ClientSecurity(SecuritySettings(tls_ca_file=tmp_path / "ca.crt", tls_cert_file=crt, tls_key_file=key,
+                                          token_file=token_file, reload_check_ms=10))
+    gen = sec.generation()
+    assert sec._token == "hgt_one"
+    token_file.write_text("hgt_two_rotated\n")
+    os.utime(token_file, ns=(2, 2))
+    import time
+
+    time.sleep(0.02)
+    assert sec.generation() == gen + 1 and sec._token == "hgt_two_rotated"
+    time.sleep(0.02)
+    assert sec.generation() == gen + 1  # nothing changed since
