@@ -60,6 +60,19 @@ async def start_probe_server(host: str, port: int, servicer) -> tuple[grpc.aio.S
     return server, bound
 
 
+async def add_probe_server(server: grpc.aio.Server, host: str, health_port: int | None, servicer):
+    """``server`` alone without a health port; else it and a probe server on ``health_port``,
+    stopped together (``WithProbes``). A probe port that cannot be bound stops ``server``."""
+    if health_port is None:
+        return server
+    try:
+        probes, _ = await start_probe_server(host, health_port, servicer)
+    except BaseException:
+        await server.stop(None)
+        raise
+    return WithProbes(server, probes)
+
+
 class WithProbes:
     """The main server and its probe server, stopped together; anything else is the main one's."""
 

@@ -15,7 +15,7 @@ import grpc
 from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.security import ServerSecurity, open_warning
-from cluster.transport import CHANNEL_OPTIONS, WithProbes, listen, start_probe_server
+from cluster.transport import CHANNEL_OPTIONS, add_probe_server, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient, EtcdTls
@@ -43,13 +43,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     if not security.tls:
         log.warning(open_warning(f"meta server on {settings.host}:{port}"))
     await server.start()
-    if settings.health_port is not None:
-        try:
-            probe_server, _ = await start_probe_server(settings.host, settings.health_port, probes)
-        except BaseException:
-            await server.stop(None)
-            raise
-        server = WithProbes(server, probe_server)
+    server = await add_probe_server(server, settings.host, settings.health_port, probes)
     address = settings.advertise or f"{settings.host}:{port}"
     try:
         async with asyncio.TaskGroup() as tg:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import ServerSecurity, open_warning
-from cluster.transport import WithProbes, listen, start_probe_server
+from cluster.transport import add_probe_server, listen
 from cluster.wire import UndecodableRequests
 from node.config import NodeSettings
 
@@ -48,12 +48,6 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
         log.warning(open_warning(f"{settings.role} node {settings.node_id} on {settings.host}:{port}"))
     await server.start()
     address = settings.advertise or f"{settings.host}:{port}"
-    if settings.health_port is not None:
-        try:
-            probe_server, _ = await start_probe_server(settings.host, settings.health_port, probes)
-        except BaseException:
-            await server.stop(None)
-            raise
-        server = WithProbes(server, probe_server)
+    server = await add_probe_server(server, settings.host, settings.health_port, probes)
     server.health = probes  # the Registrar reports readiness through it
     return server, address

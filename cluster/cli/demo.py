@@ -33,6 +33,9 @@ def demo(
     cluster = LocalCluster(data, meta=meta)
     console.print("[bold]Hourglass demo[/bold]: starting "
                   + ("etcd, a meta server, " if meta else "") + "a delay node and a real-time node ...")
+    console.print("  OPEN: plaintext and no authentication on 127.0.0.1, for this demo only "
+                  "(`hourglass dev up --secure` and the Helm chart run mutual TLS and tokens; docs/security.md)",
+                  markup=False)
     try:
         cluster.start()
         cluster.wait_registered()
