@@ -99,9 +99,15 @@ async def wait_master(cluster, timeout_s: float = 30) -> str:
     return master
 
 
+SECURE = False  # --secure: mutual TLS and tokens (docs/security.md)
+
+
 def group(root: Path, ack_mode: str) -> LocalCluster:
-    return LocalCluster(root, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode=ack_mode,
-                        lease_ttl_ms=2000)
+    c = LocalCluster(root, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode=ack_mode,
+                     lease_ttl_ms=2000, secure=SECURE)
+    if SECURE:  # the producer here and the consumer process: a client certificate and the admin token
+        os.environ.update(c.security.client_env())
+    return c
 
 
 # ---------------------------------------------------------------------- phase 3
@@ -289,7 +295,10 @@ def main() -> None:
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--skip-phase3", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--secure", action="store_true", help="mutual TLS on every port and tokens checked")
     a = ap.parse_args()
+    global SECURE
+    SECURE = a.secure
     if a.consumer:
         consumer_main(a)
         return
