@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from cluster.errors import CannotListen
 from cluster.security import ClientSecurity, ServerSecurity
@@ -44,8 +45,6 @@ async def start_probe_server(host: str, port: int, servicer) -> tuple[grpc.aio.S
     """A plaintext server with only ``grpc.health.v1.Health`` (``servicer``, shared with the main
     server so both answer the same): Kubernetes ``grpc:`` probes cannot speak TLS, and health
     says nothing a stranger may not know."""
-    from grpc_health.v1 import health_pb2_grpc
-
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     address = f"{host}:{port}"
@@ -234,6 +233,7 @@ class Channels:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[tuple[type, str], object] = {}  # a stub per (kind, address): made once
         self._retired: list[grpc.aio.Channel] = []
+        self._closing: set[asyncio.Task] = set()  # closes of retired channels (held: a task needs a reference)
 
     def _fresh(self) -> None:
         if not self.security.tls:
@@ -245,8 +245,9 @@ class Channels:
         self._retired.extend(self._channels.values())
         self._channels, self._stubs = {}, {}
         while len(self._retired) > RETIRED_CHANNELS_MAX:
-            old = self._retired.pop(0)
-            asyncio.get_running_loop().create_task(old.close(grace=5))
+            task = asyncio.get_running_loop().create_task(self._retired.pop(0).close(grace=5))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def get(self, address: str) -> grpc.aio.Channel:
         self._fresh()
