@@ -245,15 +245,29 @@ async def test_a_client_certificate_listed_in_the_auth_file_needs_no_token(secur
     await r.close()
 
 
-def test_refusals_are_counted_in_the_metrics(secure):
+def _refusals(c: LocalCluster) -> dict[str, float]:
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{secure.metrics_port}/metrics", timeout=5).read().decode()
-    counted = {line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
-               for line in text.splitlines() if line.startswith("hourglass_auth_refusals_total{")}
-    # the earlier tests of this module were refused by this node: a wrong token, a node method, admin
-    assert counted.get('action="-",reason="bad_token"', 0) >= 1, counted
-    assert counted.get('action="node",reason="permission"', 0) >= 1, counted
+    text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=5).read().decode()
+    return {line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("hourglass_auth_refusals_total{")}
+
+
+async def test_refusals_are_counted_in_the_metrics(secure):
+    """delay-1 serves /metrics (master or slave: the interceptor refuses before any role logic)."""
+    before = _refusals(secure)
+    ch = Channels(secure.client_security())
+    try:
+        with pytest.raises(grpc.RpcError):
+            await rpc.ReplicationStub(ch.get(secure.delay[0].address)).ReadLog(pb.ReadLogRequest(log="messages"),
+                                                                              timeout=5)
+    finally:
+        await ch.close()
+    after = _refusals(secure)
+    key = 'action="node",reason="permission"'
+    assert after.get(key, 0) == before.get(key, 0) + 1, (before, after)
+    # an earlier test of this module sent this node a wrong token
+    assert after.get('action="-",reason="bad_token"', 0) >= 1, after
 
 
 def test_no_token_appears_in_any_log(secure):
