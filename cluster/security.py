@@ -78,10 +78,8 @@ class SecuritySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _all_or_none(self) -> "SecuritySettings":
-        tls = [self.tls_ca_file, self.tls_cert_file, self.tls_key_file]
-        if any(tls) and not all(tls):
-            raise ValueError("TLS needs all of HOURGLASS_TLS_CA_FILE, HOURGLASS_TLS_CERT_FILE and "
-                             "HOURGLASS_TLS_KEY_FILE (the cluster's CA, this process's certificate and key)")
+        all_or_none(self, "HOURGLASS_", ("tls_ca_file", "tls_cert_file", "tls_key_file"),
+                    "TLS needs all of {} (the cluster's CA, this process's certificate and key)")
         return self
 
     @property
@@ -101,6 +99,13 @@ class SecuritySettings(BaseSettings):
     def files(self) -> "TlsFiles":
         return TlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file,
                         check_every_s=self.reload_check_ms / 1000)
+
+
+def all_or_none(settings, prefix: str, fields: tuple[str, ...], message: str) -> None:
+    """A set of TLS files is given whole or not at all: ``ValueError`` naming the variables."""
+    given = [getattr(settings, f) is not None for f in fields]
+    if any(given) and not all(given):
+        raise ValueError(message.format(", ".join(f"{prefix}{f.upper()}" for f in fields)))
 
 
 def load_settings(**overrides) -> SecuritySettings:

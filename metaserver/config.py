@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.security import all_or_none
+
 
 class MetaSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HOURGLASS_META_", extra="forbid")
@@ -30,8 +32,6 @@ class MetaSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _etcd_tls_all_or_none(self) -> "MetaSettings":
-        files = [self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file]
-        if any(files) and not all(files):
-            raise ValueError("TLS to etcd needs all of HOURGLASS_META_ETCD_CA_FILE, HOURGLASS_META_ETCD_CERT_FILE "
-                             "and HOURGLASS_META_ETCD_KEY_FILE")
+        all_or_none(self, "HOURGLASS_META_", ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"),
+                    "TLS to etcd needs all of {}")
         return self

@@ -13,7 +13,7 @@ for "etcd cannot be reached".
 Errors that are answers (a lease that is gone, a compacted revision) are not
 retried: they come back as the aetcd exception for the caller to translate.
 
-TLS (docs/security.md "etcd"): ``EtcdClient(..., tls=EtcdTls(ca, cert, key))`` talks mutual
+TLS (docs/security.md "etcd"): ``EtcdClient(..., tls=TlsFiles(ca, cert, key))`` talks mutual
 TLS to etcd. aetcd 1.0 opens only plaintext channels (``Client.connect`` calls
 ``aetcd.rpc.insecure_channel``), so this module gives ``aetcd.client`` a ``rpc`` that opens a
 secure channel for the endpoints registered with credentials and delegates everything else;
@@ -25,8 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import aetcd
@@ -36,29 +34,14 @@ import grpc
 from aetcd import exceptions as aex
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_after_delay, wait_exponential
 
-from cluster.errors import InvalidArgument, Unavailable
+from cluster.errors import Unavailable
+from cluster.security import TlsFiles
 
 log = logging.getLogger("hourglass.etcd")
 T = TypeVar("T")
 
 CALL_TIMEOUT_S = 2.0
 RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.TimeoutError)
-
-
-@dataclass(frozen=True)
-class EtcdTls:
-    """The CA that signed etcd's certificate, and this client's certificate and key."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        try:
-            ca, cert, key = (p.read_bytes() for p in (self.ca, self.cert, self.key))
-        except OSError as e:
-            raise InvalidArgument("etcd_tls", f"cannot read etcd TLS files: {e.strerror or e}: {e.filename}") from None
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
 _SECURE_TARGETS: dict[str, grpc.ChannelCredentials] = {}
@@ -85,7 +68,7 @@ if not isinstance(getattr(aetcd.client, "rpc", None), _Rpc):
 
 class EtcdClient:
     def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None,
-                 budget_s: float | None = None, tls: EtcdTls | None = None):
+                 budget_s: float | None = None, tls: TlsFiles | None = None):
         if not endpoints:
             raise ValueError("at least one etcd endpoint")
         self.endpoints = list(endpoints)
@@ -110,21 +93,19 @@ class EtcdClient:
         return self._client
 
     def _secure_targets(self) -> None:
-        """Register this client's endpoints with the TLS files as they are now (read again on
-        every rotation: a renewed client certificate is used from the next connection on)."""
+        """Register this client's endpoints with the TLS files as they are now (checked again
+        on every rotation: a renewed client certificate is used from the next connection on;
+        a half-written one is ignored, ``TlsFiles.refresh``)."""
         if self.tls is None:
             return
-        creds = self.tls.credentials()
+        self.tls.refresh()
+        creds = self.tls.channel_credentials()
         for e in self.endpoints:
             _SECURE_TARGETS[e] = creds
 
     async def rotate(self) -> None:
         """Drop the current connection and use the next endpoint."""
-        if self.tls is not None:
-            try:
-                self._secure_targets()
-            except InvalidArgument as e:  # a half-written renewal: keep the credentials loaded
-                log.warning("%s; keeping the etcd credentials loaded", e)
+        self._secure_targets()
         old, self._client = self._client, None
         self._index = (self._index + 1) % len(self.endpoints)
         if old is not None:

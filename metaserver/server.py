@@ -11,21 +11,22 @@ import logging
 import signal
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
-from cluster.security import ServerSecurity, open_warning
+from cluster.security import ServerSecurity, TlsFiles, open_warning
 from cluster.transport import CHANNEL_OPTIONS, add_probe_server, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
-from metaserver.etcd import EtcdClient, EtcdTls
+from metaserver.etcd import EtcdClient
 from metaserver.service import MetaService
 
 log = logging.getLogger("hourglass.meta")
 
 
 async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> None:
-    tls = EtcdTls(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file) \
+    tls = TlsFiles(settings.etcd_ca_file, settings.etcd_cert_file, settings.etcd_key_file, check_every_s=0) \
         if settings.etcd_ca_file else None
     etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000, tls=tls)
     service = MetaService(settings, etcd)
@@ -36,7 +37,6 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     mrpc.add_MetaServicer_to_server(service, server)
     # grpc.health.v1 for Kubernetes probes: "" (liveness) SERVING while the process runs;
     # "hourglass.meta.v1.Meta" (readiness) follows the etcd health check
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     probes = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     port = listen(server, settings.host, settings.port, security)
@@ -47,7 +47,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     address = settings.advertise or f"{settings.host}:{port}"
     try:
         async with asyncio.TaskGroup() as tg:
-            health = tg.create_task(service.health_loop(), name="health")
+            checks = tg.create_task(service.health_loop(), name="health")
             mirror = tg.create_task(_mirror_health(service, probes, settings.health_check_interval_ms / 1000,
                                                    health_pb2.HealthCheckResponse), name="health-mirror")
             log.info("meta server serving address=%s etcd=%s", address, ",".join(settings.etcd_endpoints))
@@ -55,7 +55,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
                 on_ready(address)
             await stop.wait()
             await server.stop(grace=1.0)
-            health.cancel()
+            checks.cancel()
             mirror.cancel()
     finally:
         await server.stop(grace=None)

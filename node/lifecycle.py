@@ -21,8 +21,7 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
     if settings.scrub_rate_mib_s > 0:
         tasks.append(tg.create_task(node.scrubber.run(), name="scrub"))
     if register and settings.meta_servers:
-        node.registrar = Registrar(settings, node.address, describe=node.registration_info)
-        node.registrar.health = getattr(node, "health", None)
+        node.registrar = Registrar(settings, node.address, describe=node.registration_info, health=node.health)
         tasks.append(tg.create_task(node.registrar.run(), name="registration"))
     if settings.loop_stall_report_ms:
         tasks.append(tg.create_task(StallWatch(settings.loop_stall_report_ms, log).run(), name="stall-watch"))

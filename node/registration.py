@@ -50,7 +50,7 @@ def node_info(settings: NodeSettings, address: str, info: dict) -> mpb.NodeInfo:
 
 
 class Registrar:
-    def __init__(self, settings: NodeSettings, address: str, *, describe: Callable[[], dict]) -> None:
+    def __init__(self, settings: NodeSettings, address: str, *, describe: Callable[[], dict], health=None) -> None:
         self.settings = settings
         self.address = address
         self.describe = describe
@@ -60,8 +60,8 @@ class Registrar:
         self.registered = asyncio.Event()
         self.heartbeats = 0
         self.on_beat: Callable[[int], None] | None = None  # called with the send time (monotonic ms) of a confirmed beat
-        # the node's grpc.health.v1 servicer: its readiness service follows the registration
-        self.health = None
+        # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
+        self.health = health
 
     def _info(self) -> mpb.NodeInfo:
         return node_info(self.settings, self.address, self.describe())

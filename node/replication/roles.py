@@ -446,9 +446,9 @@ class ReplicaRoles:
             raise E.InvalidArgument("meta_servers", "a replicated node needs meta servers (election)")
         self.server, self.address = await start_grpc(
             self.settings, **self._grpc_services(), extra=[lambda srv: rpc.add_ReplicationServicer_to_server(self, srv)])
-        self.registrar = Registrar(self.settings, self.address, describe=self.registration_info)
+        self.registrar = Registrar(self.settings, self.address, describe=self.registration_info,
+                                   health=self.server.health)
         self.registrar.on_beat = self._on_beat
-        self.registrar.health = self.server.health
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg  # role tasks are its children (_start_role_task)
