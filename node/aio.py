@@ -39,6 +39,22 @@ async def within(aw: Awaitable[T], timeout_s: float) -> T:
         return await aw
 
 
+async def finish_then_cancel(aw: Awaitable[T]) -> T:
+    """``await aw``, but when the caller is cancelled meanwhile, wait for ``aw`` to finish
+    before the cancellation goes on. For work handed to a thread (an fsync): the thread
+    cannot be stopped, so a role switch that cancels the caller must not go on to close,
+    truncate or reopen the file while that thread still uses its descriptor."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        try:
+            await asyncio.wait([fut])  # bounded by the work itself (one fsync)
+        except BaseException:  # noqa: BLE001 - the cancellation below is what the caller gets
+            pass
+        raise
+
+
 GC_GEN0_THRESHOLD = 20_000  # allocations between gen-0 collections (CPython's default: 700)
 
 

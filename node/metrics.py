@@ -68,6 +68,12 @@ class NodeMetrics:
         self.retention_skipped = Counter("hourglass_retention_skipped_messages",
                                          "Messages an idle real-time consumer group never got: deleted while it "
                                          "was idle", registry=r)
+        self.truncations_refused = Counter("hourglass_truncations_refused", "Divergent-suffix truncations refused "
+                                           "because they would remove acknowledged records", registry=r)
+        self.records_voided = Counter("hourglass_records_voided", "Records of divergent suffixes cut from the "
+                                      "message log (never acknowledged)", registry=r)
+        self.master_changes = Counter("hourglass_master_changes", "Times this node became master or stopped being "
+                                      "master (rate per hour: increase(...[1h]))", ["to"], registry=r)
         self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)

@@ -96,6 +96,13 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     # ------------------------------------------------------------------ gRPC: producer
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
+        res, _ = await self._ingest(request, context)
+        return res
+
+    async def _ingest(self, request: pb.SendBatchRequest, context) -> tuple[pb.SendBatchResponse, int]:
+        """Validate, append and fsync one batch: ``(answer, end offset of this write)``. The
+        end offset is taken right after the append, before any await: a replicated master
+        waits for exactly these bytes, whatever the log does meanwhile."""
         now = self.clock.now_ms()
         try:
             batch = request_batch(request, now_ms=now)
@@ -114,11 +121,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
             await status.abort(context, e)
-        await self.committer.sync_to(self.store.messages.end_offset)
+        end = self.store.messages.end_offset
+        await self.committer.sync_to(end)
         self._note_durable()
         self._count_refusals(res)
         self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
-        return res.to_pb()
+        return res.to_pb(), end
 
     async def SendBatchStream(self, requests, context):
         """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
@@ -139,6 +147,11 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self.disk.note_enospc(str(e))
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        resp, _ = await self._cancel(request, context)
+        return resp
+
+    async def _cancel(self, request: pb.CancelRequest, context) -> tuple[pb.CancelResponse, int]:
+        """Cancel one id: ``(answer, end offset of the tombstone's write or -1)``."""
         await self._may_cancel(context, request.id)
         try:
             self.disk.check()
@@ -146,10 +159,11 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 self._disk_refused(e)
-            return pb.CancelResponse(code=status.to_code(e), error=str(e))
-        await self.committer.sync_to(self.store.messages.end_offset)
+            return pb.CancelResponse(code=status.to_code(e), error=str(e)), -1
+        end = self.store.messages.end_offset
+        await self.committer.sync_to(end)
         self._note_durable()
-        return pb.CancelResponse(code=pb.OK, seq=seq)
+        return pb.CancelResponse(code=pb.OK, seq=seq), end
 
     async def _may_cancel(self, context, id_: str) -> None:
         """Cancel and lookup are granted per subject: the subject of the stored message. An id

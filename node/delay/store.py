@@ -555,6 +555,8 @@ class DelayStore:
         return n
 
     def _file(self, batch: Batch, hashes: np.ndarray) -> None:
+        if self.voided:
+            self._unvoid(batch.seq[self._voided_mask(batch.seq)])
         is_cancel = batch.kind == KIND_CANCEL
         eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
         batch = batch.replace(effective_ms=eff.astype(np.int64))
@@ -971,7 +973,12 @@ class DelayStore:
     def truncate_messages(self, cut: int) -> int:
         """Drop a divergent message-log suffix (records the new master never had). Records
         already filed stay in the schedule log but their seqs are voided (persisted), so
-        they are never loaded, found or counted. Returns bytes dropped."""
+        they are never loaded, found or counted. Returns the records voided.
+
+        A voided range is exactly the seqs cut (``[min, max]`` per store epoch, never "to the
+        end of the epoch"), and a record that comes back into the log (the same bytes fetched
+        again from the new master) is filed and un-voided (``_unvoid``): voiding describes
+        what the log does not hold, nothing more."""
         if cut >= self.messages.end_offset:
             return 0
         cols = [Batch.decode(body).seq for _, body in self.messages.iterate(cut)]
@@ -980,8 +987,8 @@ class DelayStore:
             # seqs of one store epoch grow with the log: the suffix is one range per epoch
             epochs = seqs >> np.uint64(SEQ_EPOCH_SHIFT)
             for ep in np.unique(epochs).tolist():
-                lo = int(seqs[epochs == ep].min())
-                self.voided.append((lo, (ep + 1) << SEQ_EPOCH_SHIFT))
+                mine = seqs[epochs == ep]
+                self.voided.append((int(mine.min()), int(mine.max()) + 1))
             checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
         dropped = self.messages.truncate(cut)
         self.messages.flush()
@@ -992,7 +999,32 @@ class DelayStore:
         self._unfiled_count = sum(u.batch.n for u in kept)
         log.warning("message log truncated to %d (divergent suffix, %d bytes, %d records voided)",
                     cut, dropped, len(seqs))
-        return dropped
+        return len(seqs)
+
+    def _unvoid(self, seq: np.ndarray) -> None:
+        """Records with these seqs are in the message log again: not voided any more."""
+        if not self.voided or not len(seq):
+            return
+        s = np.sort(seq)
+        out: list[tuple[int, int]] = []
+        changed = False
+        for lo, hi in self.voided:
+            a, b = np.searchsorted(s, np.uint64(lo)), np.searchsorted(s, np.uint64(hi))
+            if a == b:
+                out.append((lo, hi))
+                continue
+            changed = True
+            inner = [int(x) for x in s[a:b].tolist()]
+            start = lo
+            for x in inner:
+                if x > start:
+                    out.append((start, x))
+                start = max(start, x + 1)
+            if start < hi:
+                out.append((start, hi))
+        if changed:
+            self.voided = out
+            checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
 
     def truncate_dispatch(self, cut: int) -> int:
         if cut >= self.dispatch.end_offset:

@@ -170,17 +170,18 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         if not self.is_master():
             await self._not_master(context)
         await self._refuse_newer_term(request.epoch, context)
-        resp = await super().SendBatch(request, context)
-        if self.settings.ack_mode == "sync":
-            await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)
+        term, tracker = self._term(), self.tracker
+        resp, end = await self._ingest(request, context)
+        await self._confirm_ack(term, tracker, "bytes", end, context)
         return resp
 
     async def Cancel(self, request, context):
         if not self.is_master():
             await self._not_master(context)
-        resp = await super().Cancel(request, context)
-        if self.settings.ack_mode == "sync" and resp.code == pb.OK:
-            await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)
+        term, tracker = self._term(), self.tracker
+        resp, end = await self._cancel(request, context)
+        if resp.code == pb.OK:
+            await self._confirm_ack(term, tracker, "bytes", end, context)
         return resp
 
     async def Lookup(self, request, context):
@@ -199,9 +200,11 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     def _tick_doc(self) -> str:
         st = self.store.tick_state()
+        # acked_offset: what every required slave holds (sync mode); a slave never cuts below it
+        acked = self.tracker.acked_offset if self.settings.ack_mode == "sync" else -1
         return json.dumps({"iterate_offset": self.store.iterate_offset,
                            "completed_ms": (st.tick + 1) * self.settings.tick_ms,
-                           "dispatch_offset": st.dispatch_offset})
+                           "dispatch_offset": st.dispatch_offset, "acked_offset": acked})
 
     async def Replicate(self, request_iterator, context):
         async for req in request_iterator:
@@ -223,7 +226,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     def _on_truncate(self, name: str, cut: int) -> None:
         if name == "messages":
-            self.store.truncate_messages(cut)
+            voided = self.store.truncate_messages(cut)
+            self.metrics.records_voided.inc(voided)
         else:
             self.store.truncate_dispatch(cut)
 
@@ -244,7 +248,11 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
         if name == "messages":
             if resp.checkpoint:
-                self.store.follow(json.loads(resp.checkpoint))  # the master's live tick state
+                doc = json.loads(resp.checkpoint)
+                self.store.follow(doc)  # the master's live tick state
+                acked = int(doc.get("acked_offset", -1))
+                if 0 <= acked <= self.store.messages.end_offset:
+                    self._note_acked(name, acked)
             self._caught_up(resp.end_offset, self.store.messages.end_offset)
             self._durable_moved.set()
 
@@ -319,6 +327,16 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
                                              follower=True)
             self.store.follow()
+        self.committer = GroupCommitter(self.store.messages)
+
+    def _recover_follower(self) -> None:
+        try:
+            self.store.close()
+        except Exception as e:  # noqa: BLE001 - the half-promoted store is dropped either way
+            log.warning("closing a half-promoted store: %r", e)
+        self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(),
+                                     now_ms=self.clock.now_ms(), follower=True)
+        self.store.follow()
         self.committer = GroupCommitter(self.store.messages)
 
     # ------------------------------------------------------------------ handover

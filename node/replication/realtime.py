@@ -105,10 +105,11 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         if not self._may_serve():
             await self._not_master(context)
         await self._refuse_newer_term(request.epoch, context)
+        term, tracker = self._term(), self.tracker
         resp = await super().SendBatch(request, context)
         self._changed.set()
-        if self.settings.ack_mode == "sync":
-            await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)
+        # within one term a master never truncates: the end now covers this write
+        await self._confirm_ack(term, tracker, "bytes", self.store.messages.end_offset, context)
         return resp
 
     async def Pull(self, request, context):
@@ -244,6 +245,9 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
             log.warning("became MASTER group=%s epoch=%d store_epoch=%d log_end=%d groups=%d",
                         self.settings.group, self.member.epoch, self.store.epoch,
                         self.store.messages.end_offset, self.store.group_seq)
+
+    def _recover_follower(self) -> None:
+        self._reopen("slave")
 
     # ------------------------------------------------------------------ handover
 

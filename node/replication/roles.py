@@ -31,7 +31,7 @@ from cluster import status
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
-from node.aio import wait_event, within
+from node.aio import finish_then_cancel, wait_event, within
 from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.registration import Registrar
@@ -49,13 +49,29 @@ def mono_ms() -> int:
 class HistoryFile:
     """A log's epoch history, persisted atomically beside the data."""
 
+    ACKED_SAVE_INTERVAL_S = 1.0  # the acknowledged point is persisted at most this often (memory has it at once)
+
     def __init__(self, path: Path) -> None:
         self.path = path
         doc = checkpoint.read(path)
         self.history = EpochHistory([tuple(x) for x in doc["entries"]]) if doc else EpochHistory()
+        self.acked = int(doc.get("acked", -1)) if doc else -1
+        self._acked_saved_at = 0.0
 
     def save(self) -> None:
-        checkpoint.write_atomic(self.path, {"entries": [list(x) for x in self.history.entries]})
+        checkpoint.write_atomic(self.path, {"entries": [list(x) for x in self.history.entries], "acked": self.acked})
+        self._acked_saved_at = time.monotonic()
+
+    def note_acked(self, acked: int) -> None:
+        self.acked = max(self.acked, acked)
+        if time.monotonic() - self._acked_saved_at >= self.ACKED_SAVE_INTERVAL_S:
+            self.save()
+
+    def clamp(self, log_end: int) -> None:
+        """Entries that start past the log's end (adopted before a crash lost the bytes) go."""
+        if self.history.entries and self.history.entries[-1][1] > log_end:
+            self.history.entries = [(e, o) for e, o in self.history.entries if o <= log_end]
+            self.save()
 
     def adopt(self, master_history_json: str, log_end: int) -> None:
         before = list(self.history.entries)
@@ -96,6 +112,8 @@ class ReplicaRoles:
         self.lag_bytes = 0
         self._caught_up_at = time.monotonic()
         self.failovers = 0
+        self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
+        self._term_gen = 0   # bumped by every role switch: an answer begun in one term is never given in another
 
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
@@ -195,6 +213,31 @@ class ReplicaRoles:
             self.metrics.errors.labels(kind=type(err).__name__).inc()
             await status.abort(context, err)
 
+    def _term(self) -> int:
+        """A token of the current term of this process (see ``_confirm_ack``)."""
+        return self._term_gen
+
+    async def _confirm_ack(self, term: int, tracker: SyncTracker | None, kind: str, offset: int, context) -> None:
+        """The last step before a write (or an ack of consumers) is answered OK.
+
+        ``sync``: every required slave holds ``offset`` (``_wait`` on the tracker of the term
+        the write was made in). Both modes: the term the write began in is still this
+        node's and its lease is still surely alive. A handler that awaited an fsync or a
+        slave across a demotion (and maybe a promotion after it, with the log cut and
+        refilled meanwhile) must not answer OK for bytes the group may not hold: it answers
+        NotLeader, whose outcome is "unknown, retry with the same ids" (ids are idempotent).
+        """
+        if tracker is not None and self.settings.ack_mode == "sync":
+            if self._term_gen != term:
+                await self._term_ended(context)
+            await self._wait(tracker, kind, offset, context)
+        if self._term_gen != term or not self.is_master():
+            await self._term_ended(context)
+
+    async def _term_ended(self, context) -> None:
+        self.metrics.errors.labels(kind="TermEndedBeforeAck").inc()
+        await status.abort(context, E.NotLeader(self.member.leader_address or None))
+
     def _release(self, kind: str, tickets: list[int], err: Exception | None = None) -> None:
         for t in tickets:
             fut = self._tickets.get((kind, t))
@@ -272,6 +315,26 @@ class ReplicaRoles:
     def _on_truncate(self, name: str, cut: int) -> None:
         raise NotImplementedError
 
+    def _may_truncate(self, name: str, cut: int, master: str) -> bool:
+        """A master asks this slave to cut ``name`` at ``cut``: refused (False: the stream is
+        dropped and retried) when that would remove bytes a master told this slave were
+        acknowledged. Only a member holding every acknowledged record can be elected, so a
+        master that asks for that is wrong: nothing is cut, the refusal is logged and counted
+        (``hourglass_truncations_refused``), and this slave stays out of the in-sync set."""
+        acked = self.acked_known.get(name, -1)
+        if cut >= acked:
+            return True
+        self.metrics.truncations_refused.inc()
+        log.error("refusing to truncate %s to %d from master %s: bytes up to %d were acknowledged "
+                  "(docs/replication.md, Truncation never removes acknowledged records)", name, cut, master, acked)
+        return False
+
+    def _note_acked(self, name: str, acked: int) -> None:
+        """A master says the group holds ``name`` up to ``acked`` (its acknowledged point)."""
+        if acked > self.acked_known.get(name, -1):
+            self.acked_known[name] = acked
+            self.histories[name].note_acked(acked)
+
     def _on_reset(self, name: str, offset: int) -> None:
         raise E.StorageError(f"the master no longer holds the bytes this replica of {name} needs (it starts at "
                              f"{offset}): rebuild this replica from an empty data folder")
@@ -303,6 +366,8 @@ class ReplicaRoles:
                         break
                     self.member.epoch = max(self.member.epoch, resp.epoch)
                     if resp.truncate_to >= 0:
+                        if not self._may_truncate(name, resp.truncate_to, addr):
+                            break
                         self._on_truncate(name, resp.truncate_to)
                         self.histories[name].truncate(resp.truncate_to)
                         continue
@@ -310,10 +375,16 @@ class ReplicaRoles:
                         self._on_reset(name, resp.reset_to)
                         continue
                     if resp.data:
+                        # the history first: bytes of a term never sit in this log under an older
+                        # term's entry (a promotion between the two steps would begin its own term
+                        # after bytes it attributes to the wrong one, and a later divergence check
+                        # would cut records both members hold)
+                        self.histories[name].adopt(resp.history, resp.offset + len(resp.data))
                         lg.append_raw(resp.offset, resp.data)  # checks every record's CRC
-                        await asyncio.to_thread(lg.flush)
+                        await finish_then_cancel(asyncio.to_thread(lg.flush))
                         await self._on_data(name)
-                    self.histories[name].adopt(resp.history, lg.end_offset)
+                    else:
+                        self.histories[name].adopt(resp.history, lg.end_offset)
                     self._on_answer(name, resp)
                     backoff = 0.05
             except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
@@ -325,6 +396,7 @@ class ReplicaRoles:
 
     def _master_history_begins(self, ends: dict[str, int]) -> None:
         for name, end in ends.items():
+            self.histories[name].clamp(end)
             self.histories[name].history.begin(self.member.epoch, end)
             self.histories[name].save()
 
@@ -337,8 +409,27 @@ class ReplicaRoles:
             if self.mode == mode and self._role_task is not None:
                 return
             await self._stop_role_task()
+            self._term_gen += 1
             self._release_all(E.NotLeader(self.member.leader_address or None))
-            self._reopen(mode)
+            try:
+                self._reopen(mode)
+            except Exception as e:
+                if mode != "master":
+                    raise
+                # a promotion that failed half-way (a corrupt record read while restoring the
+                # wheel) must not leave a half-made master behind: back to a follower store
+                # read from disk, following, and the seat given up so another member can serve
+                log.error("promotion failed group=%s epoch=%d: %r; staying a slave", self.settings.group,
+                          self.member.epoch, e)
+                self.metrics.errors.labels(kind="PromotionFailed").inc()
+                self._recover_follower()
+                self.member.lease_lost()
+                self.mode = "slave"
+                self._start_role_task("slave")
+                self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
+                await self._resign_quietly()
+                raise E.StorageError(f"promotion failed: {e}") from e
+            self.metrics.master_changes.labels(to=mode).inc()
             if mode == "master":
                 self.failovers += 1
             else:
@@ -346,6 +437,18 @@ class ReplicaRoles:
                             self.member.leader_address)
             self.mode = mode
             self._start_role_task(mode)
+
+    def _recover_follower(self) -> None:
+        """Reopen the store from disk as a follower (after a failed promotion)."""
+        raise NotImplementedError
+
+    async def _resign_quietly(self) -> None:
+        try:
+            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.group,
+                                                                       node_id=self.settings.node_id,
+                                                                       epoch=self.member.epoch))
+        except E.HourglassError as e:
+            log.warning("resign after a failed promotion failed: %s (the seat ends with the lease)", e)
 
     def _start_role_task(self, mode: str) -> None:
         coro = self._master_tasks() if mode == "master" else self._slave_tasks()

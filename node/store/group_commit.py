@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 
 from cluster.errors import Closed
+from node.aio import finish_then_cancel
 
 from .log import SegmentedLog
 
@@ -136,7 +137,9 @@ class GroupCommitter:
             target = self.log.end_offset
             waiters, self._waiters = self._waiters, []
             try:
-                await sync.call(self.log.flush)
+                # a cancelled committer (a role switch) waits for the fsync in flight before
+                # the store is closed or cut: the thread holds the log's descriptor
+                await finish_then_cancel(sync.call(self.log.flush))
             except Exception as e:  # fsync failed: nothing in this group is acknowledged
                 log.error("fsync failed path=%s error=%r", self.log.directory, e)
                 for _, fut in waiters:
