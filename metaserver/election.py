@@ -103,10 +103,12 @@ class Election:
             raise
 
     async def campaign(self, node_id: str, address: str, *, lease_id: int | None = None,
-                       timeout_s: float | None = None, guards: list[tuple[bytes, bytes]] = ()) -> int:
+                       timeout_s: float | None = None, guards: list[tuple[bytes, bytes]] = (),
+                       compares=None, puts=None) -> int:
         """Become the leader; return the epoch. ``lease_id`` ties the seat to an existing
         lease (a node's registration); without it the election grants and keeps alive its
-        own. ``guards`` are (key, value) pairs that must hold in the same transaction.
+        own. ``guards`` are (key, value) pairs that must hold in the same transaction;
+        ``compares(c)`` / ``puts(c)`` add etcd compares and puts to it (the in-sync set).
         Raises ``NotLeader(leader_hint)`` if the seat is still taken after ``timeout_s``."""
         ks.check_name("node_id", node_id)
         loop = asyncio.get_running_loop()
@@ -121,9 +123,10 @@ class Election:
             def txn(c, lease=lease_id):
                 compare = [c.transactions.create(self.key) == 0]
                 compare += [c.transactions.value(k) == v for k, v in guards]
+                compare += compares(c) if compares else []
                 return c.transaction(compare=compare,
-                                     success=[c.transactions.put(self.key, value, lease=lease),
-                                              c.transactions.get(self.key)],
+                                     success=[c.transactions.put(self.key, value, lease=lease)]
+                                     + (puts(c) if puts else []) + [c.transactions.get(self.key)],
                                      failure=[c.transactions.get(self.key)])
             try:
                 ok, responses = await self.etcd.call(txn)

@@ -160,6 +160,42 @@ def leader_value(node_id: str, address: str) -> bytes:
     return json.dumps({"node_id": node_id, "address": address}, sort_keys=True).encode()
 
 
+def in_sync_key(role: str, group: str) -> bytes:
+    """The group's in-sync set and its store-epoch counter (not attached to any lease)."""
+    return f"{PREFIX}/insync/{role}/{group}".encode()
+
+
+@dataclass(frozen=True)
+class InSync:
+    """``/hourglass/insync/{role}/{group}``: the members whose logs hold every acknowledged
+    record (only they may be elected) and the last store epoch handed to a term (each term
+    gets a larger one, so seqs of two terms never collide, even terms that never saw each
+    other's records)."""
+
+    members: tuple[str, ...] = ()
+    store_epoch: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps({"members": sorted(self.members), "store_epoch": self.store_epoch}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "InSync":
+        d = json.loads(raw)
+        return cls(tuple(sorted(str(m) for m in d.get("members", []))), int(d.get("store_epoch", 0)))
+
+
+def campaign_in_sync(current: InSync | None, candidate: str, store_epoch_min: int) -> tuple[str, InSync]:
+    """Pure rule of a campaign: ``("", the set to write with the seat)`` when ``candidate``
+    may be elected, else ``(why not, current)``. A group with no set yet (new, or from before
+    in-sync sets) starts one with the winner; the master adds the others as they catch up."""
+    if current is not None and current.members and candidate not in current.members:
+        return (f"{candidate!r} is not in the in-sync set {list(current.members)}: it may lack acknowledged "
+                f"records (an operator can force it: hourglass admin force-in-sync)"), current
+    base = current or InSync()
+    members = base.members if base.members else (candidate,)
+    return "", InSync(members, max(base.store_epoch, store_epoch_min) + 1)
+
+
 @dataclass(frozen=True)
 class LeaderInfo:
     node_id: str

@@ -23,6 +23,32 @@ from metaserver.registry import Registry
 
 log = logging.getLogger("hourglass.meta")
 
+CAMPAIGN_CAS_TRIES_MAX = 3   # a campaign retries when the in-sync set changed between its read and its transaction
+DEAD_PROBES = 2              # refused TCP connects before a reported master counts as dead
+DEAD_PROBE_GAP_S = 0.1
+DEAD_PROBE_TIMEOUT_S = 0.5
+
+
+async def port_refuses(address: str, timeout_s: float) -> bool:
+    """True when a TCP connect to ``address`` is refused (nothing listens). A timeout or any
+    other error is not proof of death (a paused process still accepts)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host, int(port))
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return False
+
+
 KIND_ROLE = {mpb.DELAYED_PRODUCER: "delay", mpb.IMMEDIATE_PRODUCER: "realtime", mpb.CONSUMER: "realtime"}
 
 
@@ -117,6 +143,11 @@ class MetaService(mrpc.MetaServicer):
 
     # ------------------------------------------------------------------ election
 
+    async def _read_in_sync(self, role: str, group: str) -> tuple[ks.InSync | None, int]:
+        """The group's in-sync set and the mod revision it was read at (0: none yet)."""
+        kv = await self.etcd.call(lambda c: c.get(ks.in_sync_key(role, group)))
+        return (None, 0) if kv is None else (ks.InSync.decode(kv.value), kv.mod_revision)
+
     async def Campaign(self, request: mpb.CampaignRequest, context) -> mpb.CampaignResponse:
         try:
             ks.check_role(request.role)
@@ -133,19 +164,125 @@ class MetaService(mrpc.MetaServicer):
             address = ks.NodeRecord.from_value(node.value).address
             election = Election(self.etcd, request.role, request.group)
             wait_s = min(request.wait_ms, self.settings.campaign_wait_ms_max) / 1000
-            try:
-                epoch = await election.campaign(request.node_id, address, lease_id=request.lease_id,
-                                                timeout_s=wait_s, guards=[(ks.id_key(request.node_id), claim)])
-            except NotLeader:
-                current = await election.leader()
-                if current is None:
-                    raise InvalidArgument("lease_id", f"lease {request.lease_id:x} does not hold node id "
-                                                      f"{request.node_id!r}") from None
-                return mpb.CampaignResponse(elected=False, leader=leader_to_pb(current))
+            isr_key = ks.in_sync_key(request.role, request.group)
+            for _ in range(CAMPAIGN_CAS_TRIES_MAX):
+                # the seat and the in-sync set in one transaction: only a member of the set is
+                # elected, and the term's store epoch is handed out with the seat
+                isr, rev = await self._read_in_sync(request.role, request.group)
+                why, after = ks.campaign_in_sync(isr, request.node_id, request.store_epoch_min)
+                if why:
+                    current = await election.leader()
+                    log.warning("campaign refused role=%s group=%s node_id=%s: %s", request.role, request.group,
+                                request.node_id, why)
+                    return mpb.CampaignResponse(elected=False, refused=why,
+                                                leader=leader_to_pb(current) if current else mpb.Leader())
+                try:
+                    epoch = await election.campaign(
+                        request.node_id, address, lease_id=request.lease_id, timeout_s=wait_s,
+                        guards=[(ks.id_key(request.node_id), claim)],
+                        compares=lambda c, r=rev: [c.transactions.mod(isr_key) == r],
+                        puts=lambda c, v=after.encode(): [c.transactions.put(isr_key, v)])
+                except NotLeader:
+                    current = await election.leader()
+                    if current is None:
+                        continue  # the seat is free but a guard failed: the set changed, or the claim
+                    return mpb.CampaignResponse(elected=False, leader=leader_to_pb(current))
+                now_isr, _ = await self._read_in_sync(request.role, request.group)
+                store_epoch = now_isr.store_epoch if now_isr else after.store_epoch
+                break
+            else:
+                raise InvalidArgument("lease_id", f"lease {request.lease_id:x} does not hold node id "
+                                                  f"{request.node_id!r}")
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.CampaignResponse(elected=True, leader=mpb.Leader(node_id=request.node_id, address=address,
-                                                                    epoch=epoch))
+        return mpb.CampaignResponse(elected=True, store_epoch=store_epoch,
+                                    leader=mpb.Leader(node_id=request.node_id, address=address, epoch=epoch))
+
+    async def UpdateInSync(self, request: mpb.UpdateInSyncRequest, context) -> mpb.UpdateInSyncResponse:
+        """The master of ``epoch`` sets its group's in-sync set (it shrinks the set before it
+        acknowledges without a member, and grows it once a member holds everything)."""
+        try:
+            ks.check_role(request.role)
+            ks.check_name("group", request.group)
+            ks.check_name("node_id", request.node_id)
+            members = sorted(set(request.members))
+            for m in members:
+                ks.check_name("node_id", m)
+            if request.node_id not in members:
+                raise InvalidArgument("members", "the in-sync set must hold the master asking")
+            lkey = ks.leader_key(request.role, request.group)
+            isr_key = ks.in_sync_key(request.role, request.group)
+            isr, rev = await self._read_in_sync(request.role, request.group)
+            after = ks.InSync(tuple(members), isr.store_epoch if isr else 0)
+            ok, _ = await self.etcd.call(lambda c: c.transaction(
+                compare=[c.transactions.create(lkey) == request.epoch, c.transactions.mod(isr_key) == rev],
+                success=[c.transactions.put(isr_key, after.encode())], failure=[]))
+            leader = await Election(self.etcd, request.role, request.group).leader()
+            if ok and (leader is None or leader.node_id != request.node_id):
+                ok = False  # cannot happen: the seat of that epoch is the asker's
+            if ok:
+                log.info("in-sync set role=%s group=%s epoch=%d members=%s", request.role, request.group,
+                         request.epoch, members)
+            now, _ = await self._read_in_sync(request.role, request.group)
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.UpdateInSyncResponse(updated=ok, members=list(now.members) if now else [])
+
+    async def ForceInSync(self, request: mpb.ForceInSyncRequest, context) -> mpb.ForceInSyncResponse:
+        """An operator's unclean election: the set becomes ``{node_id}`` alone, so that member
+        may be elected although it may lack acknowledged records."""
+        try:
+            ks.check_role(request.role)
+            ks.check_name("group", request.group)
+            ks.check_name("node_id", request.node_id)
+            isr_key = ks.in_sync_key(request.role, request.group)
+            isr, rev = await self._read_in_sync(request.role, request.group)
+            after = ks.InSync((request.node_id,), isr.store_epoch if isr else 0)
+            ok, _ = await self.etcd.call(lambda c: c.transaction(
+                compare=[c.transactions.mod(isr_key) == rev], success=[c.transactions.put(isr_key, after.encode())],
+                failure=[]))
+            if not ok:
+                raise Unavailable("the in-sync set changed meanwhile; try again")
+            log.warning("UNCLEAN: in-sync set of %s/%s forced to [%s] (was %s): acknowledged records only the "
+                        "others held may be lost", request.role, request.group, request.node_id,
+                        list(isr.members) if isr else [])
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.ForceInSyncResponse(previous=list(isr.members) if isr else [], members=[request.node_id])
+
+    async def ReportDead(self, request: mpb.ReportDeadRequest, context) -> mpb.ReportDeadResponse:
+        """A slave says its master's port refuses connections. Checked here (a refused TCP
+        connect, twice): a refused port means no process listens there (a paused one still
+        accepts), so the term ends at once (leader key deleted, guarded by the epoch, and the
+        dead process's lease revoked) instead of after the lease's TTL."""
+        try:
+            ks.check_role(request.role)
+            ks.check_name("group", request.group)
+            lkey = ks.leader_key(request.role, request.group)
+            kv = await self.etcd.call(lambda c: c.get(lkey))
+            if kv is None or kv.create_revision != request.epoch:
+                return mpb.ReportDeadResponse(ended=False, reason="that term is over already")
+            leader = ks.LeaderInfo.from_kv(kv.value, kv.create_revision)
+            for i in range(DEAD_PROBES):
+                if not await port_refuses(leader.address, DEAD_PROBE_TIMEOUT_S):
+                    return mpb.ReportDeadResponse(ended=False, reason=f"{leader.address} accepts connections")
+                if i + 1 < DEAD_PROBES:
+                    await asyncio.sleep(DEAD_PROBE_GAP_S)
+            ok, _ = await self.etcd.call(lambda c: c.transaction(
+                compare=[c.transactions.create(lkey) == request.epoch], success=[c.transactions.delete(lkey)],
+                failure=[]))
+            if ok and kv.lease:
+                try:
+                    await self.etcd.call(lambda c: c.revoke_lease(kv.lease))
+                except Exception as e:  # noqa: BLE001 - already gone is fine; the key is deleted either way
+                    log.info("revoke of a dead master's lease=%x: %s", kv.lease, e)
+            if ok:
+                log.warning("term ended role=%s group=%s epoch=%d: master %s (%s) refuses connections, reported "
+                            "by %s", request.role, request.group, request.epoch, leader.node_id, leader.address,
+                            request.reporter)
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.ReportDeadResponse(ended=ok, reason="" if ok else "the term changed meanwhile")
 
     async def Resign(self, request: mpb.ResignRequest, context) -> mpb.ResignResponse:
         try:
@@ -169,9 +306,14 @@ class MetaService(mrpc.MetaServicer):
             current = await Election(self.etcd, request.role, request.group).leader()
         except HourglassError as e:
             await self._fail(context, e)
+        try:
+            isr, _ = await self._read_in_sync(request.role, request.group)
+        except HourglassError as e:
+            await self._fail(context, e)
+        in_sync = list(isr.members) if isr else []
         if current is None:
-            return mpb.LeaderResponse(present=False)
-        return mpb.LeaderResponse(present=True, leader=leader_to_pb(current))
+            return mpb.LeaderResponse(present=False, in_sync=in_sync)
+        return mpb.LeaderResponse(present=True, leader=leader_to_pb(current), in_sync=in_sync)
 
     # ------------------------------------------------------------------ health
 

@@ -56,6 +56,11 @@ class NodeSettings(BaseSettings):
     replicated: bool = False
     ack_mode: Literal["async", "sync"] = "async"
     sync_timeout_ms: int = Field(default=5000, ge=100)
+    in_sync_lag_max_ms: int = Field(default=10_000, ge=100, le=600_000,
+                                    description="a slave not seen fetching this long leaves the in-sync set "
+                                                "(only while the master and one other member stay in it)")
+    dead_master_refusals: int = Field(default=2, ge=1, le=100,
+                                      description="refused connects to the master before a slave reports it dead")
     replication_wait_ms: int = Field(default=50, ge=5, le=1000, description="long-poll cap = tick state period")
     replication_chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     campaign_step_ms: int = Field(default=200, ge=0)

@@ -59,6 +59,7 @@ class Registrar:
         self.heartbeat_ms = settings.meta_heartbeat_ms or max(BACKOFF_MS_MIN, settings.meta_lease_ttl_ms // 3)
         self.registered = asyncio.Event()
         self.heartbeats = 0
+        self.on_lost: Callable[[int], None] | None = None  # called with the lease found lost, before registering again
         self.on_beat: Callable[[int], None] | None = None  # called with the send time (monotonic ms) of a confirmed beat
         # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
         self.health = health
@@ -96,6 +97,8 @@ class Registrar:
                 failures = 0
             except E.NotFound as e:
                 log.warning("registration lost node_id=%s (%s); registering again", self.settings.node_id, e)
+                if self.on_lost is not None and self.lease_id is not None:
+                    self.on_lost(self.lease_id)  # before registering again: that revokes the old lease
                 self.lease_id = None
                 self.registered.clear()
                 await self._ready(False)

@@ -193,3 +193,48 @@ def test_follower_truncated_then_promoted_in_place_never_delivers_the_voided_suf
         f.lookup("b1")
     f.close()
     m.close()
+
+
+def test_records_cut_and_fetched_again_are_delivered(tmp_path):
+    """Issue 26's loss, at the storage level: a member cuts records that the new master also
+    holds (the cut lands too early: the master's epoch history attributed them to an older
+    term) and fetches the very same bytes again. The old rule voided "from the first cut seq
+    to the end of its store epoch" and kept them voided once they were back in the log:
+    lookup said "no message with id", and when that member became master again they never
+    fired, although every member held them. Voiding now names exactly what the log lacks."""
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
+    f.follow()
+    accept_durable(m, "a", 10, now + 5000, now)
+    replicate(m, f)
+    cut = f.messages.end_offset
+    accept_durable(m, "b", 10, now + 5000, now)  # acknowledged: the slave below holds them too
+    replicate(m, f)
+    # the master is told to cut at ``cut`` (too early) and fetches the same bytes back from f
+    m.truncate_messages(cut)
+    ship(f, m, "messages")
+    m.appended()
+    m.iterate(limit=None)
+    assert m.lookup("b3").status == "pending"
+    m.close()
+    again = DelayStore.open(tmp_path / "m", S, now_ms=now)  # master again later
+    now += 6000
+    got = [i for d in again.poll_due(now_ms=now) for i in d.batch.id_list()]
+    assert sorted(got) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
+    again.close()
+    f.close()
+
+
+def test_a_voided_range_covers_only_the_records_cut(tmp_path):
+    """Seqs of the same store epoch after the cut suffix (issued later by a store reopened in
+    that epoch, or another member's term in a colliding epoch) are not voided by it."""
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    accept_durable(m, "a", 5, now + 5000, now)
+    cut = m.messages.end_offset
+    accept_durable(m, "b", 5, now + 5000, now)
+    seqs = [m.lookup(f"b{i}").seq for i in range(5)]
+    m.truncate_messages(cut)
+    assert m.voided == [(min(seqs), max(seqs) + 1)]
+    m.close()

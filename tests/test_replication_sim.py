@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   divergence, role_step, take_answer)
+                                   divergence, in_sync_change, may_campaign, role_step, take_answer)
 
 STEP_MS = 10
 TTL_MS = 2000
@@ -58,6 +58,7 @@ class Node:
     lease: int = 0                                # etcd lease id of this incarnation
     mode: str = "slave"                           # what the shell runs: master or slave tasks
     campaigned_lease: int | None = None           # the lease of this node's last campaign
+    term_start: int = 0
 
     def active(self, now: int) -> bool:
         return self.alive and now >= self.frozen_until
@@ -82,6 +83,8 @@ class Sim:
         self.net: list[tuple[int, str, str, tuple]] = []  # (deliver_at, src, dst, msg)
         self.loss = self.rnd.choice([0.0, 0.05, 0.2])
         self.acked: dict[int, tuple] = {}           # offset -> record, acknowledged to a client
+        self.in_sync: set[str] = set()              # the group's in-sync set in etcd (empty: none yet)
+        self.refused_campaigns = 0
         self.epochs_won: list[int] = []
         self.won_by: list[str] = []
         self.value = 0
@@ -128,6 +131,10 @@ class Sim:
             if self.key is not None:  # someone was faster: the answer names the winner
                 n.member.observed(self.key[0], self.key[0], self.key[1])
                 return
+            if not may_campaign(n.id, self.in_sync):  # the meta server's transaction refuses it
+                self.refused_campaigns += 1
+                return
+            self.in_sync = self.in_sync or {n.id}
             self.revision += 1
             self.key, self.key_expiry = (n.id, self.revision, n.lease), self.now + TTL_MS
             n.member.won(self.revision, n.id)
@@ -151,6 +158,8 @@ class Sim:
         n.mode = "master"
         n.history.begin(epoch, len(n.log))
         n.tracker = SyncTracker(timeout_ms=1000)
+        n.tracker.set_slaves(self.in_sync - {n.id})
+        n.term_start = self.now
         n.tickets = {}
         for off, rec in self.acked.items():
             assert off < len(n.log) and n.log[off] == rec, \
@@ -235,10 +244,20 @@ class Sim:
         if n.acting_master(self.now):
             for t in n.tracker.expire(self.now):
                 n.tickets.pop(t, None)
-            slaves = {k for k, (_, exp) in self.registry.items() if k != n.id and exp > self.now}
-            for t in n.tracker.set_slaves(slaves):
-                off, rec = n.tickets.pop(t)
-                self.acked[off] = rec
+            # the in-sync set (node/replication/roles.py _maintain_in_sync): grow = trackers
+            # first, then etcd; shrink = etcd first (only while the master holds the seat)
+            registered = {k for k, (_, exp) in self.registry.items() if k != n.id and exp > self.now}
+            ch = in_sync_change(me=n.id, in_sync=self.in_sync | {n.id}, registered=registered,
+                                offsets=n.tracker.slave_offsets, log_end=len(n.log), now_ms=self.now,
+                                lag_max_ms=3000, term_start_ms=n.term_start)
+            if (ch.add or ch.drop) and self.etcd_reachable(n) and self.key is not None and self.key[0] == n.id:
+                for t in n.tracker.set_slaves((self.in_sync - {n.id}) | set(ch.add)):
+                    off, rec = n.tickets.pop(t)
+                    self.acked[off] = rec
+                self.in_sync = (self.in_sync | {n.id} | set(ch.add)) - set(ch.drop)
+                for t in n.tracker.set_slaves(self.in_sync - {n.id}):
+                    off, rec = n.tickets.pop(t)
+                    self.acked[off] = rec
             if self.rnd.random() < 0.3:
                 self.value += 1
                 rec = (n.member.epoch, self.value)

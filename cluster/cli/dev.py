@@ -34,7 +34,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 REPLICAS_MAX = 5            # delay nodes of the one dev delay group
-LEASE_TTL_MS = 2000         # nodes' meta lease: a dead master's slave takes over after about this long
+LEASE_TTL_MS = 5000         # nodes' meta lease: a paused master keeps its seat this long (a killed one's port
+                            # refuses connections: its slave reports it and takes over at once, docs/replication.md)
 DEFAULT_DATA = Path("var/dev")
 _DEFAULT_POLICY = RestartPolicy()
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmeta.proto\x12\x11hourglass.meta.v1\"\x8a\x02\n\x08NodeInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x0e\n\x06master\x18\x05 \x01(\x08\x12\x39\n\x07offsets\x18\x06 \x03(\x0b\x32(.hourglass.meta.v1.NodeInfo.OffsetsEntry\x12\x0e\n\x06lag_ms\x18\x07 \x01(\x03\x12\x11\n\tlag_bytes\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nupdated_ms\x18\n \x01(\x03\x1a.\n\x0cOffsetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"L\n\x0fRegisterRequest\x12)\n\x04node\x18\x01 \x01(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"J\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x03 \x01(\r\"O\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12)\n\x04node\x18\x02 \x01(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\"#\n\x11HeartbeatResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"6\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"p\n\x05Group\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06master\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12,\n\x07members\x18\x05 \x03(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\":\n\x11GetServersRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hourglass.meta.v1.Kind\"P\n\x12GetServersResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.hourglass.meta.v1.Group\x12\x10\n\x08revision\x18\x02 \x01(\x03\"F\n\x0cRouteRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hourglass.meta.v1.Kind\x12\x0f\n\x07subject\x18\x02 \x01(\t\"8\n\rRouteResponse\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.hourglass.meta.v1.Group\"b\n\x0f\x43\x61mpaignRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\"9\n\x06Leader\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"N\n\x10\x43\x61mpaignResponse\x12\x0f\n\x07\x65lected\x18\x01 \x01(\x08\x12)\n\x06leader\x18\x02 \x01(\x0b\x32\x19.hourglass.meta.v1.Leader\"L\n\rResignRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\"\n\x0eResignResponse\x12\x10\n\x08resigned\x18\x01 \x01(\x08\",\n\rLeaderRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"L\n\x0eLeaderResponse\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12)\n\x06leader\x18\x02 \x01(\x0b\x32\x19.hourglass.meta.v1.Leader\"\x0f\n\rHealthRequest\"G\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x15\n\retcd_endpoint\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45LAYED_PRODUCER\x10\x01\x12\x16\n\x12IMMEDIATE_PRODUCER\x10\x02\x12\x0c\n\x08\x43ONSUMER\x10\x03\x32\xf7\x05\n\x04Meta\x12S\n\x08Register\x12\".hourglass.meta.v1.RegisterRequest\x1a#.hourglass.meta.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.hourglass.meta.v1.HeartbeatRequest\x1a$.hourglass.meta.v1.HeartbeatResponse\x12Y\n\nDeregister\x12$.hourglass.meta.v1.DeregisterRequest\x1a%.hourglass.meta.v1.DeregisterResponse\x12Y\n\nGetServers\x12$.hourglass.meta.v1.GetServersRequest\x1a%.hourglass.meta.v1.GetServersResponse\x12J\n\x05Route\x12\x1f.hourglass.meta.v1.RouteRequest\x1a .hourglass.meta.v1.RouteResponse\x12S\n\x08\x43\x61mpaign\x12\".hourglass.meta.v1.CampaignRequest\x1a#.hourglass.meta.v1.CampaignResponse\x12M\n\x06Resign\x12 .hourglass.meta.v1.ResignRequest\x1a!.hourglass.meta.v1.ResignResponse\x12M\n\x06Leader\x12 .hourglass.meta.v1.LeaderRequest\x1a!.hourglass.meta.v1.LeaderResponse\x12M\n\x06Health\x12 .hourglass.meta.v1.HealthRequest\x1a!.hourglass.meta.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmeta.proto\x12\x11hourglass.meta.v1\"\x8a\x02\n\x08NodeInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x0e\n\x06master\x18\x05 \x01(\x08\x12\x39\n\x07offsets\x18\x06 \x03(\x0b\x32(.hourglass.meta.v1.NodeInfo.OffsetsEntry\x12\x0e\n\x06lag_ms\x18\x07 \x01(\x03\x12\x11\n\tlag_bytes\x18\x08 \x01(\x03\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nupdated_ms\x18\n \x01(\x03\x1a.\n\x0cOffsetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"L\n\x0fRegisterRequest\x12)\n\x04node\x18\x01 \x01(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"J\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\x12\x14\n\x0cheartbeat_ms\x18\x03 \x01(\r\"O\n\x10HeartbeatRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12)\n\x04node\x18\x02 \x01(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\"#\n\x11HeartbeatResponse\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"6\n\x11\x44\x65registerRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x0f\n\x07node_id\x18\x02 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"p\n\x05Group\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06master\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12,\n\x07members\x18\x05 \x03(\x0b\x32\x1b.hourglass.meta.v1.NodeInfo\":\n\x11GetServersRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hourglass.meta.v1.Kind\"P\n\x12GetServersResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.hourglass.meta.v1.Group\x12\x10\n\x08revision\x18\x02 \x01(\x03\"F\n\x0cRouteRequest\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.hourglass.meta.v1.Kind\x12\x0f\n\x07subject\x18\x02 \x01(\t\"8\n\rRouteResponse\x12\'\n\x05group\x18\x01 \x01(\x0b\x32\x18.hourglass.meta.v1.Group\"{\n\x0f\x43\x61mpaignRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\x03\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x17\n\x0fstore_epoch_min\x18\x06 \x01(\x04\"9\n\x06Leader\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"t\n\x10\x43\x61mpaignResponse\x12\x0f\n\x07\x65lected\x18\x01 \x01(\x08\x12)\n\x06leader\x18\x02 \x01(\x0b\x32\x19.hourglass.meta.v1.Leader\x12\x13\n\x0bstore_epoch\x18\x03 \x01(\x04\x12\x0f\n\x07refused\x18\x04 \x01(\t\"c\n\x13UpdateInSyncRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07members\x18\x05 \x03(\t\"8\n\x14UpdateInSyncResponse\x12\x0f\n\x07updated\x18\x01 \x01(\x08\x12\x0f\n\x07members\x18\x02 \x03(\t\"B\n\x12\x46orceInSyncRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"8\n\x13\x46orceInSyncResponse\x12\x10\n\x08previous\x18\x01 \x03(\t\x12\x0f\n\x07members\x18\x02 \x03(\t\"Q\n\x11ReportDeadRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x10\n\x08reporter\x18\x04 \x01(\t\"3\n\x12ReportDeadResponse\x12\r\n\x05\x65nded\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"L\n\rResignRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\"\n\x0eResignResponse\x12\x10\n\x08resigned\x18\x01 \x01(\x08\",\n\rLeaderRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\"]\n\x0eLeaderResponse\x12\x0f\n\x07present\x18\x01 \x01(\x08\x12)\n\x06leader\x18\x02 \x01(\x0b\x32\x19.hourglass.meta.v1.Leader\x12\x0f\n\x07in_sync\x18\x03 \x03(\t\"\x0f\n\rHealthRequest\"G\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x15\n\retcd_endpoint\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*X\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44\x45LAYED_PRODUCER\x10\x01\x12\x16\n\x12IMMEDIATE_PRODUCER\x10\x02\x12\x0c\n\x08\x43ONSUMER\x10\x03\x32\x91\x08\n\x04Meta\x12S\n\x08Register\x12\".hourglass.meta.v1.RegisterRequest\x1a#.hourglass.meta.v1.RegisterResponse\x12V\n\tHeartbeat\x12#.hourglass.meta.v1.HeartbeatRequest\x1a$.hourglass.meta.v1.HeartbeatResponse\x12Y\n\nDeregister\x12$.hourglass.meta.v1.DeregisterRequest\x1a%.hourglass.meta.v1.DeregisterResponse\x12Y\n\nGetServers\x12$.hourglass.meta.v1.GetServersRequest\x1a%.hourglass.meta.v1.GetServersResponse\x12J\n\x05Route\x12\x1f.hourglass.meta.v1.RouteRequest\x1a .hourglass.meta.v1.RouteResponse\x12S\n\x08\x43\x61mpaign\x12\".hourglass.meta.v1.CampaignRequest\x1a#.hourglass.meta.v1.CampaignResponse\x12M\n\x06Resign\x12 .hourglass.meta.v1.ResignRequest\x1a!.hourglass.meta.v1.ResignResponse\x12M\n\x06Leader\x12 .hourglass.meta.v1.LeaderRequest\x1a!.hourglass.meta.v1.LeaderResponse\x12_\n\x0cUpdateInSync\x12&.hourglass.meta.v1.UpdateInSyncRequest\x1a\'.hourglass.meta.v1.UpdateInSyncResponse\x12\\\n\x0b\x46orceInSync\x12%.hourglass.meta.v1.ForceInSyncRequest\x1a&.hourglass.meta.v1.ForceInSyncResponse\x12Y\n\nReportDead\x12$.hourglass.meta.v1.ReportDeadRequest\x1a%.hourglass.meta.v1.ReportDeadResponse\x12M\n\x06Health\x12 .hourglass.meta.v1.HealthRequest\x1a!.hourglass.meta.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODEINFO_OFFSETSENTRY']._loaded_options = None
   _globals['_NODEINFO_OFFSETSENTRY']._serialized_options = b'8\001'
-  _globals['_KIND']._serialized_start=1605
-  _globals['_KIND']._serialized_end=1693
+  _globals['_KIND']._serialized_start=2106
+  _globals['_KIND']._serialized_end=2194
   _globals['_NODEINFO']._serialized_start=34
   _globals['_NODEINFO']._serialized_end=300
   _globals['_NODEINFO_OFFSETSENTRY']._serialized_start=254
@@ -62,23 +62,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERESPONSE']._serialized_start=980
   _globals['_ROUTERESPONSE']._serialized_end=1036
   _globals['_CAMPAIGNREQUEST']._serialized_start=1038
-  _globals['_CAMPAIGNREQUEST']._serialized_end=1136
-  _globals['_LEADER']._serialized_start=1138
-  _globals['_LEADER']._serialized_end=1195
-  _globals['_CAMPAIGNRESPONSE']._serialized_start=1197
-  _globals['_CAMPAIGNRESPONSE']._serialized_end=1275
-  _globals['_RESIGNREQUEST']._serialized_start=1277
-  _globals['_RESIGNREQUEST']._serialized_end=1353
-  _globals['_RESIGNRESPONSE']._serialized_start=1355
-  _globals['_RESIGNRESPONSE']._serialized_end=1389
-  _globals['_LEADERREQUEST']._serialized_start=1391
-  _globals['_LEADERREQUEST']._serialized_end=1435
-  _globals['_LEADERRESPONSE']._serialized_start=1437
-  _globals['_LEADERRESPONSE']._serialized_end=1513
-  _globals['_HEALTHREQUEST']._serialized_start=1515
-  _globals['_HEALTHREQUEST']._serialized_end=1530
-  _globals['_HEALTHRESPONSE']._serialized_start=1532
-  _globals['_HEALTHRESPONSE']._serialized_end=1603
-  _globals['_META']._serialized_start=1696
-  _globals['_META']._serialized_end=2455
+  _globals['_CAMPAIGNREQUEST']._serialized_end=1161
+  _globals['_LEADER']._serialized_start=1163
+  _globals['_LEADER']._serialized_end=1220
+  _globals['_CAMPAIGNRESPONSE']._serialized_start=1222
+  _globals['_CAMPAIGNRESPONSE']._serialized_end=1338
+  _globals['_UPDATEINSYNCREQUEST']._serialized_start=1340
+  _globals['_UPDATEINSYNCREQUEST']._serialized_end=1439
+  _globals['_UPDATEINSYNCRESPONSE']._serialized_start=1441
+  _globals['_UPDATEINSYNCRESPONSE']._serialized_end=1497
+  _globals['_FORCEINSYNCREQUEST']._serialized_start=1499
+  _globals['_FORCEINSYNCREQUEST']._serialized_end=1565
+  _globals['_FORCEINSYNCRESPONSE']._serialized_start=1567
+  _globals['_FORCEINSYNCRESPONSE']._serialized_end=1623
+  _globals['_REPORTDEADREQUEST']._serialized_start=1625
+  _globals['_REPORTDEADREQUEST']._serialized_end=1706
+  _globals['_REPORTDEADRESPONSE']._serialized_start=1708
+  _globals['_REPORTDEADRESPONSE']._serialized_end=1759
+  _globals['_RESIGNREQUEST']._serialized_start=1761
+  _globals['_RESIGNREQUEST']._serialized_end=1837
+  _globals['_RESIGNRESPONSE']._serialized_start=1839
+  _globals['_RESIGNRESPONSE']._serialized_end=1873
+  _globals['_LEADERREQUEST']._serialized_start=1875
+  _globals['_LEADERREQUEST']._serialized_end=1919
+  _globals['_LEADERRESPONSE']._serialized_start=1921
+  _globals['_LEADERRESPONSE']._serialized_end=2014
+  _globals['_HEALTHREQUEST']._serialized_start=2016
+  _globals['_HEALTHREQUEST']._serialized_end=2031
+  _globals['_HEALTHRESPONSE']._serialized_start=2033
+  _globals['_HEALTHRESPONSE']._serialized_end=2104
+  _globals['_META']._serialized_start=2197
+  _globals['_META']._serialized_end=3238
 # @@protoc_insertion_point(module_scope)

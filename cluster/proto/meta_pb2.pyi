@@ -136,18 +136,20 @@ class RouteResponse(_message.Message):
     def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
 
 class CampaignRequest(_message.Message):
-    __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms")
+    __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms", "store_epoch_min")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    STORE_EPOCH_MIN_FIELD_NUMBER: _ClassVar[int]
     role: str
     group: str
     node_id: str
     lease_id: int
     wait_ms: int
-    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    store_epoch_min: int
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., lease_id: _Optional[int] = ..., wait_ms: _Optional[int] = ..., store_epoch_min: _Optional[int] = ...) -> None: ...
 
 class Leader(_message.Message):
     __slots__ = ("node_id", "address", "epoch")
@@ -160,12 +162,76 @@ class Leader(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CampaignResponse(_message.Message):
-    __slots__ = ("elected", "leader")
+    __slots__ = ("elected", "leader", "store_epoch", "refused")
     ELECTED_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     elected: bool
     leader: Leader
-    def __init__(self, elected: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ...) -> None: ...
+    store_epoch: int
+    refused: str
+    def __init__(self, elected: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., store_epoch: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class UpdateInSyncRequest(_message.Message):
+    __slots__ = ("role", "group", "node_id", "epoch", "members")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    node_id: str
+    epoch: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UpdateInSyncResponse(_message.Message):
+    __slots__ = ("updated", "members")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    updated: bool
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, updated: _Optional[bool] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ForceInSyncRequest(_message.Message):
+    __slots__ = ("role", "group", "node_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    node_id: str
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ForceInSyncResponse(_message.Message):
+    __slots__ = ("previous", "members")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    previous: _containers.RepeatedScalarFieldContainer[str]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, previous: _Optional[_Iterable[str]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReportDeadRequest(_message.Message):
+    __slots__ = ("role", "group", "epoch", "reporter")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    group: str
+    epoch: int
+    reporter: str
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., epoch: _Optional[int] = ..., reporter: _Optional[str] = ...) -> None: ...
+
+class ReportDeadResponse(_message.Message):
+    __slots__ = ("ended", "reason")
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ended: bool
+    reason: str
+    def __init__(self, ended: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ResignRequest(_message.Message):
     __slots__ = ("role", "group", "node_id", "epoch")
@@ -194,12 +260,14 @@ class LeaderRequest(_message.Message):
     def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
 
 class LeaderResponse(_message.Message):
-    __slots__ = ("present", "leader")
+    __slots__ = ("present", "leader", "in_sync")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
+    IN_SYNC_FIELD_NUMBER: _ClassVar[int]
     present: bool
     leader: Leader
-    def __init__(self, present: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ...) -> None: ...
+    in_sync: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, present: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., in_sync: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,21 @@ class MetaStub:
                 request_serializer=meta__pb2.LeaderRequest.SerializeToString,
                 response_deserializer=meta__pb2.LeaderResponse.FromString,
                 _registered_method=True)
+        self.UpdateInSync = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/UpdateInSync',
+                request_serializer=meta__pb2.UpdateInSyncRequest.SerializeToString,
+                response_deserializer=meta__pb2.UpdateInSyncResponse.FromString,
+                _registered_method=True)
+        self.ForceInSync = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/ForceInSync',
+                request_serializer=meta__pb2.ForceInSyncRequest.SerializeToString,
+                response_deserializer=meta__pb2.ForceInSyncResponse.FromString,
+                _registered_method=True)
+        self.ReportDead = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/ReportDead',
+                request_serializer=meta__pb2.ReportDeadRequest.SerializeToString,
+                response_deserializer=meta__pb2.ReportDeadResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/hourglass.meta.v1.Meta/Health',
                 request_serializer=meta__pb2.HealthRequest.SerializeToString,
@@ -132,6 +147,24 @@ class MetaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateInSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForceInSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDead(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -180,6 +213,21 @@ def add_MetaServicer_to_server(servicer, server):
                     servicer.Leader,
                     request_deserializer=meta__pb2.LeaderRequest.FromString,
                     response_serializer=meta__pb2.LeaderResponse.SerializeToString,
+            ),
+            'UpdateInSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateInSync,
+                    request_deserializer=meta__pb2.UpdateInSyncRequest.FromString,
+                    response_serializer=meta__pb2.UpdateInSyncResponse.SerializeToString,
+            ),
+            'ForceInSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForceInSync,
+                    request_deserializer=meta__pb2.ForceInSyncRequest.FromString,
+                    response_serializer=meta__pb2.ForceInSyncResponse.SerializeToString,
+            ),
+            'ReportDead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDead,
+                    request_deserializer=meta__pb2.ReportDeadRequest.FromString,
+                    response_serializer=meta__pb2.ReportDeadResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -403,6 +451,87 @@ class Meta:
             '/hourglass.meta.v1.Meta/Leader',
             meta__pb2.LeaderRequest.SerializeToString,
             meta__pb2.LeaderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateInSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/UpdateInSync',
+            meta__pb2.UpdateInSyncRequest.SerializeToString,
+            meta__pb2.UpdateInSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForceInSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/ForceInSync',
+            meta__pb2.ForceInSyncRequest.SerializeToString,
+            meta__pb2.ForceInSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/ReportDead',
+            meta__pb2.ReportDeadRequest.SerializeToString,
+            meta__pb2.ReportDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,

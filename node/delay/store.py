@@ -921,7 +921,14 @@ class DelayStore:
             self.replicated = dict(master_checkpoint)
             self.persisted_completed_ms = self.completed_ms = int(master_checkpoint["completed_ms"])
 
-    def promote(self, now_ms: int) -> dict[str, int]:
+    def epoch_floor(self) -> int:
+        """The highest store epoch this store has used or holds seqs of: a new term's epoch is
+        above it (the election hands out one above every term's, ``store_epoch_min``)."""
+        ck = checkpoint.read(self._ckpt_path) or {}
+        last = self.ids.last_seq()
+        return max(self.epoch, int(ck.get("epoch", 0)), (last >> SEQ_EPOCH_SHIFT) if last >= 0 else 0)
+
+    def promote(self, now_ms: int, store_epoch: int = 0) -> dict[str, int]:
         """Turn this follower into the master in place (no close, no reopen): what a close
         and an open as master did, once. Returns the milliseconds of each step (logged).
 
@@ -945,7 +952,9 @@ class DelayStore:
         ck = checkpoint.read(self._ckpt_path) or {}
         self.follower = False
         self.replicated = None
-        self.epoch = max(self.epoch, int(ck.get("epoch", 0))) + 1
+        # the term's epoch from the election (unique in the group: two terms that never saw each
+        # other's records still never issue the same seq), and never below what this store used
+        self.epoch = max(max(self.epoch, int(ck.get("epoch", 0))) + 1, store_epoch)
         last = self.ids.last_seq()
         if last >= 0 and (last >> SEQ_EPOCH_SHIFT) >= self.epoch:
             self.epoch = (last >> SEQ_EPOCH_SHIFT) + 1

@@ -325,3 +325,42 @@ def role_step(member: Member, key: LeaderKey, *, me: str, address: str, mode: st
     if mode != "slave" and member.leader not in (None, me):
         return "slave"
     return ""
+
+
+# ---------------------------------------------------------------------- the in-sync set
+# Kafka's ISR for a group: the members whose logs hold every acknowledged record. Kept in
+# etcd beside the leader key (metaserver/keyspace.py ``InSync``); only a member may be
+# elected (the meta server checks it in the campaign's transaction; ``may_campaign`` keeps a
+# node that is not in it from trying). The master changes it (``in_sync_change``):
+#   * grow: a registered member whose fetch offset reached the master's log end is made a
+#     required slave of the sync trackers first (every later write waits for it), then
+#     written to etcd: it holds everything acknowledged before, and nothing is acknowledged
+#     after without it;
+#   * shrink: written to etcd first, then dropped from the trackers; only when at least the
+#     master and one other member stay in it (a sync ack needs one slave anyway, and a lone
+#     master in the set would make its death need an operator): with two members the set
+#     stays both, and a dead slave makes sync writes fail rather than leave it behind.
+
+
+def may_campaign(me: str, in_sync: list[str] | tuple[str, ...] | set[str]) -> bool:
+    """Only a member of the in-sync set may be elected (none recorded yet: anyone)."""
+    return not in_sync or me in in_sync
+
+
+@dataclass(frozen=True, slots=True)
+class InSyncChange:
+    add: frozenset[str]
+    drop: frozenset[str]
+
+
+def in_sync_change(*, me: str, in_sync: set[str], registered: set[str], offsets: dict[str, tuple[int, int]],
+                   log_end: int, now_ms: int, lag_max_ms: int, term_start_ms: int) -> InSyncChange:
+    """What the master changes in its group's in-sync set now. ``offsets``: each slave's
+    (fetch offset, when it was seen) as ``SyncTracker.slave_offsets`` keeps them; a slave not
+    seen yet in this term counts as seen at ``term_start_ms``."""
+    add = {p for p in registered - in_sync - {me} if offsets.get(p, (-1, 0))[0] >= log_end}
+    stale = {p for p in in_sync - {me}
+             if p not in registered or now_ms - offsets.get(p, (-1, term_start_ms))[1] > lag_max_ms}
+    if len((in_sync | add) - stale) < 2:
+        stale = set()  # never down to the master alone
+    return InSyncChange(frozenset(add), frozenset(stale))

@@ -79,6 +79,9 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     def _role_log_end(self) -> int:
         return self.store.messages.end_offset
 
+    def _store_epoch_floor(self) -> int:
+        return self.store.epoch_floor()
+
     def _grpc_services(self) -> dict:
         return {"producer": self, "admin": self}
 
@@ -311,10 +314,11 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         now = self.clock.now_ms()
         if mode == "master":
             t0 = time.perf_counter()
-            steps = self.store.promote(now) if self.store.follower else {}
+            steps = self.store.promote(now, self._store_epoch) if self.store.follower else {}
             self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
             self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-            self.tracker.set_slaves(set(self._peers))
+            self.tracker.set_slaves(self._required_slaves())
+            self._term_start_ms = mono_ms()
             log.warning("became MASTER group=%s epoch=%d store_epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d "
                         "promote_ms=%.1f steps_ms=%s", self.settings.group, self.member.epoch, self.store.epoch,
                         self.store.completed_ms, now, now - self.store.completed_ms,

@@ -239,8 +239,9 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
             self._master_history_begins({LOG: self.store.messages.end_offset})
             self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
             self.gtracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-            self.tracker.set_slaves(set(self._peers))
-            self.gtracker.set_slaves(set(self._peers))
+            self.tracker.set_slaves(self._required_slaves())
+            self.gtracker.set_slaves(self._required_slaves())
+            self._term_start_ms = mono_ms()
             self.slave_offsets = {}
             log.warning("became MASTER group=%s epoch=%d store_epoch=%d log_end=%d groups=%d",
                         self.settings.group, self.member.epoch, self.store.epoch,

@@ -36,7 +36,7 @@ from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.registration import Registrar
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   role_step, take_answer)
+                                   in_sync_change, may_campaign, role_step, take_answer)
 from node.store import checkpoint
 
 log = logging.getLogger("hourglass.replication")
@@ -106,6 +106,12 @@ class ReplicaRoles:
         self._term_checked_at = -(1 << 62)  # mono ms of the last _check_term
         self._lease_seen: int | None = None
         self._campaigned_lease: int | None = None
+        self._in_sync: list[str] = []      # the group's in-sync set as last read (Leader answer)
+        self._store_epoch = 0              # the store epoch the election handed to this node's term
+        self._term_start_ms = 0
+        self._refusals = 0                 # refused connects to the master in a row (dead-master report)
+        self._reported_dead: int | None = None
+        self._refused_logged = False
         self._peers: dict[str, int] = {}
         self._peers_read = False
         self.slave_offsets: dict[str, dict[str, int]] = {}   # slave -> log -> offset (master view)
@@ -195,7 +201,8 @@ class ReplicaRoles:
 
     async def _wait(self, tracker: SyncTracker, kind: str, offset: int, context) -> None:
         """Answer only once every slave holds ``offset`` (sync ack mode); abort otherwise."""
-        if tracker.slaves is not None and not tracker.slaves:
+        if tracker.slaves is not None and (not tracker.slaves or (self._peers_read
+                                                                  and not tracker.slaves & set(self._peers))):
             err = E.ReplicationTimeout("no live slave in the group (ack_mode=sync): stored on the master only "
                                        "and may still take effect; retry (ids and acks are idempotent)")
             self.metrics.errors.labels(kind=type(err).__name__).inc()
@@ -386,9 +393,12 @@ class ReplicaRoles:
                     else:
                         self.histories[name].adopt(resp.history, lg.end_offset)
                     self._on_answer(name, resp)
+                    self._refusals = 0
                     backoff = 0.05
             except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
                 log.info("replication of %s from %s interrupted: %s", name, addr, e)
+                if isinstance(e, grpc.RpcError):
+                    await self._master_refused(addr, e)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
             finally:
@@ -493,28 +503,53 @@ class ReplicaRoles:
                     self._peers = peers
                     self._peers_read = True  # retention may now trust the slave set (node/store/retention.py)
                     if self.mode == "master":
-                        for kind, tr in self._trackers().items():
-                            self._release(kind, tr.set_slaves(set(peers)))
+                        await self._maintain_in_sync()
                     next_peers = loop_now + 1.0
                 lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group))
+                if self.mode != "master":
+                    self._in_sync = list(lr.in_sync)
                 key = LeaderKey(lr.leader.node_id, lr.leader.address, lr.leader.epoch) if lr.present \
                     else LeaderKey(None)
+                allowed = mono_ms() >= self._no_campaign_until and may_campaign(me, self._in_sync)
+                if key.node_id is None and not may_campaign(me, self._in_sync) and not self._refused_logged:
+                    log.warning("not campaigning: %s is not in the in-sync set %s of group %s (it may lack "
+                                "acknowledged records; `hourglass admin force-in-sync` elects it anyway)", me,
+                                self._in_sync, group)
+                    self._refused_logged = True
                 action = role_step(self.member, key, me=me, address=self.address, mode=self.mode, lease=lease,
                                    campaigned_lease=self._campaigned_lease, now_ms=mono_ms(),
-                                   campaign_allowed=mono_ms() >= self._no_campaign_until)
+                                   campaign_allowed=allowed)
                 if action == "campaign":
                     wait = campaign_delay_ms(self._role_log_end(), self._peers, step_ms=self.settings.campaign_step_ms)
                     if wait:
                         await asyncio.sleep(wait / 1000)
                     self._campaigned_lease = lease
-                    cr = await meta.call("Campaign", mpb.CampaignRequest(role=self.ROLE, group=group, node_id=me,
-                                                                         lease_id=lease, wait_ms=0))
+                    cr = await meta.call("Campaign", mpb.CampaignRequest(
+                        role=self.ROLE, group=group, node_id=me, lease_id=lease, wait_ms=0,
+                        store_epoch_min=self._store_epoch_floor()))
                     if cr.elected:
                         self.member.won(cr.leader.epoch, self.address)
+                        self._store_epoch = cr.store_epoch
+                        self._refused_logged = False
+                        if not self._in_sync:
+                            self._in_sync = [me]  # a group's first set: the winner alone (campaign_in_sync)
                         action = "master"
                     else:
+                        if cr.refused:
+                            log.warning("campaign refused: %s", cr.refused)
                         self.member.observed(cr.leader.node_id, cr.leader.address, cr.leader.epoch)
                         action = ""
+                elif action == "master" and self.mode != "master":
+                    # seat reclaim (role_step): the key is still this node's, but its store was
+                    # reopened and would need a store epoch the election never handed out; a
+                    # fresh term gets one: give the seat up and campaign again (or let the other
+                    # in-sync member win)
+                    log.warning("seat of epoch %d held but not acting: resigning to campaign for a new term",
+                                self.member.epoch)
+                    await self._resign_quietly()
+                    self.member.lease_lost()
+                    self._campaigned_lease = None
+                    action = ""
                 if action in ("master", "slave"):
                     await self._switch(action)
             except E.HourglassError as e:
@@ -522,6 +557,65 @@ class ReplicaRoles:
                 if self.mode == "master" and not self.member.is_master(mono_ms()):
                     await self._switch("slave")
             await asyncio.sleep(self.settings.leader_poll_ms / 1000)
+
+    def _store_epoch_floor(self) -> int:
+        """The highest seq epoch this node's store uses or holds (the election hands the new
+        term an epoch above it and above every earlier term's)."""
+        return 0
+
+    def _required_slaves(self) -> set[str]:
+        """Whom a sync write waits for: the in-sync set without this node."""
+        return set(self._in_sync) - {self.settings.node_id}
+
+    async def _maintain_in_sync(self) -> None:
+        """The master grows and shrinks its group's in-sync set (``core.in_sync_change``):
+        grow = trackers first, then etcd; shrink = etcd first, then trackers."""
+        me = self.settings.node_id
+        tr = next(iter(self._trackers().values()))
+        change = in_sync_change(me=me, in_sync=set(self._in_sync) | {me}, registered=set(self._peers),
+                                offsets=tr.slave_offsets, log_end=self._role_log_end(), now_ms=mono_ms(),
+                                lag_max_ms=self.settings.in_sync_lag_max_ms, term_start_ms=self._term_start_ms)
+        if not change.add and not change.drop:
+            return
+        after = (set(self._in_sync) | {me} | change.add) - change.drop
+        if change.add:
+            for kind, t in self._trackers().items():
+                self._release(kind, t.set_slaves(self._required_slaves() | set(change.add)))
+        r = await self.registrar.meta.call("UpdateInSync", mpb.UpdateInSyncRequest(
+            role=self.ROLE, group=self.settings.group, node_id=me, epoch=self.member.epoch, members=sorted(after)))
+        if not r.updated:
+            log.warning("in-sync set not updated (term over?): now %s", list(r.members))
+            return
+        self._in_sync = list(r.members)
+        for kind, t in self._trackers().items():
+            self._release(kind, t.set_slaves(self._required_slaves()))
+        log.warning("in-sync set of group %s: %s (added %s, dropped %s)", self.settings.group, self._in_sync,
+                    sorted(change.add), sorted(change.drop))
+
+    async def _master_refused(self, addr: str, err: grpc.RpcError) -> None:
+        """A fetch failed: when the master's port refuses connections ``dead_master_refusals``
+        times in a row (no process listens: killed, not paused), ask the meta server to end
+        its term now (it checks the port itself) instead of waiting out the lease."""
+        details = (err.details() or "") if hasattr(err, "details") else ""
+        if "refused" not in details.lower():
+            self._refusals = 0
+            return
+        self._refusals += 1
+        epoch = self.member.epoch
+        if self._refusals < self.settings.dead_master_refusals or self._reported_dead == epoch:
+            return
+        self._reported_dead = epoch
+        try:
+            r = await self.registrar.meta.call("ReportDead", mpb.ReportDeadRequest(
+                role=self.ROLE, group=self.settings.group, epoch=epoch, reporter=self.settings.node_id))
+            log.warning("reported master %s of epoch %d dead: %s", addr, epoch, "term ended" if r.ended else r.reason)
+        except E.HourglassError as e:
+            log.info("dead-master report failed: %s", e)
+
+    def _on_lease_lost(self, lease_id: int) -> None:
+        """The registration lease is gone (found expired): a master stops acting at once,
+        before the node registers again (which revokes the old lease and frees the seat)."""
+        self.member.lease_lost()
 
     def _on_beat(self, sent_at_ms: int) -> None:
         self.member.keepalive_sent(sent_at_ms)
@@ -552,6 +646,7 @@ class ReplicaRoles:
         self.registrar = Registrar(self.settings, self.address, describe=self.registration_info,
                                    health=self.server.health)
         self.registrar.on_beat = self._on_beat
+        self.registrar.on_lost = self._on_lease_lost
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg  # role tasks are its children (_start_role_task)
