@@ -142,8 +142,25 @@ async def test_meta_server_campaign_resign_leader(meta_server):
                                                         epoch=r1.leader.epoch + 1))).resigned
         assert (await stub.Resign(mpb.ResignRequest(role="delay", group=group, node_id=f"{group}-n1",
                                                     epoch=r1.leader.epoch))).resigned
+        # n2 never joined the in-sync set (n1 did not add it): it may not be elected ...
         r3 = await stub.Campaign(mpb.CampaignRequest(role="delay", group=group, node_id=f"{group}-n2", lease_id=l2))
-        assert r3.elected and r3.leader.epoch > r1.leader.epoch
+        assert not r3.elected and "in-sync" in r3.refused
+        assert list((await stub.Leader(mpb.LeaderRequest(role="delay", group=group))).in_sync) == [f"{group}-n1"]
+        # ... until the master adds it (guarded by the master's epoch: a stale one changes nothing)
+        r1b = await stub.Campaign(mpb.CampaignRequest(role="delay", group=group, node_id=f"{group}-n1", lease_id=l1))
+        assert r1b.elected and r1b.store_epoch > r1.store_epoch
+        stale = await stub.UpdateInSync(mpb.UpdateInSyncRequest(role="delay", group=group, node_id=f"{group}-n1",
+                                                                epoch=r1.leader.epoch,
+                                                                members=[f"{group}-n1", f"{group}-n2"]))
+        assert not stale.updated
+        up = await stub.UpdateInSync(mpb.UpdateInSyncRequest(role="delay", group=group, node_id=f"{group}-n1",
+                                                             epoch=r1b.leader.epoch,
+                                                             members=[f"{group}-n1", f"{group}-n2"]))
+        assert up.updated and sorted(up.members) == [f"{group}-n1", f"{group}-n2"]
+        assert (await stub.Resign(mpb.ResignRequest(role="delay", group=group, node_id=f"{group}-n1",
+                                                    epoch=r1b.leader.epoch))).resigned
+        r3 = await stub.Campaign(mpb.CampaignRequest(role="delay", group=group, node_id=f"{group}-n2", lease_id=l2))
+        assert r3.elected and r3.leader.epoch > r1b.leader.epoch and r3.store_epoch > r1b.store_epoch
         # the leadership dies with the node's registration
         await stub.Deregister(mpb.DeregisterRequest(lease_id=l2, node_id=f"{group}-n2"))
         assert not (await stub.Leader(mpb.LeaderRequest(role="delay", group=group))).present

@@ -395,7 +395,8 @@ class ReplicaRoles:
                     self._on_answer(name, resp)
                     self._refusals = 0
                     backoff = 0.05
-            except (grpc.RpcError, TimeoutError, E.HourglassError) as e:
+            except (grpc.RpcError, TimeoutError, E.HourglassError, asyncio.InvalidStateError) as e:
+                # InvalidStateError: the stream ended (the master died) between a read and the next write
                 log.info("replication of %s from %s interrupted: %s", name, addr, e)
                 if isinstance(e, grpc.RpcError):
                     await self._master_refused(addr, e)
