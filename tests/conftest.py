@@ -70,6 +70,7 @@ MODULE_TIERS = {
     "test_replication_realtime.py": "integration",
     "test_replication_sim.py": "unit",
     "test_insync.py": "unit",
+    "test_insync_cluster.py": "integration",
     "test_restart_large.py": "slow",
     "test_retention.py": "unit",
     "test_retention_realtime.py": "unit",

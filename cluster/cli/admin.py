@@ -3,6 +3,7 @@
     hourglass admin verify [--node ADDR,...]     every node's files, checked online (Admin.Verify)
     hourglass admin verify --data DIR            a stopped node's data folder, offline, read-only
     hourglass admin handover GROUP               graceful handover of a delay group's master
+    hourglass admin force-in-sync GROUP NODE     unclean election: NODE may become master (may lose acks)
 
 Part of the ``hourglass`` app (``cluster/cli/__init__.py`` adds this sub-app). It uses the
 helpers of ``cluster/cli/common.py``: the resolver, the option types, the error boundary's
@@ -166,3 +167,50 @@ def admin_handover(group: str = typer.Argument(..., help="delay group whose mast
         err_console.print(f"error: handover refused by {old}: {shorten(r.error)}", style="red")
         raise typer.Exit(EXIT_FAILED)
     console.print(f"[green]handed over[/green]: {old} is now a slave of group {group}")
+
+
+@admin.command("force-in-sync")
+def admin_force_in_sync(group: str = typer.Argument(..., help="the group with no electable member"),
+                        node: str = typer.Argument(..., help="node id to make electable"),
+                        role: str = typer.Option("delay", help="delay or realtime"),
+                        yes: bool = typer.Option(False, "--yes", help="do it (without it: only say what may be lost)"),
+                        meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Unclean election: make NODE the only member of GROUP's in-sync set, so it may be elected
+    although it may lack acknowledged records (docs/replication.md, The in-sync set). Prints what
+    may be lost (how far each member's message log reaches beyond NODE's) and does nothing
+    without --yes."""
+    if role not in ("delay", "realtime"):
+        raise CliError(f"--role must be delay or realtime, not {shown(role)}")
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        from cluster.proto import meta_pb2 as mpb
+        if not hasattr(resolver, "meta"):
+            raise CliError("force-in-sync needs the meta servers", hint="hint: give --meta, or a --cluster-file")
+        try:
+            kind = mpb.DELAYED_PRODUCER if role == "delay" else mpb.CONSUMER
+            servers = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=kind))
+            lr = await resolver.meta.call("Leader", mpb.LeaderRequest(role=role, group=group))
+            g = next((x for x in servers.groups if x.name == group), None)
+            ends = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in (g.members if g else [])}
+            if node not in ends:
+                raise E.NotFound(f"{shown(node)} is not a registered member of {role} group {shown(group)} "
+                                 f"(members: {sorted(ends)})")
+            behind = {k: v - ends[node] for k, v in ends.items() if k != node and v > ends[node]}
+            r = None
+            if yes:
+                r = await resolver.meta.call("ForceInSync", mpb.ForceInSyncRequest(role=role, group=group,
+                                                                                   node_id=node))
+            return lr, behind, r
+        finally:
+            await resolver.close()
+    lr, behind, r = asyncio.run(_run())
+    loss = ", ".join(f"{k} holds {v} more bytes of message log" for k, v in sorted(behind.items())) or \
+        "no registered member holds more of the message log (unregistered members may)"
+    now = list(lr.in_sync) or ["(none recorded)"]
+    if not yes:
+        console.print(f"in-sync set of {role}/{group}: {', '.join(now)}; forcing {node} may lose acknowledged "
+                      f"records: {loss}. Run again with --yes to do it.")
+        raise typer.Exit(EXIT_FAILED)
+    console.print(f"[yellow]forced[/yellow]: in-sync set of {role}/{group} is now [{node}] (was "
+                  f"{', '.join(r.previous) or 'none'}); possibly lost: {loss}")
