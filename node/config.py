@@ -64,6 +64,9 @@ class NodeSettings(BaseSettings):
     replication_wait_ms: int = Field(default=50, ge=5, le=1000, description="long-poll cap = tick state period")
     replication_chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     campaign_step_ms: int = Field(default=200, ge=0)
+    min_term_ms: int = Field(default=5000, ge=0, le=600_000,
+                             description="a master that stood down does not contest the seat again for this long "
+                                         "while another member is registered: the new master keeps its seat")
     leader_poll_ms: int = Field(default=100, ge=10)
 
     # limits a producer can hit; the defaults are cluster.codec.Limits' (docs/api.md, "Limits")

@@ -103,6 +103,7 @@ class ReplicaRoles:
         self._tg: asyncio.TaskGroup | None = None
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
+        self._handover_until = 0   # after a graceful handover: no campaign at all until then
         self._term_checked_at = -(1 << 62)  # mono ms of the last _check_term
         self._lease_seen: int | None = None
         self._campaigned_lease: int | None = None
@@ -441,6 +442,10 @@ class ReplicaRoles:
                 await self._resign_quietly()
                 raise E.StorageError(f"promotion failed: {e}") from e
             self.metrics.master_changes.labels(to=mode).inc()
+            if mode == "slave" and self.mode == "master":
+                # stood down (lease not confirmed in time, or deposed): the member elected next keeps
+                # its seat for a minimum term; this one contests it again only if nobody else is there
+                self._no_campaign_until = max(self._no_campaign_until, mono_ms() + self.settings.min_term_ms)
             if mode == "master":
                 self.failovers += 1
             else:
@@ -511,7 +516,9 @@ class ReplicaRoles:
                     self._in_sync = list(lr.in_sync)
                 key = LeaderKey(lr.leader.node_id, lr.leader.address, lr.leader.epoch) if lr.present \
                     else LeaderKey(None)
-                allowed = mono_ms() >= self._no_campaign_until and may_campaign(me, self._in_sync)
+                allowed = (mono_ms() >= self._no_campaign_until
+                           or (mono_ms() >= self._handover_until and not self._peers)) \
+                    and may_campaign(me, self._in_sync)
                 if key.node_id is None and not may_campaign(me, self._in_sync) and not self._refused_logged:
                     log.warning("not campaigning: %s is not in the in-sync set %s of group %s (it may lack "
                                 "acknowledged records; `hourglass admin force-in-sync` elects it anyway)", me,
@@ -624,7 +631,7 @@ class ReplicaRoles:
     async def _resign_and_follow(self) -> pb.HandoverResponse:
         """Last step of a graceful handover: give up the seat, become a slave, and stay out of
         the next elections for three lease periods so a caught-up slave wins."""
-        self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
+        self._no_campaign_until = self._handover_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
         try:
             await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.group,
                                                                        node_id=self.settings.node_id,
