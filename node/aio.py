@@ -95,42 +95,81 @@ async def trim_memory_loop(interval_s: float = MALLOC_TRIM_INTERVAL_S) -> None:
         await loop.run_in_executor(None, trim, 0)
 
 
-class StallWatch:
-    """Reports event-loop stalls (setting ``loop_stall_report_ms``; 0 = off): a task on the
-    loop marks a heartbeat every quarter of the threshold, and a thread that finds the
-    heartbeat older than the threshold logs the loop thread's stack once per stall (WARNING
-    ``event loop stalled``): the call that held the loop, named while it holds it. Every
-    message due during a stall is late by it, so this is where a p99 comes from."""
+STALL_TICK_MS_MAX = 50       # the stall watch wakes at least this often (its histogram's resolution)
+STALL_STACK_FRAMES = 6       # frames named in a stall's log line, innermost first
+STALL_STILL_MS = 5000        # a stall this long is also logged while it lasts, with the whole stack
 
-    def __init__(self, threshold_ms: int, log: logging.Logger) -> None:
+
+def _where(frame) -> str:
+    """One line naming a stack, innermost first: ``store.py:412 promote < delay.py:88 _switch``."""
+    frames = traceback.extract_stack(frame, limit=STALL_STACK_FRAMES)
+    return " < ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
+class StallWatch:
+    """Reports event-loop stalls (setting ``loop_stall_report_ms``, default 200; 0 = off).
+
+    A task on the loop wakes every ``tick`` (a quarter of the threshold, at most 50 ms) and
+    measures how late it woke: that lateness is how long the loop was held (or the process
+    got no CPU). Every lateness goes into ``histogram``
+    (``hourglass_event_loop_stall_seconds``); one at or past the threshold is logged when it
+    ends, once, with its duration, the task that was running and where the loop thread was
+    (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
+    ...``). "Where" is sampled by a thread that finds the task's mark older than half the
+    threshold while the stall lasts, so it names the call that holds the loop; ``at=-`` means the
+    sampler did not get the CPU either. A stall that lasts ``STALL_STILL_MS`` is also logged
+    while it lasts, with the whole stack: a wedged loop is named even if it never returns.
+    Every message due during a stall is late by it, so this is where a p99 comes from."""
+
+    def __init__(self, threshold_ms: int, log: logging.Logger, histogram=None) -> None:
         self.threshold_s = threshold_ms / 1000
+        self.tick_s = min(self.threshold_s / 4, STALL_TICK_MS_MAX / 1000)
         self.log = log
+        self.histogram = histogram
         self.beat = time.monotonic()
         self.stalls = 0
+        self._sample: tuple[float, str, str] | None = None  # (beat, task, where) taken during a stall
         self._stop = threading.Event()
         self._loop_thread = threading.get_ident()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> None:
-        interval = self.threshold_s / 4
+        self._loop = asyncio.get_running_loop()
         thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
         thread.start()
         try:
             while True:
-                self.beat = time.monotonic()
-                await asyncio.sleep(interval)
+                before = time.monotonic()
+                self.beat = before
+                await asyncio.sleep(self.tick_s)
+                late_s = max(0.0, time.monotonic() - before - self.tick_s)
+                if self.histogram is not None:
+                    self.histogram.observe(late_s)
+                if late_s >= self.threshold_s:
+                    self._report(before, late_s)
         finally:
             self._stop.set()
 
+    def _report(self, beat: float, late_s: float) -> None:
+        self.stalls += 1
+        sample = self._sample
+        task, where = (sample[1], sample[2]) if sample is not None and sample[0] == beat else ("-", "-")
+        self.log.warning("event loop stalled stall_ms=%.0f task=%s at=%s", late_s * 1000, task, where)
+
     def _watch(self) -> None:
-        reported_beat = None
-        while not self._stop.wait(self.threshold_s / 4):
+        still_reported = None
+        while not self._stop.wait(self.tick_s):
             beat = self.beat
-            late = time.monotonic() - beat - self.threshold_s / 4
-            if late < self.threshold_s or beat == reported_beat:
+            late = time.monotonic() - beat - self.tick_s
+            if late < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
                 continue
-            reported_beat = beat
-            self.stalls += 1
             frame = sys._current_frames().get(self._loop_thread)
-            stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no stack)"
-            self.log.warning("event loop stalled for more than %.0f ms; the loop thread is at:\n%s",
-                             late * 1000, stack)
+            if self._sample is None or self._sample[0] != beat:
+                task = asyncio.current_task(self._loop) if self._loop is not None else None
+                self._sample = (beat, task.get_name() if task is not None else "-",
+                                _where(frame) if frame is not None else "-")
+            if late * 1000 >= STALL_STILL_MS and still_reported != beat:
+                still_reported = beat
+                stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no stack)"
+                self.log.warning("event loop still stalled stall_ms=%.0f; the loop thread is at:\n%s",
+                                 late * 1000, stack)

@@ -77,8 +77,13 @@ class NodeSettings(BaseSettings):
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
     request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
-    loop_stall_report_ms: int = Field(default=0, ge=0,
-                                      description="log the event loop's stack when it is held this long (0 = off)")
+    loop_stall_report_ms: int = Field(default=200, ge=0,
+                                      description="log each event-loop stall this long or longer, with its "
+                                                  "duration and where the loop was (0 = off)")
+    loop_stall_max_ms: int = Field(default=4000, ge=500, le=300_000,
+                                   description="the heartbeat thread stops renewing the registration while the "
+                                               "event loop has not turned for this long: a wedged node gives up "
+                                               "its lease (and a master its seat)")
     stream_window_max: int = Field(default=8, ge=1,
                                    description="requests of one SendBatchStream answered at once (in order)")
 

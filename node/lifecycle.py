@@ -15,7 +15,8 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
                gc_tuned: bool = True) -> list[asyncio.Task]:
     """Start them in ``tg`` for ``node`` (its ``settings``, ``scrubber``, ``metrics``,
     ``address``, ``registration_info``); ``register``: also its registration (a replicated
-    node makes its own, with a heartbeat hook)."""
+    node makes its own, with a heartbeat hook; either way the node's ``registrar`` reports its
+    renewal timing to the node's metrics)."""
     settings = node.settings
     tasks = []
     if settings.scrub_rate_mib_s > 0:
@@ -23,8 +24,12 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
     if register and settings.meta_servers:
         node.registrar = Registrar(settings, node.address, describe=node.registration_info, health=node.health)
         tasks.append(tg.create_task(node.registrar.run(), name="registration"))
+    if getattr(node, "registrar", None) is not None:
+        # its own or the replicated node's: renewal timing goes to this node's metrics
+        node.registrar.metrics = node.metrics
     if settings.loop_stall_report_ms:
-        tasks.append(tg.create_task(StallWatch(settings.loop_stall_report_ms, log).run(), name="stall-watch"))
+        watch = StallWatch(settings.loop_stall_report_ms, log, histogram=node.metrics.loop_stall)
+        tasks.append(tg.create_task(watch.run(), name="stall-watch"))
     node.metrics.start(settings.metrics_port)
     tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
     if gc_tuned:

@@ -13,6 +13,7 @@ from cluster.security import REFUSALS
 
 log = logging.getLogger("hourglass.metrics")
 
+STALL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 10, 30)
 LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -74,6 +75,22 @@ class NodeMetrics:
                                       "message log (never acknowledged)", registry=r)
         self.master_changes = Counter("hourglass_master_changes", "Times this node became master or stopped being "
                                       "master (rate per hour: increase(...[1h]))", ["to"], registry=r)
+        # event loop and registration timing (docs/replication.md, "Lease timing under load")
+        self.loop_stall = Histogram("hourglass_event_loop_stall_seconds",
+                                    "How late the stall watch's wake-ups were (one every 50 ms): how long the event "
+                                    "loop was held or the process starved", buckets=STALL_BUCKETS_S, registry=r)
+        self.heartbeat_rtt = Histogram("hourglass_heartbeat_rtt_seconds",
+                                       "Round trip of a registration Register/Heartbeat (heartbeat thread)",
+                                       buckets=STALL_BUCKETS_S, registry=r)
+        self.heartbeat_gap = Histogram("hourglass_heartbeat_gap_seconds",
+                                       "From the send of one confirmed renewal to the confirmation of the next: how "
+                                       "long the lease had to last on its own", buckets=STALL_BUCKETS_S, registry=r)
+        self.registrations_lost = Counter("hourglass_registrations_lost",
+                                          "Registrations found lost (lease expired or id taken); registered again",
+                                          registry=r)
+        self.heartbeats_withheld = Counter("hourglass_heartbeats_withheld",
+                                           "Stalls past loop_stall_max_ms during which the heartbeat thread "
+                                           "stopped renewing the lease", registry=r)
         self.election_epoch = Gauge("hourglass_election_epoch", "Newest election epoch seen", registry=r)
         self.info = Gauge("hourglass_node_info", "Node identity", list(labels), registry=r)
         self.info.labels(**labels).set(1)

@@ -68,6 +68,7 @@ MODULE_TIERS = {
     "test_records.py": "unit",
     "test_replication.py": "integration",
     "test_replication_realtime.py": "integration",
+    "test_registration.py": "integration",
     "test_replication_sim.py": "unit",
     "test_insync.py": "unit",
     "test_insync_cluster.py": "integration",

@@ -36,7 +36,8 @@ STEP_MS = 10
 TTL_MS = 2000
 MARGIN_MS = 300
 KEEPALIVE_MS = 500
-CHUNK = 4
+CHUNK = 16
+FETCH_TIMEOUT_MS = 200
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Node:
     mode: str = "slave"                           # what the shell runs: master or slave tasks
     campaigned_lease: int | None = None           # the lease of this node's last campaign
     term_start: int = 0
+    fetch_no: int = 0                             # the last fetch sent (answers to older ones are dropped)
 
     def active(self, now: int) -> bool:
         return self.alive and now >= self.frozen_until
@@ -189,36 +191,41 @@ class Sim:
 
     # ------------------------------------------------------------------ replication
 
-    def on_fetch(self, m: Node, src: str, epoch: int, offset: int, hist: tuple) -> None:
+    def on_fetch(self, m: Node, src: str, epoch: int, offset: int, hist: tuple, no: int) -> None:
         ans = answer_fetch(serving=m.acting_master(self.now), my_epoch=m.member.epoch, req_epoch=epoch,
                            theirs=EpochHistory(list(hist)), offset=offset, mine=m.history, start=0, end=len(m.log))
         if ans.kind == "not_master":
             self.send(m.id, src, ("refused", m.member.epoch))
             return
         if ans.kind == "truncate":
-            self.send(m.id, src, ("truncate", m.member.epoch, offset, ans.to))
+            self.send(m.id, src, ("truncate", m.member.epoch, (offset, no), ans.to))
             return
         assert ans.kind == "records", ans  # the model's logs start at 0: no reset
         for t in m.tracker.on_fetch(src, offset, self.now):
             off, rec = m.tickets.pop(t)
             self.acked[off] = rec
-        self.send(m.id, src, ("records", m.member.epoch, offset, tuple(m.log[offset:offset + CHUNK]),
+        self.send(m.id, src, ("records", m.member.epoch, (offset, no), tuple(m.log[offset:offset + CHUNK]),
                               tuple(m.history.entries)))
 
     def on_refused(self, s: Node, src: str, epoch: int) -> None:
         pass  # the shell's follow loop backs off and asks again; a peer's epoch deposes nobody
 
-    def _takes(self, s: Node, src: str, epoch: int, asked_at: int) -> bool:
-        """``take_answer``, and the answer is to the question asked last (the shipped stream
-        has one fetch in flight; this network may deliver an old answer late)."""
+    def _takes(self, s: Node, src: str, epoch: int, asked: tuple[int, int]) -> bool:
+        """``take_answer``, and the answer is to the question asked last: the shipped stream
+        has one fetch in flight and its answers come in order, while this network may
+        deliver an old answer late (after a later one left the log at the same length)."""
+        asked_at, no = asked
+        if no != s.fetch_no:
+            return False
+        s.next_fetch = min(s.next_fetch, self.now + 20)
         if not take_answer(my_epoch=s.member.epoch, answer_epoch=epoch, from_leader=s.member.leader == src,
                            acting_master=s.acting_master(self.now)):
             return False
         s.member.epoch = max(s.member.epoch, epoch)
         return asked_at == len(s.log)
 
-    def on_truncate(self, s: Node, src: str, epoch: int, asked_at: int, cut: int) -> None:
-        if not self._takes(s, src, epoch, asked_at):
+    def on_truncate(self, s: Node, src: str, epoch: int, asked: tuple[int, int], cut: int) -> None:
+        if not self._takes(s, src, epoch, asked):
             return
         if cut < len(s.log):
             for off in range(cut, len(s.log)):
@@ -227,8 +234,8 @@ class Sim:
             del s.log[cut:]
             s.history.truncate(cut)
 
-    def on_records(self, s: Node, src: str, epoch: int, offset: int, recs: tuple, hist: tuple) -> None:
-        if not self._takes(s, src, epoch, offset):
+    def on_records(self, s: Node, src: str, epoch: int, asked: tuple[int, int], recs: tuple, hist: tuple) -> None:
+        if not self._takes(s, src, epoch, asked):
             return
         s.log.extend(recs)
         s.history.adopt(list(hist), len(s.log))
@@ -270,9 +277,11 @@ class Sim:
         else:
             self.fail_waiters(n)
             leader = n.member.leader
+            # one fetch in flight (the next once answered, or after a timeout: a new stream)
             if leader and leader != n.id and self.now >= n.next_fetch:
-                n.next_fetch = self.now + 20
-                self.send(n.id, leader, ("fetch", n.member.epoch, len(n.log), tuple(n.history.entries)))
+                n.next_fetch = self.now + FETCH_TIMEOUT_MS  # sooner once answered (_takes)
+                n.fetch_no += 1
+                self.send(n.id, leader, ("fetch", n.member.epoch, len(n.log), tuple(n.history.entries), n.fetch_no))
 
     # ------------------------------------------------------------------ faults
 

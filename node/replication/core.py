@@ -210,15 +210,20 @@ class Member:
         self.leader_address: str = ""
         self._lease_ok_until = -1
         self._won_epoch = -1            # the epoch this incarnation won (a restart forgets it)
+        self._won_lease: int | None = None  # the lease the seat of ``_won_epoch`` is attached to
 
-    def keepalive_sent(self, sent_at_ms: int) -> None:
-        """A keepalive sent at ``sent_at_ms`` was confirmed."""
+    def keepalive_sent(self, sent_at_ms: int, lease: int | None = None) -> None:
+        """A keepalive of ``lease`` sent at ``sent_at_ms`` was confirmed. A keepalive of another
+        lease (the node registered again after its old lease was lost) does not keep a seat
+        that was attached to the old one: that seat is gone with it."""
+        if lease is not None and self._won_lease is not None and lease != self._won_lease:
+            return
         self._lease_ok_until = max(self._lease_ok_until, sent_at_ms + self.lease_ttl_ms - self.margin_ms)
 
     def lease_lost(self) -> None:
         self._lease_ok_until = -1
 
-    def won(self, epoch: int, address: str) -> None:
+    def won(self, epoch: int, address: str, lease: int | None = None) -> None:
         """This node holds the leader key of ``epoch`` (its campaign answered, or the key it
         finds names it under its current lease after a lost answer). It acts as master
         only while its registration lease is surely alive (``keepalive_sent``): attaching
@@ -227,6 +232,7 @@ class Member:
             raise ValueError(f"won epoch {epoch} is not newer than {self.epoch}")
         self.epoch, self.leader, self.leader_address = epoch, self.node_id, address
         self._won_epoch = epoch
+        self._won_lease = lease
 
     def observed(self, leader: str | None, address: str, epoch: int) -> bool:
         """The election says ``leader`` is master of ``epoch`` (None: nobody). True if news."""
@@ -311,7 +317,7 @@ def role_step(member: Member, key: LeaderKey, *, me: str, address: str, mode: st
     keepalive was confirmed late while the lease lived on). It takes the seat back as soon
     as the lease is confirmed again, so that the seat is never held by nobody."""
     if key.node_id == me and mode != "master" and lease is not None and campaigned_lease == lease:
-        member.won(key.epoch, address)
+        member.won(key.epoch, address, lease)
         if member.is_master(now_ms):
             return "master"
     elif key.node_id is not None:

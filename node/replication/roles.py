@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -120,7 +121,8 @@ class ReplicaRoles:
         self._caught_up_at = time.monotonic()
         self.failovers = 0
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
-        self._term_gen = 0   # bumped by every role switch: an answer begun in one term is never given in another
+        self._term_gen = 0
+        self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)   # bumped by every role switch: an answer begun in one term is never given in another
 
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
@@ -435,7 +437,8 @@ class ReplicaRoles:
                           self.member.epoch, e)
                 self.metrics.errors.labels(kind="PromotionFailed").inc()
                 self._recover_follower()
-                self.member.lease_lost()
+                with self._member_lock:
+                    self.member.lease_lost()
                 self.mode = "slave"
                 self._start_role_task("slave")
                 self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
@@ -495,7 +498,8 @@ class ReplicaRoles:
             lease = self.registrar.lease_id
             if lease != self._lease_seen:
                 if self._lease_seen is not None:
-                    self.member.lease_lost()  # leadership died with the old lease
+                    with self._member_lock:
+                        self.member.lease_lost()  # leadership died with the old lease
                 self._lease_seen = lease
             loop_now = time.monotonic()
             try:
@@ -536,7 +540,8 @@ class ReplicaRoles:
                         role=self.ROLE, group=group, node_id=me, lease_id=lease, wait_ms=0,
                         store_epoch_min=self._store_epoch_floor()))
                     if cr.elected:
-                        self.member.won(cr.leader.epoch, self.address)
+                        with self._member_lock:
+                            self.member.won(cr.leader.epoch, self.address, lease)
                         self._store_epoch = cr.store_epoch
                         self._refused_logged = False
                         if not self._in_sync:
@@ -555,7 +560,8 @@ class ReplicaRoles:
                     log.warning("seat of epoch %d held but not acting: resigning to campaign for a new term",
                                 self.member.epoch)
                     await self._resign_quietly()
-                    self.member.lease_lost()
+                    with self._member_lock:
+                        self.member.lease_lost()
                     self._campaigned_lease = None
                     action = ""
                 if action in ("master", "slave"):
@@ -622,11 +628,17 @@ class ReplicaRoles:
 
     def _on_lease_lost(self, lease_id: int) -> None:
         """The registration lease is gone (found expired): a master stops acting at once,
-        before the node registers again (which revokes the old lease and frees the seat)."""
-        self.member.lease_lost()
+        before the node registers again (which revokes the old lease and frees the seat).
+        Called on the registrar's heartbeat thread."""
+        with self._member_lock:
+            self.member.lease_lost()
 
-    def _on_beat(self, sent_at_ms: int) -> None:
-        self.member.keepalive_sent(sent_at_ms)
+    def _on_beat(self, lease_id: int, sent_at_ms: int) -> None:
+        """A renewal of ``lease_id`` sent at ``sent_at_ms`` was confirmed. Called on the
+        registrar's heartbeat thread, at once (a busy event loop does not delay it): the
+        lock orders it with the loop's own changes of the member."""
+        with self._member_lock:
+            self.member.keepalive_sent(sent_at_ms, lease_id)
 
     async def _resign_and_follow(self) -> pb.HandoverResponse:
         """Last step of a graceful handover: give up the seat, become a slave, and stay out of
@@ -638,7 +650,8 @@ class ReplicaRoles:
                                                                        epoch=self.member.epoch))
         except E.HourglassError as e:
             return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
-        self.member.lease_lost()
+        with self._member_lock:
+            self.member.lease_lost()
         self._role_task = None
         self.mode = "handing-over"
         await self._switch("slave")
