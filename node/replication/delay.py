@@ -53,6 +53,7 @@ log = logging.getLogger("hourglass.replication")
 
 LOGS = ("messages", "dispatch")
 BUCKET_LOG_PREFIX = "schedule:"  # ReadLog of a schedule bucket's data log
+FENCED_DELIVERY_POLL_S = 0.05  # how often a fenced dispatch looks again (the role loop ends it by cancelling)
 BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication_chunk_bytes)
 
 
@@ -192,12 +193,15 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             await self._not_master(context)
         return await super().Lookup(request, context)
 
-    async def _deliver(self, unit, idx) -> None:
-        # fencing: a deposed master (lease not surely alive, e.g. after a long pause) sends
-        # nothing; the messages stay in flight until the demotion reopens the store
-        if not self.is_master():
-            return
-        await super()._deliver(unit, idx)
+    async def _deliver_once(self, unit, b, idx):
+        # fencing: a master whose lease is not surely alive (after a pause, a late keepalive)
+        # sends nothing until it is again, or until the role loop stands it down (which
+        # cancels this task and reopens the store: the messages are loaded again from the
+        # schedule log). Returning instead would leave them in flight for good when the
+        # lease is confirmed again without a demotion: they never fired (chaos finding 4).
+        while not self.is_master():
+            await asyncio.sleep(FENCED_DELIVERY_POLL_S)
+        return await super()._deliver_once(unit, b, idx)
 
     # ------------------------------------------------------------------ master side of replication
 
