@@ -60,6 +60,9 @@ class NodeSettings(BaseSettings):
     replication_chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     campaign_step_ms: int = Field(default=200, ge=0)
     leader_poll_ms: int = Field(default=100, ge=10)
+    ack_journal: Path | None = Field(default=None,
+                                     description="append this master's acknowledgement windows here (JSON lines "
+                                                 "for the chaos checker, node/replication/ackjournal.py); off if unset")
 
     # limits a producer can hit; the defaults are cluster.codec.Limits' (docs/api.md, "Limits")
     payload_bytes_max: int = Field(default=DEFAULT_LIMITS.payload_bytes_max, ge=1)

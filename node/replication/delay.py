@@ -41,6 +41,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
+from node.replication.ackjournal import AckJournal
 from node.replication.core import SyncTracker
 from node.replication.repair import REPAIR_TIMEOUT_S, SegmentRepair
 from node.store.log import decode_frame
@@ -70,6 +71,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
+        self.ack_journal = AckJournal.from_settings(settings)  # off unless HOURGLASS_ACK_JOURNAL is set
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 
@@ -173,6 +175,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         resp = await super().SendBatch(request, context)
         if self.settings.ack_mode == "sync":
             await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)
+        self.ack_journal.note(self.member.epoch, time.time_ns() // 1_000_000)  # chaos checker: who acked when
         return resp
 
     async def Cancel(self, request, context):
