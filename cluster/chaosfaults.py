@@ -8,7 +8,8 @@ moved back to where they came from, then the cgroup removed) and every process i
 cancellation). A helper also exits by itself when its parent is gone (it watches
 ``getppid``), so a harness that is SIGKILLed does not leave the machine starved.
 
-* **CPU starvation**: ``per_core x cores`` Python processes spinning.
+* **CPU starvation**: ``per_core x cores`` Python processes spinning, at the nice the kit was
+  made at (the nodes'). The run's own clients may be boosted meanwhile (``boost_clients``).
 * **Disk saturation**: ``writers`` processes each appending ``block_bytes`` and calling
   ``fdatasync`` back to back in a scratch folder (it must be on the data's file system: every
   fsync there, etcd's included, waits behind them); a file is cut back to 0 at
@@ -44,12 +45,15 @@ RMDIR_TRIES_MAX = 50          # a cgroup empties a moment after its last process
 DISK_BLOCK_BYTES = 64 << 10
 DISK_FILE_BYTES_MAX = 64 << 20
 
-# spin until the parent is gone (checked every ~20 ms of spinning)
-_CPU_HOG = "import os,sys\np=int(sys.argv[1])\nwhile os.getppid()==p:\n    for _ in range(200000): pass\n"
+# argv: parent pid, nice, ...; at the nodes' nice (the caller may run boosted); spin until the
+# parent is gone (checked every ~20 ms of spinning)
+_CPU_HOG = ("import os,sys\np=int(sys.argv[1])\nos.setpriority(os.PRIO_PROCESS,0,int(sys.argv[2]))\n"
+            "while os.getppid()==p:\n    for _ in range(200000): pass\n")
 # append + fdatasync back to back; cut the file at the cap; stop when the parent is gone
 _DISK_HOG = (
     "import os,sys\n"
-    "p,path,block,cap=int(sys.argv[1]),sys.argv[2],int(sys.argv[3]),int(sys.argv[4])\n"
+    "os.setpriority(os.PRIO_PROCESS,0,int(sys.argv[2]))\n"
+    "p,path,block,cap=int(sys.argv[1]),sys.argv[3],int(sys.argv[4]),int(sys.argv[5])\n"
     "fd=os.open(path,os.O_WRONLY|os.O_CREAT|os.O_APPEND,0o644)\n"
     "buf=os.urandom(block)\n"
     "n=0\n"
@@ -59,8 +63,18 @@ _DISK_HOG = (
 )
 
 
+# a launcher prefix: set an absolute nice value, then exec the command (same PID)
+_AT_NICE = "import os,sys\nos.setpriority(os.PRIO_PROCESS,0,int(sys.argv[1]))\nos.execvp(sys.argv[2],sys.argv[2:])\n"
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def at_nice(nice: int) -> list[str]:
+    """A command prefix (``NodeProcess.prefix``) that starts the command at nice ``nice`` whatever
+    the launching thread's is (a boosted harness must not boost the nodes it restarts)."""
+    return [sys.executable, "-S", "-c", _AT_NICE, str(nice)]
 
 
 def cgroup_unavailable(root: Path = CPU_CGROUP_ROOT) -> str | None:
@@ -146,11 +160,13 @@ class FaultKit:
         self.helpers: dict[int, subprocess.Popen] = {}
         self.throttles: list[CpuThrottle] = []
         self.frozen: set[int] = set()
+        self.base_nice = os.getpriority(os.PRIO_PROCESS, 0)  # the nodes' nice; hogs run at it
+        self.boosted = False
 
     # ------------------------------------------------------------ helpers
 
     def _spawn(self, code: str, *args: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-S", "-c", code, str(os.getpid()), *args],
+        p = subprocess.Popen([sys.executable, "-S", "-c", code, str(os.getpid()), str(self.base_nice), *args],
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.helpers[p.pid] = p
         return p
@@ -164,6 +180,23 @@ class FaultKit:
             if p.poll() is None:
                 os.kill(pid, signal.SIGKILL)
             p.wait(timeout=HELPER_STOP_TIMEOUT_S)
+
+    def boost_clients(self, by: int) -> int | str:
+        """Lower the calling thread's nice by ``by`` (the clients of a run: a production cluster's
+        producers and consumers run on other machines, so starving the machine must not starve the
+        load). The nice applied, or why not (not root). Threads started meanwhile inherit it:
+        launch processes with ``at_nice(kit.base_nice)``."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, self.base_nice - by)
+        except PermissionError as e:
+            return f"not boosted: {e}"
+        self.boosted = True
+        return self.base_nice - by
+
+    def unboost(self) -> None:
+        if self.boosted:
+            os.setpriority(os.PRIO_PROCESS, 0, self.base_nice)
+            self.boosted = False
 
     async def _hold(self, hold_s: float) -> None:
         try:
@@ -250,6 +283,7 @@ class FaultKit:
     def restore_all(self) -> list[str]:
         """Undo whatever is still in force; the errors (none expected) as text."""
         errors = []
+        self.unboost()
         for pid in list(self.frozen):
             self._cont(pid)
         for th in list(self.throttles):

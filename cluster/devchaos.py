@@ -55,6 +55,7 @@ SEND_BATCHES_INFLIGHT_MAX = 64
 POLL_S = 0.1
 SEND_PERIOD_S = 0.1
 LOAD_SAMPLE_S = 1.0
+CLIENT_NICE_BOOST = 10       # with cpu_starve this process (the clients) runs this much nicer than the nodes
 DURATION_S_MAX = 86_400
 # what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
 DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
@@ -305,7 +306,8 @@ class DevChaos:
         ok = await self.wait(healthy, FAILOVER_TIMEOUT_S)
         ev["recovered_ms"] = now_ms() - t_start if ok else None
         if restarted:
-            self.say(f"{label} {index + 1}: {name} back as {(await self.statuses(channels)).get(name, {}).get('mode', '?')}"
+            mode = (await self.statuses(channels)).get(name, {}).get("mode", "?")
+            self.say(f"{label} {index + 1}: {name} back as {mode}"
                      f" pid={self.delay_nodes()[name]['pid']}")
         return ev
 
@@ -367,7 +369,11 @@ class DevChaos:
     async def _inject(self, f: Fault, channels) -> dict:
         cfg, kit = self.cfg, self.kit
         if f.kind == "cpu_starve":
-            return await kit.cpu_starve(f.hold_s, per_core=cfg.cpu_hogs_per_core)
+            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # this process is the clients: its load must not starve
+            try:
+                return await kit.cpu_starve(f.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
+            finally:
+                kit.unboost()
         if f.kind == "disk_saturate":
             return await kit.disk_saturate(f.hold_s, writers=cfg.disk_writers)
         if f.kind in ("meta_stall", "etcd_stall"):
@@ -415,7 +421,8 @@ class DevChaos:
 
         info = self.info()
         if not info.get("meta"):
-            raise E.InvalidArgument("cluster", "dev chaos needs a cluster with meta servers (`hourglass dev up --meta`)")
+            raise E.InvalidArgument("cluster",
+                                    "dev chaos needs a cluster with meta servers (`hourglass dev up --meta`)")
         resolver = MetaResolver(info["meta"], refresh_ms=500, security=client_security_from(info.get("security")))
         channels = Channels(client_security_from(info.get("security")))
         plan: list[Fault] | None = None

@@ -39,7 +39,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
-from cluster.chaosfaults import FaultKit
+from cluster.chaosfaults import FaultKit, at_nice
 from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION_KINDS, Fault,  # noqa: F401
                                Topology, fault_schedule, lanes, scenario_schedule)
 
@@ -51,6 +51,8 @@ RESTART_TIMEOUT_S = 45.0
 STATUS_TIMEOUT_S = 2.0
 CANCELS_INFLIGHT_MAX = 64
 SEND_BATCHES_INFLIGHT_MAX = 64
+CATCH_UP_S = 0.5             # a tick sends at most this many seconds' worth of owed messages
+CLIENT_NICE_BOOST = 10       # with cpu_starve: the harness (the clients, "on other machines") runs this much nicer
 LOAD_SAMPLE_S = 1.0
 POLL_S = 0.1
 
@@ -157,13 +159,17 @@ async def group_master(channels, nodes) -> str | None:
 
 
 async def wait_until(pred, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(POLL_S)
-    return None
+    """The predicate's first true answer, polled every POLL_S; None after ``timeout_s`` (a slow
+    predicate, e.g. Status calls to frozen nodes, is cut at the deadline too)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                got = await pred()
+                if got:
+                    return got
+                await asyncio.sleep(POLL_S)
+    except TimeoutError:
+        return None
 
 
 # ---------------------------------------------------------------------- the run
@@ -211,20 +217,20 @@ class ChaosRun:
         return self.rng.randint(20000, 60000)
 
     async def produce(self, producer) -> None:
+        """Messages at ``rate_per_s`` on average from the workload start (open loop: time lost to
+        back-pressure during a failover is caught up afterwards, at most CATCH_UP_S of messages a
+        tick), one ``send_many`` call a tick."""
         period = 0.1
-        per_tick = self.cfg.rate_per_s * period
         n = 0
-        carry = 0.0
         inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
         cancels = asyncio.Semaphore(CANCELS_INFLIGHT_MAX)
         tasks: set[asyncio.Task] = set()
         t_end_ms = self.t0_ms + int(self.cfg.duration_s * 1000)
         due_limit = t_end_ms + int(self.cfg.due_tail_s * 1000)
         while not self.stop_sending.is_set():
-            carry += per_tick
+            owed = int(self.cfg.rate_per_s * (now_ms() - self.t0_ms) / 1000) - n
             batch = []
-            while carry >= 1:
-                carry -= 1
+            for _ in range(max(0, min(owed, int(self.cfg.rate_per_s * CATCH_UP_S) + 1))):
                 now = now_ms()
                 deliver_at = max(1, min(now + self._delay_ms(), due_limit))
                 subject = self.rng.choice(self.cfg.subjects)
@@ -333,9 +339,9 @@ class ChaosRun:
                 return False
         return all(n.running for n in self.cluster.meta)
 
-    async def inject(self, fault: Fault, channels, recovery_s: float = RECOVERY_TIMEOUT_S) -> dict:
-        """Play one fault, restore it, then wait up to ``recovery_s`` for every group to have a
-        master and a slave again (the recovery time)."""
+    async def inject(self, fault: Fault, channels, recovery_s: float | None = RECOVERY_TIMEOUT_S) -> dict:
+        """Play one fault, restore it, then wait up to ``recovery_s`` (None: not) for every group
+        to have a master and a slave again (the recovery time)."""
         ev = {"index": fault.index, "kind": fault.kind, "target": fault.target, "hold_s": fault.hold_s,
               "at_s": fault.at_s, "lane": fault.lane}
         try:
@@ -348,8 +354,8 @@ class ChaosRun:
             return ev | {"skipped": f"injector error: {type(e).__name__}: {e}", "t_start": now_ms(), "t_end": now_ms()}
         if ev.get("skipped"):
             return ev
-        if self.stop_sending.is_set():
-            ev["recovery_measured"] = False  # the workload is over: restore_all and the drain follow
+        if self.stop_sending.is_set() or recovery_s is None:
+            ev["recovery_measured"] = False  # the workload is over (restore_all and the drain follow), or a pause lane
             return ev
         ok = await wait_until(lambda: self._healthy(channels), max(1.0, recovery_s))
         ev["recovered_ms"] = now_ms() - ev["t_start"] if ok else None
@@ -366,7 +372,11 @@ class ChaosRun:
     async def _inject_starvation(self, fault: Fault, channels) -> dict:
         cfg, c, kit = self.cfg, self.cluster, self.kit
         if fault.kind == "cpu_starve":
-            return await kit.cpu_starve(fault.hold_s, per_core=cfg.cpu_hogs_per_core)
+            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # the load must not starve with the nodes
+            try:
+                return await kit.cpu_starve(fault.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
+            finally:
+                kit.unboost()
         if fault.kind == "disk_saturate":
             return await kit.disk_saturate(fault.hold_s, writers=cfg.disk_writers)
         if fault.kind in ("node_throttle", "node_stall"):
@@ -453,7 +463,8 @@ class ChaosRun:
 
     async def _lane(self, name: str, plan: list[Fault], channels) -> None:
         """The faults of one lane, one after the other; the main lane waits for recovery after
-        each (up to RECOVERY_TIMEOUT_S), the others until their next fault's time at most."""
+        each (up to RECOVERY_TIMEOUT_S), the kill lane until its next kill's time at most, the
+        others (periodic pauses, whole-run starvation) not at all: they keep their period."""
         for i, fault in enumerate(plan):
             if self.stop_sending.is_set():
                 break
@@ -462,8 +473,10 @@ class ChaosRun:
                 break
             log.warning("fault %d (%s): %s target=%d hold=%.2fs", fault.index, name, fault.kind, fault.target,
                         fault.hold_s)
-            recovery_s = RECOVERY_TIMEOUT_S
-            if name != "main" and i + 1 < len(plan):
+            recovery_s: float | None = RECOVERY_TIMEOUT_S
+            if name not in ("main", "kills"):
+                recovery_s = None
+            elif name != "main" and i + 1 < len(plan):
                 recovery_s = min(RECOVERY_TIMEOUT_S, self.t0_ms / 1000 + plan[i + 1].at_s - time.time())
             self.rec.write("faults", **await self.inject(fault, channels, recovery_s))
 
@@ -518,6 +531,9 @@ class ChaosRun:
                                     n_realtime=2 * topo.realtime_groups, realtime_replicas=2,
                                     meta=True, n_meta=topo.meta, etcd_members=topo.etcd_members, ack_mode="sync",
                                     lease_ttl_ms=cfg.lease_ttl_ms, secure=cfg.secure)
+        if any(f.kind == "cpu_starve" for f in self.schedule):
+            for p in self.cluster.nodes + self.cluster.meta:  # (re)started at the nodes' nice, never boosted
+                p.prefix = [*at_nice(self.kit.base_nice), *p.prefix]
         journals = [cluster_root / f"{n.name}.acks.jsonl" for n in self.cluster.delay] if cfg.ack_journal else []
         for n, path in zip(self.cluster.delay, journals):
             n.env["HOURGLASS_ACK_JOURNAL"] = str(path)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.chaosfaults import CPU_CGROUP_ROOT, FaultKit, cgroup_unavailable
+from cluster.chaosfaults import CPU_CGROUP_ROOT, FaultKit, at_nice, cgroup_unavailable
 from cluster.chaosplan import STARVATION_KINDS, Topology
 from tests.chaos.checker import summarize
 from tests.chaos.harness import ChaosConfig, run_chaos
@@ -32,6 +32,18 @@ def alive(pid: int) -> bool:
 
 def state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+async def settles(pred, timeout_s: float = 5.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if pred():
+            return True
+        await asyncio.sleep(0.05)
+    return False
 
 
 @pytest.fixture
@@ -106,6 +118,34 @@ async def test_teardown_undoes_faults_cut_short(tmp_path, sleeper):
     kit.stop.set()
     ev = await kit.cpu_starve(60, per_core=1)  # the stop event ends a hold at once
     assert ev["restored"] and not any(alive(p) for p in ev["pids"])
+
+
+@pytest.mark.integration
+async def test_boosted_clients_boost_neither_the_hogs_nor_the_processes_they_start(tmp_path):
+    """With cpu_starve the run's clients are boosted (they stand for other machines); hogs and
+    nodes started meanwhile run at the nodes' nice, so the nodes are starved and the load is not."""
+    kit = FaultKit(tmp_path)
+    base = kit.base_nice
+    applied = kit.boost_clients(5)
+    if isinstance(applied, str):
+        pytest.skip(applied)
+    child = None
+    try:
+        assert applied == base - 5 and os.getpriority(os.PRIO_PROCESS, 0) == applied
+        task = asyncio.create_task(kit.cpu_starve(1.0, per_core=1))
+        assert await settles(lambda: bool(kit.helpers))
+        hogs = list(kit.helpers)
+        assert await settles(lambda: all(nice(p) == base for p in hogs if alive(p))), [nice(p) for p in hogs]
+        child = subprocess.Popen([*at_nice(base), "sleep", "30"])
+        assert await settles(lambda: Path(f"/proc/{child.pid}/cmdline").read_bytes().startswith(b"sleep"))
+        assert nice(child.pid) == base, "the prefix execs the command at the nodes' nice, same PID"
+        await task
+    finally:
+        kit.unboost()
+        if child is not None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=10)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
 
 
 @pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
