@@ -12,24 +12,47 @@ Invariants (violations fail the run):
 * **early**: no receive before the message's due time (``deliver_at`` of the received message;
   one machine, one clock: delay nodes fire ahead and real-time nodes hold until due);
 * **restart**: every killed process came back on its files (no restart error), and no process log
-  holds a ``CorruptRecord`` (or other ``StorageError``).
+  holds a ``CorruptRecord`` (or other ``StorageError``);
+* **restored**: every fault was undone (a process thawed, a cgroup removed, helpers stopped);
+* **acknowledgement windows**: no two members of a group acknowledged in overlapping windows,
+  and no epoch was acknowledged by two members. The windows come from the delay nodes'
+  journals (``node/replication/ackjournal.py``: ``*acks.jsonl`` beside the logs, or the files
+  ``run.json`` lists): JSON lines ``{node, group, epoch, first_ms, last_ms}``, merged per
+  (group, node, epoch) to min first / max last. A journal may miss the last
+  < ``ACK_WINDOW_PAD_MS`` of a window (it writes at most that often, without fsync), so every
+  window is extended by that much; a correct master stops acknowledging a lease margin
+  (>= 400 ms) before the next one can start. Windows of one node in different epochs may touch.
+  A run that expects journals (``run.json`` ``ack_journal_expected``) and acknowledged sends
+  but holds no window fails: the check would otherwise pass unseen;
+* **expectations** of the scenario (``run.json`` ``expect``): ``master_changes_without_kill_max``.
 
 Reported (not failures): duplicates (receives beyond the first per group), lateness percentiles
-(all, and of messages due while a fault was in progress), failover and recovery times, cancelled
-messages received before the cancel answer, tracebacks in logs (with their exception lines).
+(all, and of messages due while a fault was in progress), failover and recovery times, resume
+times (from a delay master's SIGKILL to the first receive of a message of that group due after
+the kill), master changes ("became MASTER" in the node logs after the workload started; the first
+one in a group after a SIGKILL of its master counts as "after a kill", the first after a SIGSTOP
+of its master as "after a stop", the rest are "unprovoked"), the 1-minute load average during
+the workload, cancelled messages received before the cancel answer, tracebacks in logs.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import sys
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 FAULT_WINDOW_TAIL_MS = 5000   # a message due up to this long after a fault ended counts as "due during"
 STORAGE_ERRORS = re.compile(r"\b(CorruptRecord|StorageError|OffsetOutOfRange)\b")
+# "2026-11-26 10:08:47,531 WARNING hourglass.replication became MASTER group=delay-g1 epoch=93 ..."
+BECAME_MASTER = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\bbecame MASTER group=(\S+) epoch=(\d+)")
 EXAMPLES_MAX = 10
+ACK_WINDOW_PAD_MS = 20        # node/replication/ackjournal.py WRITE_INTERVAL_MS (tests/chaos check they agree)
+KILL_ATTRIBUTION_MS = 60_000  # a master change this long after a kill is no longer the kill's
+KILL_KINDS = ("delay_master_kill", "realtime_kill")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -55,18 +78,137 @@ def percentiles(xs: list[int | float]) -> dict:
     return {"n": len(s), "p50": p(0.50), "p99": p(0.99), "max": s[-1]}
 
 
+def _log_ms(stamp: str, millis: str) -> int:
+    """A log line's local time (one machine) as wall-clock ms."""
+    return int(time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))) * 1000 + int(millis)
+
+
 def scan_logs(log_dir: Path) -> dict:
-    storage, tracebacks = [], Counter()
+    storage, tracebacks, became_master = [], Counter(), []
     for f in sorted(Path(log_dir).glob("*.log")):
         lines = f.read_text(errors="replace").splitlines()
         for i, line in enumerate(lines):
+            if "became MASTER" in line and (m := BECAME_MASTER.match(line)):
+                became_master.append({"t": _log_ms(m[1], m[2]), "node": f.stem, "group": m[3], "epoch": int(m[4])})
             if STORAGE_ERRORS.search(line):
                 storage.append(f"{f.name}:{i + 1}: {line.strip()[:300]}")
             if line.startswith("Traceback"):
                 # the exception line is the first unindented line after the traceback
                 exc = next((x for x in lines[i + 1:i + 200] if x and not x.startswith((" ", "Traceback"))), "?")
                 tracebacks[f"{f.name}: {exc.strip()[:160]}"] += 1
-    return {"storage_errors": storage, "tracebacks": dict(tracebacks)}
+    return {"storage_errors": storage, "tracebacks": dict(tracebacks),
+            "became_master": sorted(became_master, key=lambda c: c["t"])}
+
+
+# ---------------------------------------------------------------------- acknowledgement windows
+
+
+def ack_windows(paths: list[Path], since_ms: int = 0) -> list[dict]:
+    """Journal lines merged per (group, node, epoch); windows ending before ``since_ms`` (an
+    earlier run on the same cluster) are left out."""
+    merged: dict[tuple, dict] = {}
+    for p in paths:
+        for e in _lines(Path(p)):
+            key = (e.get("group", ""), e["node"], e["epoch"])
+            w = merged.setdefault(key, {"group": key[0], "node": key[1], "epoch": key[2],
+                                        "first_ms": e["first_ms"], "last_ms": e["last_ms"]})
+            w["first_ms"] = min(w["first_ms"], e["first_ms"])
+            w["last_ms"] = max(w["last_ms"], e["last_ms"])
+    return sorted((w for w in merged.values() if w["last_ms"] >= since_ms),
+                  key=lambda w: (w["group"], w["first_ms"], w["node"]))
+
+
+def ack_overlaps(windows: list[dict], pad_ms: int = ACK_WINDOW_PAD_MS) -> list[dict]:
+    """Pairs of windows of two different nodes of one group that overlap once each is extended
+    by ``pad_ms`` at its end. ``overlap_ms`` < 0 means they came within the pad of each other."""
+    out = []
+    by_group: dict[str, list[dict]] = defaultdict(list)
+    for w in windows:
+        by_group[w["group"]].append(w)
+    for ws in by_group.values():
+        ws = sorted(ws, key=lambda w: w["first_ms"])
+        for i, a in enumerate(ws):
+            for b in ws[i + 1:]:
+                if b["first_ms"] > a["last_ms"] + pad_ms:
+                    break
+                if b["node"] != a["node"]:
+                    out.append({"group": a["group"], "a": a, "b": b,
+                                "overlap_ms": min(a["last_ms"], b["last_ms"]) - b["first_ms"]})
+    return out
+
+
+def shared_epochs(windows: list[dict]) -> list[dict]:
+    """(group, epoch) acknowledged by more than one node: two masters of one term."""
+    nodes: dict[tuple, set] = defaultdict(set)
+    for w in windows:
+        nodes[(w["group"], w["epoch"])].add(w["node"])
+    return [{"group": g, "epoch": e, "nodes": sorted(n)} for (g, e), n in sorted(nodes.items()) if len(n) > 1]
+
+
+def _journal_paths(run: dict) -> list[Path]:
+    found = {Path(p) for p in run.get("ack_journals", []) if Path(p).exists()}
+    found |= set(Path(run["log_dir"]).glob("*acks.jsonl"))  # <node>.acks.jsonl, or one shared acks.jsonl
+    return sorted(found)
+
+
+# ---------------------------------------------------------------------- master changes, resumes
+
+
+def master_changes(changes: list[dict], faults: list[dict], since_ms: int) -> dict:
+    """Changes of master ("became MASTER" lines) after ``since_ms``, each kill (then each SIGSTOP
+    of a master) claiming the first change of its group after it (within KILL_ATTRIBUTION_MS,
+    before the group's next such fault). A node that demotes itself and takes the seat back
+    counts too (it stopped serving meanwhile); ``to_another_node`` counts the changes where the
+    seat went to another member."""
+    before: dict[str, str] = {}  # group -> its master before the change
+    moved = 0
+    for c in changes:
+        if c["t"] >= since_ms and before.get(c["group"]) not in (None, c["node"]):
+            moved += 1
+        before[c["group"]] = c["node"]
+    changes = [c for c in changes if c["t"] >= since_ms]
+    claimed: set[int] = set()
+
+    def claim(kinds) -> int:
+        fs = sorted((f for f in faults if f.get("kind") in kinds and not f.get("skipped") and f.get("group")
+                     and "t_start" in f and f.get("role", "master") == "master"), key=lambda f: f["t_start"])
+        n = 0
+        for k, f in enumerate(fs):
+            nxt = next((g["t_start"] for g in fs[k + 1:] if g["group"] == f["group"]), None)
+            until = min(f["t_start"] + KILL_ATTRIBUTION_MS, nxt if nxt is not None else 1 << 62)
+            for i, c in enumerate(changes):
+                if i not in claimed and c["group"] == f["group"] and f["t_start"] < c["t"] < until:
+                    claimed.add(i)
+                    n += 1
+                    break
+        return n
+    after_kill = claim(KILL_KINDS)
+    after_stop = claim(("delay_master_stop", "node_stall"))
+    by_group = Counter(c["group"] for c in changes)
+    return {"total": len(changes), "to_another_node": moved, "after_kill": after_kill,
+            "without_kill": len(changes) - after_kill,
+            "after_master_stop": after_stop, "unprovoked": len(changes) - after_kill - after_stop,
+            "by_group": dict(by_group),
+            "unprovoked_examples": [c for i, c in enumerate(changes) if i not in claimed][:EXAMPLES_MAX]}
+
+
+def resume_times(faults: list[dict], sends: dict[str, dict], receives: list[dict]) -> list[int | None]:
+    """Per delay master SIGKILL: ms until the first receive of a message of that delay group due
+    after the kill (None: none came). A send record without ``delay_group`` matches any group."""
+    recv = sorted((r["t"], r.get("deliver_at") or 0, r["id"]) for r in receives)
+    times = [t for t, _, _ in recv]
+    out = []
+    for f in sorted((f for f in faults if f.get("kind") == "delay_master_kill" and not f.get("skipped")
+                     and "t_start" in f), key=lambda f: f["t_start"]):
+        at = f["t_start"]
+        got = None
+        for t, due, mid in recv[bisect.bisect_right(times, at):]:
+            group = sends.get(mid, {}).get("delay_group")
+            if due > at and (group is None or f.get("group") is None or group == f["group"]):
+                got = t - at
+                break
+        out.append(got)
+    return out
 
 
 def check(out_dir: str | Path) -> dict:
@@ -151,7 +293,20 @@ def check(out_dir: str | Path) -> dict:
     stop_failovers = [f["failover_ms"] for f in faults if f.get("failover_ms") is not None
                       and f["kind"] == "delay_master_stop"]
     recovered = [f["recovered_ms"] for f in faults if f.get("recovered_ms") is not None]
-    not_recovered = [f["index"] for f in faults if f.get("recovered_ms") is None and not f.get("skipped")]
+    not_recovered = [f["index"] for f in faults if f.get("recovered_ms") is None and not f.get("skipped")
+                     and f.get("recovery_measured", True)]
+    not_restored = [f"fault {f['index']} {f['kind']} {f.get('process', '')}: {f.get('restore_error', '')}".strip()
+                    for f in faults if f.get("restored") is False]
+    t0 = run.get("t0_ms", 0)
+    changes = master_changes(logs.get("became_master", []), faults, t0)
+    resumes = resume_times(faults, acked, receives)
+    journals = _journal_paths(run)
+    windows = ack_windows(journals, t0)
+    overlaps = ack_overlaps(windows)
+    two_masters = shared_epochs(windows)
+    load = [e["load1"] for e in _lines(out / "load.jsonl")
+            if t0 <= e["t"] <= run.get("t_send_end", 1 << 62)]
+    expect = run.get("expect") or {}
 
     violations = []
     if lost:
@@ -166,6 +321,20 @@ def check(out_dir: str | Path) -> dict:
         violations.append(f"{len(logs['storage_errors'])} storage/corruption errors in process logs")
     if not sends:
         violations.append("no messages were sent")
+    if not_restored:
+        violations.append(f"{len(not_restored)} faults not restored")
+    if run.get("teardown_errors"):
+        violations.append(f"{len(run['teardown_errors'])} errors undoing faults at teardown")
+    if overlaps:
+        violations.append(f"{len(overlaps)} overlapping acknowledgement windows of two members of a group")
+    if two_masters:
+        violations.append(f"{len(two_masters)} epochs acknowledged by two members")
+    if run.get("ack_journal_expected") and acked and not windows:
+        violations.append("no acknowledgement window journaled although sends were acknowledged "
+                          "(HOURGLASS_ACK_JOURNAL not in effect?)")
+    limit = expect.get("master_changes_without_kill_max")
+    if limit is not None and changes["without_kill"] > limit:
+        violations.append(f"{changes['without_kill']} master changes without a kill (at most {limit} expected)")
 
     return {
         "seed": run["seed"], "duration_s": run["duration_s"], "passed": not violations, "violations": violations,
@@ -173,7 +342,17 @@ def check(out_dir: str | Path) -> dict:
                    "skipped": [f for f in faults if f.get("skipped")],
                    "master_kills": fault_kinds.get("delay_master_kill", 0),
                    "failover_ms": percentiles(failovers), "frozen_master_failover_ms": percentiles(stop_failovers),
-                   "recovery_ms": percentiles(recovered), "not_recovered": not_recovered},
+                   "recovery_ms": percentiles(recovered), "not_recovered": not_recovered,
+                   "not_restored": not_restored[:EXAMPLES_MAX],
+                   "resume_ms": percentiles([r for r in resumes if r is not None]),
+                   "not_resumed": sum(1 for r in resumes if r is None)},
+        "master_changes": changes,
+        "ack_windows": {"journals": len(journals), "windows": len(windows), "overlaps": len(overlaps),
+                        "overlap_examples": overlaps[:EXAMPLES_MAX], "shared_epochs": two_masters[:EXAMPLES_MAX],
+                        "pad_ms": ACK_WINDOW_PAD_MS},
+        "load1": {"n": len(load), "min": min(load) if load else None,
+                  "p50": percentiles(load)["p50"], "max": max(load) if load else None},
+        "scenario": run.get("scenario"), "expect": expect,
         "messages": {"sent": len(sends), "acked": len(acked), "send_failed": len(unacked),
                      "cancel_results": dict(cancel_results), "expected_deliveries": expected,
                      "not_checked_due_after_run": not_checked, "receives": len(receives)},
@@ -193,15 +372,26 @@ def check(out_dir: str | Path) -> dict:
 
 def summarize(r: dict) -> str:
     f, m, lat = r["faults"], r["messages"], r["lateness_ms"]
+    mc, aw, ld = r["master_changes"], r["ack_windows"], r["load1"]
 
     def pct(d):
         return f"p50={d['p50']} p99={d['p99']} max={d['max']} (n={d['n']})"
     lines = [
-        f"chaos seed={r['seed']} duration={r['duration_s']}s: {'PASSED' if r['passed'] else 'FAILED'}",
+        f"chaos {('scenario=' + r['scenario'] + ' ') if r.get('scenario') else ''}seed={r['seed']} "
+        f"duration={r['duration_s']}s: {'PASSED' if r['passed'] else 'FAILED'}",
         f"faults: {f['injected']} injected {f['by_kind']}; master kills={f['master_kills']}",
         f"failover ms (master SIGKILL -> slave promoted): {pct(f['failover_ms'])}",
         f"failover ms (master SIGSTOP -> slave promoted within hold): {pct(f['frozen_master_failover_ms'])}",
         f"recovery ms (fault start -> all groups healthy): {pct(f['recovery_ms'])}",
+        f"resume ms (delay master SIGKILL -> first receive of that group due after it): {pct(f['resume_ms'])}"
+        f" not resumed={f['not_resumed']}",
+        f"master changes: {mc['total']} (after a kill {mc['after_kill']}, without a kill {mc['without_kill']}: "
+        f"after a master stop {mc['after_master_stop']}, unprovoked {mc['unprovoked']}; to another node "
+        f"{mc['to_another_node']}) {mc['by_group']}",
+        (f"ack windows: {aw['windows']} in {aw['journals']} journals, overlapping pairs={aw['overlaps']}, "
+         f"epochs with two members={len(aw['shared_epochs'])}" if aw["journals"]
+         else "ack windows: no journal (overlaps not checked; HOURGLASS_ACK_JOURNAL)"),
+        f"load avg (1 min) during the workload: min={ld['min']} p50={ld['p50']} max={ld['max']} (n={ld['n']})",
         f"messages: sent={m['sent']} acked={m['acked']} send_failed={m['send_failed']} cancels={m['cancel_results']}",
         f"expected deliveries={m['expected_deliveries']} receives={m['receives']} lost={r['lost']['count']} "
         f"received_after_cancel={r['received_after_cancel']['count']} early={r['received_early']['count']} "
@@ -213,6 +403,8 @@ def summarize(r: dict) -> str:
         f"restart errors={len(r['restart_errors'])} storage errors in logs={len(r['logs']['storage_errors'])} "
         f"tracebacks in logs={sum(r['logs']['tracebacks'].values())}",
     ]
+    for sk in f["skipped"]:
+        lines.append(f"skipped: fault {sk.get('index')} {sk.get('kind')}: {sk.get('skipped')}")
     for v in r["violations"]:
         lines.append(f"VIOLATION: {v}")
     if not r["passed"]:

@@ -1,16 +1,32 @@
-"""``hourglass dev chaos``: traffic against a running ``hourglass dev up`` cluster while delay
-masters are SIGKILLed on a seeded schedule; the verdict comes from ``cluster.chaoscheck`` (the
-checker of the chaos suite), which reads only the files this run records.
+"""``hourglass dev chaos``: traffic against a running ``hourglass dev up`` cluster while faults
+play on a seeded schedule; the verdict comes from ``cluster.chaoscheck`` (the checker of the
+chaos suite), which reads only the files this run records.
+
+Three plans (``cluster/chaosplan.py``):
+
+* ``kills`` (the default): ``kills`` SIGKILLs of a delay master, one after the other;
+* ``kinds``: the seeded random plan of ``fault_schedule`` over ``duration_s`` with the kinds
+  given (``DEV_KINDS``: master kills and SIGSTOPs, and the starvation kinds: CPU and disk
+  starvation, a cgroup CPU quota on the master, SIGSTOP stalls of a node, the meta server,
+  etcd);
+* ``scenario``: a named scenario's lanes (``meta-pause``, ``starved-kills``, ``starved``) with
+  its load (rate, due times, two consumer groups), for ``duration_s`` or the scenario's length.
 
 The cluster is found through its ``cluster.json`` (meta servers, and every process's role,
-address and PID). A master is killed by the PID listed there, after checking that the PID's
-command line is that node's (a PID is never trusted by name alone); bringing it back is the
-job of the ``dev up`` supervisor, so a kill that is not followed by a restart within
-``restart_timeout_s`` is recorded as a restart error and fails the run.
+address and PID). A process is signalled by the PID listed there, after checking that the PID's
+command line is that process's (a PID is never trusted by name alone); bringing a killed master
+back is the job of the ``dev up`` supervisor, so a kill that is not followed by a restart within
+``restart_timeout_s`` is recorded as a restart error and fails the run. Machine faults
+(``cluster/chaosfaults.py``) are undone at their end and when the run stops, also on Ctrl-C.
+
+Acknowledgement windows are checked when the delay nodes journal them: start ``dev up`` with
+``HOURGLASS_ACK_JOURNAL=<absolute path>`` in its environment (its nodes inherit it; they may
+share one file) and pass the same path as ``ack_journals``; ``*.acks.jsonl`` in the data folder
+are read too.
 
 Files written to ``out_dir`` (the format of ``tests/chaos/harness.py``): ``sends.jsonl``,
 ``cancels.jsonl`` (empty: this run does not cancel), ``receives.jsonl``, ``faults.jsonl``,
-``run.json``; then ``report.json``.
+``load.jsonl``, ``run.json``; then ``report.json``.
 """
 
 from __future__ import annotations
@@ -26,6 +42,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
+from cluster.chaosfaults import FaultKit
+from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, lanes, scenario_schedule
 from cluster.security import client_security_from
 
 KILLS_MAX = 100
@@ -36,6 +54,11 @@ RESTART_TIMEOUT_S = 60.0
 SEND_BATCHES_INFLIGHT_MAX = 64
 POLL_S = 0.1
 SEND_PERIOD_S = 0.1
+LOAD_SAMPLE_S = 1.0
+CLIENT_NICE_BOOST = 10       # with cpu_starve this process (the clients) runs this much nicer than the nodes
+DURATION_S_MAX = 86_400
+# what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
+DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
 
 
 def now_ms() -> int:
@@ -53,6 +76,24 @@ class DevChaosConfig(BaseModel):
     delay_ms_max: int = Field(default=4000, ge=0)     # messages are due 0..delay_ms_max after sending
     tail_s: float = Field(default=3.0, ge=0)          # traffic after the last kill recovered
     drain_s_max: float = Field(default=30.0, gt=0)    # after the latest due time, for deliveries
+    delay_ms_min: int = Field(default=0, ge=0)
+    groups: tuple[str, ...] = ("g1",)                 # consumer groups, each on every subject
+    scenario: str | None = None                       # a named plan (its load overrides the above)
+    kinds: tuple[str, ...] = ()                       # the random plan of these kinds (instead of kills)
+    duration_s: float | None = Field(default=None, gt=0, le=DURATION_S_MAX)  # scenario / kinds plans
+    cpu_hogs_per_core: int = Field(default=8, ge=1, le=64)
+    disk_writers: int = Field(default=2, ge=1, le=64)
+    throttle_cpu_fraction: float = Field(default=0.2, gt=0, le=64)
+    ack_journals: tuple[Path, ...] = ()               # expected: the run fails if they hold no window
+
+
+def scenario_dev_config(name: str, **kw) -> DevChaosConfig:
+    """The dev chaos settings of scenario ``name`` (its rate, due times, consumer groups); ``kw``
+    (cluster_file, out_dir, seed, duration_s, rate_per_s ...) wins."""
+    sc = SCENARIOS[name]
+    base = dict(scenario=name, rate_per_s=sc.rate_per_s, delay_ms_min=sc.due_ms[0], delay_ms_max=sc.due_ms[1],
+                groups=sc.groups_every_subject, duration_s=sc.duration_s)
+    return DevChaosConfig(**(base | {k: v for k, v in kw.items() if v is not None}))
 
 
 def kill_schedule(seed: int, kills: int, first_s: float, gap_s: float) -> list[tuple[float, int]]:
@@ -76,7 +117,7 @@ class DevChaos:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.files = {n: open(self.out / f"{n}.jsonl", "a", buffering=1)
-                      for n in ("sends", "cancels", "receives", "faults")}
+                      for n in ("sends", "cancels", "receives", "faults", "load")}
         self.rng = random.Random(cfg.seed * 1_000_003 + 1)
         run_id = f"{cfg.seed}-{now_ms() % 100_000_000}"  # fresh subjects: nothing of an earlier run is read
         self.subjects = [f"devchaos.{run_id}.a", f"devchaos.{run_id}.b"]
@@ -86,6 +127,9 @@ class DevChaos:
         self.acked: set[str] = set()      # drain progress only: the checker re-reads the files
         self.received: set[str] = set()
         self.log_lines: list[str] = []
+        self.kit = FaultKit(Path(cfg.cluster_file).resolve().parent / "chaos-scratch", stop=self.stop_sending)
+        self.group_names: list[str] = []
+        self.teardown_errors: list[str] = []
 
     def say(self, line: str) -> None:
         self.log_lines.append(line)
@@ -97,7 +141,22 @@ class DevChaos:
         return json.loads(Path(self.cfg.cluster_file).read_text())
 
     def delay_nodes(self) -> dict[str, dict]:
-        return {n: p for n, p in self.info().get("processes", {}).items() if p["role"] == "delay"}
+        return self.processes("delay")
+
+    def processes(self, role: str) -> dict[str, dict]:
+        return {n: p for n, p in sorted(self.info().get("processes", {}).items()) if p["role"] == role}
+
+    def verified_pid(self, name: str) -> int | None:
+        """The PID cluster.json lists for process ``name``, if that PID's command line is that process's."""
+        p = self.info().get("processes", {}).get(name)
+        if not p or not p.get("pid"):
+            return None
+        cmd = _cmdline(p["pid"])
+        port = p["address"].rsplit(":", 1)[-1]
+        ok = {"delay": "--node-id" in cmd and name in cmd, "realtime": "--node-id" in cmd and name in cmd,
+              "meta": "metaserver" in cmd and port in cmd,
+              "etcd": bool(cmd) and cmd[0].endswith("etcd") and name in cmd}.get(p["role"], False)
+        return p["pid"] if ok else None
 
     # ------------------------------------------------------------ probes
 
@@ -147,7 +206,8 @@ class DevChaos:
             while carry >= 1:
                 carry -= 1
                 t_req = now_ms()
-                deliver_at = t_req + self.rng.randint(0, self.cfg.delay_ms_max)
+                deliver_at = t_req + self.rng.randint(min(self.cfg.delay_ms_min, self.cfg.delay_ms_max),
+                                                      self.cfg.delay_ms_max)
                 subject = self.rng.choice(self.subjects)
                 mid = f"dc{self.run_id}-m{n}"
                 n += 1
@@ -166,22 +226,26 @@ class DevChaos:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _await_sends(self, batch, inflight) -> None:
+        from cluster.client import group_for
+
         try:
             res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
         finally:
             inflight.release()
+        groups = [(g, "") for g in self.group_names]
         for (mid, subject, deliver_at, t_req, _), r in zip(batch, res):
             ok = not isinstance(r, BaseException)
             if ok:
                 self.acked.add(mid)
             self.record("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=now_ms(),
-                        ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200])
+                        ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200],
+                        delay_group=group_for(mid, groups) if groups else None)
 
-    async def consume(self, resolver, subject: str) -> None:
+    async def consume(self, resolver, subject: str, group: str) -> None:
         from cluster.client import Consumer
 
         failures = 0
-        async with Consumer(resolver, subject, group="g1", wait_ms=300) as c:
+        async with Consumer(resolver, subject, group=group, wait_ms=300) as c:
             while not self.stop_consuming.is_set():
                 try:
                     batch = await c.pull()
@@ -192,9 +256,9 @@ class DevChaos:
                 failures = 0
                 t = now_ms()
                 for m in batch:
-                    self.record("receives", id=m.id, subject=subject, group="g1", t=t, deliver_at=m.deliver_at_ms,
+                    self.record("receives", id=m.id, subject=subject, group=group, t=t, deliver_at=m.deliver_at_ms,
                                 attempts=m.attempts)
-                    self.received.add(m.id)  # may come before the send's answer
+                    self.received.add((m.id, group))  # may come before the send's answer
                 try:
                     await c.ack(batch)
                 except Exception:  # unacked messages come back: counted as duplicates
@@ -202,7 +266,7 @@ class DevChaos:
 
     # ------------------------------------------------------------ kills
 
-    async def kill_one(self, index: int, draw: int, channels) -> dict:
+    async def kill_one(self, index: int, draw: int, channels, label: str = "kill") -> dict:
         ev = {"index": index, "kind": "delay_master_kill", "target": draw, "hold_s": 0}
         masters = await self.wait(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
         if not masters:
@@ -217,7 +281,7 @@ class DevChaos:
         ev.update(process=name, group=group, pid=pid)
         t_start = now_ms()
         os.kill(pid, signal.SIGKILL)
-        self.say(f"kill {index + 1}: SIGKILL {name} pid={pid} (master of {group})")
+        self.say(f"{label} {index + 1}: SIGKILL {name} pid={pid} (master of {group})")
 
         async def taken_over():
             m = (await self.masters(channels)).get(group)
@@ -226,7 +290,7 @@ class DevChaos:
         ev["failover_ms"] = now_ms() - t_start if new_master else None
         ev["new_master"] = new_master
         if new_master:
-            self.say(f"kill {index + 1}: {new_master} is master of {group} after {ev['failover_ms']} ms")
+            self.say(f"{label} {index + 1}: {new_master} is master of {group} after {ev['failover_ms']} ms")
 
         async def back():
             p = self.delay_nodes()[name]
@@ -242,59 +306,179 @@ class DevChaos:
         ok = await self.wait(healthy, FAILOVER_TIMEOUT_S)
         ev["recovered_ms"] = now_ms() - t_start if ok else None
         if restarted:
-            self.say(f"kill {index + 1}: {name} back as {(await self.statuses(channels)).get(name, {}).get('mode', '?')}"
+            mode = (await self.statuses(channels)).get(name, {}).get("mode", "?")
+            self.say(f"{label} {index + 1}: {name} back as {mode}"
                      f" pid={self.delay_nodes()[name]['pid']}")
         return ev
 
-    async def kills(self) -> None:
-        from cluster.transport import Channels
+    async def kills(self, channels) -> None:
+        for i, (wait_s, draw) in enumerate(kill_schedule(self.cfg.seed, self.cfg.kills, self.cfg.first_kill_s,
+                                                         self.cfg.kill_gap_s)):
+            await asyncio.sleep(wait_s)
+            self.record("faults", **await self.kill_one(i, draw, channels))
 
-        channels = Channels(client_security_from(self.info().get("security")))
+    # ------------------------------------------------------------ plans of other faults
+
+    def plan(self) -> list[Fault] | None:
+        """The scenario's or the random plan's faults; None for the plain kills."""
+        cfg = self.cfg
+        if cfg.scenario:
+            return scenario_schedule(SCENARIOS[cfg.scenario], cfg.seed, cfg.duration_s)
+        if cfg.kinds:
+            topo = Topology(delay_groups=max(1, len(self.group_names)), realtime_groups=1,
+                            meta=max(1, len(self.processes("meta"))), etcd_members=max(1, len(self.processes("etcd"))))
+            return fault_schedule(cfg.seed, cfg.duration_s or 60.0, kinds=cfg.kinds, topology=topo,
+                                  first_s=cfg.first_kill_s, gap_s=cfg.kill_gap_s)
+        return None
+
+    async def _stopped_within(self, delay_s: float) -> bool:
         try:
-            for i, (wait_s, draw) in enumerate(kill_schedule(self.cfg.seed, self.cfg.kills, self.cfg.first_kill_s,
-                                                             self.cfg.kill_gap_s)):
-                await asyncio.sleep(wait_s)
-                self.record("faults", **await self.kill_one(i, draw, channels))
-        finally:
-            await channels.close()
+            async with asyncio.timeout(delay_s):
+                await self.stop_sending.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def play(self, plan: list[Fault], channels) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for name, faults in lanes(plan).items():
+                tg.create_task(self._lane(name, faults, channels), name=f"lane-{name}")
+
+    async def _lane(self, name: str, faults: list[Fault], channels) -> None:
+        for f in faults:
+            if self.stop_sending.is_set():
+                break
+            delay = self.t0 / 1000 + f.at_s - time.time()
+            if delay > 0 and await self._stopped_within(delay):
+                break
+            self.record("faults", **await self.inject(f, channels))
+
+    async def inject(self, f: Fault, channels) -> dict:
+        ev = {"index": f.index, "kind": f.kind, "target": f.target, "hold_s": f.hold_s, "at_s": f.at_s, "lane": f.lane}
+        try:
+            if f.kind == "delay_master_kill":
+                return ev | await self.kill_one(f.index, f.target, channels, label="fault") | {"lane": f.lane}
+            got = await self._inject(f, channels)
+        except (OSError, E.HourglassError) as e:  # could not act: recorded, the run goes on
+            return ev | {"skipped": f"injector error: {type(e).__name__}: {e}", "t_start": now_ms(), "t_end": now_ms()}
+        ev |= got
+        if not ev.get("skipped"):
+            self.say(f"fault {f.index + 1}: {f.kind} {ev.get('process', '')} held {f.hold_s:g} s, undone")
+        return ev
+
+    async def _inject(self, f: Fault, channels) -> dict:
+        cfg, kit = self.cfg, self.kit
+        if f.kind == "cpu_starve":
+            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # this process is the clients: its load must not starve
+            try:
+                return await kit.cpu_starve(f.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
+            finally:
+                kit.unboost()
+        if f.kind == "disk_saturate":
+            return await kit.disk_saturate(f.hold_s, writers=cfg.disk_writers)
+        if f.kind in ("meta_stall", "etcd_stall"):
+            names = list(self.processes("meta" if f.kind == "meta_stall" else "etcd"))
+            if not names:
+                return {"skipped": "no such process in cluster.json", "t_start": now_ms(), "t_end": now_ms()}
+            name = names[f.target % len(names)]
+            pid = self.verified_pid(name)
+            if pid is None:
+                return {"process": name, "skipped": f"the pid listed for {name} is not that process",
+                        "t_start": now_ms(), "t_end": now_ms()}
+            return {"process": name} | await kit.stall(pid, f.hold_s)
+        # a member of a delay group: its master (node_stall: master or slave by the target's parity)
+        masters = await self.wait(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
+        if not masters:
+            return {"skipped": "no delay master found", "t_start": now_ms(), "t_end": now_ms()}
+        groups = sorted(masters)
+        group = groups[(f.target // 2 if f.kind == "node_stall" else f.target) % len(groups)]
+        name, role = masters[group], "master"
+        if f.kind == "node_stall" and f.target % 2:
+            st = await self.statuses(channels)
+            slaves = sorted(n for n, v in st.items() if v["group"] == group and n != name)
+            if not slaves:
+                return {"group": group, "skipped": "no slave answers", "t_start": now_ms(), "t_end": now_ms()}
+            name, role = slaves[0], "slave"
+        pid = self.verified_pid(name)
+        if pid is None:
+            return {"process": name, "skipped": f"the pid listed for {name} is not that node", "t_start": now_ms(),
+                    "t_end": now_ms()}
+        ev = {"process": name, "group": group, "role": role}
+        if f.kind == "node_throttle":
+            return ev | await kit.throttle(pid, f.hold_s, cpu_fraction=cfg.throttle_cpu_fraction)
+        return ev | await kit.stall(pid, f.hold_s)   # delay_master_stop, node_stall
+
+    async def sample_load(self) -> None:
+        while not await self._stopped_within(LOAD_SAMPLE_S):
+            self.record("load", t=now_ms(), load1=float(Path("/proc/loadavg").read_text().split()[0]))
 
     # ------------------------------------------------------------ main
 
     async def run(self) -> dict:
         from cluster.client import Producer
         from cluster.discovery import MetaResolver
+        from cluster.transport import Channels
 
         info = self.info()
         if not info.get("meta"):
-            raise E.InvalidArgument("dev chaos needs a cluster with meta servers (`hourglass dev up --meta`)")
+            raise E.InvalidArgument("cluster",
+                                    "dev chaos needs a cluster with meta servers (`hourglass dev up --meta`)")
         resolver = MetaResolver(info["meta"], refresh_ms=500, security=client_security_from(info.get("security")))
-        t0 = now_ms()
+        channels = Channels(client_security_from(info.get("security")))
+        plan: list[Fault] | None = None
         try:
+            self.group_names = [g for g, _ in await resolver.delay_groups()]
+            plan = self.plan()
+            self.t0 = t0 = now_ms()
             async with Producer(resolver, retries_max=40) as producer:
-                consumers = [asyncio.create_task(self.consume(resolver, s)) for s in self.subjects]
+                consumers = [asyncio.create_task(self.consume(resolver, s, g))
+                             for s in self.subjects for g in self.cfg.groups]
                 prod = asyncio.create_task(self.produce(producer))
+                load = asyncio.create_task(self.sample_load())
                 try:
-                    await self.kills()
-                    await asyncio.sleep(self.cfg.tail_s)
+                    if plan is None:
+                        await self.kills(channels)
+                        await asyncio.sleep(self.cfg.tail_s)
+                    else:
+                        self.say(f"plan: {len(plan)} faults over {self.cfg.duration_s or 60:g} s "
+                                 f"({', '.join(sorted({f.kind for f in plan}))})")
+                        play = asyncio.create_task(self.play(plan, channels))
+                        end = time.monotonic() + (self.cfg.duration_s or 60.0)
+                        await asyncio.wait([play], timeout=self.cfg.duration_s or 60.0)
+                        if play.done():
+                            play.result()  # a lane that failed fails the run now
+                            await asyncio.sleep(max(0.0, end - time.monotonic()))  # traffic runs its length
+                        self.stop_sending.set()
+                        await play
                 finally:
                     self.stop_sending.set()
+                    self.teardown_errors += self.kit.restore_all()
                     await prod
+                    await load
                 t_send_end = now_ms()
                 due_limit = t_send_end + self.cfg.delay_ms_max
                 deadline = time.monotonic() + self.cfg.delay_ms_max / 1000 + self.cfg.drain_s_max
-                while self.acked - self.received and time.monotonic() < deadline:
+                want = {(mid, g) for mid in self.acked for g in self.cfg.groups}
+                while want - self.received and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
                 await asyncio.sleep(1.0)  # late duplicates are seen too
                 self.stop_consuming.set()
                 await asyncio.gather(*consumers, return_exceptions=True)
         finally:
+            self.teardown_errors += self.kit.restore_all()
+            await channels.close()
             await resolver.close()
             for f in self.files.values():
                 f.close()
+        sc = SCENARIOS.get(self.cfg.scenario or "")
         run = {"seed": self.cfg.seed, "duration_s": round((t_send_end - t0) / 1000, 1),
                "config": json.loads(self.cfg.model_dump_json()), "t0_ms": t0, "t_send_end": t_send_end,
-               "due_limit_ms": due_limit, "groups": {s: ["g1"] for s in self.subjects},
-               "log_dir": str(Path(self.cfg.cluster_file).resolve().parent), "restore_errors": []}
+               "due_limit_ms": due_limit, "groups": {s: list(self.cfg.groups) for s in self.subjects},
+               "log_dir": str(Path(self.cfg.cluster_file).resolve().parent), "restore_errors": [],
+               "scenario": self.cfg.scenario, "schedule": [f.model_dump() for f in plan or []],
+               "ack_journals": [str(p) for p in self.cfg.ack_journals],
+               "ack_journal_expected": bool(self.cfg.ack_journals), "teardown_errors": self.teardown_errors,
+               "expect": {"master_changes_without_kill_max": sc.master_changes_without_kill_max if sc else None}}
         (self.out / "run.json").write_text(json.dumps(run, indent=2))
         return run
 
@@ -303,9 +487,15 @@ def run_dev_chaos(cfg: DevChaosConfig, say=print) -> dict:
     """Run against the cluster of ``cfg.cluster_file``, check the files, write ``report.json``."""
     from cluster.chaoscheck import check
 
+    unknown = set(cfg.kinds) - set(DEV_KINDS)
+    if unknown:
+        raise E.InvalidArgument("kinds", f"dev chaos cannot play {sorted(unknown)}; it plays {', '.join(DEV_KINDS)}")
     chaos = DevChaos(cfg)
     chaos.say = say
-    asyncio.run(chaos.run())
+    try:
+        asyncio.run(chaos.run())
+    finally:
+        chaos.kit.restore_all()  # interrupted: nothing stays starved, throttled or frozen
     report = check(cfg.out_dir)
     (Path(cfg.out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     return report

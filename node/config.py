@@ -68,6 +68,9 @@ class NodeSettings(BaseSettings):
                              description="a master that stood down does not contest the seat again for this long "
                                          "while another member is registered: the new master keeps its seat")
     leader_poll_ms: int = Field(default=100, ge=10)
+    ack_journal: Path | None = Field(default=None,
+                                     description="append this master's acknowledgement windows here (JSON lines "
+                                                 "for the chaos checker, node/replication/ackjournal.py); off if unset")
 
     # limits a producer can hit; the defaults are cluster.codec.Limits' (docs/api.md, "Limits")
     payload_bytes_max: int = Field(default=DEFAULT_LIMITS.payload_bytes_max, ge=1)

@@ -37,7 +37,10 @@ TIERS = ("unit", "integration", "slow")
 # module (relative to tests/) -> tier of its tests, unless a test or class carries its own tier marker
 MODULE_TIERS = {
     "chaos/test_chaos.py": "slow",
+    "chaos/test_checker.py": "unit",
     "chaos/test_partition.py": "slow",
+    "chaos/test_starvation.py": "slow",
+    "test_ackjournal.py": "unit",
     "test_cli.py": "integration",
     "test_cli_dev.py": "integration",
     "test_cli_verify.py": "integration",

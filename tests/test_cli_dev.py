@@ -57,6 +57,18 @@ def test_dev_chaos_without_a_cluster_says_so(tmp_path):
     assert_no_traceback(r.stdout + r.stderr)
 
 
+@pytest.mark.parametrize("args, option", [
+    (["--scenario", "nope"], "--scenario"),
+    (["--kinds", "node_stall,etcd_kill"], "--kinds"),          # etcd kills are the harness's
+    (["--scenario", "meta-pause", "--kinds", "node_stall"], "--kinds"),
+])
+def test_dev_chaos_refuses_unknown_scenarios_and_kinds(tmp_path, args, option):
+    r = run_cli("dev", "chaos", *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"Invalid value for '{option}'" in r.stdout + r.stderr
+    assert_no_traceback(r.stdout + r.stderr)
+
+
 # ---------------------------------------------------------------------- restart rule (pure)
 
 

@@ -2,6 +2,7 @@
 
     hourglass dev up [--replicas 2 --ack-mode sync]   a supervised cluster that runs until Ctrl-C
     hourglass dev chaos --kills 3 [--seed 7]          traffic + seeded master kills against it, verdict
+    hourglass dev chaos --scenario meta-pause         a named scenario (issue 26), or --kinds node_stall,...
 
 ``dev up`` resolves its data folder once, at the start (the processes run with the repository
 as their working directory), restarts a process that dies on its own data after a backoff
@@ -155,17 +156,43 @@ async def _supervise(supervisor) -> None:
 def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SIGKILL, one after the other"),
           seed: int = typer.Option(1, help="the same seed gives the same kill schedule and traffic"),
           cluster_file: Path = typer.Option(DEFAULT_DATA / "cluster.json", help="cluster.json of `hourglass dev up`"),
-          rate: float = typer.Option(20.0, min=1, max=10_000, help="messages produced per second"),
+          rate: Optional[float] = typer.Option(None, min=1, max=10_000,
+                                               help="messages produced per second (default 20, or the scenario's)"),
           kill_gap_s: float = typer.Option(6.0, min=0, max=600, help="mean seconds between a recovery and the next kill"),
+          scenario: Optional[str] = typer.Option(None, help="a named scenario (docs/reliability.md): meta-pause, "
+                                                            "starved-kills, starved; its own load and faults"),
+          kinds: Optional[str] = typer.Option(None, help="comma-separated fault kinds of a seeded random plan instead "
+                                                         "of the kills (docs/reliability.md, 'Fault kinds')"),
+          duration_s: Optional[float] = typer.Option(None, min=1, max=86_400,
+                                                     help="seconds of traffic of --scenario (default its own) or "
+                                                          "--kinds (default 60)"),
+          cpu_hogs_per_core: int = typer.Option(8, min=1, max=64, help="cpu_starve: busy processes per core"),
+          disk_writers: int = typer.Option(2, min=1, max=64, help="disk_saturate: processes appending + fdatasync"),
+          throttle_cpu: float = typer.Option(0.2, min=0.01, max=64, help="node_throttle: CPUs the master may use"),
+          ack_journal: list[Path] = typer.Option([], help="the HOURGLASS_ACK_JOURNAL file(s) `dev up` ran with: the "
+                                                          "run fails if two members acknowledged at once"),
           out: Optional[Path] = typer.Option(None, help="where the run's records go (default: DATA/chaos-SEED-TIME)"),
           as_json: bool = typer.Option(False, "--json", help="print the whole report as JSON"),
           ) -> None:
-    """Run traffic against the `dev up` cluster, SIGKILL delay masters on a seeded schedule, check the records.
+    """Run traffic against the `dev up` cluster, SIGKILL delay masters on a seeded schedule (or play a
+    scenario or other fault kinds), check the records.
 
-    The killed masters are restarted by `dev up`; the verdict (acknowledged, lost, duplicates,
-    failover times) is the chaos suite's invariant checker's."""
-    from cluster.devchaos import DevChaosConfig, run_dev_chaos
+    The killed masters are restarted by `dev up`; machine faults (CPU and disk starvation, CPU
+    quotas, SIGSTOP stalls) are undone at their end and on Ctrl-C. The verdict (acknowledged,
+    lost, duplicates, failover and resume times, master changes, acknowledgement windows) is the
+    chaos suite's invariant checker's."""
+    from cluster.chaosplan import SCENARIOS
+    from cluster.devchaos import DEV_KINDS, DevChaosConfig, run_dev_chaos, scenario_dev_config
     from cluster.errors import HourglassError
+
+    if scenario is not None and scenario not in SCENARIOS:
+        raise typer.BadParameter(f"{scenario!r}; known: {', '.join(sorted(SCENARIOS))}", param_hint="'--scenario'")
+    kind_list = tuple(k for k in (kinds or "").split(",") if k)
+    if set(kind_list) - set(DEV_KINDS):
+        raise typer.BadParameter(f"{sorted(set(kind_list) - set(DEV_KINDS))}; dev chaos plays {', '.join(DEV_KINDS)}",
+                                 param_hint="'--kinds'")
+    if scenario and kind_list:
+        raise typer.BadParameter("give --scenario or --kinds, not both", param_hint="'--kinds'")
 
     cluster_file = cluster_file.resolve()
     if not cluster_file.exists():
@@ -174,9 +201,16 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
     if not info.get("meta") or "processes" not in info:
         raise fail(f"{cluster_file} is not of a `hourglass dev up --meta` cluster", 2)
     out = (out or cluster_file.parent / f"chaos-{seed}-{int(time.time())}").resolve()
-    cfg = DevChaosConfig(cluster_file=cluster_file, out_dir=out, seed=seed, kills=kills, rate_per_s=rate,
-                         kill_gap_s=kill_gap_s)
-    say(f"chaos seed={seed}: {kills} delay master kill(s), {rate:g} msg/s, records in {out}")
+    common = dict(cluster_file=cluster_file, out_dir=out, seed=seed, kills=kills, kill_gap_s=kill_gap_s,
+                  cpu_hogs_per_core=cpu_hogs_per_core, disk_writers=disk_writers, throttle_cpu_fraction=throttle_cpu,
+                  ack_journals=tuple(p.resolve() for p in ack_journal))
+    if scenario:
+        cfg = scenario_dev_config(scenario, rate_per_s=rate, duration_s=duration_s, **common)
+        what = f"scenario {scenario} for {cfg.duration_s:g} s"
+    else:
+        cfg = DevChaosConfig(rate_per_s=rate or 20.0, kinds=kind_list, duration_s=duration_s, **common)
+        what = f"{', '.join(kind_list)} for {duration_s or 60:g} s" if kind_list else f"{kills} delay master kill(s)"
+    say(f"chaos seed={seed}: {what}, {cfg.rate_per_s:g} msg/s, records in {out}")
     try:
         report = run_dev_chaos(cfg, say=say)
     except KeyboardInterrupt:
@@ -197,7 +231,7 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
 
 def verdict_table(report: dict) -> Table:
     f, m, lat = report["faults"], report["messages"], report["lateness_ms"]
-    fo = f["failover_ms"]
+    fo, rs, mc, aw = f["failover_ms"], f["resume_ms"], report["master_changes"], report["ack_windows"]
     t = Table("check", "value", title=f"dev chaos seed={report['seed']}: "
               + ("PASSED" if report["passed"] else "FAILED"))
     rows = [
@@ -208,6 +242,13 @@ def verdict_table(report: dict) -> Table:
         ("duplicates (extra receives)", str(report["duplicates"]["extra_receives"])),
         ("failover s (kill -> new master) p50 / max",
          "-" if fo["n"] == 0 else f"{fo['p50'] / 1000:.1f} / {fo['max'] / 1000:.1f}"),
+        ("resume s (kill -> deliveries again) p50 / max",
+         "-" if rs["n"] == 0 else f"{rs['p50'] / 1000:.1f} / {rs['max'] / 1000:.1f}"),
+        ("master changes: after a kill / without", f"{mc['after_kill']} / {mc['without_kill']}"),
+        ("overlapping acknowledgement windows",
+         f"{aw['overlaps']} ({aw['windows']} windows)" if aw["journals"] else "not checked (no journal)"),
+        ("other faults", ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items()) if k != "delay_master_kill")
+         or "-"),
         ("processes not restarted", str(len(report["restart_errors"]))),
         ("lateness ms p50 / p99", f"{lat['all']['p50']} / {lat['all']['p99']}"),
     ]

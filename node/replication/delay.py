@@ -41,6 +41,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
+from node.replication.ackjournal import AckJournal
 from node.replication.core import SyncTracker
 from node.replication.repair import REPAIR_TIMEOUT_S, SegmentRepair
 from node.store.log import decode_frame
@@ -71,6 +72,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
+        self.ack_journal = AckJournal.from_settings(settings)  # off unless HOURGLASS_ACK_JOURNAL is set
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 
@@ -177,6 +179,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         term, tracker = self._term(), self.tracker
         resp, end = await self._ingest(request, context)
         await self._confirm_ack(term, tracker, "bytes", end, context)
+        self.ack_journal.note(self.member.epoch, time.time_ns() // 1_000_000)  # chaos checker: who acked when
         return resp
 
     async def Cancel(self, request, context):

@@ -2,21 +2,25 @@
 recorder writing every send-ack, cancel-ack and receive as JSON lines.
 
     python -m tests.chaos.harness --seed 7 --duration 60 --out /tmp/chaos-7
+    python -m tests.chaos.harness --scenario meta-pause --seed 3
+    python -m tests.chaos.harness --seed 5 --duration 120 --kinds all
 
 Pieces:
 
-* ``fault_schedule(seed, duration_s)`` - pure: the same seed gives the same list of faults
-  (kind, target, time, hold). Targets are named abstractly ("the master of delay group 1",
-  "real-time node 2") and resolved when the fault fires;
+* the fault plan (``cluster/chaosplan.py``, pure): ``fault_schedule(seed, duration_s)`` - the same
+  seed gives the same list of faults (kind, target, time, hold) - or a named scenario's plan
+  (``scenario_schedule``: lanes of faults that run side by side). Targets are named abstractly
+  ("the master of delay group 1", "real-time group 2") and resolved when the fault fires;
+* the injectors of the machine faults (``cluster/chaosfaults.py``: CPU and disk starvation,
+  a cgroup CPU quota, SIGSTOP stalls), undone at each fault's end and at teardown;
 * ``Recorder`` - append-only JSON lines files in the output directory
-  (``sends.jsonl``, ``cancels.jsonl``, ``receives.jsonl``, ``faults.jsonl``, ``run.json``);
-* ``run_chaos(config)`` - starts ``LocalCluster`` (3-member etcd, 2 meta servers, two delay
-  groups of master + slave in ``sync`` mode, real-time nodes), runs producers, cancellers,
-  consumers and the fault injector together, restores every fault, drains, stops the cluster
-  and hands the directory to ``tests.chaos.checker`` which reads the files only.
-
-Real-time groups are not replicated yet (one node each), so a real-time fault is SIGKILL and
-restart of that node on its own files; see docs/reliability.md.
+  (``sends.jsonl``, ``cancels.jsonl``, ``receives.jsonl``, ``faults.jsonl``, ``load.jsonl``,
+  ``run.json``); the delay nodes journal their acknowledgement windows beside their logs
+  (``<node>.acks.jsonl``, ``HOURGLASS_ACK_JOURNAL``);
+* ``run_chaos(config)`` - starts ``LocalCluster`` (etcd, meta servers, delay groups of master +
+  slave in ``sync`` mode, replicated real-time groups), runs producers, cancellers, consumers
+  and the fault lanes together, restores every fault, drains, stops the cluster and hands the
+  directory to ``tests.chaos.checker`` which reads the files only.
 """
 
 from __future__ import annotations
@@ -35,23 +39,21 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
+from cluster.chaosfaults import FaultKit, at_nice
+from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION_KINDS, Fault,  # noqa: F401
+                               Topology, fault_schedule, lanes, scenario_schedule)
 
 log = logging.getLogger("hourglass.chaos")
 
-FAULT_KINDS = ("delay_master_kill", "delay_master_stop", "realtime_kill", "meta_kill", "etcd_kill")
-# weights after the first shuffled pass (master kills dominate, as the acceptance asks for them)
-FAULT_WEIGHTS = {"delay_master_kill": 6, "delay_master_stop": 2, "realtime_kill": 2, "meta_kill": 1,
-                 "etcd_kill": 1}
-N_DELAY_GROUPS = 2
-N_REALTIME = 2  # real-time groups, each a master + slave
-N_META = 2
-ETCD_MEMBERS = 3
 MASTER_FIND_TIMEOUT_S = 30.0
 RECOVERY_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 45.0
 STATUS_TIMEOUT_S = 2.0
 CANCELS_INFLIGHT_MAX = 64
 SEND_BATCHES_INFLIGHT_MAX = 64
+CATCH_UP_S = 0.5             # a tick sends at most this many seconds' worth of owed messages
+CLIENT_NICE_BOOST = 10       # with cpu_starve: the harness (the clients, "on other machines") runs this much nicer
+LOAD_SAMPLE_S = 1.0
 POLL_S = 0.1
 
 
@@ -67,49 +69,52 @@ class ChaosConfig(BaseModel):
     cancel_fraction: float = 0.1                     # of messages long enough to cancel
     fault_gap_s: float = 4.0                         # mean quiet time between faults
     first_fault_s: float = 5.0
+    tail_free_s: float = 10.0                        # no fault of the random plan starts in the last seconds
     due_tail_s: float = 8.0                          # every message is due by send end + this
+    due_ms: tuple[int, int] | None = None            # uniform due range; None: the mixed distribution below
     drain_extra_s: float = 45.0                      # after the latest due, for failover + delivery
     subjects: tuple[str, ...] = ("chaos.a", "chaos.b", "chaos.c", "chaos.d")
+    groups_every_subject: tuple[str, ...] = ("g1",)  # consumer groups on every subject
+    groups_first_subject: tuple[str, ...] = ("g2",)  # ... and on the first subject only
     lease_ttl_ms: int = 2000
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] = CLASSIC_KINDS
+    hold_max_s: float | None = None                  # caps every hold of a random plan (short test runs)
+    scenario: str | None = None                      # a named plan (cluster/chaosplan.py SCENARIOS)
+    topology: Topology = Topology()
+    cpu_hogs_per_core: int = Field(default=8, ge=1, le=64)
+    disk_writers: int = Field(default=2, ge=1, le=64)
+    throttle_cpu_fraction: float = Field(default=0.2, gt=0, le=64)  # node_throttle: a 200m CPU limit
+    ack_journal: bool = True                         # delay nodes journal their acknowledgement windows
+    master_changes_without_kill_max: int | None = None  # fails the run above this (None: reported only)
     secure: bool = True                              # mutual TLS and tokens, as a production cluster runs
 
 
-class Fault(BaseModel):
-    index: int
-    at_s: float          # offset from workload start
-    kind: str
-    target: int          # delay group / real-time node / meta server / etcd member index
-    hold_s: float        # how long the process stays dead or frozen
+def scenario_config(name: str, *, seed: int, out_dir: Path, duration_s: float | None = None,
+                    rate_per_s: float | None = None, **over) -> ChaosConfig:
+    """The harness settings of a named scenario; ``duration_s``/``rate_per_s`` override its defaults."""
+    sc = SCENARIOS[name]
+    return ChaosConfig(seed=seed, out_dir=out_dir, scenario=name,
+                       duration_s=sc.duration_s if duration_s is None else duration_s,
+                       rate_per_s=sc.rate_per_s if rate_per_s is None else rate_per_s,
+                       due_ms=sc.due_ms, due_tail_s=sc.due_ms[1] / 1000, cancel_fraction=sc.cancel_fraction,
+                       groups_every_subject=sc.groups_every_subject, groups_first_subject=(),
+                       topology=over.pop("topology", sc.topology),
+                       master_changes_without_kill_max=sc.master_changes_without_kill_max, **over)
 
 
-def fault_schedule(seed: int, duration_s: float, *, gap_s: float = 4.0, first_s: float = 5.0,
-                   kinds: tuple[str, ...] = FAULT_KINDS) -> list[Fault]:
-    """Pure: faults for a run of ``duration_s``. Every kind once first (shuffled), then weighted draws.
-    Times are nominal; a fault waits for the previous one to be restored and the cluster to recover."""
-    rng = random.Random(seed)
-    weights = {k: w for k, w in FAULT_WEIGHTS.items() if k in kinds}
-    kinds = [k for k in FAULT_KINDS if k in kinds]
-    rng.shuffle(kinds)
-    out: list[Fault] = []
-    t = first_s
-    i = 0
-    limit = max(first_s, duration_s - 10.0)  # leave the tail of the run fault-free
-    while t < limit:
-        kind = kinds[i] if i < len(kinds) else rng.choices(list(weights), list(weights.values()))[0]
-        n = {"delay_master_kill": N_DELAY_GROUPS, "delay_master_stop": N_DELAY_GROUPS, "realtime_kill": N_REALTIME,
-             "meta_kill": N_META, "etcd_kill": ETCD_MEMBERS}[kind]
-        hold = round(rng.uniform(2.0, 6.0) if kind == "delay_master_stop" else rng.uniform(0.5, 4.0), 2)
-        out.append(Fault(index=i, at_s=round(t, 2), kind=kind, target=rng.randrange(n), hold_s=hold))
-        t += hold + rng.expovariate(1.0 / gap_s) + 1.0
-        i += 1
-    return out
+def plan(cfg: ChaosConfig) -> list[Fault]:
+    """The run's faults: the scenario's lanes, or the one-lane random plan."""
+    if cfg.scenario:
+        return scenario_schedule(SCENARIOS[cfg.scenario], cfg.seed, cfg.duration_s)
+    return fault_schedule(cfg.seed, cfg.duration_s, gap_s=cfg.fault_gap_s, first_s=cfg.first_fault_s,
+                          kinds=cfg.kinds, topology=cfg.topology, hold_max_s=cfg.hold_max_s,
+                          tail_free_s=cfg.tail_free_s)
 
 
 class Recorder:
     """JSON lines, one file per event kind, flushed per line (a crash of the harness keeps them)."""
 
-    NAMES = ("sends", "cancels", "receives", "faults")
+    NAMES = ("sends", "cancels", "receives", "faults", "load")
 
     def __init__(self, out_dir: Path) -> None:
         self.dir = Path(out_dir)
@@ -154,13 +159,17 @@ async def group_master(channels, nodes) -> str | None:
 
 
 async def wait_until(pred, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = await pred()
-        if got:
-            return got
-        await asyncio.sleep(POLL_S)
-    return None
+    """The predicate's first true answer, polled every POLL_S; None after ``timeout_s`` (a slow
+    predicate, e.g. Status calls to frozen nodes, is cut at the deadline too)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                got = await pred()
+                if got:
+                    return got
+                await asyncio.sleep(POLL_S)
+    except TimeoutError:
+        return None
 
 
 # ---------------------------------------------------------------------- the run
@@ -172,17 +181,20 @@ class ChaosRun:
         self.out = Path(cfg.out_dir)
         self.rec = Recorder(self.out)
         self.rng = random.Random(cfg.seed * 1_000_003 + 1)  # workload draws; faults have their own
-        self.schedule = fault_schedule(cfg.seed, cfg.duration_s, gap_s=cfg.fault_gap_s, first_s=cfg.first_fault_s,
-                                       kinds=cfg.kinds)
+        self.schedule = plan(cfg)
         self.cluster = None
         self.stop_sending = asyncio.Event()
         self.stop_consuming = asyncio.Event()
+        self.kit = FaultKit(self.out / "scratch", stop=self.stop_sending)  # same file system as the cluster's data
         self.expected: dict[str, set[str]] = {}   # group key -> ids still awaited (drain progress only)
         self.frozen: set[str] = set()
+        self.teardown_errors: list[str] = []      # faults the kit could not undo (none expected)
+        self.delay_group_names = sorted(f"delay-g{g + 1}" for g in range(cfg.topology.delay_groups))
 
     def groups_for(self, subject: str) -> list[str]:
-        # every subject has group g1; the first subject also g2 (two groups see the same messages)
-        return ["g1", "g2"] if subject == self.cfg.subjects[0] else ["g1"]
+        # by default g1 on every subject and g2 on the first (two groups see the same messages)
+        extra = self.cfg.groups_first_subject if subject == self.cfg.subjects[0] else ()
+        return list(self.cfg.groups_every_subject) + [g for g in extra if g not in self.cfg.groups_every_subject]
 
     def delay_group(self, g: int):
         return self.cluster.delay[g * 2: g * 2 + 2]
@@ -193,6 +205,8 @@ class ChaosRun:
     # ------------------------------------------------------------ workload
 
     def _delay_ms(self) -> int:
+        if self.cfg.due_ms is not None:
+            return self.rng.randint(*self.cfg.due_ms)
         r = self.rng.random()
         if r < 0.10:
             return -self.rng.randint(0, 2000)         # already due
@@ -203,20 +217,20 @@ class ChaosRun:
         return self.rng.randint(20000, 60000)
 
     async def produce(self, producer) -> None:
+        """Messages at ``rate_per_s`` on average from the workload start (open loop: time lost to
+        back-pressure during a failover is caught up afterwards, at most CATCH_UP_S of messages a
+        tick), one ``send_many`` call a tick."""
         period = 0.1
-        per_tick = self.cfg.rate_per_s * period
         n = 0
-        carry = 0.0
         inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
         cancels = asyncio.Semaphore(CANCELS_INFLIGHT_MAX)
         tasks: set[asyncio.Task] = set()
         t_end_ms = self.t0_ms + int(self.cfg.duration_s * 1000)
         due_limit = t_end_ms + int(self.cfg.due_tail_s * 1000)
         while not self.stop_sending.is_set():
-            carry += per_tick
+            owed = int(self.cfg.rate_per_s * (now_ms() - self.t0_ms) / 1000) - n
             batch = []
-            while carry >= 1:
-                carry -= 1
+            for _ in range(max(0, min(owed, int(self.cfg.rate_per_s * CATCH_UP_S) + 1))):
                 now = now_ms()
                 deliver_at = max(1, min(now + self._delay_ms(), due_limit))
                 subject = self.rng.choice(self.cfg.subjects)
@@ -225,11 +239,13 @@ class ChaosRun:
                 cancel_after = None
                 if deliver_at - now > 2500 and self.rng.random() < self.cfg.cancel_fraction * 3:
                     cancel_after = self.rng.uniform(0.2, (deliver_at - now) / 1000 - 1.5)
-                fut = await producer.send(subject, mid, id=mid, deliver_at_ms=deliver_at)
-                batch.append((mid, subject, deliver_at, now, fut, cancel_after))
+                batch.append((mid, subject, deliver_at, now, cancel_after))
             if batch:
+                # one call per tick (a producer at 2,000 msgs/s sends this way, as issue 26's did)
+                fut = await producer.send_many([b[1] for b in batch], [b[0].encode() for b in batch],
+                                               ids=[b[0] for b in batch], deliver_at_ms=[b[2] for b in batch])
                 await inflight.acquire()
-                t = asyncio.create_task(self._await_sends(producer, batch, inflight, cancels, tasks))
+                t = asyncio.create_task(self._await_sends(producer, batch, fut, inflight, cancels, tasks))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
             try:
@@ -239,15 +255,23 @@ class ChaosRun:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _await_sends(self, producer, batch, inflight, cancels, tasks) -> None:
+    async def _await_sends(self, producer, batch, fut, inflight, cancels, tasks) -> None:
+        from cluster.client import group_for
+
         try:
-            res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
+            errors = (await fut).errors
+        except Exception as e:  # the whole call failed
+            errors = dict.fromkeys(range(len(batch)), e)
         finally:
             inflight.release()
-        for (mid, subject, deliver_at, t_req, _, cancel_after), r in zip(batch, res):
-            ok = not isinstance(r, BaseException)
-            self.rec.write("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=now_ms(),
-                           ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200])
+        groups = [(g, "") for g in self.delay_group_names]
+        t_ack = now_ms()
+        for i, (mid, subject, deliver_at, t_req, cancel_after) in enumerate(batch):
+            r = errors.get(i)
+            ok = r is None
+            self.rec.write("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=t_ack,
+                           ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200],
+                           delay_group=group_for(mid, groups))
             if ok and cancel_after is not None:
                 t = asyncio.create_task(self._cancel_later(producer, mid, cancel_after, cancels))
                 tasks.add(t)
@@ -305,24 +329,81 @@ class ChaosRun:
             return f"{type(e).__name__}: {str(e)[-800:]}"
 
     async def _healthy(self, channels) -> bool:
-        for g in range(N_DELAY_GROUPS):
+        for g in range(self.cfg.topology.delay_groups):
             nodes = self.delay_group(g)
             if not all(n.running for n in nodes) or await group_master(channels, nodes) is None:
                 return False
-        for g in range(N_REALTIME):
+        for g in range(self.cfg.topology.realtime_groups):
             nodes = self.realtime_group(g)
             if not all(n.running for n in nodes) or await group_master(channels, nodes) is None:
                 return False
         return all(n.running for n in self.cluster.meta)
 
-    async def inject(self, fault: Fault, channels) -> dict:
-        c = self.cluster
+    async def inject(self, fault: Fault, channels, recovery_s: float | None = RECOVERY_TIMEOUT_S) -> dict:
+        """Play one fault, restore it, then wait up to ``recovery_s`` (None: not) for every group
+        to have a master and a slave again (the recovery time)."""
         ev = {"index": fault.index, "kind": fault.kind, "target": fault.target, "hold_s": fault.hold_s,
-               "at_s": fault.at_s}
+              "at_s": fault.at_s, "lane": fault.lane}
+        try:
+            if fault.kind in STARVATION_KINDS:
+                ev |= await self._inject_starvation(fault, channels)
+            else:
+                ev |= await self._inject_classic(fault, channels)
+        except (OSError, E.HourglassError) as e:  # an injector that could not act: recorded, the run goes on
+            log.error("fault %d %s could not be injected: %s", fault.index, fault.kind, e)
+            return ev | {"skipped": f"injector error: {type(e).__name__}: {e}", "t_start": now_ms(), "t_end": now_ms()}
+        if ev.get("skipped"):
+            return ev
+        if self.stop_sending.is_set() or recovery_s is None:
+            ev["recovery_measured"] = False  # the workload is over (restore_all and the drain follow), or a pause lane
+            return ev
+        ok = await wait_until(lambda: self._healthy(channels), max(1.0, recovery_s))
+        ev["recovered_ms"] = now_ms() - ev["t_start"] if ok else None
+        return ev
+
+    async def _delay_roles(self, group: int, channels) -> tuple | None:
+        """(master, slave) processes of delay group ``group``, or None without a master."""
+        nodes = self.delay_group(group)
+        master = await wait_until(lambda: group_master(channels, nodes), MASTER_FIND_TIMEOUT_S)
+        if master is None:
+            return None
+        return next(n for n in nodes if n.name == master), next(n for n in nodes if n.name != master)
+
+    async def _inject_starvation(self, fault: Fault, channels) -> dict:
+        cfg, c, kit = self.cfg, self.cluster, self.kit
+        if fault.kind == "cpu_starve":
+            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # the load must not starve with the nodes
+            try:
+                return await kit.cpu_starve(fault.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
+            finally:
+                kit.unboost()
+        if fault.kind == "disk_saturate":
+            return await kit.disk_saturate(fault.hold_s, writers=cfg.disk_writers)
+        if fault.kind in ("node_throttle", "node_stall"):
+            group = fault.target if fault.kind == "node_throttle" else fault.target // 2
+            roles = await self._delay_roles(group, channels)
+            if roles is None:
+                return {"skipped": "no master found", "t_start": now_ms(), "t_end": now_ms()}
+            node = roles[0] if fault.kind == "node_throttle" or fault.target % 2 == 0 else roles[1]
+            ev = {"process": node.name, "group": f"delay-g{group + 1}",
+                  "role": "master" if node is roles[0] else "slave"}
+            if fault.kind == "node_throttle":
+                return ev | await kit.throttle(node.proc.pid, fault.hold_s, cpu_fraction=cfg.throttle_cpu_fraction)
+            return ev | await kit.stall(node.proc.pid, fault.hold_s)
+        proc = c.meta[fault.target] if fault.kind == "meta_stall" else c.etcd.members[fault.target]
+        if not proc.running:
+            return {"process": proc.name, "skipped": "not running", "t_start": now_ms(), "t_end": now_ms()}
+        return {"process": proc.name} | await kit.stall(proc.proc.pid, fault.hold_s)
+
+    async def _inject_classic(self, fault: Fault, channels) -> dict:
+        c = self.cluster
+        ev: dict = {}
         t_start = now_ms()
         if fault.kind in ("delay_master_kill", "delay_master_stop", "realtime_kill"):
             nodes = (self.realtime_group(fault.target) if fault.kind == "realtime_kill"
                      else self.delay_group(fault.target))
+            ev["group"] = f"realtime-g{fault.target + 1}" if fault.kind == "realtime_kill" \
+                else f"delay-g{fault.target + 1}"
             master = await wait_until(lambda: group_master(channels, nodes), MASTER_FIND_TIMEOUT_S)
             if master is None:
                 return ev | {"skipped": "no master found", "t_start": t_start, "t_end": now_ms()}
@@ -368,37 +449,64 @@ class ChaosRun:
                 ev["restart_error"] = await self._restart(proc)
         ev["t_start"] = t_start
         ev["t_end"] = now_ms()   # process restarted / thawed
-        ok = await wait_until(lambda: self._healthy(channels), RECOVERY_TIMEOUT_S)
-        ev["recovered_ms"] = now_ms() - t_start if ok else None
+        ev["restored"] = True
         return ev
+
+    async def _stopped_within(self, delay_s: float) -> bool:
+        """Wait ``delay_s`` or until the workload ends (True)."""
+        try:
+            async with asyncio.timeout(delay_s):
+                await self.stop_sending.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def _lane(self, name: str, plan: list[Fault], channels) -> None:
+        """The faults of one lane, one after the other; the main lane waits for recovery after
+        each (up to RECOVERY_TIMEOUT_S), the kill lane until its next kill's time at most, the
+        others (periodic pauses, whole-run starvation) not at all: they keep their period."""
+        for i, fault in enumerate(plan):
+            if self.stop_sending.is_set():
+                break
+            delay = self.t0_ms / 1000 + fault.at_s - time.time()
+            if delay > 0 and await self._stopped_within(delay):
+                break
+            log.warning("fault %d (%s): %s target=%d hold=%.2fs", fault.index, name, fault.kind, fault.target,
+                        fault.hold_s)
+            recovery_s: float | None = RECOVERY_TIMEOUT_S
+            if name not in ("main", "kills"):
+                recovery_s = None
+            elif name != "main" and i + 1 < len(plan):
+                recovery_s = min(RECOVERY_TIMEOUT_S, self.t0_ms / 1000 + plan[i + 1].at_s - time.time())
+            self.rec.write("faults", **await self.inject(fault, channels, recovery_s))
 
     async def faults(self) -> None:
         from cluster.transport import Channels
 
         channels = Channels(self.cluster.node_security())
         try:
-            for fault in self.schedule:
-                if self.stop_sending.is_set():
-                    break
-                delay = self.t0_ms / 1000 + fault.at_s - time.time()
-                if delay > 0:
-                    try:
-                        await asyncio.wait_for(self.stop_sending.wait(), delay)
-                        break
-                    except asyncio.TimeoutError:
-                        pass
-                log.warning("fault %d: %s target=%d hold=%.2fs", fault.index, fault.kind, fault.target, fault.hold_s)
-                ev = await self.inject(fault, channels)
-                self.rec.write("faults", **ev)
+            async with asyncio.TaskGroup() as tg:
+                for name, plan in lanes(self.schedule).items():
+                    tg.create_task(self._lane(name, plan, channels), name=f"lane-{name}")
         finally:
             await channels.close()
 
+    async def sample_load(self) -> None:
+        """The machine's 1-minute load average every LOAD_SAMPLE_S while the workload runs."""
+        while not await self._stopped_within(LOAD_SAMPLE_S):
+            self.rec.write("load", t=now_ms(), load1=float(Path("/proc/loadavg").read_text().split()[0]))
+
     async def restore_all(self) -> list[str]:
-        """Thaw and restart everything; errors (a process that does not come back) are returned."""
+        """Undo every fault in force, thaw and restart everything; errors (a process that does
+        not come back, a helper that does not stop) are returned."""
+        self.teardown_errors += self.kit.restore_all()
         errors = []
         for n in self.cluster.nodes + self.cluster.meta:
             if n.running:
                 n.signal(signal.SIGCONT)
+        for m in self.cluster.etcd.members:
+            if m.running:
+                os.kill(m.proc.pid, signal.SIGCONT)
         for m in self.cluster.etcd.members:
             if not m.running:
                 await asyncio.to_thread(m.start)
@@ -418,10 +526,17 @@ class ChaosRun:
 
         cfg = self.cfg
         cluster_root = self.out / "cluster"
-        self.cluster = LocalCluster(cluster_root, n_delay=2 * N_DELAY_GROUPS, delay_replicas=2,
-                                    n_realtime=2 * N_REALTIME, realtime_replicas=2,
-                                    meta=True, n_meta=N_META, etcd_members=ETCD_MEMBERS, ack_mode="sync",
+        topo = cfg.topology
+        self.cluster = LocalCluster(cluster_root, n_delay=2 * topo.delay_groups, delay_replicas=2,
+                                    n_realtime=2 * topo.realtime_groups, realtime_replicas=2,
+                                    meta=True, n_meta=topo.meta, etcd_members=topo.etcd_members, ack_mode="sync",
                                     lease_ttl_ms=cfg.lease_ttl_ms, secure=cfg.secure)
+        if any(f.kind == "cpu_starve" for f in self.schedule):
+            for p in self.cluster.nodes + self.cluster.meta:  # (re)started at the nodes' nice, never boosted
+                p.prefix = [*at_nice(self.kit.base_nice), *p.prefix]
+        journals = [cluster_root / f"{n.name}.acks.jsonl" for n in self.cluster.delay] if cfg.ack_journal else []
+        for n, path in zip(self.cluster.delay, journals):
+            n.env["HOURGLASS_ACK_JOURNAL"] = str(path)
         t_cluster = time.monotonic()
         await asyncio.to_thread(self.cluster.start)
         restore_errors: list[str] = []
@@ -445,10 +560,12 @@ class ChaosRun:
                                  for s in cfg.subjects for g in self.groups_for(s)]
                     prod = asyncio.create_task(self.produce(producer))
                     faults = asyncio.create_task(self.faults())
+                    load = asyncio.create_task(self.sample_load())
                     await asyncio.sleep(cfg.duration_s)
                     self.stop_sending.set()
                     await faults
                     await prod
+                    await load
                     t_send_end = now_ms()
                     restore_errors = await self.restore_all()
                     # drain: until everything acked and not cancelled has arrived, or the latest due
@@ -467,16 +584,25 @@ class ChaosRun:
             finally:
                 await resolver.close()
         finally:
+            self.stop_sending.set()
+            self.teardown_errors += self.kit.restore_all()  # every helper stopped by PID, cgroups removed
+            if self.teardown_errors:
+                log.error("teardown: %s", self.teardown_errors)
             for n in self.cluster.nodes + self.cluster.meta:
                 n.signal(signal.SIGCONT)
+            for m in self.cluster.etcd.members:
+                if m.running:
+                    os.kill(m.proc.pid, signal.SIGCONT)
             await asyncio.to_thread(self.cluster.stop)
             self.rec.close()
         run = {"seed": cfg.seed, "duration_s": cfg.duration_s, "config": json.loads(cfg.model_dump_json()),
                "t0_ms": self.t0_ms, "t_send_end": t_send_end, "t_drain_end": t_drain_end,
                "due_limit_ms": due_limit, "cluster_start_s": round(cluster_start_s, 1),
                "groups": {s: self.groups_for(s) for s in cfg.subjects},
-               "schedule": [f.model_dump() for f in self.schedule],
-               "log_dir": str(cluster_root), "restore_errors": restore_errors}
+               "schedule": [f.model_dump() for f in self.schedule], "scenario": cfg.scenario,
+               "log_dir": str(cluster_root), "restore_errors": restore_errors, "teardown_errors": self.teardown_errors,
+               "ack_journals": [str(p) for p in journals], "ack_journal_expected": cfg.ack_journal,
+               "expect": {"master_changes_without_kill_max": cfg.master_changes_without_kill_max}}
         (self.out / "run.json").write_text(json.dumps(run, indent=2))
         return run
 
@@ -519,35 +645,65 @@ def run_chaos(cfg: ChaosConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    env = os.environ.get
     ap = argparse.ArgumentParser(description="Hourglass chaos run")
-    ap.add_argument("--seed", type=int, default=int(os.environ.get("HOURGLASS_CHAOS_SEED", "7")))
-    ap.add_argument("--duration", type=float, default=float(os.environ.get("HOURGLASS_CHAOS_DURATION_S", "60")))
-    ap.add_argument("--rate", type=float, default=float(os.environ.get("HOURGLASS_CHAOS_RATE", "25")))
-    ap.add_argument("--gap", type=float, default=float(os.environ.get("HOURGLASS_CHAOS_GAP_S", "4")))
-    ap.add_argument("--kinds", default=os.environ.get("HOURGLASS_CHAOS_KINDS", ",".join(FAULT_KINDS)),
-                    help="comma-separated fault kinds")
+    ap.add_argument("--seed", type=int, default=int(env("HOURGLASS_CHAOS_SEED", "7")))
+    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default=env("HOURGLASS_CHAOS_SCENARIO") or None,
+                    help="a named run (docs/reliability.md): its own load, cluster and fault lanes")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds of workload (default 60, or the scenario's; env HOURGLASS_CHAOS_DURATION_S)")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="messages per second (default 25, or the scenario's; env HOURGLASS_CHAOS_RATE)")
+    ap.add_argument("--gap", type=float, default=float(env("HOURGLASS_CHAOS_GAP_S", "4")))
+    ap.add_argument("--kinds", default=env("HOURGLASS_CHAOS_KINDS", ",".join(CLASSIC_KINDS)),
+                    help="comma-separated fault kinds of the random plan, or 'all' (default: the classic five)")
+    ap.add_argument("--hold-max", type=float, default=None, help="cap every hold of the random plan (seconds)")
+    ap.add_argument("--cpu-hogs-per-core", type=int, default=8, help="cpu_starve: busy processes per core")
+    ap.add_argument("--disk-writers", type=int, default=2, help="disk_saturate: fdatasync writers")
+    ap.add_argument("--throttle-cpu", type=float, default=0.2, help="node_throttle: CPUs allowed (0.2 = 200m)")
+    ap.add_argument("--topology", default=None, metavar="D,R,M,E",
+                    help="delay groups, real-time groups, meta servers, etcd members (default 2,2,2,3, or the "
+                         "scenario's 1,1,1,1)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--open", action="store_true", help="plaintext, no tokens (default: mutual TLS and tokens)")
     ap.add_argument("--schedule-only", action="store_true", help="print the fault schedule and exit")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    kinds = tuple(k for k in a.kinds.split(",") if k)
+    kinds = FAULT_KINDS if a.kinds == "all" else tuple(k for k in a.kinds.split(",") if k)
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown:
         ap.error(f"unknown fault kinds {sorted(unknown)}; known: {FAULT_KINDS}")
+    duration = a.duration if a.duration is not None else (
+        float(env("HOURGLASS_CHAOS_DURATION_S")) if env("HOURGLASS_CHAOS_DURATION_S") else None)
+    rate = a.rate if a.rate is not None else (float(env("HOURGLASS_CHAOS_RATE")) if env("HOURGLASS_CHAOS_RATE")
+                                              else None)
+    out = Path(a.out or f"/tmp/hourglass-chaos-{a.scenario or 'random'}-{a.seed}-{int(time.time())}")
+    knobs = dict(cpu_hogs_per_core=a.cpu_hogs_per_core, disk_writers=a.disk_writers,
+                 throttle_cpu_fraction=a.throttle_cpu, secure=not a.open)
+    if a.topology:
+        try:
+            d, r, m, e = (int(x) for x in a.topology.split(","))
+            knobs["topology"] = Topology(delay_groups=d, realtime_groups=r, meta=m, etcd_members=e)
+        except ValueError as err:
+            ap.error(f"--topology {a.topology!r}: {err}")
+    if a.scenario:
+        cfg = scenario_config(a.scenario, seed=a.seed, out_dir=out, duration_s=duration, rate_per_s=rate, **knobs)
+    else:
+        cfg = ChaosConfig(seed=a.seed, duration_s=duration or 60.0, out_dir=out, rate_per_s=rate or 25.0,
+                          fault_gap_s=a.gap, kinds=kinds, hold_max_s=a.hold_max, **knobs)
     if a.schedule_only:
-        for f in fault_schedule(a.seed, a.duration, gap_s=a.gap, kinds=kinds):
+        for f in plan(cfg):
             print(f.model_dump_json())
         return 0
-    out = Path(a.out or f"/tmp/hourglass-chaos-{a.seed}-{int(time.time())}")
     from tests.chaos.checker import summarize
 
-    report = run_chaos(ChaosConfig(seed=a.seed, duration_s=a.duration, out_dir=out, rate_per_s=a.rate,
-                                   fault_gap_s=a.gap, kinds=kinds, secure=not a.open))
+    report = run_chaos(cfg)
     print(summarize(report))
     print(f"report: {out / 'report.json'}")
     if not report["passed"]:
-        print(f"CHAOS FAILED seed={a.seed} (reproduce the fault schedule: --seed {a.seed} --duration {a.duration})")
+        again = f"--scenario {a.scenario} " if a.scenario else ""
+        print(f"CHAOS FAILED seed={a.seed} (reproduce the fault schedule: {again}--seed {a.seed} "
+              f"--duration {cfg.duration_s})")
         return 1
     return 0
 
