@@ -89,6 +89,9 @@ class ChaosConfig(BaseModel):
     secure: bool = True                              # mutual TLS and tokens, as a production cluster runs
 
 
+SCENARIO_LEASE_TTL_MS = 5000  # the scenarios run the leases `hourglass dev up` and the node default use
+
+
 def scenario_config(name: str, *, seed: int, out_dir: Path, duration_s: float | None = None,
                     rate_per_s: float | None = None, **over) -> ChaosConfig:
     """The harness settings of a named scenario; ``duration_s``/``rate_per_s`` override its defaults."""
@@ -99,7 +102,8 @@ def scenario_config(name: str, *, seed: int, out_dir: Path, duration_s: float | 
                        due_ms=sc.due_ms, due_tail_s=sc.due_ms[1] / 1000, cancel_fraction=sc.cancel_fraction,
                        groups_every_subject=sc.groups_every_subject, groups_first_subject=(),
                        topology=over.pop("topology", sc.topology),
-                       master_changes_without_kill_max=sc.master_changes_without_kill_max, **over)
+                       master_changes_without_kill_max=sc.master_changes_without_kill_max,
+                       lease_ttl_ms=over.pop("lease_ttl_ms", SCENARIO_LEASE_TTL_MS), **over)
 
 
 def plan(cfg: ChaosConfig) -> list[Fault]:
