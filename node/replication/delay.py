@@ -170,7 +170,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 try:
                     frames = await self._fetch_bucket_frames(address, start, m, healer.first_log_seq())
                 except (grpc.RpcError, HourglassError, TimeoutError, OSError) as e:
-                    healer.fault(HealFault("fetch", address, start, f"bucket {start}: {e}"))
+                    healer.fault(HealFault("fetch", address, 0, f"bucket {start}: {e}"))
                     unanswered += 1
                     continue
                 if self.store is not store:
