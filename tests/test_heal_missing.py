@@ -16,7 +16,8 @@ import pytest
 
 from cluster.codec import Batch
 from cluster.errors import CorruptRecord, NotFound
-from node.delay.heal import LOST_FILE, HealFault, Missing, readable_records, read_missing, salvage_frames
+from node.delay.heal import HealFault, readable_records, salvage_frames
+from node.delay.missing import LOST_FILE, Missing, read_missing
 from node.store.log import SegmentedLog
 from node.store.verify import verify_dir
 from tests.test_delay_store import T0, Harness, msg

@@ -438,7 +438,7 @@ async def test_a_member_that_cannot_answer_a_fetch_is_reported_and_asked_again_l
 
     from cluster.ports import free_port as a_free_port
     from node.config import NodeSettings
-    from node.delay.heal import Missing
+    from node.delay.missing import Missing
     from node.replication.delay import ReplicatedDelayNode
 
     settings = NodeSettings(role="delay", node_id="d1", data_dir=tmp_path / "d", port=0, replicated=True,

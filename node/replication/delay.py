@@ -39,7 +39,8 @@ from cluster.errors import CorruptRecord, DiskFull, HourglassError, StorageError
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
-from node.delay.heal import HealFault, Missing
+from node.delay.heal import HealFault
+from node.delay.missing import Missing
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.core import SyncTracker
