@@ -103,6 +103,16 @@ class NodeMetrics:
                                      "(schedule, messages, dispatch)", ["kind"], registry=r)
         self.corrupt_repaired = Counter("hourglass_corrupt_records_repaired", "Corrupt records repaired (schedule "
                                         "buckets rebuilt, segments fetched again from a slave)", ["kind"], registry=r)
+        self.lost_records = Counter("hourglass_lost_records", "Acknowledged records (messages, cancels) lost: held "
+                                    "only by a corrupt schedule frame, in no message log and on no member of the "
+                                    "group (their ids: the ERROR log line, hourglass admin verify)", registry=r)
+        self.missing_records = Gauge("hourglass_missing_records", "Records a rebuilt schedule bucket lacks that are "
+                                     "being fetched from another member of the group", registry=r)
+        self.fetched_records = Counter("hourglass_fetched_records", "Missing records of a rebuilt schedule bucket "
+                                       "given back by another member of the group", registry=r)
+        self.heal_faults = Counter("hourglass_heal_faults", "Second faults met while healing, by kind (messages, "
+                                   "dispatch: a corrupt record a rebuild read around; fetch: a member that could "
+                                   "not give missing records; rebuild: a rebuild that failed)", ["kind"], registry=r)
         self._server = None
         self.port: int | None = None
         self._buckets_shown: set[str] = set()

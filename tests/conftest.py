@@ -57,6 +57,7 @@ MODULE_TIERS = {
     "test_etcd_client.py": "unit",
     "test_failover_store.py": "integration",  # seeded runs: minutes
     "test_healing.py": "integration",
+    "test_heal_missing.py": "unit",
     "test_helm.py": "integration",
     "test_idindex.py": "unit",
     "test_layers.py": "unit",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cluster.client import Producer, StaticResolver
 from cluster.devcluster import LocalCluster, free_port
-from tests.test_healing import bucket_dir, data_segment, flip
+from tests.test_healing import PAYLOAD_1K, _flip_in_place, _frames, bucket_dir, data_segment, flip
 
 HOURGLASS = [sys.executable, "-m", "cluster.cli"]
 REPO = Path(__file__).resolve().parent.parent
@@ -86,3 +86,50 @@ def test_admin_verify_errors_are_one_line():
     assert missing.returncode == 2 and missing.stderr.startswith("error: no data folder at /nonexistent/hourglass")
     both = run("admin", "verify", "--data", "/tmp", "--node", "127.0.0.1:1")
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+async def test_admin_verify_lists_the_ids_a_single_node_lost(tmp_path):
+    """Issue 26: a single node (no replica) whose corrupt schedule frame held records the
+    message log no longer has (retention deleted the segment) loses those records and only
+    those, and says which: an ERROR line with their ids, Status, and ``admin verify`` (online,
+    then offline on the stopped node's folder) lists them; it exits 1."""
+    import asyncio
+
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "0",
+           "HOURGLASS_RETENTION_INTERVAL_MS": "300", "HOURGLASS_CHECKPOINT_INTERVAL_MS": "200"}
+    with LocalCluster(tmp_path / "c", n_realtime=1, env=env) as c:
+        node = c.delay[0]
+        resolver = StaticResolver(delay=[node.address], realtime=[n.address for n in c.realtime])
+        due = (int(time.time()) + 600) * 1000
+        ids = [f"l{k}-{i}" for k in range(6) for i in range(40)]
+        async with Producer(resolver) as p:
+            for k in range(6):  # 240 KB: the 64 KiB message log rolls; retention deletes its first segments
+                await asyncio.gather(*[p.send_and_wait("verify.lost", PAYLOAD_1K, deliver_at_ms=due + i, id=mid)
+                                       for i, mid in enumerate(ids[k * 40:(k + 1) * 40])])
+        first_seg = node.data_dir / "messages" / f"{0:020d}.log"
+        for _ in range(200):  # bounded: 20 s
+            if not first_seg.exists():
+                break
+            time.sleep(0.1)
+        assert not first_seg.exists(), node.tail_log()
+        (seg,) = sorted((node.data_dir / "schedule").glob("*/data/*.log"))
+        lost = _frames(seg)[0][1].id_list()  # the first frame: its records' message-log segment is gone
+        _flip_in_place(seg, seg.read_bytes().index(PAYLOAD_1K[:100]) + 50)
+
+        online = run("admin", "verify", "--node", node.address)
+        assert online.returncode == 1, online.stdout + online.stderr
+        (line,) = [ln for ln in online.stdout.splitlines() if ln.startswith("lost: ")]
+        assert f"{len(lost)} records lost" in line and f"messages {','.join(lost)}" in line, line
+        assert "1 corrupt (1 repaired)" in summary(online) and f"{len(lost)} records lost and 0 being fetched" in summary(online)
+        text = node.log_path.read_text()
+        assert "acknowledged records LOST" in text and ",".join(lost[:3]) in text
+        healing = (await c.statuses("delay"))[node.name]["healing"]
+        assert healing["lost_records"] == len(lost) and healing["missing"][0]["messages"] == lost
+        async with Producer(resolver) as p:  # the others are all there
+            assert {(await p.lookup(mid)).status for mid in ids if mid not in lost} == {"pending"}
+
+        node.stop()
+        offline = run("admin", "verify", "--data", str(node.data_dir))
+        assert offline.returncode == 1, offline.stdout + offline.stderr
+        (line,) = [ln for ln in offline.stdout.splitlines() if ln.startswith("lost: ")]
+        assert f"{len(lost)} records lost" in line and f"messages {','.join(lost)}" in line, line

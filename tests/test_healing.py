@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from cluster.client import Consumer, Producer, StaticResolver
-from cluster.devcluster import LocalCluster
+from cluster.codec import Batch
+from cluster.devcluster import LocalCluster, free_port
 from cluster.errors import NotFound, TooLate
+from node.store.log import HEADER, HEADER_SIZE
 from node.store.schedule import REBUILT_MARKER, ScheduleLog
 from tests.test_delay_store import SMALL, T0, Harness, msg
 
 HOUR = 3_600_000
+PAYLOAD_1K = b"f" * 1000
 
 
 def bucket_dir(root: Path, start_ms: int) -> Path:
@@ -129,7 +133,9 @@ def test_healthy_store_rebuilds_nothing(tmp_path):
     h.restart()
     h.crash()
     assert h.store.healer.counters == {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0,
-                                       "id_files_rebuilt": 0}
+                                       "id_files_rebuilt": 0, "damaged_bytes": 0, "missing_records": 0,
+                                       "fetched_records": 0, "lost_records": 0, "faults": 0}
+    assert h.store.healer.missing == {}
 
 
 def test_an_interrupted_swap_is_finished_or_discarded_at_open(tmp_path):
@@ -178,7 +184,8 @@ async def test_real_node_heals_current_and_future_buckets_after_sigkill(tmp_path
         t = _now_ms()
         if t % bucket_ms > 500:  # start at the beginning of a bucket: room for everything below
             await asyncio.sleep((bucket_ms - t % bucket_ms) / 1000)
-        cur = _now_ms() - _now_ms() % bucket_ms
+        now = _now_ms()
+        cur = now - now % bucket_ms
         later = cur + 2 * bucket_ms
         due = {f"cur-{i}": cur + 2_500 + 40 * i for i in range(20)} | {f"later-{i}": later + 500 + 40 * i
                                                                        for i in range(20)}
@@ -224,7 +231,7 @@ def test_rebuild_after_retention_salvages_what_the_message_log_no_longer_has(tmp
     flip(seg, size - 500)  # in the last frame: the last batch, still in the message log
     statuses = {i: s.lookup(f"m{i}").status for i in range(100)}
     assert set(statuses.values()) == {"pending"}
-    assert s.healer.counters["buckets_rebuilt"] == 1 and s.healer.counters.get("lost_bytes", 0) > 0
+    assert s.healer.counters["buckets_rebuilt"] == 1 and s.healer.counters["damaged_bytes"] > 0
     h.now = future
     h.run_until(future + 3_000, step=50)
     assert sorted(h.delivered) == sorted(f"m{i}" for i in range(100))
@@ -285,3 +292,179 @@ def test_an_id_file_with_a_corrupt_header_is_rebuilt_from_the_schedule_log(tmp_p
     h.restart()  # the rebuilt files are ordinary files now
     assert h.store.healer.counters["id_files_rebuilt"] == 0
     assert h.store.lookup("m45").status == "dispatched"
+
+
+# ---------------------------------------------------------------------- a second copy, a second fault (issue 26)
+
+
+def _flip_in_place(path: Path, pos: int) -> None:
+    """Flip a bit at ``pos`` through the file's own inode (a running node keeps it open)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, pos)[0] ^ 0x04]), pos)
+    finally:
+        os.close(fd)
+
+
+def _frames(seg: Path) -> list[tuple[int, Batch]]:
+    """(offset in the file, batch) of every whole frame of a segment, read raw (the node
+    has the log open: opening it here would recover its tail)."""
+    buf = seg.read_bytes()
+    out, pos = [], 0
+    while pos + HEADER_SIZE <= len(buf):
+        body_len = HEADER.unpack_from(buf, pos)[0]
+        if pos + HEADER_SIZE + body_len > len(buf):
+            break
+        out.append((pos, Batch.decode(buf[pos + HEADER_SIZE:pos + HEADER_SIZE + body_len])))
+        pos += HEADER_SIZE + body_len
+    return out
+
+
+async def _wait(pred, timeout_s: float) -> bool:
+    """Poll ``pred`` until it holds, at most ``timeout_s`` (outcome, not timing)."""
+    for _ in range(int(timeout_s * 10)):
+        if await pred():
+            return True
+        await asyncio.sleep(0.1)
+    return await pred()
+
+
+async def test_replicated_group_gives_back_a_current_bucket_after_retention_nothing_lost(tmp_path):
+    """Issue 26: one flipped byte in a schedule bucket whose records retention had already
+    deleted from the message log lost acknowledged messages. Here the master's wheel itself
+    finds the frame corrupt when it loads its second; the records are missing from the rebuilt
+    bucket; the master fetches them from its slave's copy (CRC-checked) and delivers them -
+    late by the fetch, since the wheel went on. Every acknowledged message is delivered once,
+    the lookups and the pending count are right."""
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "0",
+           "HOURGLASS_RETENTION_INTERVAL_MS": "300", "HOURGLASS_CHECKPOINT_INTERVAL_MS": "200"}
+    with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
+                      lease_ttl_ms=2000, env=env) as c:
+        c.wait_registered()
+        master = await c.wait_master("delay")
+        node = next(n for n in c.delay if n.name == master)
+        resolver = StaticResolver(delay=[node.address], realtime=[n.address for n in c.realtime])
+        due = (_now_ms() // 1000 + 25) * 1000  # past cache_ahead_ms: the wheel reads the second from disk
+        ids = [f"c{k}-{i}" for k in range(6) for i in range(40)]
+        async with Producer(resolver) as p:
+            for k in range(6):  # 240 KB: the 64 KiB message log rolls; retention deletes its first segments
+                await asyncio.gather(*[p.send_and_wait("heal.current", PAYLOAD_1K, deliver_at_ms=due + i, id=mid)
+                                       for i, mid in enumerate(ids[k * 40:(k + 1) * 40])])
+        first_seg = node.data_dir / "messages" / f"{0:020d}.log"
+
+        async def deleted() -> bool:
+            return not first_seg.exists()
+        assert await _wait(deleted, 20), node.tail_log()
+        (seg,) = sorted((node.data_dir / "schedule").glob("*/data/*.log"))
+        _, first = _frames(seg)[0]
+        damaged = first.id_list()  # their only copy here: the message log's segment is gone
+        assert _now_ms() < due - 2_000, "the wheel must not have loaded the second yet (a very slow machine)"
+        _flip_in_place(seg, seg.read_bytes().index(PAYLOAD_1K[:100]) + 50)
+        got = await _collect(resolver, "heal.current", len(ids), timeout_s=(due - _now_ms()) / 1000 + 30)
+        delivered = [m.id for m in got]
+        assert sorted(delivered) == sorted(ids) and len(delivered) == len(set(delivered)), node.tail_log()
+        text = node.log_path.read_text()
+        assert "schedule bucket rebuild incomplete" in text  # the wheel found it; records were missing ...
+        assert "schedule bucket completed from a member" in text  # ... and the slave gave them back
+        assert "LOST" not in text
+        status = (await c.statuses("delay"))[node.name]
+        healing = status["healing"]
+        assert healing["missing"] == [] and healing["fetched_records"] == len(damaged)
+        assert healing["lost_records"] == 0 and status["pending"] == 0
+        async with Producer(resolver) as p:
+            assert {(await p.lookup(mid)).status for mid in damaged} == {"dispatched"}
+
+
+async def test_a_second_fault_while_healing_is_reported_and_the_node_keeps_serving(tmp_path):
+    """Issue 26: a running node that found a damaged bucket while a message-log record was
+    also damaged exited (the rebuild read the bad record; CorruptRecord escaped the task
+    group). Now the rebuild reads around the bad record, takes its records from the bucket's
+    good frames, reports the fault (log, Status, metric), and the node keeps serving: every
+    message is delivered, and new ones are accepted and delivered afterwards."""
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
+           "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # the message log stays whole: the rebuild reads it
+    c = LocalCluster(tmp_path / "c", n_realtime=1, env=env)
+    metrics_port = free_port()
+    c.delay[0].env["HOURGLASS_METRICS_PORT"] = str(metrics_port)
+    with c:
+        node = c.delay[0]
+        resolver = StaticResolver(delay=[node.address], realtime=[n.address for n in c.realtime])
+        due = (_now_ms() // 1000 + 20) * 1000
+        ids = [f"f{k}-{i}" for k in range(6) for i in range(40)]
+
+        async def filed() -> bool:
+            st = (await c.statuses("delay"))[node.name]
+            return st["iterate_offset"] == st["message_log_end"]
+        async with Producer(resolver) as p:
+            await asyncio.gather(*[p.send_and_wait("heal.double", PAYLOAD_1K, deliver_at_ms=due + i, id=mid)
+                                   for i, mid in enumerate(ids[:40])])
+            assert await _wait(filed, 10)  # batch 0 filed alone: its frames hold nothing of the others
+            batch0_end = (await c.statuses("delay"))[node.name]["message_log_end"]
+            for k in range(1, 6):
+                await asyncio.gather(*[p.send_and_wait("heal.double", PAYLOAD_1K, deliver_at_ms=due + i, id=mid)
+                                       for i, mid in enumerate(ids[k * 40:(k + 1) * 40])])
+            assert await _wait(filed, 10)
+        segs = sorted((node.data_dir / "messages").glob("*.log"))
+        log_seg = next(p for p in segs[:-1] if int(p.stem) >= batch0_end)  # sealed, past batch 0's records
+        _flip_in_place(log_seg, HEADER_SIZE + 300)  # inside its first record's body
+        (seg,) = sorted((node.data_dir / "schedule").glob("*/data/*.log"))
+        _flip_in_place(seg, seg.read_bytes().index(PAYLOAD_1K[:100]) + 50)  # batch 0's frame: still in the log
+
+        async def rebuilt() -> bool:
+            return "schedule bucket rebuilt" in node.log_path.read_text()
+        assert await _wait(rebuilt, 30), node.tail_log()
+        assert node.running
+        text = node.log_path.read_text()
+        assert "fault while healing kind=messages" in text and "the node keeps serving" in text
+        healing = (await c.statuses("delay"))[node.name]["healing"]
+        assert healing["faults_by_kind"].get("messages", 0) >= 1 and healing["missing"] == []
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert 'hourglass_heal_faults_total{kind="messages"}' in metrics
+        after = [f"after-{i}" for i in range(20)]
+        async with Producer(resolver) as p:  # it still accepts ...
+            soon = _now_ms() + 1_000
+            await asyncio.gather(*[p.send_and_wait("heal.double", b"late", deliver_at_ms=soon, id=mid) for mid in after])
+        got = await _collect(resolver, "heal.double", len(ids) + len(after), timeout_s=(due - _now_ms()) / 1000 + 30)
+        delivered = [m.id for m in got]  # ... and delivers, the old messages and the new
+        assert sorted(delivered) == sorted(ids + after) and len(delivered) == len(set(delivered)), node.tail_log()
+        assert node.running
+
+
+async def test_a_member_that_cannot_answer_a_fetch_is_reported_and_asked_again_later(tmp_path):
+    """A second fault while healing: the member holding the good copy is unreachable. The
+    fetch is a reported fault (log, counted by kind), nothing is declared lost, nothing is
+    raised; the bucket is asked for again after a backoff, also when no member is listed."""
+    import numpy as np
+
+    from cluster.ports import free_port as a_free_port
+    from node.config import NodeSettings
+    from node.delay.missing import Missing
+    from node.replication.delay import ReplicatedDelayNode
+
+    settings = NodeSettings(role="delay", node_id="d1", data_dir=tmp_path / "d", port=0, replicated=True,
+                            meta_servers=["127.0.0.1:1"], group="g")
+    node = ReplicatedDelayNode(settings)
+    try:
+        start = node.store.schedule.bucket_start(_now_ms())
+        b = Batch.build("s", [b"x"], ["gone-1"], [start + 5_000], seq=np.array([7], np.uint64))
+        node.store.healer.missing[start] = Missing.of(start, [b], [], 0, from_ms=start, damaged_bytes=100)
+        members: list[str] = [f"127.0.0.1:{a_free_port()}"]  # nothing listens there
+
+        async def listed() -> list[str]:
+            return members
+        node._member_addresses = listed
+        node.registrar = object()  # registered (only its presence is looked at)
+        healer = node.store.healer
+        await node.fetch_lost_buckets()
+        assert healer.fault_counts == {"fetch": 1} and healer.recent_faults[-1].where == members[0]
+        m = healer.missing[start]
+        assert not m.lost and m.attempts == 1 and healer.counters["lost_records"] == 0
+        assert healer.fetch_due(int(asyncio.get_running_loop().time() * 1000)) == []  # backoff
+        m.next_try_ms = 0
+        members.clear()  # no member registered at all: asked again later, not given up
+        await node.fetch_lost_buckets()
+        assert not healer.missing[start].lost and healer.missing[start].attempts == 2
+        assert healer.status()["missing"][0]["messages"] == ["gone-1"]
+    finally:
+        await node.channels.close()
+        node.store.close()

@@ -10,12 +10,14 @@ helpers of ``cluster/cli/common.py``: the resolver, the option types, the error 
 ``CliError`` and exit codes (docs/cli.md). Failures leave through that boundary as one ``error:`` line.
 
 ``admin verify`` prints one line per corrupt record (``corrupt: PATH at offset N: reason``,
-``repaired`` when the node healed it: derived data is rebuilt), ``note:`` lines for what is
-normal (a torn tail the node drops at open), and ends with one summary line per node
+``repaired`` when the node healed it: derived data is rebuilt), one line per rebuilt bucket
+that lacks records (``lost: PATH: N records lost: messages ID,ID,...; cancels ...``, or
+``missing`` while a replicated node is still fetching them from a member), ``note:`` lines for
+what is normal (a torn tail the node drops at open), and ends with one summary line per node
 (``ADDRESS: OK, ...`` / ``ADDRESS: N corrupt (M repaired), ...``) or for the folder.
-Exit codes: 0 nothing corrupt is left (all OK, or every corrupt record repaired); 1 a corrupt
-record is left; 2 the command line is wrong (no such folder, --node with --data); 3 a node
-did not answer within --timeout-s.
+Exit codes: 0 nothing corrupt is left (all OK, or every corrupt record repaired) and no record
+is missing; 1 a corrupt record is left, or records are lost or missing; 2 the command line is
+wrong (no such folder, --node with --data); 3 a node did not answer within --timeout-s.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ admin = typer.Typer(help="Operations on a running cluster (verify, handover).", 
 
 VERIFY_TIMEOUT_S = 600.0  # default --timeout-s of `admin verify`: nodes read every file at verify_rate_mib_s
 FINDINGS_SHOWN_MAX = 50   # corrupt records printed per node or folder (the summary counts them all)
+IDS_SHOWN_MAX = 1000      # ids printed per bucket with lost records (the node's lost.json has them all)
 
 
 def _say(line: str) -> None:
@@ -62,6 +65,18 @@ def _print_report(where: str, report) -> None:
         _say(f"corrupt: {f.path} at offset {f.offset}: {f.reason}" + (" (repaired)" if f.repaired else ""))
     if report.corrupt_count > FINDINGS_SHOWN_MAX:
         _say(f"corrupt: ... {report.corrupt_count - FINDINGS_SHOWN_MAX} more")
+    for b in report.lost[:FINDINGS_SHOWN_MAX]:
+        parts = [f"{b['records']} records {b['state']}"]
+        for name in ("messages", "cancels"):
+            ids = b[name]
+            if ids:
+                more = f",... (+{len(ids) - IDS_SHOWN_MAX})" if len(ids) > IDS_SHOWN_MAX else ""
+                parts.append(f"{name} {','.join(ids[:IDS_SHOWN_MAX])}{more}")
+        if b["seq_ranges"]:
+            parts.append("seq ranges (first, last, records) " + " ".join(f"{lo}-{hi}:{n}" for lo, hi, n in b["seq_ranges"]))
+        if b["unreadable_bytes"]:
+            parts.append(f"{b['unreadable_bytes']} unreadable bytes")
+        _say(f"lost: {b['path']}: " + "; ".join(parts))
     for n in report.notes[:FINDINGS_SHOWN_MAX]:
         _say(f"note: {n}")
 
@@ -79,8 +94,9 @@ def admin_verify(
 
     Online (default, or --node): each node checks its own files at verify_rate_mib_s and heals
     derived data (schedule buckets are rebuilt from the message log). Offline (--data DIR):
-    read-only check of a stopped node's folder. Exit 0 nothing corrupt left, 1 corruption left,
-    3 a node did not answer."""
+    read-only check of a stopped node's folder. Records a rebuilt bucket lacks are listed by id
+    ("lost:" lines). Exit 0 nothing corrupt left, 1 corruption left or records lost, 3 a node
+    did not answer."""
     from node.store.verify import VerifyReport, verify_dir
 
     if data is not None:
@@ -91,7 +107,7 @@ def admin_verify(
         report = verify_dir(data, online=False)
         _print_report(str(data), report)
         _say(f"verify {report.summary()}")
-        raise typer.Exit(EXIT_FAILED if report.corrupt_count else 0)
+        raise typer.Exit(EXIT_FAILED if report.corrupt_count or report.lost else 0)
 
     async def _run() -> list[tuple[str, VerifyReport | None, str]]:
         from cluster.proto import hourglass_pb2 as pb
@@ -130,7 +146,7 @@ def admin_verify(
             continue
         _print_report(address, report)
         _say(f"verify {address} {report.summary()}")
-        left += report.unrepaired
+        left += report.unrepaired + len(report.lost)
     if down:
         raise typer.Exit(EXIT_UNAVAILABLE)
     raise typer.Exit(EXIT_FAILED if left else 0)

@@ -22,13 +22,54 @@ effective time, so that the new bucket holds what the old one held:
   filed behind the wheel may move to a later second of it, never to a second already
   dispatched).
 
-Voided seqs (a divergent suffix cut off) are left out. Records whose message-log segment
-retention already deleted (seq below the log's first record) are **salvaged** from the old
-bucket instead: every frame of its data log that still passes its CRCs is kept as it was
-(same effective time); a corrupt frame is skipped (by its length when only the body is bad,
-else by a search for the next good header, at most ``RESYNC_BYTES_MAX``). Records of a
-corrupt frame that the message log no longer holds are lost here: the log line says how
-many bytes were skipped (``lost_bytes``) and ``docs/operations.md`` tells what to do.
+Voided seqs (a divergent suffix cut off) are left out. Records the message log cannot give
+back are **salvaged** from the old bucket: every frame of its data log that still passes its
+CRCs is kept as it was (same effective time); a corrupt frame is skipped (by its length when
+only the body is bad, else by a search for the next good header, at most
+``RESYNC_BYTES_MAX``). The message log cannot give back a record when retention deleted its
+segment, or when the log itself is corrupt there: a second fault. The rebuild reads the log
+around a corrupt record (``readable_records``: skipped by its length, or up to the next
+frame that passes its checks, or to the next segment), notes it (``HealFault``, logged and
+counted) and goes on; the records it held come from the old bucket's good frames. The same
+holds for a corrupt dispatch-log record (its messages may then be delivered twice: at least
+once, never lost). Which records the log holds is known by seq: seqs grow with the log, so
+the readable records cover a few seq intervals (``LogScan``), one per store epoch plus one
+more per corrupt spot; a filed record outside them comes from the old bucket.
+
+**Missing records.** A record in a corrupt frame that the message log cannot give back is
+missing from the rebuilt bucket. The rebuild reads what it can of the damaged frame without
+trusting its checksum (its ids, seqs, due times; else the frame's index entry: a seq range
+and a count) and writes it down in the bucket folder, ``lost.json`` (``node/delay/missing.py``,
+written into the new bucket before the swap, so the two agree after any crash). Only records not yet
+delivered count: due at or after ``completed_ms``, not in a dispatch record, not cancelled.
+Then:
+
+* a replicated node fetches the bucket's frames from another member of its group (its copy
+  is filed from the same message log: same records, same effective times), keeps the missing
+  ones (checked by CRC, frame by frame) and rebuilds the bucket again with them
+  (``rebuild(extra=...)``), trying every member, again with a backoff while none answers
+  (``fetch_due``, ``fetch_failed``); when every member answered and none had them, they are
+  lost (``give_up``);
+* a single node has nowhere to ask: ``give_up`` at once.
+
+``give_up`` logs the ids at ERROR, counts them (``lost_records``; the node's metric
+``hourglass_lost_records``) and marks ``lost.json`` lost: ``admin verify`` lists them until
+retention deletes the bucket.
+
+**Records the wheel already passed.** A record is missing from the moment of the rebuild: a
+master's wheel may load its second from the rebuilt bucket before the fetch brings it back
+(the current hour: the wheel itself is often what found the corrupt frame). Each missing
+record remembers ``from_ms``, the end of what the wheel had loaded when it went missing (a
+slave: its ``completed_ms``; lowered to ``completed_ms`` whenever a wheel starts again, at
+open and promotion). A fetched record due before the wheel's ``loaded_until_ms`` and at or
+after its ``from_ms`` was never handed to the wheel: it is filed again under the filing rule,
+``max(effective_ms, persisted completed_ms)`` (the last millisecond of the bucket at most),
+and given to the wheel (``DelayStore._rebuilt``), which fires it as overdue. Example: the
+wheel finds frame F of the current hour corrupt while loading second 12:00:07; F's records
+due 12:00:07.200 and 12:00:09.000 are missing, ``from_ms`` 12:00:07.000. The fetch returns
+at 12:00:08.300 (wheel loaded until 12:00:09.000): the first is filed again at
+12:00:08.100 (the persisted ``completed_ms``) and fires at once; the second is still ahead
+of the wheel and stays in the bucket at 12:00:09.000.
 
 The **id index** is derived too: ``id_entries`` rebuilds the entries of one id file (a seq
 range) from the schedule frames that hold those records, read through each bucket's index
@@ -47,20 +88,24 @@ when opening or reading them fails (``ScheduleLog._healing``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cluster.codec import KIND_CANCEL, Batch, DispatchBatch
+from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch, DispatchBatch
 from cluster.errors import CorruptRecord, InvalidArgument
-from node.store import records
+from node.store import checkpoint, records
 from node.store.idindex import ENTRY_DTYPE, key_hashes
-from node.store.log import HEADER, HEADER_SIZE
+from node.delay.missing import LOST_FILE, Missing, damaged_records, ids_text, read_missing
+from node.store.log import HEADER, HEADER_SIZE, SegmentedLog
 
 if TYPE_CHECKING:
     from node.delay.store import DelayStore
@@ -71,6 +116,9 @@ log = logging.getLogger("hourglass.delay.heal")
 REBUILDS_PER_BUCKET_MAX = 3      # a bucket failing again after this many rebuilds ...
 REBUILD_WINDOW_S = 600.0          # ... within this long is a bug or a dying disk: the error is raised
 RESYNC_BYTES_MAX = 1 << 20   # after a bad frame header, look this far for the next good frame
+FAULTS_KEPT_MAX = 32         # recent faults shown in Status
+FETCH_RETRY_MS_MIN = 200     # a failed fetch of a bucket's missing records is tried again after this ...
+FETCH_RETRY_MS_MAX = 30_000  # ... doubling up to this
 
 
 def _frame_at(buf: bytes, pos: int, record_bytes_max: int) -> tuple[bytes | None, int]:
@@ -86,12 +134,22 @@ def _frame_at(buf: bytes, pos: int, record_bytes_max: int) -> tuple[bytes | None
     return (body if zlib.crc32(body) == body_crc else None), pos + HEADER_SIZE + body_len
 
 
-def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], int]:
-    """Every frame of a bucket's data log that passes its checks (log order), and the bytes
-    skipped as corrupt. Reads the files directly: the bucket may not open."""
+def _next_good(buf: bytes, pos: int, record_bytes_max: int, limit: int) -> int | None:
+    """The first position after ``pos`` (below ``limit``) where a frame passes its checks."""
+    return next((p for p in range(pos + 1, min(len(buf), limit))
+                 if _frame_at(buf, p, record_bytes_max)[0] is not None), None)
+
+
+def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], list[tuple[int, int]]]:
+    """Every frame of a bucket's data log that passes its checks (log order), and the spans
+    skipped as corrupt (``(offset, end)`` in the data log's offsets). Reads the files
+    directly: the bucket may not open."""
     out: list[Batch] = []
-    lost = 0
+    skipped: list[tuple[int, int]] = []
     for seg in sorted(data_dir.glob("*.log")):
+        if not seg.stem.isdigit():
+            continue
+        base = int(seg.stem)
         buf = seg.read_bytes()
         pos = 0
         while pos < len(buf):
@@ -100,21 +158,98 @@ def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], 
                 try:
                     out.append(Batch.decode(body))
                 except InvalidArgument:
-                    lost += nxt - pos  # a good CRC over a bad structure: skipped all the same
+                    skipped.append((base + pos, base + nxt))  # a good CRC over a bad structure: skipped all the same
                 pos = nxt
                 continue
             if nxt > 0:  # the body is bad, the length is good: skip exactly this frame
-                lost += nxt - pos
+                skipped.append((base + pos, base + nxt))
                 pos = nxt
                 continue
-            found = next((p for p in range(pos + 1, min(len(buf), pos + RESYNC_BYTES_MAX))
-                          if _frame_at(buf, p, record_bytes_max)[0] is not None), None)
-            if found is None:
-                lost += len(buf) - pos
-                break
-            lost += found - pos
-            pos = found
-    return out, lost
+            found = _next_good(buf, pos, record_bytes_max, pos + RESYNC_BYTES_MAX)
+            end = len(buf) if found is None else found
+            skipped.append((base + pos, base + end))
+            pos = end
+    return out, skipped
+
+
+# ---------------------------------------------------------------------- reading logs around damage
+
+
+@dataclass(frozen=True, slots=True)
+class HealFault:
+    """A second fault met while healing: ``kind`` messages | dispatch (a corrupt record a
+    rebuild read around), fetch (a member that could not give a bucket's missing records),
+    rebuild (a rebuild that failed and left the bucket as it was)."""
+
+    kind: str
+    where: str   # a file, or a member's address
+    offset: int
+    reason: str
+
+
+def _resync(lg: SegmentedLog, bad: int, end: int) -> int:
+    """Where to read on after a corrupt record at ``bad``: past its body when its header is
+    good, else the next frame that passes its checks in the same segment (within
+    ``RESYNC_BYTES_MAX``), else the next segment (or ``end``)."""
+    bases = lg.segment_bases()
+    i = max(0, bisect.bisect_right(bases, bad) - 1)
+    limit = min(end, bases[i + 1] if i + 1 < len(bases) else lg.end_offset)
+    if bad >= limit:
+        return limit
+    try:
+        with open(lg.directory / f"{bases[i]:020d}.log", "rb") as f:
+            f.seek(bad - bases[i])
+            buf = f.read(min(limit - bad, RESYNC_BYTES_MAX + HEADER_SIZE + lg.record_bytes_max))
+    except OSError:
+        return limit
+    _, nxt = _frame_at(buf, 0, lg.record_bytes_max)
+    if nxt > 0:
+        return bad + nxt
+    found = _next_good(buf, 0, lg.record_bytes_max, RESYNC_BYTES_MAX)
+    return limit if found is None else bad + found
+
+
+def readable_records(lg: SegmentedLog, start: int, end: int, kind: str,
+                     faults: list[HealFault]) -> Iterator[tuple[int, bytes]]:
+    """(offset, body) of every record of ``lg`` in ``[start, end)`` that passes its checks;
+    a corrupt one is read around (``_resync``) and noted in ``faults``."""
+    off = start
+    while off < end:
+        try:
+            for o, body in lg.iterate(off, end):
+                off = o + HEADER_SIZE + len(body)
+                yield o, body
+            return
+        except CorruptRecord as e:
+            at = max(off, e.offset)
+            nxt = _resync(lg, at, end)
+            faults.append(HealFault(kind, e.path, e.offset, f"{e.reason}; read on at offset {nxt}"))
+            off = nxt
+
+
+@dataclass(slots=True)
+class LogScan:
+    """What the message log (its filed part) and the dispatch log say about one bucket."""
+
+    cover_lo: np.ndarray   # seq intervals [lo, hi] of the message log's readable records, sorted
+    cover_hi: np.ndarray
+    known_seq: np.ndarray  # sorted: seqs whose effective time is known (dispatched, or a tombstone's target)
+    known_eff: np.ndarray
+    faults: list[HealFault]
+
+    def covered(self, seq: np.ndarray) -> np.ndarray:
+        """Which seqs the message log holds (readable)."""
+        if not len(self.cover_lo):
+            return np.zeros(len(seq), bool)
+        at = np.searchsorted(self.cover_lo, seq, side="right") - 1
+        ok = at >= 0
+        out = np.zeros(len(seq), bool)
+        out[ok] = seq[ok] <= self.cover_hi[at[ok]]
+        return out
+
+    @property
+    def first_seq(self) -> int | None:
+        return int(self.cover_lo[0]) if len(self.cover_lo) else None
 
 
 def id_entries(schedule: "ScheduleLog", lo_seq: int, hi_seq: int | None) -> np.ndarray:
@@ -186,16 +321,129 @@ def refile_times(b: Batch, *, completed_ms: int, known_seq: np.ndarray, known_ef
     return eff
 
 
+@dataclass(slots=True)
+class _Rebuild:
+    """What one rebuild of bucket ``start_ms`` found while its records went by."""
+
+    start_ms: int
+    end_ms: int
+    scan: LogScan
+    extra: list[Batch] | None
+    messages: int = 0            # records refiled from the message log
+    salvaged: int = 0            # records kept from the old bucket's good frames
+    skipped: list[tuple[int, int]] = field(default_factory=list)  # damaged spans of the old bucket's data
+    seen: list[np.ndarray] = field(default_factory=list)         # seqs taken from the old bucket or a member
+    cancelled: list[np.ndarray] = field(default_factory=list)    # targets of the tombstones taken so
+    fetched: list[np.ndarray] = field(default_factory=list)      # seqs a member gave back
+    late: list[Batch] = field(default_factory=list)              # fetched records the wheel passed: filed again
+    missing: Missing | None = None
+
+    @property
+    def damaged_bytes(self) -> int:
+        return sum(z - a for a, z in self.skipped)
+
+
 class BucketHealer:
-    """Verifies and rebuilds schedule buckets of one ``DelayStore``; counts what it did."""
+    """Verifies and rebuilds schedule buckets of one ``DelayStore``; keeps their missing
+    records (``missing``, bucket start -> ``Missing``) and counts what it did."""
 
     def __init__(self, store: "DelayStore") -> None:
         self.store = store
-        self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0}
+        self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0, "damaged_bytes": 0,
+                         "missing_records": 0, "fetched_records": 0, "lost_records": 0, "faults": 0}
+        self.fault_counts: dict[str, int] = {}      # kind -> faults met while healing
+        self.recent_faults: deque[HealFault] = deque(maxlen=FAULTS_KEPT_MAX)
         self._rebuilds: dict[int, list[float]] = {}  # bucket -> monotonic times of its recent rebuilds
-        # bucket -> bytes lost with corrupt frames whose records the message log no longer has:
-        # a replicated node fetches the bucket's frames from a member (node/replication/delay.py)
-        self.fetch_wanted: dict[int, int] = {}
+        self.missing: dict[int, Missing] = {}
+        self._load_missing()
+
+    # ------------------------------------------------------------------ missing records
+
+    def _load_missing(self) -> None:
+        """``lost.json`` of every bucket, at open: a wheel starts again from ``completed_ms``."""
+        s = self.store
+        for start in s.schedule.bucket_starts():
+            path = s.schedule.bucket_path(start)
+            if not (path / LOST_FILE).exists():
+                continue
+            try:
+                m = read_missing(path)
+            except (CorruptRecord, ValueError, KeyError, TypeError) as e:
+                self.fault(HealFault("rebuild", str(path / LOST_FILE), 0, f"unreadable: {e}"))
+                continue
+            if m is None:
+                continue
+            m.wheel_restarted(s.completed_ms)
+            self.missing[start] = m
+            log.error("schedule bucket has %s records bucket=%d records=%d messages=[%s] cancels=[%s]",
+                      "lost" if m.lost else "missing", start, m.count, ids_text(m.messages()), ids_text(m.cancels()))
+        self._count_missing()
+
+    def _count_missing(self) -> None:
+        self.counters["missing_records"] = sum(m.count for m in self.missing.values() if not m.lost)
+
+    def wheel_restarted(self) -> None:
+        """The store's wheel starts again (promotion) from its ``completed_ms``."""
+        for m in self.missing.values():
+            m.wheel_restarted(self.store.completed_ms)
+
+    def forget_deleted(self) -> None:
+        """Drop what is kept of buckets that retention deleted."""
+        for start in [b for b in self.missing if not self.store.schedule.exists(b)]:
+            del self.missing[start]
+        self._count_missing()
+
+    def fetch_due(self, now_ms: int) -> list[int]:
+        """Buckets whose missing records should be asked for now (``now_ms``: monotonic)."""
+        return [b for b, m in self.missing.items() if not m.lost and m.next_try_ms <= now_ms]
+
+    def fetch_failed(self, start_ms: int, now_ms: int) -> None:
+        """No member answered for bucket ``start_ms``: ask again later (backoff)."""
+        m = self.missing.get(start_ms)
+        if m is not None:
+            m.attempts += 1
+            m.next_try_ms = now_ms + min(FETCH_RETRY_MS_MAX, FETCH_RETRY_MS_MIN << min(m.attempts, 16))
+
+    def give_up(self, start_ms: int, why: str) -> None:
+        """The missing records of bucket ``start_ms`` are lost: logged with their ids, counted,
+        written down (``lost.json``) for ``admin verify``."""
+        m = self.missing.get(start_ms)
+        if m is None or m.lost:
+            return
+        m.lost = True
+        self.counters["lost_records"] += m.count
+        path = self.store.schedule.bucket_path(start_ms)
+        if path.is_dir():
+            try:
+                checkpoint.write_atomic(path / LOST_FILE, m.doc())
+            except OSError as e:
+                self.fault(HealFault("rebuild", str(path / LOST_FILE), 0, f"not written: {e}"))
+        self._count_missing()
+        log.error("acknowledged records LOST bucket=%d records=%d messages=[%s] cancels=[%s] seq_ranges=%s "
+                  "unreadable_bytes=%d (%s); the ids are in %s and `hourglass admin verify`; see docs/operations.md, "
+                  "\"Self-healing and scrubbing\"", start_ms, m.count, ids_text(m.messages()),
+                  ids_text(m.cancels()), [[lo, hi, n] for lo, hi, n, _ in m.ranges], m.unknown_bytes, why,
+                  path / LOST_FILE)
+
+    def report(self) -> list[dict]:
+        """Missing and lost records of every bucket (``admin verify``, Status)."""
+        return [m.summary(str(self.store.schedule.bucket_path(b) / LOST_FILE)) for b, m in sorted(self.missing.items())]
+
+    def fault(self, f: HealFault) -> None:
+        """A second fault met while healing: logged, counted, kept for Status; healing goes on."""
+        self.counters["faults"] += 1
+        self.fault_counts[f.kind] = self.fault_counts.get(f.kind, 0) + 1
+        self.recent_faults.append(f)
+        log.error("fault while healing kind=%s path=%s offset=%d reason=%r; the node keeps serving", f.kind,
+                  f.where, f.offset, f.reason)
+
+    def status(self) -> dict:
+        """``healing`` in Status: the counters, faults by kind, recent faults, missing records."""
+        return {**self.counters, "faults_by_kind": dict(self.fault_counts),
+                "recent_faults": [[f.kind, f.where, f.offset, f.reason] for f in self.recent_faults],
+                "missing": self.report()}
+
+    # ------------------------------------------------------------------ verify and rebuild
 
     def check_soon(self, *, ahead_ms: int) -> None:
         """Verify the buckets the wheel loads first, rebuilding any that fails: the whole
@@ -217,50 +465,136 @@ class BucketHealer:
             except CorruptRecord as e:
                 self.rebuild(start, e)
 
-    def rebuild(self, start_ms: int, why: CorruptRecord, *, extra: list[Batch] | None = None) -> None:
+    def rebuild(self, start_ms: int, why: CorruptRecord, *, extra: list[Batch] | None = None,
+                source: str = "") -> None:
         """Re-file bucket ``start_ms`` from the message log and swap it in. ``extra``: frames
-        of the same bucket from a replica (``fetch_wanted``), for records that the message log
-        no longer holds and that were lost with a corrupt frame here."""
+        of the same bucket from ``source``, a member of the group, for its missing records
+        (module docs). Faults met on the way (a corrupt message-log or dispatch-log record)
+        are read around and reported; what stays missing is written down."""
         s = self.store
         if extra is None:
             self.counters["corrupt_found"] += 1
-        now = time.monotonic()
-        recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_S]
-        if len(recent) >= REBUILDS_PER_BUCKET_MAX:
-            log.error("schedule bucket keeps failing bucket=%d rebuilds=%d in %d s error=%s", start_ms, len(recent),
-                      REBUILD_WINDOW_S, why)
-            raise why
-        self._rebuilds[start_ms] = recent + [now]
-        log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
-                    "reason=%r", start_ms, why.path, why.offset, why.reason)
+            now = time.monotonic()
+            recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_S]
+            if len(recent) >= REBUILDS_PER_BUCKET_MAX:
+                log.error("schedule bucket keeps failing bucket=%d rebuilds=%d in %d s error=%s", start_ms,
+                          len(recent), REBUILD_WINDOW_S, why)
+                raise why
+            self._rebuilds[start_ms] = recent + [now]
+            log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
+                        "reason=%r", start_ms, why.path, why.offset, why.reason)
         t0 = time.monotonic()
-        counted = {"messages": 0, "salvaged": 0, "lost_bytes": 0}
-        frames = s.schedule.replace_bucket(start_ms, self._chunks(start_ms, counted, extra))
-        self.counters["buckets_rebuilt"] += 1
+        end_ms = start_ms + s.settings.bucket_ms
+        r = _Rebuild(start_ms, end_ms, self._scan(start_ms, end_ms), extra)
+        frames = s.schedule.replace_bucket(start_ms, self._chunks(r),
+                                           before_swap=lambda tmp: self._write_missing(r, tmp))
+        for f in r.scan.faults:
+            self.fault(f)
+        if extra is None:  # a rebuild with a member's records completes an earlier one (fetched_records)
+            self.counters["buckets_rebuilt"] += 1
         self.counters["frames_rebuilt"] += frames
-        log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d salvaged=%d lost_bytes=%d "
-                    "messages_from=%d iterate_offset=%d elapsed_ms=%d", start_ms, frames, counted["messages"],
-                    counted["salvaged"], counted["lost_bytes"], s.messages.start_offset, s.iterate_offset,
-                    (time.monotonic() - t0) * 1000)
+        fetched = np.concatenate(r.fetched) if r.fetched else np.zeros(0, np.uint64)
+        late = Batch.concat(r.late) if r.late else None
+        log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d salvaged=%d fetched=%d refiled_late=%d "
+                    "damaged_bytes=%d messages_from=%d iterate_offset=%d faults=%d elapsed_ms=%d", start_ms, frames,
+                    r.messages, r.salvaged, len(fetched), 0 if late is None else late.n, r.damaged_bytes,
+                    s.messages.start_offset, s.iterate_offset, len(r.scan.faults), (time.monotonic() - t0) * 1000)
+        self.missing.pop(start_ms, None)
+        if r.missing is not None:
+            self.missing[start_ms] = r.missing
         if extra is not None:
-            self.fetch_wanted.pop(start_ms, None)
-        elif counted["lost_bytes"]:
-            self.fetch_wanted[start_ms] = counted["lost_bytes"]  # a replicated node asks a member
-        if counted["lost_bytes"] and extra is None:
-            self.counters["lost_bytes"] = self.counters.get("lost_bytes", 0) + counted["lost_bytes"]
-            log.error("schedule bucket rebuild incomplete bucket=%d: %d corrupt bytes held records the message "
-                      "log no longer has (deleted by retention); see docs/operations.md, \"Self-healing and "
-                      "scrubbing\"", start_ms, counted["lost_bytes"])
+            self.counters["fetched_records"] += len(fetched)
+            log.warning("schedule bucket completed from a member address=%s bucket=%d records_fetched=%d "
+                        "still_missing=%d", source, start_ms, len(fetched), 0 if r.missing is None else r.missing.count)
+        if r.damaged_bytes:
+            self.counters["damaged_bytes"] += r.damaged_bytes
+        if r.skipped and r.missing is not None:
+            m = r.missing
+            log.error("schedule bucket rebuild incomplete bucket=%d: %d corrupt bytes held records the message log "
+                      "no longer has (deleted by retention, or corrupt there too): %d records missing messages=[%s] "
+                      "cancels=[%s] seq_ranges=%s unreadable_bytes=%d; a replicated node asks the members of its "
+                      "group; see docs/operations.md, \"Self-healing and scrubbing\"", start_ms, r.damaged_bytes,
+                      m.count, ids_text(m.messages()), ids_text(m.cancels()),
+                      [[lo, hi, n] for lo, hi, n, _ in m.ranges], m.unknown_bytes)
+        self._count_missing()
+        cancels = np.concatenate(r.cancelled) if (extra is not None and r.cancelled) else None
+        s._rebuilt(start_ms, late=late, cancelled=cancels)
 
-    def _known_times(self, start_ms: int, end_ms: int) -> tuple[np.ndarray, np.ndarray]:
-        """Seqs with a known effective time in [start, end): dispatched messages and the
-        targets of tombstones."""
+    def _write_missing(self, r: _Rebuild, tmp: Path) -> None:
+        """Before the swap: what the new bucket lacks, into its folder (``lost.json``)."""
         s = self.store
+        before = self.missing.get(r.start_ms)
+        new = None
+        if r.skipped:
+            frames, ranges, unknown = damaged_records(s.schedule.bucket_path(r.start_ms), r.skipped,
+                                                      s.messages.record_bytes_max)
+            from_ms = s.completed_ms if s.follower else max(s.completed_ms, s.wheel.loaded_until_ms)
+            kept = [b for b in (self._undelivered(r, f) for f in frames) if b is not None and b.n]
+            ranges = [(lo, hi, n, from_ms) for lo, hi, n, sec in ranges
+                      if r.start_ms + 1000 * (sec + 1) > s.completed_ms
+                      and not bool(r.scan.covered(np.array([lo, hi], np.uint64)).all())]
+            new = Missing.of(r.start_ms, kept, ranges, unknown, from_ms=from_ms, damaged_bytes=r.damaged_bytes)
+        m = before if new is None else (new if before is None else before.merged(new))
+        if m is not None and r.fetched:
+            m = m.minus(np.concatenate(r.fetched))
+        r.missing = None if m is None or m.empty() else m
+        if r.missing is not None:
+            checkpoint.write_atomic(tmp / LOST_FILE, r.missing.doc())
+
+    def _undelivered(self, r: _Rebuild, b: Batch) -> Batch | None:
+        """The records of a damaged frame that are missing: not in the message log, not voided,
+        not given back by a member, due in this bucket at or after ``completed_ms``, and (a
+        message) neither delivered nor cancelled."""
+        s = self.store
+        eff = b.effective_ms
+        keep = ~r.scan.covered(b.seq) & (eff >= max(s.completed_ms, r.start_ms)) & (eff < r.end_ms)
+        if s.voided:
+            keep &= ~s._voided_mask(b.seq)
+        if r.fetched:
+            keep &= ~np.isin(b.seq, np.concatenate(r.fetched))
+        keep &= ~((b.kind == KIND_MESSAGE) & np.isin(b.seq, self._settled(r)))
+        return b.take(np.flatnonzero(keep)) if keep.any() else None
+
+    def _settled(self, r: _Rebuild) -> np.ndarray:
+        """Seqs of messages that need no delivery any more: dispatched (dispatch log, memory)
+        or cancelled (a tombstone in the log, the old bucket or a member's copy)."""
+        s = self.store
+        parts = [r.scan.known_seq] + r.cancelled
+        if s._dispatched:
+            parts.append(np.fromiter(s._dispatched.keys(), np.uint64, len(s._dispatched)))
+        return np.concatenate(parts).astype(np.uint64)
+
+    def _scan(self, start_ms: int, end_ms: int) -> LogScan:
+        """One pass over the filed part of the message log (read around damage): the seq
+        intervals it holds, the tombstones of this bucket; and what was delivered: the
+        dispatch log when the bucket is not in the future, memory otherwise."""
+        s = self.store
+        faults: list[HealFault] = []
+        lo: list[int] = []
+        hi: list[int] = []
         seqs: list[np.ndarray] = []
         effs: list[np.ndarray] = []
+        for b in self._log_batches(faults):
+            if not b.n:
+                continue
+            a, z = int(b.seq.min()), int(b.seq.max())
+            if hi and lo[-1] <= a <= hi[-1] + 1:
+                hi[-1] = max(hi[-1], z)
+            else:
+                lo.append(a)
+                hi.append(z)
+            m = (b.kind == KIND_CANCEL) & (b.deliver_at_ms >= start_ms) & (b.deliver_at_ms < end_ms)
+            if m.any():
+                seqs.append(b.cancel_targets()[m])
+                effs.append(b.deliver_at_ms[m])
         if start_ms < s.completed_ms:  # the current (or a past) bucket: the dispatch log says
-            for _off, body in s.dispatch.iterate():
-                d = DispatchBatch.decode(body)
+            for _off, body in readable_records(s.dispatch, s.dispatch.start_offset, s.dispatch.end_offset,
+                                               "dispatch", faults):
+                try:
+                    d = DispatchBatch.decode(body)
+                except InvalidArgument as e:
+                    faults.append(HealFault("dispatch", str(s.dispatch.directory), _off, str(e)))
+                    continue
                 m = (d.effective_ms >= start_ms) & (d.effective_ms < end_ms)
                 if m.any():
                     seqs.append(d.seq[m])
@@ -270,58 +604,78 @@ class BucketHealer:
             if got:
                 seqs.append(np.array([q for q, _ in got], np.uint64))
                 effs.append(np.array([e for _, e in got], np.int64))
-        for b in self._log_batches():
-            m = (b.kind == KIND_CANCEL) & (b.deliver_at_ms >= start_ms) & (b.deliver_at_ms < end_ms)
-            if m.any():
-                seqs.append(b.cancel_targets()[m])
-                effs.append(b.deliver_at_ms[m])
-        if not seqs:
-            return np.zeros(0, np.uint64), np.zeros(0, np.int64)
-        seq = np.concatenate(seqs).astype(np.uint64)
-        eff = np.concatenate(effs).astype(np.int64)
-        order = np.argsort(seq, kind="stable")
-        return seq[order], eff[order]
+        order = np.argsort(np.array(lo, np.uint64), kind="stable")
+        cover_lo, cover_hi = np.array(lo, np.uint64)[order], np.array(hi, np.uint64)[order]
+        if seqs:
+            seq = np.concatenate(seqs).astype(np.uint64)
+            eff = np.concatenate(effs).astype(np.int64)
+            o = np.argsort(seq, kind="stable")
+            known_seq, known_eff = seq[o], eff[o]
+        else:
+            known_seq, known_eff = np.zeros(0, np.uint64), np.zeros(0, np.int64)
+        return LogScan(cover_lo, cover_hi, known_seq, known_eff, faults)
 
     def first_log_seq(self) -> int | None:
         s = self.store
         if s.messages.start_offset >= s.messages.end_offset:
             return None
-        body, _ = s.messages.read(s.messages.start_offset)
-        b = Batch.decode(body)
-        return int(b.seq[0]) if b.n else None
+        for _off, body in readable_records(s.messages, s.messages.start_offset, s.messages.end_offset, "messages",
+                                           []):
+            try:
+                b = Batch.decode(body)
+            except InvalidArgument:
+                continue
+            if b.n:
+                return int(b.seq[0])
+        return None
 
-    def _log_batches(self) -> Iterator[Batch]:
+    def _log_batches(self, faults: list[HealFault]) -> Iterator[Batch]:
         s = self.store
         start = s.messages.start_offset
         if s.iterate_offset <= start:
             return
-        for _off, body in s.messages.iterate(start, s.iterate_offset):
-            yield Batch.decode(body)
+        for off, body in readable_records(s.messages, start, s.iterate_offset, "messages", faults):
+            try:
+                yield Batch.decode(body)
+            except InvalidArgument as e:  # a good CRC over a bad structure: read around it all the same
+                faults.append(HealFault("messages", str(s.messages.directory), off, str(e)))
 
-    def _chunks(self, start_ms: int, counted: dict, extra: list[Batch] | None = None) -> Iterator[list[Batch]]:
+    def _chunks(self, r: _Rebuild) -> Iterator[list[Batch]]:
         s = self.store
-        end_ms = start_ms + s.settings.bucket_ms
-        known_seq, known_eff = self._known_times(start_ms, end_ms)
-        if s.messages.start_offset > 0:
-            # retention deleted the log's beginning: older records come from the old bucket as they were
-            first = self.first_log_seq()
-            frames, lost = salvage_frames(s.schedule.bucket_path(start_ms) / "data", s.messages.record_bytes_max)
-            counted["lost_bytes"] = lost
-            seen: list[np.ndarray] = []
-            for f in frames + [f.take(np.flatnonzero((f.effective_ms >= start_ms) & (f.effective_ms < end_ms)))
-                               for f in extra or ()]:
-                keep = f.seq < np.uint64(first) if first is not None else np.ones(f.n, bool)
+        start_ms, end_ms, scan = r.start_ms, r.end_ms, r.scan
+        if s.messages.start_offset > 0 or scan.faults or r.extra:
+            # records the message log cannot give back come from the old bucket as they were,
+            # then (a fetch) from a member's copy
+            frames, r.skipped = salvage_frames(s.schedule.bucket_path(start_ms) / "data",
+                                               s.messages.record_bytes_max)
+            theirs = [f.take(np.flatnonzero((f.effective_ms >= start_ms) & (f.effective_ms < end_ms)))
+                      for f in r.extra or ()]
+            for f in frames + theirs:  # tombstones first: a fetched record they cancel is not refiled late
+                tomb = f.kind == KIND_CANCEL
+                if s.voided and tomb.any():
+                    tomb &= ~s._voided_mask(f.seq)
+                if tomb.any():
+                    r.cancelled.append(f.cancel_targets()[tomb])
+            for k, f in enumerate(frames + theirs):
+                fetched = k >= len(frames)
+                keep = ~scan.covered(f.seq)
                 if s.voided:
                     keep &= ~s._voided_mask(f.seq)
-                if seen and keep.any():  # a replica's frames: only records not salvaged here
-                    keep &= ~np.isin(f.seq, np.concatenate(seen))
-                if keep.any():
-                    part = f if keep.all() else f.take(np.flatnonzero(keep))
-                    counted["salvaged"] += part.n
-                    seen.append(part.seq)
+                if r.seen and keep.any():  # a member's frames: only records not salvaged here
+                    keep &= ~np.isin(f.seq, np.concatenate(r.seen))
+                if not keep.any():
+                    continue
+                part = f if keep.all() else f.take(np.flatnonzero(keep))
+                r.seen.append(part.seq)
+                if not fetched:
+                    r.salvaged += part.n
                     yield [part]
-        for b in self._log_batches():
-            eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=known_seq, known_eff=known_eff)
+                    continue
+                r.fetched.append(part.seq)
+                yield from self._place_fetched(r, part)
+        for b in self._log_batches([]):  # its faults were noted by the scan (the same records)
+            eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=scan.known_seq,
+                               known_eff=scan.known_eff)
             m = (eff >= start_ms) & (eff < end_ms)
             if s.voided:
                 m &= ~s._voided_mask(b.seq)
@@ -329,5 +683,27 @@ class BucketHealer:
                 continue
             idx = np.flatnonzero(m)
             part = b.take(idx).replace(effective_ms=eff[idx])
-            counted["messages"] += part.n
+            r.messages += part.n
             yield group_by_second(part)
+
+    def _place_fetched(self, r: _Rebuild, part: Batch) -> Iterator[list[Batch]]:
+        """A member's records: as they were, except those a master's wheel passed while they
+        were missing (module docs), filed again under the filing rule and handed to the wheel."""
+        s = self.store
+        m = self.missing.get(r.start_ms)
+        if s.follower or m is None:
+            yield [part]
+            return
+        passed = (part.kind == KIND_MESSAGE) & (part.effective_ms < s.wheel.loaded_until_ms) & \
+            (part.effective_ms >= m.from_of(part.seq))
+        passed &= ~np.isin(part.seq, self._settled(r))
+        if not passed.any():
+            yield [part]
+            return
+        if not passed.all():
+            yield [part.take(np.flatnonzero(~passed))]
+        late = part.take(np.flatnonzero(passed))
+        eff = np.minimum(np.maximum(late.effective_ms, s.persisted_completed_ms), r.end_ms - 1).astype(np.int64)
+        late = late.replace(effective_ms=eff)
+        r.late.append(late)
+        yield group_by_second(late)

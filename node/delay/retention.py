@@ -102,10 +102,13 @@ def plan(store, *, now_ms: int, slave_holds: dict[str, dict[str, int]] | None = 
     bc = R.bucket_cut(store.schedule.bucket_starts(), bms, completed)
     report.held_by["schedule"] = bc.held_by
     report.held_offset["schedule"] = bc.held_start if bc.held_start is not None else completed
-    if bc.drop:
-        work.buckets = store.schedule.detach_buckets(bc.drop)
+    # a bucket whose missing records are still being fetched from a member stays (node/delay/heal.py):
+    # they come back into it, and its lost.json is what remembers them across a restart
+    drop = [b for b in bc.drop if b not in store.healer.missing or store.healer.missing[b].lost]
+    if drop:
+        work.buckets = store.schedule.detach_buckets(drop)
         work.schedule_root = store.schedule.root
-        log.info("retention schedule buckets=%d first=%d last=%d", len(bc.drop), bc.drop[0], bc.drop[-1])
+        log.info("retention schedule buckets=%d first=%d last=%d", len(drop), drop[0], drop[-1])
     # id index: sealed files whose entries' buckets are done and past the dedupe window
     summaries = store.ids.sealed_bucket_counts()
     per_file = []

@@ -16,7 +16,8 @@ import asyncio
 import os
 from pathlib import Path
 
-from cluster.errors import CorruptRecord
+from cluster.errors import CorruptRecord, HourglassError
+from node.delay.heal import HealFault
 from node.store.log import SegmentedLog
 from node.store.scrub import ScrubTarget
 from node.store.scrubtask import ScrubTask, log_targets  # noqa: F401  (log_targets: re-exported for tests)
@@ -52,8 +53,8 @@ class DelayScrubTask(ScrubTask):
 
     def __init__(self, node, **kw) -> None:
         super().__init__(node, **kw)
-        self._healed_seen: dict[int, tuple[int, int]] = {}  # id(healer) -> (found, rebuilt) counted
-        self._ids_seen: set[int] = set()  # id(healer) whose id-index rebuilds at open are counted
+        self._healer_id = 0  # id() of the healer whose counters _seen holds
+        self._seen: dict[str, int] = {}  # its counters as last put into the metrics
 
     def logs(self) -> list[tuple[SegmentedLog, str]]:
         s = self.node.store
@@ -64,21 +65,41 @@ class DelayScrubTask(ScrubTask):
         return await asyncio.get_running_loop().run_in_executor(None, schedule_targets, self.node.store.schedule.root)
 
     def sync_heal_metrics(self) -> None:
-        """Count rebuilds the store did on its own (at open, on a failed read) in the metrics."""
+        """Count what the store's healer did on its own (rebuilds at open and on failed reads,
+        records fetched or lost, faults) in the metrics."""
         h = self.node.store.healer
         m = self.node.metrics
-        found0, rebuilt0 = self._healed_seen.get(id(h), (0, 0))
-        found, rebuilt = h.counters["corrupt_found"], h.counters["buckets_rebuilt"]
-        if found > found0:
-            m.corrupt_found.labels(kind="schedule").inc(found - found0)
-        if rebuilt > rebuilt0:
-            m.corrupt_repaired.labels(kind="schedule").inc(rebuilt - rebuilt0)
-        self._healed_seen = {id(h): (found, rebuilt)}
-        ids = h.counters.get("id_files_rebuilt", 0)
-        if ids and id(h) not in self._ids_seen:  # once per store opened
-            m.corrupt_found.labels(kind="ids").inc(ids)
-            m.corrupt_repaired.labels(kind="ids").inc(ids)
-        self._ids_seen = {id(h)}
+        if self._healer_id != id(h):  # a store opened again (demotion): its healer counts from 0
+            self._healer_id, self._seen = id(h), {}
+            ids = h.counters.get("id_files_rebuilt", 0)
+            if ids:  # once per store opened
+                m.corrupt_found.labels(kind="ids").inc(ids)
+                m.corrupt_repaired.labels(kind="ids").inc(ids)
+        now = {**h.counters, **{f"fault:{k}": n for k, n in h.fault_counts.items()}}
+        for key, metric in (("corrupt_found", m.corrupt_found.labels(kind="schedule")),
+                            ("buckets_rebuilt", m.corrupt_repaired.labels(kind="schedule")),
+                            ("lost_records", m.lost_records), ("fetched_records", m.fetched_records)):
+            if now.get(key, 0) > self._seen.get(key, 0):
+                metric.inc(now[key] - self._seen.get(key, 0))
+        for key, n in now.items():
+            if key.startswith("fault:") and n > self._seen.get(key, 0):
+                m.heal_faults.labels(kind=key[6:]).inc(n - self._seen.get(key, 0))
+        m.missing_records.set(h.counters["missing_records"])
+        self._seen = now
+
+    def rebuild(self, start: int, err: CorruptRecord) -> bool:
+        """Rebuild bucket ``start`` (derived data: from the message log); a rebuild that fails
+        (a dying disk, a bucket failing again and again) is a fault reported by the healer, not
+        a reason to stop the node: the bucket stays as it was, and is found again later.
+        True when it was rebuilt."""
+        store = self.node.store
+        try:
+            store.healer.rebuild(start, err)
+            return True
+        except (HourglassError, OSError) as e:
+            store.healer.fault(HealFault("rebuild", str(store.schedule.bucket_path(start)), err.offset,
+                                         f"{e} (found: {err.reason})"))
+            return False
 
     async def on_derived_corrupt(self, target: ScrubTarget, err: CorruptRecord) -> bool:
         if target.kind != "schedule":
@@ -86,7 +107,7 @@ class DelayScrubTask(ScrubTask):
         start = bucket_of(target)
         store = self.node.store
         if store.schedule.bucket_start(start) == start and Path(target.path).exists():
-            store.healer.rebuild(start, err)  # derived data: rebuilt from the message log now
+            self.rebuild(start, err)  # derived data: rebuilt from the message log now
         self.sync_heal_metrics()
         return True
 
@@ -102,19 +123,23 @@ def _bucket_in_path(path: str) -> int | None:
 async def verify_online(node, rate_bytes_per_s: float) -> VerifyReport:
     """``admin verify`` on a running node: check its files on a worker thread (throttled), then
     heal what can be healed: a schedule bucket is rebuilt, a corrupt sealed message/dispatch
-    segment goes to the scrub task's repair. Returns the report, findings marked repaired."""
+    segment goes to the scrub task's repair, missing records are asked for at once (a single
+    node: declared lost). Returns the report, findings marked repaired, and the node's
+    missing and lost records (``lost``)."""
     store = node.store
     loop = asyncio.get_running_loop()
     report = await loop.run_in_executor(None, lambda: verify_dir(
         store.root, online=True, rate_bytes_per_s=rate_bytes_per_s, record_bytes_max=store.messages.record_bytes_max))
-    rebuilt: set[int] = set()
+    rebuilt: dict[int, bool] = {}
     for f in report.corrupt:
         start = _bucket_in_path(f.path)
         if start is not None:
             if start not in rebuilt:
-                node.store.healer.rebuild(start, CorruptRecord(f.path, f.offset, f.reason))
-                rebuilt.add(start)
-            f.repaired = True
+                rebuilt[start] = node.scrubber.rebuild(start, CorruptRecord(f.path, f.offset, f.reason))
+            f.repaired = rebuilt[start]
     await node.scrubber.take_findings(report)
+    if node.store.healer.fetch_due(int(loop.time() * 1000)):
+        await node.fetch_lost_buckets()
     node.scrubber.sync_heal_metrics()
+    report.lost = node.store.healer.report()
     return report

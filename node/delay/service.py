@@ -56,6 +56,7 @@ log = logging.getLogger("hourglass.delay")
 PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS],
                            np.uint8)
 METRICS_INTERVAL_S = 0.1
+HEAL_POLL_S = 0.2             # missing records of a rebuilt bucket are asked for this soon (node/delay/heal.py)
 DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time node
 MIB = 1 << 20
 
@@ -194,6 +195,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             "role": "delay", "node_id": self.settings.node_id, "group": self.settings.group,
             "epoch": s.epoch, "address": self.address, "now_ms": now,
             "counters": dict(s.counters), "wheel_held": len(s.wheel), "in_flight": s.inflight,
+            "pending": sum(s.pending_by_bucket().values()),
             "completed_ms": s.completed_ms, "dispatch_lag_ms": max(0, now - s.completed_ms),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
@@ -213,7 +215,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     def health_stats(self) -> dict:
         """Scrub progress and what healing did (part of ``stats``)."""
         return {"scrub": self.scrubber.status(),
-                "healing": dict(self.store.healer.counters)}
+                "healing": self.store.healer.status()}
 
     async def Verify(self, request, context) -> pb.VerifyResponse:
         """Check this node's files now (throttled, on a worker thread), heal derived data."""
@@ -475,17 +477,32 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _retention_loop(self) -> None:
         """Every ``retention_interval_ms``: decide and detach on the loop, delete and compact
-        on a worker thread (node/delay/retention.py), then report sizes and what holds data."""
+        on a worker thread (node/delay/retention.py), then report sizes and what holds data.
+        In between, every ``HEAL_POLL_S``: missing records of rebuilt schedule buckets are
+        asked for (``fetch_lost_buckets``, node/delay/heal.py) and the healing metrics brought
+        up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
         loop = asyncio.get_running_loop()
+        interval_s = self.settings.retention_interval_ms / 1000
+        next_round = loop.time() + interval_s
         while True:
-            await asyncio.sleep(self.settings.retention_interval_ms / 1000)
-            await self.retention_once(loop)
-            await self.fetch_lost_buckets()
+            await asyncio.sleep(max(0.0, min(HEAL_POLL_S, next_round - loop.time())))
+            if self.store.healer.fetch_due(int(loop.time() * 1000)):
+                await self.fetch_lost_buckets()
+            self.scrubber.sync_heal_metrics()
+            if loop.time() >= next_round:
+                await self.retention_once(loop)
+                self.store.healer.forget_deleted()
+                next_round = loop.time() + interval_s
 
     async def fetch_lost_buckets(self) -> None:
-        """Buckets that lost records with a corrupt frame the message log no longer holds
-        (``BucketHealer.fetch_wanted``): a replicated node fetches them from a member; a
-        single node has nowhere to ask (the rebuild logged it at ERROR)."""
+        """Missing records of rebuilt buckets (``BucketHealer.missing``): a replicated node
+        fetches them from a member (node/replication/delay.py); a single node has nowhere to
+        ask: they are lost (``give_up``: an ERROR line with their ids, the metric
+        ``hourglass_lost_records``, ``admin verify``)."""
+        healer = self.store.healer
+        for start, m in list(healer.missing.items()):
+            if not m.lost:
+                healer.give_up(start, "no replica: this node is its group's only member")
 
     async def retention_once(self, loop=None) -> retention.Report:
         loop = loop or asyncio.get_running_loop()

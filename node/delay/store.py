@@ -195,6 +195,7 @@ class DelayStore:
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
         self.replicated: dict | None = ck.get("replicated") if follower else None
+        self._pending: dict[int, int] = {}  # counted below; a rebuild meanwhile counts its bucket
         # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
         self.healer = BucketHealer(self)
@@ -267,24 +268,60 @@ class DelayStore:
         for start in self.schedule.bucket_starts():
             if start + self.settings.bucket_ms <= c:
                 continue
-            b = self.schedule.bucket(start, create=False)
-            if b is None:
-                continue
-            e = b.entries_array()
-            n = 0
-            if start < c:  # the current bucket: whole seconds after completed_ms's, its own second exactly
-                sec_ms = e["second"].astype(np.int64) * 1000 + start
-                for ref in self.schedule.load_second(c // 1000):
-                    late = ref.batch.effective_ms >= c
-                    cancels = ref.batch.kind == KIND_CANCEL
-                    n += int(np.count_nonzero(late & ~cancels)) - int(np.count_nonzero(late & cancels))
-                e = e[sec_ms > c - c % 1000]
-            out[start] = n + int(e["messages"].astype(np.int64).sum() - e["cancels"].astype(np.int64).sum())
+            n = self._filed_pending(start, c)
+            if n is not None:
+                out[start] = n
         for eff in self._dispatched.values():
             if eff >= c:
                 b = self.schedule.bucket_start(eff)
                 out[b] = out.get(b, 0) - 1
         return {b: n for b, n in out.items() if n > 0}
+
+    def _filed_pending(self, start: int, c: int) -> int | None:
+        """Messages minus tombstones filed in bucket ``start`` and due at or after ``c`` (None:
+        no such bucket): whole seconds after ``c``'s from the index, ``c``'s own second exactly."""
+        b = self.schedule.bucket(start, create=False)
+        if b is None:
+            return None
+        e = b.entries_array()
+        n = 0
+        if start < c:  # the current bucket: whole seconds after completed_ms's, its own second exactly
+            for ref in self.schedule.load_second(c // 1000):
+                late = ref.batch.effective_ms >= c
+                cancels = ref.batch.kind == KIND_CANCEL
+                n += int(np.count_nonzero(late & ~cancels)) - int(np.count_nonzero(late & cancels))
+            b = self.schedule.bucket(start, create=False)  # the load may have rebuilt it
+            e = b.entries_array() if b is not None else e[:0]
+            e = e[e["second"].astype(np.int64) * 1000 + start > c - c % 1000]
+        return n + int(e["messages"].astype(np.int64).sum() - e["cancels"].astype(np.int64).sum())
+
+    def _recount_pending(self, start: int) -> None:
+        """The pending count of one bucket again (it was rebuilt: records may have gone or come back)."""
+        c = self.completed_ms
+        n = self._filed_pending(start, c) or 0
+        end = start + self.settings.bucket_ms
+        n -= sum(1 for eff in self._dispatched.values() if max(c, start) <= eff < end)
+        if n > 0:
+            self._pending[start] = n
+        else:
+            self._pending.pop(start, None)
+
+    def _rebuilt(self, start: int, *, late: Batch | None, cancelled: np.ndarray | None) -> None:
+        """Bucket ``start`` was rebuilt (node/delay/heal.py). ``late``: records a member gave
+        back that the wheel passed while they were missing, filed again in the bucket (the
+        filing rule) and handed to the wheel here (overdue: they fire at once); ``cancelled``:
+        targets of tombstones the rebuild brought back, taken out of the wheel."""
+        if not self.follower:
+            if cancelled is not None and len(cancelled):
+                self.wheel.cancel(cancelled)
+            chunk = None if late is None else self._chunk(FrameRef(-1, -1, 0, late), reload=False,
+                                                           cancelled=cancelled)
+            if chunk is not None and self.wheel.add(chunk):
+                self.wheel_changed = True
+                low = int(chunk.due_ms.min())
+                if low < self.completed_ms:  # as in _file: a checkpoint must not skip them
+                    self.completed_ms = low - low % self.settings.tick_ms
+        self._recount_pending(start)
 
     def pending_by_bucket(self) -> dict[int, int]:
         """Bucket start ms -> messages filed there and not yet dispatched or cancelled."""
@@ -963,6 +1000,7 @@ class DelayStore:
         self._unit_counter = 0
         self._inflight_count = 0
         self._restore_tick_state(ck, now_ms)
+        self.healer.wheel_restarted()  # missing records the old wheel passed are due again
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         t["epoch_wheel"] = time.perf_counter()
         self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)

@@ -39,6 +39,8 @@ from cluster.errors import CorruptRecord, DiskFull, HourglassError, StorageError
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
+from node.delay.heal import HealFault
+from node.delay.missing import Missing
 from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.ackjournal import AckJournal
@@ -56,6 +58,7 @@ LOGS = ("messages", "dispatch")
 BUCKET_LOG_PREFIX = "schedule:"  # ReadLog of a schedule bucket's data log
 FENCED_DELIVERY_POLL_S = 0.05  # how often a fenced dispatch looks again (the role loop ends it by cancelling)
 BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication_chunk_bytes)
+NO_BUCKET = "no bucket"  # ReadLog's answer when this member has no such bucket
 
 
 class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.ReplicationServicer):
@@ -99,23 +102,25 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     async def ReadLog(self, request: pb.ReadLogRequest, context) -> pb.ReadLogResponse:
         """Also ``schedule:{bucket start}``: raw frames of this member's copy of a schedule
-        bucket's data log (a member that lost records of it to a corrupt frame asks)."""
+        bucket's data log (a member whose rebuilt bucket lacks records asks)."""
         if not request.log.startswith(BUCKET_LOG_PREFIX):
             return await super().ReadLog(request, context)
         try:
             start = int(request.log[len(BUCKET_LOG_PREFIX):])
             b = self.store.schedule.bucket(start, create=False) if self.store.schedule.exists(start) else None
             if b is None:
-                return pb.ReadLogResponse(error=f"no bucket {start} here")
+                return pb.ReadLogResponse(error=f"{NO_BUCKET} {start} here")
             data = b.data.read_bytes(request.offset, min(request.max_bytes or (1 << 20),
                                                          self.settings.replication_chunk_bytes))
         except (ValueError, HourglassError) as e:
             return pb.ReadLogResponse(error=str(e))
         return pb.ReadLogResponse(data=data)
 
-    async def _fetch_bucket_frames(self, address: str, start: int, keep_below_seq: int | None) -> list[Batch]:
-        """A member's frames of bucket ``start`` (records with seq below ``keep_below_seq``
-        only: the ones the message log cannot give back), read chunk by chunk."""
+    async def _fetch_bucket_frames(self, address: str, start: int, missing: Missing,
+                                   below_seq: int | None) -> list[Batch]:
+        """A member's records of bucket ``start`` that ``missing`` wants (``Missing.wanted``),
+        read chunk by chunk, every frame CRC-checked (a bad one: ``CorruptRecord``). [] when
+        the member has no such bucket."""
         stub = rpc.ReplicationStub(self.channels.get(address))
         out: list[Batch] = []
         offset = 0
@@ -124,6 +129,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 r = await stub.ReadLog(pb.ReadLogRequest(log=f"{BUCKET_LOG_PREFIX}{start}", offset=offset,
                                                          max_bytes=self.settings.replication_chunk_bytes),
                                        timeout=10)
+                if r.error.startswith(NO_BUCKET):
+                    return []
                 if r.error:
                     raise CorruptRecord(address, offset, r.error)
                 if not r.data:
@@ -132,39 +139,65 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 while pos < len(r.data):
                     body, pos = decode_frame(r.data, pos, address, offset, self.store.messages.record_bytes_max)
                     b = Batch.decode(body)
-                    if keep_below_seq is not None:
-                        b = b.take(np.flatnonzero(b.seq < np.uint64(keep_below_seq)))
+                    b = b.take(np.flatnonzero(missing.wanted(b.seq, below_seq)))
                     if b.n:
                         out.append(b)
                 offset += len(r.data)
         raise CorruptRecord(address, offset, f"bucket larger than {BUCKET_FETCH_CHUNKS_MAX} chunks")
 
     async def fetch_lost_buckets(self) -> None:
-        healer = self.store.healer
-        if not healer.fetch_wanted or self.registrar is None:
+        """Missing records of rebuilt buckets (``BucketHealer.missing``, node/delay/heal.py)
+        from the other members of the group, one after the other: a member's copy of the
+        bucket is read (``ReadLog`` "schedule:{start}"), every frame CRC-checked, and the bucket
+        rebuilt again with the records it lacks. A member that cannot answer (unreachable, its
+        copy corrupt too) is a fault: logged, counted, and the bucket is asked for again later
+        (backoff). Once every member answered and none had them, they are lost (``give_up``)."""
+        store = self.store
+        healer = store.healer
+        loop = asyncio.get_running_loop()
+        due = healer.fetch_due(int(loop.time() * 1000))
+        if not due or self.registrar is None:
             return
         try:
             members = await self._member_addresses()
         except (grpc.RpcError, HourglassError) as e:
-            log.error("bucket fetch: cannot list the group's members: %s", e)
+            healer.fault(HealFault("fetch", "meta servers", 0, f"cannot list the group's members: {e}"))
+            for start in due:
+                healer.fetch_failed(start, int(loop.time() * 1000))
             return
-        for start, lost in list(healer.fetch_wanted.items()):
-            store = self.store
-            first = healer.first_log_seq()
+        for start in due:
+            unanswered = 0
             for address in members:
+                m = healer.missing.get(start)
+                if self.store is not store or m is None or m.lost:
+                    break
                 try:
-                    frames = await self._fetch_bucket_frames(address, start, first)
-                except (grpc.RpcError, HourglassError, TimeoutError) as e:
-                    log.warning("bucket fetch from %s failed bucket=%d: %s", address, start, e)
+                    frames = await self._fetch_bucket_frames(address, start, m, healer.first_log_seq())
+                except (grpc.RpcError, HourglassError, TimeoutError, OSError) as e:
+                    healer.fault(HealFault("fetch", address, 0, f"bucket {start}: {e}"))
+                    unanswered += 1
                     continue
                 if self.store is not store:
-                    return  # reopened (a promotion) meanwhile: its healer asks again
-                records = sum(f.n for f in frames)
-                store.healer.rebuild(start, CorruptRecord(address, 0, f"{lost} corrupt bytes: records fetched "
-                                                                      f"from a member"), extra=frames)
-                log.warning("schedule bucket completed from a member address=%s bucket=%d records_fetched=%d",
-                            address, start, records)
-                break
+                    return  # reopened (a demotion) meanwhile: its healer asks again
+                if not frames:
+                    continue  # this member does not have them
+                try:
+                    healer.rebuild(start, CorruptRecord(address, 0, "records fetched from a member"), extra=frames,
+                                   source=address)
+                except (HourglassError, OSError) as e:
+                    healer.fault(HealFault("rebuild", str(store.schedule.bucket_path(start)), 0, str(e)))
+                    unanswered += 1
+                    break
+            m = healer.missing.get(start)
+            if self.store is not store or m is None or m.lost:
+                continue
+            if unanswered or not members:
+                if not members:
+                    log.warning("bucket fetch: no other member of group %s is registered; asking again later bucket=%d",
+                                self.settings.group, start)
+                healer.fetch_failed(start, int(loop.time() * 1000))
+            else:
+                healer.give_up(start, f"no member of group {self.settings.group} has them (asked {', '.join(members)})")
 
     def _note_durable(self) -> None:
         super()._note_durable()

@@ -608,11 +608,13 @@ class ScheduleLog:
             self.healer(start_ms, e)
         return fn()
 
-    def replace_bucket(self, start_ms: int, chunks) -> int:
+    def replace_bucket(self, start_ms: int, chunks, *, before_swap: Callable[[Path], None] | None = None) -> int:
         """Replace bucket ``start_ms`` by one holding ``chunks`` (an iterable of lists of
         groups, each a ``Batch`` due in one second of the bucket, seqs increasing from list
         to list). Crash-safe: written and flushed under ``{start}.rebuild``, renamed
-        ``{start}.ready``, then swapped in by rename. Returns the frames written."""
+        ``{start}.ready``, then swapped in by rename. ``before_swap(folder)`` may add files to
+        the new bucket's folder once every chunk is written (they are swapped in with it).
+        Returns the frames written."""
         main = self._path(start_ms)
         tmp = self.root / f"{start_ms:018d}.rebuild"
         ready = self.root / f"{start_ms:018d}.ready"
@@ -626,6 +628,8 @@ class ScheduleLog:
                     part = groups[i:i + REBUILD_GROUPS_PER_WRITE]
                     nb.append_groups(part)
                     frames += len(part)
+            if before_swap is not None:
+                before_swap(tmp)
             (tmp / REBUILT_MARKER).write_text("rebuilt from the message log\n")
         except BaseException:
             nb.close()

@@ -10,15 +10,19 @@ checks, read-only:
   ``prev`` links an older entry of the same second; offline also the heads file (header CRC,
   and every head equal to the newest entry of its second when the header vouches for all);
 * checkpoint files (``checkpoint``, ``*.epochs``, ``voided.json``, ``subjects.json``): CRC line;
-* id-index files (``ids/*.idx``): header CRC.
+* id-index files (``ids/*.idx``): header CRC;
+* a schedule bucket's ``lost.json`` (its CRC line too): the records a rebuild could not find
+  (``node/delay/heal.py``), listed in the report's ``lost`` with their ids, whether they are
+  still being fetched from a member (``missing``) or ``lost``.
 
 Reads go through ``Throttle`` (bytes per second) when given: online, the node runs this on a
 worker thread at ``verify_rate_mib_s`` so serving is not starved. Folders of a rebuild or a
 deletion in progress (``*.rebuild``, ``*.ready``, ``*.old``, ``*.deleting``) are skipped, and
 files that vanish while being read (retention, a bucket swapped) are skipped too.
 
-The report lists what was checked and every corrupt record (path, offset, reason);
-``summary()`` is the one line ``hourglass admin verify`` prints.
+The report lists what was checked, every corrupt record (path, offset, reason) and every
+bucket's missing or lost records; ``summary()`` is the one line ``hourglass admin verify``
+prints.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.codec import KIND_MESSAGE
 from cluster.errors import CorruptRecord
 from node.store import checkpoint
 
@@ -43,6 +48,7 @@ from .scrub import ScrubTarget, check_span
 
 SEGMENT_RE = re.compile(r"^\d{20}\.log$")
 CHECKPOINT_NAMES = ("checkpoint", "voided.json", "subjects.json")
+LOST_NAME = "lost.json"        # a schedule bucket's missing records (node/delay/heal.py, docs/format.md)
 IDX_HEADER_SIZE = 64
 CHUNK_BYTES = 1 << 20          # bytes read per step of a segment
 FINDINGS_MAX = 1000            # corrupt records listed in one report (the count goes on)
@@ -66,6 +72,9 @@ class VerifyReport:
     corrupt: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     elapsed_ms: int = 0
+    # per bucket with records a rebuild could not find: {"bucket_start_ms", "path", "state" (missing |
+    # lost), "records", "messages" (ids), "cancels" (ids of cancelled messages), "seq_ranges", "unreadable_bytes"}
+    lost: list[dict] = field(default_factory=list)
 
     def add(self, err: CorruptRecord) -> Finding:
         self.corrupt_count += 1
@@ -78,14 +87,24 @@ class VerifyReport:
     def unrepaired(self) -> int:
         return self.corrupt_count - sum(1 for f in self.corrupt if f.repaired)
 
+    @property
+    def lost_records(self) -> int:
+        """Records missing or lost in every bucket (``lost``)."""
+        return sum(int(b["records"]) for b in self.lost)
+
     def summary(self) -> str:
         head = f"{self.files} files, {self.bytes / (1 << 20):.1f} MiB checked in {self.elapsed_ms / 1000:.1f} s"
+        lost = ""
+        if self.lost:
+            gone = sum(int(b["records"]) for b in self.lost if b["state"] == "lost")
+            lost = (f"; {gone} records lost and {self.lost_records - gone} being fetched from a member, in "
+                    f"{len(self.lost)} rebuilt bucket{'s' if len(self.lost) > 1 else ''}")
         if not self.corrupt_count:
-            return f"{self.root}: OK, {head}"
+            return f"{self.root}: {'OK' if not self.lost else 'no corrupt record'}, {head}{lost}"
         repaired = self.corrupt_count - self.unrepaired
         first = self.corrupt[0]
         return (f"{self.root}: {self.corrupt_count} corrupt ({repaired} repaired), {head}; first: {first.path} "
-                f"at offset {first.offset}: {first.reason}")
+                f"at offset {first.offset}: {first.reason}{lost}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -135,6 +154,8 @@ def verify_dir(root: str | os.PathLike, *, online: bool = False, rate_bytes_per_
             _verify_log(here, segs, rep, thr, online=online, record_bytes_max=record_bytes_max)
         if here.parent.name == "schedule" and here.name.isdigit() and "index" in filenames:
             _verify_bucket(here, rep, thr, online=online)
+            if LOST_NAME in filenames:
+                _read_lost(here / LOST_NAME, rep)
         for f in sorted(filenames):
             p = here / f
             if f in CHECKPOINT_NAMES or f.endswith(".epochs"):
@@ -254,6 +275,29 @@ def _verify_bucket(d: Path, rep: VerifyReport, thr: Throttle, *, online: bool) -
     bad = np.flatnonzero(heads != want)
     if len(bad):
         rep.add(CorruptRecord(hp, HEADS_HEADER_SIZE + 4 * int(bad[0]), "head does not match index"))
+
+
+def _read_lost(p: Path, rep: VerifyReport) -> None:
+    """A bucket's ``lost.json`` (format in docs/format.md) into the report's ``lost``."""
+    rep.files += 1
+    try:
+        doc = checkpoint.read(p)
+    except CorruptRecord as e:
+        rep.add(e)
+        return
+    except ValueError as e:
+        rep.add(CorruptRecord(str(p), 0, f"not JSON: {e}"))
+        return
+    if doc is None:
+        return  # deleted with its bucket meanwhile
+    rows = doc.get("records", [])
+    ranges = doc.get("ranges", [])
+    rep.lost.append({"bucket_start_ms": int(doc.get("bucket_start_ms", 0)), "path": str(p),
+                     "state": "lost" if doc.get("lost") else "missing",
+                     "records": len(rows) + sum(int(r[2]) for r in ranges),
+                     "messages": [r[2] for r in rows if r[1] == KIND_MESSAGE],
+                     "cancels": [r[2] for r in rows if r[1] != KIND_MESSAGE],
+                     "seq_ranges": [list(r[:3]) for r in ranges], "unreadable_bytes": int(doc.get("unknown_bytes", 0))})
 
 
 def _verify_idx(p: Path, rep: VerifyReport) -> None:
