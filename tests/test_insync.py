@@ -89,3 +89,18 @@ def test_history_adopted_before_the_bytes_keeps_the_cut_after_them():
     assert divergence(master, 250, lagging, 260) == 100  # the old way: cut at 100, acked bytes go
     adopted = EpochHistory([(1, 0), (2, 100), (3, 200)])
     assert divergence(master, 200, adopted, 260) is None  # the returning member keeps them
+
+
+def test_divergence_steps_down_to_an_epoch_both_hold():
+    """Found by the seeded simulation with the in-sync set: n0 wrote epoch 1 to 78; n1 (its
+    epoch 1 ends at 74) wrote epoch 2 from 74; n0 was elected in epoch 3 without seeing epoch 2,
+    then n1 in epoch 4. The old rule compared the end of epoch 2 in n1 (95) with the end of
+    epoch 1 in n0 (78), answered "records from 78", and n0 kept 74..78 of the wrong term: the
+    logs differed at the same offsets, and acknowledged records of epoch 2 were not on n0."""
+    n0 = EpochHistory([(1, 0), (3, 78)])
+    n1 = EpochHistory([(1, 0), (2, 74), (4, 95)])
+    assert divergence(n0, 78, n1, 98) == 74
+    assert divergence(n0, 94, n1, 98) == 74
+    # a prefix stays a prefix
+    assert divergence(EpochHistory([(1, 0), (2, 74)]), 90, n1, 98) is None
+    assert divergence(EpochHistory([(1, 0)]), 70, n1, 98) is None

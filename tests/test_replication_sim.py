@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   divergence, in_sync_change, may_campaign, role_step, take_answer)
+                                   divergence, in_sync_change, may_campaign, role_step, take_answer,
+                                   truncate_allowed)
 
 STEP_MS = 10
 TTL_MS = 2000
@@ -61,6 +62,7 @@ class Node:
     campaigned_lease: int | None = None           # the lease of this node's last campaign
     term_start: int = 0
     fetch_no: int = 0                             # the last fetch sent (answers to older ones are dropped)
+    acked_known: int = -1                         # the acknowledged point masters told this slave
 
     def active(self, now: int) -> bool:
         return self.alive and now >= self.frozen_until
@@ -205,7 +207,7 @@ class Sim:
             off, rec = m.tickets.pop(t)
             self.acked[off] = rec
         self.send(m.id, src, ("records", m.member.epoch, (offset, no), tuple(m.log[offset:offset + CHUNK]),
-                              tuple(m.history.entries)))
+                              tuple(m.history.entries), m.tracker.acked_offset))
 
     def on_refused(self, s: Node, src: str, epoch: int) -> None:
         pass  # the shell's follow loop backs off and asks again; a peer's epoch deposes nobody
@@ -227,6 +229,9 @@ class Sim:
     def on_truncate(self, s: Node, src: str, epoch: int, asked: tuple[int, int], cut: int) -> None:
         if not self._takes(s, src, epoch, asked):
             return
+        # the shipped guard (roles.py _may_truncate): never below the acknowledged point a
+        # master told this slave; with the in-sync set a correct master never asks that
+        assert truncate_allowed(cut, s.acked_known), f"{s.id} asked to cut at {cut} below acked {s.acked_known}"
         if cut < len(s.log):
             for off in range(cut, len(s.log)):
                 assert off not in self.acked or self.acked[off] != s.log[off], \
@@ -234,11 +239,13 @@ class Sim:
             del s.log[cut:]
             s.history.truncate(cut)
 
-    def on_records(self, s: Node, src: str, epoch: int, asked: tuple[int, int], recs: tuple, hist: tuple) -> None:
+    def on_records(self, s: Node, src: str, epoch: int, asked: tuple[int, int], recs: tuple, hist: tuple,
+                   acked: int) -> None:
         if not self._takes(s, src, epoch, asked):
             return
         s.log.extend(recs)
         s.history.adopt(list(hist), len(s.log))
+        s.acked_known = max(s.acked_known, acked)
 
     def fail_waiters(self, m: Node) -> None:
         if m.tracker is not None:

@@ -92,10 +92,27 @@ def divergence(slave: EpochHistory, slave_end: int, master: EpochHistory, master
     and cut at the smaller of the two ends of that epoch. Anything beyond was never in
     the master's log.
     """
-    epoch, end = master.end_offset_for(slave.last_epoch, master_end)
-    if epoch >= 0:
-        _, own_end = slave.end_offset_for(epoch, slave_end)
-        end = min(end, own_end)
+    # The newest epoch both histories hold: the master names the newest epoch <= the slave's
+    # last; if the slave never wrote or copied that one (it was elected in a term that never
+    # saw it), step down to the slave's newest epoch below it and ask again, as Kafka's
+    # follower does (KIP-279). Comparing ends of two *different* epochs kept a divergent
+    # suffix: a slave whose epoch 1 ran to 78 while the master's epoch 1 ended at 74 (its
+    # epoch 2 from there) was told "records from 78" and kept 74..78 of the wrong term.
+    e = slave.last_epoch
+    end = 0
+    for _ in range(len(slave.entries) + len(master.entries) + 1):  # each turn goes to an older epoch
+        m_epoch, m_end = master.end_offset_for(e, master_end)
+        if m_epoch < 0:
+            end = m_end  # nothing the slave holds is of a term the master knows: up to its first term
+            break
+        s_epoch, s_end = slave.end_offset_for(m_epoch, slave_end)
+        if s_epoch == m_epoch:
+            end = min(m_end, s_end)
+            break
+        if s_epoch < 0:
+            end = 0
+            break
+        e = s_epoch
     if slave_end > end:
         return end
     return None
@@ -346,6 +363,13 @@ def role_step(member: Member, key: LeaderKey, *, me: str, address: str, mode: st
 #     master and one other member stay in it (a sync ack needs one slave anyway, and a lone
 #     master in the set would make its death need an operator): with two members the set
 #     stays both, and a dead slave makes sync writes fail rather than leave it behind.
+
+
+def truncate_allowed(cut: int, acked_known: int) -> bool:
+    """A slave cuts its log at ``cut`` only at or above the acknowledged point a master told it
+    (``acked_offset`` of the tick state): below it lie records the group acknowledged, which a
+    correctly elected master holds, so a request to cut there is refused, never obeyed."""
+    return cut >= acked_known
 
 
 def may_campaign(me: str, in_sync: list[str] | tuple[str, ...] | set[str]) -> bool:

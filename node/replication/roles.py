@@ -37,7 +37,7 @@ from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.registration import Registrar
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   in_sync_change, may_campaign, role_step, take_answer)
+                                   in_sync_change, may_campaign, role_step, take_answer, truncate_allowed)
 from node.store import checkpoint
 
 log = logging.getLogger("hourglass.replication")
@@ -332,7 +332,7 @@ class ReplicaRoles:
         master that asks for that is wrong: nothing is cut, the refusal is logged and counted
         (``hourglass_truncations_refused``), and this slave stays out of the in-sync set."""
         acked = self.acked_known.get(name, -1)
-        if cut >= acked:
+        if truncate_allowed(cut, acked):
             return True
         self.metrics.truncations_refused.inc()
         log.error("refusing to truncate %s to %d from master %s: bytes up to %d were acknowledged "
