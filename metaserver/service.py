@@ -23,6 +23,7 @@ from metaserver.registry import Registry
 
 log = logging.getLogger("hourglass.meta")
 
+HEARTBEAT_MS_MAX = 1000     # renewal interval told to nodes: a third of the TTL, at most this (docs/replication.md)
 CAMPAIGN_CAS_TRIES_MAX = 3   # a campaign retries when the in-sync set changed between its read and its transaction
 DEAD_PROBES = 2              # refused TCP connects before a reported master counts as dead
 DEAD_PROBE_GAP_S = 0.1
@@ -103,7 +104,7 @@ class MetaService(mrpc.MetaServicer):
             lease_id = await self.registry.register(record, ttl_s=ttl_s)
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.RegisterResponse(lease_id=lease_id, ttl_ms=ttl_s * 1000, heartbeat_ms=ttl_s * 1000 // 3)
+        return mpb.RegisterResponse(lease_id=lease_id, ttl_ms=ttl_s * 1000, heartbeat_ms=min(HEARTBEAT_MS_MAX, ttl_s * 1000 // 3))
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
         try:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -115,9 +116,11 @@ class StallWatch:
     (``hourglass_event_loop_stall_seconds``); one at or past the threshold is logged when it
     ends, once, with its duration, the task that was running and where the loop thread was
     (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
-    ...``). "Where" is sampled by a thread that finds the task's mark older than half the
-    threshold while the stall lasts, so it names the call that holds the loop; ``at=-`` means the
-    sampler did not get the CPU either. A stall that lasts ``STALL_STILL_MS`` is also logged
+    ... samples=11/12``). "Where" is sampled by a thread every tick while the task's mark is
+    older than half the threshold; the place seen most often during the stall is named, with
+    how many of the samples saw it: the call that held the loop. ``at=selectors.py ... select``
+    means the loop was idle and the process got no CPU; ``at=-`` that the sampler got none
+    either. A stall that lasts ``STALL_STILL_MS`` is also logged
     while it lasts, with the whole stack: a wedged loop is named even if it never returns.
     Every message due during a stall is late by it, so this is where a p99 comes from."""
 
@@ -128,7 +131,9 @@ class StallWatch:
         self.histogram = histogram
         self.beat = time.monotonic()
         self.stalls = 0
-        self._sample: tuple[float, str, str] | None = None  # (beat, task, where) taken during a stall
+        self._sampled_beat: float | None = None  # the stall (its mark) the samples below belong to
+        self._samples: Counter[tuple[str, str]] = Counter()  # (task, where) -> times seen during it
+        self._samples_lock = threading.Lock()
         self._stop = threading.Event()
         self._loop_thread = threading.get_ident()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,9 +157,12 @@ class StallWatch:
 
     def _report(self, beat: float, late_s: float) -> None:
         self.stalls += 1
-        sample = self._sample
-        task, where = (sample[1], sample[2]) if sample is not None and sample[0] == beat else ("-", "-")
-        self.log.warning("event loop stalled stall_ms=%.0f task=%s at=%s", late_s * 1000, task, where)
+        with self._samples_lock:
+            seen = self._samples.most_common(1) if self._sampled_beat == beat else []
+            n = sum(self._samples.values()) if seen else 0
+        (task, where), k = seen[0] if seen else (("-", "-"), 0)
+        self.log.warning("event loop stalled stall_ms=%.0f task=%s at=%s samples=%d/%d", late_s * 1000, task,
+                         where, k, n)
 
     def _watch(self) -> None:
         still_reported = None
@@ -164,10 +172,12 @@ class StallWatch:
             if late < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
                 continue
             frame = sys._current_frames().get(self._loop_thread)
-            if self._sample is None or self._sample[0] != beat:
-                task = asyncio.current_task(self._loop) if self._loop is not None else None
-                self._sample = (beat, task.get_name() if task is not None else "-",
-                                _where(frame) if frame is not None else "-")
+            task = asyncio.current_task(self._loop) if self._loop is not None else None
+            sample = (task.get_name() if task is not None else "-", _where(frame) if frame is not None else "-")
+            with self._samples_lock:
+                if self._sampled_beat != beat:
+                    self._sampled_beat, self._samples = beat, Counter()
+                self._samples[sample] += 1
             if late * 1000 >= STALL_STILL_MS and still_reported != beat:
                 still_reported = beat
                 stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no stack)"

@@ -77,6 +77,7 @@ from node.grpcserver import READY_SERVICE
 log = logging.getLogger("hourglass.registration")
 
 BACKOFF_MS_MIN = 100
+HEARTBEAT_MS_MAX = 1000  # a third of the TTL, at most 1 s: the renewal gap must stay well inside TTL - margin
 STAMP_INTERVAL_MS = 100        # the main loop proves it turns this often (liveness gate)
 THREAD_STOP_TIMEOUT_S = 5.0    # close()/cancel wait at most this long for the heartbeat thread
 THREAD_JOIN_TIMEOUT_S = 1.0    # ... and then for it to return once it said it ended
@@ -113,7 +114,8 @@ class Registrar:
         # the main loop's client, for every call but Register/Heartbeat (those use the thread's own)
         self.meta = MetaClient(settings.meta_servers, timeout_s=settings.meta_timeout_ms / 1000)
         self.lease_id: int | None = None  # main-loop view; changes with ``registered``
-        self.heartbeat_ms = settings.meta_heartbeat_ms or max(BACKOFF_MS_MIN, settings.meta_lease_ttl_ms // 3)
+        self.heartbeat_ms = settings.meta_heartbeat_ms or max(BACKOFF_MS_MIN, min(HEARTBEAT_MS_MAX,
+                                                                                   settings.meta_lease_ttl_ms // 3))
         self.registered = asyncio.Event()
         self.heartbeats = 0  # confirmed Register/Heartbeat calls
         self.on_lost: Callable[[int], None] | None = None

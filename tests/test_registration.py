@@ -22,6 +22,7 @@ from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from node.aio import wait_event
 from node.config import NodeSettings
+from node.metrics import NodeMetrics
 from node.registration import Registrar, takes_lease_id
 
 TTL_MS = 2000           # the shortest lease the meta server grants
@@ -46,6 +47,10 @@ def _hold_the_loop_until(done, timeout_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not done() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _count(histogram) -> float:
+    return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
 
 
 def _heartbeat_threads(node_id: str) -> list[threading.Thread]:
@@ -79,7 +84,8 @@ async def test_the_lease_is_renewed_while_the_loop_is_blocked_past_the_ttl(meta_
     """The loop is held until more than 1.5 TTL has passed and the thread confirmed renewals
     meanwhile: the node is still registered under the same lease, never lost."""
     settings = _settings(meta_server)
-    r = Registrar(settings, "127.0.0.1:1", describe=lambda: {"master": False})
+    metrics = NodeMetrics("delay", settings.node_id)
+    r = Registrar(settings, "127.0.0.1:1", describe=lambda: {"master": False}, metrics=metrics)
     lost, beats = [], []
     r.on_lost = lost.append
     r.on_beat = lambda lease_id, sent_ms: beats.append((lease_id, threading.get_ident()))
@@ -97,6 +103,9 @@ async def test_the_lease_is_renewed_while_the_loop_is_blocked_past_the_ttl(meta_
         await r.meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=r._info))
         assert not lost and r.lease_id == lease
         assert {t for _, t in beats} == {_heartbeat_threads(settings.node_id)[0].ident}  # on_beat: the thread's
+        # every confirmed call is in the round-trip histogram, every one after the Register in the gap one
+        assert _count(metrics.heartbeat_rtt) >= renewed_while_held
+        assert _count(metrics.heartbeat_gap) >= renewed_while_held - 1
     finally:
         await _stop(r, task)
 

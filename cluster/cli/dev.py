@@ -35,7 +35,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 REPLICAS_MAX = 5            # delay nodes of the one dev delay group
-LEASE_TTL_MS = 5000         # nodes' meta lease: a paused master keeps its seat this long (a killed one's port
+LEASE_TTL_MS = 6000         # nodes' meta lease: a paused master keeps its seat this long (a killed one's port
                             # refuses connections: its slave reports it and takes over at once, docs/replication.md)
 DEFAULT_DATA = Path("var/dev")
 _DEFAULT_POLICY = RestartPolicy()

@@ -89,7 +89,7 @@ class ChaosConfig(BaseModel):
     secure: bool = True                              # mutual TLS and tokens, as a production cluster runs
 
 
-SCENARIO_LEASE_TTL_MS = 5000  # the scenarios run the leases `hourglass dev up` and the node default use
+SCENARIO_LEASE_TTL_MS = 6000  # the scenarios run the leases `hourglass dev up` and the node default use
 
 
 def scenario_config(name: str, *, seed: int, out_dir: Path, duration_s: float | None = None,
