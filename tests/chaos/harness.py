@@ -701,6 +701,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from tests.chaos.checker import summarize
 
+    def stop(signum, _frame):  # SIGTERM (a series' timeout): unwind, so the cluster and faults are stopped
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
     report = run_chaos(cfg)
     print(summarize(report))
     print(f"report: {out / 'report.json'}")
