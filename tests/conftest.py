@@ -51,6 +51,7 @@ MODULE_TIERS = {
     "test_crash.py": "slow",
     "test_delay_store.py": "unit",
     "test_disk_full.py": "integration",
+    "test_diskspace.py": "unit",
     "test_docs.py": "unit",
     "test_e2e.py": "integration",
     "test_election.py": "integration",
