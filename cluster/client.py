@@ -31,7 +31,9 @@ Producer::
   ``queue_max`` messages are queued.
 * Retryable answers (``status.RETRYABLE_CODES``, node down, not leader) are retried,
   those indices only, with jittered exponential backoff (tenacity) up to
-  ``retries_max`` times, re-resolving the target each time.
+  ``retries_max`` times, re-resolving the target each time. ``DiskFull`` is not retried
+  (``status.retryable``): the messages it refused get it at once, with the node's address
+  and free space (space comes back when retention or an operator frees it).
 * Every call has a deadline, ``call_timeout_s`` from the call (``asyncio.timeout``
   around the retried call, and a timer per call that fails what is still unanswered,
   wherever it waits): then ``Unavailable`` saying what was tried and the last error.
@@ -69,8 +71,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt,
-                      wait_random_exponential)
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from cluster import errors as E
 from cluster import status
@@ -804,6 +805,10 @@ class Producer:
         """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
         Messages that expired while the request was out keep their deadline error."""
         retry = np.isin(res.codes, _RETRYABLE)
+        if res.errors and retry.any():  # a message refused for a full disk is final (``status.retryable``)
+            for i in np.flatnonzero(retry & (res.codes == pb.OVERLOADED)).tolist():
+                if res.errors.get(i, "").startswith(status.DISK_FULL_PREFIX):
+                    retry[i] = False
         again: list[_Piece] = []
         why: E.HourglassError | None = None
         if retry.any():
@@ -843,7 +848,7 @@ class Producer:
             async with asyncio.timeout_at(max(j.deadline for j in jobs)):
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
                                                    wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                                                   retry=retry_if_exception(status.retryable), reraise=True):
                     with attempt:
                         pieces = _unanswered(pieces)
                         if not pieces:
@@ -949,9 +954,9 @@ class Producer:
                 self._fail(pieces, E.InvalidArgument("request", f"{batch.n} messages to {address}: {e.details()}"))
                 return [], None
             err = status.from_rpc_error(e)
-            if isinstance(err, E.Unavailable):
+            if status.retryable(err):
                 return pieces, E.Unavailable(f"{address}: {err}")
-            self._fail(pieces, err)
+            self._fail(pieces, err)  # DiskFull too: as the node sent it, with its address and free space
             return [], None
         try:
             res = _unsorted(BatchResult.from_pb(resp, batch.n), order)
@@ -985,17 +990,21 @@ class Producer:
             async with asyncio.timeout(self.call_timeout_s):
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
                                                    wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                                                   retry=retry_if_exception(status.retryable), reraise=True):
                     with attempt:
                         attempts += 1
                         try:
                             return await self._ask_once(msg_id, method, request, tried)
                         except E.Unavailable as err:
+                            if not status.retryable(err):
+                                raise  # DiskFull: the caller gets it as it is
                             last = err
                             await self.resolver.refresh()
                             raise
         except TimeoutError:
             stopped = f"call_timeout_s={self.call_timeout_s} s"
+        except E.DiskFull:
+            raise
         except E.Unavailable:
             stopped = f"{self.retries_max} retries"
         asked = ", ".join(f"{a} (x{k})" for a, k in tried.items()) or "no node"
@@ -1033,7 +1042,7 @@ class Producer:
             return await getattr(self.channels.producer(address), method)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             err = status.from_rpc_error(e)
-            if isinstance(err, E.Unavailable) and not isinstance(err, E.NotLeader):
+            if status.retryable(err) and not isinstance(err, E.NotLeader):
                 raise E.Unavailable(f"{address}: {err}") from None
             raise err from None
 
