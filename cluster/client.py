@@ -1077,6 +1077,36 @@ class Producer:
 
 # ---------------------------------------------------------------------- consumer
 
+NODE_OK = "ok"                    # ``NodeHealth.state``: the node's last pull answered
+NODE_UNREACHABLE = "unreachable"  # ... failed (down, not the master, no answer in time): retried with backoff
+HEALTH_ERROR_CHARS_MAX = 300      # ``NodeHealth.last_error`` is cut to this
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What a consumer knows of one real-time node it pulls from (``Consumer.health()``)."""
+
+    address: str
+    state: str          # NODE_OK or NODE_UNREACHABLE
+    since_ms: int       # wall-clock ms when the node entered ``state``
+    last_error: str     # the last failed pull's error ("" if none yet); kept once the node is back
+    failures: int       # pulls failed in a row (0 while ok)
+
+
+def _health_step(h: NodeHealth | None, address: str, error: BaseException | None,
+                 now_ms: int) -> tuple[NodeHealth, bool]:
+    """A node's health after one pull (``error`` None: it answered); and whether its state
+    changed (a node seen for the first time changes only when it fails)."""
+    if error is None:
+        if h is not None and h.state == NODE_OK:
+            return h, False
+        return NodeHealth(address, NODE_OK, now_ms, h.last_error if h else "", 0), h is not None
+    text = str(error)
+    text = text if len(text) <= HEALTH_ERROR_CHARS_MAX else text[:HEALTH_ERROR_CHARS_MAX - 3] + "..."
+    if h is not None and h.state == NODE_UNREACHABLE:
+        return NodeHealth(address, NODE_UNREACHABLE, h.since_ms, text, h.failures + 1), False
+    return NodeHealth(address, NODE_UNREACHABLE, now_ms, text, 1), True
+
 
 class Received:
     """A delivered message. ``id`` is the id the producer gave (a retry after a nack travels
@@ -1251,6 +1281,7 @@ class Consumer:
         self._pulls: dict[str, asyncio.Task] = {}   # node -> its pull in flight
         self._failures: dict[str, int] = {}         # node -> failed pulls in a row
         self._route_failures = 0                    # rounds in a row without any node known
+        self._health: dict[str, NodeHealth] = {}    # node -> what its last pulls said (``health()``)
         self._buffer: deque[Received] = deque()
         self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
         self._closed = False
@@ -1335,6 +1366,8 @@ class Consumer:
         if self._closed:
             raise E.Closed("consumer closed")
         routes = await self._routes()
+        for gone in [n for n in self._health if n not in routes and n not in self._pulls]:
+            del self._health[gone]  # its subjects moved to another node: it no longer concerns us
         loop = asyncio.get_running_loop()
         for node, subjects in routes.items():
             if node not in self._pulls:
@@ -1358,14 +1391,37 @@ class Consumer:
             exc = t.exception()
             if exc is None:
                 self._failures.pop(node, None)
+                self._note_health(node, None, routes.get(node, ()))
                 if t.result() is not None:
                     out.append(t.result())
             else:
                 self._failures[node] = self._failures.get(node, 0) + 1
                 if isinstance(exc, E.Unavailable):
+                    if not isinstance(exc, E.Overloaded):  # overloaded: it answered, and says wait
+                        self._note_health(node, exc, routes.get(node, ()))
                     await self.resolver.refresh()
                 err = exc
         return out, err
+
+    def _note_health(self, node: str, error: BaseException | None, subjects) -> None:
+        """Record one pull's outcome; a change of state is logged once (not once per retry)."""
+        h, changed = _health_step(self._health.get(node), node, error, _now_ms())
+        before = self._health.get(node)
+        self._health[node] = h
+        if not changed:
+            return
+        if h.state == NODE_UNREACHABLE:
+            log.warning("real-time node unreachable node=%s subjects=%s group=%s: %s (retrying with backoff "
+                        "until it is back)", node, ",".join(subjects), self.group, h.last_error)
+        else:
+            log.info("real-time node back node=%s subjects=%s group=%s unreachable_ms=%d failed_pulls=%d", node,
+                     ",".join(subjects), self.group, h.since_ms - before.since_ms, before.failures)
+
+    def health(self) -> dict[str, NodeHealth]:
+        """Per real-time node this consumer pulls from (address -> ``NodeHealth``): ``ok`` or
+        ``unreachable`` since when, and the last error. A node is listed from its first
+        answer or failure on, until its subjects move to another node."""
+        return dict(sorted(self._health.items()))
 
     async def pull_batch(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[ReceivedBatch]:
         """One long-poll round over every node serving our subjects: the batches that
@@ -1396,9 +1452,14 @@ class Consumer:
             return None
         except E.Unavailable as e:  # no node known for any subject
             self._route_failures += 1
-            log.warning("no real-time node for subjects=%s: %s", ",".join(self.subjects), e)
+            if self._route_failures == 1:  # said once, not once per retry
+                log.warning("no real-time node for subjects=%s: %s (asking discovery again with backoff)",
+                            ",".join(self.subjects), e)
             await asyncio.sleep(_pause_s(self._wait, self._route_failures))
             return []
+        if self._route_failures:
+            log.info("real-time nodes found again for subjects=%s after %d rounds", ",".join(self.subjects),
+                     self._route_failures)
         self._route_failures = 0
         if err is not None and not isinstance(err, E.Unavailable):
             raise err

@@ -46,6 +46,7 @@ MODULE_TIERS = {
     "test_cli_verify.py": "integration",
     "test_aio.py": "unit",
     "test_client.py": "integration",
+    "test_consumer_health.py": "integration",
     "test_codec.py": "unit",
     "test_config.py": "unit",
     "test_crash.py": "slow",
