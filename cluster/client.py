@@ -31,7 +31,9 @@ Producer::
   ``queue_max`` messages are queued.
 * Retryable answers (``status.RETRYABLE_CODES``, node down, not leader) are retried,
   those indices only, with jittered exponential backoff (tenacity) up to
-  ``retries_max`` times, re-resolving the target each time.
+  ``retries_max`` times, re-resolving the target each time. ``DiskFull`` is not retried
+  (``status.retryable``): the messages it refused get it at once, with the node's address
+  and free space (space comes back when retention or an operator frees it).
 * Every call has a deadline, ``call_timeout_s`` from the call (``asyncio.timeout``
   around the retried call, and a timer per call that fails what is still unanswered,
   wherever it waits): then ``Unavailable`` saying what was tried and the last error.
@@ -69,8 +71,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from tenacity import (AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt,
-                      wait_random_exponential)
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from cluster import errors as E
 from cluster import status
@@ -804,6 +805,10 @@ class Producer:
         """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
         Messages that expired while the request was out keep their deadline error."""
         retry = np.isin(res.codes, _RETRYABLE)
+        if res.errors and retry.any():  # a message refused for a full disk is final (``status.retryable``)
+            for i in np.flatnonzero(retry & (res.codes == pb.OVERLOADED)).tolist():
+                if res.errors.get(i, "").startswith(status.DISK_FULL_PREFIX):
+                    retry[i] = False
         again: list[_Piece] = []
         why: E.HourglassError | None = None
         if retry.any():
@@ -843,7 +848,7 @@ class Producer:
             async with asyncio.timeout_at(max(j.deadline for j in jobs)):
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
                                                    wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                                                   retry=retry_if_exception(status.retryable), reraise=True):
                     with attempt:
                         pieces = _unanswered(pieces)
                         if not pieces:
@@ -949,9 +954,9 @@ class Producer:
                 self._fail(pieces, E.InvalidArgument("request", f"{batch.n} messages to {address}: {e.details()}"))
                 return [], None
             err = status.from_rpc_error(e)
-            if isinstance(err, E.Unavailable):
+            if status.retryable(err):
                 return pieces, E.Unavailable(f"{address}: {err}")
-            self._fail(pieces, err)
+            self._fail(pieces, err)  # DiskFull too: as the node sent it, with its address and free space
             return [], None
         try:
             res = _unsorted(BatchResult.from_pb(resp, batch.n), order)
@@ -985,17 +990,21 @@ class Producer:
             async with asyncio.timeout(self.call_timeout_s):
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
                                                    wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
-                                                   retry=retry_if_exception_type(E.Unavailable), reraise=True):
+                                                   retry=retry_if_exception(status.retryable), reraise=True):
                     with attempt:
                         attempts += 1
                         try:
                             return await self._ask_once(msg_id, method, request, tried)
                         except E.Unavailable as err:
+                            if not status.retryable(err):
+                                raise  # DiskFull: the caller gets it as it is
                             last = err
                             await self.resolver.refresh()
                             raise
         except TimeoutError:
             stopped = f"call_timeout_s={self.call_timeout_s} s"
+        except E.DiskFull:
+            raise
         except E.Unavailable:
             stopped = f"{self.retries_max} retries"
         asked = ", ".join(f"{a} (x{k})" for a, k in tried.items()) or "no node"
@@ -1033,7 +1042,7 @@ class Producer:
             return await getattr(self.channels.producer(address), method)(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             err = status.from_rpc_error(e)
-            if isinstance(err, E.Unavailable) and not isinstance(err, E.NotLeader):
+            if status.retryable(err) and not isinstance(err, E.NotLeader):
                 raise E.Unavailable(f"{address}: {err}") from None
             raise err from None
 
@@ -1067,6 +1076,36 @@ class Producer:
 
 
 # ---------------------------------------------------------------------- consumer
+
+NODE_OK = "ok"                    # ``NodeHealth.state``: the node's last pull answered
+NODE_UNREACHABLE = "unreachable"  # ... failed (down, not the master, no answer in time): retried with backoff
+HEALTH_ERROR_CHARS_MAX = 300      # ``NodeHealth.last_error`` is cut to this
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What a consumer knows of one real-time node it pulls from (``Consumer.health()``)."""
+
+    address: str
+    state: str          # NODE_OK or NODE_UNREACHABLE
+    since_ms: int       # wall-clock ms when the node entered ``state``
+    last_error: str     # the last failed pull's error ("" if none yet); kept once the node is back
+    failures: int       # pulls failed in a row (0 while ok)
+
+
+def _health_step(h: NodeHealth | None, address: str, error: BaseException | None,
+                 now_ms: int) -> tuple[NodeHealth, bool]:
+    """A node's health after one pull (``error`` None: it answered); and whether its state
+    changed (a node seen for the first time changes only when it fails)."""
+    if error is None:
+        if h is not None and h.state == NODE_OK:
+            return h, False
+        return NodeHealth(address, NODE_OK, now_ms, h.last_error if h else "", 0), h is not None
+    text = str(error)
+    text = text if len(text) <= HEALTH_ERROR_CHARS_MAX else text[:HEALTH_ERROR_CHARS_MAX - 3] + "..."
+    if h is not None and h.state == NODE_UNREACHABLE:
+        return NodeHealth(address, NODE_UNREACHABLE, h.since_ms, text, h.failures + 1), False
+    return NodeHealth(address, NODE_UNREACHABLE, now_ms, text, 1), True
 
 
 class Received:
@@ -1242,6 +1281,7 @@ class Consumer:
         self._pulls: dict[str, asyncio.Task] = {}   # node -> its pull in flight
         self._failures: dict[str, int] = {}         # node -> failed pulls in a row
         self._route_failures = 0                    # rounds in a row without any node known
+        self._health: dict[str, NodeHealth] = {}    # node -> what its last pulls said (``health()``)
         self._buffer: deque[Received] = deque()
         self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
         self._closed = False
@@ -1326,6 +1366,8 @@ class Consumer:
         if self._closed:
             raise E.Closed("consumer closed")
         routes = await self._routes()
+        for gone in [n for n in self._health if n not in routes and n not in self._pulls]:
+            del self._health[gone]  # its subjects moved to another node: it no longer concerns us
         loop = asyncio.get_running_loop()
         for node, subjects in routes.items():
             if node not in self._pulls:
@@ -1349,14 +1391,37 @@ class Consumer:
             exc = t.exception()
             if exc is None:
                 self._failures.pop(node, None)
+                self._note_health(node, None, routes.get(node, ()))
                 if t.result() is not None:
                     out.append(t.result())
             else:
                 self._failures[node] = self._failures.get(node, 0) + 1
                 if isinstance(exc, E.Unavailable):
+                    if not isinstance(exc, E.Overloaded):  # overloaded: it answered, and says wait
+                        self._note_health(node, exc, routes.get(node, ()))
                     await self.resolver.refresh()
                 err = exc
         return out, err
+
+    def _note_health(self, node: str, error: BaseException | None, subjects) -> None:
+        """Record one pull's outcome; a change of state is logged once (not once per retry)."""
+        h, changed = _health_step(self._health.get(node), node, error, _now_ms())
+        before = self._health.get(node)
+        self._health[node] = h
+        if not changed:
+            return
+        if h.state == NODE_UNREACHABLE:
+            log.warning("real-time node unreachable node=%s subjects=%s group=%s: %s (retrying with backoff "
+                        "until it is back)", node, ",".join(subjects), self.group, h.last_error)
+        else:
+            log.info("real-time node back node=%s subjects=%s group=%s unreachable_ms=%d failed_pulls=%d", node,
+                     ",".join(subjects), self.group, h.since_ms - before.since_ms, before.failures)
+
+    def health(self) -> dict[str, NodeHealth]:
+        """Per real-time node this consumer pulls from (address -> ``NodeHealth``): ``ok`` or
+        ``unreachable`` since when, and the last error. A node is listed from its first
+        answer or failure on, until its subjects move to another node."""
+        return dict(sorted(self._health.items()))
 
     async def pull_batch(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[ReceivedBatch]:
         """One long-poll round over every node serving our subjects: the batches that
@@ -1387,9 +1452,14 @@ class Consumer:
             return None
         except E.Unavailable as e:  # no node known for any subject
             self._route_failures += 1
-            log.warning("no real-time node for subjects=%s: %s", ",".join(self.subjects), e)
+            if self._route_failures == 1:  # said once, not once per retry
+                log.warning("no real-time node for subjects=%s: %s (asking discovery again with backoff)",
+                            ",".join(self.subjects), e)
             await asyncio.sleep(_pause_s(self._wait, self._route_failures))
             return []
+        if self._route_failures:
+            log.info("real-time nodes found again for subjects=%s after %d rounds", ",".join(self.subjects),
+                     self._route_failures)
         self._route_failures = 0
         if err is not None and not isinstance(err, E.Unavailable):
             raise err

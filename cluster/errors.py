@@ -122,13 +122,21 @@ class Overloaded(Unavailable):
 
 
 class DiskFull(Overloaded):
-    """The node's free disk space is below its watermark (``disk_free_min_bytes`` /
-    ``disk_free_min_ratio``) or a write hit ``ENOSPC``: writes are refused, nothing of the
-    refused request was acknowledged; reads, dispatch and retention go on. Retry later:
-    the node takes writes again by itself once space comes back."""
+    """The node's free disk space is at its watermark (``disk_free_min_bytes`` /
+    ``disk_free_min_ratio``), the write would cross it, or a write hit ``ENOSPC``: writes are
+    refused, nothing of the refused request was acknowledged; reads, dispatch and retention go
+    on, and the node takes writes again by itself once space comes back (with a margin).
 
-    def __init__(self, detail: str) -> None:
+    ``node`` (its address) and ``free_bytes`` (-1: not known) say where an operator must free
+    space. A kind of ``Overloaded`` (retrying later is right), but the SDK does not retry it
+    within a call: space comes back when retention or an operator frees it, not in the
+    seconds a call waits, so the caller gets it at once (docs/api.md, "Errors")."""
+
+    def __init__(self, detail: str, node: str = "", free_bytes: int = -1) -> None:
         super().__init__(detail if detail.startswith("disk full") else f"disk full: {detail}")
+        self.node = node
+        self.free_bytes = free_bytes
+        self._wire_args = [detail, node, free_bytes]  # as made, whichever were given by name
 
 
 class ReplicationTimeout(Unavailable):

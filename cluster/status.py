@@ -8,6 +8,7 @@ themselves: they call these functions.
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 
@@ -24,7 +25,7 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.TooLate, pb.TOO_LATE, grpc.StatusCode.FAILED_PRECONDITION),
     (E.NotLeader, pb.NOT_LEADER, grpc.StatusCode.UNAVAILABLE),
     (E.ReplicationTimeout, pb.REPLICATION_TIMEOUT, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (E.DiskFull, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts "disk full"
+    (E.DiskFull, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts DISK_FULL_PREFIX
     (E.Overloaded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
     (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
@@ -33,8 +34,27 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.PermissionDenied, pb.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED),
 ]
 
-# codes a client may retry (possibly elsewhere); everything else is final
+# codes a client may retry (possibly elsewhere); everything else is final. An OVERLOADED whose
+# message starts DISK_FULL_PREFIX is a DiskFull, final for the SDK too (``retryable``)
 RETRYABLE_CODES = {pb.OVERLOADED, pb.NOT_LEADER, pb.REPLICATION_TIMEOUT, pb.INTERNAL}
+DISK_FULL_PREFIX = "disk full"
+# "node ADDRESS has N bytes ..." in a DiskFull's text (node/store/diskspace.py, ``Refusal.text``):
+# a per-message answer carries only the text, the attributes are read back from it
+_DISK_FULL_WHERE = re.compile(r"node (\S+) has (\d+) bytes")
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether the SDK retries ``exc`` within a call: ``Unavailable`` and its kinds (not the
+    master, overloaded, a sync timeout, a node down), but not ``DiskFull``. A full disk comes
+    back when retention or an operator frees space, not within the seconds a call waits, and
+    retrying would only hide it behind a deadline ``Unavailable``: the caller gets it at once."""
+    return isinstance(exc, E.Unavailable) and not isinstance(exc, E.DiskFull)
+
+
+def disk_full(message: str) -> E.DiskFull:
+    """The ``DiskFull`` of a refusal's text (a per-message code, or a status without metadata)."""
+    m = _DISK_FULL_WHERE.search(message)
+    return E.DiskFull(message, m.group(1), int(m.group(2))) if m else E.DiskFull(message)
 
 
 def to_code(exc: BaseException) -> int:
@@ -71,7 +91,7 @@ def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.H
     if code == pb.REPLICATION_TIMEOUT:
         return E.ReplicationTimeout(message)
     if code == pb.OVERLOADED:
-        return E.DiskFull(message) if message.startswith("disk full") else E.Overloaded(message)
+        return disk_full(message) if message.startswith(DISK_FULL_PREFIX) else E.Overloaded(message)
     return E.HourglassError(message or f"code {code}")
 
 
@@ -175,8 +195,8 @@ def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError
     if status == grpc.StatusCode.NOT_FOUND:
         return E.NotFound(detail or "")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if detail and detail.startswith("disk full"):
-            return E.DiskFull(detail)
+        if detail and detail.startswith(DISK_FULL_PREFIX):
+            return disk_full(detail)
         return E.Overloaded(detail or "")
     if status == grpc.StatusCode.FAILED_PRECONDITION and detail and detail.startswith("stale epoch"):
         return E.StaleEpoch(0, 0)

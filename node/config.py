@@ -128,12 +128,17 @@ class NodeSettings(BaseSettings):
     id_entries_max: int = Field(default=S.id_entries_max, ge=16, description="entries per id-index file")
     id_slots: int = Field(default=S.id_slots, ge=16)
 
-    # disk lifecycle (docs/operations.md "Disk"): writes are refused (DiskFull) while free space is
-    # below min(disk_free_min_bytes, disk_free_min_ratio x disk size), resumed above it plus the margin
-    disk_free_min_bytes: int = Field(default=2 << 30, ge=0)
-    disk_free_min_ratio: float = Field(default=0.05, ge=0, le=0.9)
-    disk_resume_margin_bytes: int = Field(default=64 << 20, ge=0)
-    disk_check_interval_ms: int = Field(default=1000, ge=10)
+    # disk lifecycle (docs/operations.md "Disk", rules in node/store/diskspace.py): a write is admitted
+    # only if it leaves min(disk_free_min_bytes, disk_free_min_ratio x disk size) free; once refusing,
+    # writes resume above that mark plus min(disk_resume_margin_ratio x disk size, ..._bytes_max)
+    disk_free_min_bytes: int = Field(default=2 << 30, ge=0, description="the mark: free bytes writes never take")
+    disk_free_min_ratio: float = Field(default=0.05, ge=0, le=0.9, description="... or this share of the disk, "
+                                                                                "whichever is smaller")
+    disk_resume_margin_ratio: float = Field(default=0.02, ge=0, le=0.5,
+                                            description="writes resume at the mark plus this share of the disk ...")
+    disk_resume_margin_bytes_max: int = Field(default=64 << 20, ge=0, description="... or this many bytes, "
+                                                                                   "whichever is smaller")
+    disk_check_interval_ms: int = Field(default=1000, ge=10, description="free space is read this often")
     retention_interval_ms: int = Field(default=10_000, ge=10, description="how often retention runs")
     delay_dedupe_window_ms: int = Field(default=S.dedupe_window_ms, ge=0,
                                         description="ids of delivered/cancelled messages kept for re-send dedupe")
@@ -209,7 +214,8 @@ class NodeSettings(BaseSettings):
 
     def disk_watermark(self) -> DiskWatermark:
         return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
-                             resume_margin_bytes=self.disk_resume_margin_bytes)
+                             resume_margin_ratio=self.disk_resume_margin_ratio,
+                             resume_margin_bytes_max=self.disk_resume_margin_bytes_max)
 
     def realtime_settings(self) -> RealtimeSettings:
         return RealtimeSettings(limits=self.limits(), **self._mapped(RealtimeSettings, REALTIME_FIELDS))

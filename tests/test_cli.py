@@ -250,6 +250,23 @@ def test_shorten_keeps_one_line_and_both_ends():
     assert "\n" not in s and len(s) < common.MESSAGE_CHARS_MAX + 40 and s.startswith("aaa") and s.endswith("END")
 
 
+@pytest.mark.unit
+def test_disk_full_has_its_own_exit_code_and_a_hint_naming_the_node_and_its_free_space():
+    from cluster import errors as E
+    from cluster import status
+
+    text = ("disk full: node 10.0.0.7:7001 has 999424 bytes (0.95 MiB) free on its data disk; it keeps 1258291 "
+            "bytes (1.20 MiB) free; writes resume at 1761607 bytes (1.68 MiB) free")
+    for err in (E.DiskFull(text, "10.0.0.7:7001", 999424), status.from_code(status.to_code(E.DiskFull(text)), text)):
+        code, lines = common.explain(err)
+        assert code == common.EXIT_DISK_FULL == 6 and len(lines) == 2
+        assert lines[0] == f"error: {text}"
+        assert lines[1].startswith("hint: free space on the data disk of 10.0.0.7:7001 (0.95 MiB free)")
+    code, lines = common.explain(E.DiskFull("no space left on device while writing x"))  # nothing known: still 2
+    assert code == 6 and len(lines) == 2 and "the node named above" in lines[1]
+    assert common.explain(E.Overloaded("queue full"))[0] == common.EXIT_UNAVAILABLE
+
+
 def test_docs_list_every_command_and_exit_code():
     import typer.main
 
@@ -257,7 +274,8 @@ def test_docs_list_every_command_and_exit_code():
     group = typer.main.get_command(cli.app)
     for name, cmd in group.commands.items():
         assert f"`hourglass {name}" in doc, name
-    for name in ("EXIT_FAILED", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_NOT_FOUND", "EXIT_CONFLICT"):
+    for name in ("EXIT_FAILED", "EXIT_USAGE", "EXIT_UNAVAILABLE", "EXIT_NOT_FOUND", "EXIT_CONFLICT",
+                 "EXIT_DISK_FULL"):
         assert f"| {getattr(common, name)} |" in doc, name
     assert "HOURGLASS_DEBUG=1" in doc and "--timeout-s" in doc
 

@@ -19,7 +19,6 @@ from cluster.errors import NotFound, TooLate
 from node.delay import retention as DR
 from node.delay.store import DelayStore, StoreSettings
 from node.store import retention as R
-from node.store.diskspace import DiskWatermark
 from node.store.log import SegmentedLog
 from node.store.records import Limits, Message
 
@@ -69,14 +68,6 @@ def test_slave_holds():
     fetched = {"b": {"messages": 500}, "gone": {"messages": 10}}
     assert R.slave_holds(["b", "c"], fetched, "messages", known=True) == {"slave:b": 500, "slave:c": 0}
     assert R.slave_holds([], fetched, "messages", known=False) == {"membership unknown": 0}
-
-
-def test_disk_watermark_hysteresis():
-    wm = DiskWatermark(free_min_bytes=2 << 30, free_min_ratio=0.05, resume_margin_bytes=64 << 20)
-    assert wm.threshold(100 << 30) == 2 << 30 and wm.threshold(20 << 30) == int(0.05 * (20 << 30))
-    assert wm.decide(free_bytes=1 << 30, total_bytes=100 << 30, low=False)
-    assert wm.decide(free_bytes=(2 << 30) + (32 << 20), total_bytes=100 << 30, low=True)
-    assert not wm.decide(free_bytes=3 << 30, total_bytes=100 << 30, low=True)
 
 
 # ---------------------------------------------------------------------- the delay store

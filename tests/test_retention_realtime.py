@@ -324,7 +324,7 @@ async def test_realtime_send_refused_when_disk_low_pulls_and_acks_go_on(tmpfs, w
     disk = tmpfs(TMPFS_BYTES)
     settings = NodeSettings(role="realtime", node_id="rt-disk", data_dir=disk / "rt", port=0,
                             disk_free_min_bytes=watermark_bytes, disk_free_min_ratio=0.5,
-                            disk_resume_margin_bytes=256 << 10, disk_check_interval_ms=50,
+                            disk_resume_margin_bytes_max=256 << 10, disk_check_interval_ms=50,
                             realtime_segment_bytes=1 << 20, retention_interval_ms=100_000)
     n = RealtimeNode(settings)
     async with serving(n) as channel:

@@ -204,6 +204,31 @@ async def test_consumer_calls_have_a_deadline(node):
         assert clock.s <= 1 + SLACK_S and node.address in str(e.value)
 
 
+# ---------------------------------------------------------------------- a full disk (issue 26)
+
+
+async def test_a_full_disk_reaches_the_caller_as_disk_full_at_once_never_retried(node):
+    """The node refuses with DiskFull (its address and free bytes in the error): every message
+    of the call gets that DiskFull, from one request (not retried until the deadline and then
+    reported as ``Unavailable``); a cancel refused for a full disk raises it too."""
+    node.stored["old"] = (1, now_ms() + 60_000)
+    node.disk_full = True
+    async with Producer(StaticResolver(delay=[node.address]), call_timeout_s=300, retries_max=50) as p:
+        res = await (await p.send_many("s", [b"a", b"b", b"c"], delay_ms=60_000))
+        assert node.disk_full_refusals == 1 and set(res.errors) == {0, 1, 2}
+        err = res.errors[0]
+        assert type(err) is E.DiskFull and (err.node, err.free_bytes) == (node.address, node.free_bytes)
+        assert str(err).startswith(f"disk full: node {node.address} has {node.free_bytes} bytes")
+        with pytest.raises(E.DiskFull) as e:
+            await p.send_and_wait("s", b"x", delay_ms=10)
+        assert e.value.node == node.address and node.disk_full_refusals == 2
+        with pytest.raises(E.DiskFull) as e:
+            await p.cancel("old")
+        assert (e.value.node, e.value.free_bytes) == (node.address, node.free_bytes) and node.disk_full_refusals == 3
+        node.disk_full = False  # space came back: the same producer's next call goes through
+        assert (await p.send_and_wait("s", b"x", delay_ms=10, id="after")).seq
+
+
 # ---------------------------------------------------------------------- a real node restart
 
 

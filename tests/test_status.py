@@ -28,7 +28,9 @@ EVERY_ERROR = [
     E.HourglassError("plain"), E.InvalidArgument("subject", "empty"), E.PayloadTooLarge("payload", "9 MiB"),
     E.UnknownSubject("orders.x"), E.NotFound("no such id"), E.TooLate("dispatched"), E.AlreadyExists("other content"),
     E.Unavailable("down"), E.NotLeader("127.0.0.1:7001"), E.NotLeader(None), E.StaleEpoch(3, 7),
-    E.Overloaded("queue full"), E.DiskFull("no space left"), E.ReplicationTimeout("no slave confirmed"),
+    E.Overloaded("queue full"), E.DiskFull("no space left"),
+    E.DiskFull("node 10.0.0.7:7001 has 999424 bytes (0.95 MiB) free on its data disk", "10.0.0.7:7001", 999424),
+    E.ReplicationTimeout("no slave confirmed"),
     E.Closed("closing"), E.StorageError("broken"), E.CorruptRecord("/data/x.log", 4096, "crc mismatch"),
     E.OffsetOutOfRange(5, 0, 4, "past the end"), E.Unauthenticated("unauthenticated: unknown token"),
     E.PermissionDenied("permission denied: 'orders' may not consume subject 'pay.x'"),
@@ -89,3 +91,17 @@ def test_round_trip_through_grpc_status(err):
 def test_a_client_deadline_is_unavailable_not_a_replication_timeout():
     back = status.from_rpc_error(_RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
     assert type(back) is E.Unavailable
+
+
+def test_disk_full_without_metadata_is_still_disk_full_with_its_node_and_free_space():
+    """A status without the error metadata (a proxy, another language's server) or a per-message
+    code carries only the text; the client reads the node and its free bytes back from it, and
+    the SDK does not retry it (``status.retryable``)."""
+    text = "disk full: node 10.0.0.7:7001 has 999424 bytes (0.95 MiB) free on its data disk"
+    for back in (status.from_rpc_error(_RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, text)),
+                 status.from_code(status.to_code(E.DiskFull(text)), text)):
+        assert type(back) is E.DiskFull and str(back) == text
+        assert (back.node, back.free_bytes) == ("10.0.0.7:7001", 999424)
+        assert not status.retryable(back)
+    assert status.retryable(E.Overloaded("queue full")) and status.retryable(E.NotLeader("a:1"))
+    assert not status.retryable(E.InvalidArgument("subject", "empty"))

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,10 +25,20 @@ EXIT_USAGE = 2        # the command line is wrong (click's usage errors exit 2 t
 EXIT_UNAVAILABLE = 3  # the cluster cannot be reached or cannot serve now, or no answer in --timeout-s: retry later
 EXIT_NOT_FOUND = 4    # no message with that id (cancel, lookup)
 EXIT_CONFLICT = 5     # too late to cancel (already dispatched), or the id exists with other content
+EXIT_DISK_FULL = 6    # a node refused the write for lack of disk space (DiskFull): free space there, then retry
 
 HINT_UNAVAILABLE = ("hint: check that the cluster is up and the addresses are right (--meta, --cluster-file, "
                     "HOURGLASS_META_SERVERS; `hourglass dev up` starts a local one), then retry")
 HINT_BUG = "hint: this is a bug in hourglass; rerun with HOURGLASS_DEBUG=1 to see the traceback and report it"
+
+
+def hint_disk_full(exc: BaseException) -> str:
+    """The hint of a ``DiskFull``: the node and its free space (the server puts both in the error)."""
+    node = getattr(exc, "node", "") or "the node named above"
+    free = getattr(exc, "free_bytes", -1)
+    has = f" ({free / (1 << 20):.2f} MiB free)" if isinstance(free, int) and free >= 0 else ""
+    return (f"hint: free space on the data disk of {node}{has}, or wait for retention; it takes writes again by "
+            "itself, then retry (docs/operations.md, \"When the disk fills\")")
 
 
 class CliError(E.HourglassError):
@@ -40,13 +51,14 @@ class CliError(E.HourglassError):
         self.hint = hint
 
 
-# error class -> (exit code, hint line or ""); most specific first
-EXIT_CODES: list[tuple[type[BaseException], int, str]] = [
+# error class -> (exit code, hint line or "" or a function of the error); most specific first
+EXIT_CODES: list[tuple[type[BaseException], int, str | Callable[[BaseException], str]]] = [
     (E.UnknownSubject, EXIT_NOT_FOUND, ""),
     (E.InvalidArgument, EXIT_USAGE, ""),
     (E.NotFound, EXIT_NOT_FOUND, ""),
     (E.TooLate, EXIT_CONFLICT, ""),
     (E.AlreadyExists, EXIT_CONFLICT, "hint: give another --id, or send the same content again"),
+    (E.DiskFull, EXIT_DISK_FULL, hint_disk_full),
     (E.Unavailable, EXIT_UNAVAILABLE, HINT_UNAVAILABLE),
     (E.StaleEpoch, EXIT_UNAVAILABLE, "hint: a new master was elected meanwhile; retry"),
     (E.StorageError, EXIT_FAILED, "hint: a node's files are damaged; see its log and docs/operations.md"),
@@ -87,6 +99,7 @@ def explain(exc: BaseException) -> tuple[int, list[str]]:
         return exc.code, [f"error: {shorten(str(exc))}"] + ([exc.hint] if exc.hint else [])
     for cls, code, hint in EXIT_CODES:
         if isinstance(exc, cls):
+            hint = hint(exc) if callable(hint) else hint
             return code, [f"error: {shorten(str(exc) or type(exc).__name__)}"] + ([hint] if hint else [])
     return EXIT_FAILED, [f"error: unexpected {type(exc).__name__}: {shorten(str(exc))}", HINT_BUG]
 

@@ -58,15 +58,19 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.codec import KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch
+from cluster.codec import COLUMN_BYTES, KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch
 from cluster.errors import NotFound, Overloaded, TooLate
 from cluster.wire import BatchResult
 from node.delay.heal import BucketHealer, id_entries
 from node.store import checkpoint, records
+from node.store.diskspace import FILE_BLOCK_BYTES
+from node.store.idindex import ENTRY_SIZE as ID_ENTRY_SIZE
 from node.store.idindex import IdIndex, IdLocation, key_hash, key_hashes
+from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
 from node.store.log import SegmentedLog
-from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Message
-from node.store.schedule import FrameRef, ScheduleLog
+from node.store.records import BATCH_HEADER_SIZE, SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, Message
+from node.store.schedule import ENTRY_SIZE as SCHEDULE_ENTRY_SIZE
+from node.store.schedule import FILE_SORTED_RUNS_MAX, HEADS_HEADER_SIZE, FrameRef, ScheduleLog
 from node.store.settings import StoreSettings
 from node.store.syncplan import DocGate, SyncPlan
 from node.wheel import Chunk, TickState, TimingWheel
@@ -152,6 +156,12 @@ def _split_frames(batch: Batch, bytes_max: int) -> list[Batch]:
         out.append(batch.take(slice(start, stop)))
         start = stop
     return out
+
+
+# the disk watermark's bound of a write (``DelayStore.write_bytes_bound``)
+FILES_PER_WRITE = 8       # message segment (and a new one), schedule data segment, index and heads, id file
+FILES_PER_BUCKET = 4      # a new schedule bucket: its folder, data segment, index and heads files
+BUCKETS_LOOKED_UP_MAX = 64  # a batch due in more buckets than this counts every one of them as new
 
 
 class DelayStore:
@@ -431,6 +441,63 @@ class DelayStore:
         res.deliver_at_ms[keep] = stored.deliver_at_ms
         self.counters["accepted"] += len(keep)
         return res
+
+    def write_bytes_bound(self, batch: Batch) -> int:
+        """Disk bytes that accepting ``batch`` and filing it take at most: what the disk
+        watermark admits or refuses before ``accept`` (node/store/diskspace.py). Its
+        message-log frames (plain layout, one log header per ``frame_bytes_max`` part); its
+        schedule-log copy (at most one frame per due second and due-ordered run, each with its
+        own headers, subject table and index entry); one id-index entry per message and the
+        allocation steps the id index takes for them (behind what waits to be filed); the
+        heads file of each bucket that does not exist yet; and one partly used block per file."""
+        n = batch.n
+        if not n:
+            return 0
+        body = records.encoded_bytes_max(batch)
+        framing = LOG_HEADER_SIZE + BATCH_HEADER_SIZE + records.subject_table_bytes(batch)
+        parts = 1 + len(batch.payloads) // self.settings.frame_bytes_max
+        due = batch.deliver_at_ms.astype(np.int64)
+        runs = 1 + int(np.count_nonzero(np.diff(due) < 0))
+        seconds = len(np.unique(due // 1000))
+        frames = min(n, seconds * min(runs, FILE_SORTED_RUNS_MAX))
+        return (body + parts * framing                                   # message log
+                + body + frames * (framing + SCHEDULE_ENTRY_SIZE)       # schedule log
+                + n * ID_ENTRY_SIZE + self.ids.allocation_bytes(self._unfiled_count + n)
+                + self._new_buckets_bytes(due) + FILES_PER_WRITE * FILE_BLOCK_BYTES)
+
+    def _new_buckets_bytes(self, due_ms: np.ndarray) -> int:
+        """What creating the schedule buckets of these due times takes, for those not on disk
+        yet: a folder and three files each, the heads file allocated whole."""
+        bms = self.settings.bucket_ms
+        eff = np.maximum(due_ms, self.persisted_completed_ms)  # filed under its effective time (``_file``)
+        starts = np.unique(eff - eff % bms).tolist()
+        new = len(starts) if len(starts) > BUCKETS_LOOKED_UP_MAX else \
+            sum(1 for b in starts if not self.schedule.exists(b))
+        return new * (HEADS_HEADER_SIZE + 4 * (bms // 1000) + FILES_PER_BUCKET * FILE_BLOCK_BYTES)
+
+    def unfiled_bytes_bound(self) -> int:
+        """Disk bytes that filing what is accepted and not filed yet will take at most (its
+        message-log frames are written already): what a disk reading begun now cannot show yet
+        (``DiskBudget.reading_started``). Per record at most one schedule frame with its headers,
+        a subject table of the longest subject and an index entry, plus its id entry and the id
+        index's allocation steps, new buckets; the frames' bodies are at most the message-log bytes."""
+        n = self._unfiled_count
+        if not n and self.iterate_offset >= self.messages.end_offset:
+            return 0
+        framing = (LOG_HEADER_SIZE + BATCH_HEADER_SIZE + 2 + self.settings.limits.subject_bytes_max
+                   + SCHEDULE_ENTRY_SIZE)
+        due = np.concatenate([u.batch.deliver_at_ms for u in self._unfiled]).astype(np.int64) \
+            if self._unfiled else np.zeros(0, np.int64)
+        return (max(0, self.messages.end_offset - self.iterate_offset) + n * (framing + ID_ENTRY_SIZE)
+                + self.ids.allocation_bytes(n) + self._new_buckets_bytes(due) + FILES_PER_WRITE * FILE_BLOCK_BYTES)
+
+    def cancel_bytes_bound(self, msg_id: str) -> int:
+        """``write_bytes_bound`` of the tombstone ``cancel(msg_id)`` appends and files."""
+        limits = self.settings.limits
+        framing = LOG_HEADER_SIZE + BATCH_HEADER_SIZE + 2 + limits.subject_bytes_max
+        body = BATCH_HEADER_SIZE + 2 + limits.subject_bytes_max + COLUMN_BYTES + 8 + len(msg_id.encode())
+        return (2 * (body + framing) + SCHEDULE_ENTRY_SIZE + ID_ENTRY_SIZE
+                + self.ids.allocation_bytes(self._unfiled_count + 1) + FILES_PER_WRITE * FILE_BLOCK_BYTES)
 
     def flush_messages(self) -> int:
         """fsync the message log (tests and tools; the service uses a GroupCommitter)."""

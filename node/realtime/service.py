@@ -19,12 +19,14 @@
   property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
   dead-letter subject once ``max_attempts`` is reached; the handles are acked only after
   that succeeded. This path is rare: it builds the copies message by message.
-* Disk (``docs/operations.md``, "Disk"): below the free-space watermark (``DiskMonitor``,
-  read every ``disk_check_interval_ms``) SendBatch is refused whole with ``DiskFull``
-  (RESOURCE_EXHAUSTED, "disk full: ..."), and a write that hits ENOSPC answers the same;
-  pulls, acks and retention go on. Every ``retention_interval_ms`` retention decides and
-  detaches on the loop (``RealtimeStore.retention_plan``), deletes and copies on a worker
-  thread, swaps compacted index files in on the loop, then reports sizes and what holds data.
+* Disk (``docs/operations.md``, "Disk"): a SendBatch whose bound (``write_bytes_bound``)
+  would take free space below the watermark, or that comes while the node refuses writes
+  (``DiskMonitor``: a reading every ``disk_check_interval_ms`` plus what was admitted since),
+  is refused whole with ``DiskFull`` (RESOURCE_EXHAUSTED, "disk full: node ADDRESS has N
+  bytes ..."), and a write that hits ENOSPC answers the same; pulls, acks and retention go
+  on. Every ``retention_interval_ms`` retention decides and detaches on the loop
+  (``RealtimeStore.retention_plan``), deletes and copies on a worker thread, swaps compacted
+  index files in on the loop, then reports sizes and what holds data.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                                   step_bytes_max=settings.scrub_step_bytes_max)
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
-        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark())
+        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark(), address=lambda: self.address)
         self.last_retention: tuple[RetentionReport, dict[str, int]] | None = None
         self._counted: tuple[object, dict[str, int]] = (None, {})  # store counters already put into metrics
         self._new_data: dict[str, set[asyncio.Event]] = {}  # subject -> events of the pulls waiting on it
@@ -140,11 +142,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
         try:
-            self.disk.check()  # below the free-space watermark: refused whole, nothing stored
+            # a write that would take free space below the watermark is refused whole, nothing stored
+            self.disk.admit(self.store.write_bytes_bound(batch))
             res = self._append(batch, now_ms=now, immediate=request.immediate)
         except HourglassError as e:
             if isinstance(e, DiskFull):
-                self._disk_refused(e)
+                e = self._disk_refused(e)
             await status.abort(context, e)
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
         if self._new_data and stored.any():  # a long poll waits: wake it for the subjects that got messages
@@ -173,10 +176,14 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                                         window=self.settings.stream_window_max):
             yield resp
 
-    def _disk_refused(self, e: DiskFull) -> None:
+    def _disk_refused(self, e: DiskFull) -> DiskFull:
+        """Count a refusal; a write that hit ENOSPC (a store's ``DiskFull``, which knows no
+        node) makes the node refuse writes and answers with its address and free space."""
         self.metrics.disk_refusals.inc()
-        if "no space left" in str(e):
+        if e.free_bytes < 0:
             self.disk.note_enospc(str(e))
+            return self.disk.error()
+        return e
 
     def _append(self, batch: Batch, *, now_ms: int, immediate: bool) -> BatchResult:
         """Append; without ``immediate``, messages due later are refused (they belong on a delay node)."""
@@ -299,7 +306,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
         except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
             if isinstance(e, DiskFull):
-                self._disk_refused(e)
+                e = self._disk_refused(e)
             await status.abort(context, e)
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)

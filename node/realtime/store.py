@@ -155,8 +155,10 @@ from node.realtime.index import (
 from node.realtime.inflight import InflightRanges
 from node.realtime.offsets import OffsetsLog
 from node.store import checkpoint
+from node.store.diskspace import FILE_BLOCK_BYTES
+from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
 from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog, fsync_dir, unlink_segments
-from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, make_seq
+from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, encoded_bytes_max, make_seq
 from node.store.settings import RealtimeSettings
 from node.store.syncplan import DocGate, SyncPlan
 
@@ -727,6 +729,16 @@ class RealtimeStore:
             else:
                 self._store_frame(sub.take(new), seqs[new], [keys[i] for i in new.tolist()], now_ms)
         return res
+
+    def write_bytes_bound(self, batch: Batch) -> int:
+        """Disk bytes that ``append(batch)`` takes at most (the disk watermark admits or refuses a
+        write by it, node/store/diskspace.py): one frame (plain layout, ids the node makes
+        included), one index entry per message, and a partly used block for the message
+        segment (and a new one) and for each subject's index file and folder (a new subject)."""
+        if not batch.n:
+            return 0
+        return (LOG_HEADER_SIZE + encoded_bytes_max(batch) + batch.n * ENTRY_SIZE
+                + (2 + 2 * len(batch.subjects)) * FILE_BLOCK_BYTES)
 
     def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str]) -> None:
         """Create the batch's new subjects (when allowed); refuse the messages of the others."""

@@ -639,6 +639,32 @@ class IdIndex:
             i += k
         self._last_seq = int(seqs[-1])
 
+    def allocation_bytes(self, entries: int) -> int:
+        """Bytes the next ``entries`` puts allocate on disk at most: allocation steps of the
+        newest file and, for what does not fit in it, new files (header and slot table at once,
+        entries in steps). Pure arithmetic on the header fields (the disk watermark's bound of a
+        write, ``DelayStore.write_bytes_bound``)."""
+        if entries <= 0:
+            return 0
+        total = 0
+        f = self._files[-1] if self._files else None
+        if f is not None and f.version == VERSION and f.entries_used < f.entries_max:
+            k = min(entries, f.entries_max - f.entries_used)
+            need = f.entries_offset + (f.entries_used + k) * ENTRY_SIZE
+            # what is certainly allocated: ``allocated`` is 0 for a file opened at start, whose
+            # used entries are on disk all the same
+            have = max(f.allocated, f.entries_offset + f.entries_used * ENTRY_SIZE)
+            total += max(0, min(f.size, -(-need // ALLOCATE_STEP_BYTES) * ALLOCATE_STEP_BYTES) - have)
+            entries -= k
+        while entries > 0:  # new files: slots at once, entries rounded up to a step
+            k = min(entries, self.entries_max)
+            slots = HEADER_SIZE + SLOT_SIZE * self.slots_count
+            need = slots + k * ENTRY_SIZE
+            total += min(file_size(self.slots_count, self.entries_max),
+                         max(slots, -(-need // ALLOCATE_STEP_BYTES) * ALLOCATE_STEP_BYTES))
+            entries -= k
+        return total
+
     def _ensure_allocated(self, f: _IndexFile, entries: int) -> None:
         """Allocate the file up to ``entries`` entries (in steps of ``ALLOCATE_STEP_BYTES``)
         before they are stored through the map; ``DiskFull`` (nothing written) if the disk

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.codec import DEFAULT_LIMITS, KIND_CANCEL, KIND_MESSAGE, Batch, Limits, encode_extra
+from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, KIND_CANCEL, KIND_MESSAGE, Batch, Limits, encode_extra
+from cluster.codec import HEADER_SIZE as BATCH_HEADER_SIZE
 from cluster.errors import Overloaded
 
-__all__ = ["DEFAULT_LIMITS", "KIND_CANCEL", "KIND_MESSAGE", "Limits", "Message", "SEQ_COUNTER_MAX",
-           "SEQ_EPOCH_SHIFT", "batch_from_messages", "make_seq", "message_at", "messages_of"]
+__all__ = ["BATCH_HEADER_SIZE", "DEFAULT_LIMITS", "KIND_CANCEL", "KIND_MESSAGE", "Limits", "Message",
+           "SEQ_COUNTER_MAX", "SEQ_EPOCH_SHIFT", "batch_from_messages", "encoded_bytes_max", "make_seq", "message_at",
+           "messages_of", "subject_table_bytes"]
+
+MADE_ID_BYTES = 32  # the id a node makes for a message sent without one (``uuid4().hex``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +83,22 @@ def message_at(batch: Batch, i: int) -> Message:
 
 def messages_of(batch: Batch) -> list[Message]:
     return [message_at(batch, i) for i in range(batch.n)]
+
+
+# ---------------------------------------------------------------------- sizes (the disk watermark's bounds)
+
+
+def subject_table_bytes(batch: Batch) -> int:
+    """Bytes of a batch's subject table in a frame (u16 length and UTF-8 name each)."""
+    return sum(2 + len(s.encode()) for s in batch.subjects)
+
+
+def encoded_bytes_max(batch: Batch) -> int:
+    """Bytes of ``batch`` as a frame body in the plain layout (the packed one is never larger),
+    counting the ids a node makes for messages sent without one: a bound of what storing it
+    writes (``DelayStore`` / ``RealtimeStore.write_bytes_bound``)."""
+    if not batch.n:
+        return BATCH_HEADER_SIZE
+    made = int(np.count_nonzero(np.diff(batch.id_end.astype(np.int64), prepend=0) == 0))
+    return (BATCH_HEADER_SIZE + subject_table_bytes(batch) + batch.n * COLUMN_BYTES + len(batch.ids)
+            + len(batch.payloads) + len(batch.extras) + made * MADE_ID_BYTES)

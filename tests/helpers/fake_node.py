@@ -10,7 +10,10 @@ Producer side:
   request in ``requests`` (ids, subjects, delay column given, immediate);
 * ``script[id]``: codes to answer for that id, one per request that carries it (then
   OK), e.g. ``[OVERLOADED]`` refuses it once, retryably; ``fail_rpc``: gRPC status
-  codes to fail whole calls with, one per call;
+  codes to fail whole calls with, one per call; ``disk_full``: refuse every ``SendBatch`` (whole
+  call, RESOURCE_EXHAUSTED with the ``DiskFull`` metadata a real node sends) and ``Cancel``
+  (per-message OVERLOADED "disk full: ...") as a node whose disk is full does, counted in
+  ``disk_full_refusals``;
 * ``sink=True`` (benchmarks): answer OK with fresh seqs, store nothing;
 * ``Lookup``/``Cancel`` answer from ``stored`` (``pending`` / ``cancelled``, NOT_FOUND for
   an unknown id); ``stall``: every call (``Pull`` too) waits (up to ``RUN_S_MAX``) and
@@ -42,6 +45,8 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from cluster import errors as E
+from cluster import status
 from cluster.codec import Batch, encode_extra
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
@@ -83,6 +88,9 @@ class FakeNode:
     stall: bool = False
     streams: bool = True  # serves PullStream (False: a node of an older version, unary Pull only)
     cancelled: set[str] = field(default_factory=set)
+    disk_full: bool = False
+    disk_full_refusals: int = 0
+    free_bytes: int = 999_424  # what a refusal says is left
 
     def __post_init__(self) -> None:
         self.address = ""
@@ -212,8 +220,15 @@ class _Producer(rpc.ProducerServicer):
     def __init__(self, node: FakeNode) -> None:
         self.node = node
 
+    def _disk_full(self) -> E.DiskFull:
+        self.node.disk_full_refusals += 1
+        return E.DiskFull(f"node {self.node.address} has {self.node.free_bytes} bytes free on its data disk (fake)",
+                          self.node.address, self.node.free_bytes)
+
     async def SendBatch(self, request, context):
         await self._maybe_stall()
+        if self.node.disk_full:
+            await status.abort(context, self._disk_full())
         if self.node.fail_rpc:
             await context.abort(self.node.fail_rpc.pop(0), "scripted failure")
         return self.node.send_batch(request)
@@ -230,6 +245,9 @@ class _Producer(rpc.ProducerServicer):
         await self._maybe_stall()
         if request.id not in self.node.stored:
             return pb.CancelResponse(code=pb.NOT_FOUND, error=f"no message {request.id!r}")
+        if self.node.disk_full:
+            err = self._disk_full()
+            return pb.CancelResponse(code=status.to_code(err), error=str(err))
         self.node.cancelled.add(request.id)
         return pb.CancelResponse(code=pb.OK, seq=self.node.stored[request.id][0])
 
