@@ -238,3 +238,47 @@ def test_a_voided_range_covers_only_the_records_cut(tmp_path):
     m.truncate_messages(cut)
     assert m.voided == [(min(seqs), max(seqs) + 1)]
     m.close()
+
+
+def test_an_older_terms_record_fetched_after_a_cut_is_filed(tmp_path):
+    """Chaos run meta-pause seed 3 (issue 26): a cancel's tombstone, written by the old master
+    in its term (store epoch 2) and never replicated, survived on it; the other member had
+    meanwhile been master (store epoch 3) and filed records of that term into the same
+    bucket. When it cut those (divergent) and fetched the old master's tail, the tombstone's
+    seq was below the bucket's and the id index's high-water marks: it was skipped. That
+    member then answered the cancel's retry TOO_LATE ("dispatched") for a message that was
+    cancelled and never delivered. Records below a cut's seqs are now checked one by one."""
+    now = T0
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now)           # master, term 1
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    b.follow()
+    accept_durable(a, "m", 3, now + 5000, now)
+    replicate(a, b)
+    cut = b.messages.end_offset
+    a.cancel("m1", now_ms=now)                                   # the tail b never got
+    a.flush_messages()
+    a.iterate(limit=None)
+    a.checkpoint()
+    b.promote(now + 10, store_epoch=a.epoch + 5)                  # b's own term: newer seqs
+    b.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 5000, msg_id=f"n{i}", subject="s", payload=b"p")
+              for i in range(5)], now_ms=now + 10)
+    b.flush_messages()
+    b.iterate(limit=None)
+    b.checkpoint()
+    b.close()
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now + 20, follower=True)  # deposed: a follower of a
+    b.follow()
+    b.truncate_messages(cut)                                     # b's term never reached a
+    ship(a, b, "messages")
+    b.appended()
+    b.follow(a.last_checkpoint)
+    b.iterate(limit=None)
+    assert b.lookup("m1").status == "cancelled"
+    b.promote(now + 30, store_epoch=a.epoch + 10)
+    with pytest.raises(NotFound):
+        b.lookup("n1")
+    now += 6000
+    got = [i for d in b.poll_due(now_ms=now) for i in d.batch.id_list()]
+    assert sorted(got) == ["m0", "m2"]
+    a.close()
+    b.close()

@@ -164,6 +164,9 @@ FILES_PER_BUCKET = 4      # a new schedule bucket: its folder, data segment, ind
 BUCKETS_LOOKED_UP_MAX = 64  # a batch due in more buckets than this counts every one of them as new
 
 
+REFILED_MAX = 1_000_000  # records filed below the high-water marks after cuts, remembered by id (refiled.json)
+
+
 class DelayStore:
     def __init__(self, root: Path, settings: StoreSettings, now_ms: int, *, bump_epoch: bool = True,
                  follower: bool = False) -> None:
@@ -199,8 +202,17 @@ class DelayStore:
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
         self._voided_path = root / "voided.json"
-        self.voided: list[tuple[int, int]] = [tuple(r) for r in (checkpoint.read(self._voided_path) or {}).get(
-            "ranges", [])]
+        vdoc = checkpoint.read(self._voided_path) or {}
+        self.voided: list[tuple[int, int]] = [tuple(r) for r in vdoc.get("ranges", [])]
+        # the largest seq a truncation ever cut: filing's high-water marks (per bucket, id index)
+        # assume seqs grow along the log, which a cut and a refetch can break (the new master's
+        # suffix may hold an older term's records after this log filed a newer term's). Records
+        # at or below it are checked one by one instead (``_file``).
+        self.refile_seq_max: int = int(vdoc.get("refile_seq_max", max((hi - 1 for _, hi in self.voided), default=-1)))
+        # records filed that way cannot go into the id index (its seqs only grow): id -> location
+        self._refiled_path = root / "refiled.json"
+        self.refiled: dict[str, IdLocation] = {
+            k: IdLocation(*v) for k, v in ((checkpoint.read(self._refiled_path) or {}).get("ids", {})).items()}
         self.wheel_changed = False  # set when a filed message entered the wheel (the shell wakes its loop)
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
@@ -535,6 +547,15 @@ class DelayStore:
             at = np.flatnonzero(b.seq == hit[0])
             if len(at) and b.id(int(at[0])) == msg_id:
                 return records.message_at(b, int(at[0])), None
+        refiled = self.refiled.get(msg_id)
+        fallback = None
+        if refiled is not None and not self._voided(refiled.seq) and self.schedule.exists(refiled.bucket_start_ms):
+            got = self.schedule.find(refiled.bucket_start_ms, refiled.data_offset, refiled.frame_size, refiled.seq)
+            if got is not None and got[0].batch.id(got[1]) == msg_id:
+                m = records.message_at(got[0].batch, got[1])
+                if m.kind == KIND_CANCEL:
+                    return m, int(got[0].batch.effective_ms[got[1]])  # a tombstone answers for its message
+                fallback = m, int(got[0].batch.effective_ms[got[1]])
         for loc in self.ids.get_all(msg_id):
             if self._voided(loc.seq):
                 continue
@@ -547,7 +568,7 @@ class DelayStore:
             if got is not None and got[0].batch.id(got[1]) == msg_id:
                 ref, i = got
                 return records.message_at(ref.batch, i), int(ref.batch.effective_ms[i])
-        return None
+        return fallback
 
     def _bucket_retired(self, start_ms: int) -> bool:
         done = int(self.persisted_doc.get("completed_ms", -1))
@@ -665,10 +686,13 @@ class DelayStore:
         eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
         batch = batch.replace(effective_ms=eff.astype(np.int64))
         soon = None if self.follower else self.wheel.loaded_until_ms + self.settings.cache_ahead_ms
-        placed = self.schedule.file(batch, cache_before_ms=soon)
+        force = self._refile_mask(batch)
+        placed = self.schedule.file(batch, cache_before_ms=soon, force=force)
         seq = batch.seq
         last_ids = self.ids.last_seq()
         new = seq > np.uint64(last_ids) if last_ids >= 0 else np.ones(batch.n, bool)
+        if force is not None:
+            self._note_refiled(batch, force & placed.filed, placed)
         if new.any():
             bucket, off, size = placed.bucket_start_ms.copy(), placed.data_offset.copy(), placed.frame_size.copy()
             for i in np.flatnonzero(new & ~placed.filed).tolist():
@@ -1103,7 +1127,8 @@ class DelayStore:
             for ep in np.unique(epochs).tolist():
                 mine = seqs[epochs == ep]
                 self.voided.append((int(mine.min()), int(mine.max()) + 1))
-            checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
+            self.refile_seq_max = max(self.refile_seq_max, int(seqs.max()))
+            self._save_voided()
         dropped = self.messages.truncate(cut)
         self.messages.flush()
         self.iterate_offset = min(self.iterate_offset, cut)
@@ -1114,6 +1139,39 @@ class DelayStore:
         log.warning("message log truncated to %d (divergent suffix, %d bytes, %d records voided)",
                     cut, dropped, len(seqs))
         return len(seqs)
+
+    def _save_voided(self) -> None:
+        checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided],
+                                                    "refile_seq_max": self.refile_seq_max})
+
+    def _refile_mask(self, batch: Batch) -> np.ndarray | None:
+        """Records at or below ``refile_seq_max`` that this store has not filed: the high-water
+        marks would skip them (they are below a cut newer term's seqs); they are filed
+        anyway. A record filed before (the same seq under its id) is not filed twice."""
+        if self.refile_seq_max < 0:
+            return None
+        seq = batch.seq
+        cand = np.flatnonzero(seq <= np.uint64(self.refile_seq_max))
+        if not len(cand):
+            return None
+        force = np.zeros(batch.n, bool)
+        for i in cand.tolist():
+            s_i = int(seq[i])
+            known = self.refiled.get(batch.id(i))
+            if (known is None or known.seq != s_i) and not any(loc.seq == s_i for loc in self.ids.get_all(batch.id(i))):
+                force[i] = True
+        return force if force.any() else None
+
+    def _note_refiled(self, batch: Batch, which: np.ndarray, placed) -> None:
+        """Remember where records filed below the high-water marks went (``_find`` reads them)."""
+        for i in np.flatnonzero(which).tolist():
+            self.refiled[batch.id(i)] = IdLocation(int(placed.bucket_start_ms[i]), int(placed.data_offset[i]),
+                                                   int(placed.frame_size[i]), int(batch.seq[i]))
+        if len(self.refiled) > REFILED_MAX:  # bounded: the oldest buckets' entries go first
+            for k in sorted(self.refiled, key=lambda k: self.refiled[k].bucket_start_ms)[:len(self.refiled) - REFILED_MAX]:
+                del self.refiled[k]
+        checkpoint.write_atomic(self._refiled_path, {"ids": {k: [v.bucket_start_ms, v.data_offset, v.frame_size, v.seq]
+                                                             for k, v in self.refiled.items()}})
 
     def _unvoid(self, seq: np.ndarray) -> None:
         """Records with these seqs are in the message log again: not voided any more."""
@@ -1138,7 +1196,7 @@ class DelayStore:
                 out.append((start, hi))
         if changed:
             self.voided = out
-            checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided]})
+            self._save_voided()
 
     def truncate_dispatch(self, cut: int) -> int:
         if cut >= self.dispatch.end_offset:

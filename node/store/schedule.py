@@ -697,12 +697,14 @@ class ScheduleLog:
                 out.append(int(p.name))
         return sorted(out)
 
-    def file(self, batch: Batch, *, cache_before_ms: int | None = None) -> Filed:
+    def file(self, batch: Batch, *, cache_before_ms: int | None = None, force: np.ndarray | None = None) -> Filed:
         """File every record of ``batch`` (records in seq order, ``effective_ms`` set) under
         its effective second: one frame per (bucket, second), records a bucket already holds
         (``seq <= last_seq``, replay after a crash) skipped. Frames due before
         ``cache_before_ms`` are kept in the frame cache (the wheel loads them soon); a
-        backlog due later stays on disk only, so RAM holds nothing per pending message."""
+        backlog due later stays on disk only, so RAM holds nothing per pending message.
+        ``force``: records filed even at or below the high-water mark (the caller checked that
+        they were never filed: an older term's records after a cut, ``DelayStore._refile_mask``)."""
         n = batch.n
         filed = np.zeros(n, bool)
         bucket_col = np.zeros(n, np.int64)
@@ -739,7 +741,12 @@ class ScheduleLog:
             groups, idxs = [], []
             for a, z in ranges:
                 part = order[a:z]
-                fresh = part[seq[part] > b.last_seq] if b.last_seq >= 0 else part
+                if b.last_seq < 0:
+                    fresh = part
+                elif force is None:
+                    fresh = part[seq[part] > b.last_seq]
+                else:
+                    fresh = part[(seq[part] > b.last_seq) | force[part]]
                 if len(fresh) == len(part):
                     groups.append(in_order.take(slice(a, z)))
                     idxs.append(part)
@@ -845,7 +852,7 @@ class ScheduleLog:
             return None
         for _n, off, size, last in b.chain((max(effective_ms, start) - start) // 1000):
             if last < seq:
-                break  # frames are newest first and seqs grow with the log
+                continue  # newest first, but after a cut an older term's frames may follow newer ones
             got = self._find(start, off, size, seq)
             if got is not None:
                 return got
