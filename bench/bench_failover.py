@@ -100,11 +100,12 @@ async def wait_master(cluster, timeout_s: float = 30) -> str:
 
 
 SECURE = False  # --secure: mutual TLS and tokens (docs/security.md)
+LEASE_TTL_MS = 6000  # --lease-ttl-ms: the node default (a killed master is reported dead, not waited out)
 
 
 def group(root: Path, ack_mode: str) -> LocalCluster:
     c = LocalCluster(root, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode=ack_mode,
-                     lease_ttl_ms=2000, secure=SECURE)
+                     lease_ttl_ms=LEASE_TTL_MS, secure=SECURE)
     if SECURE:  # the producer here and the consumer process: a client certificate and the admin token
         os.environ.update(c.security.client_env())
     return c
@@ -295,10 +296,13 @@ def main() -> None:
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--skip-phase3", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--lease-ttl-ms", type=int, default=LEASE_TTL_MS,
+                    help="nodes' meta lease (before issue 26 the benchmark used 2000)")
     ap.add_argument("--secure", action="store_true", help="mutual TLS on every port and tokens checked")
     a = ap.parse_args()
-    global SECURE
+    global SECURE, LEASE_TTL_MS
     SECURE = a.secure
+    LEASE_TTL_MS = a.lease_ttl_ms
     if a.consumer:
         consumer_main(a)
         return
