@@ -296,7 +296,7 @@ def main() -> None:
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--skip-phase3", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--lease-ttl-ms", type=int, default=LEASE_TTL_MS,
+    ap.add_argument("--lease-ttl-ms", type=int, default=6000,
                     help="nodes' meta lease (before issue 26 the benchmark used 2000)")
     ap.add_argument("--secure", action="store_true", help="mutual TLS on every port and tokens checked")
     a = ap.parse_args()
