@@ -67,6 +67,19 @@ _DISK_HOG = (
 _AT_NICE = "import os,sys\nos.setpriority(os.PRIO_PROCESS,0,int(sys.argv[1]))\nos.execvp(sys.argv[2],sys.argv[2:])\n"
 
 
+CLIENT_NICE_BOOST = 10  # with cpu_starve the clients' process runs this much nicer than the nodes
+
+
+async def stopped_within(ev: asyncio.Event, delay_s: float) -> bool:
+    """Wait ``delay_s`` or until ``ev`` is set (True: it was)."""
+    try:
+        async with asyncio.timeout(delay_s):
+            await ev.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -206,6 +219,20 @@ class FaultKit:
             pass
 
     # ------------------------------------------------------------ faults
+
+    async def machine_fault(self, kind: str, hold_s: float, *, per_core: int, writers: int) -> dict | None:
+        """Play a whole-machine fault (``cpu_starve``, ``disk_saturate``) for ``hold_s``; None for
+        other kinds. While the CPUs starve, this process (the clients, "on other machines")
+        runs ``CLIENT_NICE_BOOST`` nicer than the nodes, so the load does not starve with them."""
+        if kind == "cpu_starve":
+            boost = self.boost_clients(CLIENT_NICE_BOOST)
+            try:
+                return await self.cpu_starve(hold_s, per_core=per_core) | {"client_nice": boost}
+            finally:
+                self.unboost()
+        if kind == "disk_saturate":
+            return await self.disk_saturate(hold_s, writers=writers)
+        return None
 
     async def cpu_starve(self, hold_s: float, *, per_core: int) -> dict:
         n = min(HELPERS_MAX, per_core * (os.cpu_count() or 1))

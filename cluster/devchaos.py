@@ -42,7 +42,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
-from cluster.chaosfaults import FaultKit
+from cluster.chaosfaults import FaultKit, stopped_within
 from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, lanes, scenario_schedule
 from cluster.security import client_security_from
 
@@ -55,7 +55,6 @@ SEND_BATCHES_INFLIGHT_MAX = 64
 POLL_S = 0.1
 SEND_PERIOD_S = 0.1
 LOAD_SAMPLE_S = 1.0
-CLIENT_NICE_BOOST = 10       # with cpu_starve this process (the clients) runs this much nicer than the nodes
 DURATION_S_MAX = 86_400
 # what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
 DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
@@ -332,12 +331,8 @@ class DevChaos:
         return None
 
     async def _stopped_within(self, delay_s: float) -> bool:
-        try:
-            async with asyncio.timeout(delay_s):
-                await self.stop_sending.wait()
-            return True
-        except TimeoutError:
-            return False
+        """Wait ``delay_s`` or until the workload ends (True)."""
+        return await stopped_within(self.stop_sending, delay_s)
 
     async def play(self, plan: list[Fault], channels) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -368,14 +363,9 @@ class DevChaos:
 
     async def _inject(self, f: Fault, channels) -> dict:
         cfg, kit = self.cfg, self.kit
-        if f.kind == "cpu_starve":
-            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # this process is the clients: its load must not starve
-            try:
-                return await kit.cpu_starve(f.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
-            finally:
-                kit.unboost()
-        if f.kind == "disk_saturate":
-            return await kit.disk_saturate(f.hold_s, writers=cfg.disk_writers)
+        ev = await kit.machine_fault(f.kind, f.hold_s, per_core=cfg.cpu_hogs_per_core, writers=cfg.disk_writers)
+        if ev is not None:
+            return ev
         if f.kind in ("meta_stall", "etcd_stall"):
             names = list(self.processes("meta" if f.kind == "meta_stall" else "etcd"))
             if not names:

@@ -39,7 +39,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
-from cluster.chaosfaults import FaultKit, at_nice
+from cluster.chaosfaults import CLIENT_NICE_BOOST, FaultKit, at_nice, stopped_within  # noqa: F401
 from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION_KINDS, Fault,  # noqa: F401
                                Topology, fault_schedule, lanes, scenario_schedule)
 
@@ -52,7 +52,6 @@ STATUS_TIMEOUT_S = 2.0
 CANCELS_INFLIGHT_MAX = 64
 SEND_BATCHES_INFLIGHT_MAX = 64
 CATCH_UP_S = 0.5             # a tick sends at most this many seconds' worth of owed messages
-CLIENT_NICE_BOOST = 10       # with cpu_starve: the harness (the clients, "on other machines") runs this much nicer
 LOAD_SAMPLE_S = 1.0
 POLL_S = 0.1
 
@@ -375,14 +374,10 @@ class ChaosRun:
 
     async def _inject_starvation(self, fault: Fault, channels) -> dict:
         cfg, c, kit = self.cfg, self.cluster, self.kit
-        if fault.kind == "cpu_starve":
-            boost = kit.boost_clients(CLIENT_NICE_BOOST)  # the load must not starve with the nodes
-            try:
-                return await kit.cpu_starve(fault.hold_s, per_core=cfg.cpu_hogs_per_core) | {"client_nice": boost}
-            finally:
-                kit.unboost()
-        if fault.kind == "disk_saturate":
-            return await kit.disk_saturate(fault.hold_s, writers=cfg.disk_writers)
+        ev = await kit.machine_fault(fault.kind, fault.hold_s, per_core=cfg.cpu_hogs_per_core,
+                                     writers=cfg.disk_writers)
+        if ev is not None:
+            return ev
         if fault.kind in ("node_throttle", "node_stall"):
             group = fault.target if fault.kind == "node_throttle" else fault.target // 2
             roles = await self._delay_roles(group, channels)
@@ -458,12 +453,7 @@ class ChaosRun:
 
     async def _stopped_within(self, delay_s: float) -> bool:
         """Wait ``delay_s`` or until the workload ends (True)."""
-        try:
-            async with asyncio.timeout(delay_s):
-                await self.stop_sending.wait()
-            return True
-        except TimeoutError:
-            return False
+        return await stopped_within(self.stop_sending, delay_s)
 
     async def _lane(self, name: str, plan: list[Fault], channels) -> None:
         """The faults of one lane, one after the other; the main lane waits for recovery after
