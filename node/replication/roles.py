@@ -121,8 +121,8 @@ class ReplicaRoles:
         self._caught_up_at = time.monotonic()
         self.failovers = 0
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
-        self._term_gen = 0
-        self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)   # bumped by every role switch: an answer begun in one term is never given in another
+        self._term_gen = 0   # bumped by every role switch: an answer begun in one term is never given in another
+        self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)
 
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
