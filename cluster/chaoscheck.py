@@ -154,8 +154,10 @@ def _journal_paths(run: dict) -> list[Path]:
 # ---------------------------------------------------------------------- master changes, resumes
 
 
-def master_changes(changes: list[dict], faults: list[dict], since_ms: int) -> dict:
-    """Changes of master ("became MASTER" lines) after ``since_ms``, each kill (then each SIGSTOP
+def master_changes(changes: list[dict], faults: list[dict], since_ms: int, until_ms: int | None = None) -> dict:
+    """Changes of master ("became MASTER" lines) after ``since_ms`` and, when given, before
+    ``until_ms`` (the end of the drain: the clean stop that follows hands every master over,
+    counted apart as ``at_stop``), each kill (then each SIGSTOP
     of a master) claiming the first change of its group after it (within KILL_ATTRIBUTION_MS,
     before the group's next such fault). A node that demotes itself and takes the seat back
     counts too (it stopped serving meanwhile); ``to_another_node`` counts the changes where the
@@ -163,10 +165,12 @@ def master_changes(changes: list[dict], faults: list[dict], since_ms: int) -> di
     before: dict[str, str] = {}  # group -> its master before the change
     moved = 0
     for c in changes:
-        if c["t"] >= since_ms and before.get(c["group"]) not in (None, c["node"]):
+        if c["t"] >= since_ms and (until_ms is None or c["t"] < until_ms) \
+                and before.get(c["group"]) not in (None, c["node"]):
             moved += 1
         before[c["group"]] = c["node"]
-    changes = [c for c in changes if c["t"] >= since_ms]
+    at_stop = sum(1 for c in changes if until_ms is not None and c["t"] >= until_ms)
+    changes = [c for c in changes if c["t"] >= since_ms and (until_ms is None or c["t"] < until_ms)]
     claimed: set[int] = set()
 
     def claim(kinds) -> int:
@@ -188,7 +192,7 @@ def master_changes(changes: list[dict], faults: list[dict], since_ms: int) -> di
     return {"total": len(changes), "to_another_node": moved, "after_kill": after_kill,
             "without_kill": len(changes) - after_kill,
             "after_master_stop": after_stop, "unprovoked": len(changes) - after_kill - after_stop,
-            "by_group": dict(by_group),
+            "by_group": dict(by_group), "at_stop": at_stop,
             "unprovoked_examples": [c for i, c in enumerate(changes) if i not in claimed][:EXAMPLES_MAX]}
 
 
@@ -298,7 +302,7 @@ def check(out_dir: str | Path) -> dict:
     not_restored = [f"fault {f['index']} {f['kind']} {f.get('process', '')}: {f.get('restore_error', '')}".strip()
                     for f in faults if f.get("restored") is False]
     t0 = run.get("t0_ms", 0)
-    changes = master_changes(logs.get("became_master", []), faults, t0)
+    changes = master_changes(logs.get("became_master", []), faults, t0, run.get("t_drain_end"))
     resumes = resume_times(faults, acked, receives)
     journals = _journal_paths(run)
     windows = ack_windows(journals, t0)
