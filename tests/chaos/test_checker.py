@@ -221,3 +221,12 @@ def test_the_starved_scenarios_starve_the_whole_run():
     alone = scenario_schedule(SCENARIOS["starved"], 1, duration_s=30)
     assert sorted(f.kind for f in alone) == ["cpu_starve", "disk_saturate"]
     assert SCENARIOS["starved"].master_changes_without_kill_max == 0
+
+
+def test_master_changes_of_the_clean_stop_are_counted_apart():
+    from cluster.chaoscheck import master_changes
+    changes = [{"t": 100, "node": "a", "group": "g"}, {"t": 5000, "node": "b", "group": "g"},
+               {"t": 9000, "node": "a", "group": "g"}]
+    mc = master_changes(changes, [], since_ms=1000, until_ms=8000)
+    assert mc["total"] == 1 and mc["unprovoked"] == 1 and mc["at_stop"] == 1 and mc["to_another_node"] == 1
+    assert master_changes(changes, [], since_ms=1000)["total"] == 2
