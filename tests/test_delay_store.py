@@ -360,3 +360,20 @@ def test_a_busy_second_loads_a_few_frames_per_poll_and_keeps_what_is_filed_meanw
     p0 = due - 500 + 40  # polls every 10 ms from here on: a message fires at the first poll at or after its due time
     polls = [-(-(dues[i] - p0) // 10) for i in h.delivered]
     assert polls == sorted(polls)  # in due order, up to the messages of one poll (one dispatch round)
+
+
+def test_a_cancel_holds_while_its_tombstone_is_not_filed_yet(tmp_path):
+    """Chaos run starved-kills seed 19 (issue 26): a cancel answered OK, then the message was
+    delivered anyway. On a starved master filing lags: the message's second was loaded into
+    the wheel after the cancel was answered but before its tombstone was filed, so the load
+    did not see the tombstone (and the wheel's cancel had nothing to cancel yet)."""
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 30_000), msg(2, T0 + 30_100)])   # filed, far outside the wheel's window
+    h.store.iterate(limit=None)
+    assert h.store.cancel("m1", now_ms=h.now) > 0        # the tombstone is appended, not filed
+    h.store.flush_messages()
+    fired = fire(h.store, T0 + 31_000)                   # the second loads and fires before any filing
+    assert fired == ["m2"]
+    h.store.iterate(limit=None)
+    assert h.store.lookup("m1").status == "cancelled"
+    assert fire(h.store, T0 + 32_000) == []

@@ -199,6 +199,7 @@ class DelayStore:
         self._inflight_count = 0
         self._unfiled: deque[_Unfiled] = deque()
         self._unfiled_count = 0
+        self._unfiled_cancels: set[int] = set()  # seqs cancelled whose tombstones are not filed yet
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
         self._voided_path = root / "voided.json"
@@ -628,6 +629,7 @@ class DelayStore:
         self._unfiled.append(_Unfiled(off, self.messages.end_offset, tomb, h))
         self._unfiled_count += 1
         self.wheel.cancel(np.array([m.seq], np.uint64))
+        self._unfiled_cancels.add(m.seq)  # until the tombstone is filed (_file): see _chunk
         self.counters["cancelled"] += 1
         return m.seq
 
@@ -714,6 +716,8 @@ class DelayStore:
         if is_cancel.any():
             targets = batch.cancel_targets()[is_cancel]
             self.wheel.cancel(targets)  # messages filed by an earlier call
+            if self._unfiled_cancels:
+                self._unfiled_cancels.difference_update(int(t) for t in targets.tolist())
         for ref in placed.frames:
             chunk = self._chunk(ref, reload=False, cancelled=targets)  # and in this very call
             if chunk is None:
@@ -746,6 +750,10 @@ class DelayStore:
         seq = b.seq
         if cancelled is not None and len(cancelled):
             mask &= ~np.isin(seq, cancelled)
+        if self._unfiled_cancels:
+            # cancels answered whose tombstones are not filed yet: a second loaded (or a message
+            # filed) before its tombstone must not bring the message into the wheel
+            mask &= ~np.isin(seq, np.fromiter(self._unfiled_cancels, np.uint64, len(self._unfiled_cancels)))
         if self.voided:
             mask &= ~self._voided_mask(seq)
         delivered = self._dispatched_seqs(b.effective_ms)
