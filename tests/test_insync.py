@@ -104,3 +104,21 @@ def test_divergence_steps_down_to_an_epoch_both_hold():
     # a prefix stays a prefix
     assert divergence(EpochHistory([(1, 0), (2, 74)]), 90, n1, 98) is None
     assert divergence(EpochHistory([(1, 0)]), 70, n1, 98) is None
+
+
+def test_a_seat_given_up_is_not_a_lease_lost():
+    """Chaos meta-pause seed 20: after a failed promotion the node resigned and forgot its
+    lease's renewals; the seat it won next was not "surely alive" until the next renewal, so it
+    stood down at once and flapped. Giving up a seat keeps the lease's renewals."""
+    m = Member("a", lease_ttl_ms=6000, margin_ms=1200)
+    m.keepalive_sent(1000, lease=5)
+    m.won(7, "a:1", lease=5)
+    assert m.is_master(2000)
+    m.give_up_seat()
+    assert not m.is_master(2000)
+    m.won(9, "a:1", lease=5)
+    assert m.is_master(2000)  # acts at once: the lease was renewed at 1000
+    m.lease_lost()
+    assert not m.is_master(2000)
+    m.keepalive_sent(2500, lease=6)  # a new registration's renewal does not revive the old seat
+    assert not m.is_master(2600)

@@ -238,7 +238,17 @@ class Member:
         self._lease_ok_until = max(self._lease_ok_until, sent_at_ms + self.lease_ttl_ms - self.margin_ms)
 
     def lease_lost(self) -> None:
+        """The registration lease is gone (expired, or replaced by a new one): no seat attached
+        to it is held any more, and nothing it renewed counts."""
         self._lease_ok_until = -1
+        self._won_epoch = -1
+        self._won_lease = None
+
+    def give_up_seat(self) -> None:
+        """This node leaves the seat it won (resigned, or a promotion failed) while its lease
+        lives on: renewals of that lease still count, so a seat won next acts at once (a lease
+        renewed before the win is what makes ``is_master`` true right after it)."""
+        self._won_epoch = -1
 
     def won(self, epoch: int, address: str, lease: int | None = None) -> None:
         """This node holds the leader key of ``epoch`` (its campaign answered, or the key it

@@ -438,7 +438,7 @@ class ReplicaRoles:
                 self.metrics.errors.labels(kind="PromotionFailed").inc()
                 self._recover_follower()
                 with self._member_lock:
-                    self.member.lease_lost()
+                    self.member.give_up_seat()
                 self.mode = "slave"
                 self._start_role_task("slave")
                 self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
@@ -561,7 +561,7 @@ class ReplicaRoles:
                                 self.member.epoch)
                     await self._resign_quietly()
                     with self._member_lock:
-                        self.member.lease_lost()
+                        self.member.give_up_seat()
                     self._campaigned_lease = None
                     action = ""
                 if action in ("master", "slave"):
@@ -651,7 +651,7 @@ class ReplicaRoles:
         except E.HourglassError as e:
             return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
         with self._member_lock:
-            self.member.lease_lost()
+            self.member.give_up_seat()
         self._role_task = None
         self.mode = "handing-over"
         await self._switch("slave")
