@@ -282,3 +282,25 @@ def test_an_older_terms_record_fetched_after_a_cut_is_filed(tmp_path):
     assert sorted(got) == ["m0", "m2"]
     a.close()
     b.close()
+
+
+def test_a_dispatch_cut_brings_the_replicated_dispatch_offset_back(tmp_path):
+    """Chaos meta-pause seeds 20 and 22 (issue 26): a follower cut its dispatch log's divergent
+    suffix, but its tick state kept the old master's dispatch offset, past the cut; once the new
+    master's bytes filled that range, the offset pointed into the middle of a record and the
+    promotion failed ("header checksum mismatch"), as in the issue's evidence at 10:10:02."""
+    now = T0
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
+    f.follow()
+    f.dispatch.append([b"a" * 40, b"b" * 40, b"c" * 40])  # the old master's records, replicated
+    f.dispatch.flush()
+    end = f.dispatch.end_offset
+    f.follow({"iterate_offset": f.iterate_offset, "completed_ms": now, "dispatch_offset": end})
+    f.checkpoint()
+    cut = 52  # after the first record: the rest was never the new master's
+    f.truncate_dispatch(cut)
+    assert f.replicated["dispatch_offset"] == cut
+    f.close()
+    again = DelayStore.open(tmp_path / "f", S, now_ms=now + 2000, follower=True)
+    assert int(again.persisted_doc.get("dispatch_offset", 0)) <= cut  # the checkpoint says so too
+    again.close()
