@@ -23,7 +23,11 @@ KILLS = int(os.environ.get("HOURGLASS_CRASH_KILLS", "20"))
 SEED = int(os.environ.get("HOURGLASS_CRASH_SEED", "7"))
 
 
+WORKER_START_S_MAX = 60.0  # how long a starved machine may take to start a worker
+
+
 def _run(data: Path, run: int, extra: list[str], *, kill_after_s: float | None, log_path: Path) -> int:
+    size_before = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as logf:
         p = subprocess.Popen([sys.executable, "-m", "tests.helpers.crash_worker", str(data), str(run), str(SEED), *extra],
                              cwd=ROOT, stdout=logf, stderr=subprocess.PIPE)
@@ -31,6 +35,13 @@ def _run(data: Path, run: int, extra: list[str], *, kill_after_s: float | None, 
             if kill_after_s is None:
                 _, err = p.communicate(timeout=60)
             else:
+                # the kill lands kill_after_s into the worker's work, not into its start-up: on a
+                # starved machine a worker killed by the clock alone may not have sent anything yet
+                # in any run (then the test had nothing to check); wait for its first line, bounded
+                started = time.monotonic()
+                while (time.monotonic() - started < WORKER_START_S_MAX and p.poll() is None
+                       and log_path.stat().st_size <= size_before):
+                    time.sleep(0.02)
                 time.sleep(kill_after_s)
                 p.send_signal(signal.SIGKILL)
                 _, err = p.communicate(timeout=30)
