@@ -37,7 +37,7 @@ def replicate(master: DelayStore, follower: DelayStore) -> None:
     ship(master, follower, "messages")
     ship(master, follower, "dispatch")
     follower.appended()
-    follower.follow(getattr(master, "last_checkpoint", None))
+    follower.follow(master.replication_doc())  # what a fetch answer carries
     follower.iterate(limit=None)
 
 
@@ -304,3 +304,68 @@ def test_a_dispatch_cut_brings_the_replicated_dispatch_offset_back(tmp_path):
     again = DelayStore.open(tmp_path / "f", S, now_ms=now + 2000, follower=True)
     assert int(again.persisted_doc.get("dispatch_offset", 0)) <= cut  # the checkpoint says so too
     again.close()
+
+
+def test_a_record_the_old_master_filed_behind_survives_two_failovers(tmp_path):
+    """Chaos meta-pause seed 29 (issue 26, finding 8): one record, two effective times. The
+    old master filed a past-due retry under its floor; the new master filed the same bytes at
+    its promotion under the floor it restored, later. Its wheel then held the record at that
+    later time, and the tick state it shipped passed the old master's time for it. When the old
+    master was promoted again, it restored that tick state and took its own copy for delivered:
+    neither member ever fired it."""
+    now = T0
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now)           # master, term 1
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    b.follow()
+
+    def ship_all(src, dst):
+        for name in ("messages", "dispatch"):
+            ship(src, dst, name)
+        dst.appended()
+
+    def answer(src, dst):  # one fetch answer: the bytes and the master's document with them
+        ship_all(src, dst)
+        dst.follow(src.replication_doc())
+        dst.iterate(limit=None)
+
+    accept_durable(a, "early", 3, now + 1000, now)
+    answer(a, b)
+    while now < T0 + 3000:  # a runs: fires, checkpoints, ships
+        now += 100
+        a.iterate(limit=None)
+        for d in a.poll_due(now_ms=now):
+            a.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+        if now % 1000 == 500:  # checkpoints are rarer than answers: the live tick state runs ahead
+            a.checkpoint()
+        answer(a, b)
+    # a retry of a message due a second ago: acknowledged once b holds its bytes (sync mode);
+    # a files it under its floor, and dies before its next answer to b
+    a.accept([Message(seq=0, store_ms=0, deliver_at_ms=now - 1000, msg_id="late0", subject="s", payload=b"p")],
+             now_ms=now)
+    a.flush_messages()
+    ship_all(a, b)
+    a.iterate(limit=None)
+    now += 100
+    b.promote(now, store_epoch=a.epoch + 1)                      # b's term
+    b.iterate(limit=None)
+    fired = b.poll_due(now_ms=now)                               # in flight, never answered (b is fenced)
+    assert [i for d in fired for i in d.batch.id_list()] == ["late0"]
+    a.close()
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now, follower=True)  # a restarts as b's slave
+    a.follow()
+    for _ in range(3):
+        now += 100
+        b.poll_due(now_ms=now)
+        answer(b, a)
+    b.close()                                                    # b dies with the record in flight
+    now += 100
+    a.promote(now, store_epoch=b.epoch + 1)
+    got = []
+    for _ in range(30):
+        now += 100
+        a.iterate(limit=None)
+        for d in a.poll_due(now_ms=now):
+            got += d.batch.id_list()
+            a.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    assert got == ["late0"]
+    a.close()

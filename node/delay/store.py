@@ -988,6 +988,26 @@ class DelayStore:
         offset = self._dispatch_trail[0][1] if self._dispatch_trail else self.dispatch.end_offset
         return TickState(self.epoch, self.completed_ms // self.settings.tick_ms - 1, 0, offset)
 
+    def replication_doc(self) -> dict[str, int]:
+        """What a master ships to its slaves with every fetch answer (``follow`` on their side):
+        its last **durable** checkpoint, never its live tick state.
+
+        A slave files under this ``completed_ms`` and a promotion restores the wheel from it.
+        The live value runs ahead of what the master filed under (its persisted value): a
+        record the master filed behind the wheel after its last answer (a late retry) has an
+        effective time below the live value, and a member that restored the live value took
+        the master's own copy of it for delivered once it was promoted itself (chaos seed 29,
+        finding 8, ``docs/replication.md``). With the persisted value every member's effective
+        time for a record is at least the master's, and a persisted ``completed_ms`` above a
+        record's time on the master means the master delivered it: a promotion reloads what it
+        must, as a restart of the master does (a checkpoint interval more to load)."""
+        doc = self.persisted_doc
+        if all(k in doc for k in ("iterate_offset", "completed_ms", "dispatch_offset")):
+            return {k: int(doc[k]) for k in ("iterate_offset", "completed_ms", "dispatch_offset")}
+        st = self.tick_state()  # nothing persisted yet (never on a store that opened: see __init__)
+        return {"iterate_offset": 0, "completed_ms": (st.tick + 1) * self.settings.tick_ms,
+                "dispatch_offset": st.dispatch_offset}
+
     @property
     def pending_in_wheel(self) -> int:
         return len(self.wheel)

@@ -243,12 +243,9 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     # ------------------------------------------------------------------ master side of replication
 
     def _tick_doc(self) -> str:
-        st = self.store.tick_state()
         # acked_offset: what every required slave holds (sync mode); a slave never cuts below it
         acked = self.tracker.acked_offset if self.settings.ack_mode == "sync" else -1
-        return json.dumps({"iterate_offset": self.store.iterate_offset,
-                           "completed_ms": (st.tick + 1) * self.settings.tick_ms,
-                           "dispatch_offset": st.dispatch_offset, "acked_offset": acked})
+        return json.dumps({**self.store.replication_doc(), "acked_offset": acked})
 
     async def Replicate(self, request_iterator, context):
         async for req in request_iterator:
