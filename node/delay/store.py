@@ -686,6 +686,8 @@ class DelayStore:
             self._unvoid(batch.seq[self._voided_mask(batch.seq)])
         is_cancel = batch.kind == KIND_CANCEL
         eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
+        if is_cancel.any():
+            self._cancels_beside_targets(batch, is_cancel, eff)
         batch = batch.replace(effective_ms=eff.astype(np.int64))
         soon = None if self.follower else self.wheel.loaded_until_ms + self.settings.cache_ahead_ms
         force = self._refile_mask(batch)
@@ -729,6 +731,39 @@ class DelayStore:
                     # filed behind the wheel (effective >= persisted completed_ms): completed_ms
                     # steps back so a checkpoint cannot skip it before it is dispatched
                     self.completed_ms = low - low % self.settings.tick_ms
+
+    def _cancels_beside_targets(self, batch: Batch, is_cancel: np.ndarray, eff: np.ndarray) -> None:
+        """A tombstone is filed in the second of its message on **this** member (``eff`` is
+        changed in place). Its time is the message's effective time on the member that answered
+        the cancel, and a loaded second applies only the tombstones it holds. A member that filed
+        the message under another floor holds it elsewhere: a slave that filed it after the
+        master had cancelled it and moved past it (a higher floor), or the master itself after a
+        promotion. There the tombstone never met the message and the message fired after an
+        acknowledged cancel (``tests/test_failover_store.py``). Cancels are rare: one id lookup each."""
+        targets = batch.cancel_targets()
+        for i in np.flatnonzero(is_cancel).tolist():
+            t = int(targets[i])
+            here = np.flatnonzero((batch.seq == np.uint64(t)) & ~is_cancel)
+            if len(here):  # the message is filed in this very call
+                eff[i] = eff[int(here[0])]
+                continue
+            got = self._located(batch.id(i), t)
+            if got is not None:
+                eff[i] = got
+
+    def _located(self, msg_id: str, seq: int) -> int | None:
+        """The effective time this member filed record ``seq`` (id ``msg_id``) under, or None."""
+        locs = list(self.ids.get_all(msg_id))
+        refiled = self.refiled.get(msg_id)
+        if refiled is not None:
+            locs.append(refiled)
+        for loc in locs:
+            if loc.seq != seq or not self.schedule.exists(loc.bucket_start_ms):
+                continue
+            got = self.schedule.find(loc.bucket_start_ms, loc.data_offset, loc.frame_size, loc.seq)
+            if got is not None and got[0].batch.id(got[1]) == msg_id:
+                return int(got[0].batch.effective_ms[got[1]])
+        return None
 
     def _dispatched_seqs(self, effective_ms: np.ndarray) -> np.ndarray | None:
         """Seqs delivered that could be among records due at ``effective_ms`` (None: none can).
