@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=$PYTHON
 set +e
-$PY -m pytest -q "$@"
+$PY -m pytest -q --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "test.sh: pytest collected no tests: failing"; exit 1; fi

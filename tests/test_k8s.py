@@ -541,26 +541,16 @@ def static_volumes(cluster: Cluster, ns: str, claims: list[str], size: str) -> N
 @pytest.fixture(scope="module")
 def image(node, cluster):
     """hourglass:dev built by scripts/image.sh (Docker, nothing pulled) and imported into the node's
-    containerd; a Docker daemon this fixture started is stopped afterwards."""
-    def docker_answers() -> bool:
-        try:
-            return subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-    was_running = docker_answers()
-    try:
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh"), "build"], capture_output=True, text=True,
-                           timeout=1200, cwd=ROOT, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
-        if "image.sh: SKIP:" in r.stdout:
-            pytest.skip("`bash scripts/image.sh build` refused: " + r.stdout.split("image.sh: SKIP:", 1)[1].strip())
-        assert r.returncode == 0, f"scripts/image.sh build failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
-        r = subprocess.run(["bash", str(SCRIPT), "node-image", str(cluster.dir)], capture_output=True, text=True,
-                           timeout=600, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
-        assert r.returncode == 0, f"`k8s-local.sh node-image` failed:\n{r.stderr[-3000:]}"
-    finally:
-        if not was_running:
-            subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop"], capture_output=True, timeout=120,
-                           check=False)
+    containerd. A Docker daemon this session started is stopped once, at the session's end
+    (conftest.py): a stop per module took it from under another module's build."""
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "image.sh"), "build"], capture_output=True, text=True,
+                       timeout=1200, cwd=ROOT, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+    if "image.sh: SKIP:" in r.stdout:
+        pytest.skip("`bash scripts/image.sh build` refused: " + r.stdout.split("image.sh: SKIP:", 1)[1].strip())
+    assert r.returncode == 0, f"scripts/image.sh build failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}"
+    r = subprocess.run(["bash", str(SCRIPT), "node-image", str(cluster.dir)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HOURGLASS_IMAGE": IMAGE}, check=False)
+    assert r.returncode == 0, f"`k8s-local.sh node-image` failed:\n{r.stderr[-3000:]}"
     return IMAGE
 
 

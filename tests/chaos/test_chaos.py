@@ -85,7 +85,7 @@ def _judge(report: dict) -> None:
 @pytest.mark.timeout(420)
 def test_chaos_short(tmp_path):
     seed = int(os.environ.get("HOURGLASS_CHAOS_SEED", "11"))
-    _judge(_run(tmp_path, seed, float(os.environ.get("HOURGLASS_CHAOS_SHORT_S", "60")), CI_KINDS))
+    _judge(_run(tmp_path, seed, float(os.environ.get("HOURGLASS_CHAOS_SHORT_S", "40")), CI_KINDS))
 
 
 @pytest.mark.chaos
