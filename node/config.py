@@ -185,6 +185,8 @@ class NodeSettings(BaseSettings):
     # scrubbing and verify (docs/operations.md "Self-healing and scrubbing")
     scrub_rate_mib_s: float = Field(default=4.0, ge=0, description="background CRC re-check rate; 0 = off")
     scrub_step_bytes_max: int = Field(default=1 << 20, ge=4096, description="bytes read per scrub step")
+    scrub_pass_interval_ms: int = Field(default=60_000, ge=0,
+                                        description="a scrub pass starts at least this long after the previous one")
     verify_rate_mib_s: float = Field(default=64.0, gt=0, description="read rate of `hourglass admin verify`")
 
     log_level: str = "INFO"

@@ -57,7 +57,11 @@ if [ "$PY" = "$HOURGLASS_VENV_DIR/bin/python" ] && [ ! -x "$PY" ]; then
 fi
 stamp=.setup-stamp
 [ "$PY" = "$HOURGLASS_VENV_DIR/bin/python" ] && stamp=$HOURGLASS_VENV_DIR/.setup-stamp
-if ! "$PY" -c "import cluster, node, grpc, hypothesis, pytest_asyncio" >/dev/null 2>&1 \
+# installed, and installed from this checkout (an editable install of another clone, or of a
+# folder since deleted, would serve the hourglass command and child processes other code)
+here=$(pwd -P)
+if ! (cd / && "$PY" -c "import sys, cluster, node, grpc, hypothesis, pytest_asyncio
+sys.exit(0 if cluster.__file__.startswith('$here/') else 1)") >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: pip install -e .[test,spark] into $PY"
   "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e ".[test,spark]"

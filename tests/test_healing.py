@@ -381,7 +381,7 @@ async def test_a_second_fault_while_healing_is_reported_and_the_node_keeps_servi
     group). Now the rebuild reads around the bad record, takes its records from the bucket's
     good frames, reports the fault (log, Status, metric), and the node keeps serving: every
     message is delivered, and new ones are accepted and delivered afterwards."""
-    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # the message log stays whole: the rebuild reads it
     c = LocalCluster(tmp_path / "c", n_realtime=1, env=env)
     metrics_port = free_port()

@@ -172,7 +172,7 @@ async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its
 
     if "message_segment_bytes" not in NodeSettings.model_fields:
         pytest.skip("needs the message_segment_bytes setting (issue 14 A)")
-    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # retention would delete the segment first
     with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
                       lease_ttl_ms=2000, env=env) as c:
@@ -205,7 +205,7 @@ async def test_realtime_node_scrub_finds_a_flipped_byte_in_a_sealed_segment(tmp_
     from tests.helpers.inprocess import serving
 
     settings = NodeSettings(role="realtime", node_id="rt-scrub", data_dir=tmp_path / "rt", port=0,
-                            realtime_segment_bytes=65536, scrub_rate_mib_s=64, retention_interval_ms=3_600_000)
+                            realtime_segment_bytes=65536, scrub_rate_mib_s=64, scrub_pass_interval_ms=100, retention_interval_ms=3_600_000)
     n = RealtimeNode(settings)
     async with serving(n) as channel:
         producer = rpc.ProducerStub(channel)
@@ -236,7 +236,7 @@ async def test_replicated_realtime_master_fetches_a_corrupt_sealed_segment_again
     from cluster.client import Producer, StaticResolver
     from cluster.devcluster import LocalCluster
 
-    env = {"HOURGLASS_REALTIME_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
+    env = {"HOURGLASS_REALTIME_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # retention would delete the segment first
     with LocalCluster(tmp_path, n_delay=1, n_realtime=2, meta=True, realtime_replicas=2, ack_mode="sync",
                       lease_ttl_ms=2000, env=env) as c:
@@ -315,7 +315,7 @@ async def test_replicated_master_completes_a_bucket_from_its_slave_after_retenti
     from cluster.devcluster import LocalCluster
     from cluster.errors import NotFound
 
-    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64",
+    env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "300", "HOURGLASS_CHECKPOINT_INTERVAL_MS": "200"}
     with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
                       lease_ttl_ms=2000, env=env) as c:
@@ -348,3 +348,13 @@ async def test_replicated_master_completes_a_bucket_from_its_slave_after_retenti
         text = node.log_path.read_text()
         assert "rebuild incomplete" in text  # the first rebuild did lose records ...
         assert "schedule bucket completed from a member" in text  # ... and the slave gave them back
+
+
+def test_plan_paces_passes_by_time_when_there_is_little_to_check():
+    """Issue 28: a few KiB of segments were re-checked in a busy loop (161,031 passes in 50 s):
+    passes start at least a minute apart, and a small step still costs a minimum of the rate."""
+    plan = ScrubPlan(rate_bytes_per_s=4 << 20, step_bytes_max=1 << 20)
+    ts = targets({"a": 2 * KIB, "b": 3 * KIB})
+    steps = drive(plan, ts, until_ms=10 * 60_000, step_ms=1)
+    assert 9 <= plan.progress.passes <= 11  # one a minute, whatever the byte budget allows
+    assert len(steps) <= 2 * 11

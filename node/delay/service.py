@@ -95,7 +95,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.server: grpc.aio.Server | None = None
         # background CRC re-checks of segments at rest (node/delay/scrub.py)
         self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
-                                  step_bytes_max=settings.scrub_step_bytes_max)
+                                  step_bytes_max=settings.scrub_step_bytes_max,
+                                  pass_interval_ms=settings.scrub_pass_interval_ms)
 
     # ------------------------------------------------------------------ gRPC: producer
 

@@ -107,7 +107,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.committer = GroupCommitter(self.store.messages)
         # background CRC re-checks of the message log's sealed segments (node/store/scrubtask.py)
         self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * (1 << 20)),
-                                  step_bytes_max=settings.scrub_step_bytes_max)
+                                  step_bytes_max=settings.scrub_step_bytes_max,
+                                  pass_interval_ms=settings.scrub_pass_interval_ms)
         self.channels = Channels()
         self.metrics = NodeMetrics("realtime", settings.node_id)
         self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark(), address=lambda: self.address)
