@@ -251,7 +251,7 @@ class SubjectIndex:
         """Cut a torn tail (see module docstring); set count and last entry. Returns the
         message-log offset replay must start from when CRC-failing entries were dropped
         (they may sit below the checkpoint's ``indexed_offset``), else None."""
-        self.path.touch(exist_ok=True)
+        self.path.touch(mode=DATA_MODE, exist_ok=True)
         size = self.path.stat().st_size
         keep = size // ENTRY_SIZE
         crc_dropped = False

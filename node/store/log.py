@@ -220,7 +220,7 @@ class SegmentedLog:
         recovery = None
         if not segments:
             p = d / _segment_name(start_offset)
-            p.touch()
+            p.touch(mode=DATA_MODE)
             fsync_dir(d)
             segments.append(_Segment(start_offset, p, 0, time.time()))
         else:
@@ -383,7 +383,7 @@ class SegmentedLog:
         base = self.end_offset
         p = self.directory / _segment_name(base)
         try:
-            p.touch()
+            p.touch(mode=DATA_MODE)
             fsync_dir(self.directory)
         except OSError as e:
             if is_enospc(e):
@@ -429,7 +429,7 @@ class SegmentedLog:
         for s in self._segments:
             s.path.unlink()
         p = self.directory / _segment_name(start_offset)
-        p.touch()
+        p.touch(mode=DATA_MODE)
         fsync_dir(self.directory)
         self._segments = [_Segment(start_offset, p, 0, time.time())]
         self._open_active()
