@@ -4,6 +4,10 @@ random tokens and the auth file that holds their digests (docs/security.md).
 ``hourglass certs ...`` and ``hourglass dev up --secure`` use this; a production cluster may
 bring its own CA (cert-manager, an internal PKI) as long as node certificates carry the
 common name ``node:<name>`` and client certificates ``client:<name>``.
+
+Every key, token and the auth file is written with ``cluster.files.write_secret`` (owner-only
+from its first instant, on a fresh random temporary name: a file another user planted is never
+reused); certificates with ``write_public``. New secret files must use it too.
 """
 
 from __future__ import annotations
@@ -11,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,28 +24,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from cluster.files import DATA_DIR_MODE, write_public, write_secret
 from cluster.security import CLIENT_PREFIX, NODE_PREFIX, AuthFile, Grant, TokenEntry, token_digest
 
 DEFAULT_DAYS = 365
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 TOKEN_BYTES = 32
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write a secret (key, token) readable by its owner only, atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _write_public(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -69,8 +56,8 @@ def make_ca(directory: Path, *, name: str = "hourglass-ca", days: int = DEFAULT_
                                          encipher_only=False, decipher_only=False), critical=True)
             .sign(key, hashes.SHA256()))
     crt, kp = directory / "ca.crt", directory / "ca.key"
-    _write_private(kp, _pem_key(key))
-    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    write_secret(kp, _pem_key(key))
+    write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
     return crt, kp
 
 
@@ -105,8 +92,8 @@ def issue(ca_dir: Path, out_dir: Path, name: str, *, kind: str, hosts=DEFAULT_HO
     cert = builder.sign(ca_key, hashes.SHA256())
     stem = stem or f"{kind}-{name}"
     crt, kp = out_dir / f"{stem}.crt", out_dir / f"{stem}.key"
-    _write_private(kp, _pem_key(key))
-    _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+    write_secret(kp, _pem_key(key))
+    write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
     return crt, kp
 
 
@@ -118,7 +105,7 @@ def _put_entry(auth_file: Path, entry: TokenEntry) -> None:
     """Add ``entry`` to ``auth_file`` (created if missing); an entry of the same name is replaced."""
     current = AuthFile.model_validate(json.loads(auth_file.read_text())) if auth_file.exists() else AuthFile()
     entries = [t for t in current.tokens if t.name != entry.name] + [entry]
-    _write_private(auth_file, (AuthFile(tokens=entries).model_dump_json(indent=2, exclude_none=True) + "\n").encode())
+    write_secret(auth_file, (AuthFile(tokens=entries).model_dump_json(indent=2, exclude_none=True) + "\n").encode())
 
 
 def add_token(auth_file: Path, name: str, grants: list[Grant], token_path: Path | None = None) -> str:
@@ -128,7 +115,7 @@ def add_token(auth_file: Path, name: str, grants: list[Grant], token_path: Path 
     token = new_token()
     _put_entry(auth_file, TokenEntry(name=name, sha256=token_digest(token), allow=grants))
     if token_path is not None:
-        _write_private(token_path, (token + "\n").encode())
+        write_secret(token_path, (token + "\n").encode())
     return token
 
 
@@ -169,7 +156,7 @@ def dev_security(root: Path, *, hosts=DEFAULT_HOSTS) -> DevSecurity:
     """A CA, one node certificate shared by the local cluster's processes, one client
     certificate, and an ``admin`` token allowed everything (``admin.token``)."""
     d = root / "security"
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
     make_ca(d)
     node_cert, node_key = issue(d, d, "dev", kind="node", hosts=hosts, stem="node")
     client_cert, client_key = issue(d, d, "dev", kind="client", hosts=(), stem="client")

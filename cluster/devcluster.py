@@ -42,7 +42,9 @@ from pathlib import Path
 from cluster.certs import dev_security
 from cluster.errors import Unavailable
 from cluster.etcdproc import EtcdCluster, EtcdFiles
+from cluster.files import DATA_DIR_MODE, DATA_MODE, write_secret
 from cluster.ports import free_port
+from cluster.process import SERVER_UMASK
 from cluster.security import ClientSecurity, SecuritySettings
 
 START_TIMEOUT_S = 30.0
@@ -89,15 +91,18 @@ class NodeProcess:
                 "--ready-file", str(self.ready_file), *self.args]
 
     def start(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         if self.ready_file.exists():
             self.ready_file.unlink()
         self.log_path = self.data_dir.parent / f"{self.name}.log"
         env = dict(os.environ)
         env.update(self.env)
-        with open(self.log_path, "ab") as logf:
+        # the log is owner-only like the data; the child starts with umask 077 (``hourglass node``
+        # sets it again itself: one started by hand or by Kubernetes gets it too)
+        with os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, DATA_MODE), "ab") as logf:
             self.proc = subprocess.Popen([*self.prefix, *self.command()], stdout=logf, stderr=subprocess.STDOUT,
-                                         env=env, cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+                                         env=env, cwd=Path(__file__).resolve().parent.parent, start_new_session=True,
+                                         umask=SERVER_UMASK)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -170,7 +175,7 @@ class LocalCluster:
                  realtime_replicas: int = 1, hosts: dict[str, str] | None = None,
                  prefixes: dict[str, list[str]] | None = None, secure: bool = False) -> None:
         self.root = Path(root).resolve()  # children run in the repository, not the caller's cwd
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         # secure: mutual TLS on every port, tokens checked (docs/security.md); the material
         # (a CA, the nodes' certificate, a client certificate, an admin token) is made here
         self.security = dev_security(self.root, hosts=sorted({"127.0.0.1", "localhost", *(hosts or {}).values()})) \
@@ -310,10 +315,10 @@ class LocalCluster:
         return self
 
     def write_cluster_file(self) -> None:
-        """``cluster.json`` (addresses and PIDs), replaced atomically: a reader never sees half of it."""
-        tmp = self.root / "cluster.json.tmp"
-        tmp.write_text(json.dumps(self.describe(), indent=2))
-        tmp.replace(self.root / "cluster.json")
+        """``cluster.json`` (addresses, PIDs and where the client credentials are), replaced
+        atomically (a reader never sees half of it) and owner-only: another local user can
+        neither read it nor plant a temporary file that becomes it."""
+        write_secret(self.root / "cluster.json", json.dumps(self.describe(), indent=2).encode())
 
     def wait_registered(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until every running node is listed by the meta servers (meta mode)."""

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.errors import Unavailable
+from cluster.files import DATA_DIR_MODE, DATA_MODE
 from cluster.ports import free_port
+from cluster.process import SERVER_UMASK
 
 ETCD_BINARY = os.environ.get("HOURGLASS_ETCD_BINARY", "/usr/bin/etcd")
 ETCD_IMAGE = "hourglass/etcd-local:3.4"
@@ -110,10 +112,13 @@ class EtcdMember:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir.parent / f"{self.name}.log", "ab")
+        # owner-only like a node's data: etcd makes its --data-dir 0700 itself; its files and
+        # the log get 0600 from the umask and the mode here
+        self.data_dir.parent.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+        log = os.fdopen(os.open(self.data_dir.parent / f"{self.name}.log",
+                                os.O_WRONLY | os.O_APPEND | os.O_CREAT, DATA_MODE), "ab")
         self.proc = subprocess.Popen([ETCD_BINARY, *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, umask=SERVER_UMASK)
         log.close()
 
     def kill(self) -> None:

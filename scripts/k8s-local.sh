@@ -202,7 +202,7 @@ cmd_up() {
   cmd_build > /dev/null
   local helm
   helm=$(bash "$ROOT/scripts/helm-tools.sh") || die "scripts/helm-tools.sh failed (helm)"
-  rm -rf "$DIR"; mkdir -p "$DIR/logs" "$DIR/pki" "$DIR/etcd"; : > "$DIR/pids"
+  rm -rf "$DIR"; mkdir -p "$DIR/logs" "$DIR/etcd"; mkdir -m 700 "$DIR/pki"; : > "$DIR/pids"
   local t0=$SECONDS
   local etcd_port etcd_peer api_port cm_port sched_port token
   etcd_port=$(free_port); etcd_peer=$(free_port); api_port=$(free_port); cm_port=$(free_port); sched_port=$(free_port)
@@ -213,8 +213,9 @@ cmd_up() {
     -keyout "$pki/serving.key" -out "$pki/serving.crt" 2>/dev/null || die "openssl: serving certificate"
   openssl genrsa -out "$pki/sa.key" 2048 2>/dev/null && openssl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub" 2>/dev/null \
     || die "openssl: service-account key pair"
-  echo "$token,admin,admin,system:masters" > "$pki/tokens.csv"
-  cat > "$DIR/kubeconfig" <<KC
+  # the admin token (root on this machine through the kubelet): owner-only from creation
+  (umask 077; echo "$token,admin,admin,system:masters" > "$pki/tokens.csv")
+  (umask 077; cat > "$DIR/kubeconfig") <<KC
 apiVersion: v1
 kind: Config
 clusters:

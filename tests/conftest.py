@@ -58,6 +58,7 @@ MODULE_TIERS = {
     "test_election.py": "integration",
     "test_etcd_client.py": "unit",
     "test_failover_store.py": "integration",  # seeded runs: minutes
+    "test_file_modes.py": "unit",
     "test_healing.py": "integration",
     "test_heal_missing.py": "unit",
     "test_helm.py": "integration",

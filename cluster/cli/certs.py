@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -17,6 +18,16 @@ from cluster.cli.common import CliError, console
 
 def _say(line: str) -> None:
     console.print(line, markup=False, highlight=False)
+
+
+@contextmanager
+def _writing(where: Path):
+    """A file that cannot be read or written (a folder of another user, a full disk) is one line."""
+    try:
+        yield
+    except OSError as e:
+        raise CliError(f"cannot write in {where}: {e.strerror or e}"
+                       + (f" ({e.filename})" if e.filename else "")) from None
 
 
 certs_app = typer.Typer(help="Certificates and tokens for a secure cluster (docs/security.md).", no_args_is_help=True)
@@ -31,7 +42,8 @@ def ca(dir: Path = typer.Option(..., "--dir", help="where ca.crt and ca.key are 
     if (dir / "ca.key").exists():
         raise CliError(f"{dir / 'ca.key'} exists", hint="hint: a new CA invalidates every certificate; "
                                                        "remove it first if that is what you want")
-    crt, _ = make_ca(dir, days=days)
+    with _writing(dir):
+        crt, _ = make_ca(dir, days=days)
     _say(f"wrote {crt} and {dir / 'ca.key'} (owner-only)")
 
 
@@ -51,7 +63,8 @@ def issue(kind: str = typer.Argument(..., help="node | client"),
         raise CliError(f"kind must be node or client, not {kind!r}")
     if not (dir / "ca.key").is_file():
         raise CliError(f"no CA in {dir}", hint="hint: hourglass certs ca --dir DIR")
-    crt, key = do_issue(dir, dir, name, kind=kind, hosts=host if kind == "node" else (), days=days)
+    with _writing(dir):
+        crt, key = do_issue(dir, dir, name, kind=kind, hosts=host if kind == "node" else (), days=days)
     _say(f"wrote {crt} and {key} (owner-only)")
 
 
@@ -88,7 +101,9 @@ def token(name: str = typer.Argument(..., help="who the token is for (logged on 
     file again within a second. Giving an existing NAME replaces that token (rotation)."""
     from cluster.certs import add_token
 
-    add_token(auth_file, name, _grants(allow), out)
+    grants = _grants(allow)
+    with _writing(auth_file.parent):
+        add_token(auth_file, name, grants, out)
     _say(f"token {name!r} written to {out}; its digest is in {auth_file}")
 
 
@@ -104,5 +119,7 @@ def grant(name: str = typer.Argument(..., help="who it is (logged on refusals)")
 
     if certificate.startswith("node:"):
         raise CliError("node certificates may do everything already; grant client certificates only")
-    grant_certificate(auth_file, name, certificate, _grants(allow))
+    grants = _grants(allow)
+    with _writing(auth_file.parent):
+        grant_certificate(auth_file, name, certificate, grants)
     _say(f"certificate {certificate!r} ({name!r}) granted in {auth_file}")

@@ -23,8 +23,9 @@ def _serve(settings_cls, overrides: dict, serve) -> None:
 
     from pydantic import ValidationError
 
-    from cluster.process import configure_logging
+    from cluster.process import configure_logging, restrict_umask
 
+    restrict_umask()  # before anything is written: data, checkpoints, ready file are owner-only
     try:
         settings = settings_cls(**overrides)
     except ValidationError as e:

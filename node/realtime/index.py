@@ -65,6 +65,7 @@ import numpy as np
 
 from cluster.codec import Batch, decode_extra
 from cluster.errors import CorruptRecord
+from cluster.files import DATA_MODE
 from node.store.diskspace import enospc, is_enospc
 
 log = logging.getLogger("hourglass.realtime.index")
@@ -109,7 +110,7 @@ def copy_entries(src: Path, src_base: int, dst: Path, first: int, upto: int) -> 
     """Any thread: write entries ``[first, upto)`` of ``src`` (a file whose first entry is
     ``src_base``) to a new file ``dst``, fsynced. The bytes are copied as they are."""
     fd_in = os.open(src, os.O_RDONLY)
-    fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd_out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, DATA_MODE)
     try:
         pos = first
         while pos < upto:
@@ -250,7 +251,7 @@ class SubjectIndex:
         """Cut a torn tail (see module docstring); set count and last entry. Returns the
         message-log offset replay must start from when CRC-failing entries were dropped
         (they may sit below the checkpoint's ``indexed_offset``), else None."""
-        self.path.touch(exist_ok=True)
+        self.path.touch(mode=DATA_MODE, exist_ok=True)
         size = self.path.stat().st_size
         keep = size // ENTRY_SIZE
         crc_dropped = False

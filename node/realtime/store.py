@@ -134,6 +134,7 @@ from cluster.errors import (
     PayloadTooLarge,
     UnknownSubject,
 )
+from cluster.files import DATA_DIR_MODE, DATA_MODE
 from cluster.wire import BatchResult
 from node.realtime import retention as RR
 from node.realtime.dedup import DedupWindow
@@ -329,8 +330,8 @@ class RealtimeStore:
     def __init__(self, root: Path, settings: RealtimeSettings, now_ms: int, *, bump_epoch: bool) -> None:
         self.root = root
         self.settings = settings
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "index").mkdir(exist_ok=True)
+        root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+        (root / "index").mkdir(mode=DATA_DIR_MODE, exist_ok=True)
         # one frame holds one whole batch: the largest request, plus room for the columns the node fills
         self.frame_bytes_max = max(RECORD_BYTES_MAX_DEFAULT, settings.limits.batch_bytes_max + (1 << 20))
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.segment_bytes,
@@ -433,7 +434,7 @@ class RealtimeStore:
         a compaction a crash interrupted (``index.open_files``, ``adopt_tail``). Returns the
         log offset re-indexing must start from (never below the log start), or None."""
         d = self.root / "index" / subject
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         base, path, older = open_files(d)
         ix = SubjectIndex(subject, path, base)
         self._subjects[subject] = ix
@@ -588,7 +589,7 @@ class RealtimeStore:
         if ix.fd >= 0:
             self._open_fds.move_to_end(ix.subject)
             return ix.fd
-        ix.fd = os.open(ix.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        ix.fd = os.open(ix.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
         self._open_fds[ix.subject] = None
         while len(self._open_fds) > self.settings.index_files_open_max:
             old, _ = self._open_fds.popitem(last=False)

@@ -37,6 +37,8 @@ import logging
 import os
 from pathlib import Path
 
+from cluster.files import DATA_DIR_MODE, DATA_MODE
+
 log = logging.getLogger("hourglass.ackjournal")
 
 WRITE_INTERVAL_MS = 20
@@ -56,8 +58,8 @@ class AckJournal:
         self._wrote_at_ms = 0    # when (now_ms) that line was written
         if path is not None:
             p = Path(path)
-            p.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            p.parent.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+            self._fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT, DATA_MODE)
             self.path = p
 
     @classmethod

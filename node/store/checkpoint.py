@@ -1,9 +1,9 @@
 """Atomic checkpoint files: small JSON documents guarded by a CRC.
 
 Layout: one line of JSON, a newline, then ``crc32=<8 hex digits>`` over the JSON
-bytes. Written as temp file -> fsync -> rename -> fsync(dir), so a reader sees
-either the old or the new document, never a mix. A file failing its check raises
-``CorruptRecord`` naming the file.
+bytes. Written as a fresh owner-only (0600) temp file -> fsync -> rename -> fsync(dir)
+(``cluster.files.write_atomic``), so a reader sees either the old or the new document, never
+a mix. A file failing its check raises ``CorruptRecord`` naming the file.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from cluster import files
 from cluster.errors import CorruptRecord
 
 
@@ -21,19 +22,7 @@ def write_atomic(path: str | os.PathLike, doc: dict[str, Any]) -> None:
     p = Path(path)
     body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     data = body + b"\ncrc32=%08x\n" % zlib.crc32(body)
-    tmp = p.with_name(p.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, p)
-    dfd = os.open(p.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    files.write_atomic(p, data, mode=files.DATA_MODE)
 
 
 def read(path: str | os.PathLike) -> dict[str, Any] | None:

@@ -115,6 +115,7 @@ import numpy as np
 import xxhash
 
 from cluster.errors import Closed, CorruptRecord, DiskFull, InvalidArgument
+from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.store.diskspace import allocate
 from node.store.log import fsync_dir
 from node.store.syncplan import SyncPlan
@@ -314,7 +315,7 @@ def _write_table(tmp: Path, chunks: Iterable[np.ndarray], entries_max: int, *, f
     slots = np.zeros(slots_count, np.uint32)
     size = file_size(slots_count, entries_max)
     ent_off = HEADER_SIZE + SLOT_SIZE * slots_count
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, DATA_MODE)
     try:
         allocate(fd, 0, size, str(tmp))
         n = 0
@@ -400,7 +401,7 @@ class IdIndex:
             if not isinstance(value, int) or not lo <= value <= hi:
                 raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
         path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         for dead in path.glob(f"*{SUFFIX}.deleting"):  # retention stopped between rename and unlink
             dead.unlink()
         for tmp in path.glob(f"*{SUFFIX}.tmp"):  # a kill while creating a file: never named, never used
@@ -573,7 +574,7 @@ class IdIndex:
         path = self.directory / file_name(seq)
         tmp = path.with_name(path.name + ".tmp")
         size = file_size(self.slots_count, self.entries_max)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, DATA_MODE)
         try:
             os.ftruncate(fd, size)  # sparse: untouched entries cost no disk
             # header and slots are allocated before the file is mapped (a store into a page the

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
+from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.store.diskspace import enospc, is_enospc
 
 log = logging.getLogger("hourglass.store.log")
@@ -191,7 +192,7 @@ class SegmentedLog:
         if segment_bytes_max < HEADER_SIZE + 1:
             raise ValueError("segment_bytes_max too small")
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         # retention renames segments "*.log.deleting" oldest first, then unlinks them: a crash
         # in between leaves some; every segment at or below the newest of them was due too
         # (a rename lost by a power cut would otherwise leave a gap)
@@ -219,7 +220,7 @@ class SegmentedLog:
         recovery = None
         if not segments:
             p = d / _segment_name(start_offset)
-            p.touch()
+            p.touch(mode=DATA_MODE)
             fsync_dir(d)
             segments.append(_Segment(start_offset, p, 0, time.time()))
         else:
@@ -258,7 +259,7 @@ class SegmentedLog:
 
     def _open_active(self) -> None:
         seg = self._segments[-1]
-        self._active_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._active_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, DATA_MODE)
 
     def close(self) -> None:
         if self._closed:
@@ -382,7 +383,7 @@ class SegmentedLog:
         base = self.end_offset
         p = self.directory / _segment_name(base)
         try:
-            p.touch()
+            p.touch(mode=DATA_MODE)
             fsync_dir(self.directory)
         except OSError as e:
             if is_enospc(e):
@@ -428,7 +429,7 @@ class SegmentedLog:
         for s in self._segments:
             s.path.unlink()
         p = self.directory / _segment_name(start_offset)
-        p.touch()
+        p.touch(mode=DATA_MODE)
         fsync_dir(self.directory)
         self._segments = [_Segment(start_offset, p, 0, time.time())]
         self._open_active()
@@ -454,7 +455,7 @@ class SegmentedLog:
             except TornRecord:
                 raise CorruptRecord("<copy>", base + pos, "copy ends inside a record") from None
         tmp = seg.path.with_name(seg.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, DATA_MODE)
         try:
             view = memoryview(data)
             while view:

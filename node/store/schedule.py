@@ -88,6 +88,7 @@ import numpy as np
 
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
+from cluster.files import DATA_DIR_MODE, DATA_MODE, write_atomic
 from node.store.syncplan import SyncPlan
 
 from .diskspace import allocate, enospc, is_enospc
@@ -181,10 +182,10 @@ class Bucket:
         self.path = path
         self.start_ms = start_ms
         self.seconds = bucket_ms // 1000
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         self.data = SegmentedLog.open(path / "data", segment_bytes_max=data_segment_bytes)
         self._index_path = path / "index"
-        self._index_fd = os.open(self._index_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._index_fd = os.open(self._index_path, os.O_RDWR | os.O_CREAT, DATA_MODE)
         self._heads_path = path / "heads"
         self.entries = 0
         self.last_seq = -1
@@ -295,7 +296,7 @@ class Bucket:
 
     def _open_heads(self) -> None:
         want = HEADS_HEADER_SIZE + 4 * self.seconds
-        fd = os.open(self._heads_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._heads_path, os.O_RDWR | os.O_CREAT, DATA_MODE)
         try:
             fresh = os.fstat(fd).st_size != want
             if fresh:
@@ -529,9 +530,7 @@ class Bucket:
 
 
 def _write_meta(path: Path, bucket_ms: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"bucket_ms": bucket_ms, "version": META_VERSION}))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"bucket_ms": bucket_ms, "version": META_VERSION}).encode(), mode=DATA_MODE)
 
 
 class ScheduleLog:
@@ -542,7 +541,7 @@ class ScheduleLog:
                  open_buckets_max: int = OPEN_BUCKETS_MAX_DEFAULT,
                  cache_bytes_max: int = CACHE_BYTES_MAX_DEFAULT) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
@@ -630,7 +629,7 @@ class ScheduleLog:
                     frames += len(part)
             if before_swap is not None:
                 before_swap(tmp)
-            (tmp / REBUILT_MARKER).write_text("rebuilt from the message log\n")
+            write_atomic(tmp / REBUILT_MARKER, b"rebuilt from the message log\n", mode=DATA_MODE)
         except BaseException:
             nb.close()
             shutil.rmtree(tmp, ignore_errors=True)
