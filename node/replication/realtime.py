@@ -215,6 +215,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
     async def _master_tasks(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.committer.run(), name="group-commit")
+            tg.create_task(self.creator.run(), name="subjects")
             tg.create_task(self._flush_loop(), name="flush")
             tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
             tg.create_task(self._disk_loop(), name="disk")
@@ -231,6 +232,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
                                         now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
+        self.creator.quotas = self._new_quotas()  # what this store's journal says each principal owns
         for waiting in self._new_data.values():
             for ev in waiting:
                 ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)
