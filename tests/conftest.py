@@ -71,6 +71,7 @@ MODULE_TIERS = {
     "test_realtime_replication.py": "unit",
     "test_realtime_service.py": "integration",
     "test_realtime_store.py": "unit",
+    "test_subject_quota.py": "unit",
     "test_records.py": "unit",
     "test_replication.py": "integration",
     "test_replication_realtime.py": "integration",

@@ -385,6 +385,7 @@ class RealtimeStore:
 
         self._journal, self._owners = SubjectsJournal.open(root)  # subject -> who created it ("" unknown)
         self._creating: set[str] = set()  # subjects of planned rounds not finished yet (count for subjects_max)
+        self.subject_order: list[str] = list(self._owners)  # creation order: replicas get owners in it
         reindex_from = self.indexed_offset
         for s in self._owners:
             rebuild = self._load_index(s)
@@ -714,7 +715,10 @@ class RealtimeStore:
         for s, owner in work.items:
             if s in self._subjects:
                 continue
-            self._owners.setdefault(s, owner)
+            if s not in self._owners:
+                self.subject_order.append(s)
+            if not self._owners.get(s):
+                self._owners[s] = owner
             if s in work.fresh:  # the round made the folder and an empty file: nothing to repair
                 ix = SubjectIndex(s, index_path(index_root / s, 0), 0)
                 self._subjects[s] = ix
@@ -732,6 +736,32 @@ class RealtimeStore:
     def subject_owner(self, subject: str) -> str | None:
         """Who created the subject ("" not known; None: no such subject)."""
         return self._owners.get(subject) if subject in self._subjects else None
+
+    def subject_owners(self, first: int, count_max: int) -> list[tuple[str, str]]:
+        """``(subject, owner)`` of subjects ``[first, first + count_max)`` in creation order
+        (what a master ships to its replicas, ``adopt_owners``)."""
+        return [(s, self._owners.get(s, "")) for s in self.subject_order[first:first + count_max]]
+
+    def adopt_owners(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> None:
+        """A replica takes its master's subjects and owners: missing subjects are created and
+        owners it did not know are recorded, as one journal record (one fsync)."""
+        self._check_open()
+        new = [(s, o) for s, o in items if s not in self._subjects]
+        named = [(s, o) for s, o in items if o and s in self._subjects and not self._owners.get(s)]
+        if new:
+            for s, _ in new:
+                _check_name("subject", s, self.settings.limits.subject_bytes_max)
+            work = self.subjects_plan(new, now_ms=now_ms)
+            if work.refused:
+                self.subjects_abandon(work)
+                raise next(iter(work.refused.values()))
+            try:
+                work.run()
+            finally:
+                self.subjects_finish(work)
+        if named:
+            self._journal.append(named, created_ms=now_ms)
+            self._owners.update(named)
 
     def owned_counts(self) -> dict[str, int]:
         """Subjects per owner (owners not known, "", are left out)."""

@@ -13,9 +13,10 @@ File ``{root}/subjects.log``, append-only, one record per creation round, one li
 
 ``crc32`` is ``zlib.crc32`` of the JSON bytes (lower-case hex). ``owner`` is the name of the
 principal that created the subject (the token's name, ``anonymous`` on an open cluster);
-``""`` when not known (a replica learned the subject from its master's log, a folder of the
-old layout, the dead-letter subject, subjects configured with ``HOURGLASS_SUBJECTS``). A
-subject named twice keeps its first record's owner.
+``""`` when not known (a folder of the old layout, the dead-letter subject, subjects
+configured with ``HOURGLASS_SUBJECTS``, a replica that saw the subject in its master's log
+before the owner came, ``RealtimeStore.adopt_owners``). A subject named twice keeps the first
+owner that is not ``""``.
 
 Reading (``parse``): a last line with no newline, or a last line that fails its CRC, is a
 torn tail (a crash during the append: that round was never acknowledged) and is cut at
@@ -85,7 +86,8 @@ def parse(data: bytes, path: str = "subjects.log") -> tuple[dict[str, str], int]
                 return owners, pos  # the last line is damaged: torn tail
             raise CorruptRecord(path, pos, "subjects journal record fails its CRC")
         for s, o in items:
-            owners.setdefault(s, o)
+            if not owners.get(s):
+                owners[s] = o
         pos = nl + 1
     return owners, pos
 
