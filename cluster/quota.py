@@ -48,10 +48,10 @@ OWNED_SETTING = "subjects_owned_max"
 @dataclass(frozen=True, slots=True)
 class SubjectQuota:
     new_per_minute_max: int
-    owned_max: int
+    owned_max: int | None  # None: no limit on subjects owned (the meta server counts only the rate)
 
     def __post_init__(self) -> None:
-        if self.new_per_minute_max < 1 or self.owned_max < 1:
+        if self.new_per_minute_max < 1 or (self.owned_max is not None and self.owned_max < 1):
             raise ValueError(f"subject quotas must be >= 1 (got {RATE_SETTING}={self.new_per_minute_max}, "
                              f"{OWNED_SETTING}={self.owned_max})")
 
@@ -66,8 +66,9 @@ class SubjectQuotas:
     """See module docstring."""
 
     def __init__(self, quota: SubjectQuota, owned: Mapping[str, int] | None = None, *,
-                 owned_setting: str = OWNED_SETTING, where: str = "") -> None:
+                 rate_setting: str = RATE_SETTING, owned_setting: str = OWNED_SETTING, where: str = "") -> None:
         self.quota = quota
+        self.rate_setting = rate_setting
         self.owned_setting = owned_setting
         self.where = where                  # said in refusals: "on node X" / "at the meta server"
         self._owned: dict[str, int] = dict(owned or {})
@@ -89,7 +90,7 @@ class SubjectQuotas:
         tokens = self.tokens(principal, now_ms=now_ms)
         owned = self.owned(principal)
         by_rate = int(math.floor(tokens + 1e-9))
-        by_owned = max(0, self.quota.owned_max - owned)
+        by_owned = n if self.quota.owned_max is None else max(0, self.quota.owned_max - owned)
         granted = min(n, by_rate, by_owned)
         self._buckets[principal] = (tokens - granted, now_ms)
         self._owned[principal] = owned + granted
@@ -97,7 +98,7 @@ class SubjectQuotas:
             self._prune(now_ms)
         if granted == n:
             return Admission(n)
-        return Admission(granted, self._refusal(principal, n, granted, by_rate < by_owned, tokens - granted))
+        return Admission(granted, self._refusal(principal, n, granted, by_rate <= by_owned, tokens - granted))
 
     def refund(self, principal: str, n: int) -> None:
         """``n`` subjects admitted for ``principal`` were not created after all."""
@@ -114,8 +115,8 @@ class SubjectQuotas:
             per = self.quota.new_per_minute_max
             wait_ms = math.ceil((1 - left) * MINUTE_MS / per) if left < 1 else 0
             return QuotaExceeded(f"{principal!r} may create {per} new subjects per minute{where} "
-                                 f"({RATE_SETTING}={per}); {asked - granted} of {asked} refused, the next may be "
-                                 f"created in {wait_ms} ms", RATE_SETTING, principal)
+                                 f"({self.rate_setting}={per}); {asked - granted} of {asked} refused, the next may "
+                                 f"be created in {wait_ms} ms", self.rate_setting, principal)
         return QuotaExceeded(f"{principal!r} owns {self.owned(principal)} subjects{where} "
                              f"({self.owned_setting}={self.quota.owned_max}); {asked - granted} of {asked} new "
                              f"subjects refused", self.owned_setting, principal)

@@ -86,7 +86,9 @@ class MetaService(mrpc.MetaServicer):
     def __init__(self, settings: MetaSettings, etcd: EtcdClient) -> None:
         self.settings = settings
         self.etcd = etcd
-        self.registry = Registry(etcd, default_ttl_s=-(-settings.node_ttl_ms // 1000))
+        self.registry = Registry(etcd, default_ttl_s=-(-settings.node_ttl_ms // 1000),
+                                 routes_new_per_minute_max=settings.routes_new_per_minute_max,
+                                 route_creations_max=settings.route_creations_max)
         self.healthy = False
         self.health_error = "not checked yet"
 
