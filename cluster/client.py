@@ -805,9 +805,9 @@ class Producer:
         """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
         Messages that expired while the request was out keep their deadline error."""
         retry = np.isin(res.codes, _RETRYABLE)
-        if res.errors and retry.any():  # a message refused for a full disk is final (``status.retryable``)
+        if res.errors and retry.any():  # refused for a full disk or a quota: final (``status.retryable``)
             for i in np.flatnonzero(retry & (res.codes == pb.OVERLOADED)).tolist():
-                if res.errors.get(i, "").startswith(status.DISK_FULL_PREFIX):
+                if status.final_refusal(res.errors.get(i, "")):
                     retry[i] = False
         again: list[_Piece] = []
         why: E.HourglassError | None = None

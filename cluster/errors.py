@@ -139,6 +139,21 @@ class DiskFull(Overloaded):
         self._wire_args = [detail, node, free_bytes]  # as made, whichever were given by name
 
 
+class QuotaExceeded(Overloaded):
+    """A principal (a token's name; ``anonymous`` on an open cluster) reached one of its
+    subject quotas: ``limit`` names the setting (``subjects_new_per_minute_max`` or
+    ``subjects_owned_max``, docs/security.md "Subject quotas"). Nothing of the refused
+    messages was stored. A kind of ``Overloaded`` (RESOURCE_EXHAUSTED), but the SDK does not
+    retry it within a call: the caller decides (wait for the minute, or ask for a larger
+    quota)."""
+
+    def __init__(self, detail: str, limit: str = "", principal: str = "") -> None:
+        super().__init__(detail if detail.startswith("quota exceeded") else f"quota exceeded: {detail}")
+        self.limit = limit
+        self.principal = principal
+        self._wire_args = [detail, limit, principal]
+
+
 class ReplicationTimeout(Unavailable):
     """Sync ack mode: no slave confirmed the bytes in time. The write is not acknowledged."""
 

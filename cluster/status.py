@@ -26,6 +26,7 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.NotLeader, pb.NOT_LEADER, grpc.StatusCode.UNAVAILABLE),
     (E.ReplicationTimeout, pb.REPLICATION_TIMEOUT, grpc.StatusCode.DEADLINE_EXCEEDED),
     (E.DiskFull, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts DISK_FULL_PREFIX
+    (E.QuotaExceeded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts QUOTA_PREFIX
     (E.Overloaded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
     (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
@@ -38,6 +39,7 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
 # message starts DISK_FULL_PREFIX is a DiskFull, final for the SDK too (``retryable``)
 RETRYABLE_CODES = {pb.OVERLOADED, pb.NOT_LEADER, pb.REPLICATION_TIMEOUT, pb.INTERNAL}
 DISK_FULL_PREFIX = "disk full"
+QUOTA_PREFIX = "quota exceeded"  # a QuotaExceeded's text: final for the SDK, as a full disk
 # "node ADDRESS has N bytes ..." in a DiskFull's text (node/store/diskspace.py, ``Refusal.text``):
 # a per-message answer carries only the text, the attributes are read back from it
 _DISK_FULL_WHERE = re.compile(r"node (\S+) has (\d+) bytes")
@@ -48,7 +50,13 @@ def retryable(exc: BaseException) -> bool:
     master, overloaded, a sync timeout, a node down), but not ``DiskFull``. A full disk comes
     back when retention or an operator frees space, not within the seconds a call waits, and
     retrying would only hide it behind a deadline ``Unavailable``: the caller gets it at once."""
-    return isinstance(exc, E.Unavailable) and not isinstance(exc, E.DiskFull)
+    return isinstance(exc, E.Unavailable) and not isinstance(exc, (E.DiskFull, E.QuotaExceeded))
+
+
+def final_refusal(message: str) -> bool:
+    """An OVERLOADED per-message answer that is final all the same (``retryable``): a full
+    disk or a quota, told by the start of its text."""
+    return message.startswith((DISK_FULL_PREFIX, QUOTA_PREFIX))
 
 
 def disk_full(message: str) -> E.DiskFull:
@@ -91,6 +99,8 @@ def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.H
     if code == pb.REPLICATION_TIMEOUT:
         return E.ReplicationTimeout(message)
     if code == pb.OVERLOADED:
+        if message.startswith(QUOTA_PREFIX):
+            return E.QuotaExceeded(message)
         return disk_full(message) if message.startswith(DISK_FULL_PREFIX) else E.Overloaded(message)
     return E.HourglassError(message or f"code {code}")
 
@@ -197,6 +207,8 @@ def from_status(status: grpc.StatusCode, detail: str | None) -> E.HourglassError
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if detail and detail.startswith(DISK_FULL_PREFIX):
             return disk_full(detail)
+        if detail and detail.startswith(QUOTA_PREFIX):
+            return E.QuotaExceeded(detail)
         return E.Overloaded(detail or "")
     if status == grpc.StatusCode.FAILED_PRECONDITION and detail and detail.startswith("stale epoch"):
         return E.StaleEpoch(0, 0)

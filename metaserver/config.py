@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster import quota as Q
 from cluster.security import all_or_none
 
 
@@ -26,6 +27,10 @@ class MetaSettings(BaseSettings):
     etcd_key_file: Path | None = None
     node_ttl_ms: int = Field(default=5000, ge=2000, le=300_000, description="default node lease TTL")
     campaign_wait_ms_max: int = Field(default=30_000, ge=0)
+    routes_new_per_minute_max: int = Field(default=Q.NEW_PER_MINUTE_MAX_DEFAULT, ge=1,
+                                           description="new subject routes one principal may create per minute at "
+                                                       "this meta server (docs/security.md \"Subject quotas\")")
+    route_creations_max: int = Field(default=16, ge=1, description="route creations waiting on etcd at once")
     health_check_interval_ms: int = Field(default=1000, ge=100)
     ready_file: Path | None = None
     log_level: str = "INFO"

@@ -15,17 +15,25 @@ so a node can only ever write its own record.
 Route: read ``/hourglass/subjects/{subject}``; if absent, choose among the live
 real-time groups (``keyspace.choose_group``) and create the key if still absent
 (a concurrent first use reads the winner's choice). Routes are never rewritten.
+A new route counts against the caller's ``routes_new_per_minute_max`` (a token bucket per
+principal, ``cluster/quota.py``, in this meta server's memory; nodes are not limited), so
+one token cannot fill etcd with keys; at most ``route_creations_max`` creations wait on
+etcd at once (the rest wait their turn), so a flood of new subjects cannot take every
+etcd round trip from registration and elections.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 
 from aetcd import exceptions as aex
 
+from cluster import security
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from cluster.quota import SubjectQuota, SubjectQuotas
 from metaserver import keyspace as ks
 from metaserver.etcd import EtcdClient
 
@@ -33,12 +41,28 @@ log = logging.getLogger("hourglass.registry")
 
 TTL_S_MIN = 2
 TTL_S_MAX = 300
+ROUTES_RATE_SETTING = "routes_new_per_minute_max"
+ANONYMOUS = "anonymous"  # the one tenant of an open cluster
+
+
+def quota_owner() -> str | None:
+    """Whom a new route counts against: the caller's principal, ``anonymous`` when security is
+    off, nobody (None) for a node certificate (a delay node routing what it fires)."""
+    p = security.caller()
+    if p is None:
+        return ANONYMOUS
+    return None if p.node else p.name
 
 
 class Registry:
-    def __init__(self, etcd: EtcdClient, *, default_ttl_s: int = 5) -> None:
+    def __init__(self, etcd: EtcdClient, *, default_ttl_s: int = 5, routes_new_per_minute_max: int = 600,
+                 route_creations_max: int = 16, clock=time.time) -> None:
         self.etcd = etcd
         self.default_ttl_s = default_ttl_s
+        self.route_quotas = SubjectQuotas(SubjectQuota(routes_new_per_minute_max, None),
+                                          rate_setting=ROUTES_RATE_SETTING, where="at the meta server")
+        self._creations = asyncio.Semaphore(route_creations_max)
+        self._clock = clock
 
     @staticmethod
     def ttl_s(ttl_ms: int, default_s: int) -> int:
@@ -161,13 +185,27 @@ class Registry:
             chosen = ks.choose_group(subject, groups)
             if chosen is None:
                 raise Unavailable("no live real-time group to route the subject to")
-            ok, resps = await self.etcd.call(lambda c: c.transaction(
-                compare=[c.transactions.version(key) == 0],
-                success=[c.transactions.put(key, chosen.name.encode())],
-                failure=[c.transactions.get(key)]))
+            owner = quota_owner()
+            if owner is not None:
+                adm = self.route_quotas.admit(owner, 1, now_ms=int(self._clock() * 1000))
+                if adm.refusal is not None:
+                    log.info("route quota: refused principal=%s subject=%s", owner, subject[:200])
+                    raise adm.refusal
+            try:
+                async with self._creations:
+                    ok, resps = await self.etcd.call(lambda c: c.transaction(
+                        compare=[c.transactions.version(key) == 0],
+                        success=[c.transactions.put(key, chosen.name.encode())],
+                        failure=[c.transactions.get(key)]))
+            except BaseException:
+                if owner is not None:
+                    self.route_quotas.refund(owner, 1)
+                raise
             name = chosen.name if ok else resps[0][0][0].decode()
             if ok:
                 log.info("routed subject=%s group=%s", subject, name)
+            elif owner is not None:
+                self.route_quotas.refund(owner, 1)  # a concurrent first use created it
         else:
             name = kv.value.decode()
         for g in groups:

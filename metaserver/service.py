@@ -12,7 +12,7 @@ import logging
 
 
 from cluster import status
-from cluster.errors import HourglassError, InvalidArgument, NotLeader, Unavailable
+from cluster.errors import HourglassError, InvalidArgument, NotLeader, QuotaExceeded, Unavailable
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from metaserver import keyspace as ks
@@ -86,12 +86,14 @@ class MetaService(mrpc.MetaServicer):
     def __init__(self, settings: MetaSettings, etcd: EtcdClient) -> None:
         self.settings = settings
         self.etcd = etcd
-        self.registry = Registry(etcd, default_ttl_s=-(-settings.node_ttl_ms // 1000))
+        self.registry = Registry(etcd, default_ttl_s=-(-settings.node_ttl_ms // 1000),
+                                 routes_new_per_minute_max=settings.routes_new_per_minute_max,
+                                 route_creations_max=settings.route_creations_max)
         self.healthy = False
         self.health_error = "not checked yet"
 
     async def _fail(self, context, e: HourglassError):
-        if isinstance(e, Unavailable) and not isinstance(e, NotLeader):
+        if isinstance(e, Unavailable) and not isinstance(e, (NotLeader, QuotaExceeded)):  # a quota is the caller's
             self.healthy, self.health_error = False, str(e)
         await status.abort(context, e)
 

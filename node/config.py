@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster import quota as Q
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
 from node.store.settings import REALTIME_DEFAULTS as R
@@ -164,6 +165,15 @@ class NodeSettings(BaseSettings):
     auto_create_subjects: bool = R.auto_create_subjects
     subjects: list[str] = []
     subjects_max: int = Field(default=R.subjects_max, ge=1)
+    # per-principal subject quotas (docs/security.md "Subject quotas"; cluster/quota.py)
+    subjects_new_per_minute_max: int = Field(default=Q.NEW_PER_MINUTE_MAX_DEFAULT, ge=1,
+                                             description="new subjects one principal may create per minute on this "
+                                                         "node (a burst of a minute's worth)")
+    subjects_owned_max: int = Field(default=Q.OWNED_MAX_DEFAULT, ge=1,
+                                    description="subjects one principal may have created on this node")
+    subjects_round_max: int = Field(default=1000, ge=1,
+                                    description="new subjects created in one round (one index-folder fsync and one "
+                                                "journal record)")
     groups_max: int = Field(default=R.groups_max, ge=1)
     pull_scan_entries_max: int = Field(default=R.pull_scan_entries_max, ge=1,
                                        description="index entries one pull may examine (tag filters skip entries)")

@@ -72,6 +72,8 @@ MODULE_TIERS = {
     "test_realtime_replication.py": "unit",
     "test_realtime_service.py": "integration",
     "test_realtime_store.py": "unit",
+    "test_subject_quota.py": "unit",
+    "test_subject_flood.py": "integration",
     "test_records.py": "unit",
     "test_replication.py": "integration",
     "test_replication_realtime.py": "integration",

@@ -31,6 +31,8 @@ EVERY_ERROR = [
     E.Overloaded("queue full"), E.DiskFull("no space left"),
     E.DiskFull("node 10.0.0.7:7001 has 999424 bytes (0.95 MiB) free on its data disk", "10.0.0.7:7001", 999424),
     E.ReplicationTimeout("no slave confirmed"),
+    E.QuotaExceeded("'orders' owns 2000 subjects on this node (subjects_owned_max=2000); 1 of 1 new subjects refused",
+                    "subjects_owned_max", "orders"),
     E.Closed("closing"), E.StorageError("broken"), E.CorruptRecord("/data/x.log", 4096, "crc mismatch"),
     E.OffsetOutOfRange(5, 0, 4, "past the end"), E.Unauthenticated("unauthenticated: unknown token"),
     E.PermissionDenied("permission denied: 'orders' may not consume subject 'pay.x'"),

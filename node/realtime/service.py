@@ -19,6 +19,13 @@
   property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
   dead-letter subject once ``max_attempts`` is reached; the handles are acked only after
   that succeeded. This path is rare: it builds the copies message by message.
+* New subjects (``node/realtime/creator.py``): the subjects of a SendBatch or Pull that the
+  store does not know are created first, in a round shared with every request that asks
+  meanwhile, on a worker thread (one fsync of ``index/`` and one subjects-journal record
+  per round), so sends to existing subjects never wait behind them. Each principal is held
+  to ``subjects_new_per_minute_max`` and ``subjects_owned_max`` (``cluster/quota.py``);
+  messages of a subject past a quota are refused (OVERLOADED, "quota exceeded: ...").
+  Nodes (a delay node's dispatch with a node certificate) count against no principal.
 * Disk (``docs/operations.md``, "Disk"): a SendBatch whose bound (``write_bytes_bound``)
   would take free space below the watermark, or that comes while the node refuses writes
   (``DiskMonitor``: a reading every ``disk_check_interval_ms`` plus what was admitted since),
@@ -41,6 +48,7 @@ import numpy as np
 from cluster import security, status
 from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, encode_extra
+from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
@@ -53,6 +61,7 @@ from node.config import NodeSettings
 from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
+from node.realtime.creator import SubjectCreator
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
@@ -64,6 +73,7 @@ log = logging.getLogger("hourglass.realtime")
 _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
 ORIGIN_ID = "hourglass.origin_id"
+ANONYMOUS = "anonymous"        # the one tenant of an open cluster (no authentication), for the quotas
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
@@ -102,9 +112,10 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
         self.store = RealtimeStore.open(settings.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
-        for s in settings.subjects:
-            self.store.create_subject(s)
+        self.store.create_subjects(settings.subjects, now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
+        self.creator = SubjectCreator(lambda: self.store, self._new_quotas(), self.clock,
+                                      round_max=settings.subjects_round_max)
         # background CRC re-checks of the message log's sealed segments (node/store/scrubtask.py)
         self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * (1 << 20)),
                                   step_bytes_max=settings.scrub_step_bytes_max,
@@ -127,6 +138,27 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             self.resolver = MetaResolver(  # delay nodes for nacks through the meta server
                 settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
 
+    def _new_quotas(self) -> SubjectQuotas:
+        """Quotas counting what the store's subjects journal says each principal owns."""
+        s = self.settings
+        return SubjectQuotas(SubjectQuota(s.subjects_new_per_minute_max, s.subjects_owned_max),
+                             self.store.owned_counts(), where="on this node")
+
+    @staticmethod
+    def _quota_owner() -> str | None:
+        """Whom a new subject of this call counts against: the caller's principal name, the
+        one anonymous tenant when security is off, nobody (None) for a node certificate."""
+        p = security.caller()
+        if p is None:
+            return ANONYMOUS
+        return None if p.node else p.name
+
+    async def _create_subjects(self, subjects) -> dict[str, HourglassError]:
+        """Create the subjects the store lacks (a shared round, off the loop); returns those refused."""
+        if not self.settings.auto_create_subjects or not self.store.missing_subjects(subjects):
+            return {}
+        return await self.creator.create(subjects, self._quota_owner())
+
     # ------------------------------------------------------------------ producer side
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
@@ -145,7 +177,10 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             # a write that would take free space below the watermark is refused whole, nothing stored
             self.disk.admit(self.store.write_bytes_bound(batch))
-            res = self._append(batch, now_ms=now, immediate=request.immediate)
+            refused = await self._create_subjects(batch.subjects)
+            if refused:
+                self.metrics.errors.labels(kind="subject_refused").inc(len(refused))
+            res = self._append(batch, now_ms=self.clock.now_ms(), immediate=request.immediate, refused=refused)
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 e = self._disk_refused(e)
@@ -186,13 +221,15 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             return self.disk.error()
         return e
 
-    def _append(self, batch: Batch, *, now_ms: int, immediate: bool) -> BatchResult:
-        """Append; without ``immediate``, messages due later are refused (they belong on a delay node)."""
+    def _append(self, batch: Batch, *, now_ms: int, immediate: bool,
+                refused: dict[str, HourglassError] | None = None) -> BatchResult:
+        """Append; without ``immediate``, messages due later are refused (they belong on a delay
+        node); messages of ``refused`` subjects (a quota) are refused with their error."""
         late = np.flatnonzero(batch.deliver_at_ms > now_ms) if not immediate else np.zeros(0, np.int64)
         if not len(late):
-            return self.store.append(batch, now_ms=now_ms)
+            return self.store.append(batch, now_ms=now_ms, refused_subjects=refused)
         keep = np.setdiff1d(np.arange(batch.n), late)
-        part = self.store.append(batch.take(keep), now_ms=now_ms)
+        part = self.store.append(batch.take(keep), now_ms=now_ms, refused_subjects=refused)
         res = BatchResult.sized(batch.n)
         res.deliver_at_ms[:] = batch.deliver_at_ms
         for name in ("codes", "seqs", "duplicates"):
@@ -251,6 +288,12 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 await status.abort(context, e)
             self.calls["ack_on_pull"] += 1
             self.metrics.acked.inc(n)
+        try:  # consumers may subscribe before the first message of a subject arrives
+            refused = await self._create_subjects(subjects)
+        except HourglassError as e:
+            await status.abort(context, e)
+        if refused:
+            await status.abort(context, next(iter(refused.values())))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
         store = self.store  # a replicated node may reopen its store (role change): stop polling then
@@ -264,8 +307,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             except UnknownSubject as e:
                 if not self.settings.auto_create_subjects or e.subject in created:
                     await status.abort(context, e)
-                try:  # consumers may subscribe before the first message of a subject arrives
-                    store.create_subject(e.subject)
+                try:  # the store was swapped (a role change) after the round above: one subject, here
+                    store.create_subject(e.subject, owner=self._quota_owner() or "", now_ms=self.clock.now_ms())
                 except HourglassError as e2:
                     await status.abort(context, e2)
                 created.add(e.subject)
@@ -398,6 +441,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 "epoch": self.store.epoch, "address": self.address, "now_ms": self.clock.now_ms(),
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
                 "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
+                "subject_rounds": self.creator.rounds, "subjects_created": self.creator.created,
                 "scrub": self.scrubber.status()}
 
     def registration_info(self) -> dict:
@@ -498,6 +542,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.committer.run(), name="group-commit"),
+                         tg.create_task(self.creator.run(), name="subjects"),
                          tg.create_task(self._flush_loop(), name="flush"),
                          tg.create_task(self._disk_loop(), name="disk"),
                          tg.create_task(self._retention_loop(), name="retention")]

@@ -12,7 +12,9 @@ Owns a data folder::
     {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py;
                                          entries.{base:020d} once retention dropped a dead prefix)
     {root}/groups/                       offsets log: group positions (node/realtime/offsets.py)
-    {root}/subjects.json                 known subjects (checkpoint.write_atomic)
+    {root}/subjects.log                  subjects journal: known subjects and their owners
+                                         (node/realtime/subjects.py; subjects.json of the old
+                                         layout is migrated into it at open)
     {root}/checkpoint                    epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
 
 Message frame: the batch as stored, every column set: ``seq`` contiguous inside the
@@ -33,8 +35,13 @@ Group document (JSON; one per changed group in each record of the offsets log)::
 
 Positions in ``[committed, next)`` not in ``pending`` were acked (or skipped by a tag
 filter), so a clean close/reopen never redelivers an acked message even when acks
-came out of order. ``subjects.json`` is ``{"subjects": [...]}``; the checkpoint is
-``{"epoch", "indexed_offset", "dedup_offset"}``.
+came out of order. The checkpoint is ``{"epoch", "indexed_offset", "dedup_offset"}``.
+
+New subjects (``subjects_plan`` / ``SubjectWork.run`` / ``subjects_finish``): a round of any
+number of new subjects costs one fsync of ``index/`` and one subjects-journal record and
+fsync, run on a worker thread by the service (``node/realtime/creator.py``) while other
+requests go on; ``append`` creates a batch's missing subjects synchronously, as one round,
+when it is called directly (tests, dead letters, a store swapped under a request).
 
 Flow (every call takes ``now_ms``; nothing here reads a clock or awaits; group documents
 are committed to the offsets log on its one writer thread, ``write_groups_async``: one
@@ -155,6 +162,7 @@ from node.realtime.index import (
 )
 from node.realtime.inflight import InflightRanges
 from node.realtime.offsets import OffsetsLog
+from node.realtime.subjects import SubjectsJournal, SubjectWork
 from node.store import checkpoint
 from node.store.diskspace import FILE_BLOCK_BYTES
 from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
@@ -376,14 +384,16 @@ class RealtimeStore:
         self._index_old_files: list[tuple[Path, Path]] = []
         self._truncations = 0
 
-        doc = checkpoint.read(root / "subjects.json") or {}
+        self._journal, self._owners = SubjectsJournal.open(root)  # subject -> who created it ("" unknown)
+        self._creating: set[str] = set()  # subjects of planned rounds not finished yet (count for subjects_max)
+        self.subject_order: list[str] = list(self._owners)  # creation order: replicas get owners in it
         reindex_from = self.indexed_offset
-        for s in doc.get("subjects", []):
+        for s in self._owners:
             rebuild = self._load_index(s)
             if rebuild is not None:
                 reindex_from = min(reindex_from, rebuild)
         if DLQ_SUBJECT not in self._subjects:
-            self._create_subject(DLQ_SUBJECT)
+            self._create_now([DLQ_SUBJECT], owner="", now_ms=now_ms)
         self._replay(reindex_from, dedup_offset, now_ms)
         for ix in self._subjects.values():  # entries written before a restart may still be held
             ix.held_until = now_ms + self.settings.visible_hold_ms_max
@@ -404,6 +414,7 @@ class RealtimeStore:
             self._close_fd(self._subjects[s])
         self._offsets.close()
         self.messages.close()
+        self._journal.close()
         self._gate.close()
         self._closed = True
 
@@ -420,6 +431,7 @@ class RealtimeStore:
                 os.close(fd)
             self._unsynced_fds = []
             self._offsets.abandon()
+            self._journal.close()
         except Exception:
             pass
 
@@ -498,15 +510,14 @@ class RealtimeStore:
                 continue
             last_seq = int(b.seq[-1])
             if off >= reindex_from:
+                missing = [s for s in b.subjects if s not in self._subjects]
+                if missing:  # a replica learns its master's new subjects from the log: one round per frame
+                    self._create_now(missing, owner="", now_ms=now_ms)
                 vis = visible_ms(b, b.store_ms, self.settings.visible_hold_ms_max, self.settings.visible_step_ms)
                 held = int(vis.max())
                 runs = frame_runs(offset=off, subject_idx=b.subject_idx, visible_ms=vis, masks=batch_tag_masks(b))
                 for k, raw in runs.items():
-                    s = b.subjects[k]
-                    ix = self._subjects.get(s)
-                    if ix is None:
-                        self._create_subject(s)
-                        ix = self._subjects[s]
+                    ix = self._subjects[b.subjects[k]]
                     if off < ix.last_offset:
                         continue
                     if off == ix.last_offset:  # a run cut short: keep the entries past the last one indexed
@@ -637,24 +648,129 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ subjects
 
-    def create_subject(self, subject: str) -> bool:
-        """Register a subject; True if it is new. ``InvalidArgument`` for a bad name."""
-        self._check_open()
-        _check_name("subject", subject, self.settings.limits.subject_bytes_max)
-        if subject in self._subjects:
-            return False
-        self._create_subject(subject)
-        return True
+    def create_subject(self, subject: str, *, owner: str = "", now_ms: int = 0) -> bool:
+        """Register a subject; True if it is new. ``InvalidArgument`` for a bad name,
+        ``Overloaded`` past ``subjects_max``."""
+        return bool(self.create_subjects([subject], owner=owner, now_ms=now_ms))
 
-    def _create_subject(self, subject: str) -> None:
-        if len(self._subjects) >= self.settings.subjects_max:
-            raise Overloaded(f"{len(self._subjects)} subjects (subjects_max={self.settings.subjects_max})")
-        self._load_index(subject)  # creates index/{subject}/entries; adopts a leftover file, cut as at open
-        fsync_dir(self.root / "index")
-        checkpoint.write_atomic(self.root / "subjects.json", {"subjects": sorted(self._subjects)})
+    def create_subjects(self, subjects: Sequence[str], *, owner: str = "", now_ms: int = 0) -> list[str]:
+        """Register subjects as one round on this thread (one index-folder fsync, one journal
+        record); returns the new ones. Raises the first refusal (nothing is created then)."""
+        self._check_open()
+        for s in subjects:
+            _check_name("subject", s, self.settings.limits.subject_bytes_max)
+        new = self.missing_subjects(subjects)
+        if new:
+            self._create_now(new, owner=owner, now_ms=now_ms)
+        return new
+
+    def _create_now(self, subjects: list[str], *, owner: str, now_ms: int) -> None:
+        work = self.subjects_plan([(s, owner) for s in subjects], now_ms=now_ms)
+        if work.refused:
+            self.subjects_abandon(work)
+            raise next(iter(work.refused.values()))
+        try:
+            work.run()
+        finally:
+            self.subjects_finish(work)
+
+    def missing_subjects(self, subjects: Iterable[str]) -> list[str]:
+        """The distinct names of ``subjects`` not known yet, in order (names not checked)."""
+        known = self._subjects
+        return [s for s in dict.fromkeys(subjects) if s not in known]
+
+    def subjects_plan(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> SubjectWork:
+        """Plan one creation round of ``(subject, owner)`` pairs: names already known or being
+        created are skipped, a bad name or one past ``subjects_max`` (counting rounds under
+        way) goes to ``work.refused``; the rest are reserved until ``subjects_finish`` or
+        ``subjects_abandon``. ``work.run`` then runs on any thread."""
+        self._check_open()
+        work = SubjectWork(self.root / "index", self._journal, [], now_ms)
+        room = self.settings.subjects_max - len(self._subjects) - len(self._creating)
+        seen: set[str] = set()
+        for s, owner in items:
+            if s in self._subjects or s in self._creating or s in seen:
+                continue
+            seen.add(s)
+            try:
+                _check_name("subject", s, self.settings.limits.subject_bytes_max)
+                if room <= 0:
+                    raise Overloaded(f"{len(self._subjects) + len(self._creating)} subjects "
+                                     f"(subjects_max={self.settings.subjects_max})")
+            except HourglassError as e:
+                work.refused[s] = e
+                continue
+            room -= 1
+            work.items.append((s, owner))
+        self._creating.update(work.names)
+        return work
+
+    def subjects_finish(self, work: SubjectWork) -> None:
+        """On the store's thread after ``work.run``: the round's subjects are known (their
+        index folders fsynced by the next checkpoint, before it vouches for their entries).
+        A round that did not finish (``run`` raised) only gives its names back."""
+        self._creating.difference_update(work.names)
+        if not work.done or self._closed:
+            return
+        index_root = self.root / "index"
+        for s, owner in work.items:
+            if s in self._subjects:
+                continue
+            if s not in self._owners:
+                self.subject_order.append(s)
+            if not self._owners.get(s):
+                self._owners[s] = owner
+            if s in work.fresh:  # the round made the folder and an empty file: nothing to repair
+                ix = SubjectIndex(s, index_path(index_root / s, 0), 0)
+                self._subjects[s] = ix
+            else:
+                self._load_index(s)  # adopts a leftover file, cut as at open
+            self._index_dirs_unsynced.add(index_root / s)
+
+    def subjects_abandon(self, work: SubjectWork) -> None:
+        """A planned round that will not run: its names are free again."""
+        self._creating.difference_update(work.names)
 
     def subjects(self) -> list[str]:
         return sorted(self._subjects)
+
+    def subject_owner(self, subject: str) -> str | None:
+        """Who created the subject ("" not known; None: no such subject)."""
+        return self._owners.get(subject) if subject in self._subjects else None
+
+    def subject_owners(self, first: int, count_max: int) -> list[tuple[str, str]]:
+        """``(subject, owner)`` of subjects ``[first, first + count_max)`` in creation order
+        (what a master ships to its replicas, ``adopt_owners``)."""
+        return [(s, self._owners.get(s, "")) for s in self.subject_order[first:first + count_max]]
+
+    def adopt_owners(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> None:
+        """A replica takes its master's subjects and owners: missing subjects are created and
+        owners it did not know are recorded, as one journal record (one fsync)."""
+        self._check_open()
+        new = [(s, o) for s, o in items if s not in self._subjects]
+        named = [(s, o) for s, o in items if o and s in self._subjects and not self._owners.get(s)]
+        if new:
+            for s, _ in new:
+                _check_name("subject", s, self.settings.limits.subject_bytes_max)
+            work = self.subjects_plan(new, now_ms=now_ms)
+            if work.refused:
+                self.subjects_abandon(work)
+                raise next(iter(work.refused.values()))
+            try:
+                work.run()
+            finally:
+                self.subjects_finish(work)
+        if named:
+            self._journal.append(named, created_ms=now_ms)
+            self._owners.update(named)
+
+    def owned_counts(self) -> dict[str, int]:
+        """Subjects per owner (owners not known, "", are left out)."""
+        out: dict[str, int] = {}
+        for s, o in self._owners.items():
+            if o and s in self._subjects:
+                out[o] = out.get(o, 0) + 1
+        return out
 
     def _index(self, subject: str) -> SubjectIndex:
         ix = self._subjects.get(subject) if isinstance(subject, str) else None
@@ -664,12 +780,14 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ append
 
-    def append(self, batch: Batch, *, now_ms: int) -> BatchResult:
+    def append(self, batch: Batch, *, now_ms: int,
+               refused_subjects: dict[str, HourglassError] | None = None) -> BatchResult:
         """Store a batch; one answer per message (see module docstring, step 1).
 
         A refused message changes nothing; the others go on. ``InvalidArgument`` for the
         whole call when the batch has more than ``batch_messages_max`` messages or more
-        bytes than one frame holds.
+        bytes than one frame holds. ``refused_subjects``: subjects the caller would not
+        create (a quota), whose messages are refused with that error instead.
         """
         self._check_open()
         limits = self.settings.limits
@@ -690,7 +808,7 @@ class RealtimeStore:
                                                                                            limits=limits)
         for i in np.flatnonzero((batch.deliver_at_ms < 0) & (codes == OK)).tolist():
             codes[i], errors[i] = INVALID_ARGUMENT, "deliver_at_ms: must not be negative"
-        self._refuse_unknown_subjects(batch, codes, errors)
+        self._refuse_unknown_subjects(batch, codes, errors, refused_subjects or {}, now_ms)
 
         ok = np.flatnonzero(codes == OK)
         sub = batch if len(ok) == n else batch.take(ok)  # ok is sorted: all of them is the batch itself
@@ -741,21 +859,35 @@ class RealtimeStore:
         return (LOG_HEADER_SIZE + encoded_bytes_max(batch) + batch.n * ENTRY_SIZE
                 + (2 + 2 * len(batch.subjects)) * FILE_BLOCK_BYTES)
 
-    def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str]) -> None:
-        """Create the batch's new subjects (when allowed); refuse the messages of the others."""
-        for k, s in enumerate(batch.subjects):
-            if s in self._subjects:
+    def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str],
+                                 refused: dict[str, HourglassError], now_ms: int) -> None:
+        """Create the batch's new subjects (when allowed) as one round; refuse the messages
+        of the others."""
+        unknown = [(k, s) for k, s in enumerate(batch.subjects) if s not in self._subjects]
+        if not unknown:
+            return
+        why: dict[int, HourglassError] = {}
+        create: list[tuple[int, str]] = []
+        for k, s in unknown:
+            if not (codes[batch.subject_idx == k] == OK).any():
                 continue
-            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
-            if not len(mine):
-                continue
+            if s in refused:
+                why[k] = refused[s]
+            elif not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
+                why[k] = UnknownSubject(s)
+            else:
+                create.append((k, s))
+        if create:
+            work = self.subjects_plan([(s, "") for _, s in create], now_ms=now_ms)
             try:
-                if not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
-                    raise UnknownSubject(s)
-                self._create_subject(s)
-            except HourglassError as e:
-                codes[mine] = status.to_code(e)
-                errors.update(dict.fromkeys(mine.tolist(), str(e)))
+                work.run()
+            finally:
+                self.subjects_finish(work)
+            why.update({k: work.refused[s] for k, s in create if s in work.refused})
+        for k, e in why.items():
+            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
+            codes[mine] = status.to_code(e)
+            errors.update(dict.fromkeys(mine.tolist(), str(e)))
 
     def _store_frame(self, stored: Batch, seqs: np.ndarray, keys: list, now_ms: int) -> None:
         """Append one frame and its index runs; remember its ids and keep it decoded for pulls."""
@@ -1398,12 +1530,10 @@ class RealtimeStore:
         self._check_open()
         items = []
         new: set[tuple[str, str]] = set()
+        self.create_subjects([doc["subject"] for doc in docs])  # one round for the ones not seen yet
         for doc in docs:
             subject, name = doc["subject"], doc["group"]
             _check_name("group", name, self.settings.limits.subject_bytes_max)
-            if subject not in self._subjects:
-                _check_name("subject", subject, self.settings.limits.subject_bytes_max)
-                self._create_subject(subject)
             if (subject, name) not in self._groups:
                 new.add((subject, name))
             if new and len(self._groups) + len(new) > self.settings.groups_max:

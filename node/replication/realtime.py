@@ -11,7 +11,11 @@ Same rules (``node/replication/core.py``) and the same shape as ``ReplicatedDela
   answer on that stream (the first answers of a stream carry all of them, paged). The
   docs are exactly what ``RealtimeStore`` commits to its offsets log (``groups/``).
   Every group commit has a store-local seq (``RealtimeStore.group_seq``); a slave's next
-  request on a stream acknowledges everything the previous answer carried.
+  request on a stream acknowledges everything the previous answer carried. It also carries
+  ``"subjects": [[name, owner], ...]``, the subjects created since the previous answer (all
+  of them first, paged by ``SUBJECT_OWNERS_MAX``), so a promoted slave counts each
+  principal's subjects as its master did (``RealtimeStore.adopt_owners``; the slave also
+  creates a subject when its first frame arrives, as replay does).
 * **sync ack mode** - SendBatch answers once every slave holds the bytes (byte offset,
   ``SyncTracker``); Ack (and Nack) answers once every slave holds the group document that
   records it (group seq, a second ``SyncTracker``). No live slave, or a timeout: the
@@ -53,6 +57,7 @@ log = logging.getLogger("hourglass.replication.realtime")
 
 LOG = "messages"
 GROUP_DOCS_BYTES_MAX = 512 * 1024   # group documents one FetchResponse carries (the rest follow)
+SUBJECT_OWNERS_MAX = 2000           # (subject, owner) pairs one FetchResponse carries (the rest follow)
 ROLE = "realtime"
 
 
@@ -153,10 +158,10 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
 
     async def Replicate(self, request_iterator, context):
         store: RealtimeStore | None = None
-        sent_seq, backlog, complete = -1, [], None
+        sent_seq, backlog, complete, sent_subjects = -1, [], None, 0
         async for req in request_iterator:
             if self.store is not store:  # (re)opened: group seqs start again, send every document
-                store, sent_seq, backlog, complete = self.store, -1, [], None
+                store, sent_seq, backlog, complete, sent_subjects = self.store, -1, [], None, 0
             base, early = await self._fetch_preamble(req, context, {LOG: store.messages})
             if early is not None:
                 yield early
@@ -166,9 +171,13 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
             self._release("bytes", self.tracker.on_fetch(req.node_id, req.offset, now))
             if complete is not None:  # this request says the previous answer's documents are written
                 self._release("groups", self.gtracker.on_fetch(req.node_id, complete, now))
-            await self._wait_for_change(req, lg, idle=not backlog and store.group_seq == sent_seq)
+            await self._wait_for_change(req, lg, idle=not backlog and store.group_seq == sent_seq
+                                        and sent_subjects == len(store.subject_order))
             if self.store is not store:
                 await self._not_master(context)
+            # subjects and their owners first (a subject is created before its first frame is appended)
+            owners = store.subject_owners(sent_subjects, SUBJECT_OWNERS_MAX)
+            sent_subjects += len(owners)
             data = b""
             if req.offset < lg.end_offset:
                 data = lg.read_bytes(req.offset, min(req.max_bytes or (1 << 20), self.settings.replication_chunk_bytes))
@@ -186,8 +195,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
                 docs.append(text)
                 size += len(text)
             sent_seq, complete = upto, (upto if not backlog else None)
+            doc = {}
+            if docs:
+                doc["groups"] = "[" + ", ".join(docs) + "]"
+            if owners:
+                doc["subjects"] = json.dumps(owners)
             yield pb.FetchResponse(**dict(base, end_offset=lg.end_offset, data=data,
-                                          checkpoint='{"groups": [' + ", ".join(docs) + "]}" if docs else ""))
+                                          checkpoint="{" + ", ".join(f'"{k}": {v}' for k, v in doc.items()) + "}"
+                                          if doc else ""))
 
     # ------------------------------------------------------------------ slave side
 
@@ -199,7 +214,10 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
 
     def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
         if resp.checkpoint:  # one fsynced offsets record, acknowledged by the next fetch
-            self.store.apply_group_docs(json.loads(resp.checkpoint).get("groups", []))
+            doc = json.loads(resp.checkpoint)
+            if doc.get("subjects"):  # who created which subject: the quotas count it after a promotion
+                self.store.adopt_owners([(s, o) for s, o in doc["subjects"]], now_ms=self.clock.now_ms())
+            self.store.apply_group_docs(doc.get("groups", []))
         self._caught_up(resp.end_offset, self.store.messages.end_offset)
 
     def _retention_slave_holds(self) -> dict[str, int] | None:
@@ -215,6 +233,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
     async def _master_tasks(self) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.committer.run(), name="group-commit")
+            tg.create_task(self.creator.run(), name="subjects")
             tg.create_task(self._flush_loop(), name="flush")
             tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
             tg.create_task(self._disk_loop(), name="disk")
@@ -231,6 +250,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
                                         now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
+        self.creator.quotas = self._new_quotas()  # what this store's journal says each principal owns
         for waiting in self._new_data.values():
             for ev in waiting:
                 ev.set()  # long polls re-check (and answer NOT_LEADER on a slave)

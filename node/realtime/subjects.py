@@ -1,0 +1,198 @@
+"""The real-time node's subjects journal: which subjects exist, and who created each.
+
+A new subject used to cost a rewrite of the whole ``subjects.json`` and two folder fsyncs,
+on the event loop, one subject at a time (issue 27: 300 new subjects took 15 s, and every
+other send waited behind them). Now the new subjects of a request, and of the requests that
+arrive while a creation round runs, are created together (``SubjectWork``): one ``mkdir`` and
+one empty index file per subject, **one** fsync of ``index/``, **one** appended journal record
+and **one** fsync of the journal, on a worker thread.
+
+File ``{root}/subjects.log``, append-only, one record per creation round, one line each::
+
+    {crc32:08x} {json}\\n      json = {"ms": created_ms, "subjects": [[name, owner], ...]}
+
+``crc32`` is ``zlib.crc32`` of the JSON bytes (lower-case hex). ``owner`` is the name of the
+principal that created the subject (the token's name, ``anonymous`` on an open cluster);
+``""`` when not known (a folder of the old layout, the dead-letter subject, subjects
+configured with ``HOURGLASS_SUBJECTS``, a replica that saw the subject in its master's log
+before the owner came, ``RealtimeStore.adopt_owners``). A subject named twice keeps the first
+owner that is not ``""``.
+
+Reading (``parse``): a last line with no newline, or a last line that fails its CRC, is a
+torn tail (a crash during the append: that round was never acknowledged) and is cut at
+open; a line that fails its CRC before the last one is ``CorruptRecord(path, offset)``.
+
+Old layout: ``subjects.json`` (a checkpoint file, ``{"subjects": [...]}``) is read too; at
+open its subjects not in the journal are appended as one record (owner ``""``), fsynced,
+then the file is deleted (a crash in between reads both: the union is the same).
+
+Invariants: a subject is in the journal, fsynced, before any message of it is appended
+(the service awaits the creation round before it appends; ``RealtimeStore.append`` creates
+synchronously when called directly), so an acknowledged message's subject survives a
+crash. Index files of a round need no fsync of their own folder: a missing or empty index
+file is rebuilt by replay, and the checkpoint that stops replay below their entries fsyncs
+those folders first (``RealtimeStore._plan_index_dirs``).
+
+Example::
+
+    j, owners = SubjectsJournal.open(root)            # {"orders": "orders-service", ...}
+    work = SubjectWork(root / "index", j, [("a", "t1"), ("b", "t1")], created_ms=now)
+    work.run()                                        # worker thread: 2 mkdirs, 2 fsyncs in all
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.errors import CorruptRecord
+from node.realtime.index import ENTRIES_FILE
+from node.store import checkpoint
+from node.store.log import fsync_dir
+
+log = logging.getLogger("hourglass.realtime.subjects")
+
+JOURNAL_NAME = "subjects.log"
+LEGACY_NAME = "subjects.json"
+RECORD_BYTES_MAX = 4 << 20  # one creation round: subjects_batch_max names of <= 255 bytes and their owners
+
+
+def encode_record(items: list[tuple[str, str]], *, created_ms: int) -> bytes:
+    """One journal line for ``(subject, owner)`` pairs."""
+    body = json.dumps({"ms": int(created_ms), "subjects": [[s, o] for s, o in items]},
+                      separators=(",", ":"), ensure_ascii=True).encode()
+    return b"%08x %s\n" % (zlib.crc32(body), body)
+
+
+def parse(data: bytes, path: str = "subjects.log") -> tuple[dict[str, str], int]:
+    """``(owners, good_bytes)`` of a journal's bytes: subject -> owner of its first record,
+    and the length of the readable prefix (a torn tail past it). ``CorruptRecord`` for a
+    damaged line that is not the last one."""
+    owners: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            return owners, pos  # torn: the append of the last round did not finish
+        line = data[pos:nl]
+        items = _decode_line(line)
+        if items is None:
+            if nl + 1 >= len(data):
+                return owners, pos  # the last line is damaged: torn tail
+            raise CorruptRecord(path, pos, "subjects journal record fails its CRC")
+        for s, o in items:
+            if not owners.get(s):
+                owners[s] = o
+        pos = nl + 1
+    return owners, pos
+
+
+def _decode_line(line: bytes) -> list[tuple[str, str]] | None:
+    if len(line) < 10 or line[8:9] != b" ":
+        return None
+    body = line[9:]
+    try:
+        if int(line[:8], 16) != zlib.crc32(body):
+            return None
+        doc = json.loads(body)
+        return [(str(s), str(o)) for s, o in doc["subjects"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class SubjectsJournal:
+    """The open journal file. ``append`` may run on any thread (one record at a time)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+        self._lock = threading.Lock()
+        self.records = 0  # appended by this process
+
+    @classmethod
+    def open(cls, root: Path) -> tuple["SubjectsJournal", dict[str, str]]:
+        """Read (and repair) the journal, migrate ``subjects.json``; returns the journal and
+        subject -> owner."""
+        path = root / JOURNAL_NAME
+        existed = path.exists()
+        data = path.read_bytes() if existed else b""
+        owners, good = parse(data, str(path))
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        j = cls(path, fd)
+        if good < len(data):
+            os.ftruncate(fd, good)
+            os.fsync(fd)
+            log.warning("subjects journal torn tail cut path=%s offset=%d bytes_dropped=%d", path, good,
+                        len(data) - good)
+        if not existed:
+            fsync_dir(root)
+        legacy = root / LEGACY_NAME
+        doc = checkpoint.read(legacy)
+        if doc is not None:
+            old = [s for s in doc.get("subjects", []) if s not in owners]
+            if old:
+                j.append([(s, "") for s in old], created_ms=0)
+                owners.update(dict.fromkeys(old, ""))
+            legacy.unlink()
+            fsync_dir(root)
+            log.warning("subjects.json migrated to the subjects journal path=%s subjects=%d", path, len(old))
+        return j, owners
+
+    def append(self, items: list[tuple[str, str]], *, created_ms: int) -> None:
+        """Append one record and fsync it."""
+        line = encode_record(items, created_ms=created_ms)
+        if len(line) > RECORD_BYTES_MAX:
+            raise ValueError(f"subjects journal record of {len(line)} bytes exceeds {RECORD_BYTES_MAX}")
+        with self._lock:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+            self.records += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+@dataclass(slots=True)
+class SubjectWork:
+    """One creation round, planned on the store's thread (``RealtimeStore.subjects_plan``),
+    ``run`` on a worker thread, then ``RealtimeStore.subjects_finish`` on the store's thread."""
+
+    index_root: Path
+    journal: SubjectsJournal
+    items: list[tuple[str, str]]           # (subject, owner) to create, in request order
+    created_ms: int
+    refused: dict[str, Exception] = field(default_factory=dict)  # subject -> why not (subjects_max)
+    fresh: set[str] = field(default_factory=set)  # folders this round made: their index is empty
+    done: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [s for s, _ in self.items]
+
+    def run(self) -> None:
+        """Any thread: make each subject's folder and empty index file, fsync ``index/`` once,
+        append and fsync one journal record."""
+        if not self.items:
+            self.done = True
+            return
+        for s, _ in self.items:
+            d = self.index_root / s
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # a leftover folder: RealtimeStore._load_index adopts what it holds
+            os.close(os.open(d / ENTRIES_FILE, os.O_WRONLY | os.O_CREAT, 0o644))
+            self.fresh.add(s)
+        fsync_dir(self.index_root)
+        self.journal.append(self.items, created_ms=self.created_ms)
+        self.done = True
