@@ -447,8 +447,14 @@ def test_terms_that_alternate_lose_nothing_acknowledged(tmp_path, seed):
     epoch_next = 10
 
     def answer():
-        for name in ("messages", "dispatch"):
-            ship(master, slave, name)
+        if rnd.random() < 0.2:  # a slave catching up: one chunk of the message log, not all of it
+            lg, dst = master.messages, slave.messages
+            if dst.end_offset < lg.end_offset:
+                dst.append_raw(dst.end_offset, lg.read_bytes(dst.end_offset, rnd.randint(1, 600)))
+                dst.flush()
+        else:
+            for name in ("messages", "dispatch"):
+                ship(master, slave, name)
         slave.appended()
         slave.follow(master.replication_doc())
 
@@ -472,6 +478,7 @@ def test_terms_that_alternate_lose_nothing_acknowledged(tmp_path, seed):
                 master.flush_messages()
                 if rnd.random() < 0.7:  # sync mode: answered OK once the slave holds the bytes
                     answer()
+                if slave.messages.end_offset >= master.messages.end_offset:
                     for i, code in zip(ids, res.codes.tolist()):
                         if code == 0:
                             acked[i] = unacked.pop(i)
@@ -486,6 +493,7 @@ def test_terms_that_alternate_lose_nothing_acknowledged(tmp_path, seed):
                     master.flush_messages()
                     if rnd.random() < 0.7:
                         answer()
+                    if slave.messages.end_offset >= master.messages.end_offset:
                         cancel_acked.setdefault(victim, now)
             if rnd.random() < 0.8:
                 master.iterate(limit=None)
@@ -536,3 +544,50 @@ def test_terms_that_alternate_lose_nothing_acknowledged(tmp_path, seed):
     assert not late, f"seed {seed}: delivered after an acknowledged cancel: {late[:5]}"
     master.close()
     slave.close()
+
+
+def test_a_tick_state_is_taken_only_with_the_bytes_it_rests_on(tmp_path):
+    """Chaos meta-pause seed 7 (issue 26): the master cancelled a message (its tombstone not
+    replicated yet, so the cancel was never acknowledged) and its checkpoint passed the
+    message's time. A slave catching up after a restart took that tick state with the first
+    chunk of bytes, before it held the tombstone; the master died, the slave was promoted and
+    took the message for delivered. A slave now takes a tick state only once it holds the
+    master's log up to where it was when the state was taken."""
+    now = T0
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    b.follow()
+    accept_durable(a, "m", 2, now + 1500, now)
+    a.iterate(limit=None)
+    a.checkpoint()
+    replicate(a, b)  # b files them where the master did
+    before_cancel = a.messages.end_offset
+    a.cancel("m0", now_ms=now + 100)
+    a.flush_messages()
+    while now < T0 + 3000:  # the master moves past the message it cancelled
+        now += 100
+        a.iterate(limit=None)
+        for d in a.poll_due(now_ms=now):
+            a.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+        a.checkpoint()
+    assert a.replication_doc()["completed_ms"] > T0 + 1500
+    # b catches up in chunks: the answer that carries the tick state ends before the tombstone
+    while b.messages.end_offset < before_cancel:
+        data = a.messages.read_bytes(b.messages.end_offset, before_cancel - b.messages.end_offset)
+        b.messages.append_raw(b.messages.end_offset, data)
+    b.messages.flush()
+    ship(a, b, "dispatch")
+    b.appended()
+    b.follow(a.replication_doc())
+    a.close()  # the master dies; its cancel was never acknowledged
+    now += 100
+    b.promote(now, store_epoch=a.epoch + 1)
+    got = []
+    for _ in range(30):
+        now += 100
+        b.iterate(limit=None)
+        for d in b.poll_due(now_ms=now):
+            got += d.batch.id_list()
+            b.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    assert "m0" in got  # acknowledged, and its cancel never was: it must be delivered
+    b.close()
