@@ -591,3 +591,35 @@ def test_a_tick_state_is_taken_only_with_the_bytes_it_rests_on(tmp_path):
             b.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
     assert "m0" in got  # acknowledged, and its cancel never was: it must be delivered
     b.close()
+
+
+def test_a_cut_tombstone_brings_the_replicated_tick_state_back_below_its_message(tmp_path):
+    """The tick state a slave took from a master that then lost its term may rest on a
+    tombstone of the suffix the new master never had; when that suffix is cut, the message
+    (before the cut) is due again at a promotion."""
+    now = T0
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    b.follow()
+    accept_durable(a, "m", 2, now + 1500, now)
+    a.iterate(limit=None)
+    a.checkpoint()
+    replicate(a, b)
+    cut = a.messages.end_offset
+    a.cancel("m0", now_ms=now + 100)
+    a.flush_messages()
+    while now < T0 + 3000:
+        now += 100
+        a.iterate(limit=None)
+        for d in a.poll_due(now_ms=now):
+            a.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+        a.checkpoint()
+    replicate(a, b)                       # b holds the tombstone and the tick state past m0
+    assert b.replicated["completed_ms"] > T0 + 1500
+    b.truncate_messages(cut)              # the new master never had the tombstone
+    assert b.replicated["completed_ms"] <= T0 + 1500
+    b.close()
+    again = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    assert int(again.replicated["completed_ms"]) <= T0 + 1500  # persisted
+    again.close()
+    a.close()
