@@ -57,6 +57,7 @@ MODULE_TIERS = {
     "test_e2e.py": "integration",
     "test_election.py": "integration",
     "test_etcd_client.py": "unit",
+    "test_etcd_isolation.py": "integration",
     "test_failover_store.py": "integration",  # seeded runs: minutes
     "test_healing.py": "integration",
     "test_heal_missing.py": "unit",
