@@ -44,6 +44,7 @@ MODULE_TIERS = {
     "test_cli.py": "integration",
     "test_cli_dev.py": "integration",
     "test_cli_verify.py": "integration",
+    "test_certs_trust.py": "unit",
     "test_aio.py": "unit",
     "test_client.py": "integration",
     "test_consumer_health.py": "integration",
