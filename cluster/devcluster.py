@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.certs import dev_security
+from cluster.certs import ETCD_MEMBER_PREFIX, dev_security
 from cluster.errors import Unavailable
 from cluster.etcdproc import EtcdCluster, EtcdFiles
 from cluster.files import DATA_DIR_MODE, DATA_MODE, write_secret
@@ -185,8 +185,10 @@ class LocalCluster:
         self.etcd = None
         self.etcd_endpoints = list(etcd_endpoints or [])
         if n_meta and not self.etcd_endpoints:
-            # secure: etcd serves mutual TLS too (client and peer), with the nodes' certificate
-            etcd_tls = EtcdFiles(self.security.ca, self.security.node_cert, self.security.node_key) \
+            # secure: etcd serves mutual TLS too (client and peer) on its own CA: only the meta
+            # servers' etcd-client certificate opens it, never a node's or a client's
+            etcd_tls = EtcdFiles(self.security.etcd_ca, self.security.etcd_member_cert,
+                                 self.security.etcd_member_key, peer_cn=ETCD_MEMBER_PREFIX + "dev") \
                 if self.security else None
             self.etcd = EtcdCluster(self.root / "etcd", members=etcd_members, tls=etcd_tls)
             self.etcd_endpoints = self.etcd.endpoints
@@ -197,9 +199,7 @@ class LocalCluster:
 
         meta_env = dict(self.env)
         if self.security is not None and self.etcd is not None:
-            meta_env.update({"HOURGLASS_META_ETCD_CA_FILE": str(self.security.ca),
-                             "HOURGLASS_META_ETCD_CERT_FILE": str(self.security.node_cert),
-                             "HOURGLASS_META_ETCD_KEY_FILE": str(self.security.node_key)})
+            meta_env.update(self.security.meta_etcd_env())
         self.meta = [MetaProcess(f"meta-{i + 1}", "meta", self.root / f"meta-{i + 1}", free_port(), dict(meta_env),
                                  etcd_endpoints=self.etcd_endpoints, **place(f"meta-{i + 1}"))
                      for i in range(n_meta)]

@@ -51,18 +51,23 @@ ELECTION_MS = 500
 
 @dataclass(frozen=True)
 class EtcdFiles:
-    """Mutual TLS for clients and peers: the CA, and the certificate and key every member
-    serves with (and shows its peers). A client must show a certificate of the same CA."""
+    """Mutual TLS for clients and peers: etcd's own CA (``hourglass certs`` etcd CA: no node or
+    client certificate of the cluster is signed by it), and the certificate and key every
+    member serves with (and shows its peers). A client must show a certificate of that CA;
+    with ``peer_cn`` a peer must also carry that common name (a meta server's etcd-client
+    certificate cannot join as a member)."""
 
     ca: Path
     cert: Path
     key: Path
+    peer_cn: str | None = None
 
     def args(self) -> list[str]:
         return ["--cert-file", str(self.cert), "--key-file", str(self.key), "--trusted-ca-file", str(self.ca),
                 "--client-cert-auth",
                 "--peer-cert-file", str(self.cert), "--peer-key-file", str(self.key),
-                "--peer-trusted-ca-file", str(self.ca), "--peer-client-cert-auth"]
+                "--peer-trusted-ca-file", str(self.ca), "--peer-client-cert-auth",
+                *(["--peer-cert-allowed-cn", self.peer_cn] if self.peer_cn else [])]
 
     def ssl_context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=str(self.ca))

@@ -10,12 +10,17 @@ says *who* it is and what it may do: ``produce`` / ``consume`` / ``cancel`` on s
 patterns (consume per group) and ``admin``. Tokens are stored as SHA-256 digests in the
 auth file, compared in constant time, and never logged.
 
+Clients may hold certificates of a **client CA** of their own (``HOURGLASS_TLS_CLIENT_CA_FILE``
+on the servers, trusted beside the node CA for callers only): a certificate that CA signed is
+a client whatever its common name, so whoever issues client certificates cannot make a node.
+
 This module is pure policy plus the grpc glue of both ends:
 
 * ``SecuritySettings``: file paths from ``HOURGLASS_TLS_*`` / ``HOURGLASS_AUTH_FILE`` /
   ``HOURGLASS_TOKEN[_FILE]``, read by every server, the SDK and the CLI;
-* ``TlsFiles``: the CA, certificate and key, read again when they change on disk (checked at
-  most every ``reload_check_ms``): new handshakes use the new files, nothing restarts;
+* ``TlsFiles``: the CA, certificate and key (and a server's client CA), read again when they
+  change on disk (checked at most every ``reload_check_ms``): new handshakes use the new files,
+  nothing restarts;
 * ``AuthTable``: tokens -> ``Principal`` with grants; ``Principal.may(action, subject, group)``;
 * ``Authenticator``: the server interceptor (who is calling, may they call this method);
   servicers check subjects with ``require(context, action, subjects, group)``.
@@ -36,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from prometheus_client import Counter
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -71,6 +78,9 @@ class SecuritySettings(BaseSettings):
     tls_key_file: Path | None = None
     tls_server_name: str | None = Field(default=None, description="name to check in server certificates "
                                                                   "(default: the host dialled)")
+    tls_client_ca_file: Path | None = Field(default=None,
+                                            description="servers: a CA whose certificates are accepted from callers "
+                                                        "as clients only (never as nodes, whatever their name)")
     auth_file: Path | None = Field(default=None, description="servers: tokens (SHA-256) and their grants")
     token: SecretStr | None = None
     token_file: Path | None = None
@@ -98,7 +108,7 @@ class SecuritySettings(BaseSettings):
 
     def files(self) -> "TlsFiles":
         return TlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file,
-                        check_every_s=self.reload_check_ms / 1000)
+                        check_every_s=self.reload_check_ms / 1000, client_ca=self.tls_client_ca_file)
 
 
 def all_or_none(settings, prefix: str, fields: tuple[str, ...], message: str) -> None:
@@ -120,16 +130,18 @@ def load_settings(**overrides) -> SecuritySettings:
 
 
 class TlsFiles:
-    """The CA, certificate and key files of one process, read again when one of them
-    changes (mtime or size), at most every ``check_every_s``."""
+    """The CA, certificate and key files of one process (and, for a server, the client CA),
+    read again when one of them changes (mtime or size), at most every ``check_every_s``."""
 
-    def __init__(self, ca: Path, cert: Path, key: Path, *, check_every_s: float = 1.0) -> None:
-        self.paths = (Path(ca), Path(cert), Path(key))
+    def __init__(self, ca: Path, cert: Path, key: Path, *, check_every_s: float = 1.0,
+                 client_ca: Path | None = None) -> None:
+        self.paths = (Path(ca), Path(cert), Path(key)) + ((Path(client_ca),) if client_ca is not None else ())
         self.check_every_s = check_every_s
         self._stamp: tuple | None = None
         self._checked = 0.0
         self.generation = 0
-        self.ca = self.cert = self.key = b""
+        self.ca = self.cert = self.key = self.client_ca = b""
+        self.client_cas: list[x509.Certificate] = []
         self.refresh(force=True)
 
     def _stamps(self) -> tuple:
@@ -150,9 +162,10 @@ class TlsFiles:
             stamp = self._stamps()
             if stamp == self._stamp:
                 return False
-            ca, cert, key = (p.read_bytes() for p in self.paths)
-            if not (b"-----BEGIN" in ca and b"-----BEGIN" in cert and b"-----BEGIN" in key):
+            ca, cert, key, *client_ca = (p.read_bytes() for p in self.paths)
+            if not all(b"-----BEGIN" in f for f in (ca, cert, key, *client_ca)):
                 raise ValueError("not PEM")
+            client_cas = x509.load_pem_x509_certificates(client_ca[0]) if client_ca else []
         except (OSError, ValueError) as e:
             if force:
                 raise InvalidArgument("tls", f"cannot read TLS files {', '.join(map(str, self.paths))}: "
@@ -160,6 +173,7 @@ class TlsFiles:
             log.warning("TLS files changed but cannot be read (%s); keeping the ones loaded", e)
             return False
         self.ca, self.cert, self.key, self._stamp = ca, cert, key, stamp
+        self.client_ca, self.client_cas = (client_ca[0] if client_ca else b""), client_cas
         self.generation += 1
         if not force:
             log.info("TLS files reloaded (generation %d)", self.generation)
@@ -168,12 +182,30 @@ class TlsFiles:
     def server_credentials(self) -> grpc.ServerCredentials:
         """Mutual TLS: the server's certificate, and a client certificate signed by the CA
         required of every caller. New handshakes pick up changed files."""
-        def config():
-            return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=self.ca)
+        def config():  # callers: nodes (the node CA) and clients (the node CA or the client CA)
+            roots = self.ca if not self.client_ca else self.ca.rstrip(b"\n") + b"\n" + self.client_ca
+            return grpc.ssl_server_certificate_configuration([(self.key, self.cert)], root_certificates=roots)
 
         def fetch():
             return config() if self.refresh() else None
         return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=True)
+
+    def signed_by_client_ca(self, pem: bytes) -> bool:
+        """True when the certificate ``pem`` was issued by a certificate of the client CA file
+        (signature checked, not only the issuer's name)."""
+        if not self.client_cas or not pem:
+            return False
+        try:
+            cert = x509.load_pem_x509_certificate(pem)
+        except ValueError:
+            return False
+        for ca in self.client_cas:
+            try:
+                cert.verify_directly_issued_by(ca)
+                return True
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+        return False
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
@@ -474,10 +506,27 @@ def _bearer(metadata) -> str | None:
 
 class Authenticator(grpc.aio.ServerInterceptor):
     """Who is calling (a node certificate, or a client certificate with a token) and may
-    they call this method at all. Subject checks happen in the servicers (``require``)."""
+    they call this method at all. Subject checks happen in the servicers (``require``).
+    With ``files`` holding a client CA, a ``node:`` certificate that CA signed is a client."""
 
-    def __init__(self, table: AuthTable) -> None:
+    def __init__(self, table: AuthTable, files: TlsFiles | None = None) -> None:
         self.table = table
+        self.files = files
+        self._client_ca_verdicts: dict[tuple[int, bytes], bool] = {}  # (CA generation, PEM) -> signed by it
+
+    def _claims_node_falsely(self, auth) -> bool:
+        """A ``node:`` certificate issued by the client CA (cached per certificate and CA generation)."""
+        if self.files is None or not self.files.client_cas:
+            return False
+        pem = (auth.get("x509_pem_cert") or [b""])[0]
+        key = (self.files.generation, pem)
+        verdict = self._client_ca_verdicts.get(key)
+        if verdict is None:
+            verdict = self.files.signed_by_client_ca(pem)
+            if len(self._client_ca_verdicts) >= DECISIONS_MAX:
+                self._client_ca_verdicts.clear()
+            self._client_ca_verdicts[key] = verdict
+        return verdict
 
     def identify(self, context) -> Principal:
         auth = context.auth_context()
@@ -487,7 +536,9 @@ class Authenticator(grpc.aio.ServerInterceptor):
                          "unauthenticated: no client certificate")
         cn = names[0]
         if cn.startswith(NODE_PREFIX):
-            return Principal(cn, node=True)
+            if not self._claims_node_falsely(auth):
+                return Principal(cn, node=True)
+            log.warning("a certificate of the client CA claims to be a node (%s): treated as a client", cn[:200])
         token = _bearer(context.invocation_metadata())
         if token is None:
             p = self.table.by_certificate(cn)  # a client certificate the auth file lists: its own identity
@@ -578,7 +629,7 @@ class ServerSecurity:
         return self.files is not None
 
     def interceptors(self) -> list:
-        return [Authenticator(self.table)] if self.table is not None else []
+        return [Authenticator(self.table, self.files)] if self.table is not None else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.files is None:
@@ -594,7 +645,8 @@ def open_warning(what: str) -> str:
 def env_for(settings: SecuritySettings) -> dict[str, str]:
     """The ``HOURGLASS_*`` variables that give a child process these settings."""
     out = {}
-    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name", "auth_file", "token_file"):
+    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_server_name",
+                 "auth_file", "token_file"):
         v = getattr(settings, name)
         if v is not None:
             out[f"HOURGLASS_{name.upper()}"] = str(v)

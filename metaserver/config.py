@@ -34,6 +34,13 @@ class MetaSettings(BaseSettings):
     health_check_interval_ms: int = Field(default=1000, ge=100)
     ready_file: Path | None = None
     log_level: str = "INFO"
+    # the /metrics endpoint (docs/operations.md "Metrics endpoint"): off unless metrics_port is set;
+    # where it listens (the chart: the pod IP), optionally HTTPS and a bearer token
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; 0 = free one")
+    metrics_host: str = Field(default="127.0.0.1", description="address the metrics endpoint binds")
+    metrics_tls_cert_file: Path | None = None
+    metrics_tls_key_file: Path | None = None
+    metrics_token_file: Path | None = Field(default=None, description="scrapes must send this bearer token")
 
     @model_validator(mode="after")
     def _etcd_tls_all_or_none(self) -> "MetaSettings":

@@ -13,6 +13,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.metricsserver import MetricsEndpoint
 from cluster.process import write_ready_file
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.security import ServerSecurity, TlsFiles, open_warning
@@ -20,6 +21,7 @@ from cluster.transport import CHANNEL_OPTIONS, add_probe_server, listen
 from cluster.wire import UndecodableRequests
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
+from metaserver.metrics import MetaMetrics
 from metaserver.service import MetaService
 
 log = logging.getLogger("hourglass.meta")
@@ -30,6 +32,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
         if settings.etcd_ca_file else None
     etcd = EtcdClient(settings.etcd_endpoints, timeout_s=settings.etcd_timeout_ms / 1000, tls=tls)
     service = MetaService(settings, etcd)
+    metrics = MetaMetrics(lambda: service.healthy)
     security = ServerSecurity.from_settings()  # HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE (docs/security.md)
     server = grpc.aio.server(options=[o for o in CHANNEL_OPTIONS if "max_" in o[0]] + [("grpc.so_reuseport", 0)],
                              interceptors=[*security.interceptors(),
@@ -45,6 +48,8 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
     await server.start()
     server = await add_probe_server(server, settings.host, settings.health_port, probes)
     address = settings.advertise or f"{settings.host}:{port}"
+    metrics.start(MetricsEndpoint(settings.metrics_host, settings.metrics_port, settings.metrics_tls_cert_file,
+                                  settings.metrics_tls_key_file, settings.metrics_token_file))
     try:
         async with asyncio.TaskGroup() as tg:
             checks = tg.create_task(service.health_loop(), name="health")
@@ -59,6 +64,7 @@ async def run(settings: MetaSettings, stop: asyncio.Event, *, on_ready=None) -> 
             mirror.cancel()
     finally:
         await server.stop(grace=None)
+        metrics.stop()
         await etcd.close()
         log.info("meta server stopped address=%s", address)
 

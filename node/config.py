@@ -39,6 +39,12 @@ class NodeSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="gRPC port; 0 = pick a free one")
     metrics_port: int | None = Field(default=None, ge=0, le=65535, description="Prometheus port; 0 = free one")
+    # the /metrics endpoint (docs/operations.md "Metrics endpoint"): where it listens (the chart: the
+    # pod IP), and optionally HTTPS and a bearer token (off by default)
+    metrics_host: str = Field(default="127.0.0.1", description="address the metrics endpoint binds")
+    metrics_tls_cert_file: Path | None = None
+    metrics_tls_key_file: Path | None = None
+    metrics_token_file: Path | None = Field(default=None, description="scrapes must send this bearer token")
     health_port: int | None = Field(default=None, ge=0, le=65535,
                                     description="plaintext grpc.health.v1 only, for Kubernetes probes (TLS on `port`)")
     advertise: str | None = None  # address others use to reach this node (default host:port)

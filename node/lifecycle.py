@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from cluster.metricsserver import MetricsEndpoint
 from node.aio import StallWatch, trim_memory_loop, tune_gc
 from node.registration import Registrar
 
@@ -30,7 +31,8 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
     if settings.loop_stall_report_ms:
         watch = StallWatch(settings.loop_stall_report_ms, log, histogram=node.metrics.loop_stall)
         tasks.append(tg.create_task(watch.run(), name="stall-watch"))
-    node.metrics.start(settings.metrics_port)
+    node.metrics.start(MetricsEndpoint(settings.metrics_host, settings.metrics_port, settings.metrics_tls_cert_file,
+                                       settings.metrics_tls_key_file, settings.metrics_token_file))
     tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
     if gc_tuned:
         tune_gc()

@@ -7,8 +7,9 @@ import logging
 
 import numpy as np
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cluster.metricsserver import MetricsEndpoint, MetricsServer
 from cluster.security import REFUSALS
 
 log = logging.getLogger("hourglass.metrics")
@@ -148,16 +149,12 @@ class NodeMetrics:
         for name, (why, age) in ages_s.items():
             self.retention_held_age.labels(log=name, held_by=why or "nothing").set(max(0.0, age))
 
-    def start(self, port: int | None) -> None:
-        if port is None:
-            return
-        server, _thread = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        self._server = server
-        self.port = server.server_port
-        log.info("metrics endpoint port=%d", self.port)
+    def start(self, endpoint: MetricsEndpoint) -> None:
+        """Serve /metrics at ``endpoint`` (nothing when it has no port)."""
+        self._server = MetricsServer.start(self.registry, endpoint)
+        self.port = self._server.port if self._server is not None else None
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
             self._server = None

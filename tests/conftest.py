@@ -44,6 +44,7 @@ MODULE_TIERS = {
     "test_cli.py": "integration",
     "test_cli_dev.py": "integration",
     "test_cli_verify.py": "integration",
+    "test_certs_trust.py": "unit",
     "test_aio.py": "unit",
     "test_client.py": "integration",
     "test_consumer_health.py": "integration",
@@ -57,6 +58,7 @@ MODULE_TIERS = {
     "test_e2e.py": "integration",
     "test_election.py": "integration",
     "test_etcd_client.py": "unit",
+    "test_etcd_isolation.py": "integration",
     "test_failover_store.py": "integration",  # seeded runs: minutes
     "test_file_modes.py": "unit",
     "test_healing.py": "integration",
@@ -67,6 +69,7 @@ MODULE_TIERS = {
     "test_image.py": "slow",
     "test_log.py": "unit",
     "test_metaserver.py": "integration",
+    "test_metrics_endpoint.py": "integration",
     "test_realtime_inflight.py": "unit",
     "test_realtime_offsets.py": "unit",
     "test_realtime_replication.py": "unit",

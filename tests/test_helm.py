@@ -134,13 +134,18 @@ def test_default_install(helm):
     assert env["HOURGLASS_ACK_MODE"] == "async"
     assert env["HOURGLASS_REPLICATED"] == "true"  # master chosen by election, not by pod name
     assert env["HOURGLASS_DATA_DIR"] == "/var/lib/hourglass" and env["HOURGLASS_METRICS_PORT"] == "9100"
+    # /metrics on the pod IP (the port the Service, ServiceMonitor and NetworkPolicy name), not loopback
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}} and env["HOURGLASS_METRICS_HOST"] == "$(POD_IP)"
+    names = [e["name"] for e in c["env"]]
+    assert names.index("POD_IP") < names.index("HOURGLASS_METRICS_HOST")  # Kubernetes expands $(VAR) in order
     for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["grpc"] == {"port": 7001}, probe  # plaintext health only: the node port is mutual TLS
     assert c["readinessProbe"]["grpc"] == {"port": 7001, "service": "hourglass.v1.Node"}  # registered
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert d1["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]} == {
-        "data": "/var/lib/hourglass", "tmp": "/tmp", "tls": "/etc/hourglass/tls", "auth": "/etc/hourglass/auth"}
+        "data": "/var/lib/hourglass", "tmp": "/tmp", "tls": "/etc/hourglass/tls", "auth": "/etc/hourglass/auth",
+        "client-ca": "/etc/hourglass/client-ca"}
     (pvc,) = d1["spec"]["volumeClaimTemplates"]
     assert pvc["metadata"]["name"] == "data"
     assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
@@ -175,7 +180,15 @@ def test_default_install(helm):
     assert ec["image"] == "quay.io/coreos/etcd:v3.5.17"
     cluster = next(a for a in ec["args"] if a.startswith("--initial-cluster="))
     assert cluster.count("=https://") == 3 and f"hg-hourglass-etcd-2.hg-hourglass-etcd-headless.{DOMAIN}:2380" in cluster
+    # etcd's plaintext /health and /metrics on the pod IP, not 0.0.0.0
+    assert "--listen-metrics-urls=http://$(POD_IP):2381" in ec["args"]
+    assert env_of(ec)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert "ServiceMonitor" not in {o["kind"] for o in objs}
+    mcenv = env_of(mc)
+    assert (mcenv["HOURGLASS_META_METRICS_HOST"], mcenv["HOURGLASS_META_METRICS_PORT"]) == ("$(POD_IP)", "7102")
+    # no pod talks to the Kubernetes API: no service account token in any of them
+    pods = list(sts.values()) + [ms]
+    assert [p["spec"]["template"]["spec"]["automountServiceAccountToken"] for p in pods] == [False] * len(pods)
 
 
 def test_large_install(helm):
@@ -211,10 +224,15 @@ def test_large_install(helm):
     (sm,) = by_kind(objs, "ServiceMonitor").values()
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics" and sm["spec"]["endpoints"][0]["interval"] == "30s"
+
+    def selected(labels: dict) -> bool:  # a label selector as the Prometheus Operator reads it
+        sel = sm["spec"]["selector"]
+        return sel["matchLabels"].items() <= labels.items() and all(
+            labels.get(e["key"]) in e["values"] for e in sel.get("matchExpressions", []) if e["operator"] == "In")
     scraped = [s for s in by_kind(objs, "Service").values()
-               if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
-    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(n for n in want if "etcd" not in n)
-    assert all(any(p["name"] == "metrics" for p in s["spec"]["ports"]) for s in scraped)
+               if selected(s["metadata"]["labels"]) and any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    assert sorted(s["metadata"]["name"] for s in scraped) == sorted(
+        [n for n in want if "etcd" not in n] + ["hg-hourglass-metaserver-headless"])
 
 
 def test_external_etcd_install(helm):
@@ -251,10 +269,8 @@ def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
     sts = by_kind(objs, "StatefulSet")["hg-hourglass-realtime-r2"]
     c = container(sts)
     pod = "hg-hourglass-realtime-r2-1"
-    resolved: dict[str, str] = {}
-    for e in c["env"]:  # Kubernetes expands $(VAR) from variables defined earlier in the list
-        v = pod if e.get("valueFrom") == {"fieldRef": {"fieldPath": "metadata.name"}} else e["value"]
-        resolved[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: resolved[m.group(1)], v)
+    resolved = _resolve_env(c, {"metadata.name": pod, "status.podIP": "10.1.2.3"})
+    assert resolved.pop("POD_IP") == "10.1.2.3"  # for $(POD_IP) only, not a setting
     flags = [a.split("=", 1)[0] for a in c["args"][1:]]
     assert c["args"][0] == "node" and set(flags) <= _cli_options("node"), flags
     for k in list(__import__("os").environ):
@@ -264,6 +280,7 @@ def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
         monkeypatch.setenv(k, v)
     s = NodeSettings()
     assert (s.role, s.node_id, s.group, s.port, s.metrics_port) == ("realtime", pod, "r2", 7000, 9100)
+    assert s.metrics_host == "10.1.2.3"  # the pod IP
     assert s.advertise == f"{pod}.hg-hourglass-realtime-r2.{DOMAIN}:7000"
     assert s.meta_servers == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
     assert str(s.data_dir) == "/var/lib/hourglass" and s.host == "0.0.0.0"
@@ -306,6 +323,7 @@ def test_metaserver_container_is_accepted_by_cli_and_settings(helm, monkeypatch)
     s = MetaSettings(host=flags["--host"], port=int(flags["--port"]),
                      etcd_endpoints=flags["--etcd-endpoints"].split(","))
     assert (s.host, s.port, s.advertise) == ("0.0.0.0", 7100, "10.1.2.3:7100")
+    assert (s.metrics_host, s.metrics_port) == ("10.1.2.3", 7102)
     assert s.etcd_endpoints == ["etcd-0.etcd.infra.svc:2379", "etcd-1.etcd.infra.svc:2379"]
     assert all(k.removeprefix("HOURGLASS_META_").lower() in MetaSettings.model_fields
                for k in env if k.startswith("HOURGLASS_META_")), env
@@ -378,7 +396,7 @@ def test_security_is_on_by_default(helm):
     objs = render(helm)
     sec = _secrets(objs)
     assert set(sec) == {"hg-hourglass-tls", "hg-hourglass-etcd-tls", "hg-hourglass-client-tls", "hg-hourglass-auth",
-                        "hg-hourglass-client-token"}
+                        "hg-hourglass-client-token", "hg-hourglass-client-ca", "hg-hourglass-etcd-client-tls"}
     token = sec["hg-hourglass-client-token"]["token"].decode()
     auth = json.loads(sec["hg-hourglass-auth"]["auth.json"])
     import hashlib
@@ -397,17 +415,100 @@ def test_security_is_on_by_default(helm):
         vols = {v["name"]: v for v in sts[name]["spec"]["template"]["spec"]["volumes"]}
         assert vols["tls"]["secret"]["secretName"] == "hg-hourglass-tls"  # a folder mount: updated in place
         assert all("subPath" not in m for m in c["volumeMounts"])
-    mc = container(by_kind(objs, "Deployment")["hg-hourglass-metaserver"])
+    ms = by_kind(objs, "Deployment")["hg-hourglass-metaserver"]
+    mc = container(ms)
     menv = env_of(mc)
     assert menv["HOURGLASS_META_ETCD_CERT_FILE"] == "/etc/hourglass/etcd-client/tls.crt"
+    mvols = {v["name"]: v for v in ms["spec"]["template"]["spec"]["volumes"]}
+    assert mvols["etcd-client"]["secret"]["secretName"] == "hg-hourglass-etcd-client-tls"  # not the nodes' certificate
+    # servers trust the client CA through its certificate only, never its key
+    assert mvols["client-ca"]["secret"] == {"secretName": "hg-hourglass-client-ca", "defaultMode": 0o440,
+                                            "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    assert menv["HOURGLASS_TLS_CLIENT_CA_FILE"] == "/etc/hourglass/client-ca/ca.crt"
     assert mc["readinessProbe"]["grpc"] == {"port": 7101, "service": "hourglass.meta.v1.Meta"}
     ec = container(sts["hg-hourglass-etcd"])
     assert "--client-cert-auth" in ec["args"] and "--peer-client-cert-auth" in ec["args"]
     assert next(a for a in ec["args"] if a.startswith("--listen-client-urls=")).startswith("--listen-client-urls=https://")
     nps = by_kind(objs, "NetworkPolicy")
     assert set(nps) == {"hg-hourglass-servers", "hg-hourglass-etcd"}
-    etcd_from = nps["hg-hourglass-etcd"]["spec"]["ingress"][0]["from"]
-    assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in etcd_from} == {"metaserver", "etcd"}
+
+    def allowed(policy: dict) -> dict[int, set[str]]:  # port -> components allowed ("*" = anyone)
+        out: dict[int, set[str]] = {}
+        for rule in policy["spec"]["ingress"]:
+            who = {p["podSelector"]["matchLabels"].get("app.kubernetes.io/component", "other")
+                   for p in rule["from"]} if "from" in rule else {"*"}
+            for port in rule["ports"]:
+                out.setdefault(port["port"], set()).update(who)
+        return out
+    # etcd: clients are the meta servers, peers the members; /metrics only for the kubelet's probe
+    assert allowed(nps["hg-hourglass-etcd"]) == {2379: {"metaserver", "etcd"}, 2380: {"etcd"}}
+    assert allowed(nps["hg-hourglass-servers"])[7102] == {"*"}  # metricsFrom [] = anyone, on the pod IP
+    objs = render(helm, sets=["security.networkPolicy.etcdMetricsFrom[0].podSelector.matchLabels.app=prometheus"])
+    metrics_rule = by_kind(objs, "NetworkPolicy")["hg-hourglass-etcd"]["spec"]["ingress"][-1]
+    assert metrics_rule == {"from": [{"podSelector": {"matchLabels": {"app": "prometheus"}}}],
+                            "ports": [{"port": 2381, "protocol": "TCP"}]}
+
+
+def _cert(pem: bytes):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(pem)
+
+
+def _issued_by(pem: bytes, ca_pem: bytes) -> bool:
+    """The certificate's signature checks against the CA's key (not only its issuer's name)."""
+    try:
+        _cert(pem).verify_directly_issued_by(_cert(ca_pem))
+        return True
+    except Exception:
+        return False
+
+
+def test_etcd_trusts_a_ca_that_signs_no_client_or_node_certificate(helm):
+    """Issue 27: etcd is the meta servers' alone. The CA etcd is given (ca.crt of its Secret, its
+    --trusted-ca-file) signs the members and the meta servers' etcd-client certificate, and
+    neither the client nor the node certificate; the client CA signs the client certificate
+    only and etcd is not given it."""
+    objs = render(helm)
+    sec = _secrets(objs)
+    ec = container(by_kind(objs, "StatefulSet")["hg-hourglass-etcd"])
+    assert "--trusted-ca-file=/etc/etcd/tls/ca.crt" in ec["args"]
+    etcd_vol = by_kind(objs, "StatefulSet")["hg-hourglass-etcd"]["spec"]["template"]["spec"]["volumes"]
+    assert [v["secret"]["secretName"] for v in etcd_vol] == ["hg-hourglass-etcd-tls"]
+    etcd_ca = sec["hg-hourglass-etcd-tls"]["ca.crt"]
+    assert sec["hg-hourglass-etcd-client-tls"]["ca.crt"] == etcd_ca  # the meta servers check etcd with it
+    for name in ("hg-hourglass-client-tls", "hg-hourglass-tls"):
+        assert not _issued_by(sec[name]["tls.crt"], etcd_ca), name
+    for name in ("hg-hourglass-etcd-tls", "hg-hourglass-etcd-client-tls"):  # control: the check can pass
+        assert _issued_by(sec[name]["tls.crt"], etcd_ca), name
+    client_ca, node_ca = sec["hg-hourglass-client-ca"]["ca.crt"], sec["hg-hourglass-tls"]["ca.crt"]
+    assert len({etcd_ca, client_ca, node_ca}) == 3
+    assert _issued_by(sec["hg-hourglass-client-tls"]["tls.crt"], client_ca)
+    assert not _issued_by(sec["hg-hourglass-client-tls"]["tls.crt"], node_ca)
+    assert not _issued_by(sec["hg-hourglass-tls"]["tls.crt"], client_ca)
+    # the bootstrap client checks servers with the node CA
+    assert sec["hg-hourglass-client-tls"]["ca.crt"] == node_ca
+    assert _cert(sec["hg-hourglass-client-tls"]["tls.crt"]).subject.rfc4514_string() == "CN=client:admin"
+    assert f"--peer-cert-allowed-cn=etcd-member:hg-hourglass" in ec["args"]
+    assert _cert(sec["hg-hourglass-etcd-tls"]["tls.crt"]).subject.rfc4514_string() == "CN=etcd-member:hg-hourglass"
+
+
+def test_existing_certificates_need_etcds_own(helm):
+    base = ["security.certificates=existing", "security.existingSecrets.tls=my-tls"]
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *sum((["--set", s] for s in base), []))
+    assert r.returncode != 0 and "set security.existingSecrets.etcd" in r.stderr, r.stderr
+    objs = render(helm, sets=base + ["security.existingSecrets.etcd=my-etcd", "security.existingSecrets.etcdClient=my-ec",
+                                     "security.existingSecrets.clientCa=my-client-ca"])
+    assert not by_kind(objs, "Secret").keys() - {"hg-hourglass-auth", "hg-hourglass-client-token"}
+    ms = by_kind(objs, "Deployment")["hg-hourglass-metaserver"]["spec"]["template"]["spec"]
+    vols = {v["name"]: v["secret"]["secretName"] for v in ms["volumes"] if "secret" in v}
+    assert vols == {"tls": "my-tls", "auth": "hg-hourglass-auth", "client-ca": "my-client-ca", "etcd-client": "my-ec"}
+    etcd = by_kind(objs, "StatefulSet")["hg-hourglass-etcd"]["spec"]["template"]["spec"]
+    assert [v["secret"]["secretName"] for v in etcd["volumes"]] == ["my-etcd"]
+    # no client CA named: the servers trust the node CA alone, as before
+    objs = render(helm, sets=base + ["security.existingSecrets.etcd=my-etcd", "security.existingSecrets.etcdClient=my-ec"])
+    env = env_of(container(by_kind(objs, "StatefulSet")["hg-hourglass-delay-d1"]))
+    assert "HOURGLASS_TLS_CLIENT_CA_FILE" not in env
 
 
 def test_security_off_is_plaintext_and_says_so(helm):
@@ -423,18 +524,40 @@ def test_cert_manager_certificates_when_its_api_is_there(helm):
     assert r.returncode == 0, r.stderr
     objs = [d for d in yaml.safe_load_all(r.stdout) if d]
     certs = by_kind(objs, "Certificate")
-    assert set(certs) == {"hg-hourglass-ca", "hg-hourglass-node", "hg-hourglass-etcd", "hg-hourglass-client"}
+    assert set(certs) == {"hg-hourglass-ca", "hg-hourglass-client-ca", "hg-hourglass-etcd-ca", "hg-hourglass-node",
+                          "hg-hourglass-etcd", "hg-hourglass-etcd-client", "hg-hourglass-client"}
     assert certs["hg-hourglass-node"]["spec"]["commonName"] == "node:hg-hourglass"
     assert certs["hg-hourglass-node"]["spec"]["secretName"] == "hg-hourglass-tls"
-    assert set(by_kind(objs, "Issuer")) == {"hg-hourglass-selfsigned", "hg-hourglass-ca"}
+    # three CAs: node certificates from the node CA, the client's from the client CA, etcd's from etcd's
+    issuer = {n: c["spec"]["issuerRef"]["name"] for n, c in certs.items()}
+    assert issuer == {"hg-hourglass-ca": "hg-hourglass-selfsigned", "hg-hourglass-client-ca": "hg-hourglass-selfsigned",
+                      "hg-hourglass-etcd-ca": "hg-hourglass-selfsigned", "hg-hourglass-node": "hg-hourglass-ca",
+                      "hg-hourglass-client": "hg-hourglass-client-ca", "hg-hourglass-etcd": "hg-hourglass-etcd-ca",
+                      "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca"}
+    assert set(by_kind(objs, "Issuer")) == {"hg-hourglass-selfsigned", "hg-hourglass-ca", "hg-hourglass-client-ca",
+                                            "hg-hourglass-etcd-ca"}
     assert set(by_kind(objs, "Secret")) == {"hg-hourglass-auth", "hg-hourglass-client-token"}  # certs: cert-manager's
+    ms = by_kind(objs, "Deployment")["hg-hourglass-metaserver"]["spec"]["template"]["spec"]
+    vols = {v["name"]: v["secret"]["secretName"] for v in ms["volumes"] if "secret" in v}
+    assert vols["etcd-client"] == "hg-hourglass-etcd-client-tls"
+    assert vols["client-ca"] == "hg-hourglass-client-tls"  # its ca.crt: the client CA (a CA issuer's)
+    # a node issuer of the user's own does not become the client's or etcd's
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--api-versions", "cert-manager.io/v1",
+                 "--set", "security.certManager.issuerRef.name=corp-ca", "--set", "security.certManager.issuerRef.kind=ClusterIssuer")
+    assert r.returncode == 0, r.stderr
+    certs = by_kind([d for d in yaml.safe_load_all(r.stdout) if d], "Certificate")
+    assert {n: c["spec"]["issuerRef"]["name"] for n, c in certs.items() if not c["spec"].get("isCA")} == {
+        "hg-hourglass-node": "corp-ca", "hg-hourglass-client": "hg-hourglass-client-ca",
+        "hg-hourglass-etcd": "hg-hourglass-etcd-ca", "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca"}
 
 
 @pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
 async def test_the_charts_certificates_and_token_work_with_the_real_processes(helm, tmp_path):
     """What the chart generates (sprig's RSA keys, the fixed server name, the admin token and
-    its digest) runs a real secure cluster: nodes, meta server and etcd with the chart's node
-    and etcd certificates, a client with the chart's client Secret."""
+    its digest, three CAs) runs a real secure cluster: nodes and meta server with the chart's
+    node certificate and client CA, etcd with its member certificate, the meta server with its
+    etcd-client certificate, a client with the chart's client Secret; the client and node
+    certificates are refused by that etcd."""
     from cluster.devcluster import LocalCluster
     from cluster.discovery import MetaResolver
     from tests.helpers.flow import round_trip
@@ -446,7 +569,12 @@ async def test_the_charts_certificates_and_token_work_with_the_real_processes(he
     files = {d.ca: sec["hg-hourglass-tls"]["ca.crt"], d.node_cert: sec["hg-hourglass-tls"]["tls.crt"],
              d.node_key: sec["hg-hourglass-tls"]["tls.key"], d.client_cert: sec["hg-hourglass-client-tls"]["tls.crt"],
              d.client_key: sec["hg-hourglass-client-tls"]["tls.key"], d.auth_file: sec["hg-hourglass-auth"]["auth.json"],
-             d.admin_token_file: sec["hg-hourglass-client-token"]["token"]}
+             d.admin_token_file: sec["hg-hourglass-client-token"]["token"],
+             d.client_ca: sec["hg-hourglass-client-ca"]["ca.crt"], d.etcd_ca: sec["hg-hourglass-etcd-tls"]["ca.crt"],
+             d.etcd_member_cert: sec["hg-hourglass-etcd-tls"]["tls.crt"],
+             d.etcd_member_key: sec["hg-hourglass-etcd-tls"]["tls.key"],
+             d.etcd_client_cert: sec["hg-hourglass-etcd-client-tls"]["tls.crt"],
+             d.etcd_client_key: sec["hg-hourglass-etcd-client-tls"]["tls.key"]}
     for path, data in files.items():
         path.write_bytes(data)
     with c:
@@ -456,3 +584,19 @@ async def test_the_charts_certificates_and_token_work_with_the_real_processes(he
             assert "chart-1" in await round_trip(r, "chart.x", "chart-1")
         finally:
             await r.close()
+        import grpc
+        from aetcd import rpc as etcdrpc
+
+        async def etcd_range(cert: bytes, key: bytes) -> int:
+            creds = grpc.ssl_channel_credentials(root_certificates=sec["hg-hourglass-etcd-tls"]["ca.crt"],
+                                                 private_key=key, certificate_chain=cert)
+            async with grpc.aio.secure_channel(c.etcd_endpoints[0], creds, options=[
+                    ("grpc.ssl_target_name_override", "localhost")]) as ch:
+                reply = await etcdrpc.KVStub(ch).Range(etcdrpc.RangeRequest(key=b"/hourglass/", range_end=b"/hourglass0"),
+                                                       timeout=5)
+                return len(reply.kvs)
+        assert await etcd_range(sec["hg-hourglass-etcd-client-tls"]["tls.crt"], sec["hg-hourglass-etcd-client-tls"]["tls.key"])
+        for name in ("hg-hourglass-client-tls", "hg-hourglass-tls"):
+            with pytest.raises(grpc.RpcError) as err:
+                await etcd_range(sec[name]["tls.crt"], sec[name]["tls.key"])
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name

@@ -218,8 +218,8 @@ def test_server_side_dry_run(cluster, servicemonitor_crd, name):
 @pytest.mark.parametrize("name", sorted(VALUES))
 def test_install_upgrade_uninstall(cluster, servicemonitor_crd, name, record_property):
     """helm install: the controller-manager creates every pod the workloads ask for and each one
-    passes admission (PodSecurity restricted, a service account token); upgrade adds a group;
-    uninstall removes everything but the retained volume claims."""
+    passes admission (PodSecurity restricted; no service account token: automountServiceAccountToken
+    false); upgrade adds a group; uninstall removes everything but the retained volume claims."""
     install_crd(cluster, servicemonitor_crd)
     ns = cluster.namespace(ns_of(name))
     path, pods_want = VALUES[name]
@@ -238,8 +238,10 @@ def test_install_upgrade_uninstall(cluster, servicemonitor_crd, name, record_pro
     for p in created:
         spec = p["spec"]
         assert spec["serviceAccountName"] == "default"
-        # ServiceAccount admission mounted the token (projected volume kube-api-access-*)
-        assert any(v["name"].startswith("kube-api-access-") for v in spec["volumes"]), p["metadata"]["name"]
+        # automountServiceAccountToken: false - ServiceAccount admission mounted no token
+        # (no projected volume kube-api-access-*): nothing of Hourglass talks to the Kubernetes API
+        assert not any(v["name"].startswith("kube-api-access-") for v in spec.get("volumes", [])), \
+            p["metadata"]["name"]
         assert spec["securityContext"]["runAsNonRoot"] is True
     workloads = cluster.get("statefulsets", ns) + cluster.get("deployments", ns)
     assert sum(w["spec"]["replicas"] for w in workloads) == pods_want

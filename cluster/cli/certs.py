@@ -1,8 +1,10 @@
-"""``hourglass certs``: a CA, node and client certificates, and tokens (docs/security.md).
+"""``hourglass certs``: CAs, node, client and etcd certificates, and tokens (docs/security.md).
 
-    hourglass certs ca --dir secrets/                        ca.crt, ca.key
+    hourglass certs ca --dir secrets/                        ca.crt, ca.key (the node CA)
+    hourglass certs ca --dir client-ca/ --name hourglass-client-ca
     hourglass certs issue node n1 --dir secrets/ --host n1.hourglass.svc
-    hourglass certs issue client orders-service --dir secrets/
+    hourglass certs issue client orders-service --dir client-ca/ --out orders/
+    hourglass certs issue etcd-client meta --dir etcd-ca/
     hourglass certs token orders-service --auth-file secrets/auth.json \\
         --allow produce:orders.* --allow consume:orders.*@billing --out secrets/orders.token
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -35,36 +38,45 @@ certs_app = typer.Typer(help="Certificates and tokens for a secure cluster (docs
 
 @certs_app.command("ca")
 def ca(dir: Path = typer.Option(..., "--dir", help="where ca.crt and ca.key are written"),
+       name: str = typer.Option("hourglass-ca", "--name", help="the CA's common name; give the node, client "
+                                                                "and etcd CAs different ones"),
        days: int = typer.Option(1825, min=1, max=36500)) -> None:
-    """A new certificate authority (keep ca.key offline; nodes and clients need ca.crt)."""
+    """A new certificate authority (keep ca.key offline). One for nodes (everyone needs its
+    ca.crt), one for clients (servers: HOURGLASS_TLS_CLIENT_CA_FILE) and one for etcd (etcd and
+    the meta servers only): docs/security.md."""
     from cluster.certs import make_ca
 
     if (dir / "ca.key").exists():
         raise CliError(f"{dir / 'ca.key'} exists", hint="hint: a new CA invalidates every certificate; "
                                                        "remove it first if that is what you want")
     with _writing(dir):
-        crt, _ = make_ca(dir, days=days)
+        crt, _ = make_ca(dir, name=name, days=days)
     _say(f"wrote {crt} and {dir / 'ca.key'} (owner-only)")
 
 
 @certs_app.command("issue")
-def issue(kind: str = typer.Argument(..., help="node | client"),
-          name: str = typer.Argument(..., help="common name becomes node:NAME or client:NAME"),
-          dir: Path = typer.Option(..., "--dir", help="the CA's folder; the certificate is written here too"),
+def issue(kind: str = typer.Argument(..., help="node | client | etcd-member | etcd-client"),
+          name: str = typer.Argument(..., help="common name becomes KIND:NAME (node:NAME, client:NAME ...)"),
+          dir: Path = typer.Option(..., "--dir", help="the CA's folder (ca.crt, ca.key)"),
+          out: Optional[Path] = typer.Option(None, "--out", help="where the certificate and key are written "
+                                                                 "(default: the CA's folder)"),
           host: list[str] = typer.Option(["127.0.0.1", "localhost"], "--host",
-                                         help="(node) addresses and DNS names the node serves on"),
+                                         help="(node, etcd-member) addresses and DNS names it serves on"),
           days: int = typer.Option(365, min=1, max=3650)) -> None:
-    """A certificate signed by the CA: `node` ones may replicate, dispatch and register; `client`
-    ones must also show a token. Re-issue over the same files to rotate: servers and clients
-    read them again without a restart."""
+    """A certificate signed by the CA in --dir: `node` ones (node CA) may replicate, dispatch and
+    register; `client` ones (client CA) must also show a token; `etcd-member` (etcd's serving and
+    peer certificate) and `etcd-client` (the meta servers') come from etcd's own CA. Re-issue over
+    the same files to rotate: servers and clients read them again without a restart."""
+    from cluster.certs import KINDS
     from cluster.certs import issue as do_issue
 
-    if kind not in ("node", "client"):
-        raise CliError(f"kind must be node or client, not {kind!r}")
+    if kind not in KINDS:
+        raise CliError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
     if not (dir / "ca.key").is_file():
         raise CliError(f"no CA in {dir}", hint="hint: hourglass certs ca --dir DIR")
-    with _writing(dir):
-        crt, key = do_issue(dir, dir, name, kind=kind, hosts=host if kind == "node" else (), days=days)
+    server = KINDS[kind][1]
+    with _writing(out or dir):
+        crt, key = do_issue(dir, out or dir, name, kind=kind, hosts=host if server else (), days=days)
     _say(f"wrote {crt} and {key} (owner-only)")
 
 

@@ -101,7 +101,8 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
         + f"{replicas} delay node(s) (ack_mode={ack_mode.value}), a real-time node")
     if secure:
         say(f"secure: mutual TLS on every port, tokens checked; client credentials in {data / 'security'} "
-            f"(cluster.json names them; the admin token is {data / 'security' / 'admin.token'})")
+            f"(cluster.json names them; the admin token is {data / 'security' / 'admin.token'}); "
+            f"etcd trusts only its own CA ({data / 'security' / 'etcd'}): the meta servers alone reach it")
     else:
         say("OPEN: plaintext gRPC and no authentication on 127.0.0.1, for local play only; "
             "`hourglass dev up --secure` for TLS and tokens (docs/security.md)")

@@ -132,7 +132,10 @@ podAntiAffinity:
 {{- else -}}{{ $src }}{{- end -}}
 {{- end -}}
 
-{{/* Secret names: the node certificate (ca.crt, tls.crt, tls.key), etcd's, the client's, the tokens */}}
+{{/* Secret names: the node certificate (ca.crt, tls.crt, tls.key), etcd's, the client's, the tokens.
+Three trusts, kept apart (docs/security.md): the node CA (nodes, meta servers; every client checks
+servers with it), the client CA (client certificates; servers accept them as clients only) and
+etcd's CA (etcd members and the meta servers' etcd-client certificate; nothing else opens etcd). */}}
 {{- define "hourglass.tlsSecret" -}}
 {{- if eq (include "hourglass.certSource" .) "existing" -}}
 {{- required "security.certificates=existing: set security.existingSecrets.tls" .Values.security.existingSecrets.tls -}}
@@ -140,8 +143,22 @@ podAntiAffinity:
 {{- end -}}
 {{- define "hourglass.etcdTlsSecret" -}}
 {{- if eq (include "hourglass.certSource" .) "existing" -}}
-{{- default .Values.security.existingSecrets.tls .Values.security.existingSecrets.etcd -}}
+{{- required "security.certificates=existing with the bundled etcd: set security.existingSecrets.etcd (etcd's serving certificate and its own CA, which must not sign any node or client certificate)" .Values.security.existingSecrets.etcd -}}
 {{- else -}}{{ printf "%s-etcd-tls" (include "hourglass.fullname" .) }}{{- end -}}
+{{- end -}}
+{{/* the meta servers' certificate for etcd (ca.crt = etcd's CA): bundled etcd, or etcd.externalTlsSecret */}}
+{{- define "hourglass.etcdClientSecret" -}}
+{{- if not .Values.etcd.bundled -}}{{ .Values.etcd.externalTlsSecret }}
+{{- else if eq (include "hourglass.certSource" .) "existing" -}}
+{{- required "security.certificates=existing with the bundled etcd: set security.existingSecrets.etcdClient (the meta servers' client certificate, signed by etcd's CA)" .Values.security.existingSecrets.etcdClient -}}
+{{- else -}}{{ printf "%s-etcd-client-tls" (include "hourglass.fullname" .) }}{{- end -}}
+{{- end -}}
+{{/* the Secret whose ca.crt is the client CA's certificate ("" = none: clients signed by the node CA) */}}
+{{- define "hourglass.clientCaSecret" -}}
+{{- $src := include "hourglass.certSource" . -}}
+{{- if eq $src "existing" -}}{{ .Values.security.existingSecrets.clientCa }}
+{{- else if eq $src "cert-manager" -}}{{ printf "%s-client-tls" (include "hourglass.fullname" .) }}
+{{- else -}}{{ printf "%s-client-ca" (include "hourglass.fullname" .) }}{{- end -}}
 {{- end -}}
 {{- define "hourglass.authSecret" -}}
 {{- default (printf "%s-auth" (include "hourglass.fullname" .)) .Values.security.authSecret -}}
@@ -159,6 +176,10 @@ podAntiAffinity:
   value: {{ include "hourglass.serverName" . }}
 - name: HOURGLASS_AUTH_FILE
   value: /etc/hourglass/auth/auth.json
+{{- if include "hourglass.clientCaSecret" . }}
+- name: HOURGLASS_TLS_CLIENT_CA_FILE
+  value: /etc/hourglass/client-ca/ca.crt
+{{- end }}
 {{- end -}}
 
 {{- define "hourglass.securityMounts" -}}
@@ -168,6 +189,11 @@ podAntiAffinity:
 - name: auth
   mountPath: /etc/hourglass/auth
   readOnly: true
+{{- if include "hourglass.clientCaSecret" . }}
+- name: client-ca
+  mountPath: /etc/hourglass/client-ca
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* Secrets are mounted as folders (not subPath) so Kubernetes updates them in place: rotation */}}
@@ -180,4 +206,13 @@ podAntiAffinity:
   secret:
     secretName: {{ include "hourglass.authSecret" . }}
     defaultMode: 0440
+{{- with include "hourglass.clientCaSecret" . }}
+- name: client-ca
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:   # the CA's certificate only, never a key that Secret may hold
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
 {{- end -}}
