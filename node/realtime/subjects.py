@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.errors import CorruptRecord
+from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.realtime.index import ENTRIES_FILE
 from node.store import checkpoint
 from node.store.log import fsync_dir
@@ -122,7 +123,7 @@ class SubjectsJournal:
         existed = path.exists()
         data = path.read_bytes() if existed else b""
         owners, good = parse(data, str(path))
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
         j = cls(path, fd)
         if good < len(data):
             os.ftruncate(fd, good)
@@ -188,10 +189,10 @@ class SubjectWork:
         for s, _ in self.items:
             d = self.index_root / s
             try:
-                d.mkdir()
+                d.mkdir(mode=DATA_DIR_MODE)
             except FileExistsError:
                 continue  # a leftover folder: RealtimeStore._load_index adopts what it holds
-            os.close(os.open(d / ENTRIES_FILE, os.O_WRONLY | os.O_CREAT, 0o644))
+            os.close(os.open(d / ENTRIES_FILE, os.O_WRONLY | os.O_CREAT, DATA_MODE))
             self.fresh.add(s)
         fsync_dir(self.index_root)
         self.journal.append(self.items, created_ms=self.created_ms)
