@@ -672,7 +672,7 @@ class Authenticator(grpc.aio.ServerInterceptor):
                 f"permission denied: {method} needs a node certificate"))
         log.info("refused: %s called %s without a %s grant", p.name, method, _what(need))
         raise refuse("permission", need[0], E.PermissionDenied(
-            f"permission denied: {p.name!r} may not {name} (needs {_what(need)})"))
+            f"permission denied: {p.name!r} may not {_what(need)} ({name} needs {_what(need)})"))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)

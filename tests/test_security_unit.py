@@ -132,7 +132,7 @@ def test_every_method_is_allowed_only_with_a_grant_of_one_of_its_actions(tmp_pat
                 a.authorize(method, ctx)
     with pytest.raises(E.PermissionDenied, match="needs a node certificate"):
         a.authorize("/hourglass.v1.Something/New", ctx)  # not listed: nodes only
-    with pytest.raises(E.PermissionDenied, match=r"may not Ack \(needs consume\)"):
+    with pytest.raises(E.PermissionDenied, match=r"'p' may not consume \(Ack needs consume\)"):
         a.authorize("/hourglass.v1.Consumer/Ack", ctx)
     node = _Context("ipv4:127.0.0.1:1", None, cn="node:n1")
     assert all(a.authorize(m, node).node for m in METHOD_ACTIONS)
