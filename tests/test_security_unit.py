@@ -13,9 +13,9 @@ from cluster import certs
 from cluster import errors as E
 from cluster.codec import SUBJECT_RE
 from cluster.errors import InvalidArgument
-from cluster.security import (METHOD_ACTIONS, Action, Authenticator, AuthTable, FailureThrottle, Grant, Principal,
-                              SecuritySettings, TlsFiles, _bearer, _CALLER, check, load_settings, peer_key,
-                              token_digest)
+from cluster.auththrottle import FailureThrottle, peer_key
+from cluster.security import (METHOD_ACTIONS, Action, Authenticator, AuthTable, Grant, Principal, SecuritySettings,
+                              TlsFiles, _bearer, _CALLER, check, load_settings, token_digest)
 
 
 
