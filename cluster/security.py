@@ -32,6 +32,7 @@ included, so a grant for ``orders.*`` must never cover ``orders.a\n``.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import enum
 import fnmatch
@@ -62,6 +63,7 @@ log = logging.getLogger("hourglass.security")
 NODE_PREFIX = "node:"       # common name of a node certificate: "node:<name>"
 CLIENT_PREFIX = "client:"   # common name of a client certificate: "client:<name>"
 TOKEN_BYTES_MAX = 4096      # a longer authorization header is refused unread
+REFUSED_STREAM_WAIT_S = 2.0  # a refused request stream waits this long at most for its first message (_checked)
 DECISIONS_MAX = 4096        # cached (principal, action, subject, group) answers per principal
 
 
@@ -602,21 +604,38 @@ class Authenticator(grpc.aio.ServerInterceptor):
         return _checked(self, details.method, handler)
 
 
+async def _first_request(requests) -> None:
+    """Wait (at most ``REFUSED_STREAM_WAIT_S``) for a request stream's first message or its
+    end. A stream refused before the client's first write went out ends, for the client,
+    with INTERNAL "Internal error from Core" (grpc turns the failed send into the call's
+    status) instead of the refusal; once that write is through, the refusal is what it reads."""
+    try:
+        async with asyncio.timeout(REFUSED_STREAM_WAIT_S):
+            async for _ in requests:
+                return
+    except (TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+        return
+
+
 def _checked(auth: Authenticator, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """``handler`` behind ``auth.authorize``: a refusal ends the call before the servicer
-    (or a stream's first request) is touched."""
-    def enter(context) -> E.HourglassError | None:
+    is touched (a request stream's first message is waited for, not handled: ``_first_request``)."""
+    streamed_requests = bool(handler.stream_unary or handler.stream_stream)
+
+    async def enter(request, context) -> E.HourglassError | None:
         try:
             _CALLER.set(auth.authorize(method, context))
             return None
         except (E.Unauthenticated, E.PermissionDenied) as e:
+            if streamed_requests:
+                await _first_request(request)
             return e
 
     if handler.unary_unary or handler.stream_unary:
         inner = handler.unary_unary or handler.stream_unary
 
         async def unary(request, context):
-            refused = enter(context)
+            refused = await enter(request, context)
             if refused is not None:
                 await status.abort(context, refused)
             return await inner(request, context)
@@ -627,7 +646,7 @@ def _checked(auth: Authenticator, method: str, handler: grpc.RpcMethodHandler) -
     inner = handler.unary_stream or handler.stream_stream
 
     async def streaming(request, context):
-        refused = enter(context)
+        refused = await enter(request, context)
         if refused is not None:
             await status.abort(context, refused)
         async for item in inner(request, context):

@@ -541,3 +541,18 @@ async def _status_details(sec, address: str) -> tuple[grpc.StatusCode, str]:
         return e.code(), e.details()
     finally:
         await ch.close()
+
+
+async def test_a_refused_stream_says_why_every_time(secure):
+    """The interceptor refuses a PullStream of a token without consume before the servicer
+    runs. Refused before the client's first write went out, the client read INTERNAL "Internal
+    error from Core" (grpc makes the failed send the call's status) about one time in ten: the
+    refusal now waits for that first request. Fresh streams, each refused."""
+    r = _resolver(secure, "producer")
+    try:
+        for i in range(20):
+            async with Consumer(r, "orders.created", group="billing", call_timeout_s=10) as cons:
+                with pytest.raises(E.PermissionDenied, match="may not consume"):
+                    await cons.pull(wait_ms=0)
+    finally:
+        await r.close()
