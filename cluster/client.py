@@ -75,7 +75,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from cluster import errors as E
 from cluster import status
-from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, encode_extra
+from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
 from cluster.proto import hourglass_pb2 as pb
 from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
@@ -268,10 +268,12 @@ def _column(v, n: int, name: str) -> tuple[np.ndarray, np.ndarray | None]:
     return a, bad
 
 
-def _refusals(pay_lens: np.ndarray, id_lens: np.ndarray, deliver: np.ndarray, delay: np.ndarray | None,
-              unfit: np.ndarray | None, now_ms: int, limits: Limits) -> dict[int, E.HourglassError]:
-    """The messages a node would refuse for their size or due time (``codec.Limits``), as index ->
-    error: they fail at once, alone, and are never sent. One reduction per rule when all is well."""
+def _refusals(subjects: str | list[str], pay_lens: np.ndarray, id_lens: np.ndarray, deliver: np.ndarray,
+              delay: np.ndarray | None, unfit: np.ndarray | None, now_ms: int,
+              limits: Limits) -> dict[int, E.HourglassError]:
+    """The messages a node would refuse for their subject (``codec.subject_problem``), size or
+    due time (``codec.Limits``), as index -> error: they fail at once, alone, and are never
+    sent. One reduction per rule when all is well."""
     out: dict[int, E.HourglassError] = {}
 
     def refuse(mask: np.ndarray, make: Callable[[int], E.HourglassError]) -> None:
@@ -280,6 +282,16 @@ def _refusals(pay_lens: np.ndarray, id_lens: np.ndarray, deliver: np.ndarray, de
                 if i not in out:
                     out[i] = make(i)
 
+    n = len(pay_lens)
+    if isinstance(subjects, str):
+        bad = {subjects: p} if (p := subject_problem(subjects, limits.subject_bytes_max)) else {}
+        if bad:
+            refuse(np.ones(n, bool), lambda i: E.InvalidArgument("subject", bad[subjects]))
+    else:
+        bad = {s: p for s in set(subjects) if (p := subject_problem(s, limits.subject_bytes_max))}
+        if bad:
+            refuse(np.fromiter((s in bad for s in subjects), bool, n),
+                   lambda i: E.InvalidArgument("subject", f"message {i}: {bad[subjects[i]]}"))
     horizon = limits.delay_horizon_ms
     if unfit is not None:
         refuse(unfit, lambda i: E.InvalidArgument("deliver_at_ms/delay_ms", f"message {i}: not a 64-bit integer"))
@@ -297,9 +309,12 @@ def _refusals(pay_lens: np.ndarray, id_lens: np.ndarray, deliver: np.ndarray, de
     return out
 
 
-def _refusal(payload: bytes, msg_id: str, deliver_at_ms: int, delay_ms: int, now_ms: int,
+def _refusal(subject: str, payload: bytes, msg_id: str, deliver_at_ms: int, delay_ms: int, now_ms: int,
              limits: Limits) -> E.HourglassError | None:
     """``_refusals`` for one message of ``send`` (plain ints; nothing can overflow)."""
+    problem = subject_problem(subject, limits.subject_bytes_max)
+    if problem is not None:
+        return E.InvalidArgument("subject", problem)
     horizon = limits.delay_horizon_ms
     if len(payload) > limits.payload_bytes_max:
         return E.PayloadTooLarge("payload", f"{len(payload)} bytes exceeds payload_bytes_max {limits.payload_bytes_max}")
@@ -569,6 +584,8 @@ class Producer:
             subjects = list(subjects)
             if len(subjects) != n:
                 raise E.InvalidArgument("subjects", f"{len(subjects)} subjects for {n} payloads")
+            if not set(map(type, subjects)) <= {str}:
+                raise E.InvalidArgument("subjects", "every subject must be a str")
         if ids is None:
             ids = self.new_ids(n)
             id_lens = np.full(n, len(ids[-1]) if n else 0, np.int64)  # the last is the longest
@@ -588,7 +605,7 @@ class Producer:
                 raise E.InvalidArgument("deliver_at_ms", "give deliver_at_ms or delay_ms, not both")
         extras = _extras(tags, properties, n)
         pay_lens = np.fromiter(map(len, payloads), np.int64, n)
-        refused = _refusals(pay_lens, id_lens, deliver, delay, unfit, _now_ms(), self.limits)
+        refused = _refusals(subjects, pay_lens, id_lens, deliver, delay, unfit, _now_ms(), self.limits)
         sizes = pay_lens + id_lens + MESSAGE_OVERHEAD_BYTES
         if extras is not None:
             sizes += np.fromiter(map(len, extras), np.int64, n)
@@ -624,7 +641,7 @@ class Producer:
             payload = payload.encode()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        bad = _refusal(payload, id, deliver_at_ms, delay_ms, _now_ms(), self.limits)
+        bad = _refusal(subject, payload, id, deliver_at_ms, delay_ms, _now_ms(), self.limits)
         if bad is not None:
             fut.set_exception(bad)
             return fut
@@ -1268,6 +1285,9 @@ class Consumer:
         self.subjects = (subjects,) if isinstance(subjects, str) else tuple(subjects)
         if not self.subjects:
             raise E.InvalidArgument("subjects", "give at least one subject")
+        for s in self.subjects:  # the one subject rule (codec.subject_problem), before any call
+            check_subject(s)
+        check_subject(group, "group")
         self.subject = self.subjects[0]
         self.group = group
         self.consumer_id = consumer_id or f"c-{secrets.token_hex(4)}"

@@ -92,7 +92,14 @@ OK = 0
 INVALID_ARGUMENT = 1
 PAYLOAD_TOO_LARGE = 2
 
-SUBJECT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+# The one subject rule (docs/api.md "Subjects"; consumer group names follow it too): ASCII
+# letters, digits, '.', '_' and '-', starting with a letter or digit, at most
+# ``subject_bytes_max`` bytes. Matched whole (``fullmatch``): ``re.match`` with ``$`` takes
+# "orders.a\n", since ``$`` also matches before a trailing newline. Every check of a subject
+# (codec, SDK, CLI, meta server, nodes, grants) calls ``subject_problem`` / ``check_subject``.
+SUBJECT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
+SUBJECT_BYTES_MAX = 200  # the default ``Limits.subject_bytes_max``, and the longest subject the meta servers route
+SUBJECT_WIRE_BYTES_MAX = 0xFFFF  # the subject table's u16 length: no node takes a longer subject, whatever its limit
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -119,7 +126,7 @@ class Limits:
     """Every producer-visible limit, with a name. Defaults are the documented ones
     (``node.config.NodeSettings`` takes its defaults from here)."""
 
-    subject_bytes_max: int = 200
+    subject_bytes_max: int = SUBJECT_BYTES_MAX
     id_bytes_max: int = 128
     payload_bytes_max: int = 4 * 1024 * 1024
     tags_max: int = 16
@@ -247,12 +254,34 @@ def _subject_table(subjects: tuple[str, ...]) -> bytes:
     return b"".join(_U16.pack(len(sb)) + sb for sb in (s.encode() for s in subjects))
 
 
+def subject_problem(s: str, bytes_max: int = SUBJECT_BYTES_MAX) -> str | None:
+    """What is wrong with ``s`` as a subject (or a consumer group name), or None when it is
+    one: empty, longer than ``bytes_max`` bytes, or not of the subject rule (``SUBJECT_RE``,
+    matched whole: no trailing newline, no '/', nothing but ASCII)."""
+    if not isinstance(s, str) or not s:
+        return "must not be empty" if isinstance(s, str) else "must be a string"
+    if len(s) > bytes_max:  # a character is at least a byte: too long without encoding it
+        return f"{len(s.encode(errors='surrogatepass'))} bytes exceeds {bytes_max}"
+    if len(s) <= SUBJECT_BYTES_MAX:
+        return _subject_shape(s)
+    return None if SUBJECT_RE.fullmatch(s) else f"{s[:64]!r} does not match {SUBJECT_RE.pattern}"
+
+
 @functools.lru_cache(maxsize=4096)
-def _check_subject(s: str, limits: Limits) -> str | None:
-    raw = s.encode()
-    return ("must not be empty" if not raw else
-            f"{len(raw)} bytes exceeds {limits.subject_bytes_max}" if len(raw) > limits.subject_bytes_max else
-            f"{s[:64]!r} does not match {SUBJECT_RE.pattern}" if not SUBJECT_RE.match(s) else None)
+def _subject_shape(s: str) -> str | None:
+    """The cached part of ``subject_problem``, for ``s`` of at most ``SUBJECT_BYTES_MAX``
+    characters (a producer sends the same few subjects again and again; the cache holds at
+    most 4096 x 200 characters). The rule is ASCII only, so a subject that matches it is as
+    many bytes as characters."""
+    return None if SUBJECT_RE.fullmatch(s) else f"{s[:64]!r} does not match {SUBJECT_RE.pattern}"
+
+
+def check_subject(s: str, field: str = "subject", bytes_max: int = SUBJECT_BYTES_MAX) -> str:
+    """``s`` when it is a subject (``subject_problem``), else ``InvalidArgument(field, why)``."""
+    problem = subject_problem(s, bytes_max)
+    if problem is not None:
+        raise InvalidArgument(field, problem)
+    return s
 
 
 class Batch:
@@ -664,7 +693,7 @@ class Batch:
                 reasons[i] = reason(i) if callable(reason) else reason
 
         for k, s in enumerate(self.subjects):
-            bad = _check_subject(s, limits)
+            bad = subject_problem(s, limits.subject_bytes_max)
             if bad:
                 refuse(self.subject_idx == k, INVALID_ARGUMENT, f"subject: {bad}")
         id_ends = self.id_end.astype(np.int64)

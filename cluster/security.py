@@ -22,12 +22,22 @@ This module is pure policy plus the grpc glue of both ends:
   change on disk (checked at most every ``reload_check_ms``): new handshakes use the new files,
   nothing restarts;
 * ``AuthTable``: tokens -> ``Principal`` with grants; ``Principal.may(action, subject, group)``;
-* ``Authenticator``: the server interceptor (who is calling, may they call this method);
-  servicers check subjects with ``require(context, action, subjects, group)``.
+* ``FailureThrottle`` (``cluster/auththrottle.py``): failed authentications per peer address;
+  a peer over ``auth_failures_max`` within ``auth_failures_window_ms`` is refused unread;
+* ``Authenticator``: the server interceptor, the first thing every call meets: throttle,
+  who is calling, and may they call this method at all (``METHOD_ACTIONS``: a grant of one
+  of its actions on some subject). Servicers then check the subjects and group of the
+  request with ``check``/``require`` **before anything else** they do (before fencing,
+  "not the master", or any answer that depends on stored state).
+
+Subjects and group names in grants are matched only when they follow the one subject rule
+(``codec.subject_problem``): ``fnmatch``'s ``*`` matches anything, newlines and '/'
+included, so a grant for ``orders.*`` must never cover ``orders.a\n``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import enum
 import fnmatch
@@ -47,13 +57,20 @@ from prometheus_client import Counter
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster import errors as E
+from cluster import status
+from cluster.auththrottle import (AUTH_FAILURES_MAX, AUTH_FAILURES_WINDOW_MS, AUTH_THROTTLE_PEERS_MAX, FailureThrottle,
+                                  peer_key)
+from cluster.codec import SUBJECT_WIRE_BYTES_MAX, subject_problem
 from cluster.errors import InvalidArgument
+from cluster.wire import grantable_subjects, request_batch
 
 log = logging.getLogger("hourglass.security")
 
 NODE_PREFIX = "node:"       # common name of a node certificate: "node:<name>"
 CLIENT_PREFIX = "client:"   # common name of a client certificate: "client:<name>"
 TOKEN_BYTES_MAX = 4096      # a longer authorization header is refused unread
+REFUSED_STREAM_WAIT_S = 2.0  # a refused request stream waits this long at most for its first message (_checked)
 DECISIONS_MAX = 4096        # cached (principal, action, subject, group) answers per principal
 
 
@@ -62,7 +79,7 @@ class Action(str, enum.Enum):
     CONSUME = "consume"     # Pull / PullStream / Ack / Nack of these subjects, in these groups
     CANCEL = "cancel"       # Cancel / Lookup of messages of these subjects
     ADMIN = "admin"         # Status details, Verify, Handover
-    DISCOVER = "discover"   # GetServers / Route / Leader / Health: every authenticated caller
+    DISCOVER = "discover"   # GetServers, grpc.health.v1: every authenticated caller
     NODE = "node"           # Replicate, ReadLog, Register, Heartbeat, Campaign ...: node certificates only
 
 
@@ -85,6 +102,11 @@ class SecuritySettings(BaseSettings):
     token: SecretStr | None = None
     token_file: Path | None = None
     reload_check_ms: int = Field(default=1000, ge=10, le=600_000)
+    auth_failures_max: int = Field(default=AUTH_FAILURES_MAX, ge=1, le=1_000_000,
+                                   description="servers: failed authentications a peer may make within "
+                                               "auth_failures_window_ms before it is refused unread")
+    auth_failures_window_ms: int = Field(default=AUTH_FAILURES_WINDOW_MS, ge=1, le=86_400_000)
+    auth_throttle_peers_max: int = Field(default=AUTH_THROTTLE_PEERS_MAX, ge=1, le=10_000_000)
 
     @model_validator(mode="after")
     def _all_or_none(self) -> "SecuritySettings":
@@ -340,10 +362,18 @@ class Principal:
     _decisions: dict = field(default_factory=dict, repr=False)
 
     def may(self, action: Action, subject: str | None = None, group: str | None = None) -> bool:
+        """Whether this principal may ``action`` on ``subject`` in ``group``; None stands for
+        "some": ``may(CONSUME, None, "billing")`` is a consume grant for group billing on any
+        subject. A subject or group outside the subject rule is never granted."""
         if self.node:
             return True  # node certificates: the cluster's own processes
         if action is Action.DISCOVER:
             return True
+        if action is Action.NODE:
+            return False  # a "node" grant in the auth file makes no token a node
+        if (subject is not None and subject_problem(subject, SUBJECT_WIRE_BYTES_MAX) is not None
+                or group is not None and subject_problem(group, SUBJECT_WIRE_BYTES_MAX) is not None):
+            return False
         key = (action, subject, group)
         hit = self._decisions.get(key)
         if hit is not None:
@@ -420,49 +450,50 @@ _CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("hour
 # registered by each process's own metrics registry (node/metrics.py)
 REFUSALS = Counter("hourglass_auth_refusals", "Calls refused by authentication or permissions",
                    ["reason", "action"], registry=None)
+THROTTLED_PEERS = Counter("hourglass_auth_throttled_peers", "Times a peer reached auth_failures_max failed "
+                          "authentications within the window (refused unread until it passes)", registry=None)
 
-# method -> the action it needs before any subject is known (subject checks: ``require``)
-METHOD_ACTIONS: dict[str, Action] = {
-    "/hourglass.v1.Producer/SendBatch": Action.PRODUCE,
-    "/hourglass.v1.Producer/SendBatchStream": Action.PRODUCE,
-    "/hourglass.v1.Producer/Cancel": Action.CANCEL,
-    "/hourglass.v1.Producer/Lookup": Action.CANCEL,
-    "/hourglass.v1.Consumer/Pull": Action.CONSUME,
-    "/hourglass.v1.Consumer/PullStream": Action.CONSUME,
-    "/hourglass.v1.Consumer/Ack": Action.CONSUME,
-    "/hourglass.v1.Consumer/Nack": Action.CONSUME,
-    "/hourglass.v1.Admin/Status": Action.ADMIN,
-    "/hourglass.v1.Admin/Verify": Action.ADMIN,
-    "/hourglass.v1.Replication/Handover": Action.ADMIN,
-    "/hourglass.v1.Replication/Replicate": Action.NODE,
-    "/hourglass.v1.Replication/ReadLog": Action.NODE,
-    "/hourglass.meta.v1.Meta/Register": Action.NODE,
-    "/hourglass.meta.v1.Meta/Heartbeat": Action.NODE,
-    "/hourglass.meta.v1.Meta/Deregister": Action.NODE,
-    "/hourglass.meta.v1.Meta/Campaign": Action.NODE,
-    "/hourglass.meta.v1.Meta/Resign": Action.NODE,
-    "/hourglass.meta.v1.Meta/UpdateInSync": Action.NODE,
-    "/hourglass.meta.v1.Meta/ReportDead": Action.NODE,
-    "/hourglass.meta.v1.Meta/ForceInSync": Action.ADMIN,
-    "/hourglass.meta.v1.Meta/GetServers": Action.DISCOVER,
-    "/hourglass.meta.v1.Meta/Route": Action.DISCOVER,
-    "/hourglass.meta.v1.Meta/Leader": Action.DISCOVER,
-    "/hourglass.meta.v1.Meta/Health": Action.DISCOVER,
-    "/grpc.health.v1.Health/Check": Action.DISCOVER,
-    "/grpc.health.v1.Health/Watch": Action.DISCOVER,
+_ADMIN = (Action.ADMIN,)
+_NODE = (Action.NODE,)
+# method -> the actions of which the caller needs a grant (on some subject, in some group) to
+# call it at all: the interceptor's check, before the servicer runs. The servicers then check
+# the subjects and group of the request itself (``check``/``require``), first thing.
+METHOD_ACTIONS: dict[str, tuple[Action, ...]] = {
+    "/hourglass.v1.Producer/SendBatch": (Action.PRODUCE,),
+    "/hourglass.v1.Producer/SendBatchStream": (Action.PRODUCE,),
+    "/hourglass.v1.Producer/Cancel": (Action.CANCEL,),
+    "/hourglass.v1.Producer/Lookup": (Action.CANCEL,),
+    "/hourglass.v1.Consumer/Pull": (Action.CONSUME,),
+    "/hourglass.v1.Consumer/PullStream": (Action.CONSUME,),
+    "/hourglass.v1.Consumer/Ack": (Action.CONSUME,),
+    "/hourglass.v1.Consumer/Nack": (Action.CONSUME,),
+    "/hourglass.v1.Admin/Status": _ADMIN,
+    "/hourglass.v1.Admin/Verify": _ADMIN,
+    "/hourglass.v1.Replication/Handover": _ADMIN,
+    "/hourglass.v1.Replication/Replicate": _NODE,
+    "/hourglass.v1.Replication/ReadLog": _NODE,
+    "/hourglass.meta.v1.Meta/Register": _NODE,
+    "/hourglass.meta.v1.Meta/Heartbeat": _NODE,
+    "/hourglass.meta.v1.Meta/Deregister": _NODE,
+    "/hourglass.meta.v1.Meta/Campaign": _NODE,
+    "/hourglass.meta.v1.Meta/Resign": _NODE,
+    "/hourglass.meta.v1.Meta/UpdateInSync": _NODE,
+    "/hourglass.meta.v1.Meta/ReportDead": _NODE,
+    "/hourglass.meta.v1.Meta/ForceInSync": _ADMIN,
+    "/hourglass.meta.v1.Meta/Leader": _ADMIN,   # a group's master, epoch and in-sync set: nodes and operators
+    "/hourglass.meta.v1.Meta/Health": _ADMIN,   # the etcd endpoint and its error text: operators
+    "/hourglass.meta.v1.Meta/Route": (Action.PRODUCE, Action.CONSUME),  # and on that very subject (the servicer)
+    "/hourglass.meta.v1.Meta/GetServers": (Action.DISCOVER,),
+    "/grpc.health.v1.Health/Check": (Action.DISCOVER,),
+    "/grpc.health.v1.Health/Watch": (Action.DISCOVER,),
 }
 # a method not listed needs a node certificate: a new RPC is closed until someone opens it
 
 
-class Refused(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def refuse(reason: str, action: Action | str, code: grpc.StatusCode, message: str) -> Refused:
+def refuse(reason: str, action: Action | str, error: E.HourglassError) -> E.HourglassError:
+    """Count a refusal (``hourglass_auth_refusals_total{reason, action}``) and return its error."""
     REFUSALS.labels(reason=reason, action=getattr(action, "value", action)).inc()
-    return Refused(code, message)
+    return error
 
 
 def caller() -> Principal | None:
@@ -470,27 +501,52 @@ def caller() -> Principal | None:
     return _CALLER.get()
 
 
-def check(action: Action, subjects: Iterable[str] = (None,), group: str | None = None) -> None:
-    """Raise ``Refused`` (PERMISSION_DENIED) unless the caller may ``action`` every one of
-    ``subjects`` (in ``group``). Security off: always allowed."""
+def _what(action: Action | tuple[Action, ...]) -> str:
+    actions = action if isinstance(action, tuple) else (action,)
+    return " or ".join(a.value for a in actions)
+
+
+def check(action: Action | tuple[Action, ...], subjects: Iterable[str | None] = (None,),
+          group: str | None = None) -> None:
+    """Raise ``PermissionDenied`` unless the caller may ``action`` (or one of a tuple of
+    actions) on every one of ``subjects`` (in ``group``). No subject named (an empty list,
+    as an empty Ack) means "some subject": the caller needs such a grant all the same.
+    Security off: always allowed."""
     p = _CALLER.get()
     if p is None:
         return
-    for s in subjects:
-        if not p.may(action, s, group) or (action is Action.NODE and not p.node):
+    actions = action if isinstance(action, tuple) else (action,)
+    for s in list(subjects) or [None]:
+        if not any(p.may(a, s, group) for a in actions):
             what = f" subject {s[:200]!r}" if s is not None else ""
             what += f" in group {group[:200]!r}" if group is not None else ""
-            log.info("refused: %s may not %s%s", p.name, action.value, what)
-            raise refuse("permission", action, grpc.StatusCode.PERMISSION_DENIED,
-                         f"permission denied: {p.name!r} may not {action.value}{what}")
+            log.info("refused: %s may not %s%s", p.name, _what(action), what)
+            raise refuse("permission", actions[0], E.PermissionDenied(
+                f"permission denied: {p.name!r} may not {_what(action)}{what}"))
 
 
-async def require(context, action: Action, subjects: Iterable[str] = (None,), group: str | None = None) -> None:
-    """``check`` for a servicer: a refusal ends the call with its status."""
+async def require(context, action: Action | tuple[Action, ...], subjects: Iterable[str | None] = (None,),
+                  group: str | None = None) -> None:
+    """``check`` for a servicer: a refusal ends the call with its status (``cluster.status``)."""
     try:
         check(action, subjects, group)
-    except Refused as e:
-        await context.abort(e.code, str(e))
+    except E.PermissionDenied as e:
+        await status.abort(context, e)
+
+
+async def require_send(context, request, *, now_ms: int):
+    """The first step of a SendBatch: decode its batch (malformed: INVALID_ARGUMENT, nothing
+    about the server's state said) and check the caller may produce each of its subjects
+    (``grantable_subjects``) and, when the request claims a term (``epoch``: fencing), is a
+    node. Returns the batch, its delays resolved at ``now_ms``."""
+    try:
+        batch = request_batch(request, now_ms=now_ms)
+    except E.HourglassError as e:
+        await status.abort(context, e)
+    await require(context, Action.PRODUCE, grantable_subjects(batch))
+    if request.epoch:  # a sender's term is believed only from a node certificate
+        await require(context, Action.NODE)
+    return batch
 
 
 def _bearer(metadata) -> str | None:
@@ -504,15 +560,27 @@ def _bearer(metadata) -> str | None:
     return None
 
 
+def _now_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
 class Authenticator(grpc.aio.ServerInterceptor):
     """Who is calling (a node certificate, or a client certificate with a token) and may
     they call this method at all. Subject checks happen in the servicers (``require``).
-    With ``files`` holding a client CA, a ``node:`` certificate that CA signed is a client."""
+    With ``files`` holding a client CA, a ``node:`` certificate that CA signed is a client.
 
-    def __init__(self, table: AuthTable, files: TlsFiles | None = None) -> None:
+    Failed authentications count per peer address (``FailureThrottle``); a peer over the
+    limit is refused (UNAUTHENTICATED, saying when to try again) before its token is read.
+    Node certificates are exempt: the TLS handshake proved them, and a client that shares an
+    address with a node (a host, a NAT) must not cut the cluster's own calls."""
+
+    def __init__(self, table: AuthTable, files: TlsFiles | None = None, throttle: FailureThrottle | None = None,
+                 *, clock=_now_ms) -> None:
         self.table = table
         self.files = files
         self._client_ca_verdicts: dict[tuple[int, bytes], bool] = {}  # (CA generation, PEM) -> signed by it
+        self.throttle = throttle if throttle is not None else FailureThrottle()
+        self.clock = clock
 
     def _claims_node_falsely(self, auth) -> bool:
         """A ``node:`` certificate issued by the client CA (cached per certificate and CA generation)."""
@@ -531,39 +599,55 @@ class Authenticator(grpc.aio.ServerInterceptor):
     def identify(self, context) -> Principal:
         auth = context.auth_context()
         names = [n.decode(errors="replace") for n in auth.get("x509_common_name", ())]
-        if not names:  # mutual TLS should make this impossible: refuse rather than trust
-            raise refuse("no_certificate", "-", grpc.StatusCode.UNAUTHENTICATED,
-                         "unauthenticated: no client certificate")
-        cn = names[0]
-        if cn.startswith(NODE_PREFIX):
+        if names and names[0].startswith(NODE_PREFIX):
             if not self._claims_node_falsely(auth):
-                return Principal(cn, node=True)
-            log.warning("a certificate of the client CA claims to be a node (%s): treated as a client", cn[:200])
+                return Principal(names[0], node=True)
+            log.warning("a certificate of the client CA claims to be a node (%s): treated as a client", names[0][:200])
+        peer = peer_key(context.peer())
+        now = self.clock()
+        wait_ms = self.throttle.retry_after_ms(peer, now)
+        if wait_ms:
+            raise refuse("throttled", "-", E.Unauthenticated(
+                f"unauthenticated: too many failed authentications from {peer} ({self.throttle.failures_max} "
+                f"within {self.throttle.window_ms} ms); refused unread, try again in {-(-wait_ms // 1000)} s"))
+        try:
+            return self._identify(context, names)
+        except E.Unauthenticated:
+            if self.throttle.failed(peer, now):
+                THROTTLED_PEERS.inc()
+                log.warning("peer=%s reached %d failed authentications within %d ms: refused until the window "
+                            "passes", peer, self.throttle.failures_max, self.throttle.window_ms)
+            raise
+
+    def _identify(self, context, names: list[str]) -> Principal:
+        if not names:  # mutual TLS should make this impossible: refuse rather than trust
+            raise refuse("no_certificate", "-", E.Unauthenticated("unauthenticated: no client certificate"))
         token = _bearer(context.invocation_metadata())
         if token is None:
-            p = self.table.by_certificate(cn)  # a client certificate the auth file lists: its own identity
+            p = self.table.by_certificate(names[0])  # a client certificate the auth file lists: its own identity
             if p is not None:
                 return p
-            raise refuse("no_token", "-", grpc.StatusCode.UNAUTHENTICATED,
-                         "unauthenticated: no bearer token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE), and the "
-                         "client certificate is not listed in the auth file")
+            raise refuse("no_token", "-", E.Unauthenticated(
+                "unauthenticated: no bearer token (HOURGLASS_TOKEN or HOURGLASS_TOKEN_FILE), and the client "
+                "certificate is not listed in the auth file"))
         p = self.table.principal(token) if token else None
         if p is None:
-            raise refuse("bad_token", "-", grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: unknown token")
+            raise refuse("bad_token", "-", E.Unauthenticated("unauthenticated: unknown token"))
         return p
 
     def authorize(self, method: str, context) -> Principal:
         p = self.identify(context)
-        need = METHOD_ACTIONS.get(method, Action.NODE)
-        if need is Action.NODE and not p.node:
+        need = METHOD_ACTIONS.get(method, _NODE)
+        if any(p.may(a) for a in need):
+            return p
+        name = method.rsplit("/", 1)[-1]
+        if need == _NODE:
             log.info("refused: %s called %s, which needs a node certificate", p.name, method)
-            raise refuse("permission", need, grpc.StatusCode.PERMISSION_DENIED,
-                         f"permission denied: {method} needs a node certificate")
-        if need is Action.ADMIN and not p.may(Action.ADMIN):
-            log.info("refused: %s called %s without admin", p.name, method)
-            raise refuse("permission", need, grpc.StatusCode.PERMISSION_DENIED,
-                         f"permission denied: {p.name!r} may not {method.rsplit('/', 1)[-1]} (needs admin)")
-        return p
+            raise refuse("permission", Action.NODE, E.PermissionDenied(
+                f"permission denied: {method} needs a node certificate"))
+        log.info("refused: %s called %s without a %s grant", p.name, method, _what(need))
+        raise refuse("permission", need[0], E.PermissionDenied(
+            f"permission denied: {p.name!r} may not {_what(need)} ({name} needs {_what(need)})"))
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -572,21 +656,40 @@ class Authenticator(grpc.aio.ServerInterceptor):
         return _checked(self, details.method, handler)
 
 
+async def _first_request(requests) -> None:
+    """Wait (at most ``REFUSED_STREAM_WAIT_S``) for a request stream's first message or its
+    end. A stream refused before the client's first write went out ends, for the client,
+    with INTERNAL "Internal error from Core" (grpc turns the failed send into the call's
+    status) instead of the refusal; once that write is through, the refusal is what it reads."""
+    try:
+        async with asyncio.timeout(REFUSED_STREAM_WAIT_S):
+            async for _ in requests:
+                return
+    except (TimeoutError, grpc.RpcError, asyncio.InvalidStateError):
+        return
+
+
 def _checked(auth: Authenticator, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def enter(context) -> Refused | None:
+    """``handler`` behind ``auth.authorize``: a refusal ends the call before the servicer
+    is touched (a request stream's first message is waited for, not handled: ``_first_request``)."""
+    streamed_requests = bool(handler.stream_unary or handler.stream_stream)
+
+    async def enter(request, context) -> E.HourglassError | None:
         try:
             _CALLER.set(auth.authorize(method, context))
             return None
-        except Refused as e:
+        except (E.Unauthenticated, E.PermissionDenied) as e:
+            if streamed_requests:
+                await _first_request(request)
             return e
 
     if handler.unary_unary or handler.stream_unary:
         inner = handler.unary_unary or handler.stream_unary
 
         async def unary(request, context):
-            refused = enter(context)
+            refused = await enter(request, context)
             if refused is not None:
-                await context.abort(refused.code, str(refused))
+                await status.abort(context, refused)
             return await inner(request, context)
         make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
         return make(unary, request_deserializer=handler.request_deserializer,
@@ -595,9 +698,9 @@ def _checked(auth: Authenticator, method: str, handler: grpc.RpcMethodHandler) -
     inner = handler.unary_stream or handler.stream_stream
 
     async def streaming(request, context):
-        refused = enter(context)
+        refused = await enter(request, context)
         if refused is not None:
-            await context.abort(refused.code, str(refused))
+            await status.abort(context, refused)
         async for item in inner(request, context):
             yield item
     make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
@@ -629,7 +732,11 @@ class ServerSecurity:
         return self.files is not None
 
     def interceptors(self) -> list:
-        return [Authenticator(self.table, self.files)] if self.table is not None else []
+        if self.table is None:
+            return []
+        s = self.settings
+        return [Authenticator(self.table, self.files, FailureThrottle(s.auth_failures_max, s.auth_failures_window_ms,
+                                                                      s.auth_throttle_peers_max))]
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.files is None:

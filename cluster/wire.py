@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from cluster.codec import Batch, pack_i64, pack_u64, unpack_i64
+from cluster.codec import SUBJECT_WIRE_BYTES_MAX, Batch, pack_i64, pack_u64, subject_problem, unpack_i64
 from cluster.errors import InvalidArgument
 from cluster.proto import hourglass_pb2 as pb
 
@@ -45,6 +45,13 @@ def request_batch(req: pb.SendBatchRequest, *, now_ms: int, immediate: bool = Fa
     if due is not b.deliver_at_ms:
         b = b.replace(deliver_at_ms=due.astype(np.int64), effective_ms=due.astype(np.int64))
     return b
+
+
+def grantable_subjects(batch: Batch) -> list[str]:
+    """The subjects of a send a produce grant is checked for: those of the subject rule. The
+    messages of any other subject are refused one by one (INVALID_ARGUMENT, ``Batch.validate``)
+    and never stored, so they need no grant (and a grant never covers them)."""
+    return [s for s in batch.subjects if subject_problem(s, SUBJECT_WIRE_BYTES_MAX) is None]
 
 
 def make_request(batch: Batch, *, delay_ms=None, immediate: bool = False, epoch: int = 0) -> pb.SendBatchRequest:

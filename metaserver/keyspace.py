@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cluster import codec
 from cluster.errors import InvalidArgument
 
 PREFIX = "/hourglass"
 ROLES = ("delay", "realtime")
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-SUBJECT_BYTES_MAX = 200
+SUBJECT_BYTES_MAX = codec.SUBJECT_BYTES_MAX  # a longer subject is never routed (nor written to etcd)
 OFFSETS_MAX = 16
 
 
@@ -71,15 +72,14 @@ def check_role(role: str) -> str:
 
 
 def check_name(field_name: str, value: str) -> str:
-    if not NAME_RE.match(value or ""):
+    if not NAME_RE.fullmatch(value or ""):  # whole: "$" alone also matches before a trailing newline
         raise InvalidArgument(field_name, f"{value!r} must match {NAME_RE.pattern}")
     return value
 
 
 def check_subject(subject: str) -> str:
-    if not subject or len(subject.encode()) > SUBJECT_BYTES_MAX:
-        raise InvalidArgument("subject", f"must be 1..{SUBJECT_BYTES_MAX} bytes")
-    return subject
+    """The one subject rule (``codec.check_subject``): an etcd key is made of nothing else."""
+    return codec.check_subject(subject, "subject", SUBJECT_BYTES_MAX)
 
 
 class NodeRecord(BaseModel):
@@ -108,7 +108,7 @@ class NodeRecord(BaseModel):
     @field_validator("group", "node_id")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} must match {NAME_RE.pattern}")
         return v
 
@@ -126,7 +126,7 @@ class NodeRecord(BaseModel):
         if len(v) > OFFSETS_MAX:
             raise ValueError(f"at most {OFFSETS_MAX} offsets")
         for k, off in v.items():
-            if not NAME_RE.match(k) or off < 0:
+            if not NAME_RE.fullmatch(k) or off < 0:
                 raise ValueError(f"offset {k!r}={off} must be a name and >= 0")
         return v
 

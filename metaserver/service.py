@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 
-from cluster import status
+from cluster import security, status
 from cluster.errors import HourglassError, InvalidArgument, NotLeader, QuotaExceeded, Unavailable
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
@@ -135,7 +135,13 @@ class MetaService(mrpc.MetaServicer):
         return mpb.GetServersResponse(groups=[group_to_pb(g) for g in groups], revision=revision)
 
     async def Route(self, request: mpb.RouteRequest, context) -> mpb.RouteResponse:
+        """The real-time group of a subject, chosen and written to etcd on its first use.
+        Before anything is read or written: the subject must follow the subject rule
+        (INVALID_ARGUMENT) and the caller must hold a produce or consume grant on it
+        (PERMISSION_DENIED); a route is a permanent etcd key, so no other caller makes one."""
         try:
+            ks.check_subject(request.subject)
+            security.check((security.Action.PRODUCE, security.Action.CONSUME), [request.subject])
             if role_for_kind(request.kind) != "realtime":
                 raise InvalidArgument("kind", "subjects route to real-time groups; delayed messages go to any "
                                               "delay group (GetServers DELAYED_PRODUCER)")

@@ -10,7 +10,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cluster.metricsserver import MetricsEndpoint, MetricsServer
-from cluster.security import REFUSALS
+from cluster.security import REFUSALS, THROTTLED_PEERS
 
 log = logging.getLogger("hourglass.metrics")
 
@@ -22,6 +22,7 @@ class NodeMetrics:
     def __init__(self, role: str, node_id: str) -> None:
         self.registry = r = CollectorRegistry()
         r.register(REFUSALS)  # calls refused by authentication or permissions (cluster/security.py)
+        r.register(THROTTLED_PEERS)  # peers refused for a window after too many failed authentications
         labels = {"role": role, "node": node_id}
         self.ingested = Counter("hourglass_ingested_messages", "Messages accepted (durable)", registry=r)
         self.dispatched = Counter("hourglass_dispatched_messages", "Delayed messages handed to real-time nodes",

@@ -364,3 +364,18 @@ async def test_deferred_acks_ride_on_the_next_pull_and_close_sends_the_rest(node
         assert node.acks_on_pull == 1 and len(node.acked_handles()) == 10
         await rb2.ack(defer=True)
     assert len(node.acked_handles()) == 11  # close() sent the last deferred acks with an Ack
+
+
+async def test_a_message_of_a_bad_subject_fails_at_once_and_is_never_sent(nodes):
+    """The one subject rule (``codec.subject_problem``), in the SDK: ``orders.a\\n`` is no subject."""
+    (node,) = await nodes()
+    r = StaticResolver(delay=[node.address], realtime=[node.address])
+    async with fast(r) as p:
+        with pytest.raises(E.InvalidArgument, match="does not match"):
+            await p.send_and_wait("orders.a\n", b"x", delay_ms=60_000)
+        res = await (await p.send_many(["orders.a", "orders.a\n", "orders/x"], [b"1", b"2", b"3"], delay_ms=60_000))
+        assert sorted(res.errors) == [1, 2] and "message 1" in str(res.errors[1])
+    assert [s for rec in node.requests for s in rec.subjects] == ["orders.a"]
+    for subjects, group in ((["orders.a\n"], "g"), (["orders.a"], "billing\n")):
+        with pytest.raises(E.InvalidArgument):
+            Consumer(r, subjects, group=group)

@@ -216,3 +216,22 @@ def test_dispatch_batch_round_trip_and_checks():
     assert (e.dispatched_ms, e.outcome) == (99, 1)
     with pytest.raises(InvalidArgument):
         DispatchBatch.decode(d.encode()[:-1])
+
+
+@pytest.mark.parametrize("subject, ok", [
+    ("orders", True), ("orders.a-b_c.9", True), ("9", True), ("a" * 200, True),
+    ("orders.a\n", False), ("orders.a\r", False), ("\norders", False), ("orders\n.a", False),
+    ("not a subject/\n../x", False), ("orders/x", False), (".orders", False), ("", False), ("a" * 201, False),
+    ("ordérs", False), ("orders\x00", False),
+])
+def test_one_subject_rule_matches_the_whole_subject(subject, ok):
+    """``$`` alone also matches before a trailing newline: the rule is matched whole, one
+    function for every caller (``subject_problem``), the batch's check among them."""
+    from cluster.codec import check_subject, subject_problem
+
+    assert (subject_problem(subject) is None) == ok
+    codes, reasons = Batch.build(subject, [b"x"], ["i"], [0]).validate(now_ms=0)
+    assert codes.tolist() == ([OK] if ok else [INVALID_ARGUMENT]), reasons
+    if not ok:
+        with pytest.raises(InvalidArgument, match="invalid topic"):
+            check_subject(subject, "topic")

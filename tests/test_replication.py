@@ -18,8 +18,10 @@ from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster, wait_until as wait_for
 from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
+from cluster.codec import Batch
 from cluster.proto import hourglass_pb2 as pb
 from cluster.transport import Channels
+from cluster.wire import make_request
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
@@ -316,8 +318,9 @@ async def test_a_fetch_claiming_a_huge_epoch_does_not_depose_the_master(group):
                 async for _resp in call:
                     pass
             assert "not the master" in str(e.value)
-        with pytest.raises(Exception, match="not the master"):
-            await ch.producer(node.address).SendBatch(pb.SendBatchRequest(epoch=2**62), timeout=5)
+        claim = make_request(Batch.build("rep.epoch", [b"x"], ["claim-1"], [0]), epoch=2**62)
+        with pytest.raises(Exception, match="not the master"):  # the batch is read first, then the claim
+            await ch.producer(node.address).SendBatch(claim, timeout=5)
     finally:
         await ch.close()
     await asyncio.sleep(1.0)  # a deposed master would have stepped down and another won by now

@@ -23,7 +23,7 @@ from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.security import Grant
 from cluster.transport import Channels
-from cluster.wire import make_request
+from cluster.wire import BatchResult, make_request
 from tests.helpers.flow import receive_ids, round_trip
 
 
@@ -344,3 +344,215 @@ async def test_the_probe_port_answers_health_in_plaintext_and_nothing_else(tmp_p
                 await rpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert await _health_plain(c.delay[0].address) == grpc.StatusCode.UNAVAILABLE
+
+
+# ------------------------------------------------------------------ issue 27: authorization first
+
+
+async def _subject_keys(c: LocalCluster) -> set[bytes]:
+    """Every key under etcd's ``/hourglass/subjects/`` (read with the meta servers' credentials)."""
+    from cluster.security import TlsFiles
+    from metaserver.etcd import EtcdClient
+
+    env = c.meta[0].env
+    tls = TlsFiles(env["HOURGLASS_META_ETCD_CA_FILE"], env["HOURGLASS_META_ETCD_CERT_FILE"],
+                   env["HOURGLASS_META_ETCD_KEY_FILE"], check_every_s=0)
+    etcd = EtcdClient(c.etcd_endpoints, timeout_s=5, tls=tls)
+    try:
+        return {kv.key for kv in await etcd.call(lambda cl: cl.get_prefix(b"/hourglass/subjects/"))}
+    finally:
+        await etcd.close()
+
+
+async def _meta_code(c: LocalCluster, token: str | None, method: str, request) -> grpc.StatusCode:
+    ch = Channels(c.client_security(c.tokens[token][1] if token else None))
+    try:
+        await getattr(mrpc.MetaStub(ch.get(c.meta_addresses[0])), method)(request, timeout=10)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+    finally:
+        await ch.close()
+
+
+async def test_route_needs_a_grant_on_its_subject_and_a_valid_subject_and_writes_nothing_else(secure):
+    before = await _subject_keys(secure)
+    route = lambda kind, subject: mpb.RouteRequest(kind=kind, subject=subject)  # noqa: E731
+    refused = [
+        ("producer", route(mpb.IMMEDIATE_PRODUCER, "payments.x"), grpc.StatusCode.PERMISSION_DENIED),
+        ("producer", route(mpb.CONSUMER, "payments.y"), grpc.StatusCode.PERMISSION_DENIED),
+        ("orders-reader", route(mpb.CONSUMER, "payments.z"), grpc.StatusCode.PERMISSION_DENIED),
+        ("canceller", route(mpb.CONSUMER, "orders.c"), grpc.StatusCode.PERMISSION_DENIED),  # cancel: no route
+        ("producer", route(mpb.IMMEDIATE_PRODUCER, "orders.a\n"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("producer", route(mpb.IMMEDIATE_PRODUCER, "not a subject/\n../x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (None, route(mpb.IMMEDIATE_PRODUCER, "orders.a\n"), grpc.StatusCode.INVALID_ARGUMENT),  # admin too
+        (None, route(mpb.IMMEDIATE_PRODUCER, "orders." + "x" * 200), grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for token, req, want in refused:
+        assert await _meta_code(secure, token, "Route", req) == want, (token, req)
+    assert await _subject_keys(secure) == before  # nothing written
+    # the other Meta RPCs: Leader and Health are for operators (and nodes); GetServers for any caller
+    assert await _meta_code(secure, "producer", "Leader",
+                            mpb.LeaderRequest(role="delay", group="delay-g1")) == grpc.StatusCode.PERMISSION_DENIED
+    assert await _meta_code(secure, "producer", "Health", mpb.HealthRequest()) == grpc.StatusCode.PERMISSION_DENIED
+    assert await _meta_code(secure, None, "Leader", mpb.LeaderRequest(role="delay", group="delay-g1")) == \
+        grpc.StatusCode.OK
+    assert await _meta_code(secure, "producer", "GetServers",
+                            mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER)) == grpc.StatusCode.OK
+    # and a route inside the grants is made (this test sees writes)
+    assert await _meta_code(secure, "orders-reader", "Route",
+                            route(mpb.CONSUMER, "orders.routed")) == grpc.StatusCode.OK
+    assert await _subject_keys(secure) == before | {b"/hourglass/subjects/orders.routed"}
+
+
+async def test_a_subject_with_a_trailing_newline_is_invalid_from_a_send_and_a_consume(secure):
+    master_name = await secure.wait_master("delay")
+    master = next(n for n in secure.delay if n.name == master_name)
+    now = int(time.time() * 1000)
+    r = _resolver(secure, "producer")
+    try:
+        async with Producer(r, call_timeout_s=10) as p:
+            with pytest.raises(E.InvalidArgument, match="does not match"):  # the SDK's own check
+                await p.send_and_wait("orders.a\n", b"x", delay_ms=100, id="sec-nl-1")
+    finally:
+        await r.close()
+    ch = Channels(secure.client_security(secure.tokens["producer"][1]))
+    try:  # the nodes' check (a client without the SDK's)
+        for address, immediate in ((master.address, False), (secure.realtime[0].address, True)):
+            batch = Batch.build(["orders.a\n", "orders.ok"], [b"x", b"y"], ["sec-nl-2", "sec-nl-3"], [now, now])
+            resp = await ch.producer(address).SendBatch(make_request(batch, immediate=immediate), timeout=10)
+            res = BatchResult.from_pb(resp, 2)
+            assert res.codes.tolist() == [pb.INVALID_ARGUMENT, pb.OK], (address, res.errors)
+            assert "does not match" in res.errors[0]
+    finally:
+        await ch.close()
+    ch = Channels(secure.client_security(secure.tokens["orders-reader"][1]))
+    try:
+        rt = ch.consumer(secure.realtime[0].address)
+        calls = [rt.Pull(pb.PullRequest(subject="orders.a\n", group="billing", wait_ms=0), timeout=10),
+                 rt.Pull(pb.PullRequest(subject="orders.ok", group="billing\n", wait_ms=0), timeout=10),
+                 rt.Ack(pb.AckRequest(group="billing", acks=[pb.SubjectHandles(subject="orders.a\n")]), timeout=10),
+                 rt.Nack(pb.NackRequest(group="billing", nacks=[pb.SubjectHandles(subject="orders.a\n")]), timeout=10)]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    finally:
+        await ch.close()
+    statuses = await secure.statuses("realtime")
+    assert not [s for st in statuses.values() for s in st["subjects"] if "\n" in s]  # no such subject made
+
+
+async def test_an_empty_ack_or_nack_needs_a_consume_grant(secure):
+    async def code(token: str, call) -> grpc.StatusCode:
+        ch = Channels(secure.client_security(secure.tokens[token][1]))
+        try:
+            await call(ch.consumer(secure.realtime[0].address))
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()
+        finally:
+            await ch.close()
+
+    def ack(group):
+        return lambda stub: stub.Ack(pb.AckRequest(group=group), timeout=10)
+
+    def nack(group):
+        return lambda stub: stub.Nack(pb.NackRequest(group=group), timeout=10)
+
+    assert await code("producer", ack("billing")) == grpc.StatusCode.PERMISSION_DENIED
+    assert await code("producer", nack("billing")) == grpc.StatusCode.PERMISSION_DENIED
+    assert await code("orders-reader", ack("shipping")) == grpc.StatusCode.PERMISSION_DENIED  # not its group
+    assert await code("orders-reader", ack("billing")) == grpc.StatusCode.OK  # its own group: nothing to ack
+
+
+async def test_a_claimed_epoch_from_a_client_is_permission_denied_before_any_master_check(secure):
+    """The check order: who may (a client may not claim a term) before who is master. A slave
+    used to answer "not the master" to a client's epoch, telling it where the master is."""
+    master_name = await secure.wait_master("delay")
+    slave = next(n for n in secure.delay if n.name != master_name and n.name.startswith("delay-"))
+    master = next(n for n in secure.delay if n.name == master_name)
+    groups = {n.name: (await secure.statuses("delay"))[n.name].get("group") for n in (slave, master)}
+    assert groups[slave.name] == groups[master.name]  # a master and its slave
+    before = (await secure.statuses("delay"))[master_name]
+    now = int(time.time() * 1000)
+    batch = Batch.build("orders.e", [b"x"], ["sec-ep-1"], [now + 60_000])
+    ch = Channels(secure.client_security(secure.tokens["producer"][1]))
+    try:
+        for address, epoch in ((slave.address, 7), (master.address, 2 ** 63), (secure.realtime[0].address, 7)):
+            with pytest.raises(grpc.RpcError) as err:
+                await ch.producer(address).SendBatch(make_request(batch, epoch=epoch), timeout=10)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, (address, err.value.details())
+            assert "may not node" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:  # the same send without an epoch: the slave says so
+            await ch.producer(slave.address).SendBatch(make_request(batch), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "not the master" in err.value.details()
+    finally:
+        await ch.close()
+    after = (await secure.statuses("delay"))[master_name]
+    assert after["master"] and after["epoch"] == before["epoch"]
+
+
+def _metric(port: int, prefix: str) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+async def test_a_peer_with_too_many_failed_authentications_is_refused_unread(tmp_path):
+    """A real secure node with auth_failures_max=5: five wrong tokens from 127.0.0.1, then even
+    the right token is refused (throttled) while the nodes' own certificate is still served.
+    The window is long (10 min): the test asserts the refusal, not a time."""
+    metrics = free_port()
+    c = LocalCluster(tmp_path / "c", n_delay=1, n_realtime=0, secure=True,
+                     env={"HOURGLASS_AUTH_FAILURES_MAX": "5", "HOURGLASS_AUTH_FAILURES_WINDOW_MS": "600000",
+                          "HOURGLASS_METRICS_PORT": str(metrics)})
+    with c:
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text(certs.new_token())
+        address = c.delay[0].address
+        assert await _status_code(Channels(c.client_security()), address) == grpc.StatusCode.OK
+        for _ in range(5):
+            assert await _status_details(c.client_security(wrong), address) == \
+                (grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: unknown token")
+        code, details = await _status_details(c.client_security(), address)  # the admin token
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "too many failed authentications from 127.0.0.1" in details
+        assert "try again in" in details
+        code, details = await _status_details(c.client_security(wrong), address)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "too many" in details  # refused unread, not "unknown"
+        assert await _status_code(Channels(c.node_security()), address) == grpc.StatusCode.OK  # a node: exempt
+        refusals = _metric(metrics, "hourglass_auth_refusals_total{")
+        assert refusals['hourglass_auth_refusals_total{action="-",reason="bad_token"}'] == 5
+        assert refusals['hourglass_auth_refusals_total{action="-",reason="throttled"}'] == 2
+        assert _metric(metrics, "hourglass_auth_throttled_peers_total") == {"hourglass_auth_throttled_peers_total": 1}
+    from cluster.cli.common import explain
+
+    assert len(explain(E.Unauthenticated(details))[1]) <= 2  # the CLI says it in a line or two
+
+
+async def _status_details(sec, address: str) -> tuple[grpc.StatusCode, str]:
+    ch = Channels(sec)
+    try:
+        await ch.admin(address).Status(pb.StatusRequest(), timeout=5)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    finally:
+        await ch.close()
+
+
+async def test_a_refused_stream_says_why_every_time(secure):
+    """The interceptor refuses a PullStream of a token without consume before the servicer
+    runs. Refused before the client's first write went out, the client read INTERNAL "Internal
+    error from Core" (grpc makes the failed send the call's status) about one time in ten: the
+    refusal now waits for that first request. Fresh streams, each refused."""
+    r = _resolver(secure, "producer")
+    try:
+        for i in range(20):
+            async with Consumer(r, "orders.created", group="billing", call_timeout_s=10) as cons:
+                with pytest.raises(E.PermissionDenied, match="may not consume"):
+                    await cons.pull(wait_ms=0)
+    finally:
+        await r.close()

@@ -49,14 +49,14 @@ def _iso(ms: int) -> str:
 
 
 def _check_subject(subject: str) -> None:
-    """The subject rule of the wire format (``codec.SUBJECT_RE``), checked before any call."""
-    from cluster.codec import SUBJECT_RE
+    """The subject rule of the wire format (``codec.subject_problem``), checked before any call."""
+    from cluster.codec import SUBJECT_BYTES_MAX, subject_problem
 
     if not subject:
         raise E.InvalidArgument("subject", "it is empty; give one such as orders.cancel")
-    if not SUBJECT_RE.match(subject):
+    if subject_problem(subject) is not None:
         raise E.InvalidArgument("subject", f"{shown(subject)}: use letters, digits, '.', '_' and '-', "
-                                           "starting with a letter or digit")
+                                           f"starting with a letter or digit, at most {SUBJECT_BYTES_MAX} bytes")
 
 
 def _parse_at(at: str, now_ms: int) -> int:

@@ -33,12 +33,12 @@ from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
+from cluster.errors import DiskFull, HourglassError, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, request_batch, serve_ordered
+from cluster.wire import BatchResult, make_request, serve_ordered
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import retention
@@ -101,21 +101,25 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     # ------------------------------------------------------------------ gRPC: producer
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
-        res, _ = await self._ingest(request, context)
+        batch, now = await self._authorized_batch(request, context)
+        await self._serving(context, request.epoch)
+        res, _ = await self._ingest(batch, now, context)
         return res
 
-    async def _ingest(self, request: pb.SendBatchRequest, context) -> tuple[pb.SendBatchResponse, int]:
-        """Validate, append and fsync one batch: ``(answer, end offset of this write)``. The
+    async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
+        """First thing of a send (``security.require_send``): the batch, if the caller may send
+        it, and the time its delays were resolved at."""
+        now = self.clock.now_ms()
+        return await security.require_send(context, request, now_ms=now), now
+
+    async def _serving(self, context, epoch: int = 0) -> None:
+        """After authorization, before any work: a replicated node answers NotLeader here
+        unless it is the master, and refuses a newer term than its own (``ReplicaRoles``)."""
+
+    async def _ingest(self, batch: Batch, now: int, context) -> tuple[pb.SendBatchResponse, int]:
+        """Append and fsync one authorized batch: ``(answer, end offset of this write)``. The
         end offset is taken right after the append, before any await: a replicated master
         waits for exactly these bytes, whatever the log does meanwhile."""
-        now = self.clock.now_ms()
-        try:
-            batch = request_batch(request, now_ms=now)
-        except InvalidArgument as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        await security.require(context, Action.PRODUCE, batch.subjects)
-        if request.epoch:  # a sender's term (fencing) is believed only from a node certificate
-            await security.require(context, Action.NODE)
         if batch.n > self.settings.batch_messages_max:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
@@ -157,12 +161,16 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         return e
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        # the interceptor checked the caller holds a cancel grant; the subject is known only
+        # from the stored message, which only the master answers for
+        await self._serving(context)
+        await self._may_cancel(context, request.id)
         resp, _ = await self._cancel(request, context)
         return resp
 
     async def _cancel(self, request: pb.CancelRequest, context) -> tuple[pb.CancelResponse, int]:
-        """Cancel one id: ``(answer, end offset of the tombstone's write or -1)``."""
-        await self._may_cancel(context, request.id)
+        """Cancel one id (the caller may: ``_may_cancel``): ``(answer, end offset of the
+        tombstone's write or -1)``."""
         try:
             self.disk.admit(self.store.cancel_bytes_bound(request.id))
             seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
@@ -187,6 +195,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         await security.require(context, Action.CANCEL, [subject])
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        await self._serving(context)  # as Cancel: the subject is the stored message's
         try:
             r = self.store.lookup(request.id)
         except HourglassError as e:

@@ -47,7 +47,7 @@ import numpy as np
 
 from cluster import security, status
 from cluster.clock import Clock, SystemClock
-from cluster.codec import Batch, encode_extra
+from cluster.codec import Batch, check_subject, encode_extra
 from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
@@ -55,7 +55,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, pack_ranges, request_batch, serve_ordered, unpack_ranges
+from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, unpack_ranges
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
@@ -162,15 +162,23 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     # ------------------------------------------------------------------ producer side
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
-        self.calls["send"] += 1
+        batch, now = await self._authorized_batch(request, context)
+        await self._serving(context, request.epoch)
+        return await self._store_batch(batch, now, request.immediate, context)
+
+    async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
+        """First thing of a send (``security.require_send``): the batch, if the caller may send
+        it, and the time its delays were resolved at."""
         now = self.clock.now_ms()
-        try:
-            batch = request_batch(request, now_ms=now)
-        except HourglassError as e:
-            await status.abort(context, e)
-        await security.require(context, Action.PRODUCE, batch.subjects)
-        if request.epoch:  # a sender's term (fencing) is believed only from a node certificate
-            await security.require(context, Action.NODE)
+        return await security.require_send(context, request, now_ms=now), now
+
+    async def _serving(self, context, epoch: int = 0) -> None:
+        """After authorization, before any work: a replicated node answers NotLeader here
+        unless it serves clients now, and refuses a newer term than its own (``ReplicaRoles``)."""
+
+    async def _store_batch(self, batch: Batch, now: int, immediate: bool, context) -> pb.SendBatchResponse:
+        """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
+        self.calls["send"] += 1
         if batch.n > self.settings.batch_messages_max:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
@@ -180,7 +188,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             refused = await self._create_subjects(batch.subjects)
             if refused:
                 self.metrics.errors.labels(kind="subject_refused").inc(len(refused))
-            res = self._append(batch, now_ms=self.clock.now_ms(), immediate=request.immediate, refused=refused)
+            res = self._append(batch, now_ms=self.clock.now_ms(), immediate=immediate, refused=refused)
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 e = self._disk_refused(e)
@@ -270,14 +278,29 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
 
     # ------------------------------------------------------------------ consumer side
 
+    async def _authorize_consume(self, context, group: str, subjects) -> None:
+        """First thing of Pull, Ack and Nack: the group and every subject follow the subject
+        rule (INVALID_ARGUMENT), the caller may consume them in that group (PERMISSION_DENIED;
+        naming no subject, as an empty Ack does, needs a consume grant for the group all the
+        same), and only then this node says whether it serves (``_serving``)."""
+        subjects = list(subjects)
+        limit = self.settings.subject_bytes_max
+        try:
+            if not group:
+                raise InvalidArgument("group", "is required")
+            check_subject(group, "group", limit)
+            for s in subjects:
+                check_subject(s, "subject", limit)
+        except HourglassError as e:
+            await status.abort(context, e)
+        await security.require(context, Action.CONSUME, subjects, group)
+        await self._serving(context)
+
     async def Pull(self, request: pb.PullRequest, context) -> pb.PullResponse:
-        if not request.group:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
         subjects = list(dict.fromkeys([*([request.subject] if request.subject else []), *request.subjects]))
         if not subjects:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name a subject (subject or subjects)")
-        await security.require(context, Action.CONSUME, [*subjects, *(sh.subject for sh in request.acks)],
-                               request.group)
+            await status.abort(context, InvalidArgument("subject", "name a subject (subject or subjects)"))
+        await self._authorize_consume(context, request.group, [*subjects, *(sh.subject for sh in request.acks)])
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         if request.acks:  # acks riding on this pull: committed with the next round, not awaited
@@ -337,9 +360,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         return [(sh.subject, unpack_ranges(sh.ranges)) for sh in items]
 
     async def Ack(self, request: pb.AckRequest, context) -> pb.AckResponse:
-        if not request.group:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
-        await security.require(context, Action.CONSUME, {sh.subject for sh in request.acks}, request.group)
+        await self._authorize_consume(context, request.group, {sh.subject for sh in request.acks})
         self.calls["ack"] += 1
         now = self.clock.now_ms()
         try:
@@ -383,9 +404,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             self._groups_rounds_done = self._groups_rounds_started
 
     async def Nack(self, request: pb.NackRequest, context) -> pb.NackResponse:
-        if not request.group:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "group is required")
-        await security.require(context, Action.CONSUME, {sh.subject for sh in request.nacks}, request.group)
+        await self._authorize_consume(context, request.group, {sh.subject for sh in request.nacks})
         now = self.clock.now_ms()
         retried = dead = 0
         for subject, ranges in self._ranges(request.nacks):

@@ -129,7 +129,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster import status
-from cluster.codec import COLUMN_BYTES, INVALID_ARGUMENT, OK, SUBJECT_RE, Batch
+from cluster.codec import COLUMN_BYTES, INVALID_ARGUMENT, OK, Batch, check_subject
 from cluster.codec import HEADER_SIZE as BATCH_HEADER_SIZE
 from cluster.errors import (
     Closed,
@@ -190,10 +190,7 @@ _NO_HANDLES = np.zeros(0, np.uint64)
 def _check_name(what: str, name: str, bytes_max: int) -> None:
     if not isinstance(name, str) or not name:
         raise InvalidArgument(what, "must be a non-empty string")
-    if len(name.encode()) > bytes_max:
-        raise InvalidArgument(what, f"{len(name.encode())} bytes exceeds {bytes_max}")
-    if not SUBJECT_RE.match(name):
-        raise InvalidArgument(what, f"{name[:64]!r} does not match {SUBJECT_RE.pattern}")
+    check_subject(name, what, bytes_max)  # the one subject rule (cluster/codec.py), for groups too
 
 
 def _cat_entries(arrays: list[np.ndarray]) -> np.ndarray:

@@ -206,29 +206,23 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     # ------------------------------------------------------------------ producer API (master only)
 
     async def SendBatch(self, request, context):
-        if not self.is_master():
-            await self._not_master(context)
-        await self._refuse_newer_term(request.epoch, context)
+        batch, now = await self._authorized_batch(request, context)  # who may, before who is master
+        await self._serving(context, request.epoch)
         term, tracker = self._term(), self.tracker
-        resp, end = await self._ingest(request, context)
+        resp, end = await self._ingest(batch, now, context)
         await self._confirm_ack(term, tracker, "bytes", end, context)
         if self.ack_journal.enabled:  # chaos checker: who acked when (off: nothing on the send path)
             self.ack_journal.note(self.member.epoch, time.time_ns() // 1_000_000)
         return resp
 
     async def Cancel(self, request, context):
-        if not self.is_master():
-            await self._not_master(context)
+        await self._serving(context)
+        await self._may_cancel(context, request.id)
         term, tracker = self._term(), self.tracker
         resp, end = await self._cancel(request, context)
         if resp.code == pb.OK:
             await self._confirm_ack(term, tracker, "bytes", end, context)
         return resp
-
-    async def Lookup(self, request, context):
-        if not self.is_master():
-            await self._not_master(context)
-        return await super().Lookup(request, context)
 
     async def _deliver_once(self, unit, b, idx):
         # fencing: a master whose lease is not surely alive (after a pause, a late keepalive)

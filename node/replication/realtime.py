@@ -107,31 +107,21 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
     # ------------------------------------------------------------------ client API (master only)
 
     async def SendBatch(self, request, context):
-        if not self._may_serve():
-            await self._not_master(context)
-        await self._refuse_newer_term(request.epoch, context)
+        batch, now = await self._authorized_batch(request, context)  # who may, before who is master
+        await self._serving(context, request.epoch)
         term, tracker = self._term(), self.tracker
-        resp = await super().SendBatch(request, context)
+        resp = await self._store_batch(batch, now, request.immediate, context)
         self._changed.set()
         # within one term a master never truncates: the end now covers this write
         await self._confirm_ack(term, tracker, "bytes", self.store.messages.end_offset, context)
         return resp
 
-    async def Pull(self, request, context):
-        if not self._may_serve():
-            await self._not_master(context)
-        return await super().Pull(request, context)
-
     async def Ack(self, request, context):
-        if not self._may_serve():
-            await self._not_master(context)
         resp = await super().Ack(request, context)  # the group documents are committed before this returns
         await self._groups_replicated([(sh.subject, request.group) for sh in request.acks], context)
         return resp
 
     async def Nack(self, request, context):
-        if not self._may_serve():
-            await self._not_master(context)
         resp = await super().Nack(request, context)
         if self.settings.ack_mode == "sync":
             await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)  # dead letters

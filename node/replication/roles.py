@@ -127,6 +127,20 @@ class ReplicaRoles:
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
 
+    def _may_serve(self) -> bool:
+        """Whether clients are served now (the master; ``ReplicatedRealtimeNode``: not while
+        it hands over)."""
+        return self.is_master()
+
+    async def _serving(self, context, epoch: int = 0) -> None:
+        """Every client call, right after its authorization (the caller may do this, on these
+        subjects) and before anything else: NotLeader unless this node serves clients now,
+        and a request that claims a newer term (``epoch``, nodes only: authorization said so)
+        is refused (``_refuse_newer_term``)."""
+        if not self._may_serve():
+            await self._not_master(context)
+        await self._refuse_newer_term(epoch, context)
+
     async def _not_master(self, context):
         hint = self.member.leader_address if self.member.leader and self.member.leader != self.settings.node_id else ""
         await status.abort(context, E.NotLeader(hint or None))
