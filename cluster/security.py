@@ -574,8 +574,8 @@ class Authenticator(grpc.aio.ServerInterceptor):
     Node certificates are exempt: the TLS handshake proved them, and a client that shares an
     address with a node (a host, a NAT) must not cut the cluster's own calls."""
 
-    def __init__(self, table: AuthTable, files: TlsFiles | None = None, throttle: FailureThrottle | None = None,
-                 *, clock=_now_ms) -> None:
+    def __init__(self, table: AuthTable, throttle: FailureThrottle | None = None, *, files: TlsFiles | None = None,
+                 clock=_now_ms) -> None:
         self.table = table
         self.files = files
         self._client_ca_verdicts: dict[tuple[int, bytes], bool] = {}  # (CA generation, PEM) -> signed by it
@@ -735,8 +735,8 @@ class ServerSecurity:
         if self.table is None:
             return []
         s = self.settings
-        return [Authenticator(self.table, self.files, FailureThrottle(s.auth_failures_max, s.auth_failures_window_ms,
-                                                                      s.auth_throttle_peers_max))]
+        return [Authenticator(self.table, FailureThrottle(s.auth_failures_max, s.auth_failures_window_ms,
+                                                          s.auth_throttle_peers_max), files=self.files)]
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         if self.files is None:

@@ -9,7 +9,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from cluster import certs
-from cluster.security import AuthTable, Authenticator, Refused, TlsFiles
+from cluster.errors import Unauthenticated
+from cluster.security import AuthTable, Authenticator, TlsFiles
 
 
 def _load(path) -> x509.Certificate:
@@ -63,17 +64,20 @@ class _Context:
     def invocation_metadata(self):
         return self._metadata
 
+    def peer(self):
+        return "ipv4:127.0.0.1:40000"
+
 
 def test_a_node_name_from_the_client_ca_is_a_client(tmp_path):
     s = certs.dev_security(tmp_path)
     token = s.admin_token_file.read_text().strip()
     files = TlsFiles(s.ca, s.node_cert, s.node_key, check_every_s=0, client_ca=s.client_ca)
-    auth = Authenticator(AuthTable(s.auth_file), files)
+    auth = Authenticator(AuthTable(s.auth_file), files=files)
     evil, _ = certs.issue(s.client_ca.parent, tmp_path, "evil", kind="node", hosts=(), stem="evil")
     twin, _ = certs.issue(s.dir, tmp_path, "evil", kind="node", hosts=(), stem="twin")
     assert auth.identify(_Context(twin)).node  # the node CA's
     assert auth.identify(_Context(s.node_cert)).node
-    with pytest.raises(Refused, match="no bearer token"):  # a client: a token is needed
+    with pytest.raises(Unauthenticated, match="no bearer token"):  # a client: a token is needed
         auth.identify(_Context(evil))
     p = auth.identify(_Context(evil, token))
     assert not p.node and p.name == "admin"
@@ -84,4 +88,4 @@ def test_a_node_name_from_the_client_ca_is_a_client(tmp_path):
     assert _load(forged).issuer == _load(evil).issuer
     assert not files.signed_by_client_ca(forged.read_bytes()) and files.signed_by_client_ca(evil.read_bytes())
     # without a client CA (one CA for everyone, as before) the common name decides
-    assert Authenticator(AuthTable(s.auth_file), TlsFiles(s.ca, s.node_cert, s.node_key)).identify(_Context(evil)).node
+    assert Authenticator(AuthTable(s.auth_file), files=TlsFiles(s.ca, s.node_cert, s.node_key)).identify(_Context(evil)).node
