@@ -138,3 +138,21 @@ class MetricsServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class ServesMetrics:
+    """What a process's metrics object shares: serve its ``registry`` at an endpoint, stop."""
+
+    registry: CollectorRegistry
+    _server: "MetricsServer | None" = None
+    port: int | None = None
+
+    def start(self, endpoint: MetricsEndpoint) -> None:
+        """Serve /metrics at ``endpoint`` (nothing when it has no port)."""
+        self._server = MetricsServer.start(self.registry, endpoint)
+        self.port = self._server.port if self._server is not None else None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None

@@ -7,25 +7,14 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from cluster.metricsserver import MetricsEndpoint, MetricsServer
+from cluster.metricsserver import ServesMetrics
 from cluster.security import REFUSALS
 
 
-class MetaMetrics:
+class MetaMetrics(ServesMetrics):
     def __init__(self, healthy: Callable[[], bool]) -> None:
         self.registry = r = CollectorRegistry()
         r.register(REFUSALS)  # calls refused by authentication or permissions (cluster/security.py)
         self.etcd_healthy = Gauge("hourglass_meta_etcd_healthy", "1 while this meta server's etcd health check "
                                   "passes (the readiness probe follows it)", registry=r)
         self.etcd_healthy.set_function(lambda: 1.0 if healthy() else 0.0)
-        self._server: MetricsServer | None = None
-        self.port: int | None = None
-
-    def start(self, endpoint: MetricsEndpoint) -> None:
-        self._server = MetricsServer.start(self.registry, endpoint)
-        self.port = self._server.port if self._server is not None else None
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None

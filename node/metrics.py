@@ -9,7 +9,7 @@ import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from cluster.metricsserver import MetricsEndpoint, MetricsServer
+from cluster.metricsserver import ServesMetrics
 from cluster.security import REFUSALS, THROTTLED_PEERS
 
 log = logging.getLogger("hourglass.metrics")
@@ -18,7 +18,7 @@ STALL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2
 LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
-class NodeMetrics:
+class NodeMetrics(ServesMetrics):
     def __init__(self, role: str, node_id: str) -> None:
         self.registry = r = CollectorRegistry()
         r.register(REFUSALS)  # calls refused by authentication or permissions (cluster/security.py)
@@ -115,8 +115,6 @@ class NodeMetrics:
         self.heal_faults = Counter("hourglass_heal_faults", "Second faults met while healing, by kind (messages, "
                                    "dispatch: a corrupt record a rebuild read around; fetch: a member that could "
                                    "not give missing records; rebuild: a rebuild that failed)", ["kind"], registry=r)
-        self._server = None
-        self.port: int | None = None
         self._buckets_shown: set[str] = set()
 
     def observe_lateness(self, lateness_s: np.ndarray) -> None:
@@ -150,12 +148,3 @@ class NodeMetrics:
         for name, (why, age) in ages_s.items():
             self.retention_held_age.labels(log=name, held_by=why or "nothing").set(max(0.0, age))
 
-    def start(self, endpoint: MetricsEndpoint) -> None:
-        """Serve /metrics at ``endpoint`` (nothing when it has no port)."""
-        self._server = MetricsServer.start(self.registry, endpoint)
-        self.port = self._server.port if self._server is not None else None
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None

@@ -136,6 +136,19 @@ def test_promoted_follower_delivers_everything_acknowledged(tmp_path, seed, in_p
     m.close()
 
 
+def run_master(m: DelayStore, now: int, *, ticks: int, step_ms: int = 100) -> tuple[list[str], int]:
+    """Run a master ``ticks`` steps: file, fire, acknowledge every dispatch; returns the ids it
+    delivered and the time it reached."""
+    got: list[str] = []
+    for _ in range(ticks):
+        now += step_ms
+        m.iterate(limit=None)
+        for d in m.poll_due(now_ms=now):
+            got += d.batch.id_list()
+            m.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    return got, now
+
+
 def accept_durable(m: DelayStore, prefix: str, n: int, due_ms: int, now: int) -> None:
     """Accept ``n`` messages ``{prefix}0..`` due at ``due_ms`` and make them durable (log + checkpoint)."""
     m.accept([Message(seq=0, store_ms=0, deliver_at_ms=due_ms, msg_id=f"{prefix}{i}", subject="s", payload=b"p")
@@ -361,13 +374,7 @@ def test_a_record_the_old_master_filed_behind_survives_two_failovers(tmp_path):
     b.close()                                                    # b dies with the record in flight
     now += 100
     a.promote(now, store_epoch=b.epoch + 1)
-    got = []
-    for _ in range(30):
-        now += 100
-        a.iterate(limit=None)
-        for d in a.poll_due(now_ms=now):
-            got += d.batch.id_list()
-            a.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    got, now = run_master(a, now, ticks=30)
     assert got == ["late0"]
     a.close()
 
@@ -401,13 +408,7 @@ def test_a_cancel_reaches_a_copy_filed_in_another_second(tmp_path):
     a.close()
     now += 100
     b.promote(now, store_epoch=a.epoch + 1)
-    got = []
-    for _ in range(30):
-        now += 100
-        b.iterate(limit=None)
-        for d in b.poll_due(now_ms=now):
-            got += d.batch.id_list()
-            b.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    got, now = run_master(b, now, ticks=30)
     # m0 was cancelled. m1 was delivered by the master; the slave filed it after that under a
     # higher floor, so its dispatch record is before the restored dispatch offset: a duplicate
     assert "m0" not in got and got.count("m1") <= 1
@@ -582,13 +583,7 @@ def test_a_tick_state_is_taken_only_with_the_bytes_it_rests_on(tmp_path):
     a.close()  # the master dies; its cancel was never acknowledged
     now += 100
     b.promote(now, store_epoch=a.epoch + 1)
-    got = []
-    for _ in range(30):
-        now += 100
-        b.iterate(limit=None)
-        for d in b.poll_due(now_ms=now):
-            got += d.batch.id_list()
-            b.ack_dispatched(d.unit, np.arange(d.batch.n), now_ms=now)
+    got, now = run_master(b, now, ticks=30)
     assert "m0" in got  # acknowledged, and its cancel never was: it must be delivered
     b.close()
 

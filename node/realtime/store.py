@@ -662,7 +662,11 @@ class RealtimeStore:
         return new
 
     def _create_now(self, subjects: list[str], *, owner: str, now_ms: int) -> None:
-        work = self.subjects_plan([(s, owner) for s in subjects], now_ms=now_ms)
+        self._create_owned([(s, owner) for s in subjects], now_ms=now_ms)
+
+    def _create_owned(self, items: list[tuple[str, str]], *, now_ms: int) -> None:
+        """Create ``(subject, owner)`` pairs as one round on this thread (one journal record)."""
+        work = self.subjects_plan(items, now_ms=now_ms)
         if work.refused:
             self.subjects_abandon(work)
             raise next(iter(work.refused.values()))
@@ -749,14 +753,7 @@ class RealtimeStore:
         if new:
             for s, _ in new:
                 _check_name("subject", s, self.settings.limits.subject_bytes_max)
-            work = self.subjects_plan(new, now_ms=now_ms)
-            if work.refused:
-                self.subjects_abandon(work)
-                raise next(iter(work.refused.values()))
-            try:
-                work.run()
-            finally:
-                self.subjects_finish(work)
+            self._create_owned(new, now_ms=now_ms)
         if named:
             self._journal.append(named, created_ms=now_ms)
             self._owners.update(named)
