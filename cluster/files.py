@@ -20,7 +20,8 @@ Invariants of ``write_atomic(path, data, mode=m)``:
 * on an error the temporary file is removed and ``path`` is unchanged.
 
 The folder must exist (``write_secret`` and ``write_public`` make a missing one, owner-only).
-A crash between create and rename leaves ``.<name>.<random>.tmp`` behind (never read).
+A crash between create and rename leaves ``.<name>.<random>.tmp`` behind (never read;
+the stores remove them when they open: ``remove_leftover_temps``).
 
 Example::
 
@@ -30,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -68,6 +70,28 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int) -> Path:
         raise
     _fsync_dir(path.parent)
     return path
+
+
+_TEMP_NAME = re.compile(r"^\..+\.[0-9a-f]{16}\.tmp$")
+
+
+def remove_leftover_temps(folder: str | os.PathLike) -> int:
+    """Remove what ``write_atomic`` left in ``folder`` when a crash came between create and
+    rename (``.<name>.<16 hex>.tmp``: never read). A store calls it when it opens, with no
+    writer running; returns how many were removed."""
+    n = 0
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if _TEMP_NAME.match(name):
+            try:
+                os.unlink(os.path.join(folder, name))
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
 
 
 def write_secret(path: str | os.PathLike, data: bytes) -> Path:

@@ -60,7 +60,7 @@ import numpy as np
 
 from cluster.codec import COLUMN_BYTES, KIND_CANCEL, KIND_MESSAGE, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch, DispatchBatch
 from cluster.errors import NotFound, Overloaded, TooLate
-from cluster.files import DATA_DIR_MODE
+from cluster.files import DATA_DIR_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
 from node.delay.heal import BucketHealer, id_entries
 from node.store import checkpoint, records
@@ -174,6 +174,7 @@ class DelayStore:
         self.root = root
         self.settings = settings
         root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+        remove_leftover_temps(root)  # a checkpoint write a crash cut short (cluster/files.py)
         self.messages = SegmentedLog.open(root / "messages", segment_bytes_max=settings.message_segment_bytes)
         self.dispatch = SegmentedLog.open(root / "dispatch", segment_bytes_max=settings.dispatch_segment_bytes)
         self.schedule = ScheduleLog(root / "schedule", bucket_ms=settings.bucket_ms,

@@ -141,7 +141,7 @@ from cluster.errors import (
     PayloadTooLarge,
     UnknownSubject,
 )
-from cluster.files import DATA_DIR_MODE, DATA_MODE
+from cluster.files import DATA_DIR_MODE, DATA_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
 from node.realtime import retention as RR
 from node.realtime.dedup import DedupWindow
@@ -336,6 +336,7 @@ class RealtimeStore:
         self.root = root
         self.settings = settings
         root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
+        remove_leftover_temps(root)  # a checkpoint write a crash cut short (cluster/files.py)
         (root / "index").mkdir(mode=DATA_DIR_MODE, exist_ok=True)
         # one frame holds one whole batch: the largest request, plus room for the columns the node fills
         self.frame_bytes_max = max(RECORD_BYTES_MAX_DEFAULT, settings.limits.batch_bytes_max + (1 << 20))
