@@ -241,7 +241,7 @@ async def phase3(a, work: Path) -> None:
               "send_s": round(send_s, 2),
               "lateness_due_during_gap_ms": lateness_summary(during),
               "new_master": [k for k, v in st.items() if v["master"]], "killed": [k["killed"] for k in kills],
-              "settings": {"ack_mode": "sync", "lease_ttl_ms": 2000, "rate": a.rate, "seed": a.seed,
+              "settings": {"ack_mode": "sync", "lease_ttl_ms": LEASE_TTL_MS, "rate": a.rate, "seed": a.seed,
                            "delay_s": [a.delay_min_s, a.delay_max_s], "restart_after_ms": 1000,
                            "kill_every_s": a.kill_every_s},
               "machine": machine()})
