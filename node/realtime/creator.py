@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from cluster.clock import Clock
 from cluster.errors import Closed, DiskFull, HourglassError, Unavailable
 from cluster.quota import SubjectQuotas
+from node.aio import finish_then_cancel
 from node.realtime.store import RealtimeStore
 from node.store.diskspace import is_enospc
 
@@ -123,7 +124,9 @@ class SubjectCreator:
         self._inflight = {s: f for s, (_, f) in taken.items()}
         failed: dict[str, HourglassError] = dict(work.refused)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, work.run)
+            # a cancellation (role change) waits for the thread: it may still be creating files
+            # and opening their descriptors, which subjects_finish takes or closes
+            await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, work.run))
         except OSError as e:
             why = DiskFull(f"creating {len(work.items)} subjects: {e}") if is_enospc(e) else \
                 Unavailable(f"creating {len(work.items)} subjects failed: {e}")

@@ -712,6 +712,12 @@ class RealtimeStore:
         index folders fsynced by the next checkpoint, before it vouches for their entries).
         A round that did not finish (``run`` raised) only gives its names back."""
         self._creating.difference_update(work.names)
+        try:
+            self._adopt_round(work)
+        finally:
+            work.close_fds()
+
+    def _adopt_round(self, work: SubjectWork) -> None:
         if not work.done or self._closed:
             return
         index_root = self.root / "index"
@@ -725,6 +731,13 @@ class RealtimeStore:
             if s in work.fresh:  # the round made the folder and an empty file: nothing to repair
                 ix = SubjectIndex(s, index_path(index_root / s, 0), 0)
                 self._subjects[s] = ix
+                fd = work.fds.pop(s, -1)
+                if fd >= 0:  # opened off the loop: the first append writes at once
+                    ix.fd = fd
+                    self._open_fds[s] = None
+                    while len(self._open_fds) > self.settings.index_files_open_max:
+                        old, _ = self._open_fds.popitem(last=False)
+                        self._evict_fd(self._subjects[old])
             else:
                 self._load_index(s)  # adopts a leftover file, cut as at open
             self._index_dirs_unsynced.add(index_root / s)
@@ -732,6 +745,7 @@ class RealtimeStore:
     def subjects_abandon(self, work: SubjectWork) -> None:
         """A planned round that will not run: its names are free again."""
         self._creating.difference_update(work.names)
+        work.close_fds()
 
     def subjects(self) -> list[str]:
         return sorted(self._subjects)

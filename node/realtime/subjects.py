@@ -174,7 +174,17 @@ class SubjectWork:
     created_ms: int
     refused: dict[str, Exception] = field(default_factory=dict)  # subject -> why not (subjects_max)
     fresh: set[str] = field(default_factory=set)  # folders this round made: their index is empty
+    # the fresh subjects' index files, opened for appending on the worker thread: the store
+    # takes them (``RealtimeStore.subjects_finish``), so a batch of many new subjects does not
+    # open hundreds of files on the event loop (10 of 17 ms of a 300-subject append)
+    fds: dict[str, int] = field(default_factory=dict)
     done: bool = False
+
+    def close_fds(self) -> None:
+        """Close the index files the store did not take."""
+        while self.fds:
+            _, fd = self.fds.popitem()
+            os.close(fd)
 
     @property
     def names(self) -> list[str]:
@@ -192,7 +202,7 @@ class SubjectWork:
                 d.mkdir(mode=DATA_DIR_MODE)
             except FileExistsError:
                 continue  # a leftover folder: RealtimeStore._load_index adopts what it holds
-            os.close(os.open(d / ENTRIES_FILE, os.O_WRONLY | os.O_CREAT, DATA_MODE))
+            self.fds[s] = os.open(d / ENTRIES_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
             self.fresh.add(s)
         fsync_dir(self.index_root)
         self.journal.append(self.items, created_ms=self.created_ms)
