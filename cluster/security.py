@@ -534,6 +534,13 @@ async def require(context, action: Action | tuple[Action, ...], subjects: Iterab
         await status.abort(context, e)
 
 
+async def authorized_batch(context, request, clock) -> tuple:
+    """What every node's SendBatch does first: ``require_send`` at ``clock``'s now; returns
+    ``(batch, now_ms)`` (the time its delays were resolved at)."""
+    now = clock.now_ms()
+    return await require_send(context, request, now_ms=now), now
+
+
 async def require_send(context, request, *, now_ms: int):
     """The first step of a SendBatch: decode its batch (malformed: INVALID_ARGUMENT, nothing
     about the server's state said) and check the caller may produce each of its subjects

@@ -149,6 +149,20 @@ def run_master(m: DelayStore, now: int, *, ticks: int, step_ms: int = 100) -> tu
     return got, now
 
 
+def pair_with_two_filed(tmp_path) -> tuple[int, DelayStore, DelayStore]:
+    """A master and its slave, both holding m0 and m1 (due in 1.5 s) filed where the master
+    filed them; returns (now, master, slave)."""
+    now = T0
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
+    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
+    b.follow()
+    accept_durable(a, "m", 2, now + 1500, now)
+    a.iterate(limit=None)
+    a.checkpoint()
+    replicate(a, b)
+    return now, a, b
+
+
 def accept_durable(m: DelayStore, prefix: str, n: int, due_ms: int, now: int) -> None:
     """Accept ``n`` messages ``{prefix}0..`` due at ``due_ms`` and make them durable (log + checkpoint)."""
     m.accept([Message(seq=0, store_ms=0, deliver_at_ms=due_ms, msg_id=f"{prefix}{i}", subject="s", payload=b"p")
@@ -554,14 +568,7 @@ def test_a_tick_state_is_taken_only_with_the_bytes_it_rests_on(tmp_path):
     chunk of bytes, before it held the tombstone; the master died, the slave was promoted and
     took the message for delivered. A slave now takes a tick state only once it holds the
     master's log up to where it was when the state was taken."""
-    now = T0
-    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
-    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
-    b.follow()
-    accept_durable(a, "m", 2, now + 1500, now)
-    a.iterate(limit=None)
-    a.checkpoint()
-    replicate(a, b)  # b files them where the master did
+    now, a, b = pair_with_two_filed(tmp_path)
     before_cancel = a.messages.end_offset
     a.cancel("m0", now_ms=now + 100)
     a.flush_messages()
@@ -592,14 +599,7 @@ def test_a_cut_tombstone_brings_the_replicated_tick_state_back_below_its_message
     """The tick state a slave took from a master that then lost its term may rest on a
     tombstone of the suffix the new master never had; when that suffix is cut, the message
     (before the cut) is due again at a promotion."""
-    now = T0
-    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
-    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
-    b.follow()
-    accept_durable(a, "m", 2, now + 1500, now)
-    a.iterate(limit=None)
-    a.checkpoint()
-    replicate(a, b)
+    now, a, b = pair_with_two_filed(tmp_path)
     cut = a.messages.end_offset
     a.cancel("m0", now_ms=now + 100)
     a.flush_messages()

@@ -107,10 +107,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         return res
 
     async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
-        """First thing of a send (``security.require_send``): the batch, if the caller may send
-        it, and the time its delays were resolved at."""
-        now = self.clock.now_ms()
-        return await security.require_send(context, request, now_ms=now), now
+        """First thing of a send: the batch, if the caller may send it (``security.authorized_batch``)."""
+        return await security.authorized_batch(context, request, self.clock)
 
     async def _serving(self, context, epoch: int = 0) -> None:
         """After authorization, before any work: a replicated node answers NotLeader here
