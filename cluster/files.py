@@ -68,7 +68,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, mode: int) -> Path:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -108,7 +108,8 @@ def write_public(path: str | os.PathLike, data: bytes) -> Path:
     return write_atomic(path, data, mode=PUBLIC_MODE)
 
 
-def _fsync_dir(d: Path) -> None:
+def fsync_dir(d: str | os.PathLike) -> None:
+    """fsync a directory (a created, renamed or deleted entry is durable)."""
     fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
-from cluster.files import DATA_DIR_MODE, DATA_MODE
+from cluster.files import DATA_DIR_MODE, DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
 from node.store.diskspace import enospc, is_enospc
 
 log = logging.getLogger("hourglass.store.log")
@@ -140,13 +140,6 @@ def _segment_name(base: int) -> str:
     return f"{base:020d}{SUFFIX}"
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (a created, renamed or deleted entry is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def unlink_segments(directory: Path, paths: list[Path]) -> int:
