@@ -618,3 +618,39 @@ def test_a_cut_tombstone_brings_the_replicated_tick_state_back_below_its_message
     assert int(again.replicated["completed_ms"]) <= T0 + 1500  # persisted
     again.close()
     a.close()
+
+
+def test_a_tick_state_offset_inside_a_dispatch_record_starts_at_that_record(tmp_path):
+    """Chaos meta-pause seed 28 (issue 26): a promotion failed with "corrupt record ... in
+    dispatch/ ... header checksum mismatch": the replicated tick state's dispatch offset was
+    the old master's, and this member's dispatch log held other bytes there (its own divergent
+    suffix, not cut yet), so the offset fell inside a record. The wheel is now restored from the
+    record that holds that offset: its messages were delivered, and are not delivered again."""
+    now, a, b = pair_with_two_filed(tmp_path)
+    got, now = run_master(a, now, ticks=20)
+    assert sorted(got) == ["m0", "m1"]  # one dispatch record holds both
+    a.checkpoint()
+    replicate(a, b)
+    assert b.dispatch.end_offset > 8
+    # a tick state from before the delivery, with a dispatch offset inside that record
+    b.follow({"iterate_offset": b.iterate_offset, "completed_ms": T0, "dispatch_offset": 5, "log_end": 0})
+    b.checkpoint()
+    assert not b.dispatch.is_boundary(5) and b.dispatch.boundary_at_or_before(5) == 0
+    b.promote(now, store_epoch=a.epoch + 1)
+    again, now = run_master(b, now, ticks=30)
+    assert again == []  # delivered by the record it starts at
+    b.close()
+    a.close()
+
+
+def test_a_record_boundary_at_or_before_any_offset(tmp_path):
+    """``boundary_at_or_before``: the start of the record that holds an offset, across segments."""
+    from node.store.log import SegmentedLog
+    log_ = SegmentedLog.open(tmp_path / "l", segment_bytes_max=200)
+    offs = log_.append([bytes([i]) * (10 + 7 * i) for i in range(20)])
+    starts = sorted(set(offs) | {log_.end_offset})
+    for x in range(0, log_.end_offset + 1):
+        want = max(s for s in starts if s <= x)
+        assert log_.boundary_at_or_before(x) == want, x
+        assert log_.is_boundary(x) == (x in starts)
+    log_.close()

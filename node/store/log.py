@@ -559,6 +559,36 @@ class SegmentedLog:
         if len(hdr) < HEADER_SIZE or zlib.crc32(hdr[:8]) != struct.unpack_from("<I", hdr, 8)[0]:
             raise OffsetOutOfRange(offset, self.start_offset, self.end_offset, "not a record boundary")
 
+    def is_boundary(self, offset: int) -> bool:
+        """Whether a record starts at ``offset`` (or ``offset`` is the end); a header whose
+        checksum holds is taken for one (a chance match inside a record is 2**-32)."""
+        if offset == self.end_offset:
+            return True
+        try:
+            self._check_range(offset)
+            self._check_boundary(offset)
+        except OffsetOutOfRange:
+            return False
+        return True
+
+    def boundary_at_or_before(self, offset: int) -> int:
+        """The start of the last record at or before ``offset`` (``start_offset`` at most:
+        offsets below it are clamped up to it). Walks the records of ``offset``'s segment
+        from its start: for a tick state whose offset is not a record boundary here (a
+        divergent suffix of another term's bytes), never on a hot path."""
+        if offset <= self.start_offset:
+            return self.start_offset
+        offset = min(offset, self.end_offset)
+        if self.is_boundary(offset):
+            return offset
+        seg = self._segment_for(offset)
+        best = max(seg.base, self.start_offset)
+        for off, _ in self.iterate(best, seg.base + seg.size):
+            if off > offset:
+                break
+            best = off
+        return best
+
     def read(self, offset: int) -> tuple[bytes, int]:
         """Read one record; return (body, next_offset)."""
         self._check_range(offset)
