@@ -994,12 +994,19 @@ class DelayStore:
 
     def _advance_completed(self) -> None:
         c = self.wheel.cursor_ms
+        low = None  # the earliest effective time in flight
         for u in self._units.values():
             live = u.batch.effective_ms[u.live]
             if len(live):
-                c = min(c, int(live.min()))
+                m = int(live.min())
+                low = m if low is None else min(low, m)
+        if low is not None:
+            c = min(c, low)
         c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
-        if c > self.completed_ms:
+        if c > self.completed_ms or (low is not None and low < self.completed_ms):
+            # up as the wheel and the deliveries go on; down when a message fires behind it (a
+            # second loaded behind the cursor: simulation seed 18 lost two that way, completed_ms
+            # passed them while they were in flight and the next checkpoint skipped them)
             self.completed_ms = c
         # completed_ms may step back (see _file), never below the persisted value: keep the
         # dispatch records a restart from the persisted value needs
@@ -1032,7 +1039,14 @@ class DelayStore:
 
     def tick_state(self) -> TickState:
         offset = self._dispatch_trail[0][1] if self._dispatch_trail else self.dispatch.end_offset
-        return TickState(self.epoch, self.completed_ms // self.settings.tick_ms - 1, 0, offset)
+        completed = self.completed_ms
+        if not self.follower:
+            # an overdue entry held behind completed_ms (added or loaded behind the cursor, not
+            # fired yet) is not delivered: the state never claims its tick (as TimingWheel.state)
+            earliest = self.wheel.next_due_ms()
+            if earliest is not None and earliest < completed:
+                completed = earliest
+        return TickState(self.epoch, completed // self.settings.tick_ms - 1, 0, offset)
 
     def replication_doc(self) -> dict[str, int]:
         """What a master ships to its slaves with every fetch answer (``follow`` on their side):
@@ -1231,9 +1245,19 @@ class DelayStore:
         message out of the old master's wheel, and its completed_ms passed the message. The
         tombstone goes; the message stays (it is before the cut) and must be loaded again at a
         promotion: completed_ms goes back below every cut tombstone's message. True when the
-        replicated document changed (the caller persists it)."""
+        replicated document changed (the caller persists it).
+
+        A follower with no document from the current master yet holds the tick state it
+        restored at open: its own, from its last term as master, which rests on its suffix as
+        much (chaos meta-pause seed 18: its own tombstones were cut and a promotion took their
+        messages for delivered). Lowered, that becomes the document it persists."""
         r = self.replicated
-        if r is None or int(r.get("log_end", r.get("iterate_offset", 0))) <= cut:
+        own = r is None
+        if own:
+            r = self._own_doc()
+            if r is None:
+                return False
+        if int(r.get("log_end", r.get("iterate_offset", 0))) <= cut:
             return False
         r["log_end"] = cut
         low = None
@@ -1242,11 +1266,26 @@ class DelayStore:
             if tomb.any():
                 t = int(b.deliver_at_ms[tomb].min())  # the message's time on the cancelling master
                 low = t if low is None else min(low, t)
-        if low is not None and low < int(r["completed_ms"]):
+        lowered = low is not None and low < int(r["completed_ms"])
+        if lowered:
             r["completed_ms"] = low - low % self.settings.tick_ms
             self.persisted_completed_ms = self.completed_ms = int(r["completed_ms"])
             log.warning("a cut tombstone's message is due again: replicated completed_ms back to %d", r["completed_ms"])
+        if own:
+            if not lowered:
+                return False  # its own document stands as it is
+            self.replicated = r
         return True  # persisted by the caller once the log is cut
+
+    def _own_doc(self) -> dict | None:
+        """A follower's tick state before any document of the current master: what it restored
+        at open (its own, from its last term as master), as a replicated document; None when
+        it is the master or has none."""
+        if not self.follower or "completed_ms" not in self.persisted_doc:
+            return None
+        r = {k: int(v) for k, v in self.persisted_doc.items()}
+        r.setdefault("log_end", self.messages.end_offset)
+        return r
 
     def _save_voided(self) -> None:
         checkpoint.write_atomic(self._voided_path, {"ranges": [list(r) for r in self.voided],
@@ -1316,8 +1355,11 @@ class DelayStore:
         # it would point into the middle of a record ("header checksum mismatch" at promotion,
         # chaos meta-pause seeds 20 and 22, and the issue's evidence at 10:10:02): it goes back
         # to the cut (reading more dispatch records there only names more as delivered)
-        if self.replicated is not None and int(self.replicated.get("dispatch_offset", 0)) > cut:
-            self.replicated["dispatch_offset"] = cut
+        # A follower with no document of the current master yet holds its own (seed 18): the same
+        r = self.replicated if self.replicated is not None else self._own_doc()
+        if r is not None and int(r.get("dispatch_offset", 0)) > cut:
+            r["dispatch_offset"] = cut
+            self.replicated = r
             self.checkpoint()
         if int(self.persisted_doc.get("dispatch_offset", 0)) > cut and self.follower:
             self.checkpoint()
