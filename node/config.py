@@ -180,6 +180,10 @@ class NodeSettings(BaseSettings):
     subjects_round_max: int = Field(default=1000, ge=1,
                                     description="new subjects created in one round (one index-folder fsync and one "
                                                 "journal record)")
+    subjects_new_per_frame_max: int = Field(default=64, ge=1,
+                                            description="new subjects one frame (one step of the event loop) writes "
+                                                        "first index entries for; a send with more is stored as several "
+                                                        "frames, the loop serving other calls between them")
     groups_max: int = Field(default=R.groups_max, ge=1)
     pull_scan_entries_max: int = Field(default=R.pull_scan_entries_max, ge=1,
                                        description="index entries one pull may examine (tag filters skip entries)")

@@ -15,6 +15,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch
 from node.config import NodeSettings
 from node.realtime.service import ORIGIN_ID, RealtimeNode
+from cluster.errors import Unavailable
 from node.realtime.store import DLQ_SUBJECT
 from tests.helpers.inprocess import serving
 
@@ -270,3 +271,63 @@ async def test_a_message_sent_ahead_of_its_due_time_is_held_until_due(node):
     # not immediate: a message due later is refused (it belongs on a delay node)
     res = await send(producer, msgs("orders", ["later"], due=now_ms() + 60_000))
     assert res.codes.tolist() == [pb.INVALID_ARGUMENT]
+
+
+def _count_appends(n, monkeypatch) -> list[list[str]]:
+    """Spy on the store's appends: the subjects of each frame, in order."""
+    frames: list[list[str]] = []
+    real = n.store.append
+
+    def append(batch, **kw):
+        frames.append(list(dict.fromkeys(batch.subject_list())))
+        return real(batch, **kw)
+    monkeypatch.setattr(n.store, "append", append)
+    return frames
+
+
+async def test_a_send_of_many_new_subjects_is_stored_in_frames_of_a_few_new_subjects(node, monkeypatch):
+    """Issue 27: a frame writes at most subjects_new_per_frame_max first index entries on the
+    loop; the send is answered as one batch, each subject's messages in one frame, in order."""
+    n, producer, consumer, _ = node
+    n.settings = n.settings.model_copy(update={"subjects_new_per_frame_max": 3})
+    assert (await send(producer, msgs("old", ["o-warm"]))).codes.tolist() == [pb.OK]
+    frames = _count_appends(n, monkeypatch)
+    subjects = [s for i in range(8) for s in ("old", f"new.{i % 7}")] + ["new.0"]
+    ids = [f"m{i}" for i in range(len(subjects) - 1)] + ["m1"]  # the last repeats new.0's first id
+    b = Batch.build(subjects, [f"p-{i}".encode() for i in ids], ids, 0)
+    res = await send(producer, b)
+    assert res.codes.tolist() == [pb.OK] * b.n
+    assert res.duplicates.tolist() == [0] * (b.n - 1) + [1] and res.seqs[-1] == res.seqs[1]
+    assert frames == [["old", "new.0", "new.1", "new.2"], ["new.3", "new.4", "new.5"], ["new.6"]]
+    for s in ["old", *(f"new.{i}" for i in range(7))]:
+        got, _ = await pull(consumer, [s], "g")
+        want = [i for i, x in zip(ids[:-1], subjects[:-1]) if x == s]
+        assert got.id_list() == (["o-warm"] if s == "old" else []) + want
+    again = await send(producer, b)  # a retry: every message answered as the duplicate it is
+    assert again.codes.tolist() == [pb.OK] * b.n and again.duplicates.tolist() == [1] * b.n
+    assert again.seqs.tolist() == res.seqs.tolist()
+
+
+async def test_a_refusal_after_the_first_frame_refuses_the_rest_and_a_retry_stores_it_once(node, monkeypatch):
+    n, producer, consumer, _ = node
+    n.settings = n.settings.model_copy(update={"subjects_new_per_frame_max": 2})
+    frames = _count_appends(n, monkeypatch)
+    spied = n.store.append
+
+    def fail_second(batch, **kw):
+        if len(frames) == 1:
+            frames.append(["refused"])
+            raise Unavailable("the store closed")
+        return spied(batch, **kw)
+    monkeypatch.setattr(n.store, "append", fail_second)
+    subjects = [f"s.{i}" for i in range(5)]
+    b = Batch.build(subjects, [b"x"] * 5, [f"m{i}" for i in range(5)], 0)
+    res = await send(producer, b)
+    assert res.codes.tolist() == [pb.OK, pb.OK] + [pb.OVERLOADED] * 3  # retryable
+    assert "the store closed" in res.errors[4] and res.seqs[2:].tolist() == [0, 0, 0]
+    monkeypatch.setattr(n.store, "append", spied)
+    again = await send(producer, b)
+    assert again.codes.tolist() == [pb.OK] * 5 and again.duplicates.tolist() == [1, 1, 0, 0, 0]
+    for s in subjects:
+        got, _ = await pull(consumer, [s], "g")
+        assert got.n == 1

@@ -50,7 +50,7 @@ from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, check_subject, encode_extra
 from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable, UnknownSubject
+from cluster.errors import DiskFull, HourglassError, InvalidArgument, NotLeader, Unavailable, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
@@ -183,10 +183,16 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             # a write that would take free space below the watermark is refused whole, nothing stored
             self.disk.admit(self.store.write_bytes_bound(batch))
-            refused = await self._create_subjects(batch.subjects)
+            new = self.store.missing_subjects(batch.subjects)
+            refused = await self._create_subjects(batch.subjects) if new else {}
             if refused:
                 self.metrics.errors.labels(kind="subject_refused").inc(len(refused))
-            res = self._append(batch, now_ms=self.clock.now_ms(), immediate=immediate, refused=refused)
+            slices = self._frame_slices(batch, new)
+            if slices is None:
+                res = self._append(batch, now_ms=self.clock.now_ms(), immediate=immediate, refused=refused)
+                first_visible = self.store.appended_visible_ms
+            else:
+                res, first_visible = await self._append_slices(batch, slices, immediate, refused)
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 e = self._disk_refused(e)
@@ -200,7 +206,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             # the first of them is due.
             hit = np.bincount(batch.subject_idx[stored], minlength=len(batch.subjects))
             subjects = [batch.subjects[k] for k in np.flatnonzero(hit).tolist()]
-            first = self.store.appended_visible_ms
+            first = first_visible
             wait_s = self.clock.seconds_until(first) if first > now else 0.0
             if wait_s > 0:
                 asyncio.get_running_loop().call_later(wait_s, self._wake, subjects)
@@ -211,6 +217,62 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         if res.errors:
             self.metrics.errors.labels(kind="refused_message").inc(len(res.errors))
         return res.to_pb()
+
+    def _frame_slices(self, batch: Batch, new: list[str]) -> list[np.ndarray] | None:
+        """Issue 27: a frame's first index entry for a new subject is a write to a file that
+        is still empty (about 7 us; more while the disk journal commits), on the event loop.
+        A send that created more than ``subjects_new_per_frame_max`` subjects is therefore
+        stored as several frames, each with at most that many of them (the subjects that
+        existed go with the first); returns the message indexes of each, in order, or None
+        for one frame. A subject's messages all stay in one frame, in their order, so
+        de-duplication inside the batch and per-subject order are those of one frame."""
+        per = self.settings.subjects_new_per_frame_max
+        if len(new) <= per:
+            return None
+        pos = {s: i for i, s in enumerate(new)}
+        slice_of = np.array([pos.get(s, 0) // per for s in batch.subjects], np.int64)
+        of_msg = slice_of[batch.subject_idx]
+        order = np.argsort(of_msg, kind="stable")
+        cuts = np.flatnonzero(np.diff(of_msg[order])) + 1
+        return [part for part in np.split(order, cuts) if len(part)]
+
+    async def _append_slices(self, batch: Batch, slices: list[np.ndarray], immediate: bool,
+                             refused: dict[str, HourglassError]) -> tuple[BatchResult, int]:
+        """Append ``batch`` as one frame per slice (``_frame_slices``), letting the loop serve
+        other calls between them. Every message gets its own answer, as in one frame: a
+        refusal of the first slice refuses the call (nothing stored); a failure of a later one
+        (the disk, the store closed by a role change) refuses that slice's messages and the
+        rest with that error, and the messages already stored stay answered OK (a retry of
+        the refused ones is de-duplicated by id as always). Returns the result and the
+        earliest visible time of what was stored."""
+        store = self.store
+        res = BatchResult.sized(batch.n)
+        res.deliver_at_ms[:] = batch.deliver_at_ms
+        first_visible: int | None = None
+        for j, idx in enumerate(slices):
+            if j:
+                await asyncio.sleep(0)  # the other calls' turn: at most one slice of new subjects per step
+            try:
+                if self.store is not store:  # a role change reopened the store meanwhile: not the master now
+                    raise NotLeader()
+                part = self._append(batch.take(idx), now_ms=self.clock.now_ms(), immediate=immediate,
+                                    refused=refused)
+            except HourglassError as e:
+                if not j:
+                    raise
+                if isinstance(e, DiskFull):
+                    e = self._disk_refused(e)
+                rest = np.concatenate(slices[j:])
+                code, text = status.to_code(e), str(e)
+                for i in rest.tolist():
+                    res.refuse(i, code, text)
+                break
+            for name in ("codes", "seqs", "duplicates"):
+                getattr(res, name)[idx] = getattr(part, name)
+            res.errors.update({int(idx[i]): e for i, e in part.errors.items()})
+            if first_visible is None or store.appended_visible_ms < first_visible:
+                first_visible = store.appended_visible_ms
+        return res, first_visible if first_visible is not None else 0
 
     async def SendBatchStream(self, requests, context):
         """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""

@@ -594,16 +594,27 @@ class RealtimeStore:
 
     # ------------------------------------------------------------------ files
 
-    def _fd(self, ix: SubjectIndex) -> int:
+    def _fd(self, ix: SubjectIndex, *, trim: bool = True) -> int:
+        """``ix``'s open descriptor (opened if needed, most recently used now). ``trim=False``:
+        do not evict yet (a frame's or a round's many subjects; ``_trim_fds`` after them), so
+        a frame of more subjects than ``index_files_open_max`` does not evict the descriptors
+        it is about to use and reopen every one of them (issue 27: a 300-subject frame opened
+        300 files on the loop)."""
         if ix.fd >= 0:
             self._open_fds.move_to_end(ix.subject)
             return ix.fd
         ix.fd = os.open(ix.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
         self._open_fds[ix.subject] = None
-        while len(self._open_fds) > self.settings.index_files_open_max:
+        if trim:
+            self._trim_fds()
+        return ix.fd
+
+    def _trim_fds(self, keep: int = 0) -> None:
+        """Evict least recently used descriptors down to ``max(index_files_open_max, keep)``."""
+        cap = max(self.settings.index_files_open_max, keep)
+        while len(self._open_fds) > cap:
             old, _ = self._open_fds.popitem(last=False)
             self._evict_fd(self._subjects[old])
-        return ix.fd
 
     def _evict_fd(self, ix: SubjectIndex) -> None:
         """Close an index fd to stay under ``index_files_open_max``; a dirty one is kept open
@@ -721,6 +732,7 @@ class RealtimeStore:
         if not work.done or self._closed:
             return
         index_root = self.root / "index"
+        adopted = 0
         for s, owner in work.items:
             if s in self._subjects:
                 continue
@@ -728,19 +740,22 @@ class RealtimeStore:
                 self.subject_order.append(s)
             if not self._owners.get(s):
                 self._owners[s] = owner
-            if s in work.fresh:  # the round made the folder and an empty file: nothing to repair
-                ix = SubjectIndex(s, index_path(index_root / s, 0), 0)
+            fresh = work.fresh.get(s)
+            if fresh is not None:  # the round made the folder and an empty file: nothing to repair
+                folder, path = fresh  # built (and hashed) on the worker thread: no pathlib work here
+                ix = SubjectIndex(s, path, 0)
                 self._subjects[s] = ix
                 fd = work.fds.pop(s, -1)
                 if fd >= 0:  # opened off the loop: the first append writes at once
                     ix.fd = fd
                     self._open_fds[s] = None
-                    while len(self._open_fds) > self.settings.index_files_open_max:
-                        old, _ = self._open_fds.popitem(last=False)
-                        self._evict_fd(self._subjects[old])
+                    adopted += 1
             else:
+                folder = index_root / s
                 self._load_index(s)  # adopts a leftover file, cut as at open
-            self._index_dirs_unsynced.add(index_root / s)
+            self._index_dirs_unsynced.add(folder)
+        # keep every descriptor the round opened: the request that asked appends to them next
+        self._trim_fds(keep=adopted)
 
     def subjects_abandon(self, work: SubjectWork) -> None:
         """A planned round that will not run: its names are free again."""
@@ -910,14 +925,17 @@ class RealtimeStore:
         self.appended_visible_ms = int(vis.min())
         runs = frame_runs(offset=off, subject_idx=stored.subject_idx, visible_ms=vis, masks=batch_tag_masks(stored))
         try:
+            subjects = self._subjects
             for k, raw in runs.items():
-                ix = self._subjects[stored.subjects[k]]
-                ix.append_run(self._fd(ix), raw)
+                ix = subjects[stored.subjects[k]]
+                ix.append_run(self._fd(ix, trim=False), raw)
                 if held > ix.held_until:
                     ix.held_until = held
         except DiskFull:
             self._undo_frame(off, [stored.subjects[k] for k in runs])
             raise
+        finally:
+            self._trim_fds()
         if contiguous:
             self._indexed_upto = self.messages.end_offset
         evicted = self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
@@ -1439,11 +1457,7 @@ class RealtimeStore:
         for entries that are only in the new file."""
         dirs, self._index_dirs_unsynced = self._index_dirs_unsynced, set()
         for d in dirs:
-            fd = os.open(d, os.O_RDONLY)
-            try:
-                plan.fsync(fd)
-            finally:
-                os.close(fd)
+            plan.fsync_dir(d)  # opened on the plan's thread: a flood of new subjects leaves one per subject
 
     def disk_bytes(self) -> dict[str, int]:
         """Any thread: bytes allocated per part of the data folder (messages, index, groups, other)."""

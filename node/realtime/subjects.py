@@ -173,7 +173,9 @@ class SubjectWork:
     items: list[tuple[str, str]]           # (subject, owner) to create, in request order
     created_ms: int
     refused: dict[str, Exception] = field(default_factory=dict)  # subject -> why not (subjects_max)
-    fresh: set[str] = field(default_factory=set)  # folders this round made: their index is empty
+    # folders this round made (their index is empty): subject -> (folder, index file path),
+    # built and hashed on the worker thread so that registering them on the loop costs no pathlib
+    fresh: dict[str, tuple[Path, Path]] = field(default_factory=dict)
     # the fresh subjects' index files, opened for appending on the worker thread: the store
     # takes them (``RealtimeStore.subjects_finish``), so a batch of many new subjects does not
     # open hundreds of files on the event loop (10 of 17 ms of a 300-subject append)
@@ -202,8 +204,10 @@ class SubjectWork:
                 d.mkdir(mode=DATA_DIR_MODE)
             except FileExistsError:
                 continue  # a leftover folder: RealtimeStore._load_index adopts what it holds
-            self.fds[s] = os.open(d / ENTRIES_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
-            self.fresh.add(s)
+            path = d / ENTRIES_FILE
+            self.fds[s] = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
+            hash(d)  # pathlib caches it: the store's set of folders to fsync does not compute it on the loop
+            self.fresh[s] = (d, path)
         fsync_dir(self.index_root)
         self.journal.append(self.items, created_ms=self.created_ms)
         self.done = True

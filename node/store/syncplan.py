@@ -25,7 +25,7 @@ from typing import Any
 
 from node.store import checkpoint
 
-_FSYNC, _PWRITE, _DOC = 0, 1, 2
+_FSYNC, _PWRITE, _DOC, _FSYNC_DIR = 0, 1, 2, 3
 
 
 class DocGate:
@@ -75,6 +75,11 @@ class SyncPlan:
     def fsync(self, fd: int) -> None:
         self._steps.append((_FSYNC, self._dup(fd)))
 
+    def fsync_dir(self, path: str | os.PathLike) -> None:
+        """fsync a folder, opened and closed by ``run`` (a plan over many new folders, one per
+        new subject, opens none of them on the loop)."""
+        self._steps.append((_FSYNC_DIR, path))
+
     def pwrite(self, fd: int, data: bytes, offset: int) -> None:
         self._steps.append((_PWRITE, self._dup(fd), bytes(data), offset))
 
@@ -94,6 +99,12 @@ class SyncPlan:
                 kind = step[0]
                 if kind == _FSYNC:
                     os.fsync(step[1])
+                elif kind == _FSYNC_DIR:
+                    fd = os.open(step[1], os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
                 elif kind == _PWRITE:
                     _, fd, data, offset = step
                     view = memoryview(data)
