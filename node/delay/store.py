@@ -425,7 +425,32 @@ class DelayStore:
         cand = self.ids.probe(hashes, id_bytes)
         if self._unfiled:  # accepted and not filed yet (not in the id index): one isin, nothing per message
             cand |= np.isin(hashes, np.concatenate([u.hashes for u in self._unfiled]))
-        for i in np.flatnonzero(cand & ok).tolist():
+        with self.schedule.memo():
+            self._confirm_duplicates(batch, np.flatnonzero(cand & ok), ok, res, now_ms)
+        keep = np.flatnonzero(ok)
+        if not len(keep):
+            return res
+        seqs = self._next_seqs(len(keep))
+        stored = batch.take(keep)
+        stored = stored.replace(seq=seqs, store_ms=now_ms, effective_ms=stored.deliver_at_ms)
+        kept_hashes = hashes[keep]
+        start = 0
+        for part in _split_frames(stored, self.settings.frame_bytes_max):
+            (off,) = self.messages.append([part.encode()])
+            part_hashes = kept_hashes[start:start + part.n]
+            start += part.n
+            self._unfiled.append(_Unfiled(off, self.messages.end_offset, part, part_hashes))
+        self._unfiled_count += len(keep)
+        res.seqs[keep] = seqs
+        res.deliver_at_ms[keep] = stored.deliver_at_ms
+        self.counters["accepted"] += len(keep)
+        return res
+
+    def _confirm_duplicates(self, batch: Batch, which: np.ndarray, ok: np.ndarray, res: BatchResult,
+                            now_ms: int) -> None:
+        """Messages ``which`` of ``batch`` whose ids may have been seen: confirmed on the record
+        (answered as duplicates, or refused), and taken out of ``ok``."""
+        for i in which.tolist():
             found = self._find(batch.id(i))
             if found is None:
                 continue
@@ -447,24 +472,6 @@ class DelayStore:
                 continue
             self.counters["duplicates"] += 1
             res.seqs[i], res.deliver_at_ms[i], res.duplicates[i] = prior.seq, prior.deliver_at_ms, 1
-        keep = np.flatnonzero(ok)
-        if not len(keep):
-            return res
-        seqs = self._next_seqs(len(keep))
-        stored = batch.take(keep)
-        stored = stored.replace(seq=seqs, store_ms=now_ms, effective_ms=stored.deliver_at_ms)
-        kept_hashes = hashes[keep]
-        start = 0
-        for part in _split_frames(stored, self.settings.frame_bytes_max):
-            (off,) = self.messages.append([part.encode()])
-            part_hashes = kept_hashes[start:start + part.n]
-            start += part.n
-            self._unfiled.append(_Unfiled(off, self.messages.end_offset, part, part_hashes))
-        self._unfiled_count += len(keep)
-        res.seqs[keep] = seqs
-        res.deliver_at_ms[keep] = stored.deliver_at_ms
-        self.counters["accepted"] += len(keep)
-        return res
 
     def write_bytes_bound(self, batch: Batch) -> int:
         """Disk bytes that accepting ``batch`` and filing it take at most: what the disk

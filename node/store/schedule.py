@@ -80,6 +80,7 @@ import shutil
 import struct
 import zlib
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -111,6 +112,7 @@ FORMAT_VERSION = 2  # of the heads header
 META_VERSION = 3
 META_VERSIONS_READ = (2, 3)
 BUCKET_MS_DEFAULT = 3_600_000
+MEMO_FRAMES_MAX = 4096  # frames one ``ScheduleLog.memo`` block keeps (a batch's duplicates)
 DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
 OPEN_BUCKETS_MAX_DEFAULT = 32
 CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
@@ -561,6 +563,9 @@ class ScheduleLog:
         self.open_buckets_max = open_buckets_max
         self._open: OrderedDict[int, Bucket] = OrderedDict()
         self.cache = _FrameCache(cache_bytes_max)
+        # frames read during one synchronous pass (``memo``): a retried batch's duplicates are
+        # confirmed on the frames that hold them, each read and decoded once, not once per id
+        self._memo: dict[tuple[int, int], FrameRef] | None = None
         self.rebuilds = 0  # buckets replaced (replace_bucket) since open
         # called with (bucket start, error) when a bucket fails a check; it rebuilds the
         # bucket (``replace_bucket``) or raises. None: corruption is raised to the caller.
@@ -605,6 +610,8 @@ class ScheduleLog:
             if self.healer is None:
                 raise
             self.healer(start_ms, e)
+            if self._memo:
+                self._memo.clear()  # the bucket was rebuilt: its frames moved
         return fn()
 
     def replace_bucket(self, start_ms: int, chunks, *, before_swap: Callable[[Path], None] | None = None) -> int:
@@ -809,14 +816,32 @@ class ScheduleLog:
     def frame(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> FrameRef:
         return self._healing(bucket_start_ms, lambda: self._frame(bucket_start_ms, data_offset, frame_size))
 
+    @contextmanager
+    def memo(self):
+        """Within this block (synchronous: nothing is filed or healed meanwhile) a frame read
+        once is not read again."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
+
     def _frame(self, bucket_start_ms: int, data_offset: int, frame_size: int) -> FrameRef:
         ref = self.cache.get(bucket_start_ms, data_offset)
         if ref is not None:
             return ref
+        memo = self._memo
+        if memo is not None:
+            ref = memo.get((bucket_start_ms, data_offset))
+            if ref is not None and ref.frame_size == frame_size:
+                return ref
         b = self.bucket(bucket_start_ms, create=False)
         if b is None:
             raise CorruptRecord(str(self._path(bucket_start_ms)), data_offset, "bucket missing")
-        return FrameRef(bucket_start_ms, data_offset, frame_size, b.read(data_offset, frame_size))
+        ref = FrameRef(bucket_start_ms, data_offset, frame_size, b.read(data_offset, frame_size))
+        if memo is not None and len(memo) < MEMO_FRAMES_MAX:
+            memo[(bucket_start_ms, data_offset)] = ref
+        return ref
 
     def find(self, bucket_start_ms: int, data_offset: int, frame_size: int, seq: int) -> tuple[FrameRef, int] | None:
         """The frame at this place and the index of ``seq`` in it (None if absent). In a
