@@ -299,19 +299,26 @@ async def _consume_hourglass(cfg: dict, seen: _Seen, ctl: Control) -> None:
     resolver = MetaResolver(cfg["target"]["meta"])
     consumer = Consumer(resolver, SUBJECTS, group=GROUP)
 
+    handling = False  # between a batch's arrival and its ack's answer: the watchdog leaves it be
+
     async def loop_() -> None:  # the README's loop
+        nonlocal handling
         try:
             async for batch in consumer.batches():
+                handling = True
                 seen.handle(batch.ids, batch.payloads)
                 await batch.ack()
+                handling = False
+                if seen.done():
+                    break
         except E.HourglassError:
             if not seen.done():  # not the watchdog's close: a real failure
                 raise
 
     async def watchdog() -> None:
-        while not seen.done():
+        while not seen.done() or handling:
             await asyncio.sleep(0.05)
-        await consumer.close()  # ends the loop, the pull in flight included
+        await consumer.close()  # ends the loop waiting in a long poll
 
     task = asyncio.create_task(loop_())
     dog = asyncio.create_task(watchdog())
