@@ -639,8 +639,8 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     r["cpu_us_per_msg"] = CpuMeter({}).per_message_us(counts, cpu)
     r["window_s"] = round((t1_ms - t0_ms) / 1000, 1)
     r["windows_100ms"] = _window_summary(wins, args.window_over_ms)
-    if args.stalls:
-        r["stalls"] = _stall_lines(system, offsets, t0_ms)
+    if args.stalls:  # None: the system has no loop watchdog (Redis)
+        r["stalls"] = _stall_lines(system, offsets, t0_ms) if system.logs() else None
     r["settings"] = {**system.settings(), "loadavg_at_start": load, "tick_ms": 10, "payload_bytes": PAYLOAD_BYTES,
                      "subjects": 16, "due": ("send + uniform 1..5 s" if kind == "sustain" else "send + uniform 3..13 s")}
     r["_windows"] = {"system": system.name, "phase": kind, "rate": rate, "t0_ms": t0_ms, "window_ms": WINDOW_MS,
@@ -668,7 +668,9 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['system']:16} {r['phase']:8} {rate!s:>7} {got!s:>10} {r.get('ticks_missed', '-')!s:>6} "
                      f"{la['p50']!s:>6} {la['p99']!s:>6} {la['p999']!s:>6} {la['max']!s:>6} {r['lost']:>5} "
                      f"{r['duplicates']:>5} {over!s:>5}  {_cpu_cell(r)}")
-        if "stalls" in r:
+        if r.get("stalls") is None and "stalls" in r:
+            lines.append(f"{'':16} stalls: n/a (no event-loop watchdog)")
+        elif "stalls" in r:
             st = r["stalls"]
             lines.append(f"{'':16} stalls logged: {len(st)}" + (
                 f", longest {max(s['stall_ms'] for s in st)} ms ("
