@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, CpuMeter, emit, lateness_summary, machine  # noqa: E402
+from common import REPO, CpuMeter, emit, machine  # noqa: E402
 
 SUBJECTS = [f"bench.s{i}" for i in range(16)]
 GROUP = "bench-user"
@@ -641,8 +641,9 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     r["windows_100ms"] = _window_summary(wins, args.window_over_ms)
     if args.stalls:  # None: the system has no loop watchdog (Redis)
         r["stalls"] = _stall_lines(system, offsets, t0_ms) if system.logs() else None
+    due = "send + uniform 1..5 s" if kind == "sustain" else "send + uniform 3..13 s"
     r["settings"] = {**system.settings(), "loadavg_at_start": load, "tick_ms": 10, "payload_bytes": PAYLOAD_BYTES,
-                     "subjects": 16, "due": ("send + uniform 1..5 s" if kind == "sustain" else "send + uniform 3..13 s")}
+                     "subjects": 16, "due": due}
     r["_windows"] = {"system": system.name, "phase": kind, "rate": rate, "t0_ms": t0_ms, "window_ms": WINDOW_MS,
                      "windows": wins}
     return r
