@@ -35,6 +35,12 @@ One JSON line per system and phase, then a side-by-side table on stderr.
     python bench/bench_e2e.py --n 100000 --backlog 1000000
     python bench/bench_e2e.py --n 2000 --backlog 20000 --phases 1,sustain --rates 2000,5000 --sustain-s 5
     python bench/bench_e2e.py --systems redis-always --phases sustain
+
+``--client user`` (issue 28) runs the README's code instead: a producer process and a
+consumer process against ``hourglass dev up``'s cluster and Redis, phases sustain and burst
+(``bench/e2e_user.py``; docs/benchmarks.md, "User-mode client (issue 28)"):
+
+    python bench/bench_e2e.py --client user --sustain-s 30 --stalls
 """
 
 from __future__ import annotations
