@@ -35,6 +35,12 @@ One JSON line per system and phase, then a side-by-side table on stderr.
     python bench/bench_e2e.py --n 100000 --backlog 1000000
     python bench/bench_e2e.py --n 2000 --backlog 20000 --phases 1,sustain --rates 2000,5000 --sustain-s 5
     python bench/bench_e2e.py --systems redis-always --phases sustain
+
+``--client user`` (issue 28) runs the README's code instead: a producer process and a
+consumer process against ``hourglass dev up``'s cluster and Redis, phases sustain and burst
+(``bench/e2e_user.py``; docs/benchmarks.md, "User-mode client (issue 28)"):
+
+    python bench/bench_e2e.py --client user --sustain-s 30 --stalls
 """
 
 from __future__ import annotations
@@ -776,9 +782,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=100_000, help="phase 1 messages")
     p.add_argument("--backlog", type=int, default=1_000_000, help="phase 2 pending messages")
-    p.add_argument("--systems", default="hourglass,redis-always,redis-everysec")
-    p.add_argument("--phases", default="1,1b,sustain,2")
-    p.add_argument("--rates", default=",".join(map(str, LADDER)), help="sustain: rates to climb, msgs/s")
+    p.add_argument("--client", choices=("bench", "user"), default="bench",
+                   help="bench: this process sends through its own open loop (phases 1, 1b, sustain, 2); "
+                        "user: the README's code in a producer and a consumer process against `hourglass dev up`'s "
+                        "cluster (phases sustain, burst; bench/e2e_user.py, docs/benchmarks.md issue 28)")
+    p.add_argument("--systems", default=None,
+                   help="default hourglass,redis-always,redis-everysec (--client user: hourglass,redis-always)")
+    p.add_argument("--phases", default=None, help="default 1,1b,sustain,2 (--client user: sustain,burst)")
+    p.add_argument("--rates", default=None,
+                   help="sustain: rates to climb, msgs/s (default the ladder 2k..160k; --client user: "
+                        "2000,5000,10000,20000,40000, every one run)")
+    p.add_argument("--burst-n", type=int, default=100_000, help="--client user, burst: messages due 3..13 s later")
+    p.add_argument("--burst-call", type=int, default=0,
+                   help="--client user, burst: messages per awaited call (0: the whole burst in one send_many)")
+    p.add_argument("--windows-json", default=None,
+                   help="--client user: lateness per 100 ms window of every step, as JSON "
+                        "(default bench/out/e2e-user-windows-<time>.json)")
+    p.add_argument("--window-over-ms", type=int, default=50,
+                   help="--client user: a 100 ms window whose max lateness passes this is counted in the table")
+    p.add_argument("--stalls", action="store_true",
+                   help="--client user: collect the nodes' 'event loop stalled' log lines of each step into the "
+                        "report (threshold: node setting loop_stall_report_ms, default 200; e.g. "
+                        "--node-env HOURGLASS_LOOP_STALL_REPORT_MS=20)")
     p.add_argument("--sustain-s", type=float, default=30.0, help="sustain: seconds per rate")
     p.add_argument("--batch", type=int, default=1000,
                    help="messages per send call (Hourglass send_many, Redis pipeline)")
@@ -806,7 +831,25 @@ def main() -> None:
     if a.consumer:
         consumer_main(a)
         return
+    user = a.client == "user"
+    import e2e_user  # noqa: E402  (the user mode; its constants are the defaults below)
+
+    if a.systems is None:
+        a.systems = "hourglass,redis-always" if user else "hourglass,redis-always,redis-everysec"
+    if a.phases is None:
+        a.phases = "sustain,burst" if user else "1,1b,sustain,2"
+    if a.rates is None:
+        a.rates = ",".join(map(str, e2e_user.USER_RATES if user else LADDER))
     a.rates = [int(x) for x in a.rates.split(",") if x]
+    if user:
+        if a.windows_json is None:
+            a.windows_json = str(REPO / "bench" / "out" / f"e2e-user-windows-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        work = Path(tempfile.mkdtemp(prefix="hg-bench-e2e-user-", dir=a.dir))
+        try:
+            e2e_user.run(a, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
 
     phases = a.phases.split(",")
     rows = []
