@@ -1378,23 +1378,31 @@ class Consumer:
         kept = np.flatnonzero(keep)
         return ReceivedBatch(self, rb.node, rb.batch.take(kept), rb.handles[kept], rb.received_ms)
 
-    async def _round(self, max_messages: int | None,
-                     wait_ms: int | None) -> tuple[list[ReceivedBatch], BaseException | None]:
+    def _start_pulls(self, routes: dict[str, list[str]], max_messages: int | None, wait_ms: int | None,
+                     only: set[str] | None = None) -> None:
+        """A pull in flight for every node of ``routes`` (of ``only``) that has none."""
+        loop = asyncio.get_running_loop()
+        for node, subjects in routes.items():
+            if node not in self._pulls and (only is None or node in only):
+                failures = self._failures.get(node, 0)
+                self._pulls[node] = loop.create_task(self._pull_node(
+                    node, subjects, max_messages or self.batch_max, self.wait_ms if wait_ms is None else wait_ms,
+                    _pause_s(self._wait, failures) if failures else 0.0))
+
+    async def _round(self, max_messages: int | None, wait_ms: int | None, *,
+                     prefetch: bool = False) -> tuple[list[ReceivedBatch], BaseException | None]:
         """Make sure every node serving our subjects has a pull in flight, wait for the
         first to answer and return every answer there is (and a node's error, if any).
-        Pulls still waiting stay in flight for the next round."""
+        Pulls still waiting stay in flight for the next round. With ``prefetch`` (the
+        iterators) a node that answered with messages gets its next pull at once, so it
+        runs while the caller handles and acks this batch (an awaited ``batch.ack()`` does
+        not hold the next batch back by its round trip and the node's fsync)."""
         if self._closed:
             raise E.Closed("consumer closed")
         routes = await self._routes()
         for gone in [n for n in self._health if n not in routes and n not in self._pulls]:
             del self._health[gone]  # its subjects moved to another node: it no longer concerns us
-        loop = asyncio.get_running_loop()
-        for node, subjects in routes.items():
-            if node not in self._pulls:
-                failures = self._failures.get(node, 0)
-                self._pulls[node] = loop.create_task(self._pull_node(
-                    node, subjects, max_messages or self.batch_max, self.wait_ms if wait_ms is None else wait_ms,
-                    _pause_s(self._wait, failures) if failures else 0.0))
+        self._start_pulls(routes, max_messages, wait_ms)
         pending = {t: n for n, t in self._pulls.items()}
         await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if self._closed:
@@ -1421,6 +1429,8 @@ class Consumer:
                         self._note_health(node, exc, routes.get(node, ()))
                     await self.resolver.refresh()
                 err = exc
+        if prefetch and out and not self._closed:
+            self._start_pulls(routes, max_messages, wait_ms, only={rb.node for rb in out})
         return out, err
 
     def _note_health(self, node: str, error: BaseException | None, subjects) -> None:
@@ -1467,7 +1477,7 @@ class Consumer:
         """One round for the iterators: None once closed. A failing node is retried with
         backoff (``_round``); an error that retrying cannot fix (bad request) is raised."""
         try:
-            out, err = await self._round(None, None)
+            out, err = await self._round(None, None, prefetch=True)
         except E.Closed:
             return None
         except E.Unavailable as e:  # no node known for any subject
