@@ -224,8 +224,16 @@ def test_sigkill_during_retention_loses_nothing_acknowledged(tmp_path, seed):
     for round_ in range(3):
         code = CHILD.format(repo=str(REPO), path=str(data), now=now, acked=str(acked), seed=seed * 10 + round_,
                             start=start)
+        before = acked.stat().st_size if acked.exists() else 0
         p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True)
         try:
+            # the seeded moment counts from the child's first acknowledged batch: on a starved
+            # machine its start alone took longer than the 1.5-3 s (no file, nothing to check)
+            deadline = time.monotonic() + 300
+            while (p.poll() is None and time.monotonic() < deadline
+                   and (acked.stat().st_size if acked.exists() else 0) <= before):
+                time.sleep(0.05)
+            assert p.poll() is None, f"the child exited with {p.returncode} before its first batch"
             time.sleep(rnd.uniform(1.5, 3.0))
         finally:
             os.kill(p.pid, signal.SIGKILL)

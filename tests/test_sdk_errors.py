@@ -21,7 +21,10 @@ from cluster.transport import MESSAGE_BYTES_MAX
 from tests.helpers.fake_node import FakeNode, now_ms
 
 MB = 1_000_000
-SLACK_S = 1.5  # what a call may take beyond its deadline on a busy 2-CPU machine
+# what a call may take beyond its deadline: a bound only a missing deadline passes (the
+# requests' own timeout is 60 s, or retries without end), not a latency figure. At 1.5 s the
+# suite failed once beside a starved-kills series (load 35 on 2 cores)
+SLACK_S = 20
 HORIZON_MS = DEFAULT_LIMITS.delay_horizon_ms
 
 
