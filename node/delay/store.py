@@ -220,6 +220,15 @@ class DelayStore:
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
         self.replicated: dict | None = ck.get("replicated") if follower else None
+        if self.replicated is not None:
+            mark = int(self.replicated.get("iterate_offset", 0))
+            if mark > self.messages.end_offset or not self.messages.is_boundary(mark):
+                # not where a record of this log starts (a document persisted before the
+                # seed-8 fix): file no further than this replica's own filed offset until the
+                # master's next document
+                log.warning("replicated iterate offset %d is not a record boundary here; using %d",
+                            mark, self.iterate_offset)
+                self.replicated["iterate_offset"] = self.iterate_offset
         self._pending: dict[int, int] = {}  # counted below; a rebuild meanwhile counts its bucket
         # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
@@ -1267,6 +1276,10 @@ class DelayStore:
         if int(r.get("log_end", r.get("iterate_offset", 0))) <= cut:
             return False
         r["log_end"] = cut
+        # a follower files up to the document's iterate offset: past the cut it would point
+        # into the new master's bytes, maybe inside a record (chaos meta-pause seed 8, third
+        # session: "record ends past end of segment" while filing, and at every restart)
+        r["iterate_offset"] = min(int(r["iterate_offset"]), cut)
         low = None
         for b in cut_batches:
             tomb = b.kind == KIND_CANCEL
