@@ -733,3 +733,24 @@ def test_a_returning_master_files_the_new_masters_bytes_after_its_cut(tmp_path):
     assert a.lookup("longer-ids-of-the-new-master-0-0").status == "pending"
     a.close()
     b.close()
+
+
+def test_a_delivered_message_behind_the_persisted_tick_state_is_too_late_to_cancel(tmp_path):
+    """Chaos meta-pause seed 7 on 02f403d (third session): a cancel was answered OK for a
+    message the real-time node already held (its dispatch record written 300 ms before). Its
+    entry among the delivered seqs was pruned (behind the persisted tick state) and the live
+    completed_ms had stepped back below it while an older message was in flight
+    (``_advance_completed``): it looked pending. Behind the persisted value, a message not in
+    flight is delivered."""
+    now, a, _b = pair_with_two_filed(tmp_path)
+    got, now = run_master(a, now, ticks=30)
+    assert sorted(got) == ["m0", "m1"]
+    for _ in range(3):  # the persisted value passes them, their entries are pruned
+        a.checkpoint()
+        run_master(a, now, ticks=1)
+    assert a.persisted_completed_ms > T0 + 1500
+    a.completed_ms = T0 + 1000  # as while an older message is in flight
+    with pytest.raises(TooLate):
+        a.cancel("m0", now_ms=now)
+    assert a.lookup("m1").status == "dispatched"
+    a.close()

@@ -623,7 +623,12 @@ class DelayStore:
             return "in_flight"
         if m.seq in self._dispatched:
             return "dispatched"
-        if eff is not None and eff < self.completed_ms:
+        # behind the persisted value, a message that is not in flight was delivered (its entry in
+        # _dispatched is pruned there). completed_ms alone is not enough: it steps back below the
+        # persisted value while an older message is in flight (_advance_completed), and a cancel
+        # then took a message already at the real-time node for pending (chaos meta-pause seed 7
+        # on 02f403d: received after the cancel was acknowledged)
+        if eff is not None and eff < max(self.completed_ms, self.persisted_completed_ms):
             return "dispatched"
         return "pending"
 
