@@ -117,7 +117,7 @@ class StallWatch:
     ends, once, with its duration, the task that was running and where the loop thread was
     (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
     ... samples=11/12``). "Where" is sampled by a thread every tick while the task's mark is
-    older than half the threshold; the place seen most often during the stall is named, with
+    older than half the threshold (before that the thread sleeps until it could be); the place seen most often during the stall is named, with
     how many of the samples saw it: the call that held the loop. ``at=selectors.py ... select``
     means the loop was idle and the process got no CPU; ``at=-`` that the sampler got none
     either. A stall that lasts ``STALL_STILL_MS`` is also logged
@@ -166,11 +166,16 @@ class StallWatch:
 
     def _watch(self) -> None:
         still_reported = None
-        while not self._stop.wait(self.tick_s):
+        wait_s = self.tick_s
+        while not self._stop.wait(wait_s):
             beat = self.beat
             late = time.monotonic() - beat - self.tick_s
             if late < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
+                # nothing to sample before the mark is half a threshold late: sleep until then (at
+                # least a tick), not a tick at a time: at rest this thread wakes a few times a second
+                wait_s = max(self.tick_s, self.threshold_s / 2 - late)
                 continue
+            wait_s = self.tick_s
             frame = sys._current_frames().get(self._loop_thread)
             task = asyncio.current_task(self._loop) if self._loop is not None else None
             sample = (task.get_name() if task is not None else "-", _where(frame) if frame is not None else "-")
