@@ -71,6 +71,8 @@ def tune_gc() -> None:
 
 
 MALLOC_TRIM_INTERVAL_S = 2.0  # how often a node hands freed heap back to the OS (malloc_trim)
+MALLOC_TRIM_CHANGE_BYTES = 1 << 20  # ... when the heap in use moved this much since the last trim
+MALLOC_TRIM_IDLE_S = 60.0           # ... or this long after the last trim whatever it did
 
 
 def _malloc_trim():
@@ -82,18 +84,50 @@ def _malloc_trim():
         return None
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_in_use():
+    """A callable giving the bytes malloc has handed out (glibc's ``mallinfo2``: small
+    chunks plus mmap'd ones), or None where there is no ``mallinfo2`` (glibc < 2.33)."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def in_use() -> int:
+        m = fn()
+        return m.uordblks + m.hblkhd
+    return in_use
+
+
 async def trim_memory_loop(interval_s: float = MALLOC_TRIM_INTERVAL_S) -> None:
     """Every ``interval_s``, give freed heap back to the OS (on a worker thread). Ingest builds
     and frees large buffers (a 4,000-message request, its frames, numpy temporaries); glibc
     keeps what was freed in its arenas, so after a burst a node's RSS stayed tens of bytes
-    per pending message higher than what it holds (``docs/benchmarks.md``, phase 2)."""
+    per pending message higher than what it holds (``docs/benchmarks.md``, phase 2).
+
+    A trim walks the whole heap and madvises its free pages again even when they were
+    given back already, so it runs only when the heap in use moved by
+    ``MALLOC_TRIM_CHANGE_BYTES`` since the last one, or ``MALLOC_TRIM_IDLE_S`` after it: a
+    node at rest trims once a minute, not every two seconds (issue 28)."""
     trim = _malloc_trim()
     if trim is None:
         return
+    in_use = _heap_in_use()
     loop = asyncio.get_running_loop()
+    after: int | None = None  # heap in use right after the last trim
+    last_at = loop.time()
     while True:
         await asyncio.sleep(interval_s)
+        if in_use is not None and after is not None and abs(in_use() - after) < MALLOC_TRIM_CHANGE_BYTES \
+                and loop.time() - last_at < MALLOC_TRIM_IDLE_S:
+            continue
         await loop.run_in_executor(None, trim, 0)
+        after, last_at = (in_use() if in_use is not None else None), loop.time()
 
 
 STALL_TICK_MS_MAX = 50       # the stall watch wakes at least this often (its histogram's resolution)
