@@ -87,6 +87,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.last_retention: tuple[retention.Report, dict[str, int]] | None = None
         self._durable_moved = asyncio.Event()
         self._wheel_wake = asyncio.Event()
+        self._checkpoint_wake = asyncio.Event()  # something a checkpoint records changed (_checkpoint_loop)
         self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray, bool]] = asyncio.Queue()
         # a dispatch round holds a slot until it is settled: while every slot is taken, due
         # messages gather in the wheel and go out together in the next round (batches grow
@@ -250,6 +251,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         if self.committer.durable_offset > self.store.durable_offset:
             self.store.durable_offset = self.committer.durable_offset
             self._durable_moved.set()
+            self._checkpoint_wake.set()
 
     async def _iterator_loop(self) -> None:
         while True:
@@ -482,16 +484,25 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         stalls the messages due meanwhile. One that would only move ``completed_ms`` (an
         unchanged ``DelayStore.checkpoint_key``: the node is at rest) is written every
         ``checkpoint_idle_interval_ms`` instead: a node at rest fsyncs nothing for seconds
-        (issue 28). ``_checkpointed`` is told whether the key changed."""
+        (issue 28). At rest the loop does not look every ``checkpoint_interval_ms`` either:
+        it sleeps until a durable write, a dispatch record or a replicated answer sets
+        ``_checkpoint_wake``, then checkpoints ``checkpoint_interval_ms`` later as usual
+        (a rebuilt bucket or a retention round waits for the idle checkpoint at most).
+        ``_checkpointed`` is told whether the key changed."""
         loop = asyncio.get_running_loop()
         idle_s = self.settings.checkpoint_idle_interval_ms / 1000
         last: tuple[object, tuple] | None = None  # (store, key) of the last checkpoint written
         last_at = loop.time()
+        resting = False
         while True:
+            if resting:  # nothing changed at the last look: sleep until a write or the idle checkpoint
+                await wait_event(self._checkpoint_wake, max(0.0, last_at + idle_s - loop.time()))
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
             store = self.store
+            self._checkpoint_wake.clear()  # before the key: a write from here on wakes the next rest
             key = store.checkpoint_key()
             changed = last is None or last[0] is not store or last[1] != key
+            resting = not changed
             if not changed and loop.time() - last_at < idle_s:
                 continue
             plan = store.checkpoint_plan()
@@ -509,7 +520,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 self._checkpointed(changed)
 
     def _dispatch_appended(self) -> None:
-        """A dispatch record was appended (a replicated master wakes its slaves' idle polls)."""
+        """A dispatch record was appended: the checkpoint loop wakes if it rests (a replicated
+        master also wakes its slaves' idle polls)."""
+        self._checkpoint_wake.set()
 
     def _checkpointed(self, changed: bool) -> None:
         """A checkpoint was written (``changed``: beyond the clock); a master wakes its slaves'

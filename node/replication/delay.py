@@ -211,6 +211,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     def _dispatch_appended(self) -> None:
         """Dispatch records reach the slaves as soon as before: at once when their polls wait
         with the idle cap, within ``replication_wait_ms`` otherwise (as always)."""
+        super()._dispatch_appended()
         self._active_at = time.monotonic()
         if self._idle_polls:
             self._changed.set()
@@ -311,6 +312,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             self.store.appended()
 
     def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
+        self._checkpoint_wake.set()  # bytes or a tick state came: the slave's checkpoint looks again
         if name == "messages":
             if resp.checkpoint:
                 doc = json.loads(resp.checkpoint)
