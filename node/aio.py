@@ -151,7 +151,8 @@ class StallWatch:
     ends, once, with its duration, the task that was running and where the loop thread was
     (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
     ... samples=11/12``). "Where" is sampled by a thread every tick while the task's mark is
-    older than half the threshold (before that the thread sleeps until it could be); the place seen most often during the stall is named, with
+    older than half the threshold (before that the thread sleeps until it could be); the place
+    seen most often during the stall is named, with
     how many of the samples saw it: the call that held the loop. ``at=selectors.py ... select``
     means the loop was idle and the process got no CPU; ``at=-`` that the sampler got none
     either. A stall that lasts ``STALL_STILL_MS`` is also logged

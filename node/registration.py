@@ -20,7 +20,8 @@ leases expire under live masters, and the group flapped. Now:
   only on the main loop, together, through ``call_soon_threadsafe``, so code on the loop
   sees them agree), the readiness health status, and one small task that every
   ``STAMP_INTERVAL_MS_MAX`` (1 s, or an eighth of ``loop_stall_max_ms`` if less) stamps
-  ``loop_alive_at`` and, every half heartbeat interval, snapshots ``describe()`` into the ``NodeInfo`` the thread sends. ``describe()`` is thus
+  ``loop_alive_at`` and, every half heartbeat interval, snapshots ``describe()`` into the
+  ``NodeInfo`` the thread sends. ``describe()`` is thus
   only ever called on the main loop; the thread reads a finished protobuf message.
 * **Liveness gate.** While the stamp is older than ``loop_stall_max_ms`` the thread sends
   nothing (logged once per stall, counted in ``hourglass_heartbeats_withheld``): a wedged

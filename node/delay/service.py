@@ -279,8 +279,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         second becomes loadable (``DelayStore.wheel_wake_ms``; woken early when filing or a
         release puts an entry in the wheel, or a dispatch round settles), at most
         ``wheel_idle_wait_ms_max`` (1 s): a node at rest wakes about once a second, not
-        every tick (issue 28, docs/operations.md "Idle"). Rounds that fire are at least ``dispatch_round_interval_ms``
-        apart, and ``dispatch_round_interval_busy_ms`` after a round of
+        every tick (issue 28, docs/operations.md "Idle"). Rounds that fire are at least
+        ``dispatch_round_interval_ms`` apart, and ``dispatch_round_interval_busy_ms`` after a round of
         ``dispatch_round_busy_messages`` or more: a round costs about the same CPU (a few
         hundred microseconds of gRPC on each side, docs/benchmarks.md) whether it carries one
         message or a thousand, so under load messages due within that interval leave together
@@ -539,9 +539,9 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         """Every ``retention_interval_ms``: decide and detach on the loop, delete and compact
         on a worker thread (node/delay/retention.py), then report sizes and what holds data.
         In between, every ``HEAL_POLL_S`` while some are missing (``HEAL_IDLE_POLL_S``
-        otherwise, so a node at rest wakes once a second for it): missing records of rebuilt schedule buckets are
-        asked for (``fetch_lost_buckets``, node/delay/heal.py) and the healing metrics brought
-        up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
+        otherwise, so a node at rest wakes once a second for it): missing records of rebuilt
+        schedule buckets are asked for (``fetch_lost_buckets``, node/delay/heal.py) and the
+        healing metrics brought up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
         loop = asyncio.get_running_loop()
         interval_s = self.settings.retention_interval_ms / 1000
         next_round = loop.time() + interval_s

@@ -911,11 +911,13 @@ class DelayStore:
         the shell on their own (``wheel_changed``, the dispatch slots). ``None`` when
         neither is known (a full wheel with nothing held cannot happen: it waits on
         dispatch). A second half loaded (``_loading``) or a catch-up with seconds still
-        loadable wants the next poll at once: the current time is returned then."""
+        loadable wants the next poll a tick after the cursor at the latest, as the loop always
+        polled."""
         w = self.wheel
-        if self._loading is not None or w.seconds_to_load(1):
-            return w.cursor_ms
         nxt = w.next_due_ms()
+        if self._loading is not None or w.seconds_to_load(1):
+            soon = w.cursor_ms + self.settings.tick_ms
+            return soon if nxt is None else min(nxt, soon)
         if len(w) >= w.entries_max:
             return nxt
         loadable = w.loaded_until_ms - w.window_ms
