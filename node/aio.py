@@ -71,6 +71,8 @@ def tune_gc() -> None:
 
 
 MALLOC_TRIM_INTERVAL_S = 2.0  # how often a node hands freed heap back to the OS (malloc_trim)
+MALLOC_TRIM_CHANGE_BYTES = 1 << 20  # ... when the heap in use moved this much since the last trim
+MALLOC_TRIM_IDLE_S = 60.0           # ... or this long after the last trim whatever it did
 
 
 def _malloc_trim():
@@ -82,18 +84,50 @@ def _malloc_trim():
         return None
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_in_use():
+    """A callable giving the bytes malloc has handed out (glibc's ``mallinfo2``: small
+    chunks plus mmap'd ones), or None where there is no ``mallinfo2`` (glibc < 2.33)."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def in_use() -> int:
+        m = fn()
+        return m.uordblks + m.hblkhd
+    return in_use
+
+
 async def trim_memory_loop(interval_s: float = MALLOC_TRIM_INTERVAL_S) -> None:
     """Every ``interval_s``, give freed heap back to the OS (on a worker thread). Ingest builds
     and frees large buffers (a 4,000-message request, its frames, numpy temporaries); glibc
     keeps what was freed in its arenas, so after a burst a node's RSS stayed tens of bytes
-    per pending message higher than what it holds (``docs/benchmarks.md``, phase 2)."""
+    per pending message higher than what it holds (``docs/benchmarks.md``, phase 2).
+
+    A trim walks the whole heap and madvises its free pages again even when they were
+    given back already, so it runs only when the heap in use moved by
+    ``MALLOC_TRIM_CHANGE_BYTES`` since the last one, or ``MALLOC_TRIM_IDLE_S`` after it: a
+    node at rest trims once a minute, not every two seconds (issue 28)."""
     trim = _malloc_trim()
     if trim is None:
         return
+    in_use = _heap_in_use()
     loop = asyncio.get_running_loop()
+    after: int | None = None  # heap in use right after the last trim
+    last_at = loop.time()
     while True:
         await asyncio.sleep(interval_s)
+        if in_use is not None and after is not None and abs(in_use() - after) < MALLOC_TRIM_CHANGE_BYTES \
+                and loop.time() - last_at < MALLOC_TRIM_IDLE_S:
+            continue
         await loop.run_in_executor(None, trim, 0)
+        after, last_at = (in_use() if in_use is not None else None), loop.time()
 
 
 STALL_TICK_MS_MAX = 50       # the stall watch wakes at least this often (its histogram's resolution)
@@ -117,7 +151,8 @@ class StallWatch:
     ends, once, with its duration, the task that was running and where the loop thread was
     (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
     ... samples=11/12``). "Where" is sampled by a thread every tick while the task's mark is
-    older than half the threshold; the place seen most often during the stall is named, with
+    older than half the threshold (before that the thread sleeps until it could be); the place
+    seen most often during the stall is named, with
     how many of the samples saw it: the call that held the loop. ``at=selectors.py ... select``
     means the loop was idle and the process got no CPU; ``at=-`` that the sampler got none
     either. A stall that lasts ``STALL_STILL_MS`` is also logged
@@ -166,11 +201,16 @@ class StallWatch:
 
     def _watch(self) -> None:
         still_reported = None
-        while not self._stop.wait(self.tick_s):
+        wait_s = self.tick_s
+        while not self._stop.wait(wait_s):
             beat = self.beat
             late = time.monotonic() - beat - self.tick_s
             if late < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
+                # nothing to sample before the mark is half a threshold late: sleep until then (at
+                # least a tick), not a tick at a time: at rest this thread wakes a few times a second
+                wait_s = max(self.tick_s, self.threshold_s / 2 - late)
                 continue
+            wait_s = self.tick_s
             frame = sys._current_frames().get(self._loop_thread)
             task = asyncio.current_task(self._loop) if self._loop is not None else None
             sample = (task.get_name() if task is not None else "-", _where(frame) if frame is not None else "-")

@@ -71,6 +71,9 @@ class NodeSettings(BaseSettings):
     dead_master_refusals: int = Field(default=2, ge=1, le=100,
                                       description="refused connects to the master before a slave reports it dead")
     replication_wait_ms: int = Field(default=50, ge=5, le=1000, description="long-poll cap = tick state period")
+    replication_idle_wait_ms: int = Field(default=1000, ge=5, le=5000,
+                                          description="long-poll cap while the master's log and tick state have "
+                                                      "not changed beyond the clock (docs/replication.md)")
     replication_chunk_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     campaign_step_ms: int = Field(default=200, ge=0)
     min_term_ms: int = Field(default=5000, ge=0, le=600_000,
@@ -104,6 +107,14 @@ class NodeSettings(BaseSettings):
     window_ms: int = Field(default=S.window_ms, ge=1, description="the wheel loads a second this long before it starts")
     bucket_ms: int = Field(default=S.bucket_ms, ge=1000, description="schedule bucket length (fixed at creation)")
     checkpoint_interval_ms: int = 200
+    checkpoint_idle_interval_ms: int = Field(default=10_000, ge=0, le=600_000,
+                                             description="a checkpoint that would only move completed_ms (nothing "
+                                                         "filed, dispatched, cancelled or written since the last) "
+                                                         "is written this often instead of every "
+                                                         "checkpoint_interval_ms (docs/operations.md, Idle)")
+    wheel_idle_wait_ms_max: int = Field(default=1000, ge=1, le=60_000,
+                                        description="the wheel loop, with nothing due and no second to load, "
+                                                    "sleeps at most this long (woken at once by new work)")
     iterate_interval_ms: int = 2
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
     dispatch_concurrency_max: int = 2      # dispatch rounds in flight; due messages gather while they run

@@ -19,8 +19,9 @@ leases expire under live masters, and the group flapped. Now:
   role loop's Leader, Campaign, GetServers ...), ``registered`` and ``lease_id`` (changed
   only on the main loop, together, through ``call_soon_threadsafe``, so code on the loop
   sees them agree), the readiness health status, and one small task that every
-  ``STAMP_INTERVAL_MS`` stamps ``loop_alive_at`` and, every half heartbeat interval,
-  snapshots ``describe()`` into the ``NodeInfo`` the thread sends. ``describe()`` is thus
+  ``STAMP_INTERVAL_MS_MAX`` (1 s, or an eighth of ``loop_stall_max_ms`` if less) stamps
+  ``loop_alive_at`` and, every half heartbeat interval, snapshots ``describe()`` into the
+  ``NodeInfo`` the thread sends. ``describe()`` is thus
   only ever called on the main loop; the thread reads a finished protobuf message.
 * **Liveness gate.** While the stamp is older than ``loop_stall_max_ms`` the thread sends
   nothing (logged once per stall, counted in ``hourglass_heartbeats_withheld``): a wedged
@@ -78,7 +79,9 @@ log = logging.getLogger("hourglass.registration")
 
 BACKOFF_MS_MIN = 100
 HEARTBEAT_MS_MAX = 1000  # a third of the TTL, at most 1 s: the renewal gap must stay well inside TTL - margin
-STAMP_INTERVAL_MS = 100        # the main loop proves it turns this often (liveness gate)
+STAMP_INTERVAL_MS = 100        # the heartbeat thread looks again this often while it withholds heartbeats
+STAMP_INTERVAL_MS_MAX = 1000   # the main loop proves it turns this often (liveness gate), or an eighth of
+                               # loop_stall_max_ms if that is less: at rest it wakes once a second for it
 THREAD_STOP_TIMEOUT_S = 5.0    # close()/cancel wait at most this long for the heartbeat thread
 THREAD_JOIN_TIMEOUT_S = 1.0    # ... and then for it to return once it said it ended
 
@@ -184,13 +187,14 @@ class Registrar:
     async def _main_duties(self) -> None:
         """Prove the loop turns (``loop_alive_at``) and keep the describe() snapshot fresh."""
         snapshot_at = time.monotonic()
+        stamp_s = min(STAMP_INTERVAL_MS_MAX, self.settings.loop_stall_max_ms // 8) / 1000
         while True:
             now = time.monotonic()
             self.loop_alive_at = now
             if now - snapshot_at >= self.heartbeat_ms / 2000:
                 self._snapshot()
                 snapshot_at = now
-            await asyncio.sleep(STAMP_INTERVAL_MS / 1000)
+            await asyncio.sleep(min(stamp_s, self.heartbeat_ms / 2000))
 
     def _snapshot(self) -> None:
         self._info = node_info(self.settings, self.address, self.describe())

@@ -377,3 +377,43 @@ def test_a_cancel_holds_while_its_tombstone_is_not_filed_yet(tmp_path):
     h.store.iterate(limit=None)
     assert h.store.lookup("m1").status == "cancelled"
     assert fire(h.store, T0 + 32_000) == []
+
+
+def test_polling_only_when_the_wheel_asks_fires_every_message_at_its_due_time(tmp_path):
+    """Issue 28: the shell sleeps until ``wheel_wake_ms`` (at most a second), not a tick at a
+    time. Driven that way, with seconds to load far ahead of the first load, every message
+    fires at a poll at its own due time, and the wheel never asks for fewer than a few polls
+    a second while nothing is due."""
+    h = Harness(tmp_path)
+    rnd = random.Random(28)
+    dues = {f"m{i}": T0 + rnd.randrange(0, 8_000) for i in range(300)}
+    dues["late"] = T0 + 7_000  # filed after the wheel loaded its second
+    h.send([msg(i, dues[f"m{i}"]) for i in range(300)])
+    fired_at, polls, t, late_sent = {}, 0, T0, False
+    while t < T0 + 12_000 and polls < 10_000:
+        if t >= T0 + 6_500 and not late_sent:  # its second is loaded by now: it goes into the wheel
+            h.now, late_sent = t, True
+            h.send([Message(seq=0, store_ms=0, deliver_at_ms=dues["late"], msg_id="late", subject="s", payload=b"")])
+        for mid in fire(h.store, t):
+            fired_at[mid] = t
+        polls += 1
+        wake = h.store.wheel_wake_ms()
+        t = min(t + 1000, max(t + 1, wake if wake is not None else t + 1000))
+    assert set(fired_at) == set(dues)
+    assert all(fired_at[m] == dues[m] for m in dues)  # each at a poll at its due time, none early
+    assert polls < 300 + 12 * 3  # about one poll per due time plus the seconds to load
+
+
+def test_checkpoint_key_moves_with_writes_not_with_the_clock(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(1, T0 + 500), msg(2, T0 + 3_600_000)])
+    h.store.checkpoint()
+    rest = h.store.checkpoint_key()
+    h.run_until(T0 + 400)  # time passes, nothing due: only completed_ms moves
+    assert h.store.checkpoint_key() == rest
+    h.run_until(T0 + 600)  # m1 dispatched
+    assert h.delivered == ["m1"]
+    assert h.store.checkpoint_key() != rest
+    dispatched = h.store.checkpoint_key()
+    h.send([msg(3, T0 + 7_200_000)])
+    assert h.store.checkpoint_key() != dispatched

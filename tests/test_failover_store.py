@@ -693,3 +693,64 @@ def test_a_cut_tombstone_of_its_own_term_brings_a_returning_masters_tick_state_b
     again, now = run_master(a, now, ticks=30)
     assert "m0" in again
     a.close()
+
+
+def test_a_returning_master_files_the_new_masters_bytes_after_its_cut(tmp_path):
+    """Chaos meta-pause seed 8 (third session): a returning master's own tick state, taken as
+    its replicated document at a dispatch cut, kept its own iterate offset, past the message
+    cut. The new master's bytes filled that range; the offset fell inside one of its records,
+    and filing failed ("record ends past end of segment"), at every restart too."""
+    now, a, b = pair_with_two_filed(tmp_path)
+    cut = b.messages.end_offset, b.dispatch.end_offset
+    accept_durable(a, "x", 7, now + 60_000, now)  # a's own term: bytes b never gets
+    a.cancel("m0", now_ms=now + 100)
+    a.flush_messages()
+    got, now = run_master(a, now, ticks=30)
+    a.checkpoint()
+    assert a.persisted_doc["iterate_offset"] > cut[0]
+    b.promote(now, store_epoch=a.epoch + 5)
+    mark = a.persisted_doc["iterate_offset"]
+    k = 0
+    while b.messages.end_offset <= mark + 200 and k < 100:  # other bytes there, one record at a time
+        accept_durable(b, f"longer-ids-of-the-new-master-{k}-", 1, now + 60_000, now)
+        k += 1
+    assert not b.messages.is_boundary(mark)  # a's offset falls inside one of b's records
+    got_b, now = run_master(b, now, ticks=30)
+    b.checkpoint()
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now, follower=True)  # killed, back as b's slave
+    a.follow()
+    a.truncate_dispatch(cut[1])
+    a.truncate_messages(cut[0])
+    ship(b, a, "messages")
+    ship(b, a, "dispatch")
+    a.appended()
+    a.iterate(limit=None)  # no document of b's yet: files what it may, and fails on nothing
+    a.checkpoint()
+    a.close()
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now, follower=True)  # and opens again
+    a.follow(b.replication_doc())
+    a.iterate(limit=None)
+    assert a.lookup("longer-ids-of-the-new-master-0-0").status == "pending"
+    a.close()
+    b.close()
+
+
+def test_a_delivered_message_behind_the_persisted_tick_state_is_too_late_to_cancel(tmp_path):
+    """Chaos meta-pause seed 7 on 02f403d (third session): a cancel was answered OK for a
+    message the real-time node already held (its dispatch record written 300 ms before). Its
+    entry among the delivered seqs was pruned (behind the persisted tick state) and the live
+    completed_ms had stepped back below it while an older message was in flight
+    (``_advance_completed``): it looked pending. Behind the persisted value, a message not in
+    flight is delivered."""
+    now, a, _b = pair_with_two_filed(tmp_path)
+    got, now = run_master(a, now, ticks=30)
+    assert sorted(got) == ["m0", "m1"]
+    for _ in range(3):  # the persisted value passes them, their entries are pruned
+        a.checkpoint()
+        run_master(a, now, ticks=1)
+    assert a.persisted_completed_ms > T0 + 1500
+    a.completed_ms = T0 + 1000  # as while an older message is in flight
+    with pytest.raises(TooLate):
+        a.cancel("m0", now_ms=now)
+    assert a.lookup("m1").status == "dispatched"
+    a.close()

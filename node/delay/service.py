@@ -4,8 +4,8 @@ Background loops, all children of one TaskGroup owned by ``run``:
 
 * group commit  - one fsync for many SendBatch calls (``GroupCommitter``);
 * iterator      - files durable batches into the schedule log;
-* wheel         - sleeps until the earliest due message (at most ``tick_ms``: seconds are
-                  loaded ahead on that beat), takes what is due as one batch;
+* wheel         - sleeps until the earliest due message or the next second to load (at
+                  most ``wheel_idle_wait_ms_max``), takes what is due as one batch;
 * dispatcher    - splits a due batch by the real-time node of each subject and sends
                   **one SendBatch per real-time node** carrying every subject, retrying
                   transient failures with backoff for as long as it takes (the messages
@@ -57,6 +57,8 @@ PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOW
                            np.uint8)
 METRICS_INTERVAL_S = 0.1
 HEAL_POLL_S = 0.2             # missing records of a rebuilt bucket are asked for this soon (node/delay/heal.py)
+HEAL_IDLE_POLL_S = 1.0        # ... and a bucket newly found missing records within this (none missing now)
+ITERATE_IDLE_S = 1.0          # the filer looks again this often though no write woke it (a safety net)
 DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time node
 MIB = 1 << 20
 
@@ -85,6 +87,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.last_retention: tuple[retention.Report, dict[str, int]] | None = None
         self._durable_moved = asyncio.Event()
         self._wheel_wake = asyncio.Event()
+        self._checkpoint_wake = asyncio.Event()  # something a checkpoint records changed (_checkpoint_loop)
         self._dispatch_q: asyncio.Queue[tuple[int, np.ndarray, bool]] = asyncio.Queue()
         # a dispatch round holds a slot until it is settled: while every slot is taken, due
         # messages gather in the wheel and go out together in the next round (batches grow
@@ -212,17 +215,20 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             "epoch": s.epoch, "address": self.address, "now_ms": now,
             "counters": dict(s.counters), "wheel_held": len(s.wheel), "in_flight": s.inflight,
             "pending": sum(s.pending_by_bucket().values()),
-            "completed_ms": s.completed_ms, "dispatch_lag_ms": max(0, now - s.completed_ms),
+            "completed_ms": s.completed_ms, "dispatch_lag_ms": s.dispatch_lag_ms(now),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
             **self.health_stats(),
         }
 
     def registration_info(self) -> dict:
-        s = self.stats()
-        return {"master": True, "epoch": s["epoch"], "lag_ms": s["dispatch_lag_ms"],
-                "offsets": {"message_log_end": s["message_log_end"], "iterate_offset": s["iterate_offset"],
-                            "dispatch_log_end": s["dispatch_log_end"]}}
+        """What the registration carries (snapshot twice a heartbeat): only these fields, not
+        the whole ``stats()`` (its pending count and health sums cost more than all the rest
+        of a node at rest)."""
+        s = self.store
+        return {"master": True, "epoch": s.epoch, "lag_ms": s.dispatch_lag_ms(self.clock.now_ms()),
+                "offsets": {"message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
+                            "dispatch_log_end": s.dispatch.end_offset}}
 
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="delay", group=self.settings.group,
@@ -245,10 +251,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         if self.committer.durable_offset > self.store.durable_offset:
             self.store.durable_offset = self.committer.durable_offset
             self._durable_moved.set()
+            self._checkpoint_wake.set()
 
     async def _iterator_loop(self) -> None:
         while True:
-            await wait_event(self._durable_moved, self.settings.iterate_interval_ms / 1000 * 50)
+            # every durable write sets the event (_note_durable); the timeout is a safety net
+            await wait_event(self._durable_moved, ITERATE_IDLE_S)
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
             try:
@@ -267,16 +275,18 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self._wheel_wake.set()
 
     async def _wheel_loop(self) -> None:
-        """Fire at the due time: sleep until the earliest held entry is due (woken early
-        when filing puts an earlier one in the wheel), at most one tick (seconds ahead are
-        loaded on that beat). Rounds that fire are at least ``dispatch_round_interval_ms``
-        apart, and ``dispatch_round_interval_busy_ms`` after a round of
+        """Fire at the due time: sleep until the earliest held entry is due or the next
+        second becomes loadable (``DelayStore.wheel_wake_ms``; woken early when filing or a
+        release puts an entry in the wheel, or a dispatch round settles), at most
+        ``wheel_idle_wait_ms_max`` (1 s): a node at rest wakes about once a second, not
+        every tick (issue 28, docs/operations.md "Idle"). Rounds that fire are at least
+        ``dispatch_round_interval_ms`` apart, and ``dispatch_round_interval_busy_ms`` after a round of
         ``dispatch_round_busy_messages`` or more: a round costs about the same CPU (a few
         hundred microseconds of gRPC on each side, docs/benchmarks.md) whether it carries one
         message or a thousand, so under load messages due within that interval leave together
         and the CPU per message falls, while at low rates a message leaves within a couple
         of milliseconds of its due time (a lone message at its due time)."""
-        tick_s = self.settings.tick_ms / 1000
+        idle_s = max(self.settings.tick_ms, self.settings.wheel_idle_wait_ms_max) / 1000
         round_s = self.settings.dispatch_round_interval_ms / 1000
         busy_s = max(round_s, self.settings.dispatch_round_interval_busy_ms / 1000)
         busy_n = self.settings.dispatch_round_busy_messages
@@ -302,13 +312,13 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             if t >= next_metrics:
                 self.metrics.wheel_held.set(len(self.store.wheel))
                 self.metrics.in_flight.set(self.store.inflight)
-                self.metrics.dispatch_lag.set(max(0, now - self.store.completed_ms) / 1000)
+                self.metrics.dispatch_lag.set(self.store.dispatch_lag_ms(now) / 1000)
                 next_metrics = t + METRICS_INTERVAL_S
             if t >= next_pending:
                 self.metrics.set_pending(self.store.pending_by_bucket())
                 next_pending = t + 1.0
-            nxt = self.store.next_due_ms()
-            wait = tick_s if nxt is None else min(tick_s, max(0.0, self.clock.seconds_until(nxt - lead)))
+            wake = self.store.wheel_wake_ms()
+            wait = idle_s if wake is None else min(idle_s, max(0.0, self.clock.seconds_until(wake - lead)))
             if wait > 0:
                 await wait_event(self._wheel_wake, wait)
             else:
@@ -332,6 +342,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 if slot:
                     self._dispatch_slots.release()
                     self._wheel_wake.set()
+                else:
+                    self._wake_wheel()  # a requeued round that released messages back to the wheel
 
     async def _route(self, subject: str) -> str:
         return await self.router.realtime_for(subject)
@@ -401,6 +413,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         ok = res.codes == pb.OK
         if ok.any():
             self.store.ack_dispatched(unit, part[ok], now_ms=now)
+            self._dispatch_appended()
             if self._permanent_failures:  # delivered after earlier refusals: forget them
                 for seq in sub.seq[ok].tolist():
                     self._permanent_failures.pop(seq, None)
@@ -452,6 +465,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         dead_idx = np.array(dead, np.int64)
         ok = res.codes == pb.OK
         self.store.ack_dispatched(unit, dead_idx[ok], now_ms=self.clock.now_ms(), outcome=OUTCOME_DEAD_LETTER)
+        self._dispatch_appended()
         self.metrics.dead_lettered.inc(int(ok.sum()))
         for i, good in zip(dead, ok.tolist()):
             self._permanent_failures.pop(int(b.seq[i]), None)
@@ -467,11 +481,30 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
 
     async def _checkpoint_loop(self) -> None:
         """Planned on the loop, fsynced on a worker thread: a checkpoint's disk time never
-        stalls the messages due meanwhile."""
+        stalls the messages due meanwhile. One that would only move ``completed_ms`` (an
+        unchanged ``DelayStore.checkpoint_key``: the node is at rest) is written every
+        ``checkpoint_idle_interval_ms`` instead: a node at rest fsyncs nothing for seconds
+        (issue 28). At rest the loop does not look every ``checkpoint_interval_ms`` either:
+        it sleeps until a durable write, a dispatch record or a replicated answer sets
+        ``_checkpoint_wake``, then checkpoints ``checkpoint_interval_ms`` later as usual
+        (a rebuilt bucket or a retention round waits for the idle checkpoint at most).
+        ``_checkpointed`` is told whether the key changed."""
         loop = asyncio.get_running_loop()
+        idle_s = self.settings.checkpoint_idle_interval_ms / 1000
+        last: tuple[object, tuple] | None = None  # (store, key) of the last checkpoint written
+        last_at = loop.time()
+        resting = False
         while True:
+            if resting:  # nothing changed at the last look: sleep until a write or the idle checkpoint
+                await wait_event(self._checkpoint_wake, max(0.0, last_at + idle_s - loop.time()))
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
             store = self.store
+            self._checkpoint_wake.clear()  # before the key: a write from here on wakes the next rest
+            key = store.checkpoint_key()
+            changed = last is None or last[0] is not store or last[1] != key
+            resting = not changed
+            if not changed and loop.time() - last_at < idle_s:
+                continue
             plan = store.checkpoint_plan()
             try:
                 await loop.run_in_executor(None, plan.run)
@@ -483,6 +516,17 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 continue
             if self.store is store:
                 plan.finish()
+                last, last_at = (store, key), loop.time()
+                self._checkpointed(changed)
+
+    def _dispatch_appended(self) -> None:
+        """A dispatch record was appended: the checkpoint loop wakes if it rests (a replicated
+        master also wakes its slaves' idle polls)."""
+        self._checkpoint_wake.set()
+
+    def _checkpointed(self, changed: bool) -> None:
+        """A checkpoint was written (``changed``: beyond the clock); a master wakes its slaves'
+        long polls then (node/replication/delay.py)."""
 
     async def _disk_loop(self) -> None:
         """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
@@ -494,14 +538,16 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def _retention_loop(self) -> None:
         """Every ``retention_interval_ms``: decide and detach on the loop, delete and compact
         on a worker thread (node/delay/retention.py), then report sizes and what holds data.
-        In between, every ``HEAL_POLL_S``: missing records of rebuilt schedule buckets are
-        asked for (``fetch_lost_buckets``, node/delay/heal.py) and the healing metrics brought
-        up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
+        In between, every ``HEAL_POLL_S`` while some are missing (``HEAL_IDLE_POLL_S``
+        otherwise, so a node at rest wakes once a second for it): missing records of rebuilt
+        schedule buckets are asked for (``fetch_lost_buckets``, node/delay/heal.py) and the
+        healing metrics brought up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
         loop = asyncio.get_running_loop()
         interval_s = self.settings.retention_interval_ms / 1000
         next_round = loop.time() + interval_s
         while True:
-            await asyncio.sleep(max(0.0, min(HEAL_POLL_S, next_round - loop.time())))
+            poll_s = HEAL_POLL_S if self.store.healer.missing else HEAL_IDLE_POLL_S
+            await asyncio.sleep(max(0.0, min(poll_s, next_round - loop.time())))
             if self.store.healer.fetch_due(int(loop.time() * 1000)):
                 await self.fetch_lost_buckets()
             self.scrubber.sync_heal_metrics()

@@ -220,6 +220,15 @@ class DelayStore:
         # follower (slave) mode: the master's checkpoint, replicated (see follow())
         self.follower = follower
         self.replicated: dict | None = ck.get("replicated") if follower else None
+        if self.replicated is not None:
+            mark = int(self.replicated.get("iterate_offset", 0))
+            if mark > self.messages.end_offset or not self.messages.is_boundary(mark):
+                # not where a record of this log starts (a document persisted before the
+                # seed-8 fix): file no further than this replica's own filed offset until the
+                # master's next document
+                log.warning("replicated iterate offset %d is not a record boundary here; using %d",
+                            mark, self.iterate_offset)
+                self.replicated["iterate_offset"] = self.iterate_offset
         self._pending: dict[int, int] = {}  # counted below; a rebuild meanwhile counts its bucket
         # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
@@ -614,7 +623,12 @@ class DelayStore:
             return "in_flight"
         if m.seq in self._dispatched:
             return "dispatched"
-        if eff is not None and eff < self.completed_ms:
+        # behind the persisted value, a message that is not in flight was delivered (its entry in
+        # _dispatched is pruned there). completed_ms alone is not enough: it steps back below the
+        # persisted value while an older message is in flight (_advance_completed), and a cancel
+        # then took a message already at the real-time node for pending (chaos meta-pause seed 7
+        # on 02f403d: received after the cancel was acknowledged)
+        if eff is not None and eff < max(self.completed_ms, self.persisted_completed_ms):
             return "dispatched"
         return "pending"
 
@@ -919,6 +933,38 @@ class DelayStore:
         """When the earliest held message is due (the shell sleeps until then)."""
         return self.wheel.next_due_ms()
 
+    def wheel_wake_ms(self) -> int | None:
+        """When the wheel next has work that nothing will wake the shell for: the earliest
+        held message's due time, or the time the next second becomes loadable (``window_ms``
+        before it starts; loading it also moves the cursor and ``completed_ms``), whichever
+        is first. Filing into a loaded second, a release and a settled dispatch round wake
+        the shell on their own (``wheel_changed``, the dispatch slots). ``None`` when
+        neither is known (a full wheel with nothing held cannot happen: it waits on
+        dispatch). A second half loaded (``_loading``) or a catch-up with seconds still
+        loadable wants the next poll a tick after the cursor at the latest, as the loop always
+        polled."""
+        w = self.wheel
+        nxt = w.next_due_ms()
+        if self._loading is not None or w.seconds_to_load(1):
+            soon = w.cursor_ms + self.settings.tick_ms
+            return soon if nxt is None else min(nxt, soon)
+        if len(w) >= w.entries_max:
+            return nxt
+        loadable = w.loaded_until_ms - w.window_ms
+        return loadable if nxt is None else min(nxt, loadable)
+
+    def dispatch_lag_ms(self, now_ms: int) -> int:
+        """How far dispatching is behind ``now_ms``: ``now_ms - completed_ms``, except that a
+        wheel at rest (nothing in flight, nothing held due by ``now_ms``, the seconds up to
+        it loaded) is not behind, even though its loop last moved ``completed_ms`` up to
+        ``wheel_idle_wait_ms_max`` ago."""
+        w = self.wheel
+        nxt = w.next_due_ms()
+        if not self._inflight_count and self._loading is None and w.loaded_until_ms > now_ms \
+                and (nxt is None or nxt > now_ms):
+            return 0
+        return max(0, now_ms - self.completed_ms)
+
     def poll_due(self, *, now_ms: int) -> list[DueBatch]:
         """Load seconds ahead, advance the wheel to ``now_ms``; return what is due as one
         in-flight unit (empty list when nothing is due or ``inflight_max`` is reached)."""
@@ -1100,6 +1146,19 @@ class DelayStore:
         self._plan_checkpoint_doc(plan)
         return plan
 
+    def checkpoint_key(self) -> tuple:
+        """Everything a checkpoint records or flushes except the clock: equal keys mean that
+        nothing was appended, filed, dispatched, cancelled, rebuilt or indexed in between, so
+        a new checkpoint would only move ``completed_ms`` (the shell then writes one every
+        ``checkpoint_idle_interval_ms`` instead of every ``checkpoint_interval_ms``). A
+        ``completed_ms`` that only the clock moved costs a restart or a promotion an empty
+        stretch of seconds to load again: nothing was due in it, or it would have been
+        dispatched, and a dispatch changes the key."""
+        r = self.replicated
+        rep = None if r is None else tuple(sorted((k, v) for k, v in r.items() if k not in ("completed_ms", "tick")))
+        return (self.epoch, self.follower, self.messages.end_offset, self.iterate_offset, self.dispatch.end_offset,
+                tuple(self.counters.values()), self.schedule.rebuilds, self.ids.dirty(), rep)
+
     def _save_checkpoint(self) -> None:
         """The checkpoint document alone (the epoch bump at open, before any seq of it)."""
         plan = SyncPlan()
@@ -1267,6 +1326,10 @@ class DelayStore:
         if int(r.get("log_end", r.get("iterate_offset", 0))) <= cut:
             return False
         r["log_end"] = cut
+        # a follower files up to the document's iterate offset: past the cut it would point
+        # into the new master's bytes, maybe inside a record (chaos meta-pause seed 8, third
+        # session: "record ends past end of segment" while filing, and at every restart)
+        r["iterate_offset"] = min(int(r["iterate_offset"]), cut)
         low = None
         for b in cut_batches:
             tomb = b.kind == KIND_CANCEL

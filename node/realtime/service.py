@@ -114,6 +114,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         self.store = RealtimeStore.open(settings.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
         self.store.create_subjects(settings.subjects, now_ms=self.clock.now_ms())
         self.committer = GroupCommitter(self.store.messages)
+        self._flushed: tuple | None = None  # (store, flush_key, loop time) of the last periodic flush
         self.creator = SubjectCreator(lambda: self.store, self._new_quotas(), self.clock,
                                       round_max=settings.subjects_round_max)
         # background CRC re-checks of the message log's sealed segments (node/store/scrubtask.py)
@@ -548,12 +549,21 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
-            await self._flush_once()
+            await self._flush_once(at_rest_skip=True)
 
-    async def _flush_once(self) -> None:
+    async def _flush_once(self, *, at_rest_skip: bool = False) -> None:
         """Periodic flush: the message log, the index checkpoint once enough was appended
-        (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds."""
+        (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds.
+        ``at_rest_skip``: nothing to do when ``RealtimeStore.flush_key`` is what it was after
+        the last flush, except once every ``checkpoint_idle_interval_ms`` (the dedup window's
+        oldest offset may have moved with the clock): a node at rest fsyncs nothing (issue 28)."""
         store = self.store
+        loop = asyncio.get_running_loop()
+        key = store.flush_key()
+        last = self._flushed
+        if at_rest_skip and last is not None and last[0] is store and last[1] == key \
+                and loop.time() - last[2] < self.settings.checkpoint_idle_interval_ms / 1000:
+            return
         plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min)
         try:
             await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
@@ -572,6 +582,9 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                 await self._groups_durable(set(dirty))
             except DiskFull as e:  # positions stay dirty: the next flush writes them again
                 self.disk.note_enospc(str(e))
+                return
+        if self.store is store:
+            self._flushed = (store, key, loop.time())
 
     async def _disk_loop(self) -> None:
         """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""

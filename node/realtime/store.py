@@ -983,6 +983,13 @@ class RealtimeStore:
             if items:
                 self.write_groups_async(items).result()
 
+    def flush_key(self) -> tuple:
+        """What a periodic flush writes, but the clock: equal keys mean that nothing was
+        appended, indexed, evicted or moved (groups) in between, so the flush would fsync
+        nothing new (the service then skips it, issue 28)."""
+        return (self.epoch, self.messages.end_offset, self._indexed_upto, len(self._unsynced_fds),
+                bool(self._dirty_groups), any(ix.dirty for ix in self._subjects.values()), self.group_seq)
+
     def flush_plan(self, *, index_bytes_min: int = 0) -> SyncPlan:
         """``flush(groups=False)`` as a plan to ``run`` on a worker thread and ``finish`` on
         the loop: the checkpoint document is taken now and vouches only for index entries

@@ -56,6 +56,7 @@ log = logging.getLogger("hourglass.replication")
 
 LOGS = ("messages", "dispatch")
 BUCKET_LOG_PREFIX = "schedule:"  # ReadLog of a schedule bucket's data log
+REST_AFTER_S = 1.0  # a master is at rest this long after its last append, dispatch or checkpoint beyond the clock
 FENCED_DELIVERY_POLL_S = 0.05  # how often a fenced dispatch looks again (the role loop ends it by cancelling)
 BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication_chunk_bytes)
 NO_BUCKET = "no bucket"  # ReadLog's answer when this member has no such bucket
@@ -76,6 +77,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.ack_journal = AckJournal.from_settings(settings)  # off unless HOURGLASS_ACK_JOURNAL is set
+        self._active_at = time.monotonic()  # last append, dispatch or checkpoint beyond the clock (_poll_cap_ms)
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 
@@ -201,7 +203,36 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     def _note_durable(self) -> None:
         super()._note_durable()
+        self._active_at = time.monotonic()
         self._changed.set()
+
+    # ------------------------------------------------------------------ at rest (issue 28)
+
+    def _dispatch_appended(self) -> None:
+        """Dispatch records reach the slaves as soon as before: at once when their polls wait
+        with the idle cap, within ``replication_wait_ms`` otherwise (as always)."""
+        super()._dispatch_appended()
+        self._active_at = time.monotonic()
+        if self._idle_polls:
+            self._changed.set()
+
+    def _checkpointed(self, changed: bool) -> None:
+        """A checkpoint beyond the clock (something filed, dispatched, cancelled): its tick
+        state goes to the slaves at once, not at the end of their long polls."""
+        if changed and self.mode == "master":
+            self._active_at = time.monotonic()
+            self._changed.set()
+
+    def _poll_cap_ms(self) -> int:
+        """``replication_idle_wait_ms`` (1 s) once nothing was appended, dispatched or
+        checkpointed beyond the clock for a second (docs/replication.md, "At rest"): a
+        master at rest answers its slaves' polls once a second instead of 20 times. What
+        ends the rest wakes the polls at once (``_note_durable``, ``_dispatch_appended``,
+        ``_checkpointed``), so bytes and tick states never wait for the longer cap."""
+        s = self.settings
+        if time.monotonic() - self._active_at < REST_AFTER_S:
+            return s.replication_wait_ms
+        return max(s.replication_wait_ms, s.replication_idle_wait_ms)
 
     # ------------------------------------------------------------------ producer API (master only)
 
@@ -281,6 +312,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             self.store.appended()
 
     def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
+        self._checkpoint_wake.set()  # bytes or a tick state came: the slave's checkpoint looks again
         if name == "messages":
             if resp.checkpoint:
                 doc = json.loads(resp.checkpoint)
@@ -293,10 +325,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     async def _slave_iterate_loop(self) -> None:
         while True:
-            try:
-                await wait_event(self._durable_moved, 0.2)
-            except TimeoutError:
-                pass
+            await wait_event(self._durable_moved, 1.0)  # every answer sets it; the timeout is a safety net
             self._durable_moved.clear()
             try:
                 while self.store.iterate(limit=5000):
@@ -387,6 +416,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         # stop the role tasks (no more dispatch, no more ingest) but keep serving Replicate
         await self._stop_role_task()
         self.store.checkpoint()
+        self._active_at = time.monotonic()  # polls at the short cap while the slaves take the final state
         self._changed.set()
         deadline = time.monotonic() + min(request.wait_ms or 5000, 30_000) / 1000
         ends = {n: self._log(n).end_offset for n in LOGS}

@@ -140,7 +140,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         while True:
             await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
             seq = self.store.group_seq
-            await self._flush_once()
+            await self._flush_once(at_rest_skip=True)
             if self.store.group_seq != seq:
                 self._changed.set()  # pulls moved group positions: ship them
 

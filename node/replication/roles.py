@@ -100,6 +100,8 @@ class ReplicaRoles:
         self.member.epoch = max(known) if known else 0
         self._tickets: dict[tuple[str, int], asyncio.Future] = {}
         self._changed = asyncio.Event()
+        self._idle_polls = 0  # slaves' long polls waiting with the idle cap (``_poll_cap_ms``)
+        self._ticket_added = asyncio.Event()  # a sync write waits for its slaves (``_sync_expiry_loop``)
         self._role_task: asyncio.Task | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._switch_lock = asyncio.Lock()
@@ -229,6 +231,7 @@ class ReplicaRoles:
             return
         fut = asyncio.get_running_loop().create_future()
         self._tickets[(kind, t)] = fut
+        self._ticket_added.set()
         try:
             err = await fut
         finally:
@@ -273,8 +276,15 @@ class ReplicaRoles:
         raise NotImplementedError
 
     async def _sync_expiry_loop(self) -> None:
+        """Every 50 ms while sync writes wait for their slaves; with none waiting, it sleeps
+        until one does (at most a second): a master at rest does not wake 20 times a second."""
         while True:
-            await asyncio.sleep(0.05)
+            if self._tickets:
+                await asyncio.sleep(0.05)
+            else:
+                self._ticket_added.clear()
+                await wait_event(self._ticket_added, 1.0)
+                continue  # a waiter was added (or a second passed): its deadline is 5 s away
             now = mono_ms()
             err = E.ReplicationTimeout(f"no slave confirmed within {self.settings.sync_timeout_ms} ms "
                                        "(ack_mode=sync); stored on the master and may still take effect: retry")
@@ -316,13 +326,24 @@ class ReplicaRoles:
         return base, None
 
     async def _wait_for_change(self, req, lg, idle: bool = True) -> None:
-        """Long poll of a caught-up slave, at most ``replication_wait_ms`` (the tick-state period)."""
+        """Long poll of a caught-up slave, at most ``_poll_cap_ms()``: ``replication_wait_ms``
+        (the tick-state period), or ``replication_idle_wait_ms`` while the master is at rest
+        (a subclass's rule; then anything new sets ``_changed`` at once)."""
         if req.offset >= lg.end_offset and req.wait_ms and idle:
             self._changed.clear()
+            cap = self._poll_cap_ms()
+            at_rest = cap > self.settings.replication_wait_ms
+            self._idle_polls += at_rest
             try:
-                await wait_event(self._changed, min(req.wait_ms, self.settings.replication_wait_ms) / 1000)
+                await wait_event(self._changed, (cap if at_rest else min(req.wait_ms, cap)) / 1000)
             except TimeoutError:
                 pass
+            finally:
+                self._idle_polls -= at_rest
+
+    def _poll_cap_ms(self) -> int:
+        """How long a caught-up slave's fetch may wait for something new."""
+        return self.settings.replication_wait_ms
 
     def _fetch_request(self, name: str, lg) -> pb.FetchRequest:
         return pb.FetchRequest(node_id=self.settings.node_id, epoch=self.member.epoch, log=name, offset=lg.end_offset,

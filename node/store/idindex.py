@@ -603,6 +603,10 @@ class IdIndex:
         self.plan_flush(plan)
         plan.run()
 
+    def dirty(self) -> bool:
+        """Entries put since the last flush (``plan_flush`` has work to do)."""
+        return any(f.dirty for f in self._mapped.values())
+
     def plan_flush(self, plan: SyncPlan) -> None:
         """``flush`` as steps for a worker thread. The header bytes are taken now, so they
         vouch only for entries put before the plan's first fsync; a put meanwhile marks the
