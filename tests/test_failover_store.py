@@ -754,3 +754,35 @@ def test_a_delivered_message_behind_the_persisted_tick_state_is_too_late_to_canc
         a.cancel("m0", now_ms=now)
     assert a.lookup("m1").status == "dispatched"
     a.close()
+
+
+def test_a_returning_master_killed_before_any_document_opens_on_its_files(tmp_path):
+    """The returning master of the test above, without a cancel (nothing lowers its own tick
+    state) and killed again before the new master's first document: its checkpoint must not
+    send the next open into the middle of the new master's bytes."""
+    now, a, b = pair_with_two_filed(tmp_path)
+    cut = b.messages.end_offset, b.dispatch.end_offset
+    accept_durable(a, "x", 7, now + 60_000, now)
+    got, now = run_master(a, now, ticks=30)
+    a.checkpoint()
+    b.promote(now, store_epoch=a.epoch + 5)
+    mark = a.persisted_doc["iterate_offset"]
+    k = 0
+    while b.messages.end_offset <= mark + 200 and k < 100:
+        accept_durable(b, f"longer-ids-of-the-new-master-{k}-", 1, now + 60_000, now)
+        k += 1
+    assert not b.messages.is_boundary(mark)
+    b.iterate(limit=None)
+    b.checkpoint()
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now, follower=True)
+    a.follow()
+    a.truncate_dispatch(cut[1])
+    a.truncate_messages(cut[0])
+    ship(b, a, "messages")
+    a.appended()
+    a = DelayStore.open(tmp_path / "a", S, now_ms=now, follower=True)  # killed again: no close()
+    a.follow(b.replication_doc())
+    a.iterate(limit=None)
+    assert a.lookup("longer-ids-of-the-new-master-0-0").status == "pending"
+    a.close()
+    b.close()

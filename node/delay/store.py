@@ -193,6 +193,12 @@ class DelayStore:
             log.warning("iterate offset past log end path=%s iterate_offset=%d end=%d",
                         self.messages.directory, self.iterate_offset, self.messages.end_offset)
             self.iterate_offset = self.messages.end_offset
+        elif not self.messages.is_boundary(max(self.iterate_offset, self.messages.start_offset)):
+            # a checkpoint taken before a cut, the range since filled by another term's bytes:
+            # file from the record that holds it (records filed before are not filed twice)
+            back = self.messages.boundary_at_or_before(self.iterate_offset)
+            log.warning("iterate offset %d is not a record boundary here; filing from %d", self.iterate_offset, back)
+            self.iterate_offset = back
         self.durable_offset = self.messages.end_offset  # recovered bytes are what survived
         self._restore_tick_state(ck, now_ms)
         self._units: dict[int, _Unit] = {}
@@ -1342,8 +1348,9 @@ class DelayStore:
             self.persisted_completed_ms = self.completed_ms = int(r["completed_ms"])
             log.warning("a cut tombstone's message is due again: replicated completed_ms back to %d", r["completed_ms"])
         if own:
-            if not lowered:
-                return False  # its own document stands as it is
+            # adopted even when not lowered: its iterate offset is cut back, and the follower
+            # checkpoint written from it replaces the own one, whose iterate offset a restart
+            # would otherwise read inside the new master's bytes
             self.replicated = r
         return True  # persisted by the caller once the log is cut
 
