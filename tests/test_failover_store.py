@@ -149,15 +149,22 @@ def run_master(m: DelayStore, now: int, *, ticks: int, step_ms: int = 100) -> tu
     return got, now
 
 
-def pair_with_two_filed(tmp_path) -> tuple[int, DelayStore, DelayStore]:
-    """A master and its slave, both holding m0 and m1 (due in 1.5 s) filed where the master
-    filed them; returns (now, master, slave)."""
+def pair_with_two_accepted(tmp_path) -> tuple[int, DelayStore, DelayStore]:
+    """A master that accepted and filed m0 and m1 (due in 1.5 s) and its slave, which holds
+    nothing yet; returns (now, master, slave)."""
     now = T0
     a = DelayStore.open(tmp_path / "a", S, now_ms=now)
     b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
     b.follow()
     accept_durable(a, "m", 2, now + 1500, now)
     a.iterate(limit=None)
+    return now, a, b
+
+
+def pair_with_two_filed(tmp_path) -> tuple[int, DelayStore, DelayStore]:
+    """A master and its slave, both holding m0 and m1 (due in 1.5 s) filed where the master
+    filed them; returns (now, master, slave)."""
+    now, a, b = pair_with_two_accepted(tmp_path)
     a.checkpoint()
     replicate(a, b)
     return now, a, b
@@ -398,12 +405,7 @@ def test_a_cancel_reaches_a_copy_filed_in_another_second(tmp_path):
     answered the cancel. A slave that filed the message later, under a higher floor (the
     master had cancelled it, so its tick state passed it), holds the message in another
     second: the tombstone must still meet it when the promoted slave loads that second."""
-    now = T0
-    a = DelayStore.open(tmp_path / "a", S, now_ms=now)
-    b = DelayStore.open(tmp_path / "b", S, now_ms=now, follower=True)
-    b.follow()
-    accept_durable(a, "m", 2, now + 1500, now)
-    a.iterate(limit=None)
+    now, a, b = pair_with_two_accepted(tmp_path)
     a.cancel("m0", now_ms=now + 100)
     a.flush_messages()
     while now < T0 + 3000:  # the master moves past the cancelled message; its slave lags
