@@ -195,6 +195,9 @@ class NodeSettings(BaseSettings):
                                             description="new subjects one frame (one step of the event loop) writes "
                                                         "first index entries for; a send with more is stored as several "
                                                         "frames, the loop serving other calls between them")
+    subjects_per_frame_max: int = Field(default=128, ge=1,
+                                        description="subjects one frame (one step of the event loop) writes index "
+                                                    "entries for; a send of more is stored as several frames")
     groups_max: int = Field(default=R.groups_max, ge=1)
     pull_scan_entries_max: int = Field(default=R.pull_scan_entries_max, ge=1,
                                        description="index entries one pull may examine (tag filters skip entries)")
@@ -203,6 +206,9 @@ class NodeSettings(BaseSettings):
                                                 description="decoded recent frames kept for pulls")
     offsets_compact_bytes: int = Field(default=R.offsets_compact_bytes, ge=4096)
     checkpoint_bytes_min: int = Field(default=R.checkpoint_bytes_min, ge=0)
+    checkpoint_index_fsyncs_max: int = Field(default=R.checkpoint_index_fsyncs_max, ge=1,
+                                             description="index files and folders one periodic checkpoint fsyncs "
+                                                         "at most (oldest first; it vouches only below the rest)")
     visible_hold_ms_max: int = Field(default=R.visible_hold_ms_max, ge=0, le=60_000,
                                      description="a message stored ahead of its due time is handed out when due, "
                                                  "held at most this long")

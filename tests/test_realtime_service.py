@@ -308,6 +308,24 @@ async def test_a_send_of_many_new_subjects_is_stored_in_frames_of_a_few_new_subj
     assert again.seqs.tolist() == res.seqs.tolist()
 
 
+async def test_a_send_of_many_known_subjects_is_stored_in_frames_of_a_few_subjects(node, monkeypatch):
+    """Issue 27: not only new subjects: a send over more than subjects_per_frame_max known
+    subjects (one index write each) is stored as frames of at most that many, in order."""
+    n, producer, consumer, _ = node
+    n.settings = n.settings.model_copy(update={"subjects_per_frame_max": 2, "subjects_new_per_frame_max": 10})
+    subjects = [f"k.{i}" for i in range(5)]
+    assert (await send(producer, Batch.build(subjects, [b"w"] * 5, [f"w{i}" for i in range(5)], 0))).codes.tolist() \
+        == [pb.OK] * 5  # new subjects within subjects_new_per_frame_max, but 5 > 2 subjects: three frames
+    frames = _count_appends(n, monkeypatch)
+    b = Batch.build(subjects * 2, [b"x"] * 10, [f"m{i}" for i in range(10)], 0)
+    res = await send(producer, b)
+    assert res.codes.tolist() == [pb.OK] * 10 and res.duplicates.tolist() == [0] * 10
+    assert frames == [["k.0", "k.1"], ["k.2", "k.3"], ["k.4"]]
+    for i, s in enumerate(subjects):
+        got, _ = await pull(consumer, [s], "g")
+        assert got.id_list() == [f"w{i}", f"m{i}", f"m{i + 5}"]
+
+
 async def test_a_refusal_after_the_first_frame_refuses_the_rest_and_a_retry_stores_it_once(node, monkeypatch):
     n, producer, consumer, _ = node
     n.settings = n.settings.model_copy(update={"subjects_new_per_frame_max": 2})

@@ -672,9 +672,11 @@ TestRealtimeModel.settings = settings(max_examples=150, stateful_step_count=40, 
                                       suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_evicted_dirty_index_fds_are_fsynced_by_the_next_flush_not_on_eviction(tmp_path, monkeypatch):
-    """More subjects than index_files_open_max: evicting a dirty index fd does not fsync on
-    the caller's thread; the next flush plan fsyncs it (before its checkpoint) and closes it."""
+def test_evicted_dirty_indexes_stay_dirty_until_a_checkpoint_fsyncs_them(tmp_path, monkeypatch):
+    """More subjects than index_files_open_max: evicting a dirty index fd fsyncs nothing, and
+    neither does a flush that writes no checkpoint (issue 27: a flood of new subjects paid one
+    fsync per subject every 200 ms); the index stays dirty, and the checkpoint that vouches
+    for its entries fsyncs it first (reopened by path)."""
     import os as _os
 
     from node.realtime.store import RealtimeSettings, RealtimeStore
@@ -684,23 +686,52 @@ def test_evicted_dirty_index_fds_are_fsynced_by_the_next_flush_not_on_eviction(t
         st.create_subject(f"s{k}")  # subjects.json is fsynced here, before the counting starts
     synced: list[int] = []
     real_fsync = _os.fsync
-    monkeypatch.setattr(_os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    monkeypatch.setattr(_os, "fsync", lambda fd: synced.append(_os.readlink(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
     for k in range(5):
         st.append(Batch.build(f"s{k}", [b"p"], [f"id{k}"], T0), now_ms=T0)
     assert not synced  # evictions of dirty fds fsynced nothing
-    evicted = list(st._unsynced_fds)
-    assert len(evicted) == 3
-    plan = st.flush_plan()
-    assert not st._unsynced_fds
-    plan.run_and_finish()
-    assert len(synced) >= 3 + 1  # the evicted three (as duplicates) and the message log
-    for fd in evicted:  # the originals are closed once the plan is done
-        with pytest.raises(OSError):
-            _os.fstat(fd)
+    assert sum(ix.fd < 0 and ix.dirty for ix in st._subjects.values()) == 3
+    st.flush_plan(index_bytes_min=1 << 40).run_and_finish()  # no checkpoint due
+    assert not [p for p in synced if "/index/" in p]
+    assert all(st._subjects[f"s{k}"].dirty for k in range(5))
+    st.flush_plan().run_and_finish()
+    assert {p.split("/index/")[1].split("/")[0] for p in synced if "/index/" in p} == {f"s{k}" for k in range(5)}
+    assert not any(ix.dirty for ix in st._subjects.values())
+    assert st.indexed_offset == st.messages.end_offset
     monkeypatch.undo()
     st.close()
     reopened = RealtimeStore.open(tmp_path, RealtimeSettings(index_files_open_max=2), now_ms=T0 + 1)
     assert sum(reopened.lag(f"s{k}", "g") for k in range(5)) == 5
+    reopened.close()
+
+
+def test_a_capped_checkpoint_vouches_only_below_the_first_index_left_unsynced(tmp_path):
+    """``fsyncs_max``: a checkpoint fsyncs the indexes with the oldest unsynced entries first and
+    vouches only below the first one it left; the next ones catch up; the offset never goes
+    back, and a crash before they do re-indexes what was not vouched for."""
+    from node.realtime.store import RealtimeSettings, RealtimeStore
+
+    st = RealtimeStore.open(tmp_path, RealtimeSettings(), now_ms=T0)
+    offsets = []
+    for k in range(6):
+        offsets.append(st.messages.end_offset)
+        st.append(Batch.build(f"s{k}", [b"p"], [f"id{k}"], T0), now_ms=T0)
+    st.flush_plan(fsyncs_max=1).run_and_finish()  # s0's index and its new folder are two fsyncs: none fits
+    assert st.indexed_offset == offsets[0]
+    st.flush_plan(fsyncs_max=4).run_and_finish()  # s0 and s1
+    assert st.indexed_offset == offsets[2]
+    assert [ix.dirty for ix in (st._subjects[f"s{k}"] for k in range(6))] == [False] * 2 + [True] * 4
+    st.append(Batch.build("s0", [b"q"], ["id-late"], T0), now_ms=T0)  # s0 dirty again, after s2..s5
+    st.flush_plan(fsyncs_max=4).run_and_finish()  # s2 and s3
+    assert st.indexed_offset == offsets[4]
+    end = st.messages.end_offset
+    del st  # a crash: s4, s5 and s0's new entry were never vouched for; replay re-indexes them
+    reopened = RealtimeStore.open(tmp_path, RealtimeSettings(), now_ms=T0 + 1)
+    assert reopened.indexed_offset >= offsets[4] and reopened.messages.end_offset == end
+    assert [reopened.lag(f"s{k}", "g") for k in range(6)] == [2, 1, 1, 1, 1, 1]
+    reopened.flush_plan(fsyncs_max=100).run_and_finish()
+    assert reopened.indexed_offset == end
     reopened.close()
 
 

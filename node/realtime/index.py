@@ -230,8 +230,8 @@ class SubjectIndex:
     ``count`` and every position are handles (absolute); the file holds ``[base, count)``.
     ``live_from``: the first handle whose frame is still in the message log (retention)."""
 
-    __slots__ = ("subject", "path", "base", "count", "last_offset", "last_index", "fd", "dirty", "trusted_from",
-                 "live_from", "held_until")
+    __slots__ = ("subject", "path", "base", "count", "last_offset", "last_index", "fd", "dirty", "dirty_from",
+                 "trusted_from", "live_from", "held_until")
 
     def __init__(self, subject: str, path: Path, base: int = 0) -> None:
         self.subject = subject
@@ -243,6 +243,7 @@ class SubjectIndex:
         self.last_index = -1
         self.fd = -1
         self.dirty = False     # written since the last fsync
+        self.dirty_from = -1   # message-log offset of the first entry written since the last fsync
         self.trusted_from = 0  # entries from here on were written by this process: read without CRC checks
         # no entry has visible_ms past this (pulls skip the check until then); set by the store
         self.held_until = 0
@@ -316,6 +317,8 @@ class SubjectIndex:
             if is_enospc(e):
                 raise enospc(e, str(self.path)) from None
             raise
+        if not self.dirty:
+            self.dirty_from = ENTRY.unpack_from(raw, 0)[0]
         self.last_offset, self.last_index = ENTRY.unpack_from(raw, len(raw) - ENTRY_SIZE)[:2]
         self.count += len(raw) // ENTRY_SIZE
         self.dirty = True

@@ -358,11 +358,10 @@ class RealtimeStore:
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
                          "dedup_evicted_early": 0, "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0, "groups_idled": 0,
                          "groups_resumed": 0, "resumed_skipped_messages": 0, "segments_deleted": 0,
-                         "index_compactions": 0}
+                         "index_compactions": 0, "checkpoint_index_deferred": 0}
 
         self._subjects: dict[str, SubjectIndex] = {}
         self._open_fds: OrderedDict[str, None] = OrderedDict()  # LRU of subjects with an open index fd
-        self._unsynced_fds: list[int] = []  # evicted index fds with unsynced entries: the next flush fsyncs them
         self._groups: dict[tuple[str, str], _Group] = {}
         self._dedup = DedupWindow(window_ms=settings.dedup_window_ms, entries_max=settings.dedup_entries_max)
         self._frames: OrderedDict[int, tuple[Batch, int]] = OrderedDict()  # offset -> (batch, body bytes), LRU
@@ -425,9 +424,6 @@ class RealtimeStore:
                 if ix.fd >= 0:
                     os.close(ix.fd)
                     ix.fd = -1
-            for fd in self._unsynced_fds:
-                os.close(fd)
-            self._unsynced_fds = []
             self._offsets.abandon()
             self._journal.close()
         except Exception:
@@ -617,11 +613,14 @@ class RealtimeStore:
             self._evict_fd(self._subjects[old])
 
     def _evict_fd(self, ix: SubjectIndex) -> None:
-        """Close an index fd to stay under ``index_files_open_max``; a dirty one is kept open
-        for the next flush plan to fsync off the loop (then closed), not fsynced here."""
+        """Close an index fd to stay under ``index_files_open_max``, not fsynced here: a dirty
+        index stays dirty (its pages are in the page cache) and the checkpoint that vouches
+        for its entries fsyncs it by path (``flush_plan``). Before issue 27 every evicted
+        dirty fd was fsynced by the next periodic flush: a flood of new subjects cost one
+        fsync per subject every 200 ms, each a journal commit the message log's waited behind."""
         if ix.fd >= 0 and ix.dirty:
-            self._unsynced_fds.append(ix.fd)
-            ix.fd, ix.dirty = -1, False
+            os.close(ix.fd)
+            ix.fd = -1
             self._open_fds.pop(ix.subject, None)
             return
         self._close_fd(ix)
@@ -987,28 +986,20 @@ class RealtimeStore:
         """What a periodic flush writes, but the clock: equal keys mean that nothing was
         appended, indexed, evicted or moved (groups) in between, so the flush would fsync
         nothing new (the service then skips it, issue 28)."""
-        return (self.epoch, self.messages.end_offset, self._indexed_upto, len(self._unsynced_fds),
+        return (self.epoch, self.messages.end_offset, self._indexed_upto, self.indexed_offset,
                 bool(self._dirty_groups), any(ix.dirty for ix in self._subjects.values()), self.group_seq)
 
-    def flush_plan(self, *, index_bytes_min: int = 0) -> SyncPlan:
+    def flush_plan(self, *, index_bytes_min: int = 0, fsyncs_max: int | None = None) -> SyncPlan:
         """``flush(groups=False)`` as a plan to ``run`` on a worker thread and ``finish`` on
         the loop: the checkpoint document is taken now and vouches only for index entries
-        written before the plan's fsyncs."""
+        written before the plan's fsyncs. ``fsyncs_max``: index files and folders this
+        checkpoint fsyncs at most (``_plan_index_sync``); None: all of them."""
         self._check_open()
         plan = SyncPlan()
         indexed = self._indexed_upto  # every message below it has its index entry written
         self.messages.plan_flush(plan)
-        evicted, self._unsynced_fds = self._unsynced_fds, []
-        for fd in evicted:  # always, and before the checkpoint document: nothing marks them dirty any more
-            plan.fsync(fd)
-        if evicted:
-            plan.on_done(lambda: [os.close(fd) for fd in evicted])
         if indexed - self.indexed_offset >= index_bytes_min:
-            for ix in self._subjects.values():
-                if ix.dirty:
-                    plan.fsync(self._fd(ix))
-                    ix.dirty = False
-            self._plan_index_dirs(plan)
+            indexed = self._plan_index_sync(plan, indexed, fsyncs_max)
             oldest = self._dedup.oldest_offset()
             doc = {"epoch": self.epoch, "indexed_offset": indexed,
                    "dedup_offset": indexed if oldest is None else oldest}
@@ -1452,6 +1443,7 @@ class RealtimeStore:
             ix.path, ix.base = final, c.new_base
             ix.trusted_from = max(ix.trusted_from, c.new_base)
             self._fd(ix)
+            ix.dirty_from = self.indexed_offset  # nothing in the new file is synced yet: vouch for none of it
             ix.dirty = True  # the copied tail is fsynced before the next checkpoint
             self._index_dirs_unsynced.add(final.parent)
             self._index_old_files.append((old, final))
@@ -1459,12 +1451,61 @@ class RealtimeStore:
             log.info("index compacted path=%s base=%d entries_dropped=%d entries=%d", final, c.new_base,
                      c.new_base - c.src_base, ix.count - c.new_base)
 
-    def _plan_index_dirs(self, plan: SyncPlan) -> None:
-        """Index folders where a compacted file was renamed: fsynced before a checkpoint vouches
-        for entries that are only in the new file."""
-        dirs, self._index_dirs_unsynced = self._index_dirs_unsynced, set()
+    def _plan_index_sync(self, plan: SyncPlan, indexed: int, fsyncs_max: int | None) -> int:
+        """Plan the fsyncs a checkpoint at ``indexed`` needs: every dirty index file, and every
+        unsynced index folder (a new subject's, or one where a compacted file was renamed).
+        With ``fsyncs_max``, only that many, the subjects with the oldest unsynced entries
+        first; the checkpoint then vouches only below the first entry left unsynced (replay
+        at open re-indexes from there), which is never below the previous checkpoint, as
+        every entry below it was synced then. Returns the offset the checkpoint vouches for.
+
+        A dirty index whose fd was evicted is opened here to be fsynced: a descriptor (not a
+        path) keeps the plan on the same file if a compaction renames it meanwhile."""
+        dirs = self._index_dirs_unsynced
+        units: list[tuple[int, str]] = []  # (first unsynced entry's offset, subject); -1 = take now
+        for s, ix in self._subjects.items():
+            if ix.dirty:
+                units.append((ix.dirty_from, s))
         for d in dirs:
-            plan.fsync_dir(d)  # opened on the plan's thread: a flood of new subjects leaves one per subject
+            ix = self._subjects.get(d.name)
+            if ix is None or not ix.dirty:  # a new, empty subject: no entry waits for it; else take it now
+                units.append((indexed if ix is None or ix.count == ix.base else -1, d.name))
+        cost = len(units) + len(dirs)
+        if fsyncs_max is not None and cost > fsyncs_max:
+            units.sort()
+        else:
+            fsyncs_max = None
+        index_root = self.root / "index"
+        used = 0
+        left = indexed
+        for bound, s in units:
+            folder = index_root / s
+            ix = self._subjects.get(s)
+            n = (ix is not None and ix.dirty) + (folder in dirs)
+            if fsyncs_max is not None and used + n > fsyncs_max and bound >= 0:
+                left = min(left, bound)
+                continue
+            used += n
+            if ix is not None and ix.dirty:
+                if ix.fd >= 0:
+                    plan.fsync(ix.fd)
+                else:
+                    fd = os.open(ix.path, os.O_RDONLY)
+                    try:
+                        plan.fsync(fd)  # duplicated by the plan
+                    finally:
+                        os.close(fd)
+                ix.dirty = False
+            if folder in dirs:
+                dirs.discard(folder)
+                plan.fsync_dir(folder)  # opened on the plan's thread
+        for d in list(dirs):  # folders of no subject any more (none in practice)
+            if d.name not in self._subjects:
+                dirs.discard(d)
+                plan.fsync_dir(d)
+        if left < indexed:
+            self.counters["checkpoint_index_deferred"] += 1
+        return max(min(left, indexed), self.indexed_offset)
 
     def disk_bytes(self) -> dict[str, int]:
         """Any thread: bytes allocated per part of the data folder (messages, index, groups, other)."""

@@ -51,10 +51,16 @@ class RealtimeSettings:
     subjects_max: int = 10_000              # known subjects (each costs a little RAM and an index file)
     groups_max: int = 100_000               # consumer groups over all subjects
     pull_scan_entries_max: int = 65_536     # index entries one pull may examine (tag filters skip entries)
-    index_files_open_max: int = 256         # open index file descriptors (LRU)
+    # open index file descriptors (LRU; node/server.py raises RLIMIT_NOFILE to fit): a send over
+    # more subjects than this reopens index files on the event loop (issue 27: 40 us each)
+    index_files_open_max: int = 4096
     frame_cache_bytes_max: int = 64 * 1024 * 1024  # decoded recent frames kept for pulls (LRU, by body bytes)
     offsets_compact_bytes: int = 16 * 1024 * 1024  # offsets log bytes past its last snapshot before compaction
     checkpoint_bytes_min: int = 4 * 1024 * 1024  # a periodic flush checkpoints the index after this many log bytes
+    # index files (and new index folders) a periodic checkpoint fsyncs at most, oldest unsynced
+    # entries first; it then vouches only below the rest (issue 27: a flood of new subjects
+    # would otherwise fsync one file and one folder per subject in one burst)
+    checkpoint_index_fsyncs_max: int = 64
     # retention (node/realtime/retention.py): a sealed segment every group is past goes once it is
     # older than retention_ms or the log is over retention_bytes (0 = no size limit); a group that
     # has not pulled or acked for group_idle_ms_max stops holding segments back
