@@ -71,8 +71,9 @@ record and one fsync per commit round, however many groups it holds):
    service to re-send, which then acks them.
 4. ``flush`` fsyncs the message log, then the dirty index files and last the checkpoint
    with ``indexed_offset`` = the log end before the fsyncs (a periodic flush does those two
-   only every ``checkpoint_bytes_min`` of new log: they only bound the replay), and commits
-   changed group documents.
+   only every ``checkpoint_bytes_min`` of new log: they only bound the replay, and fsyncs at
+   most ``checkpoint_index_fsyncs_max`` index files, vouching only below the first entry it
+   left unsynced: ``_plan_index_sync``), and commits changed group documents.
 
 Invariants:
 
