@@ -88,6 +88,8 @@ ID_PREFIX_BYTES = 8                # random bytes of a producer's id prefix (16 
 _RETRYABLE = np.array(sorted(status.RETRYABLE_CODES), np.uint8)
 
 CALL_TIMEOUT_S = 30.0  # default deadline of every SDK call (``call_timeout_s``), retries included
+ACK_LINGER_MS_DEFAULT = 20  # a pipelined ack no pull took within this long gets an Ack call of its own
+ACK_LINGER_MS_MAX = 10_000
 # A wire batch's bytes are estimated per message as payload + id + extras + MESSAGE_OVERHEAD_BYTES
 # (its 49 bytes of columns and its 8-byte delay_ms entry). The estimate leaves out the subject
 # table, ids beyond ASCII and protobuf framing; REQUEST_MARGIN_BYTES covers them (at most
@@ -1237,14 +1239,22 @@ class ReceivedBatch:
     def __iter__(self):
         return iter(self.messages())
 
-    async def ack(self, *, defer: bool = False) -> int:
-        """Ack every message of the batch (handle ranges per subject): one Ack request, or
-        with ``defer`` none: the acks ride on the consumer's next pull of that node (or an
-        Ack at ``close()``), saving a call per batch. A deferred ack is durable at the node's
-        next commit round; until then a crash may deliver the batch again (at least once)."""
+    async def ack(self, *, wait: bool = False, defer: bool = False) -> int:
+        """Ack every message of the batch (handle ranges per subject). Returns how many.
+
+        By default the ack is pipelined (issue 28): it rides on the consumer's next pull of
+        that node, which the next ``batches()`` step sends at once, or, when no pull goes
+        there within ``ack_linger_ms`` (the consumer idles in a long poll), on an Ack call of
+        its own then; the call returns at once and the next batch is not held back by a round
+        trip and the node's fsync. An ack is durable at the node's next commit round; until
+        then a crash may deliver the batch again (delivery is at least once; an ack that
+        fails is logged and its messages come again after ``ack_timeout_ms``).
+        ``wait=True``: one Ack request now, returning once the node made the ack durable
+        (``Unavailable`` after ``call_timeout_s``). ``defer=True``: only on the next pull
+        of that node (or at ``close()``), never a call of its own."""
         acks = _subject_handles(self.batch, self.handles)
-        if defer:
-            self._consumer._deferred.setdefault(self.node, []).extend(acks)
+        if not wait:
+            self._consumer._queue_acks(self.node, acks, linger=not defer)
             return len(self.handles)
         async with self._consumer._deadline("ack", [self.node]):
             return await self._consumer._ack_handles(self.node, acks)
@@ -1278,9 +1288,11 @@ class Consumer:
     def __init__(self, resolver, subjects: str | Sequence[str], *, group: str, consumer_id: str | None = None,
                  tags: Sequence[str] = (), batch_max: int = 500, wait_ms: int = 1000, timeout_s: float = 10.0,
                  call_timeout_s: float = CALL_TIMEOUT_S, backoff_ms_min: int = 25, backoff_ms_max: int = 2000,
-                 security: ClientSecurity | None = None) -> None:
+                 ack_linger_ms: int = ACK_LINGER_MS_DEFAULT, security: ClientSecurity | None = None) -> None:
         if not call_timeout_s > 0:
             raise E.InvalidArgument("call_timeout_s", "must be positive")
+        if not 0 <= ack_linger_ms <= ACK_LINGER_MS_MAX:
+            raise E.InvalidArgument("ack_linger_ms", f"{ack_linger_ms} is not in 0..{ACK_LINGER_MS_MAX}")
         self.resolver = resolver
         self.subjects = (subjects,) if isinstance(subjects, str) else tuple(subjects)
         if not self.subjects:
@@ -1304,6 +1316,9 @@ class Consumer:
         self._health: dict[str, NodeHealth] = {}    # node -> what its last pulls said (``health()``)
         self._buffer: deque[Received] = deque()
         self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
+        self.ack_linger_ms = ack_linger_ms
+        self._ack_flushers: dict[str, asyncio.Task] = {}  # node -> the Ack call its queued acks get if no pull takes them
+        self._ack_sends: set[asyncio.Task] = set()  # flushers past their linger, sending
         self._closed = False
 
     async def __aenter__(self) -> "Consumer":
@@ -1549,6 +1564,33 @@ class Consumer:
         return {node: [pb.SubjectHandles(subject=s, ranges=pack_ranges(h)) for s, h in subs.items()]
                 for node, subs in groups.items()}
 
+    def _queue_acks(self, node: str, acks: list[pb.SubjectHandles], *, linger: bool) -> None:
+        """Pipelined acks (``ReceivedBatch.ack``): for the next pull of ``node``; with
+        ``linger``, an Ack call of their own after ``ack_linger_ms`` if no pull took them."""
+        self._deferred.setdefault(node, []).extend(acks)
+        if linger and not self._closed and node not in self._ack_flushers:
+            self._ack_flushers[node] = asyncio.get_running_loop().create_task(
+                self._flush_acks_later(node), name=f"ack-linger-{node}")
+
+    async def _flush_acks_later(self, node: str) -> None:
+        try:
+            await asyncio.sleep(self.ack_linger_ms / 1000)
+        finally:
+            self._ack_flushers.pop(node, None)  # acks queued from now on get a flusher of their own
+        acks = self._deferred.pop(node, None)
+        if not acks:
+            return  # a pull took them
+        task = asyncio.current_task()
+        self._ack_sends.add(task)
+        try:
+            async with self._deadline("ack", [node]):
+                await self._ack_handles(node, acks)
+        except E.HourglassError as e:
+            log.warning("pipelined acks not applied node=%s: %s (their messages come again after "
+                        "ack_timeout_ms)", node, e)
+        finally:
+            self._ack_sends.discard(task)
+
     async def _ack_handles(self, node: str, acks: list[pb.SubjectHandles]) -> int:
         try:
             resp = await self.channels.consumer(node).Ack(pb.AckRequest(group=self.group, acks=acks),
@@ -1598,6 +1640,12 @@ class Consumer:
         for t in pulls:
             t.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)
+        # pipelined acks: a flush still waiting out its linger is cancelled (its acks are still
+        # queued: sent below); one already sending is waited for (bounded by call_timeout_s)
+        flushers = list(self._ack_flushers.values())
+        for t in flushers:
+            t.cancel()
+        await asyncio.gather(*flushers, *self._ack_sends, return_exceptions=True)
         deferred, self._deferred = self._deferred, {}
         for node, acks in deferred.items():  # acks still waiting for a pull: send them now
             try:

@@ -366,6 +366,36 @@ async def test_deferred_acks_ride_on_the_next_pull_and_close_sends_the_rest(node
     assert len(node.acked_handles()) == 11  # close() sent the last deferred acks with an Ack
 
 
+async def test_an_awaited_batch_ack_is_pipelined_and_wait_true_is_a_round_trip(nodes):
+    """Issue 28: ``await batch.ack()`` returns at once; its acks ride on the next pull, or,
+    when no pull goes to that node within ack_linger_ms, on an Ack call of their own.
+    ``ack(wait=True)`` is one Ack call, answered once the node has the ack."""
+    (node,) = await nodes()
+    node.ready("pip", [f"p{i}" for i in range(4)])
+    async with Consumer(StaticResolver(realtime=[node.address]), "pip", group="g", wait_ms=0,
+                        ack_linger_ms=0) as c:
+        (rb,) = await c.pull_batch()
+        assert await rb.ack() == 4  # no pull follows: the linger's own Ack call takes them
+        for _ in range(GUARD_S * 50):  # bounded wait for an outcome, not a timing claim
+            if len(node.acked_handles()) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert len(node.acked_handles()) == 4 and node.acks_on_pull == 0
+    async with Consumer(StaticResolver(realtime=[node.address]), "pip", group="g", wait_ms=0,
+                        ack_linger_ms=10_000) as c:
+        node.ready("pip", ["q0"])
+        (rb2,) = await c.pull_batch()
+        await rb2.ack()
+        assert len(node.acked_handles()) == 4  # queued, no call of its own yet
+        node.ready("pip", ["q1"])
+        (rb3,) = await c.pull_batch()  # the next pull carries rb2's ack
+        assert node.acks_on_pull == 1 and len(node.acked_handles()) == 5
+        assert await rb3.ack(wait=True) == 1
+        assert len(node.acked_handles()) == 6  # answered: applied
+    with pytest.raises(E.InvalidArgument, match="ack_linger_ms"):
+        Consumer(StaticResolver(realtime=[node.address]), "pip", group="g", ack_linger_ms=-1)
+
+
 async def test_a_message_of_a_bad_subject_fails_at_once_and_is_never_sent(nodes):
     """The one subject rule (``codec.subject_problem``), in the SDK: ``orders.a\\n`` is no subject."""
     (node,) = await nodes()
