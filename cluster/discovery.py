@@ -12,9 +12,11 @@ call), ``close()``; and ``invalidate(subject)`` for the delay node's router.
 
 Caching rules (all times monotonic, limits named):
 
-* an answer is reused for ``refresh_ms``; after that the next call asks again
-  (the "period"); ``refresh()`` marks everything stale so the next call asks
-  again, but never more often than every ``refresh_min_ms`` (a dead node makes
+* an answer is reused for ``refresh_ms``; after that the next call still gets it at
+  once and a background task asks again (the "period": at most one per key and
+  ``REFRESH_BEHIND_MAX`` at a time, so a lookup never waits for a routine refresh);
+  ``refresh()`` marks everything stale so the next call asks again before it
+  answers, but never more often than every ``refresh_min_ms`` (a dead node makes
   every client call refresh; the meta servers must not be hammered);
 * meta servers are tried in order starting at the last one that answered; one
   that does not answer (connection refused, deadline, UNAVAILABLE) is skipped
@@ -30,6 +32,7 @@ CONSUMER or IMMEDIATE_PRODUCER, which only ever answers real-time groups.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -44,6 +47,8 @@ from cluster.security import ClientSecurity
 from cluster.transport import Channels
 
 log = logging.getLogger("hourglass.discovery")
+
+REFRESH_BEHIND_MAX = 32  # background refreshes of aged answers in flight at once (MetaResolver._behind)
 
 SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -111,17 +116,46 @@ class MetaResolver:
         self._routes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # subject -> (master, fetched_at)
         self._stale_since: float | None = None
         self._last_fetch = float("-inf")
+        self._refreshing: dict[str, asyncio.Task] = {}  # key -> its background refresh (``_behind``)
         self.delay: list[str] = []     # every delay node seen by the last load() (status, tools)
         self.realtime: list[str] = []  # every real-time node seen by the last load()
 
     # ------------------------------------------------------------------ cache policy
 
     def _due(self, fetched_at: float) -> bool:
-        now = time.monotonic()
-        if now - fetched_at >= self.refresh_ms / 1000:
-            return True
+        return self._aged(fetched_at) or self._stale(fetched_at)
+
+    def _aged(self, fetched_at: float) -> bool:
+        """Older than ``refresh_ms``: the periodic refresh, answered from the cache while it
+        runs behind (``_behind``)."""
+        return time.monotonic() - fetched_at >= self.refresh_ms / 1000
+
+    def _stale(self, fetched_at: float) -> bool:
+        """Fetched before a call failed (``refresh()``): asked again before it is used."""
         stale = self._stale_since is not None and fetched_at <= self._stale_since
-        return stale and now - self._last_fetch >= self.refresh_min_ms / 1000
+        return stale and time.monotonic() - self._last_fetch >= self.refresh_min_ms / 1000
+
+    def _behind(self, key: str, fetch) -> None:
+        """Run ``fetch()`` as a background refresh of ``key`` (at most one per key and
+        ``REFRESH_BEHIND_MAX`` in all; beyond that the next lookup tries again). Issue 28: the
+        periodic refresh ran inline, one meta-server call per subject in turn, so every
+        ``refresh_ms`` a consumer of 16 subjects, and a delay node's firing round, waited
+        50-100 ms for it: the p99 at 2,000 msgs/s."""
+        if key in self._refreshing or len(self._refreshing) >= REFRESH_BEHIND_MAX:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+
+        async def run() -> None:
+            try:
+                await fetch()
+            except E.HourglassError as e:  # the cached answer stands; the next lookup tries again
+                log.info("background refresh of %s failed: %s", key, e)
+            finally:
+                self._refreshing.pop(key, None)
+        self._refreshing[key] = loop.create_task(run(), name=f"resolver-refresh-{key[:64]}")
 
     # ------------------------------------------------------------------ resolver interface
 
@@ -129,7 +163,9 @@ class MetaResolver:
         """Every delay group as ``(name, master address or "")``, sorted by name. Producers pin
         a message id to one group by hash (``cluster.client.group_for``), so a retry never
         lands in a second group; a group without a live master makes its ids wait."""
-        if self._delay_groups and not self._due(self._delay_at):
+        if self._delay_groups and not self._stale(self._delay_at):
+            if self._aged(self._delay_at):
+                self._behind(" delay", self._fetch_delay)
             return self._delay_groups
         try:
             await self._fetch_delay()
@@ -147,7 +183,9 @@ class MetaResolver:
         self._delay_at = time.monotonic()
 
     async def delay_nodes(self) -> list[str]:
-        if self._delay and not self._due(self._delay_at):
+        if self._delay and not self._stale(self._delay_at):
+            if self._aged(self._delay_at):
+                self._behind(" delay", self._fetch_delay)
             return self._delay
         try:
             await self._fetch_delay()
@@ -162,16 +200,21 @@ class MetaResolver:
 
     async def realtime_for(self, subject: str) -> str:
         cached = self._routes.get(subject)
-        if cached is not None and not self._due(cached[1]):
+        if cached is not None and not self._stale(cached[1]):
+            if self._aged(cached[1]):
+                self._behind(subject, lambda: self._fetch_route(subject))
             return cached[0]
         try:
-            self._last_fetch = time.monotonic()
-            resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
+            return await self._fetch_route(subject)
         except E.Unavailable as e:
             if cached is not None:
                 log.warning("keeping cached route subject=%s: %s", subject, e)
                 return cached[0]
             raise
+
+    async def _fetch_route(self, subject: str) -> str:
+        self._last_fetch = time.monotonic()
+        resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
         master = resp.group.master
         if not master:
             self._routes.pop(subject, None)
@@ -205,4 +248,8 @@ class MetaResolver:
         return out
 
     async def close(self) -> None:
+        tasks = list(self._refreshing.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.meta.close()
