@@ -24,7 +24,8 @@ Producer::
 * Each message is checked against ``codec.Limits`` before it is queued (numpy over the
   call): one over ``payload_bytes_max`` (``PayloadTooLarge``), with a due time out of
   range or an over-long id fails at once, alone, and is never sent (``_refusals``).
-* The batcher waits up to ``linger_ms`` for ``batch_max`` messages (or
+* The batcher sends at once when no request is on the wire; while some are, it waits
+  up to ``linger_ms`` for ``batch_max`` messages (or
   ``batch_bytes_max`` estimated wire bytes: payload + id + extras +
   ``MESSAGE_OVERHEAD_BYTES``, at most ``BATCH_BYTES_MAX``, under gRPC's message limit)
   and keeps at most ``inflight_max`` requests on the wire; callers wait once
@@ -754,7 +755,10 @@ class Producer:
             while not self._queued:
                 self._wake.clear()
                 await self._wake.wait()
-            deadline = loop.time() + self.linger_ms / 1000
+            # linger only while requests are on the wire (issue 28): a message queued when none
+            # is leaves at once (an awaited send pays no linger), and under load the messages
+            # queued while requests run gather into the next one (batches grow with the rate)
+            deadline = loop.time() + (self.linger_ms / 1000 if self._sending else 0.0)
             while self._queued < self.batch_max and (left := deadline - loop.time()) > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
