@@ -616,7 +616,7 @@ class RealtimeStore:
     def _evict_fd(self, ix: SubjectIndex) -> None:
         """Close an index fd to stay under ``index_files_open_max``, not fsynced here: a dirty
         index stays dirty (its pages are in the page cache) and the checkpoint that vouches
-        for its entries fsyncs it by path (``flush_plan``). Before issue 27 every evicted
+        for its entries reopens and fsyncs it (``_plan_index_sync``). Before issue 27 every evicted
         dirty fd was fsynced by the next periodic flush: a flood of new subjects cost one
         fsync per subject every 200 ms, each a journal commit the message log's waited behind."""
         if ix.fd >= 0 and ix.dirty:
