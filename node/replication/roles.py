@@ -7,8 +7,10 @@ the master's side of the fetch preamble, metrics, status and lifecycle.
 * ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
   its groups);
 * ``_switch(mode)``: make the store the master's or a slave's (``_reopen``) and start that
-  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup (a role task
-  that fails stops the node with its error, instead of leaving a master that does nothing);
+  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup when the node
+  runs (a role task that fails stops the node with its error, instead of leaving a master
+  that does nothing); a switch before ``run`` set the TaskGroup (tests that drive roles by
+  hand) starts it as a plain task, whose error only its awaiter sees;
 * ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
 * ``_on_peers(peers)``: the group's other members changed (sync trackers);
 * ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
