@@ -179,8 +179,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
         self.calls["send"] += 1
         if batch.n > self.settings.batch_messages_max:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
+            await status.abort(context, InvalidArgument(
+                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
             # a write that would take free space below the watermark is refused whole, nothing stored
             self.disk.admit(self.store.write_bytes_bound(batch))
@@ -490,8 +490,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
                     res = self.store.append(to_dlq, now_ms=now)
                     await self.committer.sync_to(self.store.messages.end_offset)
                     if res.errors:
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"dead-letter append failed: {next(iter(res.errors.values()))}")
+                        raise HourglassError(f"dead-letter append failed: {next(iter(res.errors.values()))}")
                     self.metrics.dead_lettered.inc(to_dlq.n)
                     self._wake([DLQ_SUBJECT])
                 if handles.size:

@@ -307,13 +307,13 @@ class ReplicaRoles:
         answer (the caller yields it and goes on with the next request)."""
         await self._refuse_newer_term(req.epoch, context)  # believed only once the election confirms it
         if req.log not in logs:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown log {req.log!r}")
+            await status.abort(context, E.InvalidArgument("log", f"unknown log {req.log!r}"))
         lg = logs[req.log]
         hist = self.histories[req.log].history
         try:
             theirs = EpochHistory.decode(req.history or "[]")
         except (ValueError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad history: {e}")
+            await status.abort(context, E.InvalidArgument("history", f"bad history: {e}"))
         base = dict(epoch=self.member.epoch, offset=req.offset, end_offset=lg.end_offset, truncate_to=-1,
                     reset_to=-1, history=json.dumps(hist.entries))
         ans = answer_fetch(serving=self.is_master(), my_epoch=self.member.epoch, req_epoch=req.epoch, theirs=theirs,
