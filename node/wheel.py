@@ -2,7 +2,9 @@
 
 What it owns
 ------------
-The entries due within a short look-ahead window (``window_ms``, default 2 s),
+The entries due within a short look-ahead window (``window_ms``: 2 s when the wheel is
+built alone, as in the worked example below; a delay node's store passes
+``StoreSettings.window_ms``, 500 ms),
 and the answer to "what is due by ``now_ms``?". It owns no clock, no file and no
 thread: time comes in as ``now_ms``, entries come in as ``Chunk`` s of numpy
 arrays through ``add`` (new frames whose second is already loaded) and

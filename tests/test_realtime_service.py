@@ -177,6 +177,26 @@ async def test_nack_retries_through_a_delay_node_then_dead_letters(node):
     assert (resp.retried, resp.dead_lettered) == (0, 0)
 
 
+async def test_a_nack_whose_store_is_swapped_meanwhile_stops_with_not_leader(node, monkeypatch):
+    """Issue 29: a role change may replace ``self.store`` while a Nack awaits the delay node;
+    the call then answers NOT_LEADER (retryable) and acks nothing on either store."""
+    n, producer, consumer, delay = node
+    await send(producer, msgs("orders", ["a"]))
+    b, h = await pull(consumer, ["orders"], "g")
+    real_send, other = n._send_to_delay, object()
+
+    async def send_then_switch(batch):
+        await real_send(batch)
+        monkeypatch.setattr(n, "store", other)  # what _reopen does on a role change
+    monkeypatch.setattr(n, "_send_to_delay", send_then_switch)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await consumer.Nack(pb.NackRequest(group="g", nacks=by_subject(b, h)))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    monkeypatch.undo()
+    assert len(delay.batches) == 1  # the retry copy went out before the switch
+    assert n.store.lag("orders", "g") == 1  # not acked: it comes again (at least once)
+
+
 async def test_a_failed_offsets_write_fails_its_ack_and_its_retry_writes_again(node, monkeypatch):
     """An Ack is answered OK only once its group document is durable: when the offsets-log
     write fails, that Ack fails, and the client's retry of the same Ack writes the document

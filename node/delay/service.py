@@ -33,7 +33,7 @@ from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, Unavailable
+from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
@@ -122,8 +122,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         end offset is taken right after the append, before any await: a replicated master
         waits for exactly these bytes, whatever the log does meanwhile."""
         if batch.n > self.settings.batch_messages_max:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
+            await status.abort(context, InvalidArgument(
+                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
             # a write that would take free space below the watermark is refused whole, nothing stored
             self.disk.admit(self.store.write_bytes_bound(batch))

@@ -9,7 +9,9 @@ Owns a data folder::
     {root}/checkpoint  epoch, iterate offset, tick state (atomic JSON)
 
 The unit of work is the batch (``shared/ARCHITECTURE.md``, "Hot path"). Every step
-takes ``now_ms`` from the caller; nothing here reads a clock, and no step makes a
+takes ``now_ms`` from the caller; no rule here reads a clock (``promote`` times its steps
+for its log line, and the bucket healer, node/delay/heal.py, paces itself by the monotonic
+clock), and no step makes a
 Python object per message: per-message work is numpy, ``bytes.join`` or one
 comprehension over a hash function.
 

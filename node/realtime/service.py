@@ -179,8 +179,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
         self.calls["send"] += 1
         if batch.n > self.settings.batch_messages_max:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}")
+            await status.abort(context, InvalidArgument(
+                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
             # a write that would take free space below the watermark is refused whole, nothing stored
             self.disk.admit(self.store.write_bytes_bound(batch))
@@ -479,29 +479,40 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         await self._authorize_consume(context, request.group, {sh.subject for sh in request.nacks})
         now = self.clock.now_ms()
         retried = dead = 0
+        # the store this call nacks on: a role change may swap ``self.store`` (and its
+        # committer) at any await below; the call then stops with NOT_LEADER (retryable; the
+        # handles it did not ack come again) instead of acking on another store (issue 29)
+        store, committer = self.store, self.committer
         for subject, ranges in self._ranges(request.nacks):
             try:
-                got, handles = self.store.nack(subject, request.group, ranges, now_ms=now)
+                got, handles = store.nack(subject, request.group, ranges, now_ms=now)
                 to_retry, to_dlq = retry_copies(got, now_ms=now, retry_after_ms=max(0, request.retry_after_ms),
                                                 max_attempts=self.settings.max_attempts)
                 if to_retry.n:
                     await self._send_to_delay(to_retry)
+                    self._still_serving(store)
                 if to_dlq.n:
-                    res = self.store.append(to_dlq, now_ms=now)
-                    await self.committer.sync_to(self.store.messages.end_offset)
+                    res = store.append(to_dlq, now_ms=now)
+                    await committer.sync_to(store.messages.end_offset)
+                    self._still_serving(store)
                     if res.errors:
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"dead-letter append failed: {next(iter(res.errors.values()))}")
+                        raise HourglassError(f"dead-letter append failed: {next(iter(res.errors.values()))}")
                     self.metrics.dead_lettered.inc(to_dlq.n)
                     self._wake([DLQ_SUBJECT])
                 if handles.size:
-                    self.store.ack(subject, request.group, unpack_ranges(pack_ranges(handles)), now_ms=now)
+                    store.ack(subject, request.group, unpack_ranges(pack_ranges(handles)), now_ms=now)
             except HourglassError as e:
                 await status.abort(context, e)
             retried += to_retry.n
             dead += to_dlq.n
         await self._groups_durable({(sh.subject, request.group) for sh in request.nacks})
         return pb.NackResponse(retried=retried, dead_lettered=dead)
+
+    def _still_serving(self, store: RealtimeStore) -> None:
+        """After an await of a call that began on ``store``: NotLeader if a role change has
+        replaced it meanwhile."""
+        if self.store is not store:
+            raise NotLeader()
 
     async def _send_to_delay(self, batch: Batch) -> None:
         nodes = self.settings.delay_nodes

@@ -7,8 +7,10 @@ the master's side of the fetch preamble, metrics, status and lifecycle.
 * ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
   its groups);
 * ``_switch(mode)``: make the store the master's or a slave's (``_reopen``) and start that
-  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup (a role task
-  that fails stops the node with its error, instead of leaving a master that does nothing);
+  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup when the node
+  runs (a role task that fails stops the node with its error, instead of leaving a master
+  that does nothing); a switch before ``run`` set the TaskGroup (tests that drive roles by
+  hand) starts it as a plain task, whose error only its awaiter sees;
 * ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
 * ``_on_peers(peers)``: the group's other members changed (sync trackers);
 * ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
@@ -305,13 +307,13 @@ class ReplicaRoles:
         answer (the caller yields it and goes on with the next request)."""
         await self._refuse_newer_term(req.epoch, context)  # believed only once the election confirms it
         if req.log not in logs:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown log {req.log!r}")
+            await status.abort(context, E.InvalidArgument("log", f"unknown log {req.log!r}"))
         lg = logs[req.log]
         hist = self.histories[req.log].history
         try:
             theirs = EpochHistory.decode(req.history or "[]")
         except (ValueError, TypeError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad history: {e}")
+            await status.abort(context, E.InvalidArgument("history", f"bad history: {e}"))
         base = dict(epoch=self.member.epoch, offset=req.offset, end_offset=lg.end_offset, truncate_to=-1,
                     reset_to=-1, history=json.dumps(hist.entries))
         ans = answer_fetch(serving=self.is_master(), my_epoch=self.member.epoch, req_epoch=req.epoch, theirs=theirs,

@@ -131,11 +131,34 @@ class GroupCommitter:
             sync.stop()
 
     async def _run(self, sync: SyncThread) -> None:
+        waiters: list[tuple[int, asyncio.Future]] = []
+        try:
+            await self._commit_rounds(sync, waiters)
+        except asyncio.CancelledError:
+            # a role switch cancelled the committer: no fsync will come for the writes still
+            # waiting, so each is answered now (retryable; a retry is de-duplicated by id)
+            # instead of hanging until its caller's deadline (issue 29)
+            self._settle_all(waiters, Closed("the log's committer stopped (a role change): the write's "
+                                             "outcome is not known; retry it"))
+            raise
+        except Exception as e:  # an fsync failed: the writes queued behind it are not durable either
+            self._settle_all(waiters, e)
+            raise
+
+    def _settle_all(self, waiters: list[tuple[int, asyncio.Future]], err: BaseException) -> None:
+        pending, self._waiters = [*waiters, *self._waiters], []
+        for _, fut in pending:
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def _commit_rounds(self, sync: SyncThread, waiters: list[tuple[int, asyncio.Future]]) -> None:
+        """The commit loop; ``waiters`` holds the round in flight (for ``_run`` to settle if
+        the task is cancelled)."""
         while True:
             await self._dirty.wait()
             self._dirty.clear()
             target = self.log.end_offset
-            waiters, self._waiters = self._waiters, []
+            waiters[:], self._waiters = self._waiters, []
             try:
                 # a cancelled committer (a role switch) waits for the fsync in flight before
                 # the store is closed or cut: the thread holds the log's descriptor

@@ -1,0 +1,66 @@
+"""GroupCommitter (node/store/group_commit.py): a cancelled committer (a role switch) or a
+failed fsync answers every write still waiting, instead of leaving it to its caller's deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cluster.errors import Closed
+from node.store.group_commit import GroupCommitter
+from node.store.log import SegmentedLog
+
+pytestmark = pytest.mark.unit
+GUARD_S = 10  # bounds a wait that must end long before it (a hang fails instead)
+
+
+async def test_cancelling_the_committer_answers_every_waiting_write(tmp_path):
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    release, in_fsync = threading.Event(), threading.Event()
+    real_flush = log.flush
+
+    def slow_flush():  # the fsync in flight when the switch comes
+        in_fsync.set()
+        release.wait(GUARD_S)
+        real_flush()
+    log.flush = slow_flush
+    task = gc.start()
+    _, first = gc.append_nowait([b"a"])
+    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    _, second = gc.append_nowait([b"b"])  # queued behind the fsync in flight
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, GUARD_S)
+    for fut in (first, second):
+        with pytest.raises(Closed, match="role change"):
+            await asyncio.wait_for(fut, GUARD_S)
+    del log.flush
+    log.close()
+
+
+async def test_a_failed_fsync_answers_the_writes_queued_behind_it(tmp_path):
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    release, in_fsync = threading.Event(), threading.Event()
+
+    def failing_flush():
+        in_fsync.set()
+        release.wait(GUARD_S)
+        raise OSError(5, "I/O error")
+    log.flush = failing_flush
+    task = gc.start()
+    _, first = gc.append_nowait([b"a"])
+    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    _, second = gc.append_nowait([b"b"])
+    release.set()
+    with pytest.raises(OSError):
+        await asyncio.wait_for(task, GUARD_S)
+    for fut in (first, second):
+        with pytest.raises(OSError, match="I/O error"):
+            await asyncio.wait_for(fut, GUARD_S)
+    del log.flush  # the real one again, for close
+    log.close()
