@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.clock import wall_ms as now_ms
+
 CPU_CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 CFS_PERIOD_US = 100_000
 HELPER_STOP_TIMEOUT_S = 10.0
@@ -78,10 +80,6 @@ async def stopped_within(ev: asyncio.Event, delay_s: float) -> bool:
         return True
     except TimeoutError:
         return False
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def at_nice(nice: int) -> list[str]:

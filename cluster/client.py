@@ -76,6 +76,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 
 from cluster import errors as E
 from cluster import status
+from cluster.clock import wall_ms as _now_ms
 from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
 from cluster.proto import hourglass_pb2 as pb
 from cluster.security import ClientSecurity
@@ -106,10 +107,6 @@ BATCH_MAX_DEFAULT = 4000
 # and the SDK's channels use (``transport.MESSAGE_BYTES_MAX``, node ``request_bytes_max``)
 BATCH_BYTES_MAX = min(MESSAGE_BYTES_MAX, DEFAULT_LIMITS.batch_bytes_max) - REQUEST_MARGIN_BYTES
 SEND_JOIN_S = 0.1  # a ``send`` joins the open job only this long after it opened (its deadline is that much early)
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _backoff(min_ms: int, max_ms: int) -> wait_random_exponential:
@@ -403,9 +400,6 @@ class _Job:
         self.done = np.zeros(n, bool)
         self.left = n
         self.errors: dict[int, E.HourglassError] = {}
-
-    def subject_at(self, i: int) -> str:
-        return self.subjects if isinstance(self.subjects, str) else self.subjects[i]
 
     def note(self, address: str | None = None, why: BaseException | None = None) -> None:
         """Remember a request sent for this job (to ``address``) or why one must be tried again."""

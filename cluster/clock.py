@@ -19,6 +19,12 @@ class Clock(Protocol):
         """Seconds from now until ``now_ms()`` reaches ``at_ms`` (<= 0: it has)."""
 
 
+def wall_ms() -> int:
+    """Wall-clock milliseconds since the epoch: the one helper for code that is given no
+    ``Clock`` (SDK, CLI, chaos tools); nodes read time through ``SystemClock``."""
+    return time.time_ns() // 1_000_000
+
+
 class SystemClock:
     def __init__(self, offset_ms: int = 0) -> None:
         self.offset_ms = offset_ms

@@ -528,9 +528,6 @@ class Batch:
         b = int(self.extra_end[i])
         return decode_extra(self.extras[a:b]) if b > a else ((), ())
 
-    def has_extras(self) -> bool:
-        return bool(self.extras)
-
     def cancel_target(self, i: int) -> int:
         """The seq a cancel tombstone cancels (its payload)."""
         p = self.payload(i)
@@ -844,12 +841,6 @@ def _unpack_columns(body: bytes, n: int, blob_lens: dict[str, int]) -> tuple[lis
 
 def pack_u64(values) -> bytes:
     return np.ascontiguousarray(values, "<u8").tobytes()
-
-
-def unpack_u64(raw: bytes) -> np.ndarray:
-    if len(raw) % 8:
-        raise InvalidArgument("u64 array", f"{len(raw)} bytes is not a multiple of 8")
-    return np.frombuffer(raw, "<u8")
 
 
 def pack_i64(values) -> bytes:

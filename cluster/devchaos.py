@@ -44,6 +44,7 @@ from pydantic import BaseModel, Field
 from cluster import errors as E
 from cluster.chaosfaults import FaultKit, stopped_within
 from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, lanes, scenario_schedule
+from cluster.clock import wall_ms as now_ms
 from cluster.security import client_security_from
 
 KILLS_MAX = 100
@@ -58,10 +59,6 @@ LOAD_SAMPLE_S = 1.0
 DURATION_S_MAX = 86_400
 # what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
 DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class DevChaosConfig(BaseModel):

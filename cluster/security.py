@@ -756,13 +756,3 @@ def open_warning(what: str) -> str:
             f"set HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE, or `hourglass dev up --secure`)")
 
 
-def env_for(settings: SecuritySettings) -> dict[str, str]:
-    """The ``HOURGLASS_*`` variables that give a child process these settings."""
-    out = {}
-    for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_server_name",
-                 "auth_file", "token_file"):
-        v = getattr(settings, name)
-        if v is not None:
-            out[f"HOURGLASS_{name.upper()}"] = str(v)
-    return out
-

@@ -36,12 +36,9 @@ from cluster.cli.common import (
     shorten,
     shown,
 )
+from cluster.clock import wall_ms as _now_ms
 
 # ---------------------------------------------------------------------- client commands
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _iso(ms: int) -> str:

@@ -186,9 +186,6 @@ class SyncTracker:
             self._waiters = [w for w in self._waiters if w[1] > now_ms]
         return [t for _, _, t in gone]
 
-    def forget_slave(self, slave_id: str) -> None:
-        self.slave_offsets.pop(slave_id, None)
-
     def drop_all(self) -> list[int]:
         """The node stopped being master: every waiter fails (the shell answers NotLeader)."""
         out = [t for _, _, t in self._waiters]

@@ -73,7 +73,6 @@ class GroupCommitter:
         self.durable_offset = seglog.end_offset
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._dirty = asyncio.Event()
-        self._durable_changed = asyncio.Condition()
         self._closed = False
         self._task: asyncio.Task | None = None
         self.fsyncs = 0
@@ -110,18 +109,6 @@ class GroupCommitter:
         offsets, fut = self.append_nowait(bodies)
         await fut
         return offsets
-
-    async def wait_durable(self, offset: int, timeout_s: float | None = None) -> bool:
-        """Wait until ``durable_offset >= offset``; False on timeout."""
-        async def _wait() -> None:
-            async with self._durable_changed:
-                await self._durable_changed.wait_for(lambda: self.durable_offset >= offset or self._closed)
-        try:
-            async with asyncio.timeout(timeout_s):  # not wait_for: it can swallow a cancellation on 3.11
-                await _wait()
-        except TimeoutError:
-            return False
-        return self.durable_offset >= offset
 
     async def run(self) -> None:
         sync = SyncThread("group-commit")
@@ -174,8 +161,6 @@ class GroupCommitter:
             for _, fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
-            async with self._durable_changed:
-                self._durable_changed.notify_all()
             if self._closed and not self._waiters:
                 return
 
