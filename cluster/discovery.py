@@ -163,9 +163,7 @@ class MetaResolver:
         """Every delay group as ``(name, master address or "")``, sorted by name. Producers pin
         a message id to one group by hash (``cluster.client.group_for``), so a retry never
         lands in a second group; a group without a live master makes its ids wait."""
-        if self._delay_groups and not self._stale(self._delay_at):
-            if self._aged(self._delay_at):
-                self._behind(" delay", self._fetch_delay)
+        if self._delay_groups and self._cached_delay_usable():
             return self._delay_groups
         try:
             await self._fetch_delay()
@@ -175,6 +173,15 @@ class MetaResolver:
             raise
         return self._delay_groups
 
+    def _cached_delay_usable(self) -> bool:
+        """The cached delay groups may answer (not made stale by a failure); an aged answer
+        is refreshed behind the caller."""
+        if self._stale(self._delay_at):
+            return False
+        if self._aged(self._delay_at):
+            self._behind(" delay", self._fetch_delay)
+        return True
+
     async def _fetch_delay(self) -> None:
         self._last_fetch = time.monotonic()
         resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
@@ -183,9 +190,7 @@ class MetaResolver:
         self._delay_at = time.monotonic()
 
     async def delay_nodes(self) -> list[str]:
-        if self._delay and not self._stale(self._delay_at):
-            if self._aged(self._delay_at):
-                self._behind(" delay", self._fetch_delay)
+        if self._delay and self._cached_delay_usable():
             return self._delay
         try:
             await self._fetch_delay()

@@ -265,8 +265,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if j:
                 await asyncio.sleep(0)  # the other calls' turn: at most one slice of new subjects per step
             try:
-                if self.store is not store:  # a role change reopened the store meanwhile: not the master now
-                    raise NotLeader()
+                self._still_serving(store)  # a role change reopened the store meanwhile: not the master now
                 part = self._append(batch.take(idx), now_ms=self.clock.now_ms(), immediate=immediate,
                                     refused=refused)
             except HourglassError as e:

@@ -1471,8 +1471,7 @@ class RealtimeStore:
             ix = self._subjects.get(d.name)
             if ix is None or not ix.dirty:  # a new, empty subject: no entry waits for it; else take it now
                 units.append((indexed if ix is None or ix.count == ix.base else -1, d.name))
-        cost = len(units) + len(dirs)
-        if fsyncs_max is not None and cost > fsyncs_max:
+        if fsyncs_max is not None and len(units) + len(dirs) > fsyncs_max:  # at most this many fsyncs
             units.sort()
         else:
             fsyncs_max = None
@@ -1500,10 +1499,6 @@ class RealtimeStore:
             if folder in dirs:
                 dirs.discard(folder)
                 plan.fsync_dir(folder)  # opened on the plan's thread
-        for d in list(dirs):  # folders of no subject any more (none in practice)
-            if d.name not in self._subjects:
-                dirs.discard(d)
-                plan.fsync_dir(d)
         if left < indexed:
             self.counters["checkpoint_index_deferred"] += 1
         return max(min(left, indexed), self.indexed_offset)

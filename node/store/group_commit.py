@@ -150,11 +150,8 @@ class GroupCommitter:
                 # a cancelled committer (a role switch) waits for the fsync in flight before
                 # the store is closed or cut: the thread holds the log's descriptor
                 await finish_then_cancel(sync.call(self.log.flush))
-            except Exception as e:  # fsync failed: nothing in this group is acknowledged
+            except Exception as e:  # fsync failed: nothing in this group is acknowledged (_run answers them)
                 log.error("fsync failed path=%s error=%r", self.log.directory, e)
-                for _, fut in waiters:
-                    if not fut.done():
-                        fut.set_exception(e)
                 raise
             self.fsyncs += 1
             self.durable_offset = max(self.durable_offset, target)
