@@ -1,8 +1,13 @@
-"""The storage settings of a delay node (``StoreSettings``) and a real-time node
-(``RealtimeSettings``): the one place their defaults are written. ``node.config.NodeSettings``
-(the process's settings, ``HOURGLASS_*``) takes its defaults for these fields from here and
-builds these objects (``store_settings``, ``realtime_settings``); stores and tests use them
-directly."""
+"""The storage sections of a node's settings tree: the delay store with its timing wheel,
+schedule log and id index (``StoreSettings``), the real-time store (``RealtimeSettings``) and
+the scrub (``ScrubSettings``). Each default is written here once.
+
+``node.config.NodeSettings`` (the process's settings, ``HOURGLASS_*``) is the root of the tree:
+its fields for these sections take their defaults from here, and it builds these objects
+(``store_settings``, ``realtime_settings``, ``scrub_settings``). The pure cores that tests
+construct directly (``TimingWheel``, ``ScheduleLog``, ``IdIndex``, ``SegmentedLog``,
+``ScrubPlan``) take these values as arguments; a default they have refers to ``STORE_DEFAULTS``
+/ ``SCRUB_DEFAULTS``, never a second literal (tests/test_settings_tree.py keeps it so)."""
 
 from __future__ import annotations
 
@@ -74,5 +79,20 @@ class RealtimeSettings:
     visible_step_ms: int = 4                # ... at its due time rounded up to a multiple of this
 
 
+@dataclass(frozen=True, slots=True)
+class ScrubSettings:
+    """The background CRC re-check (node/store/scrub.py) and ``hourglass admin verify``."""
+
+    rate_mib_s: float = 4.0               # background re-check rate; 0 = no background scrub
+    step_bytes_max: int = 1 << 20         # bytes read per scrub step
+    pass_interval_ms: int = 60_000        # a pass starts at least this long after the previous one did
+    verify_rate_mib_s: float = 64.0       # read rate of an online ``admin verify``
+
+    @property
+    def rate_bytes_per_s(self) -> int:
+        return int(self.rate_mib_s * (1 << 20))
+
+
 STORE_DEFAULTS = StoreSettings()
 REALTIME_DEFAULTS = RealtimeSettings()
+SCRUB_DEFAULTS = ScrubSettings()
