@@ -14,11 +14,13 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster import quota as Q
+from cluster.transport import MESSAGE_BYTES_MAX
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
 from node.store.settings import REALTIME_DEFAULTS as R
+from node.store.settings import SCRUB_DEFAULTS as C
 from node.store.settings import STORE_DEFAULTS as S
-from node.store.settings import RealtimeSettings, StoreSettings
+from node.store.settings import RealtimeSettings, ScrubSettings, StoreSettings
 
 # NodeSettings field -> StoreSettings / RealtimeSettings field (the same name unless listed):
 # the defaults are written once, in node/store/settings.py, and every one of them can be set
@@ -27,6 +29,12 @@ STORE_FIELDS = {"delay_dedupe_window_ms": "dedupe_window_ms"}
 REALTIME_FIELDS = {"realtime_segment_bytes": "segment_bytes", "realtime_retention_ms": "retention_ms",
                    "realtime_retention_bytes": "retention_bytes",
                    "realtime_frame_cache_bytes_max": "frame_cache_bytes_max"}
+SCRUB_FIELDS = {"scrub_rate_mib_s": "rate_mib_s", "scrub_step_bytes_max": "step_bytes_max",
+                "scrub_pass_interval_ms": "pass_interval_ms", "verify_rate_mib_s": "verify_rate_mib_s"}
+# the sections of the tree: NodeSettings builds each (``section(name)``); its field for a
+# section's field is the same name unless the section's map renames it
+SECTIONS = {"store": (StoreSettings, STORE_FIELDS), "realtime": (RealtimeSettings, REALTIME_FIELDS),
+            "scrub": (ScrubSettings, SCRUB_FIELDS)}
 
 
 class NodeSettings(BaseSettings):
@@ -91,7 +99,7 @@ class NodeSettings(BaseSettings):
     delay_horizon_ms: int = Field(default=DEFAULT_LIMITS.delay_horizon_ms, ge=1,
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
-    request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
+    request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
     loop_stall_report_ms: int = Field(default=200, ge=0,
                                       description="log each event-loop stall this long or longer, with its "
                                                   "duration and where the loop was (0 = off)")
@@ -224,11 +232,12 @@ class NodeSettings(BaseSettings):
     allow_clock_control: bool = False
 
     # scrubbing and verify (docs/operations.md "Self-healing and scrubbing")
-    scrub_rate_mib_s: float = Field(default=4.0, ge=0, description="background CRC re-check rate; 0 = off")
-    scrub_step_bytes_max: int = Field(default=1 << 20, ge=4096, description="bytes read per scrub step")
-    scrub_pass_interval_ms: int = Field(default=60_000, ge=0,
+    scrub_rate_mib_s: float = Field(default=C.rate_mib_s, ge=0, description="background CRC re-check rate; 0 = off")
+    scrub_step_bytes_max: int = Field(default=C.step_bytes_max, ge=4096, description="bytes read per scrub step")
+    scrub_pass_interval_ms: int = Field(default=C.pass_interval_ms, ge=0,
                                         description="a scrub pass starts at least this long after the previous one")
-    verify_rate_mib_s: float = Field(default=64.0, gt=0, description="read rate of `hourglass admin verify`")
+    verify_rate_mib_s: float = Field(default=C.verify_rate_mib_s, gt=0,
+                                     description="read rate of `hourglass admin verify`")
 
     log_level: str = "INFO"
 
@@ -247,13 +256,20 @@ class NodeSettings(BaseSettings):
                       batch_messages_max=self.batch_messages_max)
 
     def store_settings(self) -> StoreSettings:
-        return StoreSettings(limits=self.limits(), **self._mapped(StoreSettings, STORE_FIELDS))
+        return self.section("store")
 
-    def _mapped(self, cls, renamed: dict[str, str]) -> dict:
-        """Every field of ``cls`` but ``limits``, from this model (its name, or the one
-        ``renamed`` gives)."""
-        name_of = {store: mine for mine, store in renamed.items()}
-        return {f: getattr(self, name_of.get(f, f)) for f in cls.__dataclass_fields__ if f != "limits"}
+    def scrub_settings(self) -> ScrubSettings:
+        return self.section("scrub")
+
+    def section(self, name: str):
+        """The section ``name`` of ``SECTIONS``: every field from this model (its name, or the
+        one the section's map gives), ``limits`` from ``limits()``."""
+        cls, renamed = SECTIONS[name]
+        name_of = {field: mine for mine, field in renamed.items()}
+        values = {f: getattr(self, name_of.get(f, f)) for f in cls.__dataclass_fields__ if f != "limits"}
+        if "limits" in cls.__dataclass_fields__:
+            values["limits"] = self.limits()
+        return cls(**values)
 
     def disk_watermark(self) -> DiskWatermark:
         return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
@@ -261,4 +277,4 @@ class NodeSettings(BaseSettings):
                              resume_margin_bytes_max=self.disk_resume_margin_bytes_max)
 
     def realtime_settings(self) -> RealtimeSettings:
-        return RealtimeSettings(limits=self.limits(), **self._mapped(RealtimeSettings, REALTIME_FIELDS))
+        return self.section("realtime")
