@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster import quota as Q
+from cluster.clientsettings import CLIENT_DEFAULTS
 from cluster.transport import MESSAGE_BYTES_MAX
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
@@ -21,6 +22,8 @@ from node.store.settings import REALTIME_DEFAULTS as R
 from node.store.settings import SCRUB_DEFAULTS as C
 from node.store.settings import STORE_DEFAULTS as S
 from node.store.settings import RealtimeSettings, ScrubSettings, StoreSettings
+
+D = CLIENT_DEFAULTS.discovery  # the node's meta server calls are the SDK's (cluster/discovery.py)
 
 # NodeSettings field -> StoreSettings / RealtimeSettings field (the same name unless listed):
 # the defaults are written once, in node/store/settings.py, and every one of them can be set
@@ -67,8 +70,8 @@ class NodeSettings(BaseSettings):
     # (docs/replication.md, "Lease timing under load"): worst gap ~4 s < TTL - margin = 4.8 s
     meta_lease_ttl_ms: int = Field(default=6000, ge=2000, le=300_000)
     meta_heartbeat_ms: int = Field(default=0, ge=0, description="0 = a third of the granted TTL, at most 1 s")
-    meta_timeout_ms: int = Field(default=2000, ge=100)
-    meta_refresh_ms: int = Field(default=5000, ge=100, description="routes are asked again after this long")
+    meta_timeout_ms: int = Field(default=D.meta_timeout_ms, ge=100)
+    meta_refresh_ms: int = Field(default=D.refresh_ms, ge=100, description="routes are asked again after this long")
     # replication (node/replication/): with ``replicated`` the node joins its group's election
     replicated: bool = False
     ack_mode: Literal["async", "sync"] = "async"
