@@ -18,6 +18,7 @@ from cluster.clientsettings import CLIENT_DEFAULTS
 from cluster.transport import MESSAGE_BYTES_MAX
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
+from node.store.settings import DISK_DEFAULTS as W
 from node.store.settings import REALTIME_DEFAULTS as R
 from node.store.settings import SCRUB_DEFAULTS as C
 from node.store.settings import STORE_DEFAULTS as S
@@ -36,8 +37,12 @@ SCRUB_FIELDS = {"scrub_rate_mib_s": "rate_mib_s", "scrub_step_bytes_max": "step_
                 "scrub_pass_interval_ms": "pass_interval_ms", "verify_rate_mib_s": "verify_rate_mib_s"}
 # the sections of the tree: NodeSettings builds each (``section(name)``); its field for a
 # section's field is the same name unless the section's map renames it
+DISK_FIELDS = {"disk_free_min_bytes": "free_min_bytes", "disk_free_min_ratio": "free_min_ratio",
+               "disk_resume_margin_ratio": "resume_margin_ratio",
+               "disk_resume_margin_bytes_max": "resume_margin_bytes_max"}
 SECTIONS = {"store": (StoreSettings, STORE_FIELDS), "realtime": (RealtimeSettings, REALTIME_FIELDS),
-            "scrub": (ScrubSettings, SCRUB_FIELDS)}
+            "scrub": (ScrubSettings, SCRUB_FIELDS), "disk": (DiskWatermark, DISK_FIELDS), "limits": (Limits, {})}
+SECTION_DEFAULTS = {"store": S, "realtime": R, "scrub": C, "disk": W, "limits": DEFAULT_LIMITS}
 
 
 class NodeSettings(BaseSettings):
@@ -102,6 +107,13 @@ class NodeSettings(BaseSettings):
     delay_horizon_ms: int = Field(default=DEFAULT_LIMITS.delay_horizon_ms, ge=1,
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
+    batch_bytes_max: int = Field(default=DEFAULT_LIMITS.batch_bytes_max, ge=1,
+                                 description="bytes of one batch's messages (a real-time frame holds one batch)")
+    tags_max: int = Field(default=DEFAULT_LIMITS.tags_max, ge=0, description="tags of one message")
+    tag_bytes_max: int = Field(default=DEFAULT_LIMITS.tag_bytes_max, ge=1, description="bytes of one tag")
+    properties_max: int = Field(default=DEFAULT_LIMITS.properties_max, ge=0, description="properties of one message")
+    property_key_bytes_max: int = Field(default=DEFAULT_LIMITS.property_key_bytes_max, ge=1)
+    property_value_bytes_max: int = Field(default=DEFAULT_LIMITS.property_value_bytes_max, ge=1)
     request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
     loop_stall_report_ms: int = Field(default=200, ge=0,
                                       description="log each event-loop stall this long or longer, with its "
@@ -164,13 +176,14 @@ class NodeSettings(BaseSettings):
     # disk lifecycle (docs/operations.md "Disk", rules in node/store/diskspace.py): a write is admitted
     # only if it leaves min(disk_free_min_bytes, disk_free_min_ratio x disk size) free; once refusing,
     # writes resume above that mark plus min(disk_resume_margin_ratio x disk size, ..._bytes_max)
-    disk_free_min_bytes: int = Field(default=2 << 30, ge=0, description="the mark: free bytes writes never take")
-    disk_free_min_ratio: float = Field(default=0.05, ge=0, le=0.9, description="... or this share of the disk, "
-                                                                                "whichever is smaller")
-    disk_resume_margin_ratio: float = Field(default=0.02, ge=0, le=0.5,
+    disk_free_min_bytes: int = Field(default=W.free_min_bytes, ge=0,
+                                     description="the mark: free bytes writes never take")
+    disk_free_min_ratio: float = Field(default=W.free_min_ratio, ge=0, le=0.9,
+                                       description="... or this share of the disk, whichever is smaller")
+    disk_resume_margin_ratio: float = Field(default=W.resume_margin_ratio, ge=0, le=0.5,
                                             description="writes resume at the mark plus this share of the disk ...")
-    disk_resume_margin_bytes_max: int = Field(default=64 << 20, ge=0, description="... or this many bytes, "
-                                                                                   "whichever is smaller")
+    disk_resume_margin_bytes_max: int = Field(default=W.resume_margin_bytes_max, ge=0,
+                                              description="... or this many bytes, whichever is smaller")
     disk_check_interval_ms: int = Field(default=1000, ge=10, description="free space is read this often")
     retention_interval_ms: int = Field(default=10_000, ge=10, description="how often retention runs")
     delay_dedupe_window_ms: int = Field(default=S.dedupe_window_ms, ge=0,
@@ -254,9 +267,7 @@ class NodeSettings(BaseSettings):
         return self
 
     def limits(self) -> Limits:
-        return Limits(subject_bytes_max=self.subject_bytes_max, id_bytes_max=self.id_bytes_max,
-                      payload_bytes_max=self.payload_bytes_max, delay_horizon_ms=self.delay_horizon_ms,
-                      batch_messages_max=self.batch_messages_max)
+        return self.section("limits")
 
     def store_settings(self) -> StoreSettings:
         return self.section("store")
@@ -275,9 +286,7 @@ class NodeSettings(BaseSettings):
         return cls(**values)
 
     def disk_watermark(self) -> DiskWatermark:
-        return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
-                             resume_margin_ratio=self.disk_resume_margin_ratio,
-                             resume_margin_bytes_max=self.disk_resume_margin_bytes_max)
+        return self.section("disk")
 
     def realtime_settings(self) -> RealtimeSettings:
         return self.section("realtime")

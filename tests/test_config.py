@@ -8,14 +8,13 @@ import dataclasses
 
 import pytest
 
+from node.config import SECTION_DEFAULTS as DEFAULTS
 from node.config import SECTIONS, NodeSettings
-from node.store.settings import REALTIME_DEFAULTS, SCRUB_DEFAULTS, STORE_DEFAULTS
-
-DEFAULTS = {"store": STORE_DEFAULTS, "realtime": REALTIME_DEFAULTS, "scrub": SCRUB_DEFAULTS}
 
 
 def test_every_section_has_its_defaults_object():
     assert set(DEFAULTS) == set(SECTIONS)
+    assert all(isinstance(DEFAULTS[name], cls) for name, (cls, _) in SECTIONS.items())
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))

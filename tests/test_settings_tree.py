@@ -27,7 +27,7 @@ from cluster.clientsettings import ClientSettings
 from cluster.codec import Limits
 from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
-from node.config import SECTIONS, NodeSettings
+from node.config import SECTION_DEFAULTS, NodeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,15 +82,16 @@ def number(node: ast.AST | None) -> float | None:
 
 
 def _fields(model) -> dict[str, object]:
-    if dataclasses.is_dataclass(model):
-        return {f.name: getattr(model(), f.name) for f in dataclasses.fields(model)}
+    if dataclasses.is_dataclass(model):  # a defaults object (a section of the node's tree)
+        return {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return {name: f.default for name, f in model.model_fields.items()}
 
 
 def settings() -> dict[str, set]:
     """Every setting's name -> its defaults (a name may be in several models)."""
-    models = [NodeSettings, MetaSettings, SecuritySettings, Limits, *(cls for cls, _ in SECTIONS.values())]
-    models += [type(getattr(ClientSettings.model_construct(), name)) for name in ClientSettings.model_fields]
+    models = [NodeSettings, MetaSettings, SecuritySettings, Limits(), *SECTION_DEFAULTS.values()]
+    client = ClientSettings.model_construct()
+    models += [v if dataclasses.is_dataclass(v) else type(v) for v in (getattr(client, n) for n in ClientSettings.model_fields)]
     out: dict[str, set] = {}
     for model in models:
         for name, default in _fields(model).items():

@@ -1,6 +1,8 @@
 """The storage sections of a node's settings tree: the delay store with its timing wheel,
 schedule log and id index (``StoreSettings``), the real-time store (``RealtimeSettings``) and
-the scrub (``ScrubSettings``). Each default is written here once.
+the scrub (``ScrubSettings``), the disk watermark (``DISK_DEFAULTS``, a
+``node.store.diskspace.DiskWatermark``). Each default is written here once; the producer
+limits' (``Limits``) are written in ``cluster/codec.py``, shared with the SDK.
 
 ``node.config.NodeSettings`` (the process's settings, ``HOURGLASS_*``) is the root of the tree:
 its fields for these sections take their defaults from here, and it builds these objects
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from node.store.diskspace import DiskWatermark
 from node.store.records import Limits
 
 
@@ -96,3 +99,8 @@ class ScrubSettings:
 STORE_DEFAULTS = StoreSettings()
 REALTIME_DEFAULTS = RealtimeSettings()
 SCRUB_DEFAULTS = ScrubSettings()
+# disk lifecycle (docs/operations.md "Disk", rules in node/store/diskspace.py): a write is admitted
+# only if it leaves min(free_min_bytes, free_min_ratio x disk size) free; once refusing, writes
+# resume above that mark plus min(resume_margin_ratio x disk size, resume_margin_bytes_max)
+DISK_DEFAULTS = DiskWatermark(free_min_bytes=2 << 30, free_min_ratio=0.05, resume_margin_ratio=0.02,
+                              resume_margin_bytes_max=64 << 20)
