@@ -112,8 +112,10 @@ class NodeSettings(BaseSettings):
     tags_max: int = Field(default=DEFAULT_LIMITS.tags_max, ge=0, description="tags of one message")
     tag_bytes_max: int = Field(default=DEFAULT_LIMITS.tag_bytes_max, ge=1, description="bytes of one tag")
     properties_max: int = Field(default=DEFAULT_LIMITS.properties_max, ge=0, description="properties of one message")
-    property_key_bytes_max: int = Field(default=DEFAULT_LIMITS.property_key_bytes_max, ge=1)
-    property_value_bytes_max: int = Field(default=DEFAULT_LIMITS.property_value_bytes_max, ge=1)
+    property_key_bytes_max: int = Field(default=DEFAULT_LIMITS.property_key_bytes_max, ge=1,
+                                        description="bytes of one property's key")
+    property_value_bytes_max: int = Field(default=DEFAULT_LIMITS.property_value_bytes_max, ge=1,
+                                          description="bytes of one property's value")
     request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
     loop_stall_report_ms: int = Field(default=200, ge=0,
                                       description="log each event-loop stall this long or longer, with its "
