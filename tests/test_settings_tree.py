@@ -33,12 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # where the models are written: their defaults are the ones
 MODELS = {"node/config.py", "node/store/settings.py", "metaserver/config.py", "cluster/clientsettings.py"}
-# modules checked: the node and meta server, the SDK, security, codec, the Spark reader
-CHECKED = sorted({str(p.relative_to(ROOT)) for pattern in
-                  ("node/*.py", "node/*/*.py", "metaserver/*.py", "cluster/client.py", "cluster/discovery.py",
-                   "cluster/security.py", "cluster/codec.py", "cluster/devcluster.py", "cluster/quota.py",
-                   "cluster/auththrottle.py", "cluster/transport.py", "cluster/spark/*.py", "cluster/spark_submit.py")
-                  for p in ROOT.glob(pattern)} - MODELS)
+# modules checked: every module of the distribution (node, meta server, SDK, CLI, Spark reader)
+CHECKED = sorted({str(p.relative_to(ROOT)) for pattern in ("node/**/*.py", "metaserver/**/*.py", "cluster/**/*.py")
+                  for p in ROOT.glob(pattern) if "proto" not in p.parts} - MODELS)
 # module constants that are the one source of a model's default (the model refers to them:
 # a bottom-layer core the model's package imports, so the literal cannot live in the model)
 SOURCES = {
