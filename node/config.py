@@ -1,6 +1,11 @@
-"""Settings of one node process: one typed model, environment prefix ``HOURGLASS_``.
+"""Settings of one node process: one typed model, environment prefix ``HOURGLASS_``, the
+root of the node's settings tree.
 
-Every queue, batch, retry and wait has a named maximum here. ``hourglass node``
+Every queue, batch, retry and wait has a named maximum here. The names are flat (every
+``HOURGLASS_*`` variable a deployment sets keeps working); the typed sections the stores and
+cores take are built from them by name (``section``: ``store``, ``realtime``, ``scrub``,
+``disk``, ``limits``), and their defaults are written once, in the section's class.
+docs/settings.md lists the whole tree. ``hourglass node``
 maps its options onto this model; anything not given comes from the environment
 (``HOURGLASS_DATA_DIR=/var/lib/hourglass``, ``HOURGLASS_ROLE=delay`` ...) or the default.
 """
@@ -26,17 +31,17 @@ from node.store.settings import RealtimeSettings, ScrubSettings, StoreSettings
 
 D = CLIENT_DEFAULTS.discovery  # the node's meta server calls are the SDK's (cluster/discovery.py)
 
-# NodeSettings field -> StoreSettings / RealtimeSettings field (the same name unless listed):
-# the defaults are written once, in node/store/settings.py, and every one of them can be set
-# here as HOURGLASS_<FIELD> (tests/test_config.py checks both)
+# The sections of the tree: NodeSettings builds each by name (``section``) from its own fields.
+# A section's defaults are written once, in its class (node/store/settings.py; cluster/codec.py
+# for Limits); NodeSettings' field for it refers to that default and can set it as
+# HOURGLASS_<FIELD> (tests/test_config.py checks both). The node's field has the section
+# field's name unless the section's map below renames it (NodeSettings field -> section field).
 STORE_FIELDS = {"delay_dedupe_window_ms": "dedupe_window_ms"}
 REALTIME_FIELDS = {"realtime_segment_bytes": "segment_bytes", "realtime_retention_ms": "retention_ms",
                    "realtime_retention_bytes": "retention_bytes",
                    "realtime_frame_cache_bytes_max": "frame_cache_bytes_max"}
 SCRUB_FIELDS = {"scrub_rate_mib_s": "rate_mib_s", "scrub_step_bytes_max": "step_bytes_max",
-                "scrub_pass_interval_ms": "pass_interval_ms", "verify_rate_mib_s": "verify_rate_mib_s"}
-# the sections of the tree: NodeSettings builds each (``section(name)``); its field for a
-# section's field is the same name unless the section's map renames it
+                "scrub_pass_interval_ms": "pass_interval_ms"}
 DISK_FIELDS = {"disk_free_min_bytes": "free_min_bytes", "disk_free_min_ratio": "free_min_ratio",
                "disk_resume_margin_ratio": "resume_margin_ratio",
                "disk_resume_margin_bytes_max": "resume_margin_bytes_max"}

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import operator
 from pathlib import Path
 
 import pytest
 
-from cluster.clientsettings import ClientSettings
+from cluster.client import Consumer, Producer, StaticResolver
+from cluster.clientsettings import CallSettings, ClientSettings
+from cluster.discovery import MetaClient, MetaResolver
 from cluster.codec import Limits
 from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
@@ -170,3 +173,51 @@ def test_the_check_finds_a_second_literal(tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
     found = findings("bad.py")
     assert [f.split(": ", 1)[1].split(" ")[0] for f in found] == ["tick_ms=10", "window_ms=2000", "WINDOW_MS_DEFAULT"]
+
+
+# ---------------------------------------------------------------------------------- the SDK's tree
+
+
+def _changed(section) -> dict[str, object]:
+    """Every field of an SDK section, set to another valid value than its default."""
+    return {n: (v + 1 if isinstance(v, int) else v * 2) for n, v in section.model_dump().items()}
+
+
+def test_sdk_constructors_default_to_the_model():
+    d = ClientSettings.model_construct()
+    want = {Producer: {**d.calls.model_dump(), **d.producer.model_dump(), "limits": d.limits},
+            Consumer: {**d.calls.model_dump(), **d.consumer.model_dump()},
+            MetaResolver: {"timeout_s": d.discovery.meta_timeout_ms / 1000, "refresh_ms": d.discovery.refresh_ms,
+                           "refresh_min_ms": d.discovery.refresh_min_ms, "routes_max": d.discovery.routes_max},
+            MetaClient: {"timeout_s": d.discovery.meta_timeout_ms / 1000}}
+    for cls, values in want.items():
+        params = inspect.signature(cls).parameters
+        for name, value in values.items():
+            assert params[name].default == value, f"{cls.__name__}({name}=...) defaults to another value than the model"
+
+
+def test_from_settings_carries_every_value():
+    d = ClientSettings.model_construct()
+    s = ClientSettings(calls=_changed(d.calls), producer=_changed(d.producer), consumer=_changed(d.consumer),
+                       discovery=_changed(d.discovery))
+    resolver = StaticResolver(delay=["127.0.0.1:1"], realtime=["127.0.0.1:2"])
+    p = Producer.from_settings(resolver, s)
+    for name in ("linger_ms", "batch_max", "batch_bytes_max", "queue_max", "timeout_s", "call_timeout_s",
+                 "retries_max", "backoff_ms_min", "backoff_ms_max"):
+        assert getattr(p, name) == getattr(s.calls if name in CallSettings.model_fields else s.producer, name), name
+    c = Consumer.from_settings(resolver, "orders", s, group="billing")
+    for name in ("batch_max", "wait_ms", "ack_linger_ms", "nack_retry_after_ms"):
+        assert getattr(c, name) == getattr(s.consumer, name), name
+    assert (c.timeout_s, c.call_timeout_s) == (s.calls.timeout_s, s.calls.call_timeout_s)
+    r = MetaResolver.from_settings(["127.0.0.1:3"], s)
+    assert (r.refresh_ms, r.refresh_min_ms, r.routes_max, r.meta.timeout_s) == (
+        s.discovery.refresh_ms, s.discovery.refresh_min_ms, s.discovery.routes_max, s.discovery.meta_timeout_ms / 1000)
+
+
+def test_sdk_settings_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HOURGLASS_CLIENT_PRODUCER__LINGER_MS", "7")
+    monkeypatch.setenv("HOURGLASS_CLIENT_DISCOVERY__REFRESH_MS", "900")
+    monkeypatch.setenv("HOURGLASS_CLIENT_LIMITS__PAYLOAD_BYTES_MAX", "1234")
+    s = ClientSettings()
+    assert (s.producer.linger_ms, s.discovery.refresh_ms, s.limits.payload_bytes_max) == (7, 900, 1234)
+    assert ClientSettings.model_construct().producer.linger_ms != 7  # the defaults object reads no environment
