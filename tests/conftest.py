@@ -50,6 +50,7 @@ MODULE_TIERS = {
     "test_consumer_health.py": "integration",
     "test_codec.py": "unit",
     "test_config.py": "unit",
+    "test_settings_tree.py": "unit",
     "test_crash.py": "slow",
     "test_delay_store.py": "unit",
     "test_disk_full.py": "integration",
