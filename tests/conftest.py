@@ -72,6 +72,7 @@ MODULE_TIERS = {
     "test_log.py": "unit",
     "test_metaserver.py": "integration",
     "test_metrics_endpoint.py": "integration",
+    "test_observability.py": "unit",
     "test_realtime_inflight.py": "unit",
     "test_realtime_offsets.py": "unit",
     "test_realtime_replication.py": "unit",
