@@ -74,6 +74,7 @@ MODULE_TIERS = {
     "test_realtime_inflight.py": "unit",
     "test_realtime_offsets.py": "unit",
     "test_realtime_replication.py": "unit",
+    "test_realtime_rules.py": "unit",
     "test_realtime_service.py": "integration",
     "test_realtime_store.py": "unit",
     "test_subject_quota.py": "unit",
