@@ -1,7 +1,7 @@
 """Real-time node process: the asyncio/grpc.aio shell around ``RealtimeStore`` (wire protocol v2).
 
-* SendBatch (immediate messages, from producers and from delay nodes dispatching): the
-  request's batch (``cluster.wire.request_batch``) is appended as one frame, one
+* SendBatch (immediate messages, from producers and from delay nodes dispatching; the part
+  both node kinds share is ``SendIntake``, ``node/intake.py``): the request's batch (``cluster.wire.request_batch``) is appended as one frame, one
   group-commit fsync covers it, then the columnar ``BatchResult`` is answered. A request
   over ``batch_messages_max`` is refused whole (INVALID_ARGUMENT); a message due later is
   refused (INVALID_ARGUMENT: send it to a delay node) unless ``immediate`` is set (the rule:
@@ -58,6 +58,7 @@ from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, 
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
+from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.creator import SubjectCreator
@@ -78,7 +79,7 @@ POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
 
-class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
+class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
@@ -138,23 +139,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         await self._serving(context, request.epoch)
         return await self._store_batch(batch, now, request.immediate, context)
 
-    async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
-        """First thing of a send: the batch, if the caller may send it (``security.authorized_batch``)."""
-        return await security.authorized_batch(context, request, self.clock)
-
-    async def _serving(self, context, epoch: int = 0) -> None:
-        """After authorization, before any work: a replicated node answers NotLeader here
-        unless it serves clients now, and refuses a newer term than its own (``ReplicaRoles``)."""
-
     async def _store_batch(self, batch: Batch, now: int, immediate: bool, context) -> pb.SendBatchResponse:
         """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
         self.calls["send"] += 1
-        if batch.n > self.settings.batch_messages_max:
-            await status.abort(context, InvalidArgument(
-                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
-            # a write that would take free space below the watermark is refused whole, nothing stored
-            self.disk.admit(self.store.write_bytes_bound(batch))
+            self._admit_batch(batch, self.store.write_bytes_bound)  # refused whole, nothing stored
             new = self.store.missing_subjects(batch.subjects)
             refused = await self._create_subjects(batch.subjects) if new else {}
             if refused:
@@ -166,9 +155,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             else:
                 res, first_visible = await self._append_slices(batch, slices, immediate, refused)
         except HourglassError as e:
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
-            await status.abort(context, e)
+            await status.abort(context, self._refusal(e))
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
         if self._new_data and stored.any():  # a long poll waits: wake it for the subjects that got messages
             # before the fsync: a pull may hand out what is not durable yet (at least once:
@@ -242,8 +229,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             except HourglassError as e:
                 if not j:
                     raise
-                if isinstance(e, DiskFull):
-                    e = self._disk_refused(e)
+                e = self._refusal(e)
                 rest = np.concatenate(slices[j:])
                 code, text = status.to_code(e), str(e)
                 for i in rest.tolist():
@@ -253,21 +239,6 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             if first_visible is None or store.appended_visible_ms < first_visible:
                 first_visible = store.appended_visible_ms
         return res, first_visible if first_visible is not None else 0
-
-    async def SendBatchStream(self, requests, context):
-        """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
-        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
-                                        window=self.settings.stream_window_max):
-            yield resp
-
-    def _disk_refused(self, e: DiskFull) -> DiskFull:
-        """Count a refusal; a write that hit ENOSPC (a store's ``DiskFull``, which knows no
-        node) makes the node refuse writes and answers with its address and free space."""
-        self.metrics.disk_refusals.inc()
-        if e.free_bytes < 0:
-            self.disk.note_enospc(str(e))
-            return self.disk.error()
-        return e
 
     def _append(self, batch: Batch, *, now_ms: int, immediate: bool,
                 refused: dict[str, HourglassError] | None = None) -> BatchResult:
@@ -402,9 +373,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
         except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
-            await status.abort(context, e)
+            await status.abort(context, self._refusal(e))
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
