@@ -7,6 +7,8 @@ finds and hits a fault's target.
 * ``Recorder``: the files the checker (``cluster/chaoscheck.py``) reads, one JSON lines file
   per event kind (``RECORD_NAMES``), flushed per line (a crash of the runner keeps them);
   ``record_send`` writes one answered send;
+* ``send_ticks``: the producer's loop, one tick of messages every period, their answers
+  awaited beside it (a bounded number at once);
 * ``node_statuses``: name -> the node's ``Status`` document; ``wait_until``: a predicate's first
   true answer within a time;
 * ``consume``: one consumer group on one subject, every receive recorded, every batch acked
@@ -39,6 +41,7 @@ POLL_S = 0.1
 LOAD_SAMPLE_S = 1.0
 PULL_BACKOFF_S_MAX = 1.0
 CONSUME_WAIT_MS = 300
+SEND_BATCHES_INFLIGHT_MAX = 64  # ticks whose answers are awaited at once
 
 
 class Recorder:
@@ -67,6 +70,32 @@ def record_send(rec: Recorder, mid: str, subject: str, deliver_at: int, t_req: i
     rec.write("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=t_ack,
               ok=error is None, error=None if error is None else f"{type(error).__name__}: {error}"[:200],
               delay_group=group_for(mid, groups) if groups else None)
+
+
+async def send_ticks(stop: asyncio.Event, period_s: float,
+                     tick: Callable[[], Awaitable[Awaitable | None]]) -> None:
+    """The producer's loop: ``tick()`` every ``period_s`` until ``stop``; it sends one tick's
+    messages and returns what awaits their answers (or None: nothing sent), which runs as a
+    task, at most ``SEND_BATCHES_INFLIGHT_MAX`` at once (a tick waits for a free one). Returns
+    when every answer is in."""
+    inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
+    tasks: set[asyncio.Task] = set()
+
+    async def answers(waiting: Awaitable) -> None:
+        try:
+            await waiting
+        finally:
+            inflight.release()
+    while not stop.is_set():
+        waiting = await tick()
+        if waiting is not None:
+            await inflight.acquire()
+            t = asyncio.create_task(answers(waiting))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        await stopped_within(stop, period_s)
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def node_statuses(channels, addresses: Mapping[str, str]) -> dict[str, dict]:

@@ -46,7 +46,8 @@ from pydantic import BaseModel, Field
 from cluster import errors as E
 from cluster.chaosfaults import FaultKit
 from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, scenario_schedule
-from cluster.chaosrun import Recorder, consume, node_statuses, play_lanes, record_send, sample_load, wait_until
+from cluster.chaosrun import (Recorder, consume, node_statuses, play_lanes, record_send, sample_load, send_ticks,
+                              wait_until)
 from cluster.clock import wall_ms as now_ms
 from cluster.security import client_security_from
 
@@ -54,7 +55,6 @@ KILLS_MAX = 100
 FIND_MASTER_TIMEOUT_S = 30.0
 FAILOVER_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 60.0
-SEND_BATCHES_INFLIGHT_MAX = 64
 SEND_PERIOD_S = 0.1
 DURATION_S_MAX = 86_400
 # what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
@@ -172,10 +172,12 @@ class DevChaos:
     # ------------------------------------------------------------ workload
 
     async def produce(self, producer) -> None:
-        inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
-        tasks: set[asyncio.Task] = set()
+        """``rate_per_s`` messages a second on average, one ``send`` each, a tick every
+        ``SEND_PERIOD_S`` (``chaosrun.send_ticks``)."""
         carry, n = 0.0, 0
-        while not self.stop_sending.is_set():
+
+        async def tick():
+            nonlocal carry, n
             carry += self.cfg.rate_per_s * SEND_PERIOD_S
             batch = []
             while carry >= 1:
@@ -188,23 +190,11 @@ class DevChaos:
                 n += 1
                 batch.append((mid, subject, deliver_at, t_req,
                               await producer.send(subject, mid, id=mid, deliver_at_ms=deliver_at)))
-            if batch:
-                await inflight.acquire()
-                t = asyncio.create_task(self._await_sends(batch, inflight))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-            try:
-                await asyncio.wait_for(self.stop_sending.wait(), SEND_PERIOD_S)
-            except asyncio.TimeoutError:
-                pass
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            return self._await_sends(batch) if batch else None
+        await send_ticks(self.stop_sending, SEND_PERIOD_S, tick)
 
-    async def _await_sends(self, batch, inflight) -> None:
-        try:
-            res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
-        finally:
-            inflight.release()
+    async def _await_sends(self, batch) -> None:
+        res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
         for (mid, subject, deliver_at, t_req, _), r in zip(batch, res):
             error = r if isinstance(r, BaseException) else None
             if error is None:

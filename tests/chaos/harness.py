@@ -44,7 +44,8 @@ from cluster import errors as E
 from cluster.chaosfaults import FaultKit, at_nice
 from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION_KINDS, Fault,  # noqa: F401
                                Topology, fault_schedule, scenario_schedule)
-from cluster.chaosrun import Recorder, consume, node_statuses, play_lanes, record_send, sample_load, wait_until
+from cluster.chaosrun import (Recorder, consume, node_statuses, play_lanes, record_send, sample_load, send_ticks,
+                              wait_until)
 from cluster.clock import wall_ms as now_ms
 
 log = logging.getLogger("hourglass.chaos")
@@ -53,7 +54,7 @@ MASTER_FIND_TIMEOUT_S = 30.0
 RECOVERY_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 45.0
 CANCELS_INFLIGHT_MAX = 64
-SEND_BATCHES_INFLIGHT_MAX = 64
+SEND_PERIOD_S = 0.1          # the producer sends one batch a tick
 CATCH_UP_S = 0.5             # a tick sends at most this many seconds' worth of owed messages
 
 
@@ -177,15 +178,15 @@ class ChaosRun:
     async def produce(self, producer) -> None:
         """Messages at ``rate_per_s`` on average from the workload start (open loop: time lost to
         back-pressure during a failover is caught up afterwards, at most CATCH_UP_S of messages a
-        tick), one ``send_many`` call a tick."""
-        period = 0.1
+        tick), one ``send_many`` call a tick (``chaosrun.send_ticks``)."""
         n = 0
-        inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
         cancels = asyncio.Semaphore(CANCELS_INFLIGHT_MAX)
-        tasks: set[asyncio.Task] = set()
+        cancel_tasks: set[asyncio.Task] = set()
         t_end_ms = self.t0_ms + int(self.cfg.duration_s * 1000)
         due_limit = t_end_ms + int(self.cfg.due_tail_s * 1000)
-        while not self.stop_sending.is_set():
+
+        async def tick():
+            nonlocal n
             owed = int(self.cfg.rate_per_s * (now_ms() - self.t0_ms) / 1000) - n
             batch = []
             for _ in range(max(0, min(owed, int(self.cfg.rate_per_s * CATCH_UP_S) + 1))):
@@ -198,28 +199,21 @@ class ChaosRun:
                 if deliver_at - now > 2500 and self.rng.random() < self.cfg.cancel_fraction * 3:
                     cancel_after = self.rng.uniform(0.2, (deliver_at - now) / 1000 - 1.5)
                 batch.append((mid, subject, deliver_at, now, cancel_after))
-            if batch:
-                # one call per tick (a producer at 2,000 msgs/s sends this way, as issue 26's did)
-                fut = await producer.send_many([b[1] for b in batch], [b[0].encode() for b in batch],
-                                               ids=[b[0] for b in batch], deliver_at_ms=[b[2] for b in batch])
-                await inflight.acquire()
-                t = asyncio.create_task(self._await_sends(producer, batch, fut, inflight, cancels, tasks))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-            try:
-                await asyncio.wait_for(self.stop_sending.wait(), period)
-            except asyncio.TimeoutError:
-                pass
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not batch:
+                return None
+            # one call per tick (a producer at 2,000 msgs/s sends this way, as issue 26's did)
+            fut = await producer.send_many([b[1] for b in batch], [b[0].encode() for b in batch],
+                                           ids=[b[0] for b in batch], deliver_at_ms=[b[2] for b in batch])
+            return self._await_sends(producer, batch, fut, cancels, cancel_tasks)
+        await send_ticks(self.stop_sending, SEND_PERIOD_S, tick)
+        if cancel_tasks:
+            await asyncio.gather(*cancel_tasks, return_exceptions=True)
 
-    async def _await_sends(self, producer, batch, fut, inflight, cancels, tasks) -> None:
+    async def _await_sends(self, producer, batch, fut, cancels, tasks) -> None:
         try:
             errors = (await fut).errors
         except Exception as e:  # the whole call failed
             errors = dict.fromkeys(range(len(batch)), e)
-        finally:
-            inflight.release()
         t_ack = now_ms()
         for i, (mid, subject, deliver_at, t_req, cancel_after) in enumerate(batch):
             record_send(self.rec, mid, subject, deliver_at, t_req, t_ack, errors.get(i), self.delay_group_names)

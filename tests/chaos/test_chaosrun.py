@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from cluster.chaosplan import Fault
-from cluster.chaosrun import RECORD_NAMES, Recorder, play_lanes, record_send, wait_until
+from cluster.chaosrun import RECORD_NAMES, Recorder, play_lanes, record_send, send_ticks, wait_until
 from cluster.clock import wall_ms
 
 
@@ -63,3 +63,21 @@ async def test_wait_until_returns_the_first_true_answer():
     async def pred():
         return next(answers)
     assert await wait_until(pred, 30.0) == "master-1"
+
+
+async def test_send_ticks_awaits_every_answer_before_it_returns():
+    stop = asyncio.Event()
+    sent, answered = [], []
+
+    async def answer(k):
+        await asyncio.sleep(0)
+        answered.append(k)
+
+    async def tick():
+        k = len(sent)
+        sent.append(k)
+        if k == 4:
+            stop.set()
+        return None if k == 2 else answer(k)  # tick 2 sent nothing
+    await send_ticks(stop, 0.0, tick)
+    assert sent == [0, 1, 2, 3, 4] and sorted(answered) == [0, 1, 3, 4]
