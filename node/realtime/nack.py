@@ -57,10 +57,10 @@ def nack_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int
         if dead_mask[i]:
             props["dlq.subject"] = b.subject(i)
             props["dlq.reason"] = f"{attempts} delivery attempts"
-            dead.append((DLQ_SUBJECT, b.payload(i), new_id, now_ms, attempts, encode_extra(tags, sorted(props.items()))))
+            subject, due, to = DLQ_SUBJECT, now_ms, dead
         else:
-            retry.append((b.subject(i), b.payload(i), new_id, retry_at_ms, attempts,
-                          encode_extra(tags, sorted(props.items()))))
+            subject, due, to = b.subject(i), retry_at_ms, retry
+        to.append((subject, b.payload(i), new_id, due, attempts, encode_extra(tags, sorted(props.items()))))
     return _build(retry), _build(dead)
 
 

@@ -1,11 +1,13 @@
 """Real-time node process: the asyncio/grpc.aio shell around ``RealtimeStore`` (wire protocol v2).
 
 * SendBatch (immediate messages, from producers and from delay nodes dispatching; the part
-  both node kinds share is ``SendIntake``, ``node/intake.py``): the request's batch (``cluster.wire.request_batch``) is appended as one frame, one
-  group-commit fsync covers it, then the columnar ``BatchResult`` is answered. A request
-  over ``batch_messages_max`` is refused whole (INVALID_ARGUMENT); a message due later is
-  refused (INVALID_ARGUMENT: send it to a delay node) unless ``immediate`` is set (the rule:
-  ``node/realtime/immediate.py``); a duplicate id inside the dedup window is answered OK/duplicate and stored once.
+  both node kinds share is ``SendIntake``, ``node/intake.py``): the request's batch
+  (``cluster.wire.request_batch``) is appended as one frame, one group-commit fsync covers
+  it, then the columnar ``BatchResult`` is answered. A request over ``batch_messages_max``
+  is refused whole (INVALID_ARGUMENT); a message due later is refused (INVALID_ARGUMENT:
+  send it to a delay node) unless ``immediate`` is set (the rule:
+  ``node/realtime/immediate.py``); a duplicate id inside the dedup window is answered
+  OK/duplicate and stored once.
 * Pull is a long poll over one or more subjects: it answers at once when there is
   something to hand out; else it waits, up to ``min(wait_ms, pull_wait_ms_max)``, until
   **any** of them gets data (or at least once a second, since ack timeouts make
