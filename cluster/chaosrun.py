@@ -1,8 +1,8 @@
 """What both chaos runners do alike: ``tests/chaos/harness.py`` (on a ``LocalCluster`` it starts)
 and ``hourglass dev chaos`` (``cluster/devchaos.py``, on a running ``dev up`` cluster) record
 the same files, probe nodes, consume and sample the machine the same way, and play fault lanes
-on the same clock. Each runner keeps only what differs: its cluster, its producer, how it
-finds and hits a fault's target.
+on the same clock. Each runner keeps only what differs: its cluster, what its producer sends, how
+it finds and hits a fault's target.
 
 * ``Recorder``: the files the checker (``cluster/chaoscheck.py``) reads, one JSON lines file
   per event kind (``RECORD_NAMES``), flushed per line (a crash of the runner keeps them);
