@@ -691,13 +691,13 @@ def test_evicted_dirty_indexes_stay_dirty_until_a_checkpoint_fsyncs_them(tmp_pat
     for k in range(5):
         st.append(Batch.build(f"s{k}", [b"p"], [f"id{k}"], T0), now_ms=T0)
     assert not synced  # evictions of dirty fds fsynced nothing
-    assert sum(ix.fd < 0 and ix.dirty for ix in st._subjects.values()) == 3
+    assert sum(ix.fd < 0 and ix.dirty for ix in st._indexes.by_subject.values()) == 3
     st.flush_plan(index_bytes_min=1 << 40).run_and_finish()  # no checkpoint due
     assert not [p for p in synced if "/index/" in p]
-    assert all(st._subjects[f"s{k}"].dirty for k in range(5))
+    assert all(st._indexes.by_subject[f"s{k}"].dirty for k in range(5))
     st.flush_plan().run_and_finish()
     assert {p.split("/index/")[1].split("/")[0] for p in synced if "/index/" in p} == {f"s{k}" for k in range(5)}
-    assert not any(ix.dirty for ix in st._subjects.values())
+    assert not any(ix.dirty for ix in st._indexes.by_subject.values())
     assert st.indexed_offset == st.messages.end_offset
     monkeypatch.undo()
     st.close()
@@ -721,7 +721,7 @@ def test_a_capped_checkpoint_vouches_only_below_the_first_index_left_unsynced(tm
     assert st.indexed_offset == offsets[0]
     st.flush_plan(fsyncs_max=4).run_and_finish()  # s0 and s1
     assert st.indexed_offset == offsets[2]
-    assert [ix.dirty for ix in (st._subjects[f"s{k}"] for k in range(6))] == [False] * 2 + [True] * 4
+    assert [ix.dirty for ix in (st._indexes.by_subject[f"s{k}"] for k in range(6))] == [False] * 2 + [True] * 4
     st.append(Batch.build("s0", [b"q"], ["id-late"], T0), now_ms=T0)  # s0 dirty again, after s2..s5
     st.flush_plan(fsyncs_max=4).run_and_finish()  # s2 and s3
     assert st.indexed_offset == offsets[4]
