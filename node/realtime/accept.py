@@ -1,8 +1,8 @@
 """The accept decision of a real-time append (pure: a batch, the dedup map and the seq counter in).
 
-``RealtimeStore.append`` validates a batch, then asks ``assign_seqs`` which of its messages
-are new and which seq each one is answered with; the store then writes the new ones as one
-frame. Per-message work runs in numpy and in C-level ``map``/``dict`` calls over the batch
+``RealtimeStore.append`` checks a batch (``validate``: per-message codes), then asks
+``assign_seqs`` which of its messages are new and which seq each one is answered with; the
+store then writes the new ones as one frame (at most ``write_bytes_bound`` bytes). Per-message work runs in numpy and in C-level ``map``/``dict`` calls over the batch
 (``shared/ARCHITECTURE.md``, "Hot path").
 
 Rules: a message whose ``(subject, id)`` is in the dedup map (stored within the window) is
@@ -24,9 +24,12 @@ from itertools import repeat
 
 import numpy as np
 
-from cluster.codec import COLUMN_BYTES, Batch
+from cluster.codec import COLUMN_BYTES, INVALID_ARGUMENT, OK, Batch, Limits
 from cluster.codec import HEADER_SIZE as BATCH_HEADER_SIZE
-from node.store.records import make_seq
+from node.realtime.index import ENTRY_SIZE
+from node.store.diskspace import FILE_BLOCK_BYTES
+from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
+from node.store.records import encoded_bytes_max, make_seq
 
 
 def with_ids(b: Batch) -> Batch:
@@ -43,6 +46,28 @@ def encoded_size(b: Batch) -> int:
     """Bytes of ``b.encode()``, without encoding it."""
     table = sum(2 + len(s.encode()) for s in b.subjects)
     return BATCH_HEADER_SIZE + b.n * COLUMN_BYTES + table + len(b.ids) + len(b.payloads) + len(b.extras)
+
+
+def validate(batch: Batch, *, now_ms: int, limits: Limits) -> tuple[np.ndarray, dict[int, str]]:
+    """Per-message ``(codes, errors)`` before subjects and dedup: ``Batch.validate`` with every
+    message due now (the delay horizon does not apply to ``deliver_at_ms`` on this node, which
+    is kept as given), and ``deliver_at_ms`` must not be negative."""
+    codes, errors = batch.replace(deliver_at_ms=np.full(batch.n, now_ms, np.int64)).validate(now_ms=now_ms,
+                                                                                             limits=limits)
+    for i in np.flatnonzero((batch.deliver_at_ms < 0) & (codes == OK)).tolist():
+        codes[i], errors[i] = INVALID_ARGUMENT, "deliver_at_ms: must not be negative"
+    return codes, errors
+
+
+def write_bytes_bound(batch: Batch) -> int:
+    """Disk bytes that appending ``batch`` takes at most (the disk watermark admits or refuses a
+    write by it, node/store/diskspace.py): one frame (plain layout, ids the node makes
+    included), one index entry per message, and a partly used block for the message segment
+    (and a new one) and for each subject's index file and folder (a new subject)."""
+    if not batch.n:
+        return 0
+    return (LOG_HEADER_SIZE + encoded_bytes_max(batch) + batch.n * ENTRY_SIZE
+            + (2 + 2 * len(batch.subjects)) * FILE_BLOCK_BYTES)
 
 
 def assign_seqs(keys: list[tuple[str, str]], known: dict[tuple[str, str], int], *, epoch: int,

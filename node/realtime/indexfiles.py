@@ -34,9 +34,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.errors import UnknownSubject
+from cluster.errors import DiskFull, UnknownSubject
 from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.realtime.index import SubjectIndex, open_files
 from node.store.log import SegmentedLog, fsync_dir
@@ -122,6 +123,27 @@ class IndexFiles:
                 os.close(ix.fd)
                 ix.fd = -1
         self.open.clear()
+
+    def append_frame(self, offset: int, runs: dict[int, bytes], subjects: Sequence[str], held_ms: int) -> None:
+        """Write one frame's runs (``index.frame_runs``: subject number -> entries), one write
+        each; ``held_ms``: the frame's latest ``visible_ms``. An index write that hits ENOSPC
+        first drops every entry written for the frame, then raises ``DiskFull``."""
+        by_subject = self.by_subject
+        try:
+            for k, raw in runs.items():
+                ix = by_subject[subjects[k]]
+                ix.append_run(self.fd(ix, trim=False), raw)
+                if held_ms > ix.held_until:
+                    ix.held_until = held_ms
+        except DiskFull:
+            for k in runs:
+                ix = by_subject[subjects[k]]
+                if ix.last_offset == offset:
+                    fd = self.fd(ix)
+                    ix.truncate(fd, ix.first_at_or_after(fd, offset))
+            raise
+        finally:
+            self.trim()
 
     # ------------------------------------------------------------------ recovery and retention
 

@@ -1,83 +1,64 @@
-"""RealtimeStore: the real-time node's storage engine (message log, consume index, groups).
+"""RealtimeStore: the real-time node's storage engine, a facade over one module per part.
 
 The unit is the batch (``shared/ARCHITECTURE.md``, "Hot path"): one append stores one
 ``cluster.codec.Batch`` as one log frame, one pull answers one ``Batch`` built with
-``Batch.take`` + ``Batch.concat`` from whole frames, acks take handle ranges. Python
-does per-batch work; per-message work runs inside numpy, ``bytes.join`` and list
-comprehensions.
+``Batch.take`` + ``Batch.concat`` from whole frames, acks take handle ranges. Python does
+per-batch work; per-message work runs inside numpy, ``bytes.join`` and comprehensions.
 
-This module is the facade: it owns the message log, the checkpoint and the seq counter,
-and composes the parts, one module each (``docs/design.md``, "The real-time store")::
+This module owns the message log, the checkpoint and the seq counter, and composes the
+parts (``docs/design.md``, "The real-time store: who owns what")::
 
     accept.py          pure: which messages of a batch are new, and their seqs
-    dedup.py           pure: the de-duplication window (subject, id) -> seq
+    dedup.py           pure: the de-duplication window, (subject, id) -> seq
     index.py           one subject's consume index file (entry format, tail repair)
     indexfiles.py      every subject's index, the descriptor LRU, the checkpoint's index fsyncs
     frames.py          the LRU of decoded recent frames
     subjects.py        the subjects journal, creation rounds, the registry of known subjects
-    groups.py          consumer groups: positions, documents, commits (offsets.py: the log)
-    consume.py         pull / ack / nack over groups, indexes and frames
+    groups.py          consumer groups: positions, documents, commits (offsets.py: their log)
+    consume.py         pull / ack / nack
     retention.py       pure: which segments go, which groups are idle, what to compact
     retention_work.py  retention carried out: detach, unlink, compact
     recovery.py        ``recover`` at open (-> ``RecoveryReport``), the replay replicas share
 
-Owns a data folder::
+Data folder (``docs/format.md``, "Real-time node data folder")::
 
-    {root}/messages/                     SegmentedLog; each frame's body is one codec Batch (v2)
-    {root}/index/{subject}/entries       consume index of one subject (node/realtime/index.py;
-                                         entries.{base:020d} once retention dropped a dead prefix)
-    {root}/groups/                       offsets log: group positions (node/realtime/offsets.py)
-    {root}/subjects.log                  subjects journal: known subjects and their owners
-                                         (node/realtime/subjects.py; subjects.json of the old
-                                         layout is migrated into it at open)
-    {root}/checkpoint                    epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
+    {root}/messages/                  SegmentedLog; each frame's body is one codec Batch (v2)
+    {root}/index/{subject}/entries    consume index of one subject (entries.{base:020d} after retention)
+    {root}/groups/                    offsets log: group positions
+    {root}/subjects.log               subjects journal: known subjects and their owners
+    {root}/checkpoint                 epoch, indexed_offset, dedup_offset (checkpoint.write_atomic)
 
-Message frame: the batch as stored, every column set: ``seq`` contiguous inside the
-frame (``(epoch << 40) | counter``, ``node.store.records.make_seq``), ``store_ms`` = the
-append's ``now_ms`` for every message, ``deliver_at_ms`` / ``effective_ms`` / ``attempts``
-as given (the original due time: consumers measure lateness with it), kind = message.
-Index entry (32 bytes, ``<QIqQI``): ``node/realtime/index.py``; the entry's position in
-its file is the message's *handle*. Group document: ``node/realtime/groups.py``.
+Message frame: the batch as stored, every column set: ``seq`` contiguous inside the frame
+(``(epoch << 40) | counter``, ``node.store.records.make_seq``), ``store_ms`` = the append's
+``now_ms``, ``deliver_at_ms`` / ``effective_ms`` / ``attempts`` as given (consumers measure
+lateness with the original due time). The position of a message's index entry is its
+*handle*.
 
-Flow (every call takes ``now_ms``; nothing here reads a clock or awaits; group documents
-are committed to the offsets log on its one writer thread, ``write_groups_async``: one
-record and one fsync per commit round, however many groups it holds):
+Flow (every call takes ``now_ms``; nothing here reads a clock or awaits):
 
-1. ``append(batch)`` validates with ``Batch.validate`` (the message is due now:
-   ``deliver_at_ms`` is kept but not checked against the delay horizon), answers
-   (subject, id) seen within ``dedup_window_ms`` as OK/duplicate with the first seq
-   (``accept.assign_seqs``), takes the rest out with ``Batch.take``, appends them as one
-   frame and, right after, one run of index entries per subject (page cache; durable
-   after ``flush`` or the caller's group commit of ``messages``). One ``BatchResult``.
-   New subjects: ``subjects_plan`` / ``SubjectWork.run`` / ``subjects_finish`` (a round of
-   any number costs one fsync of ``index/`` and one journal record, run off the loop by
-   ``node/realtime/creator.py``); ``append`` creates a batch's missing subjects as one
-   round when called directly (tests, dead letters).
-2. ``pull`` / ``ack`` / ``ack_many`` / ``nack``: ``node/realtime/consume.py``. A group
-   seen for the first time starts at the beginning of the subject's index
-   (``start="earliest"``) or its current end (``"latest"``), committed at once.
-3. ``flush`` fsyncs the message log, then the dirty index files and last the checkpoint
-   with ``indexed_offset`` = the log end before the fsyncs (a periodic flush does those two
-   only every ``checkpoint_bytes_min`` of new log: they only bound the replay, and fsyncs at
-   most ``checkpoint_index_fsyncs_max`` index files, vouching only below the first entry it
-   left unsynced: ``IndexFiles.plan_sync``), and commits changed group documents.
+1. ``append(batch)`` validates (the message is due now: the delay horizon does not apply),
+   creates missing subjects as one round (the service does it off the loop first:
+   ``subjects_plan`` / ``SubjectWork.run`` / ``subjects_finish``), answers ids seen within
+   ``dedup_window_ms`` as duplicates with the first seq (``accept.assign_seqs``), and
+   appends the rest as one frame plus one run of index entries per subject (page cache;
+   durable after ``flush`` or the caller's group commit of ``messages``).
+2. ``pull`` / ``ack`` / ``ack_many`` / ``nack``: ``consume.py``; group documents are
+   committed to the offsets log on its writer thread (``write_groups_async``: one record
+   and one fsync per round, however many groups).
+3. ``flush`` fsyncs the message log, then the dirty index files and last the checkpoint with
+   ``indexed_offset`` = the log end before the fsyncs (a periodic flush does those two only
+   every ``checkpoint_bytes_min`` of new log, at most ``checkpoint_index_fsyncs_max`` index
+   files, vouching only below the first entry it left unsynced: ``IndexFiles.plan_sync``),
+   and commits changed group documents.
 
-Invariants:
-
-* every message of a frame below ``indexed_offset`` has its entry in its subject's index
-  on disk (``recovery.py`` relies on it to bound the replay);
-* RAM holds nothing per stored message except the dedup map (bounded by time and
-  ``dedup_entries_max``); in-flight handles are ranges; the frame cache is bounded in bytes.
-
-Recovery (``open`` -> ``recovery.recover``, its report in ``store.recovery``): torn tails
-cut, missing index entries re-indexed, the dedup map rebuilt, group positions loaded.
-Acks after the last group commit are lost by a crash, not by ``close`` (which flushes).
-Retention: ``retention_plan`` / ``RetentionWork.run`` / ``retention_finish``
-(``node/realtime/retention_work.py``, rules in ``node/realtime/retention.py``).
+Invariants: every message of a frame below ``indexed_offset`` has its index entry on disk
+(so replay starts there); RAM holds nothing per stored message but the dedup map (bounded
+by time and ``dedup_entries_max``); in-flight handles are ranges; the frame cache is bounded
+in bytes. Acks after the last group commit are lost by a crash, not by ``close``.
 
 Example::
 
-    st = RealtimeStore.open(root, now_ms=t)
+    st = RealtimeStore.open(root, now_ms=t)          # st.recovery: what recovery found and did
     res = st.append(Batch.build("orders", [b"x"], ["id-1"], [t]), now_ms=t)   # res.seqs[0]
     batch, handles = st.pull(["orders"], "billing", "c1", max_messages=10, now_ms=t)  # handles == [0]
     st.ack("orders", "billing", [(0, 1)], now_ms=t)                                  # -> 1
@@ -93,13 +74,12 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster import status
-from cluster.codec import INVALID_ARGUMENT, OK, Batch
-from cluster.errors import Closed, DiskFull, HourglassError, InvalidArgument, PayloadTooLarge, UnknownSubject
+from cluster.codec import OK, Batch
+from cluster.errors import Closed, DiskFull, HourglassError, InvalidArgument, PayloadTooLarge
 from cluster.files import DATA_DIR_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
-from node.realtime.accept import assign_seqs, encoded_size, with_ids
-from node.realtime.consume import EMPTY_BATCH, NO_HANDLES, Delivery, as_pairs
+from node.realtime.accept import assign_seqs, encoded_size, validate, with_ids, write_bytes_bound
+from node.realtime.consume import Delivery, as_pairs
 from node.realtime.dedup import DedupWindow
 from node.realtime.frames import FrameCache
 from node.realtime.groups import START_EARLIEST, START_LATEST, ConsumerGroups, Group
@@ -108,12 +88,10 @@ from node.realtime.indexfiles import IndexFiles
 from node.realtime.offsets import OffsetsLog
 from node.realtime.recovery import RecoveryReport, index_frames, recover
 from node.realtime.retention_work import Retainer, RetentionReport, RetentionWork
-from node.realtime.subjects import DLQ_SUBJECT, SubjectRegistry, SubjectsJournal, SubjectWork, check_name
+from node.realtime.subjects import DLQ_SUBJECT, SubjectRegistry, SubjectsJournal, SubjectWork
 from node.store import checkpoint
-from node.store.diskspace import FILE_BLOCK_BYTES
-from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
 from node.store.log import RECORD_BYTES_MAX_DEFAULT, SegmentedLog
-from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT, encoded_bytes_max
+from node.store.records import SEQ_COUNTER_MAX, SEQ_EPOCH_SHIFT
 from node.store.settings import RealtimeSettings
 from node.store.syncplan import DocGate, SyncPlan
 
@@ -270,16 +248,13 @@ class RealtimeStore:
         return self._subjects.missing(subjects)
 
     def subjects_plan(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> SubjectWork:
-        """Plan one creation round of ``(subject, owner)`` pairs: names already known or being
-        created are skipped, a bad name or one past ``subjects_max`` (counting rounds under
-        way) goes to ``work.refused``; the rest are reserved until ``subjects_finish`` or
-        ``subjects_abandon``. ``work.run`` then runs on any thread."""
+        """Plan one creation round of ``(subject, owner)`` pairs (``SubjectRegistry.plan``);
+        ``work.run`` then runs on any thread, ``subjects_finish`` on this one."""
         self._check_open()
         return self._subjects.plan(items, now_ms=now_ms)
 
     def subjects_finish(self, work: SubjectWork) -> None:
-        """On the store's thread after ``work.run``: the round's subjects are known. A round
-        that did not finish (``run`` raised) only gives its names back."""
+        """After ``work.run``: the round's subjects are known (names given back if it failed)."""
         self._subjects.finish(work, closed=self._closed)
 
     def subjects_abandon(self, work: SubjectWork) -> None:
@@ -294,13 +269,11 @@ class RealtimeStore:
         return self._subjects.owner(subject)
 
     def subject_owners(self, first: int, count_max: int) -> list[tuple[str, str]]:
-        """``(subject, owner)`` of subjects ``[first, first + count_max)`` in creation order
-        (what a master ships to its replicas, ``adopt_owners``)."""
+        """``(subject, owner)`` of subjects ``[first, first + count_max)`` in creation order."""
         return self._subjects.owners_from(first, count_max)
 
     def adopt_owners(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> None:
-        """A replica takes its master's subjects and owners: missing subjects are created and
-        owners it did not know are recorded, as one journal record (one fsync)."""
+        """A replica takes its master's subjects and owners (``SubjectRegistry.adopt_owners``)."""
         self._check_open()
         self._subjects.adopt_owners(items, now_ms=now_ms)
 
@@ -333,12 +306,8 @@ class RealtimeStore:
         if size > self.frame_bytes_max:
             raise PayloadTooLarge("batch", f"{size} bytes exceeds one frame ({self.frame_bytes_max} bytes)")
         self._dedup.expire(now_ms)
-        # due now on this node: the delay horizon does not apply to deliver_at_ms
-        codes, errors = batch.replace(deliver_at_ms=np.full(n, now_ms, np.int64)).validate(now_ms=now_ms,
-                                                                                           limits=limits)
-        for i in np.flatnonzero((batch.deliver_at_ms < 0) & (codes == OK)).tolist():
-            codes[i], errors[i] = INVALID_ARGUMENT, "deliver_at_ms: must not be negative"
-        self._refuse_unknown_subjects(batch, codes, errors, refused_subjects or {}, now_ms)
+        codes, errors = validate(batch, now_ms=now_ms, limits=limits)
+        self._subjects.refuse_unknown(batch, codes, errors, refused_subjects or {}, now_ms=now_ms)
 
         ok = np.flatnonzero(codes == OK)
         sub = batch if len(ok) == n else batch.take(ok)  # ok is sorted: all of them is the batch itself
@@ -358,45 +327,8 @@ class RealtimeStore:
         return res
 
     def write_bytes_bound(self, batch: Batch) -> int:
-        """Disk bytes that ``append(batch)`` takes at most (the disk watermark admits or refuses a
-        write by it, node/store/diskspace.py): one frame (plain layout, ids the node makes
-        included), one index entry per message, and a partly used block for the message
-        segment (and a new one) and for each subject's index file and folder (a new subject)."""
-        if not batch.n:
-            return 0
-        return (LOG_HEADER_SIZE + encoded_bytes_max(batch) + batch.n * ENTRY_SIZE
-                + (2 + 2 * len(batch.subjects)) * FILE_BLOCK_BYTES)
-
-    def _refuse_unknown_subjects(self, batch: Batch, codes: np.ndarray, errors: dict[int, str],
-                                 refused: dict[str, HourglassError], now_ms: int) -> None:
-        """Create the batch's new subjects (when allowed) as one round; refuse the messages
-        of the others."""
-        known = self._indexes.by_subject
-        unknown = [(k, s) for k, s in enumerate(batch.subjects) if s not in known]
-        if not unknown:
-            return
-        why: dict[int, HourglassError] = {}
-        create: list[tuple[int, str]] = []
-        for k, s in unknown:
-            if not (codes[batch.subject_idx == k] == OK).any():
-                continue
-            if s in refused:
-                why[k] = refused[s]
-            elif not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
-                why[k] = UnknownSubject(s)
-            else:
-                create.append((k, s))
-        if create:
-            work = self.subjects_plan([(s, "") for _, s in create], now_ms=now_ms)
-            try:
-                work.run()
-            finally:
-                self.subjects_finish(work)
-            why.update({k: work.refused[s] for k, s in create if s in work.refused})
-        for k, e in why.items():
-            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
-            codes[mine] = status.to_code(e)
-            errors.update(dict.fromkeys(mine.tolist(), str(e)))
+        """Disk bytes that ``append(batch)`` takes at most (``accept.write_bytes_bound``)."""
+        return write_bytes_bound(batch)
 
     def _store_frame(self, stored: Batch, seqs: np.ndarray, keys: list, now_ms: int) -> None:
         """Append one frame and its index runs; remember its ids and keep it decoded for pulls."""
@@ -409,19 +341,12 @@ class RealtimeStore:
         held = int(vis.max())
         self.appended_visible_ms = int(vis.min())
         runs = frame_runs(offset=off, subject_idx=stored.subject_idx, visible_ms=vis, masks=batch_tag_masks(stored))
-        indexes = self._indexes
         try:
-            subjects = indexes.by_subject
-            for k, raw in runs.items():
-                ix = subjects[stored.subjects[k]]
-                ix.append_run(indexes.fd(ix, trim=False), raw)
-                if held > ix.held_until:
-                    ix.held_until = held
-        except DiskFull:
-            self._undo_frame(off, [stored.subjects[k] for k in runs])
+            self._indexes.append_frame(off, runs, stored.subjects, held)
+        except DiskFull:  # rare: the refused batch leaves nothing behind
+            self.messages.truncate(off)
+            log.error("append undone: index write hit no space left path=%s offset=%d", self.messages.directory, off)
             raise
-        finally:
-            indexes.trim()
         if contiguous:
             self._indexed_upto = self.messages.end_offset
         evicted = self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
@@ -442,27 +367,12 @@ class RealtimeStore:
                         "dedup_window_ms=%d (evicted early so far: %d)", self.root, self.settings.dedup_entries_max,
                         now_ms - oldest, self.settings.dedup_window_ms, self.counters["dedup_evicted_early"])
 
-    def _undo_frame(self, off: int, subjects: list[str]) -> None:
-        """An index write of the frame at ``off`` hit ENOSPC (rare): drop the entries written
-        for it and the frame, so the refused batch leaves nothing behind."""
-        for s in subjects:
-            ix = self._indexes.by_subject[s]
-            if ix.last_offset == off:
-                fd = self._indexes.fd(ix)
-                ix.truncate(fd, ix.first_at_or_after(fd, off))
-        self.messages.truncate(off)
-        log.error("append undone: index write hit no space left path=%s offset=%d", self.messages.directory, off)
-
     # ------------------------------------------------------------------ durability
 
     def flush(self, *, groups: bool = True, index_bytes_min: int = 0) -> None:
         """fsync the message log; then, once at least ``index_bytes_min`` log bytes were
-        indexed since the last checkpoint, the dirty indexes and the checkpoint; with
-        ``groups``, commit changed group documents (and wait for their fsync).
-
-        The index and the checkpoint only bound the replay at ``open``: a periodic flush
-        skips them until enough was appended (each index file costs an fsync), ``close``
-        and a role change flush everything."""
+        indexed since the last checkpoint (they only bound the replay at ``open``), the dirty
+        indexes and the checkpoint; with ``groups``, commit changed group documents (and wait)."""
         self.flush_plan(index_bytes_min=index_bytes_min).run_and_finish()
         if groups:
             items = self.snapshot_groups(self.dirty_groups())
@@ -527,8 +437,7 @@ class RealtimeStore:
         return bool(items)
 
     def dirty_groups(self) -> list[tuple[str, str]]:
-        """Groups whose position changed since their document was last taken (pulls move
-        ``next``; acks, redeliveries and truncation change ``pending``)."""
+        """Groups whose position changed since their document was last taken."""
         return self._groups.dirty_keys()
 
     def snapshot_groups(self, keys: Iterable[tuple[str, str]]) -> list[tuple[Group, dict]]:
@@ -536,15 +445,12 @@ class RealtimeStore:
         return self._groups.snapshot(keys)
 
     def write_groups_async(self, items: list[tuple[Group, dict]]) -> Future:
-        """Commit group documents as one offsets-log record (one write, one fsync on the
-        offsets writer thread, records in submission order, so a newer document of a group
-        never lands before an older one). The in-memory state moves at once; the returned
-        future completes when the record is fsynced."""
+        """Commit group documents as one offsets-log record (records in submission order); the
+        in-memory state moves at once, the future completes when the record is fsynced."""
         return self._groups.write_async(items)
 
     def unpersist_groups(self, items: list[tuple[Group, dict]]) -> None:
-        """A ``write_groups_async`` failed (or its outcome is unknown): these documents are
-        not durable, so the groups are dirty again and their next snapshot is written."""
+        """A ``write_groups_async`` failed (or its outcome is unknown): the groups are dirty again."""
         self._groups.unpersist(items)
 
     # ------------------------------------------------------------------ consume (node/realtime/consume.py)

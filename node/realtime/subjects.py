@@ -51,8 +51,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.codec import check_subject
-from cluster.errors import CorruptRecord, HourglassError, InvalidArgument, Overloaded
+import numpy as np
+
+from cluster import status
+from cluster.codec import OK, Batch, check_subject
+from cluster.errors import CorruptRecord, HourglassError, InvalidArgument, Overloaded, UnknownSubject
 from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.realtime.index import ENTRIES_FILE, SubjectIndex
 from node.realtime.indexfiles import IndexFiles
@@ -261,7 +264,9 @@ class SubjectRegistry:
             self.finish(work, closed=False)
 
     def plan(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> SubjectWork:
-        """Plan one creation round (``RealtimeStore.subjects_plan``)."""
+        """Plan one creation round of ``(subject, owner)`` pairs: names already known or being
+        created are skipped, a bad name or one past ``subjects_max`` (counting rounds under
+        way) goes to ``work.refused``; the rest are reserved until ``finish`` or ``abandon``."""
         known = self.indexes.by_subject
         work = SubjectWork(self.index_root, self.journal, [], now_ms)
         room = self.settings.subjects_max - len(known) - len(self.creating)
@@ -325,6 +330,38 @@ class SubjectRegistry:
         self.creating.difference_update(work.names)
         work.close_fds()
 
+    def refuse_unknown(self, batch: Batch, codes: np.ndarray, errors: dict[int, str],
+                       refused: dict[str, HourglassError], *, now_ms: int) -> None:
+        """An append's unknown subjects: create them (when allowed: ``auto_create_subjects``,
+        the dead-letter subject) as one round; the messages of the others, and of names the
+        round refused, get the refusal's code in ``codes`` / ``errors``."""
+        known = self.indexes.by_subject
+        unknown = [(k, s) for k, s in enumerate(batch.subjects) if s not in known]
+        if not unknown:
+            return
+        why: dict[int, HourglassError] = {}
+        create: list[tuple[int, str]] = []
+        for k, s in unknown:
+            if not (codes[batch.subject_idx == k] == OK).any():
+                continue
+            if s in refused:
+                why[k] = refused[s]
+            elif not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
+                why[k] = UnknownSubject(s)
+            else:
+                create.append((k, s))
+        if create:
+            work = self.plan([(s, "") for _, s in create], now_ms=now_ms)
+            try:
+                work.run()
+            finally:
+                self.finish(work, closed=False)
+            why.update({k: work.refused[s] for k, s in create if s in work.refused})
+        for k, e in why.items():
+            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
+            codes[mine] = status.to_code(e)
+            errors.update(dict.fromkeys(mine.tolist(), str(e)))
+
     def owner(self, subject: str) -> str | None:
         return self.owners.get(subject) if subject in self.indexes.by_subject else None
 
@@ -332,7 +369,8 @@ class SubjectRegistry:
         return [(s, self.owners.get(s, "")) for s in self.order[first:first + count_max]]
 
     def adopt_owners(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> None:
-        """A replica takes its master's subjects and owners (``RealtimeStore.adopt_owners``)."""
+        """A replica takes its master's subjects and owners: missing subjects are created and
+        owners it did not know are recorded, as one journal record (one fsync)."""
         known = self.indexes.by_subject
         new = [(s, o) for s, o in items if s not in known]
         named = [(s, o) for s, o in items if o and s in known and not self.owners.get(s)]
