@@ -33,6 +33,11 @@ crash. Index files of a round need no fsync of their own folder: a missing or em
 file is rebuilt by replay, and the checkpoint that stops replay below their entries fsyncs
 those folders first (``IndexFiles.plan_sync``).
 
+``SubjectRegistry`` is the store's view: the known subjects (those with an index in
+``IndexFiles``) and their owners, ``subjects_max`` counted with the rounds under way, and
+the rule for an append's unknown subjects (``refuse_unknown``: created when
+``auto_create_subjects`` allows, else refused per message).
+
 Example::
 
     j, owners = SubjectsJournal.open(root)            # {"orders": "orders-service", ...}
