@@ -107,7 +107,7 @@ class RealtimeStore:
     """See module docstring. Synchronous, not thread-safe."""
 
     def __init__(self, root: Path, settings: RealtimeSettings, *, bump_epoch: bool) -> None:
-        """Open the files (no replay: ``open`` runs ``recovery.recover`` next)."""
+        """Open the files and build the parts; no replay (``open`` recovers next)."""
         self.root = root
         self.settings = settings
         root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
@@ -163,6 +163,7 @@ class RealtimeStore:
         return st
 
     def _recover(self, now_ms: int) -> RecoveryReport:
+        """``recovery.recover``, then the seq counter stays above every seq in the log."""
         report = recover(messages=self.messages, indexes=self._indexes, registry=self._subjects,
                          groups=self._groups, group_docs=self._group_docs, dedup=self._dedup, frames=self._frames,
                          settings=self.settings, indexed_offset=self.indexed_offset,
@@ -194,14 +195,16 @@ class RealtimeStore:
         """Give descriptors and the offsets writer back without flushing (a failed open, a
         store dropped without ``close``); the message log's own ``__del__`` closes its files."""
         self._closed = True
-        self._indexes.abandon()
-        self._offsets.abandon()
-        self._journal.close()
+        for name, release in (("_indexes", IndexFiles.abandon), ("_offsets", OffsetsLog.abandon),
+                              ("_journal", SubjectsJournal.close)):
+            part = getattr(self, name, None)  # None: __init__ failed before opening it
+            if part is not None:
+                release(part)
 
     def __del__(self) -> None:
         # a safety net, not a way to close: a store dropped without close() (a crash
         # simulation in tests) is said out loud and gives its descriptors back, unflushed
-        if getattr(self, "_closed", True) or not hasattr(self, "_retainer"):
+        if getattr(self, "_closed", True):
             return
         log.warning("real-time store dropped without close(): nothing flushed path=%s", self.root)
         self._abandon()
@@ -380,9 +383,7 @@ class RealtimeStore:
                 self.write_groups_async(items).result()
 
     def flush_key(self) -> tuple:
-        """What a periodic flush writes, but the clock: equal keys mean that nothing was
-        appended, indexed, evicted or moved (groups) in between, so the flush would fsync
-        nothing new (the service then skips it, issue 28)."""
+        """What a periodic flush writes: equal keys mean it would fsync nothing new (issue 28)."""
         return (self.epoch, self.messages.end_offset, self._indexed_upto, self.indexed_offset,
                 bool(self._groups.dirty), any(ix.dirty for ix in self._indexes.by_subject.values()),
                 self._groups.seq)
@@ -472,8 +473,7 @@ class RealtimeStore:
 
     def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
         """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many
-        handles were in flight. The group file is written by ``persist_group``,
-        ``write_groups_async`` or ``flush``."""
+        handles were in flight (committed by ``persist_group``, ``write_groups_async``, ``flush``)."""
         self._check_open()
         ix = self._indexes.index(subject)
         g = self._groups.get(subject, group)
@@ -482,19 +482,16 @@ class RealtimeStore:
         return self._delivery.ack_pairs(g, ix, as_pairs(ranges), now_ms)
 
     def ack_many(self, group: str, items: Sequence[tuple[str, bytes]], *, now_ms: int) -> int:
-        """``ack`` of several subjects' packed ranges at once (a pull's or an Ack's
-        ``SubjectHandles``: u64 LE ``[lo, hi)`` pairs per subject): the ranges of every subject
-        are decoded and checked as one array, so a round's acks cost one pass, not one per
-        subject. ``InvalidArgument`` (nothing acked) for a malformed range of any subject."""
+        """``ack`` of several subjects' packed ranges (u64 LE ``[lo, hi)`` pairs per subject),
+        decoded and checked as one array: ``InvalidArgument`` (nothing acked) for a malformed one."""
         self._check_open()
         if not items:
             return 0
         return self._delivery.ack_many(group, items, now_ms)
 
     def nack(self, subject: str, group: str, ranges, *, now_ms: int) -> tuple[Batch, np.ndarray]:
-        """The in-flight messages of handle ranges (others ignored) as ``(batch, handles)``,
-        their ack deadline restarted so they are not redelivered while the caller re-sends
-        them; the caller acks them once the retry copy (or the dead letter) is stored."""
+        """The in-flight messages of handle ranges (others ignored) as ``(batch, handles)``, their
+        deadline restarted; the caller acks them once the retry copy (or dead letter) is stored."""
         self._check_open()
         return self._delivery.nack(subject, group, ranges, now_ms)
 
@@ -502,9 +499,7 @@ class RealtimeStore:
         """Entries of the subject this group has not acked (a group not seen yet: all of them)."""
         ix = self._indexes.index(subject)
         g = self._groups.get(subject, group)
-        if g is None:
-            return ix.count
-        return ix.count - g.next_pos + len(g.inflight)
+        return ix.count if g is None else ix.count - g.next_pos + len(g.inflight)
 
     def committed(self, subject: str, group: str) -> int:
         """The group's lowest unacked position (0 for a group not seen yet)."""
