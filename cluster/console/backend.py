@@ -144,7 +144,8 @@ class Viewer:
 
     async def send_back(self, wire_ids: list[str]) -> int:
         """Each selected dead letter produced again, now, to its original subject (with a new
-        id, ``{wire id}~back``: the real-time side would drop the old one as a duplicate),
+        wire id, ``{wire id}~back``: the real-time side would drop the old one as a duplicate;
+        the original id in ``hourglass.origin_id``, which the SDK shows as ``Received.id``),
         then acked in the console's group. Returns how many went back."""
         async with self._lock:
             picked = [(w, *self.dead[w]) for w in wire_ids if w in self.dead]
@@ -153,7 +154,9 @@ class Viewer:
             for w, row, msg in picked:
                 if row.subject == "?":
                     continue
-                fut = await p.send_many(row.subject, [bytes(msg.payload)], ids=[f"{w}~back"], immediate=True)
+                # the origin id travels as the SDK's retries carry it: consumers see the id they know
+                fut = await p.send_many(row.subject, [bytes(msg.payload)], ids=[f"{w}~back"], immediate=True,
+                                        properties={"hourglass.origin_id": row.origin_id})
                 res = await fut
                 if res.errors:
                     raise res.errors[min(res.errors)]
