@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from starlette.applications import Starlette
@@ -63,7 +64,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         """The viewer's session; a secure cluster sends one without a login to ``/login``."""
         s = session_of(request)
         if cluster.secure and (s is None or s.token is None):
-            return RedirectResponse("/login?next=" + request.url.path, status_code=303)
+            here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            return RedirectResponse("/login?" + urlencode({"next": here}), status_code=303)
         return s if s is not None else sessions.create(_now_ms())
 
     async def checked_form(request: Request, s: Session) -> dict | Response:
@@ -168,7 +170,6 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             s.flash.append(f"cancelled {msg_id} (seq {r['seq']})")
         except E.HourglassError as e:
             s.flash.append(f"cancel refused: {type(e).__name__}: {e}")
-        from urllib.parse import quote
         return RedirectResponse(f"/message?id={quote(msg_id)}", status_code=303)
 
     async def dead_page(request: Request) -> Response:
