@@ -1,7 +1,8 @@
 """The web console in a headless Chromium against a real local cluster (issue 31): what
 `hourglass dev up` starts (``LocalCluster(meta=True)``) and a `hourglass console` process
-on it. Each page loads with real data; a message's trace after delivery; Cancel from the
-page (and `hourglass lookup` agrees); a dead letter sent back from the page is delivered.
+on it. Each page loads with real data (cluster, schedule, subjects, message, dead letters);
+a message's trace after delivery; Cancel from the page (and `hourglass lookup` agrees); a
+dead letter sent back from the page is delivered.
 The screenshots in docs/console.md are taken here."""
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ async def test_the_schedule_chart_shows_the_burst_in_its_bucket(cluster, console
     rows = {int(e.get_attribute("data-start")): int(e.find_element("css selector", ".count").text)
             for e in table[0].find_elements("css selector", "tr.slot")}
     assert rows.get(due_ms - due_ms % slot, 0) >= 20
+
+
+async def test_the_subjects_page_lists_subjects_with_their_flow(cluster, console, browser):
+    browser.get(console.url + "/subjects")
+    before = int(_css(browser, 'tr.flow[data-group="realtime-1"] .delivered')[0].text)
+    await _send(cluster, "console.flow", [f"flow-{i}" for i in range(5)], immediate=True)
+    r = _resolver(cluster)
+    try:
+        async with Consumer(r, "console.flow", group="g") as cons:
+            assert len(await receive_ids(cons, {f"flow-{i}" for i in range(5)})) == 5
+    finally:
+        await r.close()
+    browser.get(console.url + "/subjects")
+    row = _css(browser, 'tr.flow[data-group="realtime-1"]')[0]
+    assert "console.flow" in {e.get_attribute("data-subject") for e in row.find_elements("css selector", ".subject")}
+    assert int(row.find_element("css selector", ".delivered").text) >= before + 5
+    shot(browser, "subjects")
 
 
 async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, console, browser):

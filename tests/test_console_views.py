@@ -176,3 +176,12 @@ def test_a_secure_cluster_sends_a_viewer_without_a_token_to_the_login_page(tmp_p
     r = c.get("/login")
     assert 'id="open-banner"' not in r.text and "secure" in r.headers["set-cookie"].lower()
     assert c.post("/message/cancel", data={"id": "x"}, follow_redirects=False).status_code == 303  # to login
+
+
+def test_node_flow_rates_come_from_the_previous_sample_of_the_same_node():
+    row = {"node_id": "r1", "group": "rt", "subjects": ["b", "a"], "now_ms": 12_000,
+           "counters": {"appended": 50, "delivered": 30, "acked": 10, "redelivered": 2}}
+    first = views.node_flow(row, None)
+    assert (first.in_per_s, first.subjects, first.delivered, first.redelivered) == ("-", ["a", "b"], 30, 2)
+    later = views.node_flow(row, (10_000, {"appended": 10, "delivered": 30, "acked": 0}))
+    assert (later.in_per_s, later.out_per_s, later.acked_per_s) == ("20.0", "0.0", "5.0")

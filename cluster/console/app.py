@@ -33,7 +33,8 @@ from cluster.console.sessions import Session, Sessions, csrf_ok
 COOKIE = "hourglass_console"
 ID_CHARS_MAX = 1024          # a message id typed into the page (the wire allows less; the node says so)
 SELECTED_MAX = 500           # dead letters in one send-back or purge
-REFRESH_MS = 5000            # the cluster page's self-refresh
+REFRESH_MS = 5000            # the cluster and subjects pages' self-refresh
+SAMPLES_MAX = 1000           # real-time masters whose last counters are kept for rates
 TEMPLATES = Path(__file__).parent / "templates"
 
 
@@ -141,6 +142,27 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         return render(request, "schedule.html", s, error=error, totals=totals, missing=missing,
                       schedule=views.schedule_views(by_group, now) if by_group else [], now_ms=now)
 
+    samples: dict[str, tuple[int, dict]] = {}  # real-time master address -> its last (now_ms, counters)
+
+    async def subjects_page(request: Request) -> Response:
+        s = viewer_session(request)
+        if isinstance(s, Response):
+            return s
+        error, flows = None, []
+        try:
+            rows = await (await viewers.get(s.token)).status_rows()
+        except E.HourglassError as e:
+            error, rows = str(e), []
+        for r in rows:
+            if r.get("role") != "realtime" or "error" in r or r.get("mode", "master") != "master":
+                continue
+            addr = r.get("address", "?")
+            flows.append(views.node_flow(r, samples.get(addr)))
+            if len(samples) >= SAMPLES_MAX and addr not in samples:
+                samples.pop(next(iter(samples)))
+            samples[addr] = (int(r.get("now_ms") or 0), dict(r.get("counters") or {}))
+        return render(request, "subjects.html", s, flows=flows, error=error)
+
     async def message_page(request: Request) -> Response:
         s = viewer_session(request)
         if isinstance(s, Response):
@@ -211,7 +233,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
 
     routes = [
         Route("/", cluster_page), Route("/cluster", cluster_page),
-        Route("/schedule", schedule_page),
+        Route("/schedule", schedule_page), Route("/subjects", subjects_page),
         Route("/message", message_page), Route("/message/cancel", cancel, methods=["POST"]),
         Route("/dead-letters", dead_page), Route("/dead-letters", dead_action, methods=["POST"]),
         Route("/login", login, methods=["GET", "POST"]), Route("/logout", logout, methods=["POST"]),

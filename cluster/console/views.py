@@ -239,3 +239,39 @@ def trace_lines(lookup: dict, now_ms: int) -> list[str]:
             f"subject={lookup.get('subject', '?')}  due={iso(int(lookup.get('deliver_at_ms') or 0))}")
     return [head] + [f"  {marks[h.state]} {h.name}" + (f"  {h.detail}" if h.detail else "")
                      for h in trace(lookup, now_ms)]
+
+
+# ---------------------------------------------------------------------- subjects page
+
+
+@dataclass
+class NodeFlow:
+    node_id: str
+    group: str
+    subjects: list[str]
+    in_per_s: str              # messages stored per second since the previous sample ("-": no sample yet)
+    out_per_s: str             # messages handed to consumers per second
+    acked_per_s: str
+    delivered: int             # totals since the node started
+    redelivered: int
+    acked: int
+
+
+FLOW_COUNTERS = (("in_per_s", "appended"), ("out_per_s", "delivered"), ("acked_per_s", "acked"))
+
+
+def node_flow(row: dict, prev: tuple[int, dict] | None) -> NodeFlow:
+    """A real-time master's flow: its subjects, its counters, and rates from the previous
+    sample ``(now_ms, counters)`` of the same node (none on a first look)."""
+    counters = row.get("counters") or {}
+    now = int(row.get("now_ms") or 0)
+    rates = {}
+    for name, key in FLOW_COUNTERS:
+        if prev is None or now <= prev[0]:
+            rates[name] = "-"
+        else:
+            rates[name] = f"{max(0, counters.get(key, 0) - prev[1].get(key, 0)) * 1000 / (now - prev[0]):.1f}"
+    return NodeFlow(node_id=str(row.get("node_id", "?")), group=str(row.get("group", "")),
+                    subjects=sorted(str(s) for s in row.get("subjects") or []), **rates,
+                    delivered=int(counters.get("delivered", 0)), redelivered=int(counters.get("redelivered", 0)),
+                    acked=int(counters.get("acked", 0)))
