@@ -185,3 +185,19 @@ def test_node_flow_rates_come_from_the_previous_sample_of_the_same_node():
     assert (first.in_per_s, first.subjects, first.delivered, first.redelivered) == ("-", ["a", "b"], 30, 2)
     later = views.node_flow(row, (10_000, {"appended": 10, "delivered": 30, "acked": 0}))
     assert (later.in_per_s, later.out_per_s, later.acked_per_s) == ("20.0", "0.0", "5.0")
+
+
+def test_the_console_refuses_to_dial_with_a_node_certificate(tmp_path):
+    from cluster import certs
+    from cluster.console.backend import node_certificate
+    from cluster.security import SecuritySettings
+
+    ca_cert, _ = certs.make_ca(tmp_path / "ca")
+    node_cert, node_key = certs.issue(tmp_path / "ca", tmp_path, "n1", kind="node", stem="node")
+    client_cert, client_key = certs.issue(tmp_path / "ca", tmp_path, "viewer", kind="client", hosts=(), stem="client")
+
+    def settings(cert, key):
+        return SecuritySettings(tls_ca_file=ca_cert, tls_cert_file=cert, tls_key_file=key)
+    assert node_certificate(settings(node_cert, node_key)) == "node:n1"
+    assert node_certificate(settings(client_cert, client_key)) is None
+    assert node_certificate(SecuritySettings()) is None

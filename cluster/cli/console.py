@@ -87,6 +87,17 @@ def console_cluster(meta: str | None, cluster_file: Path | None):
                        hint="hint: give --meta or --cluster-file, set HOURGLASS_META_SERVERS, or run "
                             "`hourglass dev up`")
     settings = client_security_from(sec).settings
+    from cluster.console.backend import node_certificate
+
+    try:
+        node_cn = node_certificate(settings)
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot read the client certificate {settings.tls_cert_file}: {e}") from None
+    if node_cn is not None:
+        raise CliError(f"the console's client certificate is a node certificate ({node_cn}): with it every viewer "
+                       "could do everything, whatever their token",
+                       hint="hint: give it a client certificate (HOURGLASS_TLS_CERT_FILE; `hourglass certs issue "
+                            "client`), docs/console.md")
     # viewers log in with their own tokens; the console's (from the file or env) is used only on an open cluster
     if settings.tls:
         settings = settings.model_copy(update={"token": None, "token_file": None})

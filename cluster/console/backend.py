@@ -53,6 +53,22 @@ class DeadLetter:
     received_ms: int
 
 
+def node_certificate(settings: SecuritySettings) -> str | None:
+    """The common name of ``settings``' certificate when it is a node certificate, else None.
+    The console must not dial with one: a node certificate may do everything, whatever the
+    viewer's token (``cluster.security.Authenticator.identify``)."""
+    if settings.tls_cert_file is None:
+        return None
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from cluster.security import NODE_PREFIX
+
+    cert = x509.load_pem_x509_certificate(settings.tls_cert_file.read_bytes())
+    names = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    return names[0] if names and str(names[0]).startswith(NODE_PREFIX) else None
+
+
 class Viewer:
     """The cluster as seen with one token."""
 
