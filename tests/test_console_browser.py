@@ -144,6 +144,13 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
     assert [h for h, _ in hops][:4] == ["accepted", "filed", "fired", "stored at the real-time node"]
     assert not _css(browser, "#cancel"), "a dispatched message has no Cancel button"
     shot(browser, "message")
+    # the same trace from the command line
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "trace", "traced-1",
+                          "--meta", ",".join(cluster.meta_addresses)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    done = [line.split("]", 1)[1].split("  ")[0].strip() for line in out.stdout.splitlines() if "[x]" in line]
+    assert done == ["accepted", "filed", "fired", "stored at the real-time node"], out.stdout
 
 
 async def test_cancel_from_the_page_cancels_and_lookup_agrees(cluster, console, browser):

@@ -103,6 +103,17 @@ async def test_an_admin_token_cancels_over_https(secure, console, browser):
     assert (await _admin(secure, "lookup", "sec-2")).status == "cancelled"
 
 
+def test_a_wrong_token_is_refused_at_login(secure, console, browser):
+    browser.get(console.url + "/schedule")
+    _css(browser, "#token")[0].send_keys("hgt_not-a-token")
+    _css(browser, "#login")[0].click()
+    wait_for(browser, lambda d: any("log in refused" in e.text for e in _css(d, ".flash")), "the refusal")
+    assert browser.current_url.startswith(console.url + "/login")
+    browser.get(console.url + "/schedule")
+    assert browser.current_url.startswith(console.url + "/login"), "no session was made"
+    shot(browser, "login")
+
+
 def test_a_post_without_the_csrf_token_is_refused(secure, console, browser):
     _login(browser, console.url, secure.security.admin_token_file.read_text().strip(), "/cluster")
     groups = {e.get_attribute("data-group") for e in _css(browser, "h3.group")}

@@ -201,3 +201,11 @@ def test_the_console_refuses_to_dial_with_a_node_certificate(tmp_path):
     assert node_certificate(settings(node_cert, node_key)) == "node:n1"
     assert node_certificate(settings(client_cert, client_key)) is None
     assert node_certificate(SecuritySettings()) is None
+
+
+def test_after_login_the_console_sends_viewers_only_to_its_own_pages():
+    from cluster.console.app import local_path
+
+    assert local_path("/message?id=a%2Fb") and local_path("/")
+    for away in ("//evil.example/", "/\\evil.example", "https://evil.example/", "evil", "/a\\b", "/a\nb", ""):
+        assert not local_path(away), away

@@ -31,11 +31,19 @@ from cluster.console.backend import ConsoleCluster, Viewers
 from cluster.console.sessions import Session, Sessions, csrf_ok
 
 COOKIE = "hourglass_console"
+TOKEN_CHARS_MAX = 4096      # a token typed into the login form
 ID_CHARS_MAX = 1024          # a message id typed into the page (the wire allows less; the node says so)
 SELECTED_MAX = 500           # dead letters in one send-back or purge
 REFRESH_MS = 5000            # the cluster and subjects pages' self-refresh
 SAMPLES_MAX = 1000           # real-time masters whose last counters are kept for rates
 TEMPLATES = Path(__file__).parent / "templates"
+
+
+def local_path(target: str) -> bool:
+    """Whether a ``next`` target stays on this console: a path, never another host
+    (``//host``, ``/\\host`` and ``http:`` lead away)."""
+    return target.startswith("/") and not target.startswith(("//", "/\\")) and "\\" not in target \
+        and not any(c < " " for c in target)
 
 
 def _now_ms() -> int:
@@ -87,15 +95,23 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         if s is None or not csrf_ok(s, form.get("csrf")):
             return PlainTextResponse("refused: the form's CSRF token is missing or wrong; reload the page",
                                      status_code=403)
-        token = str(form.get("token", "")).strip()
+        token = str(form.get("token", "")).strip()[:TOKEN_CHARS_MAX]
+        nxt = str(form.get("next", "/"))
         if not token:
             s.flash.append("give a token")
-            return RedirectResponse("/login", status_code=303)
+            return RedirectResponse("/login?" + urlencode({"next": nxt}), status_code=303)
+        try:  # the meta servers answer any valid token (discover): a wrong one is refused here, not on every page
+            await (await viewers.get(token)).resolver.load()
+        except E.Unauthenticated as e:
+            await viewers.drop(token)
+            s.flash.append(f"log in refused: {e}")
+            return RedirectResponse("/login?" + urlencode({"next": nxt}), status_code=303)
+        except E.HourglassError as e:  # the cluster cannot say now: let the viewer in, the pages say why
+            s.flash.append(f"the cluster could not check the token now: {e}")
         sessions.drop(s.sid)
         fresh = sessions.create(_now_ms(), token)  # a new id at login
-        nxt = str(form.get("next", "/"))
-        return set_cookie(RedirectResponse(nxt if nxt.startswith("/") and not nxt.startswith("//") else "/",
-                                           status_code=303), fresh)
+        fresh.flash, s.flash = s.flash, []
+        return set_cookie(RedirectResponse(nxt if local_path(nxt) else "/", status_code=303), fresh)
 
     async def logout(request: Request) -> Response:
         s = session_of(request)

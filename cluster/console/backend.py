@@ -211,6 +211,11 @@ class Viewers:
         self._by_token.move_to_end(token)
         return v
 
+    async def drop(self, token: str | None) -> None:
+        v = self._by_token.pop(token, None)
+        if v is not None:
+            await v.close()
+
     async def close(self) -> None:
         while self._by_token:
             _, v = self._by_token.popitem()
