@@ -4,6 +4,8 @@ schedule's bucketing, viewer sessions and their CSRF tokens, and the app's refus
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cluster.console import views
@@ -153,7 +155,11 @@ def test_a_post_without_the_csrf_token_is_refused_and_does_nothing(client):
 def test_every_page_of_an_open_cluster_says_so_and_sends_the_security_headers(client):
     r = client.get("/login")
     assert r.status_code == 200 and 'id="open-banner"' in r.text
-    assert r.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in r.headers["content-security-policy"]
+    csp = r.headers["content-security-policy"]
+    assert r.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in csp
+    assert "script-src 'self';" in csp and "unsafe-inline" not in csp.split("script-src", 1)[1].split(";")[0]
+    assert "<script>" not in r.text and not re.search(r"\son[a-z]+=", r.text)  # no inline script, no handlers
+    assert client.get("/static/console.js").status_code == 200
     cookie = r.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie
 
