@@ -215,3 +215,30 @@ def test_after_login_the_console_sends_viewers_only_to_its_own_pages():
     assert local_path("/message?id=a%2Fb") and local_path("/")
     for away in ("//evil.example/", "/\\evil.example", "https://evil.example/", "evil", "/a\\b", "/a\nb", ""):
         assert not local_path(away), away
+
+
+def test_a_flood_of_new_visitors_logs_no_one_out(tmp_path, monkeypatch):
+    from starlette.testclient import TestClient
+
+    from cluster.console import app as console_app
+    from cluster.console.backend import ConsoleCluster
+    from cluster.security import SecuritySettings
+
+    monkeypatch.setattr(console_app, "GUESTS_MAX", 3)
+    files = {k: tmp_path / k for k in ("ca", "cert", "key")}
+    for p in files.values():
+        p.write_text("-")
+    settings = SecuritySettings(tls_ca_file=files["ca"], tls_cert_file=files["cert"], tls_key_file=files["key"])
+    web = console_app.create_app(ConsoleCluster(("127.0.0.1:9",), settings), https=True)
+    viewer = TestClient(web, base_url="https://testserver")
+    viewer.get("/login")
+    csrf = re.search(r'name="csrf" value="([^"]+)"', viewer.get("/login").text).group(1)
+
+    async def valid(self):  # the meta servers would accept this token
+        return {}
+    monkeypatch.setattr("cluster.discovery.MetaResolver.load", valid)
+    r = viewer.post("/login", data={"csrf": csrf, "token": "hgt_good", "next": "/login"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/login"
+    for _ in range(10):  # new visitors, each a guest session
+        TestClient(web, base_url="https://testserver").get("/login")
+    assert "Log out" in viewer.get("/login").text, "the logged-in viewer kept the session"

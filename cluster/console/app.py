@@ -33,6 +33,7 @@ from cluster.console.backend import ConsoleCluster, Viewers
 from cluster.console.sessions import Session, Sessions, csrf_ok
 
 COOKIE = "hourglass_console"
+GUESTS_MAX = 2000            # sessions without a login (see create_app)
 TOKEN_CHARS_MAX = 4096      # a token typed into the login form
 ID_CHARS_MAX = 1024          # a message id typed into the page (the wire allows less; the node says so)
 SELECTED_MAX = 500           # dead letters in one send-back or purge
@@ -56,11 +57,16 @@ def _now_ms() -> int:
 def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
     env.globals.update(iso=views.iso, secure=cluster.secure, refresh_ms=REFRESH_MS)
+    # two pools: sessions made for anyone who asks a page (guests: the login form's CSRF token,
+    # an open cluster's viewers) and logged-in ones, so that a stream of new guests can push
+    # out only guests, never a logged-in viewer
+    guests = Sessions(sessions_max=GUESTS_MAX)
     sessions = Sessions()
     viewers = Viewers(cluster)
 
     def session_of(request: Request) -> Session | None:
-        return sessions.get(request.cookies.get(COOKIE), _now_ms())
+        sid = request.cookies.get(COOKIE)
+        return sessions.get(sid, _now_ms()) or guests.get(sid, _now_ms())
 
     def set_cookie(resp: Response, s: Session) -> Response:
         resp.set_cookie(COOKIE, s.sid, httponly=True, samesite="strict", secure=https, path="/")
@@ -78,7 +84,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         if cluster.secure and (s is None or s.token is None):
             here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             return RedirectResponse("/login?" + urlencode({"next": here}), status_code=303)
-        return s if s is not None else sessions.create(_now_ms())
+        return s if s is not None else guests.create(_now_ms())
 
     async def checked_form(request: Request, s: Session) -> dict | Response:
         form = await request.form()
@@ -91,7 +97,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
 
     async def login(request: Request) -> Response:
         if request.method == "GET":
-            s = session_of(request) or sessions.create(_now_ms())
+            s = session_of(request) or guests.create(_now_ms())
             return render(request, "login.html", s, next=request.query_params.get("next", "/"))
         s = session_of(request)
         form = await request.form()
@@ -111,6 +117,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             return RedirectResponse("/login?" + urlencode({"next": nxt}), status_code=303)
         except E.HourglassError as e:  # the cluster cannot say now: let the viewer in, the pages say why
             s.flash.append(f"the cluster could not check the token now: {e}")
+        guests.drop(s.sid)
         sessions.drop(s.sid)
         fresh = sessions.create(_now_ms(), token)  # a new id at login
         fresh.flash, s.flash = s.flash, []
@@ -122,6 +129,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         if not csrf_ok(s, form.get("csrf")):
             return PlainTextResponse("refused: CSRF token missing or wrong", status_code=403)
         sessions.drop(s.sid)
+        guests.drop(s.sid)
         return RedirectResponse("/login" if cluster.secure else "/", status_code=303)
 
     # ------------------------------------------------------------------ pages
