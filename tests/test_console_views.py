@@ -242,3 +242,25 @@ def test_a_flood_of_new_visitors_logs_no_one_out(tmp_path, monkeypatch):
     for _ in range(10):  # new visitors, each a guest session
         TestClient(web, base_url="https://testserver").get("/login")
     assert "Log out" in viewer.get("/login").text, "the logged-in viewer kept the session"
+
+
+def test_master_changes_in_the_last_hour_come_from_the_epochs_seen():
+    h = views.EpochHistory(sample_ms=1000)
+    assert h.changes("d", NOW) is None
+    h.record("d", 3, NOW)                      # 10:00 epoch 3
+    h.record("d", 4, NOW + 40 * MIN)           # 10:40
+    assert h.changes("d", NOW + 40 * MIN) == (1, NOW)  # watched 40 min only: since the first look
+    assert views.master_changes_text(h.changes("d", NOW + 40 * MIN), NOW + 40 * MIN).endswith("(first look)")
+    h.record("d", 6, NOW + 65 * MIN)           # 11:05
+    assert h.changes("d", NOW + 70 * MIN) == (3, NOW + 10 * MIN)  # 6 - 3, the sample at the window's edge kept
+    assert views.master_changes_text(h.changes("d", NOW + 70 * MIN), NOW + 70 * MIN) == "3"
+    h.record("d", 6, NOW + 170 * MIN)          # nothing for 100 minutes: the samples before the edge go
+    assert h.changes("d", NOW + 170 * MIN) == (0, NOW + 110 * MIN)
+
+
+def test_the_cluster_page_counts_a_new_master_of_a_group():
+    h = views.EpochHistory(sample_ms=1)
+    row = {"role": "delay", "group": "g", "node_id": "a", "mode": "master", "election_epoch": 2}
+    views.cluster_groups([row], h, NOW)
+    (g,) = views.cluster_groups([row | {"node_id": "b", "election_epoch": 3}], h, NOW + 5000)
+    assert g.members[0].master_changes.startswith("1 since")

@@ -63,6 +63,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
     guests = Sessions(sessions_max=GUESTS_MAX)
     sessions = Sessions()
     viewers = Viewers(cluster)
+    epochs = views.EpochHistory()  # per group, for "master changes in the last hour"
 
     def session_of(request: Request) -> Session | None:
         sid = request.cookies.get(COOKIE)
@@ -140,7 +141,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             return s
         error, groups = None, []
         try:
-            groups = views.cluster_groups(await (await viewers.get(s.token)).status_rows())
+            groups = views.cluster_groups(await (await viewers.get(s.token)).status_rows(), epochs, _now_ms())
         except E.HourglassError as e:
             error = str(e)
         name = "cluster_table.html" if request.query_params.get("fragment") else "cluster.html"

@@ -105,15 +105,26 @@ def member(row: dict) -> Member:
                   health=health, healthy=healthy)
 
 
-def cluster_groups(rows: list[dict]) -> list[Group]:
-    """Status rows grouped by (role, group), delay groups first, masters first in a group."""
+def cluster_groups(rows: list[dict], history: "EpochHistory | None" = None, now_ms: int = 0) -> list[Group]:
+    """Status rows grouped by (role, group), delay groups first, masters first in a group.
+    With ``history``: each group's newest election epoch is recorded there, and a member that
+    does not report its master changes itself shows the group's count from the history."""
     groups: dict[tuple[str, str], Group] = {}
     for r in rows:
         m = member(r)
         groups.setdefault((m.role, m.group), Group(m.role, m.group)).members.append(m)
     order = {"master": 0, "slave": 1, "unreachable": 2}
-    for g in groups.values():
+    for (role, name), g in groups.items():
         g.members.sort(key=lambda m: (order.get(m.mode, 3), m.node_id))
+        if history is not None:
+            epochs = [int(m.epoch) for m in g.members if m.epoch.isdigit() and m.mode != "unreachable"]
+            key = f"{role}/{name}"
+            if epochs:
+                history.record(key, max(epochs), now_ms)
+            text = master_changes_text(history.changes(key, now_ms), now_ms, history.window_ms)
+            for m in g.members:
+                if m.master_changes == "not reported":
+                    m.master_changes = text
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0] != "delay", k))]
 
 
@@ -275,3 +286,59 @@ def node_flow(row: dict, prev: tuple[int, dict] | None) -> NodeFlow:
                     subjects=sorted(str(s) for s in row.get("subjects") or []), **rates,
                     delivered=int(counters.get("delivered", 0)), redelivered=int(counters.get("redelivered", 0)),
                     acked=int(counters.get("acked", 0)))
+
+
+# ---------------------------------------------------------------------- master changes
+
+
+class EpochHistory:
+    """The election epochs the console has seen per group, to say how many master changes
+    the last hour held: every election gives a group a new epoch, so the epoch now minus the
+    epoch an hour ago counts the changes between, whatever the console missed in between.
+    Until the console has watched a group for an hour, the count is since its first look,
+    and says so. Pure: time comes in as ``now_ms``.
+
+    Bounded: one sample per ``sample_ms`` per group, samples older than the window dropped
+    (but the newest of them, the window's left edge), at most ``groups_max`` groups.
+
+    Example: seen epoch 3 at 10:00, 4 at 10:40, 6 at 11:05. At 11:10 the window starts at
+    10:10; the newest sample at or before it is 10:00 (epoch 3): 6 - 3 = 3 changes, shown as
+    the last hour's. The count may include changes between that sample and the window's start
+    (10:00-10:10 here): it is exact when the console looked at the group at least once per
+    ``sample_ms`` around then, an upper bound otherwise.
+    """
+
+    def __init__(self, *, window_ms: int = HOUR_MS, sample_ms: int = 10_000, groups_max: int = 1000) -> None:
+        assert window_ms > 0 and sample_ms > 0 and groups_max > 0
+        self.window_ms, self.sample_ms, self.groups_max = window_ms, sample_ms, groups_max
+        self._samples: dict[str, list[tuple[int, int]]] = {}
+
+    def record(self, group: str, epoch: int, now_ms: int) -> None:
+        samples = self._samples.get(group)
+        if samples is None:
+            if len(self._samples) >= self.groups_max:
+                self._samples.pop(next(iter(self._samples)))
+            samples = self._samples[group] = []
+        if samples and now_ms - samples[-1][0] < self.sample_ms:
+            samples[-1] = (samples[-1][0], max(samples[-1][1], epoch))
+        else:
+            samples.append((now_ms, epoch))
+        edge = now_ms - self.window_ms
+        while len(samples) > 1 and samples[1][0] <= edge:  # keep one sample at or before the edge
+            samples.pop(0)
+
+    def changes(self, group: str, now_ms: int) -> tuple[int, int] | None:
+        """(master changes, since ms): since the window's start when the console has watched
+        that long, else since its first look; None for a group never seen."""
+        samples = self._samples.get(group)
+        if not samples:
+            return None
+        first_ms, first_epoch = samples[0]
+        return max(0, samples[-1][1] - first_epoch), max(first_ms, now_ms - self.window_ms)
+
+
+def master_changes_text(changes: tuple[int, int] | None, now_ms: int, window_ms: int = HOUR_MS) -> str:
+    if changes is None:
+        return "not reported"
+    n, since = changes
+    return str(n) if since <= now_ms - window_ms else f"{n} since {iso(since)[11:16]} (first look)"
