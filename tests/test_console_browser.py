@@ -7,6 +7,7 @@ The screenshots in docs/console.md are taken here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -25,9 +26,12 @@ MAX_ATTEMPTS = 2  # the real-time nodes dead-letter a message at its second nack
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("console"), meta=True, env={"HOURGLASS_MAX_ATTEMPTS": str(MAX_ATTEMPTS)})
+    # the delay group as master + slave (election), as `dev up --replicas 2` makes it
+    c = LocalCluster(tmp_path_factory.mktemp("console"), meta=True, n_delay=2, delay_replicas=2,
+                     env={"HOURGLASS_MAX_ATTEMPTS": str(MAX_ATTEMPTS)})
     with c:
         c.wait_registered()
+        asyncio.run(c.wait_master("delay"))
         yield c
 
 
@@ -72,10 +76,14 @@ async def _send(c: LocalCluster, subject: str, ids: list[str], **when) -> None:
 def test_the_cluster_page_lists_every_group_and_member_and_refreshes_itself(cluster, console, browser):
     browser.get(console.url + "/cluster")
     groups = {e.get_attribute("data-group") for e in _css(browser, "h3.group")}
-    assert groups == {"delay-1", "realtime-1"}
+    assert groups == {"delay-g1", "realtime-1"}
     modes = {e.get_attribute("data-node"): e.find_element("css selector", ".mode").text
              for e in _css(browser, "tr.member")}
-    assert modes == {"delay-1": "master", "realtime-1": "master"}
+    master = asyncio.run(cluster.wait_master("delay"))
+    slave = ({"delay-1", "delay-2"} - {master}).pop()
+    assert modes == {master: "master", slave: "slave", "realtime-1": "master"}
+    lag = _css(browser, f'tr.member[data-node="{slave}"]')[0].text
+    assert " B / " in lag and " ms" in lag, lag  # the slave's replication lag
     assert _css(browser, "#open-banner"), "an open cluster says so on every page"
     first = _css(browser, "#live")[0].get_attribute("data-now")
     wait_for(browser, lambda d: _css(d, "#live")[0].get_attribute("data-now") != first,
@@ -85,10 +93,10 @@ def test_the_cluster_page_lists_every_group_and_member_and_refreshes_itself(clus
 
 async def test_the_schedule_page_counts_a_burst_due_in_ten_minutes(cluster, console, browser):
     browser.get(console.url + "/schedule")
-    before = int(_css(browser, 'tr.total[data-group="delay-1"] .count')[0].text)
+    before = int(_css(browser, 'tr.total[data-group="delay-g1"] .count')[0].text)
     await _send(cluster, "console.burst", [f"burst-{i}" for i in range(20)], delay_ms=10 * 60_000)
     browser.get(console.url + "/schedule")
-    assert int(_css(browser, 'tr.total[data-group="delay-1"] .count')[0].text) == before + 20
+    assert int(_css(browser, 'tr.total[data-group="delay-g1"] .count')[0].text) == before + 20
     shot(browser, "schedule")
 
 

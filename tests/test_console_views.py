@@ -102,6 +102,7 @@ def test_cluster_groups_put_delay_first_masters_first_and_tell_health():
     dg = groups[0]
     assert [m.node_id for m in dg.members] == ["d1", "d2"] and dg.healthy
     assert dg.members[1].lag == "10 B / 20 ms" and dg.members[0].epoch == "4" and dg.members[0].pending == "5"
+    assert dg.members[1].pending == dg.members[1].dispatch_lag_ms == ""  # a slave dispatches nothing
     assert not groups[1].healthy and groups[1].members[0].mode == "unreachable"
     assert groups[0].members[0].disk == "not reported"
 

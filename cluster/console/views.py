@@ -95,12 +95,13 @@ def member(row: dict) -> Member:
             health, healthy = f"{lost} lost record(s)", False
         elif row.get("disk_low"):
             health, healthy = "disk low: writes refused", False
+    dispatching = row.get("role") == "delay" and mode == "master"  # a slave fires nothing: its figures mean nothing
     return Member(node_id=str(row.get("node_id", "?")), address=str(row.get("address", "?")),
                   role=str(row.get("role", "?")), group=str(row.get("group", "")), mode=mode,
                   epoch=str(row.get("election_epoch", row.get("epoch", ""))), lag=lag,
-                  pending=str(row.get("pending", "")) if row.get("role") == "delay" else "",
-                  in_flight=str(row.get("in_flight", "")) if row.get("role") == "delay" else "",
-                  dispatch_lag_ms=str(row.get("dispatch_lag_ms", "")) if row.get("role") == "delay" else "",
+                  pending=str(row.get("pending", "")) if dispatching else "",
+                  in_flight=str(row.get("in_flight", "")) if dispatching else "",
+                  dispatch_lag_ms=str(row.get("dispatch_lag_ms", "")) if dispatching else "",
                   disk=disk, master_changes=str(changes) if changes is not None else "not reported",
                   health=health, healthy=healthy)
 
