@@ -123,3 +123,26 @@ def test_a_post_without_the_csrf_token_is_refused(secure, console, browser):
         const i = document.createElement('input'); i.type = 'hidden'; i.name = 'id'; i.value = 'x'; f.appendChild(i);
         document.body.appendChild(f); f.submit();""")
     wait_for(browser, lambda d: "CSRF" in d.find_element("tag name", "body").text, "the refusal")
+
+
+def test_the_console_refuses_plain_http_and_a_node_certificate_on_a_secure_cluster(secure):
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.console import ROOT
+
+    cf = str(secure.root / "cluster.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOURGLASS_TLS_", "HOURGLASS_TOKEN"))}
+
+    def run(*args, **extra):
+        return subprocess.run([sys.executable, "-m", "cluster.cli", "console", "--cluster-file", cf, *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120, env=env | extra)
+    plain = run("--port", "1")
+    assert plain.returncode == 2 and plain.stderr.startswith("error: the cluster is secure"), plain.stderr
+    s = secure.security
+    as_node = run("--https-cert", str(s.node_cert), "--https-key", str(s.node_key),
+                  HOURGLASS_TLS_CA_FILE=str(s.ca), HOURGLASS_TLS_CERT_FILE=str(s.node_cert),
+                  HOURGLASS_TLS_KEY_FILE=str(s.node_key))
+    assert as_node.returncode == 2 and "is a node certificate" in as_node.stderr, as_node.stderr
+    assert "Traceback" not in plain.stderr + as_node.stderr
