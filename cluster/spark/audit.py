@@ -33,8 +33,20 @@ Status of each scheduled message (first rule that applies):
 ``pending``                not received and not yet overdue
 =========================  ==================================================================
 
-``lateness_ms = first_received_ms - due_ms`` for ``delivered`` and ``duplicated``; a
-delivery is **late** when ``lateness_ms > late_ms``. Percentiles (p50/p90/p99/p99.9,
+Lateness is measured from the moment a message became **visible** to consumers, not from
+the real-time node's ``store_ms``: a delay node fires each round up to ``dispatch_lead_ms``
+ahead and the real-time node stores those messages at once but holds them until they are due
+(at most ``visible_hold_ms_max`` after storing them, ``node.realtime.index.visible_ms``). So
+``visible_ms = max(first_received_ms, due_ms)`` - or ``first_received_ms + hold_ms`` when the
+message was stored more than ``hold_ms`` ahead of its due time: then it was handed out
+**early**, by ``early_ms = due_ms - visible_ms``. ``lateness_ms = visible_ms - due_ms`` for
+``delivered`` and ``duplicated``, never negative (0 for an early one, which is counted in
+``early`` instead); a delivery is **late** when ``lateness_ms > late_ms``.
+
+Worked example (``hold_ms`` 100): due 10:00:00.000, stored by the real-time node at
+09:59:59.985 (fired 15 ms ahead) -> visible 10:00:00.000, lateness 0; stored at
+10:00:00.040 -> lateness 40 ms; stored at 09:59:59.500 -> visible 09:59:59.600, early by
+400 ms, lateness 0. Percentiles (p50/p90/p99/p99.9,
 ``percentile_approx``) and problem counts are grouped per subject and UTC hour of the
 due time.
 
@@ -68,11 +80,13 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster.errors import InvalidArgument
+from node.store.settings import REALTIME_DEFAULTS
 
 from . import layout, outdir
 
 DLQ_SUBJECT = "hourglass.dlq"
 EXAMPLES_MAX = 20          # problem rows shown in the report per kind (all are in Parquet)
+CORRUPT_FILES_SHOWN_MAX = 20  # segment files named in the summary (the worst first; all rows are in corrupt/)
 LATENESS_ACCURACY = 10_000  # percentile_approx accuracy (relative error ~ 1/accuracy)
 NODES_MAX = 62             # node folders of one role: a node is a bit of a long
 STATUSES = ("delivered", "duplicated", "lost", "delivered_after_cancel", "cancelled", "pending")
@@ -91,6 +105,9 @@ class AuditSettings(BaseModel):
     as_of_ms: int | None = None                     # "now" for overdue; default: the wall clock at start
     grace_ms: int = Field(default=30_000, ge=0)     # overdue = not received by due + grace
     late_ms: int = Field(default=1_000, ge=0)       # a delivery later than this is listed as late
+    # a message stored more than this ahead of its due time was handed out this long after it was
+    # stored, i.e. early (the real-time nodes' visible_hold_ms_max)
+    hold_ms: int = Field(default=REALTIME_DEFAULTS.visible_hold_ms_max, ge=0)
     report: bool = True
     overwrite: bool = False                         # replace an earlier output in ``out`` (``outdir``)
 
@@ -131,6 +148,17 @@ def _names_of(col: str, bits: dict[str, int]):
 
     return F.concat_ws(",", *[F.when(F.col(col).bitwiseAND(F.lit(bit)) != 0, F.lit(name))
                                for name, bit in bits.items()])
+
+
+def _visible(hold_ms: int):
+    """When the first copy became visible to consumers (module docstring): its due time, or
+    when it was stored if that was later; stored more than ``hold_ms`` ahead, ``hold_ms`` after
+    it was stored (early)."""
+    from pyspark.sql import functions as F
+
+    stored, due = F.col("first_received_ms"), F.col("due_ms")
+    return (F.when(stored + F.lit(hold_ms) < due, stored + F.lit(hold_ms))
+            .otherwise(F.greatest(stored, due)))
 
 
 def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
@@ -208,7 +236,11 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
               .otherwise("pending"))
     delivered = F.col("status").isin("delivered", "duplicated")
     messages = (j.withColumn("status", status)
-                .withColumn("lateness_ms", F.when(delivered, F.col("first_received_ms") - F.col("due_ms")))
+                .withColumn("visible_ms", F.when(delivered, _visible(s.hold_ms)))
+                .withColumn("lateness_ms", F.greatest(F.col("visible_ms") - F.col("due_ms"), F.lit(0)))
+                .withColumn("early_ms", F.when(F.col("visible_ms") < F.col("due_ms"),
+                                               F.col("due_ms") - F.col("visible_ms")))
+                .withColumn("early", F.col("early_ms").isNotNull())
                 .withColumn("late", F.coalesce(F.col("lateness_ms") > F.lit(s.late_ms), F.lit(False)))
                 .withColumn("reason", F.when(F.col("status") == "lost",
                                              F.when(F.col("dispatched") > 0, "dispatched but never received")
@@ -224,7 +256,8 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
                 .withColumn("received_on", _names_of("received_bits", rbits))
                 .select("subject", "id", "seq", "nodes", "accepted_ms", "deliver_at_ms", "due_ms", "cancelled_ms",
                         "dispatched", "first_dispatched_ms", "dead_lettered", "received", "first_received_ms",
-                        "last_received_ms", "received_on", "status", "lateness_ms", "late", "reason", "hour"))
+                        "last_received_ms", "received_on", "status", "visible_ms", "lateness_ms", "late",
+                        "early_ms", "early", "reason", "hour"))
     return {"messages": messages, "observations": obs}
 
 
@@ -256,7 +289,8 @@ OBSERVED_WAIT_S = 60.0  # the metrics are there once the write returned; this on
 def _observed(o) -> dict:
     """``Observation.get`` waits without a limit for metrics of a plan node that might have been
     optimised away, and fails when Spark skipped it (AQE drops the branch of a log with no
-    segment); wait at most ``OBSERVED_WAIT_S``, and an absent row counts as nothing read."""
+    segment, or the branches that meet an empty side); wait at most ``OBSERVED_WAIT_S``. ``{}``
+    means "not observed" (``_log_counts`` then counts the log itself), never "nothing read"."""
     import threading
 
     got: list[dict] = []
@@ -264,13 +298,28 @@ def _observed(o) -> dict:
     def get() -> None:
         try:
             got.append(o.get)
-        except Exception:  # no metrics row: Spark skipped the observed part (an empty log), so 0
+        except Exception:  # no metrics row: Spark skipped the observed part
             got.append({})
 
     t = threading.Thread(target=get, daemon=True, name="observation")
     t.start()
     t.join(OBSERVED_WAIT_S)
     return got[0] if got else {}
+
+
+def _log_counts(spark, paths: list[str], log: str, observed: dict) -> dict:
+    """Records and errors of one log: what the pass observed, or - when Spark left the observed
+    part out of the plan it ran (AQE drops the branches that meet an empty side, e.g. a log
+    whose every record is corrupt) - counted by a scan of its ``error`` column alone. A log
+    of random bytes must not read as "nothing there"."""
+    if "records" in observed:
+        return {"records": observed["records"], "errors": observed["errors"]}
+    from pyspark.sql import functions as F
+
+    row = (read_log(spark, paths, log, ("error",))
+           .agg(F.count(F.lit(1)).alias("records"), F.count_if(F.col("error").isNotNull()).alias("errors"))
+           .collect()[0])
+    return {"records": row["records"], "errors": row["errors"]}
 
 
 def _empty_parquet(path: Path, schema) -> None:
@@ -290,6 +339,7 @@ def _aggs(s: AuditSettings):
     return [F.count_if(delivered).alias("delivered"),
             *[F.count_if(F.col("status") == k).alias(k) for k in STATUSES if k != "delivered"],
             F.count_if(F.col("late")).alias("late"),
+            F.count_if(F.col("early")).alias("early"),
             F.percentile_approx(lat, [0.5, 0.9, 0.99, 0.999], LATENESS_ACCURACY).alias("pct"),
             F.max(lat).alias("max_ms")]
 
@@ -327,10 +377,11 @@ def run(spark, s: AuditSettings) -> dict:
         dfs["messages"].write.parquet(str(out / "messages"))
         phase("write_messages")
         obs = {k: _observed(v) for k, v in dfs["observations"].items()}
-        logs = {log: {"records": obs[log].get("records", 0), "errors": obs[log].get("errors", 0)} for log in LOGS}
+        logs = {log: _log_counts(spark, s.paths, log, obs[log]) for log in LOGS}
         messages = spark.read.parquet(str(out / "messages"))
-        (messages.where("status in ('lost', 'duplicated', 'delivered_after_cancel') or late")
-         .withColumn("problem", F.when(F.col("status") == "delivered", F.lit("late")).otherwise(F.col("status")))
+        (messages.where("status in ('lost', 'duplicated', 'delivered_after_cancel') or late or early")
+         .withColumn("problem", F.when(F.col("status") != "delivered", F.col("status"))
+                     .when(F.col("late"), F.lit("late")).otherwise(F.lit("early")))
          .write.parquet(str(out / "problems")))
         phase("write_problems")
         # one aggregation for the per subject-hour, per hour and overall figures (a rollup)
@@ -343,6 +394,7 @@ def run(spark, s: AuditSettings) -> dict:
         by_status = {k: (total[k] if total is not None else 0) for k in STATUSES}
         by_status["delivered"] -= by_status["duplicated"]  # the figures' "delivered" counts both
         late = total["late"] if total is not None else 0
+        early = total["early"] if total is not None else 0
         overall = total.asDict() if total is not None else {}
         phase("write_lateness")
         if any(v["errors"] for v in logs.values()):  # read the logs again only when something is damaged
@@ -351,19 +403,24 @@ def run(spark, s: AuditSettings) -> dict:
                 part = read_log(spark, s.paths, log, CORRUPT_COLUMNS).where("error is not null")
                 corrupt = part if corrupt is None else corrupt.unionByName(part)
             corrupt.write.parquet(str(out / "corrupt"))
+            corrupt_files = [{"segment": r["segment"], "records": r["count"]} for r in
+                             spark.read.parquet(str(out / "corrupt")).groupBy("segment").count()
+                             .orderBy(F.desc("count"), "segment").limit(CORRUPT_FILES_SHOWN_MAX).collect()]
         else:  # an empty dataset with the schema, without a Spark job
             _empty_parquet(out / "corrupt", StructType([MESSAGE_SCHEMA[c] for c in CORRUPT_COLUMNS]))
+            corrupt_files = []
         phase("write_corrupt")
 
         lateness_rows = [r.asDict() for r in spark.read.parquet(str(out / "lateness")).collect()]
         hourly_rows = [r.asDict() for r in spark.read.parquet(str(out / "hourly")).orderBy("hour").collect()]
         # worst first within each kind: the longest lateness, else the earliest due
-        first = Window.partitionBy("problem").orderBy(F.col("lateness_ms").desc_nulls_last(), "due_ms", "id")
+        first = Window.partitionBy("problem").orderBy(F.col("lateness_ms").desc_nulls_last(),
+                                                     F.col("early_ms").desc_nulls_last(), "due_ms", "id")
         examples: dict[str, list[dict]] = {}
         for r in (spark.read.parquet(str(out / "problems")).withColumn("n", F.row_number().over(first))
                   .where(F.col("n") <= EXAMPLES_MAX).orderBy("problem", "n")
                   .select("problem", "nodes", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
-                          "first_received_ms", "lateness_ms", "reason").collect()):
+                          "first_received_ms", "lateness_ms", "early_ms", "reason").collect()):
             examples.setdefault(r["problem"], []).append(r.asDict())
         corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
         phase("summaries")
@@ -374,9 +431,13 @@ def run(spark, s: AuditSettings) -> dict:
             "scheduled": sum(by_status.values()),
             "status": by_status,
             "late": late,
+            "early": early, "hold_ms": s.hold_ms,
             "lateness_ms": {k: overall.get(k) for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")},
             "received_not_scheduled": obs["messages"].get("received_not_scheduled", 0),
             "corrupt_records": sum(v["errors"] for v in logs.values()),
+            "corrupt_files": corrupt_files,
+            # records read but not one of them good: a folder of random bytes, not an empty cluster
+            "no_good_record": records_read > 0 and all(v["records"] == v["errors"] for v in logs.values()),
             "seconds": round(time.time() - started, 3),
             "phases_s": phases,
         }
