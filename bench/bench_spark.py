@@ -260,6 +260,7 @@ def bench_audit(args, spark, info: dict) -> dict:
     return {"bench": "spark_audit", "records": s["records_read"], "seconds": s["seconds"],
             "records_per_s": s["records_per_s"], **{k: round(v) for k, v in mem.peak.items()},
             "cpu_s": round(mem.cpu_s(), 1), "records_per_cpu_s": round(s["records_read"] / max(mem.cpu_s(), 1e-9)),
+            "cpu_s_jvm": round(mem.cpu_s("jvm"), 1), "cpu_s_workers": round(mem.cpu_s("worker"), 1),
             "phases_s": s["phases_s"],
             "log_bytes": disk, "lost": s["status"]["lost"], "duplicated": s["status"]["duplicated"],
             "cores": os.cpu_count(), "master": args.master, "driver_memory": args.driver_memory,

@@ -638,3 +638,13 @@ def test_local_sessions_stay_on_the_loopback_interface(spark):
     assert spark.conf.get("spark.driver.host") == "127.0.0.1"
     assert spark.conf.get("spark.driver.bindAddress") == "127.0.0.1"
     assert os.environ["SPARK_LOCAL_IP"] == "127.0.0.1"
+
+
+def test_lateness_buckets_in_spark_are_the_python_ones(spark):
+    """The audit's histogram buckets (``stats.bucket_sql``, run by Spark) are ``stats.bucket``."""
+    from cluster.spark import stats
+
+    vals = [0, 1, 999, 1000, 1001, 9_999, 12_345, 99_999, 100_000, 9_876_543, 86_400_000]
+    rows = spark.sql(f"select v, {stats.bucket_sql('v')} as b from values "
+                     + ", ".join(f"(cast({v} as bigint))" for v in vals) + " as t(v)").collect()
+    assert [(r["v"], r["b"]) for r in rows] == [(v, stats.bucket(v)) for v in vals]

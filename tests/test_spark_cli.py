@@ -447,3 +447,62 @@ def test_report_tables_read_as_times_and_durations(tmp_path):
     assert "lost: 2 (first 1 shown)" in page and "delivered after cancel: none" in page
     assert all((tmp_path / n).stat().st_size > 5000 for n in ("status.png", "lateness.png", "heatmap.png"))
 
+
+# ---------------------------------------------------------------------- audit figures (pure)
+
+
+@pytest.mark.unit  # tier: pure, against a naive model
+def test_histogram_figures_match_a_sort_of_every_lateness():
+    """``cluster.spark.stats`` against the obvious model: the per subject-hour, hourly and overall
+    counts and nearest-rank percentiles of the raw rows, sorted. Exact below 1 s; above, at most
+    1% low; the maximum always exact."""
+    import math
+    import random
+
+    from cluster.spark import stats
+
+    rnd = random.Random(11)
+    raw = []
+    for _ in range(3000):
+        status = rnd.choice(["delivered"] * 6 + ["duplicated", "lost", "pending", "cancelled"])
+        lat = None
+        if status in ("delivered", "duplicated"):
+            lat = rnd.choice([rnd.randrange(0, 60), rnd.randrange(0, 5000), rnd.randrange(0, 10**7)])
+        raw.append(dict(hour=rnd.randrange(3), subject=rnd.choice("ab"), status=status, lateness_ms=lat,
+                        late=lat is not None and lat > 1000, early=status == "delivered" and rnd.random() < 0.01))
+    groups: dict[tuple, dict] = {}
+    for r in raw:
+        k = (r["hour"], r["subject"], r["status"], r["late"], r["early"],
+             None if r["lateness_ms"] is None else stats.bucket(r["lateness_ms"]))
+        g = groups.setdefault(k, {"n": 0, "max_ms": None})
+        g["n"] += 1
+        if r["lateness_ms"] is not None:
+            g["max_ms"] = max(g["max_ms"] or 0, r["lateness_ms"])
+    hist = [dict(zip(("hour", "subject", "status", "late", "early", "bucket"), k)) | g for k, g in groups.items()]
+    lateness, hourly, overall = stats.figures(hist)
+
+    def model(rows):
+        lat = sorted(r["lateness_ms"] for r in rows if r["lateness_ms"] is not None)
+        out = {s: sum(r["status"] == s for r in rows) for s in stats.STATUSES}
+        out["delivered"] += out["duplicated"]
+        out |= {"late": sum(r["late"] for r in rows), "early": sum(r["early"] for r in rows),
+                "max_ms": lat[-1] if lat else None}
+        for name, p in stats.PERCENTILES:
+            out[name] = lat[max(1, math.ceil(p * len(lat) - 1e-9)) - 1] if lat else None
+        return out
+
+    def same(got, want):
+        for k, v in want.items():
+            if k.endswith("_ms") and k != "max_ms" and v is not None and v >= stats.EXACT_BELOW_MS:
+                assert 0.99 * v <= got[k] <= v, (k, got[k], v)
+            else:
+                assert got[k] == v, (k, got[k], v)
+
+    assert len(lateness) == 6 and [h["hour"] for h in hourly] == [0, 1, 2]
+    for row in lateness:
+        same(row, model([r for r in raw if (r["hour"], r["subject"]) == (row["hour"], row["subject"])]))
+    for row in hourly:
+        same(row, model([r for r in raw if r["hour"] == row["hour"]]))
+    same(overall, model(raw))
+    assert [stats.bucket(v) for v in (0, 999, 1000, 12_345, 9_876_543)] == [0, 999, 1000, 12_300, 9_870_000]
+    assert stats.percentiles({0: 2, 5: 1, 7: 1, 40: 1}) == {"p50_ms": 5, "p90_ms": 40, "p99_ms": 40, "p999_ms": 40}
