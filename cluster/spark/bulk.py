@@ -155,8 +155,7 @@ def check_local_columns(path: str, fmt: str) -> None:
 
         try:
             names = pq.read_schema(p).names
-        except Exception as e:  # not Parquet: Spark says so in its own words (FAILED_READ_FILE)
-            del e
+        except (OSError, ValueError):  # not Parquet (pyarrow's ArrowInvalid): Spark says so in its own words
             return
         refuse_missing(names, str(p))
     elif fmt == "csv":
