@@ -385,11 +385,15 @@ def plant_anomalies(data: Path, *, now: int, dup_id: str, cancelled_id: str, sub
     * duplicate: a second real-time copy (new seq) of an already delivered message, stored
       11 minutes from now - past the real-time node's de-duplication window, what a
       failover outside the window would do;
-    * delivered after cancel: the same for the message the test cancelled through the SDK.
+    * delivered after cancel: the same for the message the test cancelled through the SDK;
+    * early: ``planted-early``, due 200 s ago, stored by the real-time node 5 s before its due
+      time - far more than the 100 ms a real-time node holds a message fired ahead, so it was
+      handed out 4.9 s early.
     """
-    delayed = Batch.build(subject, [b"lost", b"late"], ["planted-lost", "planted-late"],
-                          [now - 300_000, now - 240_000], seq=[PLANTED_EPOCH, PLANTED_EPOCH + 1],
-                          store_ms=[now - 300_000, now - 241_000])
+    delayed = Batch.build(subject, [b"lost", b"late", b"early"], ["planted-lost", "planted-late", "planted-early"],
+                          [now - 300_000, now - 240_000, now - 200_000],
+                          seq=[PLANTED_EPOCH, PLANTED_EPOCH + 1, PLANTED_EPOCH + 5],
+                          store_ms=[now - 300_000, now - 241_000, now - 300_000])
     with SegmentedLog.open(data / "delay-1" / "messages") as ml:
         ml.append([delayed.encode()])
     late = Batch.build(subject, [b"late"], ["planted-late"], [now - 240_000], seq=[PLANTED_EPOCH + 2],
@@ -397,8 +401,10 @@ def plant_anomalies(data: Path, *, now: int, dup_id: str, cancelled_id: str, sub
     later = now + 11 * 60_000
     again = Batch.build(subject, [b"again", b"cancelled"], [dup_id, cancelled_id], [now - 60_000, now - 60_000],
                         seq=[PLANTED_EPOCH + 3, PLANTED_EPOCH + 4], store_ms=later)
+    early = Batch.build(subject, [b"early"], ["planted-early"], [now - 200_000], seq=[PLANTED_EPOCH + 6],
+                        store_ms=now - 205_000)
     with SegmentedLog.open(data / "realtime-1" / "messages") as rl:
-        rl.append([late.encode(), again.encode()])
+        rl.append([late.encode(), again.encode(), early.encode()])
 
 
 def test_audit_finds_planted_problems_in_real_cluster_data(spark, tmp_path):
@@ -430,23 +436,35 @@ def test_audit_finds_planted_problems_in_real_cluster_data(spark, tmp_path):
                                        grace_ms=30_000, late_ms=60_000))
     st = summary["status"]
     assert st["lost"] == 1 and st["duplicated"] == 1 and st["delivered_after_cancel"] == 1, st
-    assert st["delivered"] == n + 1  # n sent + other-1 + planted-late, minus a-3 (duplicated)
-    assert summary["corrupt_records"] == 0
+    assert st["delivered"] == n + 2  # n sent + other-1 + planted-late + planted-early, minus a-3 (duplicated)
+    assert summary["corrupt_records"] == 0 and summary["early"] == 1
 
     msgs = {r["id"]: r for r in spark.read.parquet(str(out / "messages")).collect()}
     assert msgs["planted-lost"]["status"] == "lost" and msgs["planted-lost"]["reason"] == "never dispatched"
     assert msgs["a-3"]["status"] == "duplicated" and msgs["a-3"]["received"] == 2
     assert msgs["cancel-me"]["status"] == "delivered_after_cancel"
     assert msgs["planted-late"]["lateness_ms"] == 120_000 and msgs["planted-late"]["late"]
+    early = msgs["planted-early"]
+    assert (early["early"], early["early_ms"], early["lateness_ms"], early["late"]) == (True, 4_900, 0, False)
+    # lateness counts from when a message became visible, so a message the delay node fired
+    # ahead and the real-time node held until due is on time, never "early" or negative
+    assert all(r["lateness_ms"] >= 0 for r in msgs.values() if r["lateness_ms"] is not None)
+    real = [r for k, r in msgs.items() if k.startswith("a-") and k != "a-3"]
+    assert all(not r["early"] and r["visible_ms"] >= r["due_ms"] for r in real)
+    fired_ahead = (read(spark, tmp_path / "cluster", "realtime").where("error is null and store_ms < deliver_at_ms")
+                   .count())
+    assert fired_ahead > 0  # the fire-ahead path was taken (dispatch_lead_ms), so the check above means something
     problems = {(r["id"], r["problem"]) for r in spark.read.parquet(str(out / "problems")).collect()}
     assert problems == {("planted-lost", "lost"), ("a-3", "duplicated"), ("cancel-me", "delivered_after_cancel"),
-                        ("planted-late", "late")}
+                        ("planted-late", "late"), ("planted-early", "early")}
     lat = [r for r in spark.read.parquet(str(out / "lateness")).collect() if r["subject"] == subject]
-    assert max(r["max_ms"] or 0 for r in lat) == 120_000
-    assert sum(r["delivered"] for r in lat) == n + 1  # the n sent (a-3 once) and planted-late
+    assert max(r["max_ms"] or 0 for r in lat) == 120_000 and min(r["p50_ms"] for r in lat) >= 0
+    assert sum(r["delivered"] for r in lat) == n + 2  # the n sent (a-3 once), planted-late and planted-early
+    assert sum(r["early"] for r in lat) == 1
+    assert summary["lateness_ms"]["p50_ms"] >= 0
     assert (out / "report.html").exists() and (out / "status.png").stat().st_size > 1000
     html = (out / "report.html").read_text()
-    assert "PROBLEMS" in html and "planted-lost" in html
+    assert "PROBLEMS" in html and "planted-lost" in html and "1 delivered early" in html
     assert json.loads((out / "summary.json").read_text())["status"] == st
 
     # the untouched cluster data audits clean
@@ -455,6 +473,7 @@ def test_audit_finds_planted_problems_in_real_cluster_data(spark, tmp_path):
     assert clean["status"]["lost"] == clean["status"]["duplicated"] == 0
     assert clean["status"]["delivered_after_cancel"] == 0 and clean["status"]["cancelled"] == 1
     assert clean["status"]["delivered"] == n + 1
+    assert clean["early"] == 0 and clean["lateness_ms"]["p50_ms"] >= 0
 
 
 # ---------------------------------------------------------------------- bulk-schedule
@@ -532,12 +551,20 @@ def test_bulk_plan_rejects_with_reasons():
             {"subject": "s", "deliver_at": 1},
             {"id": "far", "subject": "s", "deliver_at": t + 3 * 366 * 24 * HOUR},
             {"id": "bad-subject", "subject": "no spaces", "deliver_at": 1},
-            {"id": "ok-2", "subject": "s", "deliver_at": -5, "payload": b"\x00"}]
+            {"id": "ok-2", "subject": "s", "deliver_at": 0, "payload": b"\x00"},
+            # the codec's rule: a whole number of milliseconds, not negative (no clamping to "now")
+            {"id": "negative", "subject": "s", "deliver_at": -5},
+            {"id": "negative-text", "subject": "s", "deliver_at": "-5"},
+            {"id": "fraction", "subject": "s", "deliver_at": 1.5},
+            {"id": "before-1970", "subject": "s", "deliver_at": "1969-12-31T23:59:59Z"},
+            {"id": "whole-float", "subject": "s", "deliver_at": 7.0}]
     planned, rejects = plan_rows(rows, now_ms=t)
-    assert [(i, p.msg_id) for i, p in planned] == [(0, "ok-1"), (5, "ok-2")]
-    assert sorted(rejects) == [1, 2, 3, 4]
+    assert [(i, p.msg_id) for i, p in planned] == [(0, "ok-1"), (5, "ok-2"), (10, "whole-float")]
+    assert sorted(rejects) == [1, 2, 3, 4, 6, 7, 8, 9]
     assert "printable ASCII" in rejects[1] and "id is missing" in rejects[2]
     assert "delay horizon" in rejects[3] and "subject" in rejects[4]
+    assert all("must not be negative" in rejects[i] for i in (6, 7, 9)), rejects
+    assert "not a whole number" in rejects[8]
     planned, rejects = plan_rows([{"id": "x", "subject": "s", "deliver_at": 1, "tags": ["t" * 300]}], now_ms=t)
     assert planned == [] and "255" in rejects[0]
 
@@ -566,3 +593,58 @@ def test_scan_buffer_examples():
     assert list(scan_buffer(bytes(data), 0, last=False))[-1].error.startswith("corrupt")
     z = list(scan_buffer(frame(b"a") + bytes(40), 0, last=True))
     assert z[-1].error.startswith("torn tail") and z[-1].size == 40
+
+
+def random_node_folders(root: Path, seed: int = 5) -> Path:
+    """A delay node's and a real-time node's folders shaped like the real thing whose segment
+    files hold random bytes only."""
+    rnd = random.Random(seed)
+    for log in ("delay-1/messages", "delay-1/dispatch", "realtime-1/messages"):
+        (root / log).mkdir(parents=True)
+        (root / log / f"{0:020d}.log").write_bytes(rnd.randbytes(20_000))
+    (root / "realtime-1" / "index").mkdir()
+    return root
+
+
+def test_a_folder_of_random_bytes_is_never_ok(spark, tmp_path):
+    """Every log of the input is damaged: the counts come from the logs themselves (not from an
+    observation Spark may leave out of the plan it ran), and the verdict names the files."""
+    from cluster.spark.audit import AuditSettings, run
+    from cluster.spark.report import verdict
+
+    data = random_node_folders(tmp_path / "data")
+    summary = run(spark, AuditSettings(paths=[str(data)], out=str(tmp_path / "out"), as_of_ms=T0))
+    assert summary["no_good_record"] and summary["corrupt_records"] >= 3, summary
+    assert all(v["records"] == v["errors"] > 0 for v in summary["logs"].values()), summary["logs"]
+    assert {Path(f["segment"]).parent.name for f in summary["corrupt_files"]} == {"messages", "dispatch"}
+    line = verdict(summary)
+    assert line.startswith("PROBLEMS: no log yields a good record") and "delay-1/messages" in line, line
+    assert line in (tmp_path / "out" / "report.html").read_text()
+    # one good log beside damaged ones: the damage is a PROBLEMS verdict, not "OK"
+    good = tmp_path / "mixed"
+    write_logs(good)
+    shutil.copytree(data / "realtime-1", good / "realtime-2")
+    mixed = run(spark, AuditSettings(paths=[str(good)], out=str(tmp_path / "out-mixed"), as_of_ms=T0 + 5 * HOUR,
+                                     report=False))
+    assert not mixed["no_good_record"] and mixed["logs"]["realtime"]["errors"] >= 1
+    assert verdict(mixed).startswith("PROBLEMS") and "realtime-2" in verdict(mixed)
+
+
+def test_local_sessions_stay_on_the_loopback_interface(spark):
+    """SPARK_LOCAL_IP defaults to 127.0.0.1 for a local master: the driver does not bind to the
+    machine's network address (what spark-submit did without it)."""
+    import os
+
+    assert spark.conf.get("spark.driver.host") == "127.0.0.1"
+    assert spark.conf.get("spark.driver.bindAddress") == "127.0.0.1"
+    assert os.environ["SPARK_LOCAL_IP"] == "127.0.0.1"
+
+
+def test_lateness_buckets_in_spark_are_the_python_ones(spark):
+    """The audit's histogram buckets (``stats.bucket_sql``, run by Spark) are ``stats.bucket``."""
+    from cluster.spark import stats
+
+    vals = [0, 1, 999, 1000, 1001, 9_999, 12_345, 99_999, 100_000, 9_876_543, 86_400_000]
+    rows = spark.sql(f"select v, {stats.bucket_sql('v')} as b from values "
+                     + ", ".join(f"(cast({v} as bigint))" for v in vals) + " as t(v)").collect()
+    assert [(r["v"], r["b"]) for r in rows] == [(v, stats.bucket(v)) for v in vals]

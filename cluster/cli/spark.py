@@ -23,7 +23,9 @@ log is off unless ``HOURGLASS_DEBUG=1``.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,8 +33,10 @@ from typing import List, Optional
 
 import typer
 
+from cluster.cli.common import EXIT_FAILED, CliError
 from cluster.errors import HourglassError, InvalidArgument
 from cluster.spark import options, outdir
+from node.store.settings import REALTIME_DEFAULTS
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Spark jobs: audit delivery from node logs, schedule a dataset in bulk.")
@@ -47,9 +51,29 @@ PAYLOAD_ENCODINGS = ("utf8", "base64")
 INPUT_ERROR_CLASSES = ("PATH_NOT_FOUND", "FAILED_READ_FILE", "UNABLE_TO_INFER_SCHEMA", "MALFORMED_RECORD",
                        "INVALID_PARQUET", "CANNOT_READ_FILE")
 
-MasterOpt = typer.Option(None, "--master", help="Spark master; default local[*] (or spark-submit's)")
+MasterOpt = typer.Option(None, "--master", help="Spark master: local[N], spark://host:port, yarn, k8s://https://host:port; "
+                                                 "default local[*] (or spark-submit's)")
+# the master URLs Spark 4 knows (SparkContext.createTaskScheduler), checked before Spark starts
+MASTER_FORMS = re.compile(r"local(\[(\*|\d+)(,\s*\d+)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]|"
+                          r"spark://[^\s/]+(,[^\s/]+)*|yarn|k8s://\S+")
+# a Spark-side failure that means the JVM is gone: it died (killed, out of memory) or never came up
+JVM_GONE = ("Answer from Java side is empty", "Error while receiving", "Error while sending",
+            "JAVA_GATEWAY_EXITED", "Connection refused", "SparkContext was shut down")
+OUT_OF_MEMORY = ("OutOfMemoryError", "Java heap space", "GC overhead limit exceeded", "System memory")
+HINT_JVM = ("hint: the JVM was killed or ran out of memory: give it more (--driver-memory 4g), "
+            "HOURGLASS_DEBUG=1 shows Spark's log and the trace")
 OverwriteOpt = typer.Option(False, "--overwrite", help="replace an earlier output in --out (else an existing --out "
                                                       "is refused)")
+
+
+def _check_master(master: Optional[str]) -> None:
+    if master is not None and not MASTER_FORMS.fullmatch(master.strip()):
+        raise InvalidArgument("--master", f"{master[:64]!r} is not a Spark master URL: local[N], local[*], "
+                                          "spark://host:port, yarn or k8s://https://host:port")
+
+
+def _quiet() -> bool:
+    return os.environ.get("HOURGLASS_DEBUG", "") in ("", "0")
 
 
 def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] = None):
@@ -61,7 +85,9 @@ def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] 
     chosen = master or (None if under_submit else LOCAL_MASTER)
     # a failed task is said once, by _spark_errors; Spark's own ERROR lines (a stack trace per
     # task) only with HOURGLASS_DEBUG=1
-    quiet = os.environ.get("HOURGLASS_DEBUG", "") in ("", "0")
+    quiet = _quiet()
+    if quiet:  # py4j logs a dead JVM's broken socket with a traceback; the CLI says it in one line
+        logging.getLogger("py4j").setLevel(logging.CRITICAL + 1)
     conf = {}
     if quiet and LOG4J_QUIET.is_file():  # read only when this process starts the JVM (not under spark-submit)
         conf["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile={LOG4J_QUIET.as_uri()}"
@@ -79,17 +105,34 @@ def _spark_errors() -> Iterator[None]:
     except HourglassError:
         raise
     except Exception as e:
-        module = type(e).__module__ or ""
-        if not module.startswith(("pyspark", "py4j")):
-            raise
+        raise spark_error(e) from None
+
+
+def spark_error(e: BaseException) -> BaseException:
+    """What the CLI says for an exception out of Spark: one line naming Spark's error class
+    (``InvalidArgument`` for an input Spark cannot read, exit 2), the JVM's death (killed, out
+    of memory) with a hint; anything that is not Spark's is returned as it is."""
+    module = type(e).__module__ or ""
+    if not module.startswith(("pyspark", "py4j")) and not isinstance(e, (ConnectionError, EOFError)):
+        return e
+    try:
         java = getattr(e, "java_exception", None)  # Py4JJavaError: the message is the Java exception's
         text = (str(java) if java is not None else str(e)).strip()
-        first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("JVM stacktrace")),
-                     type(e).__name__)
-        first = first.removeprefix("org.apache.spark.SparkException: ")
-        if type(e).__name__ == "AnalysisException" or any(f"[{c}" in first for c in INPUT_ERROR_CLASSES):
-            raise InvalidArgument("input", f"Spark cannot read it: {first}") from None
-        raise HourglassError(f"the Spark job failed: {first}") from None
+    except Exception:  # the JVM is gone: even the Java exception's text cannot be fetched
+        text = str(getattr(e, "errmsg", "") or type(e).__name__)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("JVM stacktrace")),
+                 type(e).__name__)
+    first = re.sub(r"^(org\.apache\.spark\.|java\.lang\.)\w+: ", "", first)
+    if "Could not parse Master URL" in first or "Master must either be" in first:
+        return InvalidArgument("--master", first)
+    if any(w in text for w in OUT_OF_MEMORY):
+        return CliError(f"the Spark job failed: out of memory ({first})", code=EXIT_FAILED, hint=HINT_JVM)
+    if isinstance(e, (ConnectionError, EOFError)) or type(e).__name__ == "Py4JNetworkError" or any(
+            w in text for w in JVM_GONE):
+        return CliError(f"the Spark job failed: Spark's JVM is gone ({first})", code=EXIT_FAILED, hint=HINT_JVM)
+    if type(e).__name__ == "AnalysisException" or any(f"[{c}" in first for c in INPUT_ERROR_CLASSES):
+        return InvalidArgument("input", f"Spark cannot read it: {first}")
+    return HourglassError(f"the Spark job failed: {first}")
 
 
 def _delay_nodes(delay: Optional[str], cluster_file: Optional[Path]) -> list[str]:
@@ -132,20 +175,23 @@ def audit(
     as_of_ms: Optional[int] = typer.Option(None, min=0, help="audit time for 'overdue' (epoch ms); default now"),
     grace_ms: int = typer.Option(30_000, min=0, help="not received by due + grace = lost"),
     late_ms: int = typer.Option(1_000, min=0, help="deliveries later than this are listed as late"),
+    hold_ms: int = typer.Option(REALTIME_DEFAULTS.visible_hold_ms_max, min=0, help="the real-time nodes' visible_hold_ms_max: a message stored "
+                                                 "further ahead of its due time was handed out early"),
     report: bool = typer.Option(True, help="write report.html and PNG plots"),
     master: Optional[str] = MasterOpt,
     driver_memory: Optional[str] = typer.Option(None, help="e.g. 4g (local mode: all of Spark's memory)"),
 ) -> None:
     """Lost, duplicated, delivered-after-cancel messages and lateness per subject and hour."""
-    from cluster.spark.audit import AuditSettings, run
+    from cluster.spark.audit import CORRUPT_FILES_SHOWN_MAX, AuditSettings, run
     from cluster.spark.report import verdict
 
     # everything the command line can get wrong is checked before Spark starts (~20 s)
+    _check_master(master)
     if any(options.is_local(p) for p in data):
         options.check_has_nodes([p for p in data if options.is_local(p)])
     outdir.check(out, overwrite=overwrite)
     settings = AuditSettings(paths=data, out=str(out), as_of_ms=as_of_ms, grace_ms=grace_ms, late_ms=late_ms,
-                             report=report, overwrite=overwrite)
+                             hold_ms=hold_ms, report=report, overwrite=overwrite)
     with _spark_errors():
         spark = _session(master, "hourglass-audit", driver_memory)
         summary = run(spark, settings)
@@ -153,6 +199,11 @@ def audit(
     typer.echo(verdict(summary))
     if report:
         typer.echo(f"report: {out / 'report.html'}")
+    if summary["no_good_record"]:  # a folder of random bytes is not an empty cluster: exit 1
+        files = summary["corrupt_files"]
+        raise HourglassError(f"no log yields a good record: {summary['corrupt_records']:,} torn/corrupt records in "
+                             f"{len(files)}{'+' if len(files) >= CORRUPT_FILES_SHOWN_MAX else ''} segment files, the first "
+                             f"{files[0]['segment'] if files else '-'} (the report lists them)")
 
 
 BULK_HELP = """Schedule every row of a dataset; bad rows go to the reject file with their reason.
@@ -185,12 +236,17 @@ def bulk_schedule(
 ) -> None:
     from cluster.spark.bulk import BulkSettings, run
 
+    _check_master(master)
     _check_input(input)
     chosen = _input_format(input, fmt)
     if payload_encoding not in PAYLOAD_ENCODINGS:
         raise InvalidArgument("--payload-encoding", f"{payload_encoding[:64]!r} is not one of utf8, base64")
     nodes = _delay_nodes(delay, cluster_file)
     outdir.check(out, overwrite=overwrite)
+    if options.is_local(input):  # the required columns, once, from the file's header or schema
+        from cluster.spark.bulk import check_local_columns
+
+        check_local_columns(input.removeprefix("file://").removeprefix("file:"), chosen)
     settings = BulkSettings(input=input, out=str(out), delay_nodes=nodes, format=chosen, rate_per_s=rate,
                             batch_max=batch, partitions=partitions, payload_encoding=payload_encoding,
                             overwrite=overwrite)

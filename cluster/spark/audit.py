@@ -33,29 +33,52 @@ Status of each scheduled message (first rule that applies):
 ``pending``                not received and not yet overdue
 =========================  ==================================================================
 
-``lateness_ms = first_received_ms - due_ms`` for ``delivered`` and ``duplicated``; a
-delivery is **late** when ``lateness_ms > late_ms``. Percentiles (p50/p90/p99/p99.9,
-``percentile_approx``) and problem counts are grouped per subject and UTC hour of the
-due time.
+Lateness is measured from the moment a message became **visible** to consumers, not from
+the real-time node's ``store_ms``: a delay node fires each round up to ``dispatch_lead_ms``
+ahead and the real-time node stores those messages at once but holds them until they are due
+(at most ``visible_hold_ms_max`` after storing them, ``node.realtime.index.visible_ms``). So
+``visible_ms = max(first_received_ms, due_ms)`` - or ``first_received_ms + hold_ms`` when the
+message was stored more than ``hold_ms`` ahead of its due time: then it was handed out
+**early**, by ``early_ms = due_ms - visible_ms``. ``lateness_ms = visible_ms - due_ms`` for
+``delivered`` and ``duplicated``, never negative (0 for an early one, which is counted in
+``early`` instead); a delivery is **late** when ``lateness_ms > late_ms``.
+
+Worked example (``hold_ms`` 100): due 10:00:00.000, stored by the real-time node at
+09:59:59.985 (fired 15 ms ahead) -> visible 10:00:00.000, lateness 0; stored at
+10:00:00.040 -> lateness 40 ms; stored at 09:59:59.500 -> visible 09:59:59.600, early by
+400 ms, lateness 0.
+
+Percentiles (p50/p90/p99/p99.9, nearest rank; exact below 1 s, at most 1% low above,
+``cluster.spark.stats``) and problem counts are grouped per subject and UTC hour of the due
+time, per hour, and overall - all from one small histogram of the ``messages`` Parquet.
 
 Outputs under ``out/`` (Parquet): ``messages`` (one row per scheduled message),
-``problems`` (lost, duplicated, delivered after cancel, late), ``lateness`` (per subject
+``problems`` (lost, duplicated, delivered after cancel, late, early), ``lateness`` (per subject
 and hour), ``hourly`` (all subjects per hour), ``corrupt`` (torn/corrupt/undecodable
 bytes from any log), plus ``summary.json`` and the report (``cluster.spark.report``).
 
-How it stays fast (10M log records in under 3 minutes on 2 cores, docs/benchmarks.md):
+How it stays fast (docs/benchmarks.md, "Spark audit at 10M records"):
 
 * each log is read with only the columns the audit needs (``.schema(...)`` of a few
   columns: the reader builds no others), and nothing is cached - a narrow scan is
   cheaper than Spark's in-memory columnar cache of it;
-* every aggregation has fixed-width buffers, so Spark uses its hash aggregate: nodes are
-  bits of a long (``bit_or``; a node's bit is its index among the node folders found,
-  ``NODES_MAX`` of each role) instead of ``collect_set``, and "counted once per distinct
-  value" is a group-by on the value first instead of ``count(distinct)``;
+* keys are longs: a node is a bit of a long (``bit_or``; its index among the node folders
+  found, ``NODES_MAX`` of each role), the delay side's events are grouped and joined by
+  ``(node bit, seq)``, and messages meet their copies by ``key = xxhash64(subject, id)``
+  (``_key``). The id and subject strings travel only with the delay side, which
+  ``messages/`` needs; the received side is all longs. So every aggregation is a hash
+  aggregate on fixed-width values, and "counted once per distinct value" is a group-by on
+  the value first instead of ``count(distinct)``;
+* both sides of the final join are hash-partitioned by the key by the aggregations before
+  it, and it is a shuffled hash join (hinted; it was a sort-merge join sorting both sides by
+  two strings);
 * one pass writes ``messages``; the counts of the summary (records and errors per log,
-  messages per status, received but never scheduled) are ``observe`` d during that pass,
-  everything else reads the ``messages`` Parquet back; the logs are read again for
-  ``corrupt`` only when that pass saw a damaged record.
+  messages per status, received but never scheduled) are ``observe`` d during that pass
+  (a log whose observation Spark left out of the plan is counted by its ``error`` column:
+  ``_log_counts``); the figures come from one histogram of that Parquet
+  (``cluster.spark.stats``, no ``percentile_approx`` rollup); the logs are read again for
+  ``corrupt`` only when that pass saw a damaged record;
+* no Python UDF anywhere in the plan: the Python side is the data source's reader only.
 """
 
 from __future__ import annotations
@@ -68,12 +91,13 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster.errors import InvalidArgument
+from node.store.settings import REALTIME_DEFAULTS
 
-from . import layout, outdir
+from . import layout, outdir, stats
 
 DLQ_SUBJECT = "hourglass.dlq"
 EXAMPLES_MAX = 20          # problem rows shown in the report per kind (all are in Parquet)
-LATENESS_ACCURACY = 10_000  # percentile_approx accuracy (relative error ~ 1/accuracy)
+CORRUPT_FILES_SHOWN_MAX = 20  # segment files named in the summary (the worst first; all rows are in corrupt/)
 NODES_MAX = 62             # node folders of one role: a node is a bit of a long
 STATUSES = ("delivered", "duplicated", "lost", "delivered_after_cancel", "cancelled", "pending")
 LOGS = ("message", "dispatch", "realtime")
@@ -91,6 +115,9 @@ class AuditSettings(BaseModel):
     as_of_ms: int | None = None                     # "now" for overdue; default: the wall clock at start
     grace_ms: int = Field(default=30_000, ge=0)     # overdue = not received by due + grace
     late_ms: int = Field(default=1_000, ge=0)       # a delivery later than this is listed as late
+    # a message stored more than this ahead of its due time was handed out this long after it was
+    # stored, i.e. early (the real-time nodes' visible_hold_ms_max)
+    hold_ms: int = Field(default=REALTIME_DEFAULTS.visible_hold_ms_max, ge=0)
     report: bool = True
     overwrite: bool = False                         # replace an earlier output in ``out`` (``outdir``)
 
@@ -133,6 +160,28 @@ def _names_of(col: str, bits: dict[str, int]):
                                for name, bit in bits.items()])
 
 
+def _key(subject, msg_id):
+    """A message's join key: ``xxhash64(subject, id)``, a long computed in the JVM (no Python
+    UDF). Aggregations and joins keyed by it hash and compare 8 bytes instead of two strings;
+    the strings travel only with the delay side, for ``messages/``. Two different (subject, id)
+    pairs share a key with probability ~ n^2 / 2^65 (3e-7 for 3.3M messages); they would be
+    counted as one message's copies."""
+    from pyspark.sql import functions as F
+
+    return F.xxhash64(subject, msg_id)
+
+
+def _visible(hold_ms: int):
+    """When the first copy became visible to consumers (module docstring): its due time, or
+    when it was stored if that was later; stored more than ``hold_ms`` ahead, ``hold_ms`` after
+    it was stored (early)."""
+    from pyspark.sql import functions as F
+
+    stored, due = F.col("first_received_ms"), F.col("due_ms")
+    return (F.when(stored + F.lit(hold_ms) < due, stored + F.lit(hold_ms))
+            .otherwise(F.greatest(stored, due)))
+
+
 def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
     """The audit's lazy DataFrames and the ``Observation`` s filled by writing ``messages``."""
     from pyspark.sql import Observation
@@ -162,20 +211,22 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
                   .select("node", "seq", F.lit(None).cast("long").alias("cancel_ms"), "dispatched_ms",
                           (F.col("outcome") == "dead_letter").alias("dead")))
     # within one node's dispatch log each dispatch of a message is one row, so count() is
-    # the distinct dispatches; replicas hold the same rows, hence max() over nodes below
-    events = (tombstones.unionByName(dispatches).groupBy("node", "seq")
+    # the distinct dispatches; replicas hold the same rows, hence max() over nodes below.
+    # Keyed by (node bit, seq): two longs, not the node's name
+    events = (tombstones.unionByName(dispatches).select(_bit_of("node", dbits).alias("node_bit"), "*")
+              .drop("node").groupBy("node_bit", "seq")
               .agg(F.min("cancel_ms").alias("cancel_ms"), F.count("dispatched_ms").alias("dispatched"),
                    F.min("dispatched_ms").alias("first_dispatched_ms"), F.max("dead").alias("dead")))
     # one row per message-log record; replicas of a group hold byte-identical logs, so the
     # same (subject, id, seq) found on several nodes is one message (see module docstring)
     rows = (sched.where("error is null and kind = 'message'")
-            .select("node", "seq", "id", "subject", "store_ms", "deliver_at_ms"))
-    # partitioned by (subject, id) once: the group-by below and the join with `received` need
-    # no other exchange (a hash partitioning on (subject, id) clusters (subject, id, seq) too)
-    msgs = (rows.join(events, ["node", "seq"], "left")
-            .withColumn("node_bit", _bit_of("node", dbits))
-            .repartition("subject", "id")
-            .groupBy("subject", "id", "seq")
+            .select(_bit_of("node", dbits).alias("node_bit"), "seq", "id", "subject", "store_ms", "deliver_at_ms",
+                    _key("subject", "id").alias("key")))
+    # partitioned by the key once: the group-by below and the join with `received` need no
+    # other exchange (a hash partitioning on key clusters (key, seq, subject, id) too)
+    msgs = (rows.join(events, ["node_bit", "seq"], "left")
+            .repartition("key")
+            .groupBy("key", "seq", "subject", "id")
             .agg(F.bit_or("node_bit").alias("node_bits"),
                  F.min("store_ms").alias("accepted_ms"), F.min("deliver_at_ms").alias("deliver_at_ms"),
                  F.min("cancel_ms").alias("cancelled_ms"),
@@ -183,22 +234,24 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
                  F.min("first_dispatched_ms").alias("first_dispatched_ms"),
                  F.coalesce(F.max("dead"), F.lit(False)).alias("dead_lettered"))
             .withColumn("due_ms", F.greatest("deliver_at_ms", "accepted_ms")))
-    # copies received: distinct (seq, store_ms) - a replica's copy has the same, a second hand-over not
+    # copies received: distinct (seq, store_ms) - a replica's copy has the same, a second hand-over
+    # not. The strings end here: the received side is all longs, keyed by the same hash
     dlq = F.col("properties").getItem("dlq.subject")
     copies = (recv.where("error is null and kind = 'message'")
-              .select(F.when((F.col("subject") == DLQ_SUBJECT) & dlq.isNotNull(), dlq)
-                      .otherwise(F.col("subject")).alias("rsubject"),
-                      F.col("id").alias("rid"), "seq", "store_ms", _bit_of("node", rbits).alias("node_bit"))
-              .repartition("rsubject", "rid")
-              .groupBy("rsubject", "rid", "seq", "store_ms").agg(F.bit_or("node_bit").alias("node_bits")))
-    received = (copies.groupBy("rsubject", "rid")
+              .select(_key(F.when((F.col("subject") == DLQ_SUBJECT) & dlq.isNotNull(), dlq)
+                           .otherwise(F.col("subject")), F.col("id")).alias("rkey"),
+                      "seq", "store_ms", _bit_of("node", rbits).alias("node_bit"))
+              .repartition("rkey")
+              .groupBy("rkey", "seq", "store_ms").agg(F.bit_or("node_bit").alias("node_bits")))
+    received = (copies.groupBy("rkey")
                 .agg(F.count(F.lit(1)).alias("received"), F.min("store_ms").alias("first_received_ms"),
                      F.max("store_ms").alias("last_received_ms"), F.bit_or("node_bits").alias("received_bits")))
 
-    j = msgs.join(received, (msgs.subject == received.rsubject) & (msgs.id == received.rid), "full_outer")
+    # both sides are hash-partitioned by the key already: a hash join, no sort of either side
+    j = msgs.join(received.hint("shuffle_hash"), msgs.key == received.rkey, "full_outer")
     # received but never scheduled (immediate sends) are counted while the messages are written
     j = j.observe(obs["messages"], F.count_if(F.col("seq").isNull()).alias("received_not_scheduled"))
-    j = j.where(F.col("seq").isNotNull()).drop("rsubject", "rid").fillna({"received": 0})
+    j = j.where(F.col("seq").isNotNull()).drop("rkey", "key").fillna({"received": 0})
     overdue = F.col("due_ms") + F.lit(s.grace_ms) < F.lit(as_of_ms)
     status = (F.when(F.col("cancelled_ms").isNotNull() & (F.col("received") > 0), "delivered_after_cancel")
               .when(F.col("cancelled_ms").isNotNull(), "cancelled")
@@ -208,7 +261,11 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
               .otherwise("pending"))
     delivered = F.col("status").isin("delivered", "duplicated")
     messages = (j.withColumn("status", status)
-                .withColumn("lateness_ms", F.when(delivered, F.col("first_received_ms") - F.col("due_ms")))
+                .withColumn("visible_ms", F.when(delivered, _visible(s.hold_ms)))
+                .withColumn("lateness_ms", F.greatest(F.col("visible_ms") - F.col("due_ms"), F.lit(0)))
+                .withColumn("early_ms", F.when(F.col("visible_ms") < F.col("due_ms"),
+                                               F.col("due_ms") - F.col("visible_ms")))
+                .withColumn("early", F.col("early_ms").isNotNull())
                 .withColumn("late", F.coalesce(F.col("lateness_ms") > F.lit(s.late_ms), F.lit(False)))
                 .withColumn("reason", F.when(F.col("status") == "lost",
                                              F.when(F.col("dispatched") > 0, "dispatched but never received")
@@ -224,7 +281,8 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
                 .withColumn("received_on", _names_of("received_bits", rbits))
                 .select("subject", "id", "seq", "nodes", "accepted_ms", "deliver_at_ms", "due_ms", "cancelled_ms",
                         "dispatched", "first_dispatched_ms", "dead_lettered", "received", "first_received_ms",
-                        "last_received_ms", "received_on", "status", "lateness_ms", "late", "reason", "hour"))
+                        "last_received_ms", "received_on", "status", "visible_ms", "lateness_ms", "late",
+                        "early_ms", "early", "reason", "hour"))
     return {"messages": messages, "observations": obs}
 
 
@@ -256,7 +314,8 @@ OBSERVED_WAIT_S = 60.0  # the metrics are there once the write returned; this on
 def _observed(o) -> dict:
     """``Observation.get`` waits without a limit for metrics of a plan node that might have been
     optimised away, and fails when Spark skipped it (AQE drops the branch of a log with no
-    segment); wait at most ``OBSERVED_WAIT_S``, and an absent row counts as nothing read."""
+    segment, or the branches that meet an empty side); wait at most ``OBSERVED_WAIT_S``. ``{}``
+    means "not observed" (``_log_counts`` then counts the log itself), never "nothing read"."""
     import threading
 
     got: list[dict] = []
@@ -264,13 +323,28 @@ def _observed(o) -> dict:
     def get() -> None:
         try:
             got.append(o.get)
-        except Exception:  # no metrics row: Spark skipped the observed part (an empty log), so 0
+        except Exception:  # no metrics row: Spark skipped the observed part
             got.append({})
 
     t = threading.Thread(target=get, daemon=True, name="observation")
     t.start()
     t.join(OBSERVED_WAIT_S)
     return got[0] if got else {}
+
+
+def _log_counts(spark, paths: list[str], log: str, observed: dict) -> dict:
+    """Records and errors of one log: what the pass observed, or - when Spark left the observed
+    part out of the plan it ran (AQE drops the branches that meet an empty side, e.g. a log
+    whose every record is corrupt) - counted by a scan of its ``error`` column alone. A log
+    of random bytes must not read as "nothing there"."""
+    if "records" in observed:
+        return {"records": observed["records"], "errors": observed["errors"]}
+    from pyspark.sql import functions as F
+
+    row = (read_log(spark, paths, log, ("error",))
+           .agg(F.count(F.lit(1)).alias("records"), F.count_if(F.col("error").isNotNull()).alias("errors"))
+           .collect()[0])
+    return {"records": row["records"], "errors": row["errors"]}
 
 
 def _empty_parquet(path: Path, schema) -> None:
@@ -282,23 +356,23 @@ def _empty_parquet(path: Path, schema) -> None:
     pq.write_table(pa.Table.from_batches([], to_arrow_schema(schema)), path / "part-00000.parquet")
 
 
-def _aggs(s: AuditSettings):
-    from pyspark.sql import functions as F
-
-    lat = F.col("lateness_ms")
-    delivered = F.col("status").isin("delivered", "duplicated")
-    return [F.count_if(delivered).alias("delivered"),
-            *[F.count_if(F.col("status") == k).alias(k) for k in STATUSES if k != "delivered"],
-            F.count_if(F.col("late")).alias("late"),
-            F.percentile_approx(lat, [0.5, 0.9, 0.99, 0.999], LATENESS_ACCURACY).alias("pct"),
-            F.max(lat).alias("max_ms")]
+# lateness/ and hourly/ (written by the driver from ``stats.figures``: a few rows per subject-hour)
+LATENESS_TYPES = {"subject": "string", "hour": "timestamp", "delivered": "int64", "duplicated": "int64",
+                  "lost": "int64", "delivered_after_cancel": "int64", "cancelled": "int64", "pending": "int64",
+                  "late": "int64", "early": "int64", "p50_ms": "int64", "p90_ms": "int64", "p99_ms": "int64",
+                  "p999_ms": "int64", "max_ms": "int64"}
 
 
-def _flat(df):
-    from pyspark.sql import functions as F
+def _write_rows(path: Path, rows: list[dict], types: dict[str, str]) -> None:
+    """Small driver-side rows as one Parquet file in a folder (what Spark reads as a dataset)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    return df.select(*[c for c in df.columns if c != "pct"],
-                     *[F.col("pct")[i].alias(n) for i, n in enumerate(["p50_ms", "p90_ms", "p99_ms", "p999_ms"])])
+    schema = pa.schema([(k, pa.timestamp("us", tz="UTC") if t == "timestamp" else pa.type_for_alias(t))
+                        for k, t in types.items()])
+    path.mkdir()
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in types} for r in rows], schema),
+                   path / "part-00000.parquet")
 
 
 def run(spark, s: AuditSettings) -> dict:
@@ -327,23 +401,24 @@ def run(spark, s: AuditSettings) -> dict:
         dfs["messages"].write.parquet(str(out / "messages"))
         phase("write_messages")
         obs = {k: _observed(v) for k, v in dfs["observations"].items()}
-        logs = {log: {"records": obs[log].get("records", 0), "errors": obs[log].get("errors", 0)} for log in LOGS}
+        logs = {log: _log_counts(spark, s.paths, log, obs[log]) for log in LOGS}
         messages = spark.read.parquet(str(out / "messages"))
-        (messages.where("status in ('lost', 'duplicated', 'delivered_after_cancel') or late")
-         .withColumn("problem", F.when(F.col("status") == "delivered", F.lit("late")).otherwise(F.col("status")))
+        (messages.where("status in ('lost', 'duplicated', 'delivered_after_cancel') or late or early")
+         .withColumn("problem", F.when(F.col("status") != "delivered", F.col("status"))
+                     .when(F.col("late"), F.lit("late")).otherwise(F.lit("early")))
          .write.parquet(str(out / "problems")))
         phase("write_problems")
-        # one aggregation for the per subject-hour, per hour and overall figures (a rollup)
-        stats = (messages.rollup("hour", "subject").agg(*_aggs(s), F.grouping_id().alias("level"))
-                 .persist())
-        _flat(stats.where("level = 0").drop("level")).write.parquet(str(out / "lateness"))
-        _flat(stats.where("level = 1").drop("level", "subject")).write.parquet(str(out / "hourly"))
-        total = (_flat(stats.where("level = 3").drop("level", "subject", "hour")).collect() or [None])[0]
-        stats.unpersist()
-        by_status = {k: (total[k] if total is not None else 0) for k in STATUSES}
+        # one small histogram (a hash aggregate of a few columns of the Parquet) for every
+        # per subject-hour, per hour and overall figure (cluster.spark.stats)
+        hist = (messages.groupBy("hour", "subject", "status", "late", "early",
+                                 F.expr(stats.bucket_sql()).alias("bucket"))
+                .agg(F.count(F.lit(1)).alias("n"), F.max("lateness_ms").alias("max_ms")))
+        lateness_rows, hourly_rows, overall = stats.figures(hist.toArrow().to_pylist())
+        _write_rows(out / "lateness", lateness_rows, LATENESS_TYPES)
+        _write_rows(out / "hourly", hourly_rows, {k: v for k, v in LATENESS_TYPES.items() if k != "subject"})
+        by_status = {k: overall[k] for k in STATUSES}
         by_status["delivered"] -= by_status["duplicated"]  # the figures' "delivered" counts both
-        late = total["late"] if total is not None else 0
-        overall = total.asDict() if total is not None else {}
+        late, early = overall["late"], overall["early"]
         phase("write_lateness")
         if any(v["errors"] for v in logs.values()):  # read the logs again only when something is damaged
             corrupt = None
@@ -351,19 +426,22 @@ def run(spark, s: AuditSettings) -> dict:
                 part = read_log(spark, s.paths, log, CORRUPT_COLUMNS).where("error is not null")
                 corrupt = part if corrupt is None else corrupt.unionByName(part)
             corrupt.write.parquet(str(out / "corrupt"))
+            corrupt_files = [{"segment": r["segment"], "records": r["count"]} for r in
+                             spark.read.parquet(str(out / "corrupt")).groupBy("segment").count()
+                             .orderBy(F.desc("count"), "segment").limit(CORRUPT_FILES_SHOWN_MAX).collect()]
         else:  # an empty dataset with the schema, without a Spark job
             _empty_parquet(out / "corrupt", StructType([MESSAGE_SCHEMA[c] for c in CORRUPT_COLUMNS]))
+            corrupt_files = []
         phase("write_corrupt")
 
-        lateness_rows = [r.asDict() for r in spark.read.parquet(str(out / "lateness")).collect()]
-        hourly_rows = [r.asDict() for r in spark.read.parquet(str(out / "hourly")).orderBy("hour").collect()]
         # worst first within each kind: the longest lateness, else the earliest due
-        first = Window.partitionBy("problem").orderBy(F.col("lateness_ms").desc_nulls_last(), "due_ms", "id")
+        first = Window.partitionBy("problem").orderBy(F.col("lateness_ms").desc_nulls_last(),
+                                                     F.col("early_ms").desc_nulls_last(), "due_ms", "id")
         examples: dict[str, list[dict]] = {}
         for r in (spark.read.parquet(str(out / "problems")).withColumn("n", F.row_number().over(first))
                   .where(F.col("n") <= EXAMPLES_MAX).orderBy("problem", "n")
                   .select("problem", "nodes", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
-                          "first_received_ms", "lateness_ms", "reason").collect()):
+                          "first_received_ms", "lateness_ms", "early_ms", "reason").collect()):
             examples.setdefault(r["problem"], []).append(r.asDict())
         corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
         phase("summaries")
@@ -374,9 +452,13 @@ def run(spark, s: AuditSettings) -> dict:
             "scheduled": sum(by_status.values()),
             "status": by_status,
             "late": late,
+            "early": early, "hold_ms": s.hold_ms,
             "lateness_ms": {k: overall.get(k) for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms")},
             "received_not_scheduled": obs["messages"].get("received_not_scheduled", 0),
             "corrupt_records": sum(v["errors"] for v in logs.values()),
+            "corrupt_files": corrupt_files,
+            # records read but not one of them good: a folder of random bytes, not an empty cluster
+            "no_good_record": records_read > 0 and all(v["records"] == v["errors"] for v in logs.values()),
             "seconds": round(time.time() - started, 3),
             "phases_s": phases,
         }

@@ -9,12 +9,17 @@ column         accepted values
                rerun idempotent: the delay node answers "duplicate" for an id it already holds
                with the same content, and ``AlreadyExists`` (a reject) for different content.
 ``subject``    required
-``deliver_at`` required; epoch milliseconds (number or digits), an ISO-8601 string (no zone
-               means UTC), or a timestamp/date column. A time in the past means "now".
+``deliver_at`` required; epoch milliseconds (a whole number, not negative: the codec's rule),
+               an ISO-8601 string (no zone means UTC), or a timestamp/date column (from 1970
+               on). A time in the past means "now".
 ``payload``    optional; bytes (Parquet binary) or text (UTF-8, or base64 with
                ``payload_encoding="base64"``)
 ``tags``       optional; a list, or one string of tags separated by ``,``
 =============  ==================================================================================
+
+A dataset without the ``id``, ``subject`` or ``deliver_at`` column is refused once, before
+any row is sent (``missing_columns``; the CLI reads a local file's header or schema before
+Spark starts, ``check_local_columns``), not rejected row by row.
 
 Each Spark task (``mapInArrow``) parses its rows (``plan_row``), validates the parsed ones
 at once as one codec batch with the broker's own limits (``cluster.codec.Batch.validate``,
@@ -57,6 +62,8 @@ RESULT_SCHEMA = ("id string, subject string, deliver_at_ms bigint, status string
                  "delay_node string, source string")
 OUTCOMES = ("scheduled", "duplicate", "rejected", "failed")
 SOURCE_FIELD_CHARS_MAX = 1024   # per field of a reject's ``source``: the JSON stays whole, long values are cut
+REQUIRED_COLUMNS = ("id", "subject", "deliver_at")
+JSON_PRECHECK_BYTES_MAX = 64 << 20  # a JSON-lines file is searched this far for the required keys before Spark
 
 
 class BulkSettings(BaseModel):
@@ -81,6 +88,15 @@ class BadRow(Exception):
 
 
 def parse_deliver_at(v) -> int:
+    """Epoch ms of a row's ``deliver_at``; ``BadRow`` for anything else, and for a time before
+    1970 or a fraction of a millisecond (the codec's rule: a whole, non-negative number)."""
+    ms = _deliver_at(v)
+    if ms < 0:
+        raise BadRow(f"deliver_at {str(v)[:64]!r} is negative; epoch milliseconds must not be negative")
+    return ms
+
+
+def _deliver_at(v) -> int:
     if v is None or v == "":
         raise BadRow("deliver_at is missing")
     if isinstance(v, bool):
@@ -90,6 +106,8 @@ def parse_deliver_at(v) -> int:
     if isinstance(v, float):
         if not math.isfinite(v):
             raise BadRow(f"deliver_at {v!r} is not a time")
+        if not v.is_integer():
+            raise BadRow(f"deliver_at {v!r} is not a whole number of milliseconds")
         return int(v)
     if isinstance(v, datetime):
         dt = v if v.tzinfo else v.replace(tzinfo=timezone.utc)
@@ -104,8 +122,68 @@ def parse_deliver_at(v) -> int:
             dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
         except ValueError:
             raise BadRow(f"deliver_at {v[:64]!r} is neither epoch milliseconds nor ISO-8601") from None
-        return parse_deliver_at(dt)
+        return _deliver_at(dt)
     raise BadRow(f"deliver_at of type {type(v).__name__} is not a time")
+
+
+def missing_columns(columns) -> list[str]:
+    """The required columns a dataset lacks (``[]`` when it has them all)."""
+    have = set(columns)
+    return [c for c in REQUIRED_COLUMNS if c not in have]
+
+
+def refuse_missing(columns, what: str) -> None:
+    missing = missing_columns(columns)
+    if missing:
+        raise InvalidArgument("input", f"{what} has no {', '.join(missing)} column (required: "
+                                       f"{', '.join(REQUIRED_COLUMNS)}; it has {', '.join(columns) or 'none'})")
+
+
+def check_local_columns(path: str, fmt: str) -> None:
+    """Refuse a local input without a required column, before Spark starts: CSV by its header
+    line, Parquet by its schema, JSON lines by the keys of its objects (the first
+    ``JSON_PRECHECK_BYTES_MAX`` bytes; a key seen nowhere there is left to the check after
+    Spark read the schema, ``run``). A folder is judged by its first data file."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+        if not files:
+            raise InvalidArgument("input", f"{path} holds no data file")
+        p = files[0]
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.read_schema(p).names
+        except (OSError, ValueError):  # not Parquet (pyarrow's ArrowInvalid): Spark says so in its own words
+            return
+        refuse_missing(names, str(p))
+    elif fmt == "csv":
+        import csv
+
+        with open(p, newline="", encoding="utf-8", errors="replace") as f:
+            header = next(csv.reader(f), [])
+        refuse_missing([h.strip() for h in header], str(p))
+    else:
+        seen: set[str] = set()
+        done = True
+        with open(p, "rb") as f:
+            read = 0
+            for line in f:
+                read += len(line)
+                if read > JSON_PRECHECK_BYTES_MAX:
+                    done = False
+                    break
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue  # a malformed line is that row's reject
+                if isinstance(obj, dict):
+                    seen.update(obj)
+                if not missing_columns(seen):
+                    return
+        if done:
+            refuse_missing(sorted(seen), str(p))
 
 
 def parse_tags(v) -> tuple[str, ...]:
@@ -177,7 +255,7 @@ def plan_rows(rows: list[dict], *, now_ms: int, payload_encoding: str = "utf8",
     ps = [p for _, p in parsed]
     try:
         batch = Batch.build([p.subject for p in ps], [p.payload for p in ps], [p.msg_id for p in ps],
-                            np.maximum([p.deliver_at_ms for p in ps], 0),
+                            [p.deliver_at_ms for p in ps],
                             extras=[encode_extra(p.tags) if p.tags else b"" for p in ps])
     except HourglassError:  # a tag over 255 bytes, more than 255 tags: find which, row by row
         return _plan_one_by_one(parsed, rejects, now_ms, limits)
@@ -192,7 +270,7 @@ def _plan_one_by_one(parsed: list[tuple[int, Planned]], rejects: dict[int, str],
     ok = []
     for i, p in parsed:
         try:
-            b = Batch.build(p.subject, [p.payload], [p.msg_id], [max(p.deliver_at_ms, 0)],
+            b = Batch.build(p.subject, [p.payload], [p.msg_id], [p.deliver_at_ms],
                             extras=[encode_extra(p.tags)])
         except HourglassError as e:
             rejects[i] = str(e)
@@ -285,7 +363,7 @@ async def _send_rows(rows: list[dict], s: BulkSettings, rate_per_task: float) ->
                 by_node.setdefault(n, []).append((i, p))
             futs = [await producers[n].send_many([p.subject for _, p in items], [p.payload for _, p in items],
                                                  ids=[p.msg_id for _, p in items],
-                                                 deliver_at_ms=[max(p.deliver_at_ms, 0) for _, p in items],
+                                                 deliver_at_ms=[p.deliver_at_ms for _, p in items],
                                                  tags=[p.tags for _, p in items] if any(p.tags for _, p in items)
                                                  else None)
                     for n, items in by_node.items()]
@@ -354,6 +432,7 @@ def run(spark, s: BulkSettings) -> dict:
     started = time.time()
     outdir.check(Path(s.out), overwrite=s.overwrite)
     df = read_input(spark, s.input, s.format)
+    refuse_missing([c for c in df.columns if c != CORRUPT_COLUMN], s.input)  # once, before any row is sent
     with outdir.writing(Path(s.out), overwrite=s.overwrite) as out:
         if CORRUPT_COLUMN in df.columns:
             df = df.cache()  # Spark refuses queries on raw JSON/CSV that touch only the corrupt column

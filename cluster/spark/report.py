@@ -6,16 +6,23 @@ a bounded number of example problems), so its cost does not grow with the data.
 Figures (``figures`` builds them as matplotlib objects, ``write_report`` saves them):
 
 * ``status.png``   - messages per outcome, one bar each (delivered, duplicated, lost,
-  delivered after cancel, cancelled, pending) and ``late`` (a part of the delivered ones,
-  hatched), the count printed at every bar; log axis, ticks as 1 / 10 / 1k / 1M;
+  delivered after cancel, cancelled, pending) and ``late`` and ``early`` (parts of the
+  delivered ones, hatched, each its own colour), the count printed at every bar; log axis,
+  ticks as 1 / 10 / 1k / 1M;
 * ``lateness.png`` - p50 / p99 / max lateness per UTC hour of the due time (lines, or
   grouped bars with their values when there are at most ``BARS_HOURS_MAX`` hours),
   the ``--late-ms`` threshold as a dashed line; log axis in ms / s / min;
-* ``heatmap.png``  - p99 lateness per subject (rows, busiest first) and hour, the value
-  written in each cell; a cell with nothing delivered says why ("3 lost", "pending",
-  "cancelled") and a cell with a loss is framed in blue; blank means nothing was due;
+* ``heatmap.png``  - p99 lateness per subject (rows, busiest first) and hour; each cell says
+  all it holds (``cell_lines``: its p99, then "3 lost", "1 early", "4 pending", "1 cancelled")
+  and a cell with a loss is framed in blue; blank means nothing was due; the late threshold
+  is a bold tick of its own on the colour bar ("1.0 s: late above");
 * ``problems.png`` - two panels per subject: failures (lost, duplicated, delivered after
-  cancel, stacked) and, apart, late deliveries, each bar with its count.
+  cancel, stacked) and, apart, late deliveries, each bar with its count; an empty panel is
+  one sentence ("No delivery was later than 1.0 s.").
+
+The verdict (``verdict``) is "OK" only when nothing failed, nothing was early and no record
+was damaged; damaged records name their segment files, and an input with no good record at
+all is "PROBLEMS: no log yields a good record".
 
 Tables show UTC times ("2026-11-23 11:00:05.120Z"), lateness in ms / s ("120.0 s"), "-"
 for no value, and problems worst first (the longest lateness first; ``audit.run`` orders
@@ -38,7 +45,8 @@ FAILURE_KINDS = ("lost", "duplicated", "delivered_after_cancel")
 PROBLEM_KINDS = FAILURE_KINDS + ("late",)
 OUTCOMES = ("delivered", "duplicated", "lost", "delivered_after_cancel", "cancelled", "pending")
 COLORS = {"delivered": "#4c9a2a", "duplicated": "#e6a100", "lost": "#c0392b", "delivered_after_cancel": "#8e44ad",
-          "cancelled": "#7f8c8d", "pending": "#2980b9", "late": "#d35400"}
+          "cancelled": "#7f8c8d", "pending": "#2980b9", "late": "#d35400", "early": "#17a2b8"}
+PARTS = ("late", "early")  # parts of the delivered: hatched bars, their own colour
 DPI = 110
 LOSS_EDGE = "#1a4f9c"   # heatmap frame of a cell with a loss: stands out on every colour of the map
 
@@ -98,25 +106,27 @@ def hour_label(h) -> str:
 def _status_figure(plt, summary: dict):
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    names = list(OUTCOMES) + ["late"]
-    vals = [summary["status"].get(n, 0) for n in OUTCOMES] + [summary.get("late", 0)]
+    names = list(OUTCOMES) + list(PARTS)
+    vals = [summary["status"].get(n, 0) for n in OUTCOMES] + [summary.get(p, 0) for p in PARTS]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     top = max(vals + [1])
     bars = ax.barh([label(n) for n in names], [v if v > 0 else 0 for v in vals],
                    color=[COLORS[n] for n in names], left=0.8)
-    bars[-1].set_hatch("//")
-    bars[-1].set_alpha(0.75)
+    for b in bars[len(OUTCOMES):]:
+        b.set_hatch("//")
+        b.set_alpha(0.75)
     ax.set_xscale("log")
     ax.set_xlim(0.8, top * 30)  # room for the count printed after the longest bar
     ax.xaxis.set_major_locator(LogLocator(base=10))
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: count(x)))
     for b, v in zip(bars, vals):
         ax.text(max(b.get_width() + 0.8, 0.9) * 1.15, b.get_y() + b.get_height() / 2, f"{v:,}", va="center",
-                fontsize=9, fontweight="bold" if v and b.get_label() != "late" else None)
+                fontsize=9, fontweight="bold" if v else None)
     ax.invert_yaxis()
     ax.set_xlabel("messages (log scale)")
     ax.set_ylabel("outcome")
-    ax.set_title(f"{summary['scheduled']:,} scheduled messages by outcome (late: part of delivered)", fontsize=10)
+    ax.set_title(f"{summary['scheduled']:,} scheduled messages by outcome (late, early: parts of delivered)",
+                 fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -205,38 +215,47 @@ def _heatmap_figure(plt, lateness: list[dict], late_ms: int):
     finite = grid[np.isfinite(grid)]
     vmax = max(float(finite.max()) * 1.2 if finite.size else 1.0, late_ms * 1.2, 10.0)
     vmin = max(1.0, min(float(finite.min()) / 3 if finite.size else 1.0, late_ms / 3))
+    show_text = len(hours) <= CELL_TEXT_HOURS_MAX
+    texts = {ij: cell_lines(r) for ij, r in cells.items()} if show_text else {}
+    lines_max = max((len(t) for t in texts.values()), default=1)
     width = min(16.0, max(8.0, 3.5 + 0.9 * len(hours)))
-    fig, ax = plt.subplots(figsize=(width, 1.6 + 0.42 * len(subjects)))
+    fig, ax = plt.subplots(figsize=(width, 1.6 + (0.3 + 0.13 * lines_max) * len(subjects)))
     im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="YlOrRd", norm=LogNorm(vmin=vmin, vmax=vmax))
     ax.set_facecolor("white")
     ax.set_yticks(range(len(subjects)), subjects, fontsize=8)
     step = max(1, len(hours) // 16)
     ax.set_xticks(range(len(hours))[::step], [hour_label(h) for h in hours][::step], rotation=30, ha="right",
                   fontsize=8)
-    show_text = len(hours) <= CELL_TEXT_HOURS_MAX
     for (i, j), r in cells.items():
         lost = r.get("lost") or 0
         if lost:
             ax.add_patch(Rectangle((j - 0.45, i - 0.45), 0.9, 0.9, fill=False, edgecolor=LOSS_EDGE, linewidth=2.5))
-        if not show_text:
+        if (i, j) not in texts:
             continue
-        if r.get("p99_ms") is not None:
-            v = r["p99_ms"]
-            text = duration(v) + (f"\n{lost} lost" if lost else "")
-            dark = math.log(max(v, vmin) / vmin) > 0.6 * math.log(vmax / vmin)
-            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white" if dark else "black")
-        else:  # nothing delivered in this cell: say what happened instead
-            why = (f"{lost} lost" if lost else "pending" if r.get("pending") else
-                   "cancelled" if r.get("cancelled") else "-")
-            ax.text(j, i, why, ha="center", va="center", fontsize=7,
-                    color="#c0392b" if lost else "#555555", fontweight="bold" if lost else None)
+        v = r.get("p99_ms")
+        dark = v is not None and math.log(max(v, vmin) / vmin) > 0.6 * math.log(vmax / vmin)
+        lines = texts[(i, j)]
+        # the value in the cell's ink; what was not delivered in red when something was lost
+        ax.text(j, i, "\n".join(lines), ha="center", va="center", fontsize=7 if len(lines) <= 2 else 6,
+                color="white" if dark else "#c0392b" if lost and v is None else "black",
+                fontweight="bold" if lost else None, linespacing=1.1)
     cb = fig.colorbar(im, ax=ax)
-    ticks = [m * 10 ** e for e in range(0, 9) for m in (1, 2, 5) if vmin <= m * 10 ** e <= vmax]
+    threshold = max(late_ms, 1)
+    # the threshold is a tick of its own ("1 s = late"); round ticks too close to it are left out
+    ticks = [m * 10 ** e for e in range(0, 9) for m in (1, 2, 5) if vmin <= m * 10 ** e <= vmax
+             and not 1 / 1.6 < m * 10 ** e / threshold < 1.6]
+    ticks = sorted(ticks + ([threshold] if vmin <= threshold <= vmax else []))
     cb.set_ticks(ticks if len(ticks) >= 2 else [vmin, vmax])
-    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: duration(v)))
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: f"{duration(v)}: late above" if v == threshold else duration(v)))
+    for t in cb.ax.get_yticklabels():
+        if t.get_text().endswith("late above"):
+            t.set_fontweight("bold")
+    cb.ax.tick_params(labelsize=9)
     cb.ax.minorticks_off()
-    cb.set_label("p99 lateness (log scale; dashed: late threshold)", fontsize=8)
-    cb.ax.axhline(max(late_ms, 1), color="#1f1f1f", linewidth=1.5, linestyle="--")
+    cb.set_label("p99 lateness (log scale)", fontsize=10)
+    cb.ax.axhline(threshold, color="black", linewidth=3)
+    cb.ax.axhline(threshold, color="white", linewidth=1.2, linestyle="--")
     ax.set_xlabel("hour of due time (UTC)")
     ax.set_ylabel("subject (busiest first)")
     ax.set_title("p99 lateness per subject and hour\n(blue frame: a message lost; blank: nothing due)",
@@ -245,7 +264,18 @@ def _heatmap_figure(plt, lateness: list[dict], late_ms: int):
     return fig
 
 
-def _problems_figure(plt, lateness: list[dict]):
+def cell_lines(r: dict) -> list[str]:
+    """What a heatmap cell says: its p99 when something was delivered, then every other count
+    it holds (``["120 ms", "2 lost", "3 pending"]``); ``["-"]`` when it holds nothing."""
+    lines = [duration(r["p99_ms"])] if r.get("p99_ms") is not None else []
+    for k, word in (("lost", "lost"), ("early", "early"), ("pending", "pending"), ("cancelled", "cancelled"),
+                    ("delivered_after_cancel", "after cancel")):
+        if r.get(k):
+            lines.append(f"{r[k]:,} {word}")
+    return lines or ["-"]
+
+
+def _problems_figure(plt, lateness: list[dict], late_ms: int):
     per: dict[str, dict[str, int]] = {}
     for r in lateness:
         d = per.setdefault(r["subject"], {k: 0 for k in PROBLEM_KINDS})
@@ -273,8 +303,8 @@ def _problems_figure(plt, lateness: list[dict]):
         left.legend(fontsize=8, loc="lower right")
     else:
         left.set_yticks([])
-        left.text(0.5, 0.5, "none: nothing lost, duplicated\nor delivered after cancel", ha="center", va="center",
-                  transform=left.transAxes, fontsize=10, color="#4c9a2a")
+        left.text(0.5, 0.5, "Nothing was lost, duplicated\nor delivered after its cancel.", ha="center",
+                  va="center", transform=left.transAxes, fontsize=10, color="#4c9a2a")
     left.invert_yaxis()
     left.xaxis.get_major_locator().set_params(integer=True)
     left.set_xlabel("messages")
@@ -289,8 +319,8 @@ def _problems_figure(plt, lateness: list[dict]):
         right.set_xlim(0, top * 1.25 + 1)
     else:
         right.set_yticks([])
-        right.text(0.5, 0.5, "none late", ha="center", va="center", transform=right.transAxes, fontsize=10,
-                   color="#4c9a2a")
+        right.text(0.5, 0.5, f"No delivery was later\nthan {duration(late_ms)}.", ha="center", va="center",
+                   transform=right.transAxes, fontsize=10, color="#4c9a2a")
     right.invert_yaxis()
     right.xaxis.get_major_locator().set_params(integer=True)
     right.set_xlabel("late deliveries")
@@ -311,7 +341,7 @@ def figures(summary: dict, lateness: list[dict], hourly: list[dict]) -> dict[str
     made = {"status.png": _status_figure(plt, summary),
             "lateness.png": _lateness_figure(plt, hourly, summary["late_ms"]),
             "heatmap.png": _heatmap_figure(plt, lateness, summary["late_ms"]),
-            "problems.png": _problems_figure(plt, lateness)}
+            "problems.png": _problems_figure(plt, lateness, summary["late_ms"])}
     return {k: v for k, v in made.items() if v is not None}
 
 
@@ -339,6 +369,7 @@ def _cell(col: str, v) -> str:
 
 
 HEADINGS = {"due_ms": "due (UTC)", "first_received_ms": "received (UTC)", "lateness_ms": "lateness",
+            "early_ms": "early by",
             "p50_ms": "p50", "p99_ms": "p99", "max_ms": "max", "hour": "hour (UTC)"}
 
 
@@ -351,27 +382,48 @@ def _table(rows: list[dict], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+VERDICT_FILES_MAX = 3   # corrupt segment files named in the verdict line (all are in the report)
+
+
+def corrupt_text(summary: dict) -> str:
+    """``"12 torn/corrupt records in /d/delay-1/messages/0.log, ... (+2 more files)"``."""
+    files = [f["segment"] for f in summary.get("corrupt_files") or []]
+    where = ""
+    if files:
+        more = len(files) - VERDICT_FILES_MAX
+        where = " in " + ", ".join(files[:VERDICT_FILES_MAX]) + (f" (+{more} more files)" if more > 0 else "")
+    return f"{summary['corrupt_records']:,} torn/corrupt records{where}"
+
+
 def verdict(summary: dict) -> str:
+    """The report's first line: ``OK: ...`` only when records were read, nothing failed and no
+    record was damaged; a folder of random bytes is ``PROBLEMS: no log yields a good record``."""
+    if summary.get("no_good_record"):
+        return "PROBLEMS: no log yields a good record: " + corrupt_text(summary)
     st = summary["status"]
     issues = [f"{st[k]:,} {label(k)}" for k in FAILURE_KINDS if st[k]]
+    if summary.get("early"):
+        issues.append(f"{summary['early']:,} delivered early")
     if summary.get("corrupt_records"):
-        issues.append(f"{summary['corrupt_records']:,} torn/corrupt records")
+        issues.append(corrupt_text(summary))
     return "PROBLEMS: " + ", ".join(issues) if issues else "OK: nothing lost, duplicated or delivered after cancel"
 
 
 def _problem_sections(summary: dict, examples: dict) -> str:
-    totals = dict(summary["status"], late=summary.get("late", 0))
+    totals = dict(summary["status"], late=summary.get("late", 0), early=summary.get("early", 0))
     cols = ["subject", "id", "nodes", "due_ms", "first_received_ms", "lateness_ms", "received", "dispatched",
             "reason"]
+    early_cols = [c if c != "lateness_ms" else "early_ms" for c in cols]
     out = []
-    for k in PROBLEM_KINDS:
+    for k in PROBLEM_KINDS + ("early",):
         shown, total = len(examples.get(k, [])), totals.get(k, 0)
         if not total:
             out.append(f"<h3>{html.escape(label(k))}: none</h3>")
             continue
         note = "all shown" if shown >= total else f"first {shown} shown"
-        order = ", worst first" if k == "late" else ""
-        out.append(f"<h3>{html.escape(label(k))}: {total:,} ({note}{order})</h3>" + _table(examples.get(k, []), cols))
+        order = ", worst first" if k in ("late", "early") else ""
+        out.append(f"<h3>{html.escape(label(k))}: {total:,} ({note}{order})</h3>"
+                   + _table(examples.get(k, []), early_cols if k == "early" else cols))
     return "".join(out)
 
 
@@ -386,7 +438,7 @@ def write_report(out: Path, summary: dict, lateness: list[dict], hourly: list[di
         plt.close(fig)
     st = summary["status"]
     cards = "".join(f"<div class='card' style='border-color:{COLORS.get(k, '#555')}'><b>{v:,}</b><br>"
-                    f"{html.escape(label(k))}</div>" for k, v in list(st.items()) + [("late", summary["late"])])
+                    f"{html.escape(label(k))}</div>" for k, v in list(st.items()) + [(p, summary.get(p, 0)) for p in PARTS])
     imgs = "".join(f"<figure><img src='{p}' alt='{html.escape(CAPTIONS[p])}'>"
                    f"<figcaption>{html.escape(CAPTIONS[p])}</figcaption></figure>" for p in made)
     worst = sorted((r for r in lateness if r.get("p99_ms") is not None), key=lambda r: -r["p99_ms"])[:10]
@@ -404,7 +456,7 @@ scheduled on a delay node (immediate sends).</p>
 {cards}
 <h2>Plots</h2>{imgs}
 <h2>Worst subject-hours by p99 lateness</h2>
-{_table(worst, ["subject", "hour", "delivered", "p50_ms", "p99_ms", "max_ms", "lost", "duplicated", "late"])}
+{_table(worst, ["subject", "hour", "delivered", "p50_ms", "p99_ms", "max_ms", "lost", "duplicated", "late", "early"])}
 <h2>Problems</h2>{_problem_sections(summary, examples)}
 <h2>Torn or corrupt records ({summary.get('corrupt_records', 0):,}; first {len(corrupt)} shown)</h2>
 {_table(corrupt, ["node", "log", "segment", "offset", "frame_bytes", "error"])}

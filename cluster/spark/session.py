@@ -4,6 +4,13 @@ Under ``spark-submit`` the master comes from the submit command (``master=None``
 it); from the CLI the default is ``local[*]``. Either way the ``hourglass`` data source
 is registered and Python filter pushdown is switched on (the reader implements it; Spark
 refuses a pushdown reader when the switch is off).
+
+A local master stays on the loopback interface: ``SPARK_LOCAL_IP`` defaults to ``127.0.0.1``
+for the JVM this process starts, and ``spark.driver.host`` / ``spark.driver.bindAddress`` to
+the same for a JVM that ``spark-submit --master local[*]`` started (Spark would otherwise bind
+its driver, block manager and UI to the first non-loopback address). An explicit
+``SPARK_LOCAL_IP`` or ``spark.driver.*`` setting wins; a cluster master is left alone (its
+executors must reach the driver: docs/spark.md, "Running on a Spark cluster").
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 LOCAL_MASTER = "local[*]"
+LOOPBACK = "127.0.0.1"
 
 
 class SessionSettings(BaseModel):
@@ -22,6 +30,22 @@ class SessionSettings(BaseModel):
     log_level: str = "WARN"                    # Spark's log4j level once started (the CLI: OFF)
 
 
+def is_local(master: str | None) -> bool:
+    return bool(master) and (master == "local" or master.startswith(("local[", "local-cluster[")))
+
+
+def _submitted_master() -> str | None:
+    """The master of a JVM that ``spark-submit`` started (``PYSPARK_GATEWAY_PORT`` set), else None."""
+    import os
+
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return None
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM: SparkConf then reads its settings
+    return SparkConf().get("spark.master", None)
+
+
 def build_session(settings: SessionSettings | None = None):
     """Create (or reuse) the session and register the data source."""
     import os
@@ -31,11 +55,17 @@ def build_session(settings: SessionSettings | None = None):
     from .source import register
 
     s = settings or SessionSettings()
+    master = s.master or _submitted_master()
     b = SparkSession.builder.appName(s.app_name)
     if s.master:
         b = b.master(s.master)
     b = b.config("spark.sql.python.filterPushdown.enabled", "true")
     b = b.config("spark.ui.showConsoleProgress", "false")
+    if is_local(master):
+        local_ip = os.environ.setdefault("SPARK_LOCAL_IP", LOOPBACK)  # for a JVM this process starts
+        for k in ("spark.driver.host", "spark.driver.bindAddress"):
+            if k not in s.conf:
+                b = b.config(k, local_ip)
     if s.master and s.master.startswith("local"):
         parts = s.shuffle_partitions or 2 * (os.cpu_count() or 2)
         b = b.config("spark.sql.shuffle.partitions", str(parts))
