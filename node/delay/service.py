@@ -48,6 +48,7 @@ from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
+from node.role import SINGLE, Role
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 
@@ -69,9 +70,11 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None, router=None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
-        self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
-                                     follower=self.STORE_FOLLOWER)
-        self.committer = GroupCommitter(self.store.messages)
+        store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
+                                follower=self.STORE_FOLLOWER)
+        # the store and its committer belong to the node's role (node/role.py); a replicated
+        # node replaces the role on a switch, so a handler captures it once per call
+        self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         self.channels = Channels()
         if router is None and settings.meta_servers:
             router = MetaResolver(  # subject -> real-time group through the meta server
@@ -101,6 +104,14 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                                   step_bytes_max=settings.scrub_step_bytes_max,
                                   pass_interval_ms=settings.scrub_pass_interval_ms)
 
+    @property
+    def store(self) -> DelayStore:
+        return self.role.store
+
+    @property
+    def committer(self) -> GroupCommitter:
+        return self.role.committer
+
     # ------------------------------------------------------------------ gRPC: producer
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
@@ -124,16 +135,18 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         if batch.n > self.settings.batch_messages_max:
             await status.abort(context, InvalidArgument(
                 "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
+            role.check()
             # a write that would take free space below the watermark is refused whole, nothing stored
-            self.disk.admit(self.store.write_bytes_bound(batch))
-            res = self.store.accept(batch, now_ms=now)
+            self.disk.admit(role.store.write_bytes_bound(batch))
+            res = role.store.accept(batch, now_ms=now)
+            end = role.store.messages.end_offset
+            await role.committer.sync_to(end)  # a switch meanwhile: NotLeader (role.end)
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 e = self._disk_refused(e)
             await status.abort(context, e)
-        end = self.store.messages.end_offset
-        await self.committer.sync_to(end)
         self._note_durable()
         self._count_refusals(res)
         self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
@@ -172,15 +185,20 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
     async def _cancel(self, request: pb.CancelRequest, context) -> tuple[pb.CancelResponse, int]:
         """Cancel one id (the caller may: ``_may_cancel``): ``(answer, end offset of the
         tombstone's write or -1)``."""
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
-            self.disk.admit(self.store.cancel_bytes_bound(request.id))
-            seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
+            role.check()
+            self.disk.admit(role.store.cancel_bytes_bound(request.id))
+            seq = role.store.cancel(request.id, now_ms=self.clock.now_ms())
         except HourglassError as e:
             if isinstance(e, DiskFull):
                 e = self._disk_refused(e)
             return pb.CancelResponse(code=status.to_code(e), error=str(e)), -1
-        end = self.store.messages.end_offset
-        await self.committer.sync_to(end)
+        end = role.store.messages.end_offset
+        try:
+            await role.committer.sync_to(end)  # a switch meanwhile: NotLeader (role.end)
+        except HourglassError as e:
+            await status.abort(context, e)
         self._note_durable()
         return pb.CancelResponse(code=pb.OK, seq=seq), end
 

@@ -38,6 +38,8 @@ class SegmentRepair:
     async def ReadLog(self, request: pb.ReadLogRequest, context) -> pb.ReadLogResponse:
         if request.log not in self.REPAIR_LOGS:
             return pb.ReadLogResponse(error=f"unknown log {request.log!r}")
+        if self.mode == "switching":  # a worker thread promotes or opens the store now: ask again
+            return pb.ReadLogResponse(error="switching roles; ask again")
         lg = self._log(request.log)
         try:
             data = lg.read_bytes(request.offset, min(request.max_bytes or (1 << 20),

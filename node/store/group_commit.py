@@ -132,6 +132,12 @@ class GroupCommitter:
             self._settle_all(waiters, e)
             raise
 
+    def fail_waiting(self, err: BaseException) -> None:
+        """Fail every write queued for the next fsync with ``err`` (its role ended: no fsync
+        of this committer will answer them). The round in flight, if any, is answered by
+        ``_run`` when its task is cancelled."""
+        self._settle_all([], err)
+
     def _settle_all(self, waiters: list[tuple[int, asyncio.Future]], err: BaseException) -> None:
         pending, self._waiters = [*waiters, *self._waiters], []
         for _, fut in pending:
