@@ -39,7 +39,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, serve_ordered
-from node.aio import wait_event
+from node.aio import finish_then_cancel, wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
@@ -525,7 +525,8 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                 continue
             plan = store.checkpoint_plan()
             try:
-                await loop.run_in_executor(None, plan.run)
+                # a role switch waits for the thread (it then works on this store itself)
+                await finish_then_cancel(loop.run_in_executor(None, plan.run))
             except OSError as e:
                 if not is_enospc(e):
                     raise
@@ -592,7 +593,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
                                       dedupe_window_ms=s.dedupe_window_ms, id_compact_ratio_min=s.id_compact_ratio_min)
         try:
             if work:
-                await loop.run_in_executor(None, work.run)
+                await finish_then_cancel(loop.run_in_executor(None, work.run))  # (as the checkpoint's)
         finally:
             retention.finish(store, work, same_store=self.store is store)
         self.metrics.retention_freed.inc(work.freed_bytes)

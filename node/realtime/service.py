@@ -56,7 +56,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, unpack_ranges
-from node.aio import wait_event
+from node.aio import finish_then_cancel, wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
@@ -613,7 +613,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min,
                                 fsyncs_max=store.settings.checkpoint_index_fsyncs_max)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
+            # fsyncs off the loop; a role switch waits for the thread (it then closes this store)
+            await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, plan.run))
         except OSError as e:
             if not is_enospc(e):
                 raise
@@ -655,7 +656,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         work, report = store.retention_plan(now_ms=self.clock.now_ms(), slave_holds=self._retention_slave_holds())
         try:
             if work:
-                await asyncio.get_running_loop().run_in_executor(None, work.run)
+                await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, work.run))
         finally:
             store.retention_finish(work)  # a store closed meanwhile (role change) only drops temp files
         self.metrics.retention_freed.inc(work.freed_bytes)

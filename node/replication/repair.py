@@ -85,8 +85,8 @@ class SegmentRepair:
         for address in members:
             try:
                 data = await self._fetch_segment(address, kind, base, size)
-                if lg is not self._log(kind) or base not in lg.segment_bases()[:-1]:
-                    return False  # the store was reopened or the segment deleted while we fetched
+                if self.mode == "switching" or lg is not self._log(kind) or base not in lg.segment_bases()[:-1]:
+                    return False  # a role switch, or the segment deleted, while we fetched
                 lg.replace_sealed(base, data)
             except (grpc.RpcError, HourglassError, TimeoutError) as e:
                 log.warning("segment repair from %s failed kind=%s offset=%d: %s", address, kind, base, e)
