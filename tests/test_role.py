@@ -1,0 +1,136 @@
+"""``Role`` (node/role.py): what one term of a node owns, and how it ends. A switch ends the
+old role for good: its loops are gone, every write waiting on its committer fails with a
+retryable error, and nothing of it runs outside the node's root TaskGroup."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cluster.errors import NotLeader, Unavailable
+from node.role import Role, off_loop
+from node.store.group_commit import GroupCommitter
+from node.store.log import SegmentedLog
+
+pytestmark = pytest.mark.unit
+GUARD_S = 10  # bounds a wait that must end long before it (a hang fails instead)
+
+
+def role_on(tmp_path, mode="master") -> Role:
+    log = SegmentedLog.open(tmp_path / "log")
+    return Role(mode, log, GroupCommitter(log))  # the log stands in for a store (``store.messages``)
+
+
+async def test_ending_a_role_stops_its_loops_and_fails_its_waiting_writes(tmp_path):
+    role = role_on(tmp_path)
+    ran = asyncio.Event()
+
+    async def loop_forever():
+        ran.set()
+        await asyncio.Event().wait()
+
+    async with asyncio.TaskGroup() as root:
+        role.start(root, lambda tg: tg.create_task(loop_forever()))  # no committer loop: nothing fsyncs
+        await asyncio.wait_for(ran.wait(), GUARD_S)
+        role.store.append([b"x"])
+        waiting = role.committer.sync_to(role.store.end_offset)
+        await role.end(NotLeader("n2:1"))
+        assert not role.running
+        with pytest.raises(NotLeader):
+            await asyncio.wait_for(waiting, GUARD_S)
+    with pytest.raises(NotLeader):
+        role.check()  # a handler that still holds it answers NotLeader (retryable)
+    assert isinstance(NotLeader(), Unavailable)
+
+
+async def test_the_fsync_round_in_flight_is_answered_when_a_role_ends(tmp_path):
+    role = role_on(tmp_path)
+    release, in_fsync = threading.Event(), threading.Event()
+    real_flush = role.store.flush
+
+    def slow_flush():
+        in_fsync.set()
+        release.wait(GUARD_S)
+        real_flush()
+    role.store.flush = slow_flush
+    async with asyncio.TaskGroup() as root:
+        role.start(root, lambda tg: tg.create_task(role.committer.run()))
+        role.store.append([b"x"])
+        in_round = role.committer.sync_to(role.store.end_offset)
+        await asyncio.get_running_loop().run_in_executor(None, in_fsync.wait, GUARD_S)
+        role.store.append([b"y"])
+        queued = role.committer.sync_to(role.store.end_offset)
+        ending = asyncio.create_task(role.end(NotLeader()))
+        await asyncio.sleep(0)
+        assert not ending.done()  # the fsync in flight is waited for before the role is gone
+        release.set()
+        await asyncio.wait_for(ending, GUARD_S)
+    results = await asyncio.gather(in_round, queued, return_exceptions=True)
+    assert isinstance(results[1], NotLeader)
+    assert results[0] is None or isinstance(results[0], Unavailable)  # durable, or answered retryable
+
+
+async def test_role_tasks_need_the_root_task_group_and_an_ended_role_never_starts_again(tmp_path):
+    role = role_on(tmp_path)
+    with pytest.raises(AssertionError):
+        role.start(None, lambda tg: None)
+    await role.end(NotLeader())
+    async with asyncio.TaskGroup() as root:
+        with pytest.raises(AssertionError):
+            role.start(root, lambda tg: None)
+
+
+async def test_a_failing_role_task_stops_the_root_task_group(tmp_path):
+    role = role_on(tmp_path)
+
+    async def broken():
+        raise RuntimeError("a master that does nothing")
+
+    with pytest.raises(ExceptionGroup) as e:
+        async with asyncio.TaskGroup() as root:
+            role.start(root, lambda tg: tg.create_task(broken()))
+            await asyncio.Event().wait()
+    assert "does nothing" in repr(e.value.exceptions[0])
+
+
+async def test_stopped_tasks_start_again_under_the_same_role(tmp_path):
+    """A handover that did not complete restarts the master's loops."""
+    role = role_on(tmp_path)
+    starts = []
+
+    async with asyncio.TaskGroup() as root:
+        role.start(root, lambda tg: starts.append(tg.create_task(asyncio.Event().wait())))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await role.stop_tasks()
+        role.start(root, lambda tg: starts.append(tg.create_task(asyncio.Event().wait())))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert role.running and len(starts) == 2
+        await role.end(NotLeader())
+    assert not role.running
+
+
+async def test_work_off_the_loop_that_outlives_its_caller_is_handed_back():
+    """A switch cancelled while its thread opens a store (the node stops): the thread is
+    waited for and what it made goes to ``abandon`` (closed), never leaked half-owned."""
+    started, release = threading.Event(), threading.Event()
+    abandoned = []
+
+    def open_store():
+        started.set()
+        release.wait(GUARD_S)
+        return "store"
+
+    task = asyncio.create_task(off_loop(open_store, abandoned.append))
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, GUARD_S)
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, GUARD_S)
+    assert abandoned == ["store"]
+    assert await off_loop(lambda: 7, abandoned.append) == 7
