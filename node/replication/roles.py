@@ -89,6 +89,7 @@ class ReplicaRoles:
         self.failovers = 0
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
         self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)
+        self._described: dict = {}  # the last registration_info (what a switch in progress answers)
 
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
@@ -159,12 +160,20 @@ class ReplicaRoles:
             await asyncio.sleep(0.5)
 
     def registration_info(self) -> dict:
+        if self.mode == "switching" and self._described:
+            # a worker thread promotes or opens the store now: nothing reads it meanwhile
+            # (the registration's snapshot must not fail: it would stop the node)
+            return dict(self._described, master=False, epoch=self.member.epoch)
         info = super().registration_info()
         info.update(master=self.mode == "master", epoch=self.member.epoch, lag_bytes=self.lag_bytes)
+        self._described = info
         return info
 
     def stats(self) -> dict:
-        s = super().stats()
+        if self.mode == "switching":  # the store is the switch's worker thread's now (registration_info)
+            s = {"role": self.ROLE, "node_id": self.settings.node_id, "group": self.settings.group}
+        else:
+            s = super().stats()
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
                   "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
                   "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers})
