@@ -91,7 +91,10 @@ class DelayScrubTask(ScrubTask):
         """Rebuild bucket ``start`` (derived data: from the message log); a rebuild that fails
         (a dying disk, a bucket failing again and again) is a fault reported by the healer, not
         a reason to stop the node: the bucket stays as it was, and is found again later.
-        True when it was rebuilt."""
+        True when it was rebuilt. Not while a role switch works on the store (off the loop):
+        the bucket is found again later."""
+        if self.node.role.ended:
+            return False
         store = self.node.store
         try:
             store.healer.rebuild(start, err)

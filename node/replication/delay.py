@@ -160,7 +160,8 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         rebuilt again with the records it lacks. A member that cannot answer (unreachable, its
         copy corrupt too) is a fault: logged, counted, and the bucket is asked for again later
         (backoff). Once every member answered and none had them, they are lost (``give_up``)."""
-        store = self.store
+        role = self.role  # a role switch ends it: nothing is rebuilt on a store a switch works on
+        store = role.store
         healer = store.healer
         loop = asyncio.get_running_loop()
         due = healer.fetch_due(int(loop.time() * 1000))
@@ -177,7 +178,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             unanswered = 0
             for address in members:
                 m = healer.missing.get(start)
-                if self.store is not store or m is None or m.lost:
+                if self.role is not role or role.ended or m is None or m.lost:
                     break
                 try:
                     frames = await self._fetch_bucket_frames(address, start, m, healer.first_log_seq())
@@ -185,8 +186,8 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
                     healer.fault(HealFault("fetch", address, 0, f"bucket {start}: {e}"))
                     unanswered += 1
                     continue
-                if self.store is not store:
-                    return  # reopened (a demotion) meanwhile: its healer asks again
+                if self.role is not role or role.ended:
+                    return  # a role switch meanwhile: the next role's healer asks again
                 if not frames:
                     continue  # this member does not have them
                 try:
@@ -197,7 +198,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
                     unanswered += 1
                     break
             m = healer.missing.get(start)
-            if self.store is not store or m is None or m.lost:
+            if self.role is not role or role.ended or m is None or m.lost:
                 continue
             if unanswered or not members:
                 if not members:
