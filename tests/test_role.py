@@ -134,3 +134,52 @@ async def test_work_off_the_loop_that_outlives_its_caller_is_handed_back():
         await asyncio.wait_for(task, GUARD_S)
     assert abandoned == ["store"]
     assert await off_loop(lambda: 7, abandoned.append) == 7
+
+
+async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_role_is_in(tmp_path):
+    """A replicated delay node promoted by hand (no election): while its store is promoted on
+    a worker thread the event loop goes on, no client is served, the registration does not
+    read the store, and the old role is over; then the master's role owns the same store (in
+    place) with a new committer, and its loops run in the root TaskGroup."""
+    from node.config import NodeSettings
+    from node.replication.delay import ReplicatedDelayNode
+
+    node = ReplicatedDelayNode(NodeSettings(role="delay", node_id="d1", data_dir=tmp_path / "d1", port=0,
+                                            meta_servers=["127.0.0.1:1"]))
+    entered, release = threading.Event(), threading.Event()
+    real = node._role_store
+
+    def held(mode, store, now_ms, store_epoch):
+        if mode == "master":
+            entered.set()
+            release.wait(GUARD_S)
+        return real(mode, store, now_ms, store_epoch)
+    node._role_store = held
+    try:
+        async with asyncio.TaskGroup() as root:
+            node._tg = root
+            await node._switch("slave")
+            slave = node.role
+            assert slave.mode == "slave" and slave.running and node.mode == "slave"
+            described = node.registration_info()
+            promoting = asyncio.create_task(node._switch("master"))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, GUARD_S)  # the loop turns
+            assert node.mode == "switching" and slave.ended and not slave.running
+            assert not node._may_serve()
+            with pytest.raises(NotLeader):
+                slave.check()
+            assert node.registration_info() == dict(described, master=False, epoch=node.member.epoch)
+            release.set()
+            await asyncio.wait_for(promoting, GUARD_S)
+            master = node.role
+            assert master is not slave and master.mode == "master" and master.running
+            assert master.store is slave.store and master.committer is not slave.committer  # promoted in place
+            assert not master.store.follower and node.mode == "master"
+            await node._switch("master")  # already: nothing happens
+            assert node.role is master
+            await master.end(NotLeader())
+    finally:
+        node._tg = None
+        node.store.close()
+        await node.channels.close()
+        await node._close_clients()
