@@ -37,6 +37,7 @@ TIERS = ("unit", "integration", "slow")
 # module (relative to tests/) -> tier of its tests, unless a test or class carries its own tier marker
 MODULE_TIERS = {
     "chaos/test_chaos.py": "slow",
+    "chaos/test_chaosrun.py": "unit",
     "chaos/test_checker.py": "unit",
     "chaos/test_partition.py": "slow",
     "chaos/test_starvation.py": "slow",
@@ -50,6 +51,7 @@ MODULE_TIERS = {
     "test_consumer_health.py": "integration",
     "test_codec.py": "unit",
     "test_config.py": "unit",
+    "test_settings_tree.py": "unit",
     "test_crash.py": "slow",
     "test_delay_store.py": "unit",
     "test_disk_full.py": "integration",
@@ -71,9 +73,11 @@ MODULE_TIERS = {
     "test_log.py": "unit",
     "test_metaserver.py": "integration",
     "test_metrics_endpoint.py": "integration",
+    "test_observability.py": "unit",
     "test_realtime_inflight.py": "unit",
     "test_realtime_offsets.py": "unit",
     "test_realtime_replication.py": "unit",
+    "test_realtime_rules.py": "unit",
     "test_realtime_service.py": "integration",
     "test_realtime_store.py": "unit",
     "test_subject_quota.py": "unit",

@@ -27,7 +27,7 @@ VALUES = {
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]
 RELEASE, NAMESPACE = "hg", "brokers"
 DOMAIN = f"{NAMESPACE}.svc.cluster.local"
-CRD_KINDS = {"ServiceMonitor"}  # not in Kubernetes' own schemas; asserted on below instead
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # not in Kubernetes' own schemas; asserted on below instead
 
 
 @pytest.fixture(scope="module")
