@@ -183,3 +183,44 @@ async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_
         node.store.close()
         await node.channels.close()
         await node._close_clients()
+
+
+async def test_a_realtime_switch_opens_a_new_store_off_the_loop_and_ends_the_pulls_of_the_old_role(tmp_path):
+    """The real-time store is closed and opened again on a worker thread; a long poll that
+    began under the old role stops (it never reads the store the thread closes)."""
+    from node.config import NodeSettings
+    from node.replication.realtime import ReplicatedRealtimeNode
+
+    node = ReplicatedRealtimeNode(NodeSettings(role="realtime", node_id="r1", data_dir=tmp_path / "r1", port=0,
+                                               meta_servers=["127.0.0.1:1"]))
+    entered, release = threading.Event(), threading.Event()
+    real = node._role_store
+
+    def held(mode, store, now_ms, store_epoch):
+        if mode == "master":
+            entered.set()
+            release.wait(GUARD_S)
+        return real(mode, store, now_ms, store_epoch)
+    node._role_store = held
+    try:
+        async with asyncio.TaskGroup() as root:
+            node._tg = root
+            await node._switch("slave")
+            slave = node.role
+            waiting = asyncio.create_task(node._wait_new_data(["orders"], GUARD_S))  # a pull's long poll
+            await asyncio.sleep(0)
+            promoting = asyncio.create_task(node._switch("master"))
+            await asyncio.get_running_loop().run_in_executor(None, entered.wait, GUARD_S)
+            assert node.mode == "switching" and slave.ended and not node._may_serve()
+            node.registration_info()  # answers from what it knew: never reads the store being closed
+            release.set()
+            await asyncio.wait_for(promoting, GUARD_S)
+            await asyncio.wait_for(waiting, GUARD_S)  # woken by the new role: the pull looks again and stops
+            master = node.role
+            assert master.mode == "master" and master.running and master.store is not slave.store
+            await master.end(NotLeader())
+    finally:
+        node._tg = None
+        node.store.close()
+        await node.channels.close()
+        await node._close_clients()
