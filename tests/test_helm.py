@@ -356,6 +356,11 @@ def test_the_console_is_a_deployment_and_a_service_dialling_with_a_client_certif
     assert pc["readinessProbe"]["httpGet"]["scheme"] == "HTTP" and not any("https" in a for a in pc["args"])
     off = render(helm, sets=["console.enabled=false"])
     assert not [o for o in off if "console" in o["metadata"]["name"]]
+    # with existing certificates the chart cannot make the console's client certificate: asked for by name
+    existing = ["security.certificates=existing", "security.existingSecrets.tls=my-tls",
+                "security.existingSecrets.etcd=my-etcd", "security.existingSecrets.etcdClient=my-ec"]
+    r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *sum((["--set", s] for s in existing), []))
+    assert r.returncode != 0 and "set console.clientTlsSecret" in r.stderr, r.stderr
 
 
 def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
@@ -524,7 +529,9 @@ def test_etcd_trusts_a_ca_that_signs_no_client_or_node_certificate(helm):
 
 
 def test_existing_certificates_need_etcds_own(helm):
-    base = ["security.certificates=existing", "security.existingSecrets.tls=my-tls"]
+    # the console (on by default) needs its own client certificate with existing certificates:
+    # tests/test_helm.py's console test covers that; here it is off
+    base = ["security.certificates=existing", "security.existingSecrets.tls=my-tls", "console.enabled=false"]
     r = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *sum((["--set", s] for s in base), []))
     assert r.returncode != 0 and "set security.existingSecrets.etcd" in r.stderr, r.stderr
     objs = render(helm, sets=base + ["security.existingSecrets.etcd=my-etcd", "security.existingSecrets.etcdClient=my-ec",
@@ -555,7 +562,8 @@ def test_cert_manager_certificates_when_its_api_is_there(helm):
     objs = [d for d in yaml.safe_load_all(r.stdout) if d]
     certs = by_kind(objs, "Certificate")
     assert set(certs) == {"hg-hourglass-ca", "hg-hourglass-client-ca", "hg-hourglass-etcd-ca", "hg-hourglass-node",
-                          "hg-hourglass-etcd", "hg-hourglass-etcd-client", "hg-hourglass-client"}
+                          "hg-hourglass-etcd", "hg-hourglass-etcd-client", "hg-hourglass-client",
+                          "hg-hourglass-console-https"}
     assert certs["hg-hourglass-node"]["spec"]["commonName"] == "node:hg-hourglass"
     assert certs["hg-hourglass-node"]["spec"]["secretName"] == "hg-hourglass-tls"
     # three CAs: node certificates from the node CA, the client's from the client CA, etcd's from etcd's
@@ -563,7 +571,7 @@ def test_cert_manager_certificates_when_its_api_is_there(helm):
     assert issuer == {"hg-hourglass-ca": "hg-hourglass-selfsigned", "hg-hourglass-client-ca": "hg-hourglass-selfsigned",
                       "hg-hourglass-etcd-ca": "hg-hourglass-selfsigned", "hg-hourglass-node": "hg-hourglass-ca",
                       "hg-hourglass-client": "hg-hourglass-client-ca", "hg-hourglass-etcd": "hg-hourglass-etcd-ca",
-                      "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca"}
+                      "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca", "hg-hourglass-console-https": "hg-hourglass-ca"}
     assert set(by_kind(objs, "Issuer")) == {"hg-hourglass-selfsigned", "hg-hourglass-ca", "hg-hourglass-client-ca",
                                             "hg-hourglass-etcd-ca"}
     assert set(by_kind(objs, "Secret")) == {"hg-hourglass-auth", "hg-hourglass-client-token"}  # certs: cert-manager's
@@ -578,7 +586,8 @@ def test_cert_manager_certificates_when_its_api_is_there(helm):
     certs = by_kind([d for d in yaml.safe_load_all(r.stdout) if d], "Certificate")
     assert {n: c["spec"]["issuerRef"]["name"] for n, c in certs.items() if not c["spec"].get("isCA")} == {
         "hg-hourglass-node": "corp-ca", "hg-hourglass-client": "hg-hourglass-client-ca",
-        "hg-hourglass-etcd": "hg-hourglass-etcd-ca", "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca"}
+        "hg-hourglass-etcd": "hg-hourglass-etcd-ca", "hg-hourglass-etcd-client": "hg-hourglass-etcd-ca",
+        "hg-hourglass-console-https": "corp-ca"}  # the console serves HTTPS under the node issuer
 
 
 @pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")

@@ -37,7 +37,7 @@ GUESTS_MAX = 2000            # sessions without a login (see create_app)
 TOKEN_CHARS_MAX = 4096      # a token typed into the login form
 ID_CHARS_MAX = 1024          # a message id typed into the page (the wire allows less; the node says so)
 SELECTED_MAX = 500           # dead letters in one send-back or purge
-REFRESH_MS = 5000            # the cluster and subjects pages' self-refresh
+PAGE_REFRESH_MS = 5000       # the cluster and subjects pages' self-refresh
 SAMPLES_MAX = 1000           # real-time masters whose last counters are kept for rates
 TEMPLATES = Path(__file__).parent / "templates"
 STATIC = Path(__file__).parent / "static"
@@ -56,7 +56,7 @@ def _now_ms() -> int:
 
 def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
     env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]))
-    env.globals.update(iso=views.iso, secure=cluster.secure, refresh_ms=REFRESH_MS)
+    env.globals.update(iso=views.iso, secure=cluster.secure, refresh_ms=PAGE_REFRESH_MS)
     # two pools: sessions made for anyone who asks a page (guests: the login form's CSRF token,
     # an open cluster's viewers) and logged-in ones, so that a stream of new guests can push
     # out only guests, never a logged-in viewer

@@ -300,7 +300,7 @@ class EpochHistory:
     and says so. Pure: time comes in as ``now_ms``.
 
     Bounded: one sample per ``sample_ms`` per group, samples older than the window dropped
-    (but the newest of them, the window's left edge), at most ``groups_max`` groups.
+    (but the newest of them, the window's left edge), at most ``tracked_max`` groups.
 
     Example: seen epoch 3 at 10:00, 4 at 10:40, 6 at 11:05. At 11:10 the window starts at
     10:10; the newest sample at or before it is 10:00 (epoch 3): 6 - 3 = 3 changes, shown as
@@ -309,15 +309,15 @@ class EpochHistory:
     ``sample_ms`` around then, an upper bound otherwise.
     """
 
-    def __init__(self, *, window_ms: int = HOUR_MS, sample_ms: int = 10_000, groups_max: int = 1000) -> None:
-        assert window_ms > 0 and sample_ms > 0 and groups_max > 0
-        self.window_ms, self.sample_ms, self.groups_max = window_ms, sample_ms, groups_max
+    def __init__(self, *, window_ms: int = HOUR_MS, sample_ms: int = 10_000, tracked_max: int = 1000) -> None:
+        assert window_ms > 0 and sample_ms > 0 and tracked_max > 0
+        self.window_ms, self.sample_ms, self.tracked_max = window_ms, sample_ms, tracked_max
         self._samples: dict[str, list[tuple[int, int]]] = {}
 
     def record(self, group: str, epoch: int, now_ms: int) -> None:
         samples = self._samples.get(group)
         if samples is None:
-            if len(self._samples) >= self.groups_max:
+            if len(self._samples) >= self.tracked_max:
                 self._samples.pop(next(iter(self._samples)))
             samples = self._samples[group] = []
         if samples and now_ms - samples[-1][0] < self.sample_ms:
