@@ -94,6 +94,7 @@ MODULE_TIERS = {
     "test_insync_cluster.py": "integration",
     "test_restart_large.py": "slow",
     "test_retention.py": "unit",
+    "test_role.py": "unit",
     "test_retention_realtime.py": "unit",
     "test_schedule.py": "unit",
     "test_scrub.py": "integration",

@@ -18,6 +18,7 @@ from node.realtime.nack import ORIGIN_ID
 from node.realtime.service import RealtimeNode
 from cluster.errors import Unavailable
 from node.realtime.store import DLQ_SUBJECT
+from node.role import Role
 from tests.helpers.inprocess import serving
 
 
@@ -179,16 +180,18 @@ async def test_nack_retries_through_a_delay_node_then_dead_letters(node):
 
 
 async def test_a_nack_whose_store_is_swapped_meanwhile_stops_with_not_leader(node, monkeypatch):
-    """Issue 29: a role change may replace ``self.store`` while a Nack awaits the delay node;
-    the call then answers NOT_LEADER (retryable) and acks nothing on either store."""
+    """Issue 29: a role change may end the node's role (and replace its store) while a Nack
+    awaits the delay node; the call then answers NOT_LEADER (retryable) and acks nothing on
+    either store."""
     n, producer, consumer, delay = node
     await send(producer, msgs("orders", ["a"]))
     b, h = await pull(consumer, ["orders"], "g")
-    real_send, other = n._send_to_delay, object()
+    real_send, other = n._send_to_delay, Role("slave", object(), None)
 
     async def send_then_switch(batch):
         await real_send(batch)
-        monkeypatch.setattr(n, "store", other)  # what _reopen does on a role change
+        monkeypatch.setattr(n.role, "ended", True)  # what a role switch does (ReplicaRoles._switch)
+        monkeypatch.setattr(n, "role", other)
     monkeypatch.setattr(n, "_send_to_delay", send_then_switch)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await consumer.Nack(pb.NackRequest(group="g", nacks=by_subject(b, h)))

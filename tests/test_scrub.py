@@ -11,6 +11,8 @@ import pytest
 
 from node.delay.scrub import DelayScrubTask, log_targets, schedule_targets
 from node.metrics import NodeMetrics
+from node.role import SINGLE, Role
+from node.store.group_commit import GroupCommitter
 from node.store.log import SegmentedLog
 from node.store.scrub import IDLE_WAIT_MS, ScrubPlan, ScrubStep, ScrubTarget, check_span
 from tests.test_delay_store import T0, msg
@@ -105,6 +107,7 @@ def test_check_span_finds_every_flipped_byte_of_a_sealed_segment(tmp_path):
 
 class FakeNode:
     def __init__(self, store) -> None:
+        self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         self.store = store
         self.metrics = NodeMetrics("delay", "n1")
 

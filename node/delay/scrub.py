@@ -16,7 +16,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from cluster.errors import CorruptRecord, HourglassError
+from cluster.errors import CorruptRecord, HourglassError, Unavailable
 from node.delay.heal import HealFault
 from node.store.log import SegmentedLog
 from node.store.scrub import ScrubTarget
@@ -91,7 +91,10 @@ class DelayScrubTask(ScrubTask):
         """Rebuild bucket ``start`` (derived data: from the message log); a rebuild that fails
         (a dying disk, a bucket failing again and again) is a fault reported by the healer, not
         a reason to stop the node: the bucket stays as it was, and is found again later.
-        True when it was rebuilt."""
+        True when it was rebuilt. Not while a role switch works on the store (off the loop):
+        the bucket is found again later."""
+        if self.node.role.ended:
+            return False
         store = self.node.store
         try:
             store.healer.rebuild(start, err)
@@ -126,10 +129,14 @@ async def verify_online(node, rate_bytes_per_s: float) -> VerifyReport:
     segment goes to the scrub task's repair, missing records are asked for at once (a single
     node: declared lost). Returns the report, findings marked repaired, and the node's
     missing and lost records (``lost``)."""
-    store = node.store
+    role = node.role  # healing below writes the store: only the role the check began on
+    role.check()
+    store = role.store
     loop = asyncio.get_running_loop()
     report = await loop.run_in_executor(None, lambda: verify_dir(
         store.root, online=True, rate_bytes_per_s=rate_bytes_per_s, record_bytes_max=store.messages.record_bytes_max))
+    if node.role is not role or role.ended:  # a role switch meanwhile (it may be working on the store now)
+        raise Unavailable("the node switched roles while verifying; run verify again")
     rebuilt: dict[int, bool] = {}
     for f in report.corrupt:
         start = _bucket_in_path(f.path)

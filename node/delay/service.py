@@ -41,7 +41,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request
-from node.aio import wait_event
+from node.aio import finish_then_cancel, wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
@@ -51,6 +51,7 @@ from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
+from node.role import SINGLE, Role
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 
@@ -72,9 +73,11 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None, router=None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
-        self.store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
-                                     follower=self.STORE_FOLLOWER)
-        self.committer = GroupCommitter(self.store.messages)
+        store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
+                                follower=self.STORE_FOLLOWER)
+        # the store and its committer belong to the node's role (node/role.py); a replicated
+        # node replaces the role on a switch, so a handler captures it once per call
+        self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         self.channels = Channels()
         if router is None and settings.meta_servers:
             router = MetaResolver(  # subject -> real-time group through the meta server
@@ -104,6 +107,14 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
                                   step_bytes_max=settings.scrub_step_bytes_max,
                                   pass_interval_ms=settings.scrub_pass_interval_ms)
 
+    @property
+    def store(self) -> DelayStore:
+        return self.role.store
+
+    @property
+    def committer(self) -> GroupCommitter:
+        return self.role.committer
+
     # ------------------------------------------------------------------ gRPC: producer
 
     async def SendBatch(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
@@ -116,13 +127,15 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
         """Append and fsync one authorized batch: ``(answer, end offset of this write)``. The
         end offset is taken right after the append, before any await: a replicated master
         waits for exactly these bytes, whatever the log does meanwhile."""
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
-            self._admit_batch(batch, self.store.write_bytes_bound)  # refused whole, nothing stored
-            res = self.store.accept(batch, now_ms=now)
+            role.check()
+            self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
+            res = role.store.accept(batch, now_ms=now)
+            end = role.store.messages.end_offset
+            await role.committer.sync_to(end)  # a switch meanwhile: NotLeader (role.end)
         except HourglassError as e:
             await status.abort(context, self._refusal(e))
-        end = self.store.messages.end_offset
-        await self.committer.sync_to(end)
         self._note_durable()
         self._count_refusals(res)
         self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
@@ -146,14 +159,19 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
     async def _cancel(self, request: pb.CancelRequest, context) -> tuple[pb.CancelResponse, int]:
         """Cancel one id (the caller may: ``_may_cancel``): ``(answer, end offset of the
         tombstone's write or -1)``."""
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
-            self.disk.admit(self.store.cancel_bytes_bound(request.id))
-            seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
+            role.check()
+            self.disk.admit(role.store.cancel_bytes_bound(request.id))
+            seq = role.store.cancel(request.id, now_ms=self.clock.now_ms())
         except HourglassError as e:
             e = self._refusal(e)
             return pb.CancelResponse(code=status.to_code(e), error=str(e)), -1
-        end = self.store.messages.end_offset
-        await self.committer.sync_to(end)
+        end = role.store.messages.end_offset
+        try:
+            await role.committer.sync_to(end)  # a switch meanwhile: NotLeader (role.end)
+        except HourglassError as e:
+            await status.abort(context, e)
         self._note_durable()
         return pb.CancelResponse(code=pb.OK, seq=seq), end
 
@@ -480,7 +498,8 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
                 continue
             plan = store.checkpoint_plan()
             try:
-                await loop.run_in_executor(None, plan.run)
+                # a role switch waits for the thread (it then works on this store itself)
+                await finish_then_cancel(loop.run_in_executor(None, plan.run))
             except OSError as e:
                 if not is_enospc(e):
                     raise
@@ -547,7 +566,7 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
                                       dedupe_window_ms=s.dedupe_window_ms, id_compact_ratio_min=s.id_compact_ratio_min)
         try:
             if work:
-                await loop.run_in_executor(None, work.run)
+                await finish_then_cancel(loop.run_in_executor(None, work.run))  # (as the checkpoint's)
         finally:
             retention.finish(store, work, same_store=self.store is store)
         self.metrics.retention_freed.inc(work.freed_bytes)

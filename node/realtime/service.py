@@ -57,7 +57,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, unpack_ranges
-from node.aio import wait_event
+from node.aio import finish_then_cancel, wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
 from node.intake import SendIntake
@@ -67,6 +67,7 @@ from node.realtime.creator import SubjectCreator
 from node.realtime.immediate import due_later, refuse_due_later
 from node.realtime.nack import nack_copies
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
+from node.role import SINGLE, Role
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 from node.store.scrubtask import ScrubTask
@@ -85,9 +86,11 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
-        self.store = RealtimeStore.open(settings.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
-        self.store.create_subjects(settings.subjects, now_ms=self.clock.now_ms())
-        self.committer = GroupCommitter(self.store.messages)
+        store = RealtimeStore.open(settings.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
+        store.create_subjects(settings.subjects, now_ms=self.clock.now_ms())
+        # the store and its committer belong to the node's role (node/role.py); a replicated
+        # node replaces the role on a switch, so a handler captures it once per call
+        self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         self._flushed: tuple | None = None  # (store, flush_key, loop time) of the last periodic flush
         self.creator = SubjectCreator(lambda: self.store, self._new_quotas(), self.clock,
                                       round_max=settings.subjects_round_max)
@@ -112,6 +115,14 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         if settings.meta_servers:
             self.resolver = MetaResolver(  # delay nodes for nacks through the meta server
                 settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
+
+    @property
+    def store(self) -> RealtimeStore:
+        return self.role.store
+
+    @property
+    def committer(self) -> GroupCommitter:
+        return self.role.committer
 
     def _new_quotas(self) -> SubjectQuotas:
         """Quotas counting what the store's subjects journal says each principal owns."""
@@ -144,10 +155,13 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
     async def _store_batch(self, batch: Batch, now: int, immediate: bool, context) -> pb.SendBatchResponse:
         """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
         self.calls["send"] += 1
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
-            self._admit_batch(batch, self.store.write_bytes_bound)  # refused whole, nothing stored
+            role.check()
+            self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
             new = self.store.missing_subjects(batch.subjects)
             refused = await self._create_subjects(batch.subjects) if new else {}
+            self._still_serving(role)  # from here on self.store is role.store until the next await
             if refused:
                 self.metrics.errors.labels(kind="subject_refused").inc(len(refused))
             slices = self._frame_slices(batch, new)
@@ -173,7 +187,10 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
                 asyncio.get_running_loop().call_later(wait_s, self._wake, subjects)
             else:
                 self._wake(subjects)
-        await self.committer.sync_to(self.store.messages.end_offset)
+        try:
+            await role.committer.sync_to(role.store.messages.end_offset)  # a switch meanwhile: NotLeader
+        except HourglassError as e:
+            await status.abort(context, e)
         self.metrics.ingested.inc(int(stored.sum()))
         if res.errors:
             self.metrics.errors.labels(kind="refused_message").inc(len(res.errors))
@@ -217,7 +234,8 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         rest with that error, and the messages already stored stay answered OK (a retry of
         the refused ones is de-duplicated by id as always). Returns the result and the
         earliest visible time of what was stored."""
-        store = self.store
+        role = self.role
+        store = role.store
         res = BatchResult.sized(batch.n)
         res.deliver_at_ms[:] = batch.deliver_at_ms
         first_visible: int | None = None
@@ -225,7 +243,7 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
             if j:
                 await asyncio.sleep(0)  # the other calls' turn: at most one slice of new subjects per step
             try:
-                self._still_serving(store)  # a role change reopened the store meanwhile: not the master now
+                self._still_serving(role)  # a role change ended this call's role meanwhile: not the master now
                 part = self._append(batch.take(idx), now_ms=self.clock.now_ms(), immediate=immediate,
                                     refused=refused)
             except HourglassError as e:
@@ -308,9 +326,11 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         await self._authorize_consume(context, request.group, [*subjects, *(sh.subject for sh in request.acks)])
         max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
+        role = self.role  # a replicated node may switch roles meanwhile: this call stops polling then
+        store = role.store
         if request.acks:  # acks riding on this pull: committed with the next round, not awaited
             try:
-                n = self.store.ack_many(group, [(sh.subject, sh.ranges) for sh in request.acks],
+                n = store.ack_many(group, [(sh.subject, sh.ranges) for sh in request.acks],
                                         now_ms=self.clock.now_ms())
             except HourglassError as e:
                 await status.abort(context, e)
@@ -324,10 +344,9 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
             await status.abort(context, next(iter(refused.values())))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
-        store = self.store  # a replicated node may reopen its store (role change): stop polling then
         batch, handles = _EMPTY_BATCH, _NO_HANDLES
         created: set[str] = set()
-        while self.store is store:
+        while self.role is role and not role.ended:
             self.calls["pull_polls"] += 1
             try:
                 batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
@@ -368,40 +387,45 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         await self._authorize_consume(context, request.group, {sh.subject for sh in request.acks})
         self.calls["ack"] += 1
         now = self.clock.now_ms()
+        role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
-            n = self.store.ack_many(request.group, [(sh.subject, sh.ranges) for sh in request.acks], now_ms=now)
+            n = role.store.ack_many(request.group, [(sh.subject, sh.ranges) for sh in request.acks], now_ms=now)
         except HourglassError as e:
             await status.abort(context, e)
-        try:
-            await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
+        try:  # durable before the answer
+            await self._groups_durable({(sh.subject, request.group) for sh in request.acks}, role)
         except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
             await status.abort(context, self._refusal(e))
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
-    async def _groups_durable(self, keys: set[tuple[str, str]]) -> None:
+    async def _groups_durable(self, keys: set[tuple[str, str]], role: Role | None = None) -> None:
         """Group commit of consumer-group positions: acks that arrive while a commit is running
         are committed together by the next one (one offsets-log record and one fsync per
-        round, on the store's writer thread, never blocking the event loop)."""
+        round, on the store's writer thread, never blocking the event loop). ``role``: the
+        role the caller acked on (default: the current one); NotLeader once it ended."""
+        role = role or self.role
         self._groups_dirty |= keys
         registered_at = self._groups_rounds_started
         async with self._groups_lock:
             if self._groups_rounds_done > registered_at:
                 return  # a round that started after this ack was registered has written it
+            self._still_serving(role)  # a role switch meanwhile: never written to another term's store
+            store, committer = role.store, role.committer
             self._groups_rounds_started += 1
             keys, self._groups_dirty = self._groups_dirty, set()
-            items = self.store.snapshot_groups(keys)
+            items = store.snapshot_groups(keys)
             if items:
                 # a pull may hand out messages before their fsync (SendBatch): a position is
                 # never durable before the messages it passes, or a crash would skip new ones
-                await self.committer.sync_to(self.store.messages.end_offset)
+                await committer.sync_to(store.messages.end_offset)
                 self.calls["ack_rounds"] += 1
                 try:
-                    await asyncio.wrap_future(self.store.write_groups_async(items))
+                    await asyncio.wrap_future(store.write_groups_async(items))
                 except BaseException:
                     # not known durable: a later round must write these again, and no ack
                     # may be answered OK on the strength of this one
-                    self.store.unpersist_groups(items)
+                    store.unpersist_groups(items)
                     self._groups_dirty |= keys
                     raise
             self._groups_rounds_done = self._groups_rounds_started
@@ -410,10 +434,11 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         await self._authorize_consume(context, request.group, {sh.subject for sh in request.nacks})
         now = self.clock.now_ms()
         retried = dead = 0
-        # the store this call nacks on: a role change may swap ``self.store`` (and its
-        # committer) at any await below; the call then stops with NOT_LEADER (retryable; the
-        # handles it did not ack come again) instead of acking on another store (issue 29)
-        store, committer = self.store, self.committer
+        # the role this call nacks on: a role change may end it at any await below; the call
+        # then stops with NOT_LEADER (retryable; the handles it did not ack come again)
+        # instead of acking on another term's store (issue 29)
+        role = self.role
+        store, committer = role.store, role.committer
         for subject, ranges in self._ranges(request.nacks):
             try:
                 got, handles = store.nack(subject, request.group, ranges, now_ms=now)
@@ -421,11 +446,11 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
                                                max_attempts=self.settings.max_attempts)
                 if to_retry.n:
                     await self._send_to_delay(to_retry)
-                    self._still_serving(store)
+                    self._still_serving(role)
                 if to_dlq.n:
                     res = store.append(to_dlq, now_ms=now)
                     await committer.sync_to(store.messages.end_offset)
-                    self._still_serving(store)
+                    self._still_serving(role)
                     if res.errors:
                         raise HourglassError(f"dead-letter append failed: {next(iter(res.errors.values()))}")
                     self.metrics.dead_lettered.inc(to_dlq.n)
@@ -436,13 +461,13 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
                 await status.abort(context, e)
             retried += to_retry.n
             dead += to_dlq.n
-        await self._groups_durable({(sh.subject, request.group) for sh in request.nacks})
+        await self._groups_durable({(sh.subject, request.group) for sh in request.nacks}, role)
         return pb.NackResponse(retried=retried, dead_lettered=dead)
 
-    def _still_serving(self, store: RealtimeStore) -> None:
-        """After an await of a call that began on ``store``: NotLeader if a role change has
-        replaced it meanwhile."""
-        if self.store is not store:
+    def _still_serving(self, role: Role) -> None:
+        """After an await of a call that began on ``role``: NotLeader if a role change has
+        ended or replaced it meanwhile."""
+        if self.role is not role or role.ended:
             raise NotLeader()
 
     async def _send_to_delay(self, batch: Batch) -> None:
@@ -520,7 +545,8 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min,
                                 fsyncs_max=store.settings.checkpoint_index_fsyncs_max)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, plan.run)  # fsyncs off the loop
+            # fsyncs off the loop; a role switch waits for the thread (it then closes this store)
+            await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, plan.run))
         except OSError as e:
             if not is_enospc(e):
                 raise
@@ -562,7 +588,7 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
         work, report = store.retention_plan(now_ms=self.clock.now_ms(), slave_holds=self._retention_slave_holds())
         try:
             if work:
-                await asyncio.get_running_loop().run_in_executor(None, work.run)
+                await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, work.run))
         finally:
             store.retention_finish(work)  # a store closed meanwhile (role change) only drops temp files
         self.metrics.retention_freed.inc(work.freed_bytes)

@@ -45,9 +45,12 @@ from node.delay.service import DelayNode
 from node.delay.store import DelayStore
 from node.replication.ackjournal import AckJournal
 from node.replication.core import SyncTracker
+from node.replication.history import HistoryFile
 from node.replication.repair import REPAIR_TIMEOUT_S, SegmentRepair
+from node.replication.roles import ReplicaRoles, mono_ms
+from node.replication.shipping import LogShipping
+from node.role import Role
 from node.store.log import decode_frame
-from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
 from node.store import retention
 from node.store.group_commit import GroupCommitter
 from node.aio import wait_event
@@ -62,7 +65,7 @@ BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication
 NO_BUCKET = "no bucket"  # ReadLog's answer when this member has no such bucket
 
 
-class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.ReplicationServicer):
+class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, rpc.ReplicationServicer):
     ROLE = "delay"
     DISCOVERY_KIND = mpb.DELAYED_PRODUCER
 
@@ -71,13 +74,14 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
     def __init__(self, settings, **kw) -> None:
         super().__init__(settings, **kw)
         self.store.follow()  # the election decides; promote() makes it the master in place
-        self.committer = GroupCommitter(self.store.messages)
+        self.role = Role("opening", self.store, GroupCommitter(self.store.messages))  # the first _switch ends it
         root = Path(settings.data_dir)
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
         self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.ack_journal = AckJournal.from_settings(settings)  # off unless HOURGLASS_ACK_JOURNAL is set
         self._active_at = time.monotonic()  # last append, dispatch or checkpoint beyond the clock (_poll_cap_ms)
+        self._promote_steps: dict[str, float] = {}  # milliseconds of the last promotion's steps (logged)
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 
@@ -107,6 +111,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         bucket's data log (a member whose rebuilt bucket lacks records asks)."""
         if not request.log.startswith(BUCKET_LOG_PREFIX):
             return await super().ReadLog(request, context)
+        if self.mode == "switching":  # a worker thread promotes or opens the store now: ask again
+            return pb.ReadLogResponse(error="switching roles; ask again")
         try:
             start = int(request.log[len(BUCKET_LOG_PREFIX):])
             b = self.store.schedule.bucket(start, create=False) if self.store.schedule.exists(start) else None
@@ -154,7 +160,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         rebuilt again with the records it lacks. A member that cannot answer (unreachable, its
         copy corrupt too) is a fault: logged, counted, and the bucket is asked for again later
         (backoff). Once every member answered and none had them, they are lost (``give_up``)."""
-        store = self.store
+        role = self.role  # a role switch ends it: nothing is rebuilt on a store a switch works on
+        store = role.store
         healer = store.healer
         loop = asyncio.get_running_loop()
         due = healer.fetch_due(int(loop.time() * 1000))
@@ -171,7 +178,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
             unanswered = 0
             for address in members:
                 m = healer.missing.get(start)
-                if self.store is not store or m is None or m.lost:
+                if self.role is not role or role.ended or m is None or m.lost:
                     break
                 try:
                     frames = await self._fetch_bucket_frames(address, start, m, healer.first_log_seq())
@@ -179,8 +186,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                     healer.fault(HealFault("fetch", address, 0, f"bucket {start}: {e}"))
                     unanswered += 1
                     continue
-                if self.store is not store:
-                    return  # reopened (a demotion) meanwhile: its healer asks again
+                if self.role is not role or role.ended:
+                    return  # a role switch meanwhile: the next role's healer asks again
                 if not frames:
                     continue  # this member does not have them
                 try:
@@ -191,7 +198,7 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                     unanswered += 1
                     break
             m = healer.missing.get(start)
-            if self.store is not store or m is None or m.lost:
+            if self.role is not role or role.ended or m is None or m.lost:
                 continue
             if unanswered or not members:
                 if not members:
@@ -345,64 +352,67 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
 
     # ------------------------------------------------------------------ roles
 
-    async def _master_tasks(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.committer.run(), name="group-commit")
-            tg.create_task(self._iterator_loop(), name="iterator")
-            tg.create_task(self._wheel_loop(), name="wheel")
-            tg.create_task(self._checkpoint_loop(), name="checkpoint")
-            tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
-            tg.create_task(self._disk_loop(), name="disk")
-            tg.create_task(self._retention_loop(), name="retention")
-            for i in range(self.settings.dispatch_concurrency_max):
-                tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
+    def _master_tasks(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self.committer.run(), name="group-commit")
+        tg.create_task(self._iterator_loop(), name="iterator")
+        tg.create_task(self._wheel_loop(), name="wheel")
+        tg.create_task(self._checkpoint_loop(), name="checkpoint")
+        tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
+        tg.create_task(self._disk_loop(), name="disk")
+        tg.create_task(self._retention_loop(), name="retention")
+        for i in range(self.settings.dispatch_concurrency_max):
+            tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
 
-    async def _slave_tasks(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for name in LOGS:
-                tg.create_task(self._follow(name), name=f"follow-{name}")
-            tg.create_task(self._slave_iterate_loop(), name="slave-iterate")
-            tg.create_task(self._checkpoint_loop(), name="checkpoint")
-            tg.create_task(self._disk_loop(), name="disk")
-            tg.create_task(self._retention_loop(), name="retention")
+    def _slave_tasks(self, tg: asyncio.TaskGroup) -> None:
+        for name in LOGS:
+            tg.create_task(self._follow(name), name=f"follow-{name}")
+        tg.create_task(self._slave_iterate_loop(), name="slave-iterate")
+        tg.create_task(self._checkpoint_loop(), name="checkpoint")
+        tg.create_task(self._disk_loop(), name="disk")
+        tg.create_task(self._retention_loop(), name="retention")
 
-    def _reopen(self, mode: str) -> None:
+    def _role_store(self, mode: str, store: DelayStore, now_ms: int, store_epoch: int) -> DelayStore:
         """Promotion turns the follower store into the master in place (``DelayStore.promote``:
         one epoch bump, no close and open). Demotion (a master deposed while running, rare)
-        still closes the store and opens it as a follower: its in-flight state goes with it."""
-        self._dispatch_q = asyncio.Queue()
-        self._dispatch_slots = asyncio.Semaphore(self.settings.dispatch_concurrency_max)
-        now = self.clock.now_ms()
+        still closes the store and opens it as a follower: its in-flight state goes with it.
+        On a worker thread (``ReplicaRoles._switch``)."""
         if mode == "master":
             t0 = time.perf_counter()
-            steps = self.store.promote(now, self._store_epoch) if self.store.follower else {}
-            self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
-            self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-            self.tracker.set_slaves(self._required_slaves())
-            self._term_start_ms = mono_ms()
-            log.warning("became MASTER group=%s epoch=%d store_epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d "
-                        "promote_ms=%.1f steps_ms=%s", self.settings.group, self.member.epoch, self.store.epoch,
-                        self.store.completed_ms, now, now - self.store.completed_ms,
-                        sum(self.store.pending_by_bucket().values()), (time.perf_counter() - t0) * 1000,
-                        json.dumps(steps))
-        else:
-            if not self.store.follower:
-                self.store.checkpoint()
-                self.store.close()
-                self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now,
-                                             follower=True)
-            self.store.follow()
-        self.committer = GroupCommitter(self.store.messages)
+            self._promote_steps = store.promote(now_ms, store_epoch) if store.follower else {}
+            self._promote_steps["total"] = round((time.perf_counter() - t0) * 1000, 1)
+            return store
+        if not store.follower:
+            store.checkpoint()
+            store.close()
+            store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now_ms,
+                                    follower=True)
+        store.follow()
+        return store
 
-    def _recover_follower(self) -> None:
+    def _recover_store(self, store: DelayStore, now_ms: int) -> DelayStore:
         try:
-            self.store.close()
+            store.close()
         except Exception as e:  # noqa: BLE001 - the half-promoted store is dropped either way
             log.warning("closing a half-promoted store: %r", e)
-        self.store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(),
-                                     now_ms=self.clock.now_ms(), follower=True)
-        self.store.follow()
-        self.committer = GroupCommitter(self.store.messages)
+        store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now_ms, follower=True)
+        store.follow()
+        return store
+
+    def _role_began(self, mode: str) -> None:
+        # a new term's dispatch queue: what the old one held was loaded by the old wheel
+        self._dispatch_q = asyncio.Queue()
+        self._dispatch_slots = asyncio.Semaphore(self.settings.dispatch_concurrency_max)
+        if mode != "master":
+            return
+        self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
+        self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+        self.tracker.set_slaves(self._required_slaves())
+        self._term_start_ms = mono_ms()
+        now, steps = self.clock.now_ms(), self._promote_steps
+        log.warning("became MASTER group=%s epoch=%d store_epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d "
+                    "promote_ms=%.1f steps_ms=%s", self.settings.group, self.member.epoch, self.store.epoch,
+                    self.store.completed_ms, now, now - self.store.completed_ms,
+                    sum(self.store.pending_by_bucket().values()), steps.get("total", 0.0), json.dumps(steps))
 
     # ------------------------------------------------------------------ handover
 
@@ -414,7 +424,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
         if not self._peers:
             return pb.HandoverResponse(done=False, error="no slave to hand over to")
         # stop the role tasks (no more dispatch, no more ingest) but keep serving Replicate
-        await self._stop_role_task()
+        role = self.role
+        await role.stop_tasks()
         self.store.checkpoint()
         self._active_at = time.monotonic()  # polls at the short cap while the slaves take the final state
         self._changed.set()
@@ -425,7 +436,8 @@ class ReplicatedDelayNode(ReplicaRoles, SegmentRepair, DelayNode, rpc.Replicatio
                 break
             await asyncio.sleep(0.02)
         else:
-            self._start_role_task("master")
+            if self.role is role and not role.ended:  # the role loop may have stood it down meanwhile
+                role.start(self._tg, self._master_tasks)
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
         await asyncio.sleep(2 * self.settings.replication_wait_ms / 1000)  # the final tick state reaches them
         return await self._resign_and_follow()

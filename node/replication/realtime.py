@@ -48,9 +48,10 @@ from cluster.proto import meta_pb2 as mpb
 from node.realtime.service import RealtimeNode
 from node.realtime.store import RealtimeStore
 from node.replication.core import SyncTracker
+from node.replication.history import HistoryFile
 from node.replication.repair import SegmentRepair
-from node.replication.roles import HistoryFile, ReplicaRoles, mono_ms
-from node.store.group_commit import GroupCommitter
+from node.replication.roles import ReplicaRoles, mono_ms
+from node.replication.shipping import LogShipping
 from node.store.retention import slave_holds
 
 log = logging.getLogger("hourglass.replication.realtime")
@@ -61,7 +62,7 @@ SUBJECT_OWNERS_MAX = 2000           # (subject, owner) pairs one FetchResponse c
 ROLE = "realtime"
 
 
-class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.ReplicationServicer):
+class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeNode, rpc.ReplicationServicer):
     ROLE = ROLE
     DISCOVERY_KIND = mpb.CONSUMER
 
@@ -117,12 +118,18 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         return resp
 
     async def Ack(self, request, context):
+        term = self._term()
         resp = await super().Ack(request, context)  # the group documents are committed before this returns
+        if self._term_over(term):  # a role switch meanwhile: its slaves' acknowledgements are another term's
+            await self._term_ended(context)
         await self._groups_replicated([(sh.subject, request.group) for sh in request.acks], context)
         return resp
 
     async def Nack(self, request, context):
+        term = self._term()
         resp = await super().Nack(request, context)
+        if self._term_over(term):
+            await self._term_ended(context)
         if self.settings.ack_mode == "sync":
             await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)  # dead letters
         await self._groups_replicated([(sh.subject, request.group) for sh in request.nacks], context)
@@ -220,26 +227,32 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
 
     # ------------------------------------------------------------------ roles
 
-    async def _master_tasks(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.committer.run(), name="group-commit")
-            tg.create_task(self.creator.run(), name="subjects")
-            tg.create_task(self._flush_loop(), name="flush")
-            tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
-            tg.create_task(self._disk_loop(), name="disk")
-            tg.create_task(self._retention_loop(), name="retention")
+    def _master_tasks(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self.committer.run(), name="group-commit")
+        tg.create_task(self.creator.run(), name="subjects")
+        tg.create_task(self._flush_loop(), name="flush")
+        tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
+        tg.create_task(self._disk_loop(), name="disk")
+        tg.create_task(self._retention_loop(), name="retention")
 
-    async def _slave_tasks(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._follow(LOG), name="follow")
-            tg.create_task(self._flush_loop(), name="flush")
-            tg.create_task(self._retention_loop(), name="retention")
+    def _slave_tasks(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self._follow(LOG), name="follow")
+        tg.create_task(self._flush_loop(), name="flush")
+        tg.create_task(self._retention_loop(), name="retention")
 
-    def _reopen(self, mode: str) -> None:
-        self.store.close()
-        self.store = RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(),
-                                        now_ms=self.clock.now_ms())
-        self.committer = GroupCommitter(self.store.messages)
+    def _role_store(self, mode: str, store: RealtimeStore, now_ms: int, store_epoch: int) -> RealtimeStore:
+        """Both ways the store is closed and opened again (on a worker thread: ``_switch``)."""
+        store.close()
+        return RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
+
+    def _recover_store(self, store: RealtimeStore, now_ms: int) -> RealtimeStore:
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001 - the half-opened store is dropped either way
+            log.warning("closing a store after a failed promotion: %r", e)
+        return RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
+
+    def _role_began(self, mode: str) -> None:
         self.creator.quotas = self._new_quotas()  # what this store's journal says each principal owns
         for waiting in self._new_data.values():
             for ev in waiting:
@@ -257,9 +270,6 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
                         self.settings.group, self.member.epoch, self.store.epoch,
                         self.store.messages.end_offset, self.store.group_seq)
 
-    def _recover_follower(self) -> None:
-        self._reopen("slave")
-
     # ------------------------------------------------------------------ handover
 
     async def Handover(self, request, context) -> pb.HandoverResponse:
@@ -270,7 +280,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
         if not self._peers:
             return pb.HandoverResponse(done=False, error="no slave to hand over to")
         self._handing_over = True  # clients get NOT_LEADER from now on; Replicate is still served below
-        await self._stop_role_task()
+        role = self.role
+        await role.stop_tasks()
         self.store.flush()
         self._changed.set()
         end, seq = self.store.messages.end_offset, self.store.group_seq
@@ -281,7 +292,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, SegmentRepair, RealtimeNode, rpc.Repl
             await asyncio.sleep(0.02)
         else:
             self._handing_over = False
-            self._start_role_task("master")
+            if self.role is role and not role.ended:  # the role loop may have stood it down meanwhile
+                role.start(self._tg, self._master_tasks)
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
         self._handing_over = False
         return await self._resign_and_follow()

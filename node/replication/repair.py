@@ -38,6 +38,8 @@ class SegmentRepair:
     async def ReadLog(self, request: pb.ReadLogRequest, context) -> pb.ReadLogResponse:
         if request.log not in self.REPAIR_LOGS:
             return pb.ReadLogResponse(error=f"unknown log {request.log!r}")
+        if self.mode == "switching":  # a worker thread promotes or opens the store now: ask again
+            return pb.ReadLogResponse(error="switching roles; ask again")
         lg = self._log(request.log)
         try:
             data = lg.read_bytes(request.offset, min(request.max_bytes or (1 << 20),
@@ -83,8 +85,8 @@ class SegmentRepair:
         for address in members:
             try:
                 data = await self._fetch_segment(address, kind, base, size)
-                if lg is not self._log(kind) or base not in lg.segment_bases()[:-1]:
-                    return False  # the store was reopened or the segment deleted while we fetched
+                if self.mode == "switching" or lg is not self._log(kind) or base not in lg.segment_bases()[:-1]:
+                    return False  # a role switch, or the segment deleted, while we fetched
                 lg.replace_sealed(base, data)
             except (grpc.RpcError, HourglassError, TimeoutError) as e:
                 log.warning("segment repair from %s failed kind=%s offset=%d: %s", address, kind, base, e)

@@ -1,18 +1,21 @@
-"""What every replicated node shares: election role loop, fencing answers, sync-ack waits,
-the master's side of the fetch preamble, metrics, status and lifecycle.
+"""What every replicated node shares: the election role loop, role switches, fencing
+answers, sync-ack waits, metrics, status and lifecycle.
 
 ``ReplicaRoles`` is a mixin for a node class (``ReplicatedDelayNode``,
-``ReplicatedRealtimeNode``) that provides:
+``ReplicatedRealtimeNode``, beside ``LogShipping`` of node/replication/shipping.py) that
+provides:
 
 * ``ROLE`` ("delay" | "realtime") and ``DISCOVERY_KIND`` (the GetServers kind that lists
   its groups);
-* ``_switch(mode)``: make the store the master's or a slave's (``_reopen``) and start that
-  mode's tasks in ``self._role_task``, a task of the node's root TaskGroup when the node
-  runs (a role task that fails stops the node with its error, instead of leaving a master
-  that does nothing); a switch before ``run`` set the TaskGroup (tests that drive roles by
-  hand) starts it as a plain task, whose error only its awaiter sees;
+* ``_switch(mode)``: end the node's current ``Role`` (node/role.py: its store, committer and
+  loops) and install a master's or a slave's: the store is promoted or reopened off the
+  event loop (``_role_store``), and the new role's loops (``_master_tasks`` /
+  ``_slave_tasks``) run in a child TaskGroup that is always a task of the node's root
+  TaskGroup (a role task that fails stops the node with its error, instead of leaving a
+  master that does nothing; there is no free-task fallback: a switch needs ``run``);
+* the term token of a call is its role (``_term``): an answer begun under one role is never
+  given under another (``_confirm_ack``);
 * ``_role_log_end()``: its message-log end (the most caught-up slave campaigns first);
-* ``_on_peers(peers)``: the group's other members changed (sync trackers);
 * ``_grpc_services()``: keyword arguments for ``start_grpc``; ``_close_clients()``.
 
 The pure rules are in ``node/replication/core.py``.
@@ -25,66 +28,27 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
-
-import grpc
 
 from cluster import errors as E
 from cluster import status
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.proto import meta_pb2 as mpb
-from node.aio import finish_then_cancel, wait_event, within
+from node.aio import wait_event, within
 from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.registration import Registrar
-from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   in_sync_change, may_campaign, role_step, take_answer, truncate_allowed)
-from node.store import checkpoint
+from node.replication.core import (LeaderKey, Member, SyncTracker, campaign_delay_ms, in_sync_change,
+                                   may_campaign, role_step)
+from node.replication.history import HistoryFile
+from node.role import Role, off_loop
+from node.store.group_commit import GroupCommitter
 
 log = logging.getLogger("hourglass.replication")
 
 
 def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
-
-
-class HistoryFile:
-    """A log's epoch history, persisted atomically beside the data."""
-
-    ACKED_SAVE_INTERVAL_S = 1.0  # the acknowledged point is persisted at most this often (memory has it at once)
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        doc = checkpoint.read(path)
-        self.history = EpochHistory([tuple(x) for x in doc["entries"]]) if doc else EpochHistory()
-        self.acked = int(doc.get("acked", -1)) if doc else -1
-        self._acked_saved_at = 0.0
-
-    def save(self) -> None:
-        checkpoint.write_atomic(self.path, {"entries": [list(x) for x in self.history.entries], "acked": self.acked})
-        self._acked_saved_at = time.monotonic()
-
-    def note_acked(self, acked: int) -> None:
-        self.acked = max(self.acked, acked)
-        if time.monotonic() - self._acked_saved_at >= self.ACKED_SAVE_INTERVAL_S:
-            self.save()
-
-    def clamp(self, log_end: int) -> None:
-        """Entries that start past the log's end (adopted before a crash lost the bytes) go."""
-        if self.history.entries and self.history.entries[-1][1] > log_end:
-            self.history.entries = [(e, o) for e, o in self.history.entries if o <= log_end]
-            self.save()
-
-    def adopt(self, master_history_json: str, log_end: int) -> None:
-        before = list(self.history.entries)
-        self.history.adopt([tuple(x) for x in json.loads(master_history_json)], log_end)
-        if self.history.entries != before:
-            self.save()
-
-    def truncate(self, cut: int) -> None:
-        self.history.truncate(cut)
-        self.save()
 
 
 class ReplicaRoles:
@@ -104,8 +68,7 @@ class ReplicaRoles:
         self._changed = asyncio.Event()
         self._idle_polls = 0  # slaves' long polls waiting with the idle cap (``_poll_cap_ms``)
         self._ticket_added = asyncio.Event()  # a sync write waits for its slaves (``_sync_expiry_loop``)
-        self._role_task: asyncio.Task | None = None
-        self._tg: asyncio.TaskGroup | None = None
+        self._tg: asyncio.TaskGroup | None = None  # the root TaskGroup of ``run``: role tasks are its children
         self._switch_lock = asyncio.Lock()
         self._no_campaign_until = 0
         self._handover_until = 0   # after a graceful handover: no campaign at all until then
@@ -125,8 +88,8 @@ class ReplicaRoles:
         self._caught_up_at = time.monotonic()
         self.failovers = 0
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
-        self._term_gen = 0   # bumped by every role switch: an answer begun in one term is never given in another
         self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)
+        self._described: dict = {}  # the last registration_info (what a switch in progress answers)
 
     def is_master(self) -> bool:
         return self.mode == "master" and self.member.is_master(mono_ms())
@@ -181,11 +144,6 @@ class ReplicaRoles:
             log.warning("a request claimed epoch %d of group %s; the election says %d: not believed",
                         claimed, self.settings.group, lr.leader.epoch if lr.present else self.member.epoch)
 
-    def _caught_up(self, master_end: int, own_end: int) -> None:
-        self.lag_bytes = max(0, master_end - own_end)
-        if self.lag_bytes == 0:
-            self._caught_up_at = time.monotonic()
-
     def lag_ms(self) -> int:
         if self.mode == "master" or self.lag_bytes == 0:
             return 0
@@ -202,12 +160,20 @@ class ReplicaRoles:
             await asyncio.sleep(0.5)
 
     def registration_info(self) -> dict:
+        if self.mode == "switching" and self._described:
+            # a worker thread promotes or opens the store now: nothing reads it meanwhile
+            # (the registration's snapshot must not fail: it would stop the node)
+            return dict(self._described, master=False, epoch=self.member.epoch)
         info = super().registration_info()
         info.update(master=self.mode == "master", epoch=self.member.epoch, lag_bytes=self.lag_bytes)
+        self._described = info
         return info
 
     def stats(self) -> dict:
-        s = super().stats()
+        if self.mode == "switching":  # the store is the switch's worker thread's now (registration_info)
+            s = {"role": self.ROLE, "node_id": self.settings.node_id, "group": self.settings.group}
+        else:
+            s = super().stats()
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
                   "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
                   "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers})
@@ -242,11 +208,14 @@ class ReplicaRoles:
             self.metrics.errors.labels(kind=type(err).__name__).inc()
             await status.abort(context, err)
 
-    def _term(self) -> int:
-        """A token of the current term of this process (see ``_confirm_ack``)."""
-        return self._term_gen
+    def _term(self) -> Role:
+        """A token of the current term of this process (see ``_confirm_ack``): its role."""
+        return self.role
 
-    async def _confirm_ack(self, term: int, tracker: SyncTracker | None, kind: str, offset: int, context) -> None:
+    def _term_over(self, term: Role) -> bool:
+        return self.role is not term or term.ended
+
+    async def _confirm_ack(self, term: Role, tracker: SyncTracker | None, kind: str, offset: int, context) -> None:
         """The last step before a write (or an ack of consumers) is answered OK.
 
         ``sync``: every required slave holds ``offset`` (``_wait`` on the tracker of the term
@@ -257,10 +226,10 @@ class ReplicaRoles:
         NotLeader, whose outcome is "unknown, retry with the same ids" (ids are idempotent).
         """
         if tracker is not None and self.settings.ack_mode == "sync":
-            if self._term_gen != term:
+            if self._term_over(term):
                 await self._term_ended(context)
             await self._wait(tracker, kind, offset, context)
-        if self._term_gen != term or not self.is_master():
+        if self._term_over(term) or not self.is_master():
             await self._term_ended(context)
 
     async def _term_ended(self, context) -> None:
@@ -299,171 +268,27 @@ class ReplicaRoles:
         for kind, tr in self._trackers().items():
             self._release(kind, tr.drop_all(), err)
 
-    # ------------------------------------------------------------------ master side of a fetch
-
-    async def _fetch_preamble(self, req, context, logs: dict) -> tuple[dict, pb.FetchResponse | None]:
-        """Fencing, divergence and retention checks every fetch goes through. Returns the
-        fields every answer carries and, when the slave must first truncate or reset, that
-        answer (the caller yields it and goes on with the next request)."""
-        await self._refuse_newer_term(req.epoch, context)  # believed only once the election confirms it
-        if req.log not in logs:
-            await status.abort(context, E.InvalidArgument("log", f"unknown log {req.log!r}"))
-        lg = logs[req.log]
-        hist = self.histories[req.log].history
-        try:
-            theirs = EpochHistory.decode(req.history or "[]")
-        except (ValueError, TypeError) as e:
-            await status.abort(context, E.InvalidArgument("history", f"bad history: {e}"))
-        base = dict(epoch=self.member.epoch, offset=req.offset, end_offset=lg.end_offset, truncate_to=-1,
-                    reset_to=-1, history=json.dumps(hist.entries))
-        ans = answer_fetch(serving=self.is_master(), my_epoch=self.member.epoch, req_epoch=req.epoch, theirs=theirs,
-                           offset=req.offset, mine=hist, start=lg.start_offset, end=lg.end_offset)
-        if ans.kind == "not_master":
-            await self._not_master(context)
-        if ans.kind == "truncate":
-            return base, pb.FetchResponse(**dict(base, truncate_to=ans.to))
-        if ans.kind == "reset":
-            return base, pb.FetchResponse(**dict(base, reset_to=ans.to))
-        self.slave_offsets.setdefault(req.node_id, {})[req.log] = req.offset
-        return base, None
-
-    async def _wait_for_change(self, req, lg, idle: bool = True) -> None:
-        """Long poll of a caught-up slave, at most ``_poll_cap_ms()``: ``replication_wait_ms``
-        (the tick-state period), or ``replication_idle_wait_ms`` while the master is at rest
-        (a subclass's rule; then anything new sets ``_changed`` at once)."""
-        if req.offset >= lg.end_offset and req.wait_ms and idle:
-            self._changed.clear()
-            cap = self._poll_cap_ms()
-            at_rest = cap > self.settings.replication_wait_ms
-            self._idle_polls += at_rest
-            try:
-                await wait_event(self._changed, (cap if at_rest else min(req.wait_ms, cap)) / 1000)
-            except TimeoutError:
-                pass
-            finally:
-                self._idle_polls -= at_rest
-
-    def _poll_cap_ms(self) -> int:
-        """How long a caught-up slave's fetch may wait for something new."""
-        return self.settings.replication_wait_ms
-
-    def _fetch_request(self, name: str, lg) -> pb.FetchRequest:
-        return pb.FetchRequest(node_id=self.settings.node_id, epoch=self.member.epoch, log=name, offset=lg.end_offset,
-                               max_bytes=self.settings.replication_chunk_bytes,
-                               wait_ms=self.settings.replication_wait_ms,
-                               history=self.histories[name].history.encode())
-
-    # ------------------------------------------------------------------ slave side
-
-    def _log(self, name: str):
-        """The SegmentedLog replicated as ``name`` (the store may have been reopened)."""
-        raise NotImplementedError
-
-    def _on_truncate(self, name: str, cut: int) -> None:
-        raise NotImplementedError
-
-    def _may_truncate(self, name: str, cut: int, master: str) -> bool:
-        """A master asks this slave to cut ``name`` at ``cut``: refused (False: the stream is
-        dropped and retried) when that would remove bytes a master told this slave were
-        acknowledged. Only a member holding every acknowledged record can be elected, so a
-        master that asks for that is wrong: nothing is cut, the refusal is logged and counted
-        (``hourglass_truncations_refused``), and this slave stays out of the in-sync set."""
-        acked = self.acked_known.get(name, -1)
-        if truncate_allowed(cut, acked):
-            return True
-        self.metrics.truncations_refused.inc()
-        log.error("refusing to truncate %s to %d from master %s: bytes up to %d were acknowledged "
-                  "(docs/replication.md, Truncation never removes acknowledged records)", name, cut, master, acked)
-        return False
-
-    def _note_acked(self, name: str, acked: int) -> None:
-        """A master says the group holds ``name`` up to ``acked`` (its acknowledged point)."""
-        if acked > self.acked_known.get(name, -1):
-            self.acked_known[name] = acked
-            self.histories[name].note_acked(acked)
-
-    def _on_reset(self, name: str, offset: int) -> None:
-        raise E.StorageError(f"the master no longer holds the bytes this replica of {name} needs (it starts at "
-                             f"{offset}): rebuild this replica from an empty data folder")
-
-    async def _on_data(self, name: str) -> None:
-        """Replicated bytes of ``name`` were appended and fsynced."""
-
-    def _on_answer(self, name: str, resp: pb.FetchResponse) -> None:
-        """Whatever else an answer carries (tick state, group documents)."""
-
-    async def _follow(self, name: str) -> None:
-        """Fetch ``name`` from the master over one stream: truncate when told, append CRC-checked
-        whole records, fsync, then ask for the next offset (the acknowledgement)."""
-        backoff = 0.05
-        while True:
-            addr = self.member.leader_address
-            if not addr or self.member.leader == self.settings.node_id:
-                await asyncio.sleep(0.05)
-                continue
-            call = rpc.ReplicationStub(self.channels.get(addr)).Replicate()
-            try:
-                while True:
-                    lg = self._log(name)
-                    await call.write(self._fetch_request(name, lg))
-                    resp = await within(call.read(), 10)
-                    if resp is grpc.aio.EOF or not take_answer(
-                            my_epoch=self.member.epoch, answer_epoch=resp.epoch, from_leader=addr == self.member.leader_address,
-                            acting_master=self.is_master()):
-                        break
-                    self.member.epoch = max(self.member.epoch, resp.epoch)
-                    if resp.truncate_to >= 0:
-                        if not self._may_truncate(name, resp.truncate_to, addr):
-                            break
-                        self._on_truncate(name, resp.truncate_to)
-                        self.histories[name].truncate(resp.truncate_to)
-                        continue
-                    if resp.reset_to >= 0:
-                        self._on_reset(name, resp.reset_to)
-                        continue
-                    if resp.data:
-                        # the history first: bytes of a term never sit in this log under an older
-                        # term's entry (a promotion between the two steps would begin its own term
-                        # after bytes it attributes to the wrong one, and a later divergence check
-                        # would cut records both members hold)
-                        self.histories[name].adopt(resp.history, resp.offset + len(resp.data))
-                        lg.append_raw(resp.offset, resp.data)  # checks every record's CRC
-                        await finish_then_cancel(asyncio.to_thread(lg.flush))
-                        await self._on_data(name)
-                    else:
-                        self.histories[name].adopt(resp.history, lg.end_offset)
-                    self._on_answer(name, resp)
-                    self._refusals = 0
-                    backoff = 0.05
-            except (grpc.RpcError, TimeoutError, E.HourglassError, asyncio.InvalidStateError) as e:
-                # InvalidStateError: the stream ended (the master died) between a read and the next write
-                log.info("replication of %s from %s interrupted: %s", name, addr, e)
-                if isinstance(e, grpc.RpcError):
-                    await self._master_refused(addr, e)
-                await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
-            finally:
-                call.cancel()
-
-    def _master_history_begins(self, ends: dict[str, int]) -> None:
-        for name, end in ends.items():
-            self.histories[name].clamp(end)
-            self.histories[name].history.begin(self.member.epoch, end)
-            self.histories[name].save()
-
     # ------------------------------------------------------------------ roles
 
     async def _switch(self, mode: str) -> None:
-        """Become master or slave: stop the current mode's tasks, fail waiting sync acks, reopen
-        the store for ``mode`` (``_reopen``), start the new mode's tasks."""
+        """Become master or slave (node/role.py, "Lifecycle of a switch"): end the current
+        role (its loops cancelled and awaited, its committer's waiters and the sync-ack
+        waiters failed with NotLeader), make the store the new mode's on a worker thread
+        (``_role_store``: promote, or close and open), then install the new role and start
+        its loops in the root TaskGroup. No client is served meanwhile (``mode`` is
+        "switching"), and nothing on the loop writes the store while the thread works on it
+        (role loops stopped; ``ReadLog`` and the scrub wait for the switch)."""
         async with self._switch_lock:
-            if self.mode == mode and self._role_task is not None:
+            if self.role.mode == mode and self.role.started and not self.role.ended:
                 return
-            await self._stop_role_task()
-            self._term_gen += 1
-            self._release_all(E.NotLeader(self.member.leader_address or None))
+            old, was = self.role, self.mode
+            self.mode = "switching"  # _may_serve: False until the new role is installed
+            err = E.NotLeader(self.member.leader_address or None)
+            await old.end(err)
+            self._release_all(err)
+            now, store_epoch = self.clock.now_ms(), self._store_epoch
             try:
-                self._reopen(mode)
+                store = await off_loop(lambda: self._role_store(mode, old.store, now, store_epoch), self._abandon)
             except Exception as e:
                 if mode != "master":
                     raise
@@ -473,16 +298,15 @@ class ReplicaRoles:
                 log.error("promotion failed group=%s epoch=%d: %r; staying a slave", self.settings.group,
                           self.member.epoch, e)
                 self.metrics.errors.labels(kind="PromotionFailed").inc()
-                self._recover_follower()
+                store = await off_loop(lambda: self._recover_store(old.store, now), self._abandon)
                 with self._member_lock:
                     self.member.give_up_seat()
-                self.mode = "slave"
-                self._start_role_task("slave")
+                self._install("slave", store)
                 self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
                 await self._resign_quietly()
                 raise E.StorageError(f"promotion failed: {e}") from e
             self.metrics.master_changes.labels(to=mode).inc()
-            if mode == "slave" and self.mode == "master":
+            if mode == "slave" and was == "master":
                 # stood down (lease not confirmed in time, or deposed): the member elected next keeps
                 # its seat for a minimum term; this one contests it again only if nobody else is there
                 self._no_campaign_until = max(self._no_campaign_until, mono_ms() + self.settings.min_term_ms)
@@ -491,11 +315,40 @@ class ReplicaRoles:
             else:
                 log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
                             self.member.leader_address)
-            self.mode = mode
-            self._start_role_task(mode)
+            self._install(mode, store)
 
-    def _recover_follower(self) -> None:
-        """Reopen the store from disk as a follower (after a failed promotion)."""
+    def _install(self, mode: str, store) -> None:
+        """The new role, on the loop: its committer, the node's per-term state
+        (``_role_began``), then its loops in the root TaskGroup; clients are served from here."""
+        self.role = Role(mode, store, GroupCommitter(store.messages))
+        self._role_began(mode)
+        self.mode = mode
+        self.role.start(self._tg, self._master_tasks if mode == "master" else self._slave_tasks)
+
+    def _abandon(self, store) -> None:
+        """A switch was cancelled (the node stops) after its thread made ``store``: it becomes
+        an ended role's, so the node's shutdown closes it."""
+        self.role = Role("stopped", store, GroupCommitter(store.messages))
+        self.role.ended = True
+
+    def _role_store(self, mode: str, store, now_ms: int, store_epoch: int):
+        """On a worker thread: ``store`` (the ended role's) made ``mode``'s; returns the store
+        the new role owns (the same object when promoted in place). Touches nothing of the
+        event loop."""
+        raise NotImplementedError
+
+    def _recover_store(self, store, now_ms: int):
+        """On a worker thread: after a failed promotion, the store opened from disk as a follower."""
+        raise NotImplementedError
+
+    def _role_began(self, mode: str) -> None:
+        """On the loop, the new role installed: the node's per-term state (trackers, history)."""
+
+    def _master_tasks(self, tg: asyncio.TaskGroup) -> None:
+        """The master's loops, created in the role's child TaskGroup ``tg``."""
+        raise NotImplementedError
+
+    def _slave_tasks(self, tg: asyncio.TaskGroup) -> None:
         raise NotImplementedError
 
     async def _resign_quietly(self) -> None:
@@ -505,25 +358,6 @@ class ReplicaRoles:
                                                                        epoch=self.member.epoch))
         except E.HourglassError as e:
             log.warning("resign after a failed promotion failed: %s (the seat ends with the lease)", e)
-
-    def _start_role_task(self, mode: str) -> None:
-        coro = self._master_tasks() if mode == "master" else self._slave_tasks()
-        self._role_task = self._tg.create_task(coro, name=f"role-{mode}") if self._tg is not None \
-            else asyncio.create_task(coro, name=f"role-{mode}")
-
-    async def _stop_role_task(self) -> None:
-        t = self._role_task
-        if t is None or t.done():  # a failed one: the TaskGroup holds its error
-            return
-        t.cancel()
-        try:
-            await t
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if me is not None and me.cancelling():
-                raise  # this task is being cancelled itself (the node stops): never swallow that
-        except Exception:  # noqa: BLE001 - its error reached the TaskGroup, which stops the node
-            pass
 
     async def _role_loop(self) -> None:
         meta = self.registrar.meta
@@ -643,26 +477,6 @@ class ReplicaRoles:
         log.warning("in-sync set of group %s: %s (added %s, dropped %s)", self.settings.group, self._in_sync,
                     sorted(change.add), sorted(change.drop))
 
-    async def _master_refused(self, addr: str, err: grpc.RpcError) -> None:
-        """A fetch failed: when the master's port refuses connections ``dead_master_refusals``
-        times in a row (no process listens: killed, not paused), ask the meta server to end
-        its term now (it checks the port itself) instead of waiting out the lease."""
-        details = (err.details() or "") if hasattr(err, "details") else ""
-        if "refused" not in details.lower():
-            self._refusals = 0
-            return
-        self._refusals += 1
-        epoch = self.member.epoch
-        if self._refusals < self.settings.dead_master_refusals or self._reported_dead == epoch:
-            return
-        self._reported_dead = epoch
-        try:
-            r = await self.registrar.meta.call("ReportDead", mpb.ReportDeadRequest(
-                role=self.ROLE, group=self.settings.group, epoch=epoch, reporter=self.settings.node_id))
-            log.warning("reported master %s of epoch %d dead: %s", addr, epoch, "term ended" if r.ended else r.reason)
-        except E.HourglassError as e:
-            log.info("dead-master report failed: %s", e)
-
     def _on_lease_lost(self, lease_id: int) -> None:
         """The registration lease is gone (found expired): a master stops acting at once,
         before the node registers again (which revokes the old lease and frees the seat).
@@ -689,7 +503,6 @@ class ReplicaRoles:
             return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
         with self._member_lock:
             self.member.give_up_seat()
-        self._role_task = None
         self.mode = "handing-over"
         await self._switch("slave")
         return pb.HandoverResponse(done=True)
@@ -707,7 +520,7 @@ class ReplicaRoles:
         self.registrar.on_lost = self._on_lease_lost
         try:
             async with asyncio.TaskGroup() as tg:
-                self._tg = tg  # role tasks are its children (_start_role_task)
+                self._tg = tg  # role tasks are its children (Role.start)
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
                          tg.create_task(self._role_loop(), name="roles"),
                          tg.create_task(self._metrics_loop(), name="metrics")]
@@ -730,11 +543,10 @@ class ReplicaRoles:
                 await self.server.stop(grace=1.0)
                 for t in tasks:
                     t.cancel()
-                if self._role_task is not None:
-                    self._role_task.cancel()
+                self.role.cancel_tasks()
         finally:
             self._tg = None
-            await self._stop_role_task()
+            await self.role.stop_tasks()
             await self.channels.close()
             await self._close_clients()
             if self.server is not None:

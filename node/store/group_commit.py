@@ -75,6 +75,7 @@ class GroupCommitter:
         self._dirty = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
+        self._stop_error: BaseException | None = None  # what a cancelled committer answers (``fail_waiting``)
         self.fsyncs = 0
 
     def start(self) -> asyncio.Task:
@@ -125,12 +126,19 @@ class GroupCommitter:
             # a role switch cancelled the committer: no fsync will come for the writes still
             # waiting, so each is answered now (retryable; a retry is de-duplicated by id)
             # instead of hanging until its caller's deadline (issue 29)
-            self._settle_all(waiters, Closed("the log's committer stopped (a role change): the write's "
-                                             "outcome is not known; retry it"))
+            self._settle_all(waiters, self._stop_error or Closed("the log's committer stopped (a role change): "
+                                                                 "the write's outcome is not known; retry it"))
             raise
         except Exception as e:  # an fsync failed: the writes queued behind it are not durable either
             self._settle_all(waiters, e)
             raise
+
+    def fail_waiting(self, err: BaseException) -> None:
+        """Fail every write queued for the next fsync with ``err`` (its role ended: no fsync
+        of this committer will answer them). The round in flight, if any, is answered by
+        ``_run`` when its task is cancelled, with ``err`` too."""
+        self._stop_error = err
+        self._settle_all([], err)
 
     def _settle_all(self, waiters: list[tuple[int, asyncio.Future]], err: BaseException) -> None:
         pending, self._waiters = [*waiters, *self._waiters], []

@@ -25,6 +25,7 @@ from node.store.settings import SCRUB_DEFAULTS
 
 log = logging.getLogger("hourglass.scrub")
 
+SWITCH_POLL_S = 0.05  # while a role switch works on the store off the loop, the scrub looks again this often
 TARGETS_REFRESH_MS = 30_000  # the segment list is listed again this often (and after a pass or a change)
 
 
@@ -40,7 +41,7 @@ class ScrubTask:
 
     def __init__(self, node, *, rate_bytes_per_s: int, step_bytes_max: int, pass_interval_ms: int = SCRUB_DEFAULTS.pass_interval_ms,
                  repair: Callable[[str, int, CorruptRecord], Awaitable[bool]] | None = None) -> None:
-        self.node = node  # .store (may be replaced by a role change), .metrics
+        self.node = node  # .role (replaced by a role change) and its .store, .metrics
         # rate 0 = no background scrub (the node does not run ``run``); the task still repairs
         # what ``admin verify`` finds, so it exists with a placeholder rate
         self.plan = ScrubPlan(rate_bytes_per_s=rate_bytes_per_s or SCRUB_DEFAULTS.rate_bytes_per_s,
@@ -78,6 +79,10 @@ class ScrubTask:
         loop = asyncio.get_running_loop()
         m = self.node.metrics
         while True:
+            role = self.node.role
+            if role.ended:  # a role switch promotes or opens the store on a worker thread: hands off
+                await asyncio.sleep(SWITCH_POLL_S)
+                continue
             self.sync_heal_metrics()
             now = int(time.monotonic() * 1000)
             targets = await self.targets(now)
@@ -87,6 +92,9 @@ class ScrubTask:
                 continue
             record_max = self.node.store.messages.record_bytes_max
             r = await loop.run_in_executor(None, check_span, step.target, step.pos, step.max_bytes, record_max)
+            if self.node.role is not role or role.ended:  # switched meanwhile: the new store's files are listed next
+                self._listed_ms = -TARGETS_REFRESH_MS
+                continue
             self.plan.done(step, r.checked_bytes, targets, at_end=r.at_end)
             m.scrub_bytes.inc(r.checked_bytes)
             m.scrub_passes.set(self.plan.progress.passes)
