@@ -3,6 +3,10 @@ heal.py's ``HealedStore``): decisions without files, time as an argument, invari
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -44,6 +48,28 @@ def hold(core: DelayCore, due: list[int], first_seq: int = 1) -> Batch:
         core.wheel.load_second(s, [])
     assert core.offer(core.chunk(FrameRef(-1, -1, 0, b), reload=False))
     return b
+
+
+DELAY = Path(__file__).resolve().parent.parent / "node" / "delay"
+
+
+def imported(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_the_core_and_the_ingest_rules_touch_no_file_thread_or_clock():
+    for name in ("core.py", "ingest.py"):
+        got = imported(DELAY / name)
+        assert not got & {"time", "os", "uuid", "pathlib", "random", "threading", "asyncio", "datetime"}, name
+        assert not re.search(r"\bopen\(|\.append\(\[|write_atomic|flush\(", (DELAY / name).read_text()), name
+
+
+def test_the_healer_reads_no_clock_and_no_private_attribute_of_its_store():
+    text = (DELAY / "heal.py").read_text()
+    assert not re.search(r"time\.(monotonic|time)\(|loop\.time", text)
+    assert not re.search(r"\b(s|store|self\.store)\._[a-z]", text)
 
 
 # ---------------------------------------------------------------------- DelayCore

@@ -108,6 +108,8 @@ class DelayStore:
         self.recovery.records_refiled = self.iterate(limit=None)  # replay: file everything the crash left unfiled
         if not follower:
             self._bump_past_filed_seqs()
+        self.recovery.epoch = self.epoch
+        log.info("delay store opened path=%s recovery=%s", root, self.recovery)
 
     @classmethod
     def open(cls, root: str | os.PathLike, settings: StoreSettings | None = None, *, now_ms: int,
