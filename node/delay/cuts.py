@@ -11,6 +11,11 @@ log filed a newer term's. Records at or below ``refile_seq_max`` are checked one
 (``Refiled.mask``) and filed anyway when this store has not filed them. They cannot go into
 the id index (its seqs only grow), so ``Refiled`` remembers where they went, by id
 (``refiled.json``, ``REFILED_MAX`` entries, the oldest buckets' dropped first).
+
+``truncate_messages`` and ``truncate_dispatch`` are the shell's steps of a cut
+(``DelayStore.truncate_messages`` / ``truncate_dispatch``): they cut the file, void what it
+held, and move the replicated tick state back when it rested on the cut bytes
+(``DelayCore.forget_cut_cancels``).
 """
 
 from __future__ import annotations
@@ -119,7 +124,10 @@ def truncate_messages(store: "DelayStore", cut: int) -> int:
                 cut, dropped, len(seqs))
     return len(seqs)
 
+
 def truncate_dispatch(store: "DelayStore", cut: int) -> int:
+    """Drop a divergent dispatch-log suffix; the tick state's dispatch offset goes back to the
+    cut with it. Returns the bytes dropped."""
     if cut >= store.dispatch.end_offset:
         return 0
     dropped = store.dispatch.truncate(cut)
