@@ -401,9 +401,9 @@ class Hourglass:
                         inflight_max=self.args.inflight, timeout_s=60)
 
     def _batch_max(self) -> int:
-        from cluster.client import BATCH_MAX_DEFAULT
+        from cluster.clientsettings import CLIENT_DEFAULTS
 
-        return self.args.sdk_batch_max or max(self.args.batch, BATCH_MAX_DEFAULT)
+        return self.args.sdk_batch_max or max(self.args.batch, CLIENT_DEFAULTS.producer.batch_max)
 
     async def produce(self, chunks, *, keep: bool = True) -> HourglassSender:
         async with self.sender() as p:

@@ -26,12 +26,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node.store.idindex import (  # noqa: E402
-    ENTRIES_MAX_DEFAULT,
-    SLOTS_COUNT_DEFAULT,
-    IdIndex,
-    IdLocation,
-)
+from node.store.idindex import IdIndex, IdLocation  # noqa: E402
+from node.store.settings import STORE_DEFAULTS  # noqa: E402
 
 
 def _mem() -> tuple[int, int]:
@@ -45,8 +41,8 @@ def main() -> None:
     p.add_argument("--ids", type=int, default=1_000_000)
     p.add_argument("--gets", type=int, default=200_000)
     p.add_argument("--flush-every", type=int, default=1000)
-    p.add_argument("--slots-count", type=int, default=SLOTS_COUNT_DEFAULT)
-    p.add_argument("--entries-max", type=int, default=ENTRIES_MAX_DEFAULT)
+    p.add_argument("--slots-count", type=int, default=STORE_DEFAULTS.id_slots)
+    p.add_argument("--entries-max", type=int, default=STORE_DEFAULTS.id_entries_max)
     p.add_argument("--dir", type=Path, default=None, help="index folder (default: a temp dir, removed)")
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()

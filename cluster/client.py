@@ -79,6 +79,7 @@ from cluster import status
 from cluster.clock import wall_ms as _now_ms
 from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
 from cluster.proto import hourglass_pb2 as pb
+from cluster.clientsettings import ACK_LINGER_MS_MAX, CLIENT_DEFAULTS, ClientSettings
 from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
 from cluster.wire import BatchResult, make_request, pack_ranges
@@ -89,20 +90,14 @@ ORIGIN_ID = "hourglass.origin_id"  # a retried message's original id (set by the
 ID_PREFIX_BYTES = 8                # random bytes of a producer's id prefix (16 hex characters)
 _RETRYABLE = np.array(sorted(status.RETRYABLE_CODES), np.uint8)
 
-CALL_TIMEOUT_S = 30.0  # default deadline of every SDK call (``call_timeout_s``), retries included
-ACK_LINGER_MS_DEFAULT = 20  # a pipelined ack no pull took within this long gets an Ack call of its own
-ACK_LINGER_MS_MAX = 10_000
+# every default of the SDK: cluster/clientsettings.py (the keyword defaults below refer to it)
+_CALLS, _PRODUCER, _CONSUMER = CLIENT_DEFAULTS.calls, CLIENT_DEFAULTS.producer, CLIENT_DEFAULTS.consumer
 # A wire batch's bytes are estimated per message as payload + id + extras + MESSAGE_OVERHEAD_BYTES
 # (its 49 bytes of columns and its 8-byte delay_ms entry). The estimate leaves out the subject
 # table, ids beyond ASCII and protobuf framing; REQUEST_MARGIN_BYTES covers them (at most
 # batch_messages_max x (3 x id_bytes_max + subject_bytes_max + 2) bytes, under 6 MiB).
 MESSAGE_OVERHEAD_BYTES = COLUMN_BYTES + 8
 REQUEST_MARGIN_BYTES = 16 * 1024 * 1024
-# messages per wire batch by default: calls queued together share one request, and a request
-# costs the delay node about as much gRPC work for 4,000 messages as for 1,000 (phase 1 of
-# docs/benchmarks.md, 1,000 per call: ~190,000 accepted msgs/s with 1,000 per request, ~250,000
-# with 4,000). At low rates a request carries what ``linger_ms`` gathered, so nothing waits longer.
-BATCH_MAX_DEFAULT = 4000
 # the most any Producer may set ``batch_bytes_max`` to: under the gRPC message limit the nodes
 # and the SDK's channels use (``transport.MESSAGE_BYTES_MAX``, node ``request_bytes_max``)
 BATCH_BYTES_MAX = min(MESSAGE_BYTES_MAX, DEFAULT_LIMITS.batch_bytes_max) - REQUEST_MARGIN_BYTES
@@ -503,11 +498,12 @@ def _too_large_for_grpc(err: grpc.RpcError) -> bool:
 
 
 class Producer:
-    def __init__(self, resolver, *, linger_ms: int = 2, batch_max: int = BATCH_MAX_DEFAULT,
-                 batch_bytes_max: int = 32 * 1024 * 1024, inflight_max: int = 8, queue_max: int = 100_000,
-                 timeout_s: float = 10.0, call_timeout_s: float = CALL_TIMEOUT_S, retries_max: int = 50,
-                 backoff_ms_min: int = 25, backoff_ms_max: int = 2000, limits: Limits = DEFAULT_LIMITS,
-                 security: ClientSecurity | None = None) -> None:
+    def __init__(self, resolver, *, linger_ms: int = _PRODUCER.linger_ms, batch_max: int = _PRODUCER.batch_max,
+                 batch_bytes_max: int = _PRODUCER.batch_bytes_max, inflight_max: int = _PRODUCER.inflight_max,
+                 queue_max: int = _PRODUCER.queue_max, timeout_s: float = _CALLS.timeout_s,
+                 call_timeout_s: float = _CALLS.call_timeout_s, retries_max: int = _PRODUCER.retries_max,
+                 backoff_ms_min: int = _CALLS.backoff_ms_min, backoff_ms_max: int = _CALLS.backoff_ms_max,
+                 limits: Limits = CLIENT_DEFAULTS.limits, security: ClientSecurity | None = None) -> None:
         if not 0 < batch_bytes_max <= BATCH_BYTES_MAX:
             raise E.InvalidArgument("batch_bytes_max", f"{batch_bytes_max} is not in 1..{BATCH_BYTES_MAX} "
                                     f"(the gRPC message limit {MESSAGE_BYTES_MAX} less {REQUEST_MARGIN_BYTES})")
@@ -541,6 +537,12 @@ class Producer:
         self._batcher: asyncio.Task | None = None
         self._sending: set[asyncio.Task] = set()
         self._closed = False
+
+    @classmethod
+    def from_settings(cls, resolver, settings: ClientSettings, *, security: ClientSecurity | None = None) -> "Producer":
+        """A producer with every value from ``settings`` (its ``calls``, ``producer`` and ``limits``)."""
+        return cls(resolver, **settings.calls.model_dump(), **settings.producer.model_dump(), limits=settings.limits,
+                   security=security)
 
     async def __aenter__(self) -> "Producer":
         return self
@@ -1155,7 +1157,7 @@ class Received:
     async def ack(self) -> None:
         await self._consumer.ack([self])
 
-    async def nack(self, retry_after_ms: int = 1000) -> None:
+    async def nack(self, retry_after_ms: int | None = None) -> None:
         await self._consumer.nack([self], retry_after_ms=retry_after_ms)
 
     def __repr__(self) -> str:
@@ -1257,7 +1259,7 @@ class ReceivedBatch:
         async with self._consumer._deadline("ack", [self.node]):
             return await self._consumer._ack_handles(self.node, acks)
 
-    async def nack(self, retry_after_ms: int = 1000) -> tuple[int, int]:
+    async def nack(self, retry_after_ms: int | None = None) -> tuple[int, int]:
         """Retry every message after ``retry_after_ms``; returns (retried, dead-lettered)."""
         async with self._consumer._deadline("nack", [self.node]):
             return await self._consumer._nack_handles(self.node, _subject_handles(self.batch, self.handles),
@@ -1284,9 +1286,11 @@ def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandle
 
 class Consumer:
     def __init__(self, resolver, subjects: str | Sequence[str], *, group: str, consumer_id: str | None = None,
-                 tags: Sequence[str] = (), batch_max: int = 500, wait_ms: int = 1000, timeout_s: float = 10.0,
-                 call_timeout_s: float = CALL_TIMEOUT_S, backoff_ms_min: int = 25, backoff_ms_max: int = 2000,
-                 ack_linger_ms: int = ACK_LINGER_MS_DEFAULT, security: ClientSecurity | None = None) -> None:
+                 tags: Sequence[str] = (), batch_max: int = _CONSUMER.batch_max, wait_ms: int = _CONSUMER.wait_ms,
+                 timeout_s: float = _CALLS.timeout_s, call_timeout_s: float = _CALLS.call_timeout_s,
+                 backoff_ms_min: int = _CALLS.backoff_ms_min, backoff_ms_max: int = _CALLS.backoff_ms_max,
+                 ack_linger_ms: int = _CONSUMER.ack_linger_ms, nack_retry_after_ms: int = _CONSUMER.nack_retry_after_ms,
+                 security: ClientSecurity | None = None) -> None:
         if not call_timeout_s > 0:
             raise E.InvalidArgument("call_timeout_s", "must be positive")
         if not 0 <= ack_linger_ms <= ACK_LINGER_MS_MAX:
@@ -1315,9 +1319,18 @@ class Consumer:
         self._buffer: deque[Received] = deque()
         self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
         self.ack_linger_ms = ack_linger_ms
+        self.nack_retry_after_ms = nack_retry_after_ms  # a nack that names no retry_after_ms
         self._ack_flushers: dict[str, asyncio.Task] = {}  # node -> the Ack call its queued acks get if no pull takes them
         self._ack_sends: set[asyncio.Task] = set()  # flushers past their linger, sending
         self._closed = False
+
+    @classmethod
+    def from_settings(cls, resolver, subjects: str | Sequence[str], settings: ClientSettings, *, group: str,
+                      consumer_id: str | None = None, tags: Sequence[str] = (),
+                      security: ClientSecurity | None = None) -> "Consumer":
+        """A consumer with every value from ``settings`` (its ``calls`` and ``consumer``)."""
+        return cls(resolver, subjects, group=group, consumer_id=consumer_id, tags=tags, **settings.calls.model_dump(),
+                   **settings.consumer.model_dump(), security=security)
 
     async def __aenter__(self) -> "Consumer":
         return self
@@ -1530,8 +1543,10 @@ class Consumer:
                 self._buffer.extend(rb.messages())
 
     async def run(self, handler: Callable[[Received], Awaitable[None]], *, stop: asyncio.Event,
-                  retry_after_ms: int = 1000) -> None:
+                  retry_after_ms: int | None = None) -> None:
         """Callback runner: ack after the handler returns, nack (retry later) if it raises."""
+        if retry_after_ms is None:
+            retry_after_ms = self.nack_retry_after_ms
         while not stop.is_set() and not self._closed:
             try:
                 batch = await self.pull()
@@ -1597,7 +1612,10 @@ class Consumer:
             raise status.from_rpc_error(e) from None
         return resp.acked
 
-    async def _nack_handles(self, node: str, nacks: list[pb.SubjectHandles], retry_after_ms: int) -> tuple[int, int]:
+    async def _nack_handles(self, node: str, nacks: list[pb.SubjectHandles],
+                            retry_after_ms: int | None) -> tuple[int, int]:
+        if retry_after_ms is None:
+            retry_after_ms = self.nack_retry_after_ms
         req = pb.NackRequest(group=self.group, retry_after_ms=retry_after_ms, nacks=nacks)
         try:
             resp = await self.channels.consumer(node).Nack(req, timeout=self.timeout_s)
@@ -1615,7 +1633,7 @@ class Consumer:
                 acked += await self._ack_handles(node, acks)
         return acked
 
-    async def nack(self, msgs: Sequence[Received], *, retry_after_ms: int = 1000) -> None:
+    async def nack(self, msgs: Sequence[Received], *, retry_after_ms: int | None = None) -> None:
         by_node = self._by_node(msgs)
         async with self._deadline("nack", by_node):
             for node, nacks in by_node.items():

@@ -24,7 +24,9 @@ Acknowledgement windows are checked when the delay nodes journal them: start ``d
 share one file) and pass the same path as ``ack_journals``; ``*.acks.jsonl`` in the data folder
 are read too.
 
-Files written to ``out_dir`` (the format of ``tests/chaos/harness.py``): ``sends.jsonl``,
+What it shares with the chaos harness (``tests/chaos/harness.py``): ``cluster/chaosrun.py`` (the
+recorder, consumers, status probes, load samples, the timing of fault lanes). Files written to
+``out_dir`` (the harness's format, ``chaosrun.Recorder``): ``sends.jsonl``,
 ``cancels.jsonl`` (empty: this run does not cancel), ``receives.jsonl``, ``faults.jsonl``,
 ``load.jsonl``, ``run.json``; then ``report.json``.
 """
@@ -42,20 +44,18 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
-from cluster.chaosfaults import FaultKit, stopped_within
-from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, lanes, scenario_schedule
+from cluster.chaosfaults import FaultKit
+from cluster.chaosplan import SCENARIOS, STARVATION_KINDS, Fault, Topology, fault_schedule, scenario_schedule
+from cluster.chaosrun import (Recorder, consume, node_statuses, play_lanes, record_send, sample_load, send_ticks,
+                              wait_until)
 from cluster.clock import wall_ms as now_ms
 from cluster.security import client_security_from
 
 KILLS_MAX = 100
-STATUS_TIMEOUT_S = 2.0
 FIND_MASTER_TIMEOUT_S = 30.0
 FAILOVER_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 60.0
-SEND_BATCHES_INFLIGHT_MAX = 64
-POLL_S = 0.1
 SEND_PERIOD_S = 0.1
-LOAD_SAMPLE_S = 1.0
 DURATION_S_MAX = 86_400
 # what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
 DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
@@ -112,8 +112,7 @@ class DevChaos:
         self.cfg = cfg
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.files = {n: open(self.out / f"{n}.jsonl", "a", buffering=1)
-                      for n in ("sends", "cancels", "receives", "faults", "load")}
+        self.rec = Recorder(self.out)
         self.rng = random.Random(cfg.seed * 1_000_003 + 1)
         run_id = f"{cfg.seed}-{now_ms() % 100_000_000}"  # fresh subjects: nothing of an earlier run is read
         self.subjects = [f"devchaos.{run_id}.a", f"devchaos.{run_id}.b"]
@@ -129,9 +128,6 @@ class DevChaos:
 
     def say(self, line: str) -> None:
         self.log_lines.append(line)
-
-    def record(self, file: str, **event) -> None:
-        self.files[file].write(json.dumps(event, separators=(",", ":")) + "\n")
 
     def info(self) -> dict:
         return json.loads(Path(self.cfg.cluster_file).read_text())
@@ -157,16 +153,8 @@ class DevChaos:
     # ------------------------------------------------------------ probes
 
     async def statuses(self, channels) -> dict[str, dict]:
-        from cluster.proto import hourglass_pb2 as pb
-
-        out = {}
-        for name, p in self.delay_nodes().items():
-            try:
-                r = await channels.admin(p["address"]).Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
-                out[name] = json.loads(r.json) | {"master": r.master, "group": r.group}
-            except Exception:  # a node that does not answer is not listed
-                pass
-        return out
+        """name -> Status document of the delay nodes that answer (``node_statuses``)."""
+        return await node_statuses(channels, {name: p["address"] for name, p in self.delay_nodes().items()})
 
     async def masters(self, channels) -> dict[str, str]:
         """group -> its single master, for groups whose other members all answer as slaves."""
@@ -181,22 +169,15 @@ class DevChaos:
                 out[g] = ms[0]
         return out
 
-    async def wait(self, pred, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            got = await pred()
-            if got:
-                return got
-            await asyncio.sleep(POLL_S)
-        return None
-
     # ------------------------------------------------------------ workload
 
     async def produce(self, producer) -> None:
-        inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
-        tasks: set[asyncio.Task] = set()
+        """``rate_per_s`` messages a second on average, one ``send`` each, a tick every
+        ``SEND_PERIOD_S`` (``chaosrun.send_ticks``)."""
         carry, n = 0.0, 0
-        while not self.stop_sending.is_set():
+
+        async def tick():
+            nonlocal carry, n
             carry += self.cfg.rate_per_s * SEND_PERIOD_S
             batch = []
             while carry >= 1:
@@ -209,62 +190,27 @@ class DevChaos:
                 n += 1
                 batch.append((mid, subject, deliver_at, t_req,
                               await producer.send(subject, mid, id=mid, deliver_at_ms=deliver_at)))
-            if batch:
-                await inflight.acquire()
-                t = asyncio.create_task(self._await_sends(batch, inflight))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-            try:
-                await asyncio.wait_for(self.stop_sending.wait(), SEND_PERIOD_S)
-            except asyncio.TimeoutError:
-                pass
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            return self._await_sends(batch) if batch else None
+        await send_ticks(self.stop_sending, SEND_PERIOD_S, tick)
 
-    async def _await_sends(self, batch, inflight) -> None:
-        from cluster.client import group_for
-
-        try:
-            res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
-        finally:
-            inflight.release()
-        groups = [(g, "") for g in self.group_names]
+    async def _await_sends(self, batch) -> None:
+        res = await asyncio.gather(*(b[4] for b in batch), return_exceptions=True)
         for (mid, subject, deliver_at, t_req, _), r in zip(batch, res):
-            ok = not isinstance(r, BaseException)
-            if ok:
+            error = r if isinstance(r, BaseException) else None
+            if error is None:
                 self.acked.add(mid)
-            self.record("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=now_ms(),
-                        ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200],
-                        delay_group=group_for(mid, groups) if groups else None)
+            record_send(self.rec, mid, subject, deliver_at, t_req, now_ms(), error, self.group_names)
 
     async def consume(self, resolver, subject: str, group: str) -> None:
-        from cluster.client import Consumer
-
-        failures = 0
-        async with Consumer(resolver, subject, group=group, wait_ms=300) as c:
-            while not self.stop_consuming.is_set():
-                try:
-                    batch = await c.pull()
-                except Exception:  # Unavailable during a failover: pull again
-                    failures += 1
-                    await asyncio.sleep(min(1.0, 0.05 * failures))
-                    continue
-                failures = 0
-                t = now_ms()
-                for m in batch:
-                    self.record("receives", id=m.id, subject=subject, group=group, t=t, deliver_at=m.deliver_at_ms,
-                                attempts=m.attempts)
-                    self.received.add((m.id, group))  # may come before the send's answer
-                try:
-                    await c.ack(batch)
-                except Exception:  # unacked messages come back: counted as duplicates
-                    pass
+        def received(m) -> None:  # drain progress only; may come before the send's answer
+            self.received.add((m.id, group))
+        await consume(resolver, subject, group, self.rec, self.stop_consuming, on_receive=received)
 
     # ------------------------------------------------------------ kills
 
     async def kill_one(self, index: int, draw: int, channels, label: str = "kill") -> dict:
         ev = {"index": index, "kind": "delay_master_kill", "target": draw, "hold_s": 0}
-        masters = await self.wait(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
+        masters = await wait_until(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
         if not masters:
             return ev | {"skipped": "no delay master found", "t_start": now_ms(), "t_end": now_ms()}
         groups = sorted(masters)
@@ -282,7 +228,7 @@ class DevChaos:
         async def taken_over():
             m = (await self.masters(channels)).get(group)
             return m if m and (m != name or self.delay_nodes()[name]["pid"] != pid) else None
-        new_master = await self.wait(taken_over, FAILOVER_TIMEOUT_S)
+        new_master = await wait_until(taken_over, FAILOVER_TIMEOUT_S)
         ev["failover_ms"] = now_ms() - t_start if new_master else None
         ev["new_master"] = new_master
         if new_master:
@@ -291,7 +237,7 @@ class DevChaos:
         async def back():
             p = self.delay_nodes()[name]
             return p["pid"] not in (None, pid) and name in await self.statuses(channels)
-        restarted = await self.wait(back, RESTART_TIMEOUT_S)
+        restarted = await wait_until(back, RESTART_TIMEOUT_S)
         ev["restart_error"] = None if restarted else (
             f"{name} not restarted within {RESTART_TIMEOUT_S} s (is `hourglass dev up` supervising it?)")
         ev["t_start"], ev["t_end"] = t_start, now_ms()
@@ -299,7 +245,7 @@ class DevChaos:
         async def healthy():
             st = await self.statuses(channels)
             return group in await self.masters(channels) and all(n in st for n in self.delay_nodes())
-        ok = await self.wait(healthy, FAILOVER_TIMEOUT_S)
+        ok = await wait_until(healthy, FAILOVER_TIMEOUT_S)
         ev["recovered_ms"] = now_ms() - t_start if ok else None
         if restarted:
             mode = (await self.statuses(channels)).get(name, {}).get("mode", "?")
@@ -311,7 +257,7 @@ class DevChaos:
         for i, (wait_s, draw) in enumerate(kill_schedule(self.cfg.seed, self.cfg.kills, self.cfg.first_kill_s,
                                                          self.cfg.kill_gap_s)):
             await asyncio.sleep(wait_s)
-            self.record("faults", **await self.kill_one(i, draw, channels))
+            self.rec.write("faults", **await self.kill_one(i, draw, channels))
 
     # ------------------------------------------------------------ plans of other faults
 
@@ -327,23 +273,9 @@ class DevChaos:
                                   first_s=cfg.first_kill_s, gap_s=cfg.kill_gap_s)
         return None
 
-    async def _stopped_within(self, delay_s: float) -> bool:
-        """Wait ``delay_s`` or until the workload ends (True)."""
-        return await stopped_within(self.stop_sending, delay_s)
-
     async def play(self, plan: list[Fault], channels) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for name, faults in lanes(plan).items():
-                tg.create_task(self._lane(name, faults, channels), name=f"lane-{name}")
-
-    async def _lane(self, name: str, faults: list[Fault], channels) -> None:
-        for f in faults:
-            if self.stop_sending.is_set():
-                break
-            delay = self.t0 / 1000 + f.at_s - time.time()
-            if delay > 0 and await self._stopped_within(delay):
-                break
-            self.record("faults", **await self.inject(f, channels))
+        await play_lanes(plan, self.t0, self.stop_sending, self.rec,
+                         lambda name, i, faults: self.inject(faults[i], channels))
 
     async def inject(self, f: Fault, channels) -> dict:
         ev = {"index": f.index, "kind": f.kind, "target": f.target, "hold_s": f.hold_s, "at_s": f.at_s, "lane": f.lane}
@@ -374,7 +306,7 @@ class DevChaos:
                         "t_start": now_ms(), "t_end": now_ms()}
             return {"process": name} | await kit.stall(pid, f.hold_s)
         # a member of a delay group: its master (node_stall: master or slave by the target's parity)
-        masters = await self.wait(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
+        masters = await wait_until(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
         if not masters:
             return {"skipped": "no delay master found", "t_start": now_ms(), "t_end": now_ms()}
         groups = sorted(masters)
@@ -394,10 +326,6 @@ class DevChaos:
         if f.kind == "node_throttle":
             return ev | await kit.throttle(pid, f.hold_s, cpu_fraction=cfg.throttle_cpu_fraction)
         return ev | await kit.stall(pid, f.hold_s)   # delay_master_stop, node_stall
-
-    async def sample_load(self) -> None:
-        while not await self._stopped_within(LOAD_SAMPLE_S):
-            self.record("load", t=now_ms(), load1=float(Path("/proc/loadavg").read_text().split()[0]))
 
     # ------------------------------------------------------------ main
 
@@ -421,7 +349,7 @@ class DevChaos:
                 consumers = [asyncio.create_task(self.consume(resolver, s, g))
                              for s in self.subjects for g in self.cfg.groups]
                 prod = asyncio.create_task(self.produce(producer))
-                load = asyncio.create_task(self.sample_load())
+                load = asyncio.create_task(sample_load(self.rec, self.stop_sending))
                 try:
                     if plan is None:
                         await self.kills(channels)
@@ -455,8 +383,7 @@ class DevChaos:
             self.teardown_errors += self.kit.restore_all()
             await channels.close()
             await resolver.close()
-            for f in self.files.values():
-                f.close()
+            self.rec.close()
         sc = SCENARIOS.get(self.cfg.scenario or "")
         run = {"seed": self.cfg.seed, "duration_s": round((t_send_end - t0) / 1000, 1),
                "config": json.loads(self.cfg.model_dump_json()), "t0_ms": t0, "t_send_end": t_send_end,

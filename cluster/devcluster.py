@@ -49,6 +49,7 @@ from cluster.security import ClientSecurity, SecuritySettings
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+ELECTION_WAIT_S = 30.0  # wait_master / wait_caught_up_slave give up after this long
 
 
 async def wait_until(pred, timeout_s: float, what: str):
@@ -280,7 +281,7 @@ class LocalCluster:
             await ch.close()
         return out
 
-    async def wait_master(self, role: str = "delay", timeout_s: float = 30) -> str:
+    async def wait_master(self, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> str:
         """Name of the one master once every other running node of ``role`` is its slave."""
         async def find():
             st = await self.statuses(role)
@@ -290,7 +291,7 @@ class LocalCluster:
             return ms[0] if len(ms) == 1 and slaves and len(st) == len(running) else None
         return await wait_until(find, timeout_s, f"one {role} master")
 
-    async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = 30) -> None:
+    async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> None:
         async def ok():
             st = (await self.statuses(role)).get(name, {})
             return st.get("mode") == "slave" and st.get("replication_lag_bytes", 1) == 0

@@ -43,11 +43,13 @@ from cluster import errors as E
 from cluster import status
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.clientsettings import CLIENT_DEFAULTS, ClientSettings
 from cluster.security import ClientSecurity
 from cluster.transport import Channels
 
 log = logging.getLogger("hourglass.discovery")
 
+_DISCOVERY = CLIENT_DEFAULTS.discovery  # every default of discovery: cluster/clientsettings.py
 REFRESH_BEHIND_MAX = 32  # background refreshes of aged answers in flight at once (MetaResolver._behind)
 
 SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -57,7 +59,7 @@ SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
 class MetaClient:
     """Calls one RPC on the first meta server that answers, remembering which one did."""
 
-    def __init__(self, meta_servers: list[str], *, timeout_s: float = 2.0,
+    def __init__(self, meta_servers: list[str], *, timeout_s: float = _DISCOVERY.meta_timeout_ms / 1000,
                  security: ClientSecurity | None = None) -> None:
         servers = [a.strip() for a in meta_servers if a.strip()]
         if not servers:
@@ -98,8 +100,9 @@ class MetaClient:
 
 
 class MetaResolver:
-    def __init__(self, meta_servers: list[str] | str, *, refresh_ms: int = 5000, refresh_min_ms: int = 200,
-                 timeout_s: float = 2.0, routes_max: int = 100_000,
+    def __init__(self, meta_servers: list[str] | str, *, refresh_ms: int = _DISCOVERY.refresh_ms,
+                 refresh_min_ms: int = _DISCOVERY.refresh_min_ms, timeout_s: float = _DISCOVERY.meta_timeout_ms / 1000,
+                 routes_max: int = _DISCOVERY.routes_max,
                  realtime_kind: int = mpb.IMMEDIATE_PRODUCER, security: ClientSecurity | None = None) -> None:
         if isinstance(meta_servers, str):
             meta_servers = meta_servers.split(",")
@@ -119,6 +122,16 @@ class MetaResolver:
         self._refreshing: dict[str, asyncio.Task] = {}  # key -> its background refresh (``_behind``)
         self.delay: list[str] = []     # every delay node seen by the last load() (status, tools)
         self.realtime: list[str] = []  # every real-time node seen by the last load()
+
+    @classmethod
+    def from_settings(cls, meta_servers: list[str] | str, settings: ClientSettings, *,
+                      realtime_kind: int = mpb.IMMEDIATE_PRODUCER,
+                      security: ClientSecurity | None = None) -> "MetaResolver":
+        """A resolver with every value from ``settings.discovery``."""
+        d = settings.discovery
+        return cls(meta_servers, refresh_ms=d.refresh_ms, refresh_min_ms=d.refresh_min_ms,
+                   timeout_s=d.meta_timeout_ms / 1000, routes_max=d.routes_max, realtime_kind=realtime_kind,
+                   security=security)
 
     # ------------------------------------------------------------------ cache policy
 

@@ -148,6 +148,10 @@ def load_settings(**overrides) -> SecuritySettings:
         raise InvalidArgument("security", "; ".join(x["msg"] for x in e.errors())) from None
 
 
+SECURITY_DEFAULTS = SecuritySettings.model_construct()  # the defaults alone: no environment, no validation
+_RELOAD_CHECK_S = SECURITY_DEFAULTS.reload_check_ms / 1000
+
+
 # ---------------------------------------------------------------------- TLS material
 
 
@@ -155,7 +159,7 @@ class TlsFiles:
     """The CA, certificate and key files of one process (and, for a server, the client CA),
     read again when one of them changes (mtime or size), at most every ``check_every_s``."""
 
-    def __init__(self, ca: Path, cert: Path, key: Path, *, check_every_s: float = 1.0,
+    def __init__(self, ca: Path, cert: Path, key: Path, *, check_every_s: float = _RELOAD_CHECK_S,
                  client_ca: Path | None = None) -> None:
         self.paths = (Path(ca), Path(cert), Path(key)) + ((Path(client_ca),) if client_ca is not None else ())
         self.check_every_s = check_every_s
@@ -391,7 +395,7 @@ class Principal:
 class AuthTable:
     """The tokens a server knows, read from its auth file (again when it changes)."""
 
-    def __init__(self, path: Path | None, *, check_every_s: float = 1.0) -> None:
+    def __init__(self, path: Path | None, *, check_every_s: float = _RELOAD_CHECK_S) -> None:
         self.path = path
         self.check_every_s = check_every_s
         self._stamp = None

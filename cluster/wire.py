@@ -82,6 +82,13 @@ class BatchResult:
         self.seqs[i] = 0
         self.errors[i] = error
 
+    def place(self, idx: np.ndarray, part: "BatchResult") -> None:
+        """Put ``part``, the answer to the messages ``idx`` of this batch (a sub-batch, in
+        that order), at their places: codes, seqs, duplicates and errors."""
+        for name in ("codes", "seqs", "duplicates"):
+            getattr(self, name)[idx] = getattr(part, name)
+        self.errors.update({int(idx[i]): e for i, e in part.errors.items()})
+
     def to_pb(self) -> pb.SendBatchResponse:
         return pb.SendBatchResponse(
             codes=np.ascontiguousarray(self.codes, np.uint8).tobytes(), seqs=pack_u64(self.seqs),

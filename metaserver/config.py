@@ -1,4 +1,6 @@
-"""Settings of one meta server process (prefix ``HOURGLASS_META_``)."""
+"""Settings of one meta server process (prefix ``HOURGLASS_META_``): every default of the
+meta server written once. ``META_DEFAULTS`` is the model with its defaults only (no
+environment read): the pieces tests build alone (``EtcdClient``, ``Election``) refer to it."""
 
 from __future__ import annotations
 
@@ -47,3 +49,10 @@ class MetaSettings(BaseSettings):
         all_or_none(self, "HOURGLASS_META_", ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"),
                     "TLS to etcd needs all of {}")
         return self
+
+    def node_ttl_s(self) -> int:
+        """The lease TTL of a node that asks for none, in whole seconds (rounded up)."""
+        return -(-self.node_ttl_ms // 1000)
+
+
+META_DEFAULTS = MetaSettings.model_construct()  # the defaults alone: no environment, no validation

@@ -39,6 +39,7 @@ from aetcd.rtypes import EventKind
 
 from cluster.errors import NotLeader, Unavailable
 from metaserver import keyspace as ks
+from metaserver.config import META_DEFAULTS
 from metaserver.etcd import EtcdClient
 
 log = logging.getLogger("hourglass.election")
@@ -48,7 +49,7 @@ WATCH_SLICE_S = 1.0  # a waiting candidate re-reads the key at least this often 
 
 
 class Election:
-    def __init__(self, etcd: EtcdClient, role: str, group: str, *, ttl_s: int = 5) -> None:
+    def __init__(self, etcd: EtcdClient, role: str, group: str, *, ttl_s: int = META_DEFAULTS.node_ttl_s()) -> None:
         self.etcd = etcd
         self.role = ks.check_role(role)
         self.group = ks.check_name("group", group)

@@ -36,11 +36,11 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from cluster.errors import Unavailable
 from cluster.security import TlsFiles
+from metaserver.config import META_DEFAULTS
 
 log = logging.getLogger("hourglass.etcd")
 T = TypeVar("T")
 
-CALL_TIMEOUT_S = 2.0
 RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.TimeoutError)
 
 
@@ -67,7 +67,7 @@ if not isinstance(getattr(aetcd.client, "rpc", None), _Rpc):
 
 
 class EtcdClient:
-    def __init__(self, endpoints: list[str], *, timeout_s: float = CALL_TIMEOUT_S, attempts_max: int | None = None,
+    def __init__(self, endpoints: list[str], *, timeout_s: float = META_DEFAULTS.etcd_timeout_ms / 1000, attempts_max: int | None = None,
                  budget_s: float | None = None, tls: TlsFiles | None = None):
         if not endpoints:
             raise ValueError("at least one etcd endpoint")

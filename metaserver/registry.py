@@ -35,6 +35,7 @@ from cluster import security
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from cluster.quota import SubjectQuota, SubjectQuotas
 from metaserver import keyspace as ks
+from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
 
 log = logging.getLogger("hourglass.registry")
@@ -55,13 +56,12 @@ def quota_owner() -> str | None:
 
 
 class Registry:
-    def __init__(self, etcd: EtcdClient, *, default_ttl_s: int = 5, routes_new_per_minute_max: int = 600,
-                 route_creations_max: int = 16, clock=time.time) -> None:
+    def __init__(self, etcd: EtcdClient, settings: MetaSettings, *, clock=time.time) -> None:
         self.etcd = etcd
-        self.default_ttl_s = default_ttl_s
-        self.route_quotas = SubjectQuotas(SubjectQuota(routes_new_per_minute_max, None),
+        self.default_ttl_s = settings.node_ttl_s()
+        self.route_quotas = SubjectQuotas(SubjectQuota(settings.routes_new_per_minute_max, None),
                                           rate_setting=ROUTES_RATE_SETTING, where="at the meta server")
-        self._creations = asyncio.Semaphore(route_creations_max)
+        self._creations = asyncio.Semaphore(settings.route_creations_max)
         self._clock = clock
 
     @staticmethod

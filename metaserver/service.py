@@ -86,9 +86,7 @@ class MetaService(mrpc.MetaServicer):
     def __init__(self, settings: MetaSettings, etcd: EtcdClient) -> None:
         self.settings = settings
         self.etcd = etcd
-        self.registry = Registry(etcd, default_ttl_s=-(-settings.node_ttl_ms // 1000),
-                                 routes_new_per_minute_max=settings.routes_new_per_minute_max,
-                                 route_creations_max=settings.route_creations_max)
+        self.registry = Registry(etcd, settings)
         self.healthy = False
         self.health_error = "not checked yet"
 

@@ -142,7 +142,7 @@ def _where(frame) -> str:
 
 
 class StallWatch:
-    """Reports event-loop stalls (setting ``loop_stall_report_ms``, default 200; 0 = off).
+    """Reports event-loop stalls (setting ``loop_stall_report_ms``; 0 = off).
 
     A task on the loop wakes every ``tick`` (a quarter of the threshold, at most 50 ms) and
     measures how late it woke: that lateness is how long the loop was held (or the process

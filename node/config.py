@@ -1,6 +1,11 @@
-"""Settings of one node process: one typed model, environment prefix ``HOURGLASS_``.
+"""Settings of one node process: one typed model, environment prefix ``HOURGLASS_``, the
+root of the node's settings tree.
 
-Every queue, batch, retry and wait has a named maximum here. ``hourglass node``
+Every queue, batch, retry and wait has a named maximum here. The names are flat (every
+``HOURGLASS_*`` variable a deployment sets keeps working); the typed sections the stores and
+cores take are built from them by name (``section``: ``store``, ``realtime``, ``scrub``,
+``disk``, ``limits``), and their defaults are written once, in the section's class.
+docs/settings.md lists the whole tree. ``hourglass node``
 maps its options onto this model; anything not given comes from the environment
 (``HOURGLASS_DATA_DIR=/var/lib/hourglass``, ``HOURGLASS_ROLE=delay`` ...) or the default.
 """
@@ -14,19 +19,35 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster import quota as Q
+from cluster.clientsettings import CLIENT_DEFAULTS
+from cluster.transport import MESSAGE_BYTES_MAX
 from node.store.diskspace import DiskWatermark
 from node.store.records import DEFAULT_LIMITS, Limits
+from node.store.settings import DISK_DEFAULTS as W
 from node.store.settings import REALTIME_DEFAULTS as R
+from node.store.settings import SCRUB_DEFAULTS as C
 from node.store.settings import STORE_DEFAULTS as S
-from node.store.settings import RealtimeSettings, StoreSettings
+from node.store.settings import RealtimeSettings, ScrubSettings, StoreSettings
 
-# NodeSettings field -> StoreSettings / RealtimeSettings field (the same name unless listed):
-# the defaults are written once, in node/store/settings.py, and every one of them can be set
-# here as HOURGLASS_<FIELD> (tests/test_config.py checks both)
+D = CLIENT_DEFAULTS.discovery  # the node's meta server calls are the SDK's (cluster/discovery.py)
+
+# The sections of the tree: NodeSettings builds each by name (``section``) from its own fields.
+# A section's defaults are written once, in its class (node/store/settings.py; cluster/codec.py
+# for Limits); NodeSettings' field for it refers to that default and can set it as
+# HOURGLASS_<FIELD> (tests/test_config.py checks both). The node's field has the section
+# field's name unless the section's map below renames it (NodeSettings field -> section field).
 STORE_FIELDS = {"delay_dedupe_window_ms": "dedupe_window_ms"}
 REALTIME_FIELDS = {"realtime_segment_bytes": "segment_bytes", "realtime_retention_ms": "retention_ms",
                    "realtime_retention_bytes": "retention_bytes",
                    "realtime_frame_cache_bytes_max": "frame_cache_bytes_max"}
+SCRUB_FIELDS = {"scrub_rate_mib_s": "rate_mib_s", "scrub_step_bytes_max": "step_bytes_max",
+                "scrub_pass_interval_ms": "pass_interval_ms"}
+DISK_FIELDS = {"disk_free_min_bytes": "free_min_bytes", "disk_free_min_ratio": "free_min_ratio",
+               "disk_resume_margin_ratio": "resume_margin_ratio",
+               "disk_resume_margin_bytes_max": "resume_margin_bytes_max"}
+SECTIONS = {"store": (StoreSettings, STORE_FIELDS), "realtime": (RealtimeSettings, REALTIME_FIELDS),
+            "scrub": (ScrubSettings, SCRUB_FIELDS), "disk": (DiskWatermark, DISK_FIELDS), "limits": (Limits, {})}
+SECTION_DEFAULTS = {"store": S, "realtime": R, "scrub": C, "disk": W, "limits": DEFAULT_LIMITS}
 
 
 class NodeSettings(BaseSettings):
@@ -59,8 +80,8 @@ class NodeSettings(BaseSettings):
     # (docs/replication.md, "Lease timing under load"): worst gap ~4 s < TTL - margin = 4.8 s
     meta_lease_ttl_ms: int = Field(default=6000, ge=2000, le=300_000)
     meta_heartbeat_ms: int = Field(default=0, ge=0, description="0 = a third of the granted TTL, at most 1 s")
-    meta_timeout_ms: int = Field(default=2000, ge=100)
-    meta_refresh_ms: int = Field(default=5000, ge=100, description="routes are asked again after this long")
+    meta_timeout_ms: int = Field(default=D.meta_timeout_ms, ge=100)
+    meta_refresh_ms: int = Field(default=D.refresh_ms, ge=100, description="routes are asked again after this long")
     # replication (node/replication/): with ``replicated`` the node joins its group's election
     replicated: bool = False
     ack_mode: Literal["async", "sync"] = "async"
@@ -91,7 +112,16 @@ class NodeSettings(BaseSettings):
     delay_horizon_ms: int = Field(default=DEFAULT_LIMITS.delay_horizon_ms, ge=1,
                                   description="a message may be due at most this far ahead (default 732 days)")
     batch_messages_max: int = Field(default=DEFAULT_LIMITS.batch_messages_max, ge=1)
-    request_bytes_max: int = 64 * 1024 * 1024  # gRPC message size, both ways
+    batch_bytes_max: int = Field(default=DEFAULT_LIMITS.batch_bytes_max, ge=1,
+                                 description="bytes of one batch's messages (a real-time frame holds one batch)")
+    tags_max: int = Field(default=DEFAULT_LIMITS.tags_max, ge=0, description="tags of one message")
+    tag_bytes_max: int = Field(default=DEFAULT_LIMITS.tag_bytes_max, ge=1, description="bytes of one tag")
+    properties_max: int = Field(default=DEFAULT_LIMITS.properties_max, ge=0, description="properties of one message")
+    property_key_bytes_max: int = Field(default=DEFAULT_LIMITS.property_key_bytes_max, ge=1,
+                                        description="bytes of one property's key")
+    property_value_bytes_max: int = Field(default=DEFAULT_LIMITS.property_value_bytes_max, ge=1,
+                                          description="bytes of one property's value")
+    request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
     loop_stall_report_ms: int = Field(default=200, ge=0,
                                       description="log each event-loop stall this long or longer, with its "
                                                   "duration and where the loop was (0 = off)")
@@ -153,13 +183,14 @@ class NodeSettings(BaseSettings):
     # disk lifecycle (docs/operations.md "Disk", rules in node/store/diskspace.py): a write is admitted
     # only if it leaves min(disk_free_min_bytes, disk_free_min_ratio x disk size) free; once refusing,
     # writes resume above that mark plus min(disk_resume_margin_ratio x disk size, ..._bytes_max)
-    disk_free_min_bytes: int = Field(default=2 << 30, ge=0, description="the mark: free bytes writes never take")
-    disk_free_min_ratio: float = Field(default=0.05, ge=0, le=0.9, description="... or this share of the disk, "
-                                                                                "whichever is smaller")
-    disk_resume_margin_ratio: float = Field(default=0.02, ge=0, le=0.5,
+    disk_free_min_bytes: int = Field(default=W.free_min_bytes, ge=0,
+                                     description="the mark: free bytes writes never take")
+    disk_free_min_ratio: float = Field(default=W.free_min_ratio, ge=0, le=0.9,
+                                       description="... or this share of the disk, whichever is smaller")
+    disk_resume_margin_ratio: float = Field(default=W.resume_margin_ratio, ge=0, le=0.5,
                                             description="writes resume at the mark plus this share of the disk ...")
-    disk_resume_margin_bytes_max: int = Field(default=64 << 20, ge=0, description="... or this many bytes, "
-                                                                                   "whichever is smaller")
+    disk_resume_margin_bytes_max: int = Field(default=W.resume_margin_bytes_max, ge=0,
+                                              description="... or this many bytes, whichever is smaller")
     disk_check_interval_ms: int = Field(default=1000, ge=10, description="free space is read this often")
     retention_interval_ms: int = Field(default=10_000, ge=10, description="how often retention runs")
     delay_dedupe_window_ms: int = Field(default=S.dedupe_window_ms, ge=0,
@@ -224,11 +255,12 @@ class NodeSettings(BaseSettings):
     allow_clock_control: bool = False
 
     # scrubbing and verify (docs/operations.md "Self-healing and scrubbing")
-    scrub_rate_mib_s: float = Field(default=4.0, ge=0, description="background CRC re-check rate; 0 = off")
-    scrub_step_bytes_max: int = Field(default=1 << 20, ge=4096, description="bytes read per scrub step")
-    scrub_pass_interval_ms: int = Field(default=60_000, ge=0,
+    scrub_rate_mib_s: float = Field(default=C.rate_mib_s, ge=0, description="background CRC re-check rate; 0 = off")
+    scrub_step_bytes_max: int = Field(default=C.step_bytes_max, ge=4096, description="bytes read per scrub step")
+    scrub_pass_interval_ms: int = Field(default=C.pass_interval_ms, ge=0,
                                         description="a scrub pass starts at least this long after the previous one")
-    verify_rate_mib_s: float = Field(default=64.0, gt=0, description="read rate of `hourglass admin verify`")
+    verify_rate_mib_s: float = Field(default=C.verify_rate_mib_s, gt=0,
+                                     description="read rate of `hourglass admin verify`")
 
     log_level: str = "INFO"
 
@@ -242,23 +274,26 @@ class NodeSettings(BaseSettings):
         return self
 
     def limits(self) -> Limits:
-        return Limits(subject_bytes_max=self.subject_bytes_max, id_bytes_max=self.id_bytes_max,
-                      payload_bytes_max=self.payload_bytes_max, delay_horizon_ms=self.delay_horizon_ms,
-                      batch_messages_max=self.batch_messages_max)
+        return self.section("limits")
 
     def store_settings(self) -> StoreSettings:
-        return StoreSettings(limits=self.limits(), **self._mapped(StoreSettings, STORE_FIELDS))
+        return self.section("store")
 
-    def _mapped(self, cls, renamed: dict[str, str]) -> dict:
-        """Every field of ``cls`` but ``limits``, from this model (its name, or the one
-        ``renamed`` gives)."""
-        name_of = {store: mine for mine, store in renamed.items()}
-        return {f: getattr(self, name_of.get(f, f)) for f in cls.__dataclass_fields__ if f != "limits"}
+    def scrub_settings(self) -> ScrubSettings:
+        return self.section("scrub")
+
+    def section(self, name: str):
+        """The section ``name`` of ``SECTIONS``: every field from this model (its name, or the
+        one the section's map gives), ``limits`` from ``limits()``."""
+        cls, renamed = SECTIONS[name]
+        name_of = {field: mine for mine, field in renamed.items()}
+        values = {f: getattr(self, name_of.get(f, f)) for f in cls.__dataclass_fields__ if f != "limits"}
+        if "limits" in cls.__dataclass_fields__:
+            values["limits"] = self.limits()
+        return cls(**values)
 
     def disk_watermark(self) -> DiskWatermark:
-        return DiskWatermark(free_min_bytes=self.disk_free_min_bytes, free_min_ratio=self.disk_free_min_ratio,
-                             resume_margin_ratio=self.disk_resume_margin_ratio,
-                             resume_margin_bytes_max=self.disk_resume_margin_bytes_max)
+        return self.section("disk")
 
     def realtime_settings(self) -> RealtimeSettings:
-        return RealtimeSettings(limits=self.limits(), **self._mapped(RealtimeSettings, REALTIME_FIELDS))
+        return self.section("realtime")

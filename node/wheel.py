@@ -77,7 +77,7 @@ Worked example (tick_ms=10, window_ms=2000)
 -------------------------------------------
 >>> def C(due, seq, ref):                    # a chunk of frame `ref`, idx 0..n-1
 ...     return Chunk(np.array(due), np.array(seq, np.uint64), np.arange(len(due), dtype=np.int32), ref)
->>> w = TimingWheel(start_ms=1_234)          # cursor 1230, loaded_until 1000
+>>> w = TimingWheel(tick_ms=10, window_ms=2000, start_ms=1_234)  # cursor 1230, loaded_until 1000
 >>> w.seconds_to_load()                      # seconds s with s*1000 < 1230 + 2000
 [1, 2, 3]
 >>> w.load_second(1, [C([1_500, 1_100], [8, 7], "f1")])  # 1_100 is overdue
@@ -111,6 +111,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.errors import CorruptRecord, Overloaded
+from node.store.settings import STORE_DEFAULTS
 
 __all__ = ["INDEX_PENDING_MAX", "TICK_STATE_SIZE", "Chunk", "Fired", "TickState", "TimingWheel"]
 
@@ -323,10 +324,10 @@ class TimingWheel:
     def __init__(
         self,
         *,
-        tick_ms: int = 10,
-        window_ms: int = 2000,
+        tick_ms: int = STORE_DEFAULTS.tick_ms,
+        window_ms: int = STORE_DEFAULTS.window_ms,
         start_ms: int,
-        entries_max: int = 2_000_000,
+        entries_max: int = STORE_DEFAULTS.wheel_entries_max,
     ) -> None:
         if tick_ms <= 0 or 1000 % tick_ms != 0:
             raise ValueError(f"tick_ms must divide 1000, got {tick_ms}")
@@ -361,9 +362,9 @@ class TimingWheel:
         cls,
         state: TickState,
         *,
-        tick_ms: int = 10,
-        window_ms: int = 2000,
-        entries_max: int = 2_000_000,
+        tick_ms: int = STORE_DEFAULTS.tick_ms,
+        window_ms: int = STORE_DEFAULTS.window_ms,
+        entries_max: int = STORE_DEFAULTS.wheel_entries_max,
     ) -> TimingWheel:
         """An empty wheel whose cursor is just after ``state.tick``; load seconds again from disk."""
         wheel = cls(

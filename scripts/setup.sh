@@ -11,6 +11,7 @@ PY=$PYTHON
 #   redis-server  the Redis baseline of the benchmarks   etcd-server  etcd for the meta server
 #   docker.io     etcd in a container, the image test    debootstrap  the image's local base
 #   iproute2      network-namespace partitions           a Java runtime  Spark (pyspark)
+#   chromium, chromium-driver  headless browser of the console's browser tests (tests/test_console_browser.py)
 want_apt=()
 command -v redis-server >/dev/null 2>&1 || want_apt+=(redis-server)
 command -v etcd >/dev/null 2>&1 || want_apt+=(etcd-server)
@@ -18,6 +19,8 @@ command -v dockerd >/dev/null 2>&1 || want_apt+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || want_apt+=(debootstrap)
 command -v ip >/dev/null 2>&1 || want_apt+=(iproute2)
 command -v java >/dev/null 2>&1 || want_apt+=(default-jre-headless)
+command -v chromium >/dev/null 2>&1 || want_apt+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || want_apt+=(chromium-driver)
 if [ ${#want_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "setup: apt-get install ${want_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -120,6 +123,17 @@ def _wait_cluster_json(up: subprocess.Popen, data: Path, out_path: Path) -> dict
         assert time.monotonic() < deadline, out_path.read_text()
         time.sleep(0.2)
     return json.loads((data / "cluster.json").read_text())
+
+
+def _console_url(out_path: Path, up: subprocess.Popen) -> str:
+    """The console URL `dev up` prints once the console answers (bounded by UP_TIMEOUT_S)."""
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while True:
+        m = re.search(r"console (https?://\S+/)", out_path.read_text())
+        if m:
+            return m.group(1)
+        assert up.poll() is None and time.monotonic() < deadline, out_path.read_text()
+        time.sleep(0.2)
 
 
 def _kill_listed(cluster_json: dict) -> None:
@@ -231,6 +245,12 @@ def test_dev_up_secure_serves_the_cli_through_the_cluster_file_and_refuses_plain
         assert bad.returncode == 1, bad.stdout + bad.stderr
         assert bad.stderr.startswith("error: unauthenticated: unknown token"), bad.stderr
         assert "hgt_not-a-token" not in bad.stderr
+        # the console: HTTPS with the cluster's certificate, its URL printed (docs/console.md)
+        url = _console_url(out_path, up)
+        assert url.startswith("https://"), url
+        ctx = ssl.create_default_context(cafile=str(data / "security" / "ca.crt"))
+        with urllib.request.urlopen(url + "login", timeout=30, context=ctx) as page:
+            assert page.status == 200 and b'name="token"' in page.read()
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:

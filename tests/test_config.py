@@ -1,6 +1,6 @@
-"""node/config.py: one settings tree. Storage defaults are written once (node/store/settings.py);
-every one of them can be set as HOURGLASS_<FIELD>, and the store settings a node builds carry
-what was set."""
+"""node/config.py: one settings tree. The sections' defaults are written once
+(node/store/settings.py); every one of them can be set as HOURGLASS_<FIELD>, and the
+sections a node builds carry what was set."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ import dataclasses
 
 import pytest
 
-from node.config import REALTIME_FIELDS, STORE_FIELDS, NodeSettings
-from node.store.settings import REALTIME_DEFAULTS, STORE_DEFAULTS, RealtimeSettings, StoreSettings
-
-CASES = [(StoreSettings, STORE_DEFAULTS, STORE_FIELDS, "store_settings"),
-         (RealtimeSettings, REALTIME_DEFAULTS, REALTIME_FIELDS, "realtime_settings")]
+from node.config import SECTION_DEFAULTS as DEFAULTS
+from node.config import SECTIONS, NodeSettings
 
 
-@pytest.mark.parametrize("cls, defaults, renamed, build", CASES, ids=["delay", "realtime"])
-def test_every_store_setting_has_one_default_and_can_be_set(monkeypatch, cls, defaults, renamed, build):
+def test_every_section_has_its_defaults_object():
+    assert set(DEFAULTS) == set(SECTIONS)
+    assert all(isinstance(DEFAULTS[name], cls) for name, (cls, _) in SECTIONS.items())
+
+
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_every_section_setting_has_one_default_and_can_be_set(monkeypatch, section):
+    cls, renamed = SECTIONS[section]
+    defaults = DEFAULTS[section]
+    build = lambda n: n.section(section)  # noqa: E731
     mine = {store: node for node, store in renamed.items()}
     fields = [f for f in dataclasses.fields(cls) if f.name != "limits"]
-    built = getattr(NodeSettings(), build)()
+    built = build(NodeSettings())
     for f in fields:
         assert getattr(built, f.name) == getattr(defaults, f.name), f"{f.name}: NodeSettings has another default"
     for f in fields:
@@ -28,7 +33,7 @@ def test_every_store_setting_has_one_default_and_can_be_set(monkeypatch, cls, de
         value = getattr(defaults, f.name)
         new = (not value) if isinstance(value, bool) else value * 2 if isinstance(value, int) else value / 2
         monkeypatch.setenv(f"HOURGLASS_{name.upper()}", str(new).lower() if isinstance(new, bool) else str(new))
-    built = getattr(NodeSettings(), build)()
+    built = build(NodeSettings())
     for f in fields:
         value = getattr(defaults, f.name)
         want = (not value) if isinstance(value, bool) else value * 2 if isinstance(value, int) else value / 2

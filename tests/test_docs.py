@@ -11,6 +11,7 @@ the test until it is taken off the list).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -21,7 +22,10 @@ import typer.main
 from cluster import codec, status
 from cluster import errors as E
 from cluster.cli import app
+from cluster.clientsettings import ClientSettings
+from cluster.devcluster import RestartPolicy
 from cluster.proto import hourglass_pb2 as pb
+from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
 from node import wheel
 from node.config import NodeSettings
@@ -30,6 +34,7 @@ from node.realtime import store as rt_store
 from node.replication import delay as delay_replication
 from node.replication import realtime as realtime_replication
 from node.store import idindex, log, schedule, verify
+from tests.helpers import settings_doc
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FORMAT = (DOCS / "format.md").read_text()
@@ -121,6 +126,104 @@ def test_every_node_setting_is_documented():
 def test_every_meta_setting_is_documented():
     ratchet(set(MetaSettings.model_fields), lambda f: f in DOC_WORDS or f"HOURGLASS_META_{f.upper()}" in DOC_WORDS,
             META_SETTINGS_UNDOCUMENTED, "meta server settings")
+
+
+def test_the_settings_reference_is_written_from_the_models():
+    """docs/settings.md lists every setting of every model with its default, as
+    tests/helpers/settings_doc.py renders them (a new setting or a changed default changes it)."""
+    assert (DOCS / "settings.md").read_text() == settings_doc.render(), \
+        "docs/settings.md is not the models' (PYTHONPATH=. python3 -m tests.helpers.settings_doc writes it again)"
+
+
+def test_every_sdk_setting_is_documented():
+    client = ClientSettings.model_construct()
+    names = {(section, name) for section in ClientSettings.model_fields
+             for name in (getattr(client, section).__class__.model_fields
+                          if not dataclasses.is_dataclass(getattr(client, section)) else ())}
+    missing = sorted(f"{s}.{n}" for s, n in names
+                     if f"HOURGLASS_CLIENT_{s.upper()}__{n.upper()}" not in DOC_WORDS or n not in DOC_WORDS)
+    assert not missing, f"SDK settings not in docs/*.md: {missing}"
+
+
+def _defaults(model) -> dict[str, object]:
+    if dataclasses.is_dataclass(model):
+        return {f.name: f.default for f in dataclasses.fields(model)}
+    return {name: f.default for name, f in model.model_fields.items()}
+
+
+NODE_DEFAULTS = {**_defaults(SecuritySettings), **_defaults(NodeSettings)}
+META_DEFAULTS = _defaults(MetaSettings)
+DEV_DEFAULTS = _defaults(RestartPolicy)
+
+
+def _documented_default(cell: str) -> list[object]:
+    """The values a default cell states: numbers and booleans (``10000 / 100000``); anything
+    else (``none``, ``0 = TTL / 3``, an address) is prose and is not compared."""
+    out = []
+    for part in cell.split(" / "):
+        part = part.strip().strip("`")
+        if re.fullmatch(r"-?\d+(\.\d+)?", part):
+            out.append(float(part) if "." in part else int(part))
+        elif part in ("true", "false"):
+            out.append(part == "true")
+        else:
+            return []
+    return out
+
+
+def documented_defaults() -> list[tuple[str, str, str, object, object]]:
+    """(file, table row's setting, model, documented default, model default) of every row of
+    a table with a ``default`` column in docs/*.md that states a number or a boolean
+    (docs/settings.md aside: it is the models' own list)."""
+    rows = []
+    for path in sorted(DOCS.glob("*.md")):
+        if path.name == "settings.md":  # written from the models (checked whole above)
+            continue
+        header = None
+        for line in path.read_text().splitlines():
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if header is None:
+                header = cells
+                continue
+            if "default" not in header or set(line) <= set("|-: "):
+                continue
+            col = header.index("default")
+            first, values = cells[0], _documented_default(cells[col])
+            names = [n.strip() for n in first.split(" / ")]
+            if not values or len(names) != len(values):
+                continue
+            for name_cell, value in zip(names, values):
+                words = re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", name_cell)
+                if not words:
+                    continue
+                word = words[0]
+                if header[0].startswith("setting (`dev up`"):
+                    model, defaults, name = "RestartPolicy", DEV_DEFAULTS, word
+                elif word.startswith("HOURGLASS_META_") and "(node)" not in name_cell:
+                    model, defaults, name = "MetaSettings", META_DEFAULTS, word[len("HOURGLASS_META_"):].lower()
+                elif word.startswith("HOURGLASS_"):
+                    model, defaults, name = "NodeSettings", NODE_DEFAULTS, word[len("HOURGLASS_"):].lower()
+                elif header[0].startswith("meta server") or "HOURGLASS_META_" in name_cell or "(meta)" in name_cell:
+                    model, defaults, name = "MetaSettings", META_DEFAULTS, word
+                else:
+                    model, defaults, name = "NodeSettings", NODE_DEFAULTS, word
+                rows.append((path.name, name, model, value, defaults.get(name, "(no such setting)")))
+    return rows
+
+
+def test_documented_defaults_are_found():
+    assert len(documented_defaults()) >= 50
+
+
+@pytest.mark.parametrize("row", documented_defaults(), ids=lambda r: f"{r[0]}:{r[1]}")
+def test_each_documented_default_is_the_models(row):
+    """A default written in a document is the model's (the model is the one place it is set;
+    a document that repeats it must say the same)."""
+    doc, name, model, documented, default = row
+    assert documented == default, f"docs/{doc} says {name} defaults to {documented}; {model} says {default}"
 
 
 def test_every_metric_is_documented():

@@ -27,7 +27,7 @@ VALUES = {
 KUBE_VERSIONS = ["1.30.0", "1.37.0"]
 RELEASE, NAMESPACE = "hg", "brokers"
 DOMAIN = f"{NAMESPACE}.svc.cluster.local"
-CRD_KINDS = {"ServiceMonitor"}  # not in Kubernetes' own schemas; asserted on below instead
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # not in Kubernetes' own schemas; asserted on below instead
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +329,35 @@ def test_metaserver_container_is_accepted_by_cli_and_settings(helm, monkeypatch)
                for k in env if k.startswith("HOURGLASS_META_")), env
 
 
+def test_the_console_is_a_deployment_and_a_service_dialling_with_a_client_certificate(helm):
+    """Issue 31: the console beside the meta servers; with security on it dials the nodes with the
+    client certificate (never the node one, which may do everything whatever the viewer's token)
+    and serves HTTPS only, its probes too; with security off, plain HTTP; disabled, nothing."""
+    objs = render(helm)
+    dep = by_kind(objs, "Deployment")["hg-hourglass-console"]
+    assert dep["spec"]["replicas"] == 1
+    c = container(dep)
+    assert c["args"][0] == "console"
+    flags = dict(a.split("=", 1) for a in c["args"][1:])
+    assert set(flags) <= _cli_options("console"), flags
+    assert flags["--meta"] == "hg-hourglass-metaserver.brokers.svc.cluster.local:7100"
+    vols = {v["name"]: v["secret"]["secretName"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+    assert vols == {"client": "hg-hourglass-client-tls", "https": "hg-hourglass-console-https",
+                    "server-ca": "hg-hourglass-tls"}
+    server_ca = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "server-ca")
+    assert server_ca["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # never the node key
+    assert env_of(c)["HOURGLASS_TLS_CERT_FILE"] == "/etc/hourglass/client/tls.crt"
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and "--https-cert" in flags
+    svc = by_kind(objs, "Service")["hg-hourglass-console"]
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 8480, "targetPort": "web"}]
+    assert dep["spec"]["template"]["metadata"]["labels"]["hourglass.io/client"] == "true"
+    plain = render(helm, sets=["security.enabled=false"])
+    pc = container(by_kind(plain, "Deployment")["hg-hourglass-console"])
+    assert pc["readinessProbe"]["httpGet"]["scheme"] == "HTTP" and not any("https" in a for a in pc["args"])
+    off = render(helm, sets=["console.enabled=false"])
+    assert not [o for o in off if "console" in o["metadata"]["name"]]
+
+
 def test_notes_tell_how_to_send_a_first_message(helm, tmp_path):
     chart = tmp_path / "hourglass"
     shutil.copytree(CHART, chart)
@@ -396,7 +425,8 @@ def test_security_is_on_by_default(helm):
     objs = render(helm)
     sec = _secrets(objs)
     assert set(sec) == {"hg-hourglass-tls", "hg-hourglass-etcd-tls", "hg-hourglass-client-tls", "hg-hourglass-auth",
-                        "hg-hourglass-client-token", "hg-hourglass-client-ca", "hg-hourglass-etcd-client-tls"}
+                        "hg-hourglass-client-token", "hg-hourglass-client-ca", "hg-hourglass-etcd-client-tls",
+                        "hg-hourglass-console-https"}
     token = sec["hg-hourglass-client-token"]["token"].decode()
     auth = json.loads(sec["hg-hourglass-auth"]["auth.json"])
     import hashlib

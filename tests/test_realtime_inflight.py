@@ -1,5 +1,6 @@
 """The pure parts of the real-time store: in-flight ranges against a dict of handles, the dedup
-window against a dict with timestamps, and the index entry codec (round trip, every bit flip)."""
+window against a dict with timestamps, the accept decision against a loop over the batch, and
+the index entry codec (round trip, every bit flip)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cluster.errors import CorruptRecord
+from node.store.records import make_seq
+from node.realtime.accept import assign_seqs
 from node.realtime.dedup import DedupWindow
 from node.realtime.index import ENTRY_SIZE, decode_entries, encode_entries, frame_runs
 from node.realtime.inflight import InflightRanges
@@ -124,3 +127,27 @@ def test_dedup_window_entries_are_not_walked_by_the_cyclic_gc():
     assert not any(gc.is_tracked(entry) for entry in d.order)
     assert not gc.is_tracked(d.map)
     assert d.lookup([("orders", "id-3-7"), ("orders", "nope")]) == [307, None]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from("abcdef"), max_size=12), st.dictionaries(st.sampled_from("abcdef"),
+                                                                         st.integers(0, 1 << 50), max_size=4),
+       st.integers(0, 1000))
+def test_assign_seqs_against_a_loop_over_the_batch(ids, known, counter):
+    """Known ids answer with their stored seq, an id repeated in the batch with its first
+    copy's, every other message gets the next seq in batch order."""
+    keys = [("s", i) for i in ids]
+    known = {("s", i): q for i, q in known.items()}
+    seqs, dup, new = assign_seqs(keys, known, epoch=3, counter=counter)
+    want, want_dup, want_new, seen, nxt = [], [], [], dict(known), counter
+    for pos, key in enumerate(keys):
+        if key in seen:
+            want.append(seen[key])
+            want_dup.append(True)
+        else:
+            seen[key] = make_seq(3, nxt)
+            nxt += 1
+            want.append(seen[key])
+            want_dup.append(False)
+            want_new.append(pos)
+    assert seqs.tolist() == want and dup.tolist() == want_dup and new.tolist() == want_new

@@ -14,7 +14,8 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.wire import BatchResult, make_request, pack_ranges, request_batch
 from node.config import NodeSettings
-from node.realtime.service import ORIGIN_ID, RealtimeNode
+from node.realtime.nack import ORIGIN_ID
+from node.realtime.service import RealtimeNode
 from cluster.errors import Unavailable
 from node.realtime.store import DLQ_SUBJECT
 from tests.helpers.inprocess import serving

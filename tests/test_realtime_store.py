@@ -429,6 +429,26 @@ def test_kill_without_close_loses_nothing_flushed(tmp_path):
     st2.close()
 
 
+def test_a_store_dropped_without_close_says_so_and_gives_its_descriptors_back(tmp_path, caplog):
+    """No silent safety net: a store that is dropped unclosed logs it, closes its index files
+    without flushing anything, and the next open recovers what it had written."""
+    import logging
+
+    st_ = open_store(tmp_path)
+    append(st_, M(0), M(1, subject="other"))
+    pull(st_, "orders", "g", 10, T0)
+    fds = len(os.listdir("/proc/self/fd"))
+    with caplog.at_level(logging.WARNING, "hourglass.realtime.store"):
+        del st_
+    assert "real-time store dropped without close()" in caplog.text
+    assert len(os.listdir("/proc/self/fd")) <= fds - 2  # both index files closed
+    st2 = open_store(tmp_path, now=T0 + 1)
+    r = st2.recovery
+    assert (r.subjects, r.groups, r.dedup_entries, r.groups_ignored) == (3, 1, 2, 0)  # orders, other, DLQ
+    assert handles(st2, "orders", "g", 10, T0 + 1) == [0]  # in flight at the drop: redelivered at once
+    st2.close()
+
+
 def test_caught_up_consumer_never_reads_a_frame_from_disk(tmp_path):
     st_ = open_store(tmp_path, RealtimeSettings(frame_cache_bytes_max=1 << 20))
     for k in range(50):
@@ -447,6 +467,7 @@ def test_replay_reindexes_records_missing_from_the_index(tmp_path):
     st_ = open_store(tmp_path)
     append(st_, *[M(i) for i in range(3)])
     st_.flush()
+    second = st_.messages.end_offset
     append(st_, *[M(i) for i in range(3, 6)], M(6, subject="fresh"))
     # crash between the log write and the index write: the last entries never reached the index,
     # and the run of the second frame was cut in the middle
@@ -455,6 +476,8 @@ def test_replay_reindexes_records_missing_from_the_index(tmp_path):
     os.truncate(index_path(tmp_path, "fresh"), 0)
     st2 = open_store(tmp_path)
     assert st2.counters["reindexed"] == 3
+    r = st2.recovery  # what recovery found and did
+    assert (r.reindex_from, r.entries_reindexed, r.dedup_entries, r.log_tail) == (second, 3, 7, None)
     assert ids(st2, "orders", "g", 100, T0) == [f"m{i}" for i in range(6)]
     assert ids(st2, "fresh", "g", 100, T0) == ["m6"]
     assert os.path.getsize(p) == 6 * ENTRY_SIZE
@@ -503,8 +526,10 @@ def test_torn_tail_of_message_log(tmp_path):
     st_.close()
     seg = segment_files(tmp_path)[-1]
     os.truncate(seg, seg.stat().st_size - 3)  # the last frame is torn
+    last = segment_files(tmp_path)[-1].stat().st_size
     st_ = open_store(tmp_path)
-    assert st_.messages.recovery is not None
+    assert st_.messages.recovery is not None and st_.recovery.log_tail == st_.messages.recovery
+    assert st_.recovery.log_tail.bytes_dropped > 0 and st_.recovery.log_tail.offset < last
     assert os.path.getsize(index_path(tmp_path)) == 4 * ENTRY_SIZE  # its index entries are dropped too
     assert os.path.getsize(index_path(tmp_path, "other")) == 0
     assert ids(st_, "orders", "g", 10, T0) == [f"m{i}" for i in range(4)]
@@ -691,13 +716,13 @@ def test_evicted_dirty_indexes_stay_dirty_until_a_checkpoint_fsyncs_them(tmp_pat
     for k in range(5):
         st.append(Batch.build(f"s{k}", [b"p"], [f"id{k}"], T0), now_ms=T0)
     assert not synced  # evictions of dirty fds fsynced nothing
-    assert sum(ix.fd < 0 and ix.dirty for ix in st._subjects.values()) == 3
+    assert sum(ix.fd < 0 and ix.dirty for ix in st._indexes.by_subject.values()) == 3
     st.flush_plan(index_bytes_min=1 << 40).run_and_finish()  # no checkpoint due
     assert not [p for p in synced if "/index/" in p]
-    assert all(st._subjects[f"s{k}"].dirty for k in range(5))
+    assert all(st._indexes.by_subject[f"s{k}"].dirty for k in range(5))
     st.flush_plan().run_and_finish()
     assert {p.split("/index/")[1].split("/")[0] for p in synced if "/index/" in p} == {f"s{k}" for k in range(5)}
-    assert not any(ix.dirty for ix in st._subjects.values())
+    assert not any(ix.dirty for ix in st._indexes.by_subject.values())
     assert st.indexed_offset == st.messages.end_offset
     monkeypatch.undo()
     st.close()
@@ -721,7 +746,7 @@ def test_a_capped_checkpoint_vouches_only_below_the_first_index_left_unsynced(tm
     assert st.indexed_offset == offsets[0]
     st.flush_plan(fsyncs_max=4).run_and_finish()  # s0 and s1
     assert st.indexed_offset == offsets[2]
-    assert [ix.dirty for ix in (st._subjects[f"s{k}"] for k in range(6))] == [False] * 2 + [True] * 4
+    assert [ix.dirty for ix in (st._indexes.by_subject[f"s{k}"] for k in range(6))] == [False] * 2 + [True] * 4
     st.append(Batch.build("s0", [b"q"], ["id-late"], T0), now_ms=T0)  # s0 dirty again, after s2..s5
     st.flush_plan(fsyncs_max=4).run_and_finish()  # s2 and s3
     assert st.indexed_offset == offsets[4]

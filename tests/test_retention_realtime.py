@@ -122,10 +122,10 @@ def test_lifecycle_deletes_consumed_segments_keeps_unacked_and_handles(tmp_path)
     assert work.segments and len(st.messages.segment_bases()) < segs_before
     assert report.held_by == "group:orders/g"
     # the frame holding handle 350 is still there; every unacked message can be read
-    assert st.messages.start_offset <= int(st._subjects["orders"].read(st._fd(st._subjects["orders"]), 350, 1)
+    assert st.messages.start_offset <= int(st._indexes.by_subject["orders"].read(st._indexes.fd(st._indexes.by_subject["orders"]), 350, 1)
                                               ["offset"][0])
     assert st.counters["index_compactions"] == 1
-    ix = st._subjects["orders"]
+    ix = st._indexes.by_subject["orders"]
     assert ix.base > 0 and ix.path.name == f"entries.{ix.base:020d}"
     retain(st, T0 + 10_001)  # deletes the old index file once the new one is durable
     assert [p.name for p in ix.path.parent.iterdir()] == [ix.path.name]
@@ -188,7 +188,7 @@ def test_idle_group_stops_holding_and_resumes_at_the_first_entry_on_disk(tmp_pat
     assert report.idle_groups == 1 and st.counters["groups_idled"] == 1
     assert "consumer group idle" in caplog.text and "group=idle" in caplog.text
     assert report.held_by == "group:orders/busy"
-    live = st._subjects["orders"].live_from
+    live = st._indexes.by_subject["orders"].live_from
     assert live > 0 and st.messages.start_offset > 0
     retain(st, T0 + 70_001)  # idle again: logged once only
     assert st.counters["groups_idled"] == 1

@@ -18,6 +18,9 @@ import node.wheel
 from cluster.errors import CorruptRecord, Overloaded
 from node.wheel import TICK_STATE_SIZE, Chunk, Fired, TickState, TimingWheel
 
+TICK_MS = 10
+WINDOW_MS = 2_000  # the examples below were worked with a 2 s window (the node's default is shorter)
+
 
 def C(due, seq, ref: object = "f", idx=None) -> Chunk:
     """A chunk of frame ``ref``; idx defaults to 0..n-1."""
@@ -55,7 +58,7 @@ def test_module_docstring_example_holds():
 
 
 def test_advance_returns_due_entries_in_order_once():
-    w = TimingWheel(start_ms=10_000)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=10_000)
     load_all(w)
     assert (w.cursor_ms, w.loaded_until_ms) == (10_000, 12_000)
     assert w.add(C([10_500, 10_020, 10_500, 11_999, 10_021], [3, 9, 1, 4, 2], "a")) == 5
@@ -74,7 +77,7 @@ def test_advance_returns_due_entries_in_order_once():
 
 
 def test_a_merged_second_fires_one_fired_per_ref_with_the_frame_positions():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     w.load_second(0, [C([300, 100, 200], [1, 2, 3], "x", idx=[7, 8, 9]), C([150, 100], [4, 5], "y", idx=[0, 1])])
     w.load_second(1, [C([1_100], [6], "z")])
     got = w.advance(250)
@@ -86,7 +89,7 @@ def test_a_merged_second_fires_one_fired_per_ref_with_the_frame_positions():
 
 
 def test_overdue_entries_fire_on_next_advance():
-    w = TimingWheel(start_ms=5_000)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=5_000)
     load_all(w)
     w.advance(5_700)
     assert w.add(C([5_700], [1]))  # due exactly at the last now: also behind the cursor
@@ -100,7 +103,7 @@ def test_overdue_entries_fire_on_next_advance():
 
 
 def test_loaded_second_behind_the_cursor_is_overdue_and_fires_at_once():
-    w = TimingWheel(start_ms=3_750)  # cursor 3750, loaded_until 3000
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=3_750)  # cursor 3750, loaded_until 3000
     assert w.load_second(3, [C([3_100, 3_900, 3_749], [1, 2, 3])]) == 3
     assert seqs(w.advance(3_000)) == [1, 3]  # now behind the cursor: only the overdue ones
     assert w.cursor_ms == 3_750
@@ -108,7 +111,7 @@ def test_loaded_second_behind_the_cursor_is_overdue_and_fires_at_once():
 
 
 def test_add_beyond_loaded_window_returns_0_and_load_brings_it():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     assert w.loaded_until_ms == 2_000
     late = C([2_000], [1])
@@ -122,7 +125,7 @@ def test_add_beyond_loaded_window_returns_0_and_load_brings_it():
 
 
 def test_add_of_a_chunk_across_the_loaded_edge_holds_exactly_the_loaded_part():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     assert w.add(C([2_500, 1_999, 4_000, 10], [1, 2, 3, 4], "r")) == 2
     assert len(w) == 2
@@ -132,7 +135,7 @@ def test_add_of_a_chunk_across_the_loaded_edge_holds_exactly_the_loaded_part():
 
 
 def test_entries_max_stops_loading_and_add_never_refuses():
-    w = TimingWheel(start_ms=0, entries_max=3)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0, entries_max=3)
     load_all(w)
     assert w.add(C([1_500, 1_600], [1, 2])) == 2
     # the shell adds what it already filed into a loaded second: refusing would strand it
@@ -151,7 +154,7 @@ def test_entries_max_stops_loading_and_add_never_refuses():
 
 
 def test_load_second_contract():
-    w = TimingWheel(start_ms=3_500)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=3_500)
     assert w.seconds_to_load() == [3, 4, 5]
     assert w.seconds_to_load(limit=2) == [3, 4]
     assert w.seconds_to_load(limit=0) == []
@@ -185,7 +188,7 @@ def test_seconds_to_load_follows_the_cursor():
 
 
 def test_cancel_before_fire_and_after_fire():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     w.add(C([100, 200, 300, 400], [1, 2, 3, 4]))
     assert w.cancel([2, 3, 3]) == 2
@@ -197,7 +200,7 @@ def test_cancel_before_fire_and_after_fire():
 
 
 def test_cancel_then_readd_same_seq_fires_once_at_the_new_time():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     w.add(C([100], [1], "a"))
     assert w.cancel([1]) == 1
@@ -214,7 +217,7 @@ def test_cancel_then_readd_same_seq_fires_once_at_the_new_time():
 
 def test_fired_then_given_back_fires_again_and_can_be_cancelled():
     # the shell's release(): a failed dispatch is added back (overdue) with the same seqs
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     w.add(C([10, 20], [1, 2]))
     assert seqs(w.advance(30)) == [1, 2]
@@ -224,7 +227,7 @@ def test_fired_then_given_back_fires_again_and_can_be_cancelled():
 
 
 def test_next_due_ms_skips_cancelled_entries():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     assert w.next_due_ms() is None
     load_all(w)
     w.add(C([500, 100, 300], [1, 2, 3]))
@@ -240,7 +243,7 @@ def test_next_due_ms_skips_cancelled_entries():
 @pytest.mark.integration  # tier: ~10 s on a loaded machine
 def test_many_chunks_cancels_and_readds_at_scale():
     # enough entries to index in several batches, merge index runs and rebuild the index
-    w = TimingWheel(start_ms=0, entries_max=10**6)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0, entries_max=10**6)
     load_all(w)
     rng = np.random.default_rng(7)
     n = 3 * node.wheel.INDEX_PENDING_MAX
@@ -271,7 +274,7 @@ def test_many_chunks_cancels_and_readds_at_scale():
 
 
 def test_now_going_backwards_changes_nothing():
-    w = TimingWheel(start_ms=1_000)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=1_000)
     load_all(w)
     w.add(C([1_200], [1]))
     assert w.advance(1_100) == []
@@ -289,7 +292,7 @@ def test_catch_up_never_passes_loaded_until_and_fires_everything_once_in_order()
         sel = np.flatnonzero(due // 1000 == s)
         for part in np.array_split(sel, 3):
             disk[s].append(C(due[part], part, ref=(s, len(disk[s])), idx=part))
-    w = TimingWheel.restore(TickState(epoch=3, tick=-1, index_in_second=0, dispatch_offset=0))
+    w = TimingWheel.restore(TickState(epoch=3, tick=-1, index_in_second=0, dispatch_offset=0), window_ms=WINDOW_MS)
     assert (w.cursor_ms, w.loaded_until_ms, w.epoch) == (0, 0, 3)
     now = 20_000
     assert w.advance(now) == []  # nothing loaded: the cursor may not move
@@ -309,19 +312,19 @@ def test_catch_up_never_passes_loaded_until_and_fires_everything_once_in_order()
 
 
 def test_state_never_claims_the_tick_of_a_held_overdue_entry():
-    w = TimingWheel(start_ms=5_000)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=5_000)
     load_all(w)
     w.advance(6_000)
     w.add(C([5_432], [1]))  # behind the cursor, not returned yet
     assert w.state(completed_ms=6_001, dispatch_offset=0).tick == 542
-    r = TimingWheel.restore(w.state(completed_ms=6_001, dispatch_offset=0))
+    r = TimingWheel.restore(w.state(completed_ms=6_001, dispatch_offset=0), window_ms=WINDOW_MS)
     assert r.seconds_to_load()[0] == 5  # its second is read from disk again
     w.advance(6_000)
     assert w.state(completed_ms=6_001, dispatch_offset=0).tick == 599
 
 
 def test_restore_puts_cursor_after_the_state_tick():
-    w = TimingWheel(start_ms=0)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=0)
     load_all(w)
     w.add(C([15, 25], [1, 2]))
     w.advance(21)
@@ -336,7 +339,7 @@ def test_restore_puts_cursor_after_the_state_tick():
 
 
 def test_index_in_second_counts_dispatched_entries_of_the_second():
-    w = TimingWheel(start_ms=1_000)
+    w = TimingWheel(window_ms=WINDOW_MS, start_ms=1_000)
     load_all(w)
     w.add(C([990, 1_000, 1_005, 1_500, 1_990, 2_000], range(6)))
     w.advance(2_500)
@@ -410,8 +413,6 @@ def test_tick_state_encode_rejects_out_of_range_fields():
 
 # --- stateful: the wheel against heapq --------------------------------------------------
 
-TICK_MS = 10
-WINDOW_MS = 2_000
 
 
 class WheelVsHeap(RuleBasedStateMachine):

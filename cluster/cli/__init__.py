@@ -5,7 +5,8 @@
     hourglass node --role delay ...     one node process (what containers run)
     hourglass send SUBJECT PAYLOAD --delay-ms 5000 [--count N]
     hourglass consume SUBJECT --group G [--count N]
-    hourglass cancel ID | lookup ID | status
+    hourglass cancel ID | lookup ID | trace ID | status
+    hourglass console                   the web console (docs/console.md)
     hourglass certs ca | issue | token  certificates and tokens of a secure cluster
 
 Client commands find the cluster through ``--meta``/``--delay``/``--realtime`` addresses,
@@ -15,7 +16,7 @@ writes (in that order).
 
 One module per command group: ``common`` (the error boundary, the app, finding the
 cluster, shared options), ``servers`` (node, metaserver), ``demo``, ``messages`` (send,
-consume, cancel, lookup), ``status``, ``dev`` (dev up, dev chaos), ``admin`` (verify,
+consume, cancel, lookup), ``status``, ``console`` (console, trace), ``dev`` (dev up, dev chaos), ``admin`` (verify,
 handover), ``spark`` (the Spark jobs). This module assembles them.
 
 Errors (docs/cli.md): every failure leaves through one boundary (``HourglassApp.__call__``) as
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import sys
 
-from cluster.cli import demo, messages, servers, status  # noqa: F401  (their commands join ``app``)
+from cluster.cli import console, demo, messages, servers, status  # noqa: F401  (their commands join ``app``)
 from cluster.cli.admin import admin
 from cluster.cli.certs import certs_app
 from cluster.cli.common import app

@@ -76,6 +76,9 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
        secure: bool = typer.Option(False, "--secure/--open",
                                    help="mutual TLS on every port and tokens checked; client credentials are "
                                         "written beside cluster.json (docs/security.md)"),
+       console_: bool = typer.Option(True, "--console/--no-console",
+                                     help="start the web console too (docs/console.md) and print its URL"),
+       console_port: int = typer.Option(0, min=0, max=65535, help="the console's port (0: a free one)"),
        ) -> None:
     """Start a local cluster (etcd, a meta server, delay and real-time nodes), restart whatever dies, run until Ctrl-C."""
     from cluster.devcluster import LocalCluster, Supervisor
@@ -130,7 +133,12 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
     say(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
     if replicas > 1:
         say(f"      hourglass dev chaos --kills 3 --cluster-file {data}/cluster.json")
+    web = None
     try:
+        if console_ and meta:
+            web = start_console(cluster, data, console_port)
+        elif console_:
+            say("console: not started (it discovers the cluster through the meta servers; --static has none)")
         asyncio.run(_supervise(Supervisor(cluster, policy)))
     except KeyboardInterrupt:  # a signal between the handlers: stop all the same
         pass
@@ -138,8 +146,64 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the stop short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         say("stopping ...")
+        if web is not None:
+            stop_console(web)
         cluster.stop()
         say("cluster stopped")
+
+
+CONSOLE_START_S_MAX = 30.0  # `dev up` waits this long for the console to answer, then goes on without it
+CONSOLE_STOP_S_MAX = 10.0
+
+
+def start_console(cluster, data: Path, port: int):
+    """``hourglass console`` on the dev cluster (HTTPS with the nodes' certificate when
+    secure), its output in DATA/console.log; its URL said once it answers. The cluster is
+    useful without it: a console that does not start is said, not fatal."""
+    import os
+    import ssl
+    import subprocess
+    import sys
+    import urllib.request
+
+    from cluster.ports import free_port
+
+    port = port or free_port()
+    sec = cluster.security
+    args = ["--cluster-file", str(data / "cluster.json"), "--port", str(port)]
+    if sec is not None:
+        args += ["--https-cert", str(sec.node_cert), "--https-key", str(sec.node_key)]
+    url = f"{'https' if sec is not None else 'http'}://127.0.0.1:{port}/"
+    log_path = data / "console.log"
+    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "console", *args], stdout=logf,
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
+                                start_new_session=True)
+    ctx = ssl.create_default_context(cafile=str(sec.ca)) if sec is not None else None
+    deadline = time.monotonic() + CONSOLE_START_S_MAX
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "healthz", timeout=2, context=ctx):
+                say(f"console {url}  pid={proc.pid} log={log_path}"
+                    + ("  (log in with a token, e.g. the admin token above)" if sec is not None else "  (OPEN)"))
+                return proc
+        except OSError:
+            time.sleep(0.2)
+    say(f"console did not start (see {log_path}); the cluster runs without it")
+    stop_console(proc)
+    return None
+
+
+def stop_console(proc) -> None:
+    import subprocess
+
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=CONSOLE_STOP_S_MAX)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=CONSOLE_STOP_S_MAX)
 
 
 async def _supervise(supervisor) -> None:

@@ -15,7 +15,9 @@ Background loops, all children of one TaskGroup owned by ``run``:
 * checkpoint    - every ``checkpoint_interval_ms``: flush and record tick state.
 
 No business rule lives in the servicer methods: they translate, call the store,
-and translate back through ``cluster.wire`` / ``cluster.status``.
+and translate back through ``cluster.wire`` / ``cluster.status``. The part of ``SendBatch``
+both node kinds share (authorization, the batch and disk limits, the error answer,
+``SendBatchStream``) is ``SendIntake`` (``node/intake.py``).
 """
 
 from __future__ import annotations
@@ -33,18 +35,19 @@ from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, InvalidArgument, Unavailable
+from cluster.errors import DiskFull, HourglassError, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, serve_ordered
+from cluster.wire import BatchResult, make_request
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import retention
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.grpcserver import start_grpc
+from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.store import DLQ_SUBJECT
@@ -63,7 +66,7 @@ DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time nod
 MIB = 1 << 20
 
 
-class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
+class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
     STORE_FOLLOWER = False  # a replicated node opens its store as a follower: the election decides
 
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None, router=None) -> None:
@@ -109,29 +112,15 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         res, _ = await self._ingest(batch, now, context)
         return res
 
-    async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
-        """First thing of a send: the batch, if the caller may send it (``security.authorized_batch``)."""
-        return await security.authorized_batch(context, request, self.clock)
-
-    async def _serving(self, context, epoch: int = 0) -> None:
-        """After authorization, before any work: a replicated node answers NotLeader here
-        unless it is the master, and refuses a newer term than its own (``ReplicaRoles``)."""
-
     async def _ingest(self, batch: Batch, now: int, context) -> tuple[pb.SendBatchResponse, int]:
         """Append and fsync one authorized batch: ``(answer, end offset of this write)``. The
         end offset is taken right after the append, before any await: a replicated master
         waits for exactly these bytes, whatever the log does meanwhile."""
-        if batch.n > self.settings.batch_messages_max:
-            await status.abort(context, InvalidArgument(
-                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
-            # a write that would take free space below the watermark is refused whole, nothing stored
-            self.disk.admit(self.store.write_bytes_bound(batch))
+            self._admit_batch(batch, self.store.write_bytes_bound)  # refused whole, nothing stored
             res = self.store.accept(batch, now_ms=now)
         except HourglassError as e:
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
-            await status.abort(context, e)
+            await status.abort(context, self._refusal(e))
         end = self.store.messages.end_offset
         await self.committer.sync_to(end)
         self._note_durable()
@@ -139,27 +128,12 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
         self.metrics.ingested.inc(int(np.count_nonzero((res.codes == pb.OK) & (res.duplicates == 0))))
         return res.to_pb(), end
 
-    async def SendBatchStream(self, requests, context):
-        """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
-        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
-                                        window=self.settings.stream_window_max):
-            yield resp
-
     def _count_refusals(self, res: BatchResult) -> None:
         if not res.errors:
             return
         codes, counts = np.unique(res.codes[res.codes != pb.OK], return_counts=True)
         for code, n in zip(codes.tolist(), counts.tolist()):
             self.metrics.errors.labels(kind=pb.Code.Name(code)).inc(n)
-
-    def _disk_refused(self, e: DiskFull) -> DiskFull:
-        """Count a refusal; a write that hit ENOSPC (a store's ``DiskFull``, which knows no
-        node) makes the node refuse writes and answers with its address and free space."""
-        self.metrics.disk_refusals.inc()
-        if e.free_bytes < 0:
-            self.disk.note_enospc(str(e))
-            return self.disk.error()
-        return e
 
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
         # the interceptor checked the caller holds a cancel grant; the subject is known only
@@ -176,8 +150,7 @@ class DelayNode(rpc.ProducerServicer, rpc.AdminServicer):
             self.disk.admit(self.store.cancel_bytes_bound(request.id))
             seq = self.store.cancel(request.id, now_ms=self.clock.now_ms())
         except HourglassError as e:
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
+            e = self._refusal(e)
             return pb.CancelResponse(code=status.to_code(e), error=str(e)), -1
         end = self.store.messages.end_offset
         await self.committer.sync_to(end)

@@ -10,7 +10,7 @@ CRC-checked frames, torn tail truncated at open) whose record bodies are UTF-8 J
 
     {"v": 1, "snapshot": false, "groups": [doc, ...]}
 
-``doc`` is a group document (``node/realtime/store.py``: version, subject, group, start,
+``doc`` is a group document (``node/realtime/groups.py``: version, subject, group, start,
 committed, next, pending). A *round* record holds the groups that changed in one commit
 round; a *snapshot* record holds every group. The position of a group is its doc in the
 newest record naming it: replay reads the log from its start and keeps the last doc per

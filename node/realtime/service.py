@@ -1,11 +1,13 @@
 """Real-time node process: the asyncio/grpc.aio shell around ``RealtimeStore`` (wire protocol v2).
 
-* SendBatch (immediate messages, from producers and from delay nodes dispatching): the
-  request's batch (``cluster.wire.request_batch``) is appended as one frame, one
-  group-commit fsync covers it, then the columnar ``BatchResult`` is answered. A request
-  over ``batch_messages_max`` is refused whole (INVALID_ARGUMENT); a message due later is
-  refused (INVALID_ARGUMENT: send it to a delay node) unless ``immediate`` is set; a
-  duplicate id inside the dedup window is answered OK/duplicate and stored once.
+* SendBatch (immediate messages, from producers and from delay nodes dispatching; the part
+  both node kinds share is ``SendIntake``, ``node/intake.py``): the request's batch
+  (``cluster.wire.request_batch``) is appended as one frame, one group-commit fsync covers
+  it, then the columnar ``BatchResult`` is answered. A request over ``batch_messages_max``
+  is refused whole (INVALID_ARGUMENT); a message due later is refused (INVALID_ARGUMENT:
+  send it to a delay node) unless ``immediate`` is set (the rule:
+  ``node/realtime/immediate.py``); a duplicate id inside the dedup window is answered
+  OK/duplicate and stored once.
 * Pull is a long poll over one or more subjects: it answers at once when there is
   something to hand out; else it waits, up to ``min(wait_ms, pull_wait_ms_max)``, until
   **any** of them gets data (or at least once a second, since ack timeouts make
@@ -15,10 +17,9 @@
   one offsets-log record and one fsync on the store's writer thread, however many
   groups it holds. The periodic flush commits the positions pulls moved the same way.
 * Nack sends the in-flight messages of its ranges to a delay node as one v2 batch, due
-  ``retry_after_ms`` later (attempts + 1, a new id ``{origin}~r{n}`` with the original in
-  property ``hourglass.origin_id``, since both sides de-duplicate by id), or to the
-  dead-letter subject once ``max_attempts`` is reached; the handles are acked only after
-  that succeeded. This path is rare: it builds the copies message by message.
+  ``retry_after_ms`` later, or to the dead-letter subject once ``max_attempts`` is reached:
+  the copies (attempts + 1, a new id, the original in ``hourglass.origin_id``) and that
+  decision are ``node/realtime/nack.py``; the handles are acked only after both succeeded.
 * New subjects (``node/realtime/creator.py``): the subjects of a SendBatch or Pull that the
   store does not know are created first, in a round shared with every request that asks
   meanwhile, on a worker thread (one fsync of ``index/`` and one subjects-journal record
@@ -47,7 +48,7 @@ import numpy as np
 
 from cluster import security, status
 from cluster.clock import Clock, SystemClock
-from cluster.codec import Batch, check_subject, encode_extra
+from cluster.codec import Batch, check_subject
 from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, NotLeader, Unavailable, UnknownSubject
@@ -59,9 +60,12 @@ from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, 
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
+from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
 from node.realtime.creator import SubjectCreator
+from node.realtime.immediate import due_later, refuse_due_later
+from node.realtime.nack import nack_copies
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
@@ -72,42 +76,12 @@ log = logging.getLogger("hourglass.realtime")
 
 _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
-ORIGIN_ID = "hourglass.origin_id"
 ANONYMOUS = "anonymous"        # the one tenant of an open cluster (no authentication), for the quotas
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
 
-def retry_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int) -> tuple[Batch, Batch]:
-    """The copies a nack sends: ``(to a delay node, to the dead-letter subject)``. A copy has
-    attempts + 1 and the id ``{origin}~r{attempts}``; the original id travels in property
-    ``hourglass.origin_id``; dead letters also carry ``dlq.subject`` and ``dlq.reason``."""
-    retry: list[tuple] = []
-    dead: list[tuple] = []
-    for i in range(b.n):
-        tags, props = b.extra(i)
-        props = dict(props)
-        origin = props.setdefault(ORIGIN_ID, b.id(i))
-        attempts = int(b.attempts[i]) + 1
-        is_dead = attempts >= max_attempts
-        if is_dead:
-            props["dlq.subject"] = b.subject(i)
-            props["dlq.reason"] = f"{attempts} delivery attempts"
-        (dead if is_dead else retry).append((
-            DLQ_SUBJECT if is_dead else b.subject(i), b.payload(i), f"{origin[:100]}~r{attempts}",
-            now_ms if is_dead else now_ms + retry_after_ms, attempts, encode_extra(tags, sorted(props.items()))))
-
-    def build(rows: list[tuple]) -> Batch:
-        if not rows:
-            return Batch.empty()
-        subjects, payloads, ids, due, attempts, extras = zip(*rows)
-        return Batch.build(list(subjects), list(payloads), list(ids), np.array(due, np.int64),
-                           attempts=np.array(attempts, np.uint16), extras=list(extras))
-
-    return build(retry), build(dead)
-
-
-class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
+class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
@@ -167,23 +141,11 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         await self._serving(context, request.epoch)
         return await self._store_batch(batch, now, request.immediate, context)
 
-    async def _authorized_batch(self, request: pb.SendBatchRequest, context) -> tuple[Batch, int]:
-        """First thing of a send: the batch, if the caller may send it (``security.authorized_batch``)."""
-        return await security.authorized_batch(context, request, self.clock)
-
-    async def _serving(self, context, epoch: int = 0) -> None:
-        """After authorization, before any work: a replicated node answers NotLeader here
-        unless it serves clients now, and refuses a newer term than its own (``ReplicaRoles``)."""
-
     async def _store_batch(self, batch: Batch, now: int, immediate: bool, context) -> pb.SendBatchResponse:
         """Append and fsync one authorized batch, wake the pulls waiting for its subjects."""
         self.calls["send"] += 1
-        if batch.n > self.settings.batch_messages_max:
-            await status.abort(context, InvalidArgument(
-                "batch", f"{batch.n} messages exceeds batch_messages_max {self.settings.batch_messages_max}"))
         try:
-            # a write that would take free space below the watermark is refused whole, nothing stored
-            self.disk.admit(self.store.write_bytes_bound(batch))
+            self._admit_batch(batch, self.store.write_bytes_bound)  # refused whole, nothing stored
             new = self.store.missing_subjects(batch.subjects)
             refused = await self._create_subjects(batch.subjects) if new else {}
             if refused:
@@ -195,9 +157,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             else:
                 res, first_visible = await self._append_slices(batch, slices, immediate, refused)
         except HourglassError as e:
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
-            await status.abort(context, e)
+            await status.abort(context, self._refusal(e))
         stored = (res.codes == pb.OK) & (res.duplicates == 0)
         if self._new_data and stored.any():  # a long poll waits: wake it for the subjects that got messages
             # before the fsync: a pull may hand out what is not durable yet (at least once:
@@ -271,54 +231,28 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
             except HourglassError as e:
                 if not j:
                     raise
-                if isinstance(e, DiskFull):
-                    e = self._disk_refused(e)
+                e = self._refusal(e)
                 rest = np.concatenate(slices[j:])
                 code, text = status.to_code(e), str(e)
                 for i in rest.tolist():
                     res.refuse(i, code, text)
                 break
-            for name in ("codes", "seqs", "duplicates"):
-                getattr(res, name)[idx] = getattr(part, name)
-            res.errors.update({int(idx[i]): e for i, e in part.errors.items()})
+            res.place(idx, part)
             if first_visible is None or store.appended_visible_ms < first_visible:
                 first_visible = store.appended_visible_ms
         return res, first_visible if first_visible is not None else 0
 
-    async def SendBatchStream(self, requests, context):
-        """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
-        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
-                                        window=self.settings.stream_window_max):
-            yield resp
-
-    def _disk_refused(self, e: DiskFull) -> DiskFull:
-        """Count a refusal; a write that hit ENOSPC (a store's ``DiskFull``, which knows no
-        node) makes the node refuse writes and answers with its address and free space."""
-        self.metrics.disk_refusals.inc()
-        if e.free_bytes < 0:
-            self.disk.note_enospc(str(e))
-            return self.disk.error()
-        return e
-
     def _append(self, batch: Batch, *, now_ms: int, immediate: bool,
                 refused: dict[str, HourglassError] | None = None) -> BatchResult:
-        """Append; without ``immediate``, messages due later are refused (they belong on a delay
-        node); messages of ``refused`` subjects (a quota) are refused with their error."""
-        late = np.flatnonzero(batch.deliver_at_ms > now_ms) if not immediate else np.zeros(0, np.int64)
+        """Append what a real-time node takes (``node/realtime/immediate.py``: without
+        ``immediate``, messages due later are refused, they belong on a delay node); messages
+        of ``refused`` subjects (a quota) are refused with their error."""
+        late = due_later(batch.deliver_at_ms, now_ms=now_ms, immediate=immediate)
         if not len(late):
             return self.store.append(batch, now_ms=now_ms, refused_subjects=refused)
         keep = np.setdiff1d(np.arange(batch.n), late)
         part = self.store.append(batch.take(keep), now_ms=now_ms, refused_subjects=refused)
-        res = BatchResult.sized(batch.n)
-        res.deliver_at_ms[:] = batch.deliver_at_ms
-        for name in ("codes", "seqs", "duplicates"):
-            getattr(res, name)[keep] = getattr(part, name)
-        res.errors = {int(keep[i]): e for i, e in part.errors.items()}
-        err = InvalidArgument("delay_ms", "a real-time node takes immediate messages; send delayed ones to a "
-                                          "delay node")
-        for i in late.tolist():  # "field: reason", as every per-message error (the client adds "invalid")
-            res.refuse(i, status.to_code(err), f"{err.field}: {err.reason}")
-        return res
+        return refuse_due_later(batch.deliver_at_ms, keep, part, late)
 
     async def _wait_new_data(self, subjects: list[str], timeout_s: float) -> None:
         """Wait until a SendBatch stores a message of one of ``subjects`` (or ``timeout_s``).
@@ -441,9 +375,7 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         try:
             await self._groups_durable({(sh.subject, request.group) for sh in request.acks})  # durable before the answer
         except HourglassError as e:  # DiskFull: the offsets record hit ENOSPC; the ack is not durable
-            if isinstance(e, DiskFull):
-                e = self._disk_refused(e)
-            await status.abort(context, e)
+            await status.abort(context, self._refusal(e))
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
@@ -485,8 +417,8 @@ class RealtimeNode(rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer
         for subject, ranges in self._ranges(request.nacks):
             try:
                 got, handles = store.nack(subject, request.group, ranges, now_ms=now)
-                to_retry, to_dlq = retry_copies(got, now_ms=now, retry_after_ms=max(0, request.retry_after_ms),
-                                                max_attempts=self.settings.max_attempts)
+                to_retry, to_dlq = nack_copies(got, now_ms=now, retry_after_ms=request.retry_after_ms,
+                                               max_attempts=self.settings.max_attempts)
                 if to_retry.n:
                     await self._send_to_delay(to_retry)
                     self._still_serving(store)

@@ -31,7 +31,12 @@ Invariants: a subject is in the journal, fsynced, before any message of it is ap
 synchronously when called directly), so an acknowledged message's subject survives a
 crash. Index files of a round need no fsync of their own folder: a missing or empty index
 file is rebuilt by replay, and the checkpoint that stops replay below their entries fsyncs
-those folders first (``RealtimeStore._plan_index_dirs``).
+those folders first (``IndexFiles.plan_sync``).
+
+``SubjectRegistry`` is the store's view: the known subjects (those with an index in
+``IndexFiles``) and their owners, ``subjects_max`` counted with the rounds under way, and
+the rule for an append's unknown subjects (``refuse_unknown``: created when
+``auto_create_subjects`` allows, else refused per message).
 
 Example::
 
@@ -47,20 +52,35 @@ import logging
 import os
 import threading
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.errors import CorruptRecord
+import numpy as np
+
+from cluster import status
+from cluster.codec import OK, Batch, check_subject
+from cluster.errors import CorruptRecord, HourglassError, InvalidArgument, Overloaded, UnknownSubject
 from cluster.files import DATA_DIR_MODE, DATA_MODE
-from node.realtime.index import ENTRIES_FILE
+from node.realtime.index import ENTRIES_FILE, SubjectIndex
+from node.realtime.indexfiles import IndexFiles
 from node.store import checkpoint
 from node.store.log import fsync_dir
+from node.store.settings import RealtimeSettings
 
 log = logging.getLogger("hourglass.realtime.subjects")
 
+DLQ_SUBJECT = "hourglass.dlq"  # dead letters: always exists, created without asking
 JOURNAL_NAME = "subjects.log"
 LEGACY_NAME = "subjects.json"
 RECORD_BYTES_MAX = 4 << 20  # one creation round: subjects_batch_max names of <= 255 bytes and their owners
+
+
+def check_name(what: str, name: str, bytes_max: int) -> None:
+    """A subject's or a group's name: non-empty, and the one subject rule (cluster/codec.py)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgument(what, "must be a non-empty string")
+    check_subject(name, what, bytes_max)
 
 
 def encode_record(items: list[tuple[str, str]], *, created_ms: int) -> bytes:
@@ -203,7 +223,7 @@ class SubjectWork:
             try:
                 d.mkdir(mode=DATA_DIR_MODE)
             except FileExistsError:
-                continue  # a leftover folder: RealtimeStore._load_index adopts what it holds
+                continue  # a leftover folder: IndexFiles.load adopts what it holds
             path = d / ENTRIES_FILE
             self.fds[s] = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, DATA_MODE)
             hash(d)  # pathlib caches it: the store's set of folders to fsync does not compute it on the loop
@@ -211,3 +231,166 @@ class SubjectWork:
         fsync_dir(self.index_root)
         self.journal.append(self.items, created_ms=self.created_ms)
         self.done = True
+
+
+class SubjectRegistry:
+    """The known subjects of a store and their owners; plans, finishes and abandons creation
+    rounds (``SubjectWork``). A subject is known once its index is in ``indexes``; names of
+    rounds planned and not finished count against ``subjects_max`` (``creating``)."""
+
+    def __init__(self, root: Path, journal: SubjectsJournal, owners: dict[str, str], indexes: IndexFiles,
+                 settings: RealtimeSettings) -> None:
+        self.index_root = root / "index"
+        self.journal = journal
+        self.owners = owners                      # subject -> who created it ("" unknown)
+        self.indexes = indexes
+        self.settings = settings
+        self.creating: set[str] = set()           # subjects of planned rounds not finished yet
+        self.order: list[str] = list(owners)      # creation order: replicas get owners in it
+
+    def check(self, subject: str) -> None:
+        check_name("subject", subject, self.settings.limits.subject_bytes_max)
+
+    def missing(self, subjects: Iterable[str]) -> list[str]:
+        """The distinct names of ``subjects`` not known yet, in order (names not checked)."""
+        known = self.indexes.by_subject
+        return [s for s in dict.fromkeys(subjects) if s not in known]
+
+    def create_now(self, items: list[tuple[str, str]], *, now_ms: int) -> None:
+        """Create ``(subject, owner)`` pairs as one round on this thread (one journal record);
+        raises the first refusal (nothing is created then)."""
+        work = self.plan(items, now_ms=now_ms)
+        if work.refused:
+            self.abandon(work)
+            raise next(iter(work.refused.values()))
+        try:
+            work.run()
+        finally:
+            self.finish(work, closed=False)
+
+    def plan(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> SubjectWork:
+        """Plan one creation round of ``(subject, owner)`` pairs: names already known or being
+        created are skipped, a bad name or one past ``subjects_max`` (counting rounds under
+        way) goes to ``work.refused``; the rest are reserved until ``finish`` or ``abandon``."""
+        known = self.indexes.by_subject
+        work = SubjectWork(self.index_root, self.journal, [], now_ms)
+        room = self.settings.subjects_max - len(known) - len(self.creating)
+        seen: set[str] = set()
+        for s, owner in items:
+            if s in known or s in self.creating or s in seen:
+                continue
+            seen.add(s)
+            try:
+                self.check(s)
+                if room <= 0:
+                    raise Overloaded(f"{len(known) + len(self.creating)} subjects "
+                                     f"(subjects_max={self.settings.subjects_max})")
+            except HourglassError as e:
+                work.refused[s] = e
+                continue
+            room -= 1
+            work.items.append((s, owner))
+        self.creating.update(work.names)
+        return work
+
+    def finish(self, work: SubjectWork, *, closed: bool) -> None:
+        """After ``work.run``: the round's subjects are known (their index folders fsynced by
+        the next checkpoint, before it vouches for their entries). A round that did not
+        finish (``run`` raised) only gives its names back."""
+        self.creating.difference_update(work.names)
+        try:
+            if work.done and not closed:
+                self._adopt(work)
+        finally:
+            work.close_fds()
+
+    def _adopt(self, work: SubjectWork) -> None:
+        indexes = self.indexes
+        adopted = 0
+        for s, owner in work.items:
+            if s in indexes.by_subject:
+                continue
+            if s not in self.owners:
+                self.order.append(s)
+            if not self.owners.get(s):
+                self.owners[s] = owner
+            fresh = work.fresh.get(s)
+            if fresh is not None:  # the round made the folder and an empty file: nothing to repair
+                folder, path = fresh  # built (and hashed) on the worker thread: no pathlib work here
+                ix = SubjectIndex(s, path, 0)
+                indexes.by_subject[s] = ix
+                fd = work.fds.pop(s, -1)
+                if fd >= 0:  # opened off the loop: the first append writes at once
+                    indexes.adopt_fd(ix, fd)
+                    adopted += 1
+            else:
+                folder = self.index_root / s
+                indexes.load(s)  # adopts a leftover file, cut as at open
+            indexes.dirs_unsynced.add(folder)
+        # keep every descriptor the round opened: the request that asked appends to them next
+        indexes.trim(keep=adopted)
+
+    def abandon(self, work: SubjectWork) -> None:
+        """A planned round that will not run: its names are free again."""
+        self.creating.difference_update(work.names)
+        work.close_fds()
+
+    def refuse_unknown(self, batch: Batch, codes: np.ndarray, errors: dict[int, str],
+                       refused: dict[str, HourglassError], *, now_ms: int) -> None:
+        """An append's unknown subjects: create them (when allowed: ``auto_create_subjects``,
+        the dead-letter subject) as one round; the messages of the others, and of names the
+        round refused, get the refusal's code in ``codes`` / ``errors``."""
+        known = self.indexes.by_subject
+        unknown = [(k, s) for k, s in enumerate(batch.subjects) if s not in known]
+        if not unknown:
+            return
+        why: dict[int, HourglassError] = {}
+        create: list[tuple[int, str]] = []
+        for k, s in unknown:
+            if not (codes[batch.subject_idx == k] == OK).any():
+                continue
+            if s in refused:
+                why[k] = refused[s]
+            elif not (self.settings.auto_create_subjects or s == DLQ_SUBJECT):
+                why[k] = UnknownSubject(s)
+            else:
+                create.append((k, s))
+        if create:
+            work = self.plan([(s, "") for _, s in create], now_ms=now_ms)
+            try:
+                work.run()
+            finally:
+                self.finish(work, closed=False)
+            why.update({k: work.refused[s] for k, s in create if s in work.refused})
+        for k, e in why.items():
+            mine = np.flatnonzero((batch.subject_idx == k) & (codes == OK))
+            codes[mine] = status.to_code(e)
+            errors.update(dict.fromkeys(mine.tolist(), str(e)))
+
+    def owner(self, subject: str) -> str | None:
+        return self.owners.get(subject) if subject in self.indexes.by_subject else None
+
+    def owners_from(self, first: int, count_max: int) -> list[tuple[str, str]]:
+        return [(s, self.owners.get(s, "")) for s in self.order[first:first + count_max]]
+
+    def adopt_owners(self, items: Sequence[tuple[str, str]], *, now_ms: int) -> None:
+        """A replica takes its master's subjects and owners: missing subjects are created and
+        owners it did not know are recorded, as one journal record (one fsync)."""
+        known = self.indexes.by_subject
+        new = [(s, o) for s, o in items if s not in known]
+        named = [(s, o) for s, o in items if o and s in known and not self.owners.get(s)]
+        if new:
+            for s, _ in new:
+                self.check(s)
+            self.create_now(new, now_ms=now_ms)
+        if named:
+            self.journal.append(named, created_ms=now_ms)
+            self.owners.update(named)
+
+    def owned_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        known = self.indexes.by_subject
+        for s, o in self.owners.items():
+            if o and s in known:
+                out[o] = out.get(o, 0) + 1
+        return out

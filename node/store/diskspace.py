@@ -118,7 +118,7 @@ def _zero_fill(fd: int, offset: int, length: int, what: str) -> None:
 class DiskWatermark:
     """The thresholds (node settings ``disk_free_min_bytes``, ``disk_free_min_ratio``,
     ``disk_resume_margin_ratio``, ``disk_resume_margin_bytes_max``; defaults in
-    ``node/config.py``, the one place they are written)."""
+    ``node/store/settings.py`` ``DISK_DEFAULTS``, the one place they are written)."""
 
     free_min_bytes: int
     free_min_ratio: float

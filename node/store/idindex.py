@@ -118,6 +118,7 @@ from cluster.errors import Closed, CorruptRecord, DiskFull, InvalidArgument
 from cluster.files import DATA_DIR_MODE, DATA_MODE
 from node.store.diskspace import allocate
 from node.store.log import fsync_dir
+from node.store.settings import STORE_DEFAULTS
 from node.store.syncplan import SyncPlan
 
 log = logging.getLogger("hourglass.store.idindex")
@@ -138,9 +139,7 @@ SUFFIX = ".idx"
 
 ALLOCATE_STEP_BYTES = 1 << 20  # entries are allocated on disk this far ahead of puts
 COMPACT_CHUNK_ENTRIES = 1 << 18  # entries read at once while a sealed file is compacted
-SLOTS_COUNT_DEFAULT = 1 << 20
-ENTRIES_MAX_DEFAULT = 4 << 20
-OPEN_FILES_MAX_DEFAULT = 8
+OPEN_FILES_MAX = 8  # sealed files kept mapped (LRU) unless ``open_files_max`` says otherwise
 
 _U32_MAX = (1 << 32) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -385,8 +384,8 @@ class IdIndex:
     # -- opening and recovery ------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: str | os.PathLike[str], *, slots_count: int = SLOTS_COUNT_DEFAULT,
-             entries_max: int = ENTRIES_MAX_DEFAULT, open_files_max: int = OPEN_FILES_MAX_DEFAULT,
+    def open(cls, directory: str | os.PathLike[str], *, slots_count: int = STORE_DEFAULTS.id_slots,
+             entries_max: int = STORE_DEFAULTS.id_entries_max, open_files_max: int = OPEN_FILES_MAX,
              rebuild: Callable[[int, int | None], np.ndarray] | None = None) -> IdIndex:
         """Open (or create) the folder; ``slots_count``/``entries_max`` apply to new files.
 

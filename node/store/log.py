@@ -55,6 +55,7 @@ from pathlib import Path
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
 from cluster.files import DATA_DIR_MODE, DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
 from node.store.diskspace import enospc, is_enospc
+from node.store.settings import STORE_DEFAULTS
 
 log = logging.getLogger("hourglass.store.log")
 
@@ -64,7 +65,6 @@ PREFIX = struct.Struct("<II")
 SUFFIX = ".log"
 DELETING_SUFFIX = ".deleting"
 RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
-SEGMENT_BYTES_MAX_DEFAULT = 64 * 1024 * 1024
 READ_CHUNK_BYTES = 1 << 20
 OPEN_READERS_MAX = 16
 
@@ -175,7 +175,7 @@ class SegmentedLog:
     # ------------------------------------------------------------------ open/close
 
     @classmethod
-    def open(cls, directory: str | os.PathLike, *, segment_bytes_max: int = SEGMENT_BYTES_MAX_DEFAULT,
+    def open(cls, directory: str | os.PathLike, *, segment_bytes_max: int = STORE_DEFAULTS.message_segment_bytes,
              record_bytes_max: int = RECORD_BYTES_MAX_DEFAULT, start_offset: int = 0) -> "SegmentedLog":
         """Open (creating if needed) the log in ``directory`` and recover its tail.
 

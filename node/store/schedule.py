@@ -90,6 +90,7 @@ import numpy as np
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
 from cluster.files import DATA_DIR_MODE, DATA_MODE, write_atomic
+from node.store.settings import STORE_DEFAULTS
 from node.store.syncplan import SyncPlan
 
 from .diskspace import allocate, enospc, is_enospc
@@ -111,11 +112,8 @@ FORMAT_VERSION = 2  # of the heads header
 # opened, so a node older than the packed layout refuses it instead of misreading it.
 META_VERSION = 3
 META_VERSIONS_READ = (2, 3)
-BUCKET_MS_DEFAULT = 3_600_000
 MEMO_FRAMES_MAX = 4096  # frames one ``ScheduleLog.memo`` block keeps (a batch's duplicates)
-DATA_SEGMENT_BYTES_DEFAULT = 256 * 1024 * 1024
-OPEN_BUCKETS_MAX_DEFAULT = 32
-CACHE_BYTES_MAX_DEFAULT = 32 * 1024 * 1024
+OPEN_BUCKETS_MAX = 32  # buckets kept open (LRU) unless ``open_buckets_max`` says otherwise
 REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
 REBUILT_MARKER = "rebuilt"
 FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices,
@@ -538,10 +536,10 @@ def _write_meta(path: Path, bucket_ms: int) -> None:
 class ScheduleLog:
     """All buckets of one node. Keeps at most ``open_buckets_max`` buckets open (LRU)."""
 
-    def __init__(self, root: str | os.PathLike, *, bucket_ms: int = BUCKET_MS_DEFAULT,
-                 data_segment_bytes: int = DATA_SEGMENT_BYTES_DEFAULT,
-                 open_buckets_max: int = OPEN_BUCKETS_MAX_DEFAULT,
-                 cache_bytes_max: int = CACHE_BYTES_MAX_DEFAULT) -> None:
+    def __init__(self, root: str | os.PathLike, *, bucket_ms: int = STORE_DEFAULTS.bucket_ms,
+                 data_segment_bytes: int = STORE_DEFAULTS.schedule_segment_bytes,
+                 open_buckets_max: int = OPEN_BUCKETS_MAX,
+                 cache_bytes_max: int = STORE_DEFAULTS.schedule_cache_bytes_max) -> None:
         self.root = Path(root)
         self.root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         meta_path = self.root / "meta.json"

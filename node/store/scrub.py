@@ -32,13 +32,9 @@ from dataclasses import dataclass, field
 from cluster.errors import CorruptRecord
 
 from .log import HEADER, HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, TornRecord, decode_frame
+from .settings import SCRUB_DEFAULTS
 
-RATE_BYTES_PER_S_DEFAULT = 4 * 1024 * 1024
-STEP_BYTES_MAX_DEFAULT = 1024 * 1024
 IDLE_WAIT_MS = 1000  # nothing to scrub: look again after this long
-# paced by time as well as by bytes (issue 28: a node holding little data made 161,031 passes
-# in 50 s, 76% of a core at rest, each tiny pass costing almost nothing of the byte budget)
-PASS_INTERVAL_MIN_MS = 60_000      # a pass starts at least this long after the previous one did
 STEP_COST_MIN_BYTES = 64 * 1024    # a step costs at least this much of the rate (a tiny segment too)
 TARGET_DONE = 1 << 62  # cursor position: the current target is finished for this pass
 
@@ -77,9 +73,12 @@ class ScrubProgress:
 class ScrubPlan:
     """The pure scrub core (see module docstring). No I/O, no clock."""
 
-    rate_bytes_per_s: int = RATE_BYTES_PER_S_DEFAULT
-    step_bytes_max: int = STEP_BYTES_MAX_DEFAULT
-    pass_interval_min_ms: int = PASS_INTERVAL_MIN_MS
+    # defaults: node/store/settings.py ``ScrubSettings``. Paced by time as well as by bytes
+    # (issue 28: a node holding little data made 161,031 passes in 50 s, 76% of a core at
+    # rest, each tiny pass costing almost nothing of the byte budget)
+    rate_bytes_per_s: int = SCRUB_DEFAULTS.rate_bytes_per_s
+    step_bytes_max: int = SCRUB_DEFAULTS.step_bytes_max
+    pass_interval_min_ms: int = SCRUB_DEFAULTS.pass_interval_ms
     step_cost_min_bytes: int = STEP_COST_MIN_BYTES
     progress: ScrubProgress = field(default_factory=ScrubProgress)
     _pass_started_ms: int | None = None

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from cluster.errors import CorruptRecord
 from node.store.log import SegmentedLog
-from node.store.scrub import PASS_INTERVAL_MIN_MS, RATE_BYTES_PER_S_DEFAULT, ScrubPlan, ScrubTarget, check_span
+from node.store.scrub import ScrubPlan, ScrubTarget, check_span
+from node.store.settings import SCRUB_DEFAULTS
 
 log = logging.getLogger("hourglass.scrub")
 
@@ -37,12 +38,12 @@ def log_targets(lg: SegmentedLog, kind: str) -> list[ScrubTarget]:
 class ScrubTask:
     """Runs a ``ScrubPlan`` against the files of the node's current store."""
 
-    def __init__(self, node, *, rate_bytes_per_s: int, step_bytes_max: int, pass_interval_ms: int = PASS_INTERVAL_MIN_MS,
+    def __init__(self, node, *, rate_bytes_per_s: int, step_bytes_max: int, pass_interval_ms: int = SCRUB_DEFAULTS.pass_interval_ms,
                  repair: Callable[[str, int, CorruptRecord], Awaitable[bool]] | None = None) -> None:
         self.node = node  # .store (may be replaced by a role change), .metrics
         # rate 0 = no background scrub (the node does not run ``run``); the task still repairs
         # what ``admin verify`` finds, so it exists with a placeholder rate
-        self.plan = ScrubPlan(rate_bytes_per_s=rate_bytes_per_s or RATE_BYTES_PER_S_DEFAULT,
+        self.plan = ScrubPlan(rate_bytes_per_s=rate_bytes_per_s or SCRUB_DEFAULTS.rate_bytes_per_s,
                               step_bytes_max=step_bytes_max, pass_interval_min_ms=pass_interval_ms)
         self.repair = repair
         self.unrepaired: dict[str, str] = {}  # target key -> error, segments still corrupt

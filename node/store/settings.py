@@ -1,13 +1,21 @@
-"""The storage settings of a delay node (``StoreSettings``) and a real-time node
-(``RealtimeSettings``): the one place their defaults are written. ``node.config.NodeSettings``
-(the process's settings, ``HOURGLASS_*``) takes its defaults for these fields from here and
-builds these objects (``store_settings``, ``realtime_settings``); stores and tests use them
-directly."""
+"""The storage sections of a node's settings tree: the delay store with its timing wheel,
+schedule log and id index (``StoreSettings``), the real-time store (``RealtimeSettings``) and
+the scrub (``ScrubSettings``), the disk watermark (``DISK_DEFAULTS``, a
+``node.store.diskspace.DiskWatermark``). Each default is written here once; the producer
+limits' (``Limits``) are written in ``cluster/codec.py``, shared with the SDK.
+
+``node.config.NodeSettings`` (the process's settings, ``HOURGLASS_*``) is the root of the tree:
+its fields for these sections take their defaults from here, and it builds these objects
+(``store_settings``, ``realtime_settings``, ``scrub_settings``). The pure cores that tests
+construct directly (``TimingWheel``, ``ScheduleLog``, ``IdIndex``, ``SegmentedLog``,
+``ScrubPlan``) take these values as arguments; a default they have refers to ``STORE_DEFAULTS``
+/ ``SCRUB_DEFAULTS``, never a second literal (tests/test_settings_tree.py keeps it so)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from node.store.diskspace import DiskWatermark
 from node.store.records import Limits
 
 
@@ -74,5 +82,25 @@ class RealtimeSettings:
     visible_step_ms: int = 4                # ... at its due time rounded up to a multiple of this
 
 
+@dataclass(frozen=True, slots=True)
+class ScrubSettings:
+    """The background CRC re-check (node/store/scrub.py) and ``hourglass admin verify``."""
+
+    rate_mib_s: float = 4.0               # background re-check rate; 0 = no background scrub
+    step_bytes_max: int = 1 << 20         # bytes read per scrub step
+    pass_interval_ms: int = 60_000        # a pass starts at least this long after the previous one did
+    verify_rate_mib_s: float = 64.0       # read rate of an online ``admin verify``
+
+    @property
+    def rate_bytes_per_s(self) -> int:
+        return int(self.rate_mib_s * (1 << 20))
+
+
 STORE_DEFAULTS = StoreSettings()
 REALTIME_DEFAULTS = RealtimeSettings()
+SCRUB_DEFAULTS = ScrubSettings()
+# disk lifecycle (docs/operations.md "Disk", rules in node/store/diskspace.py): a write is admitted
+# only if it leaves min(free_min_bytes, free_min_ratio x disk size) free; once refusing, writes
+# resume above that mark plus min(resume_margin_ratio x disk size, resume_margin_bytes_max)
+DISK_DEFAULTS = DiskWatermark(free_min_bytes=2 << 30, free_min_ratio=0.05, resume_margin_ratio=0.02,
+                              resume_margin_bytes_max=64 << 20)

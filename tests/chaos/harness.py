@@ -13,9 +13,11 @@ Pieces:
   ("the master of delay group 1", "real-time group 2") and resolved when the fault fires;
 * the injectors of the machine faults (``cluster/chaosfaults.py``: CPU and disk starvation,
   a cgroup CPU quota, SIGSTOP stalls), undone at each fault's end and at teardown;
-* ``Recorder`` - append-only JSON lines files in the output directory
-  (``sends.jsonl``, ``cancels.jsonl``, ``receives.jsonl``, ``faults.jsonl``, ``load.jsonl``,
-  ``run.json``); the delay nodes journal their acknowledgement windows beside their logs
+* what it shares with ``hourglass dev chaos`` (``cluster/chaosrun.py``): ``Recorder`` -
+  append-only JSON lines files in the output directory (``sends.jsonl``, ``cancels.jsonl``,
+  ``receives.jsonl``, ``faults.jsonl``, ``load.jsonl``; the harness adds ``run.json``) - the
+  consumers, the node status probes, the load samples and the timing of the fault lanes;
+  the delay nodes journal their acknowledgement windows beside their logs
   (``<node>.acks.jsonl``, ``HOURGLASS_ACK_JOURNAL``);
 * ``run_chaos(config)`` - starts ``LocalCluster`` (etcd, meta servers, delay groups of master +
   slave in ``sync`` mode, replicated real-time groups), runs producers, cancellers, consumers
@@ -39,25 +41,21 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from cluster import errors as E
-from cluster.chaosfaults import CLIENT_NICE_BOOST, FaultKit, at_nice, stopped_within  # noqa: F401
+from cluster.chaosfaults import FaultKit, at_nice
 from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION_KINDS, Fault,  # noqa: F401
-                               Topology, fault_schedule, lanes, scenario_schedule)
+                               Topology, fault_schedule, scenario_schedule)
+from cluster.chaosrun import (Recorder, consume, node_statuses, play_lanes, record_send, sample_load, send_ticks,
+                              wait_until)
+from cluster.clock import wall_ms as now_ms
 
 log = logging.getLogger("hourglass.chaos")
 
 MASTER_FIND_TIMEOUT_S = 30.0
 RECOVERY_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 45.0
-STATUS_TIMEOUT_S = 2.0
 CANCELS_INFLIGHT_MAX = 64
-SEND_BATCHES_INFLIGHT_MAX = 64
+SEND_PERIOD_S = 0.1          # the producer sends one batch a tick
 CATCH_UP_S = 0.5             # a tick sends at most this many seconds' worth of owed messages
-LOAD_SAMPLE_S = 1.0
-POLL_S = 0.1
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class ChaosConfig(BaseModel):
@@ -114,40 +112,12 @@ def plan(cfg: ChaosConfig) -> list[Fault]:
                           tail_free_s=cfg.tail_free_s)
 
 
-class Recorder:
-    """JSON lines, one file per event kind, flushed per line (a crash of the harness keeps them)."""
-
-    NAMES = ("sends", "cancels", "receives", "faults", "load")
-
-    def __init__(self, out_dir: Path) -> None:
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.files = {n: open(self.dir / f"{n}.jsonl", "a", buffering=1) for n in self.NAMES}
-
-    def write(self, _file: str, **event) -> None:
-        self.files[_file].write(json.dumps(event, separators=(",", ":")) + "\n")
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
 # ---------------------------------------------------------------------- cluster probes
 
 
 async def delay_statuses(channels, nodes) -> dict[str, dict]:
-    from cluster.proto import hourglass_pb2 as pb
-
-    out = {}
-    for n in nodes:
-        if not n.running:
-            continue
-        try:
-            r = await channels.admin(n.address).Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
-            out[n.name] = json.loads(r.json) | {"master": r.master}
-        except Exception:
-            pass
-    return out
+    """name -> Status document of the running ``nodes`` that answer (``node_statuses``)."""
+    return await node_statuses(channels, {n.name: n.address for n in nodes if n.running})
 
 
 async def group_master(channels, nodes) -> str | None:
@@ -159,20 +129,6 @@ async def group_master(channels, nodes) -> str | None:
             v.get("mode") == "slave" for k, v in st.items() if k != masters[0]):
         return masters[0]
     return None
-
-
-async def wait_until(pred, timeout_s: float):
-    """The predicate's first true answer, polled every POLL_S; None after ``timeout_s`` (a slow
-    predicate, e.g. Status calls to frozen nodes, is cut at the deadline too)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                got = await pred()
-                if got:
-                    return got
-                await asyncio.sleep(POLL_S)
-    except TimeoutError:
-        return None
 
 
 # ---------------------------------------------------------------------- the run
@@ -222,15 +178,15 @@ class ChaosRun:
     async def produce(self, producer) -> None:
         """Messages at ``rate_per_s`` on average from the workload start (open loop: time lost to
         back-pressure during a failover is caught up afterwards, at most CATCH_UP_S of messages a
-        tick), one ``send_many`` call a tick."""
-        period = 0.1
+        tick), one ``send_many`` call a tick (``chaosrun.send_ticks``)."""
         n = 0
-        inflight = asyncio.Semaphore(SEND_BATCHES_INFLIGHT_MAX)
         cancels = asyncio.Semaphore(CANCELS_INFLIGHT_MAX)
-        tasks: set[asyncio.Task] = set()
+        cancel_tasks: set[asyncio.Task] = set()
         t_end_ms = self.t0_ms + int(self.cfg.duration_s * 1000)
         due_limit = t_end_ms + int(self.cfg.due_tail_s * 1000)
-        while not self.stop_sending.is_set():
+
+        async def tick():
+            nonlocal n
             owed = int(self.cfg.rate_per_s * (now_ms() - self.t0_ms) / 1000) - n
             batch = []
             for _ in range(max(0, min(owed, int(self.cfg.rate_per_s * CATCH_UP_S) + 1))):
@@ -243,39 +199,25 @@ class ChaosRun:
                 if deliver_at - now > 2500 and self.rng.random() < self.cfg.cancel_fraction * 3:
                     cancel_after = self.rng.uniform(0.2, (deliver_at - now) / 1000 - 1.5)
                 batch.append((mid, subject, deliver_at, now, cancel_after))
-            if batch:
-                # one call per tick (a producer at 2,000 msgs/s sends this way, as issue 26's did)
-                fut = await producer.send_many([b[1] for b in batch], [b[0].encode() for b in batch],
-                                               ids=[b[0] for b in batch], deliver_at_ms=[b[2] for b in batch])
-                await inflight.acquire()
-                t = asyncio.create_task(self._await_sends(producer, batch, fut, inflight, cancels, tasks))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-            try:
-                await asyncio.wait_for(self.stop_sending.wait(), period)
-            except asyncio.TimeoutError:
-                pass
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if not batch:
+                return None
+            # one call per tick (a producer at 2,000 msgs/s sends this way, as issue 26's did)
+            fut = await producer.send_many([b[1] for b in batch], [b[0].encode() for b in batch],
+                                           ids=[b[0] for b in batch], deliver_at_ms=[b[2] for b in batch])
+            return self._await_sends(producer, batch, fut, cancels, cancel_tasks)
+        await send_ticks(self.stop_sending, SEND_PERIOD_S, tick)
+        if cancel_tasks:
+            await asyncio.gather(*cancel_tasks, return_exceptions=True)
 
-    async def _await_sends(self, producer, batch, fut, inflight, cancels, tasks) -> None:
-        from cluster.client import group_for
-
+    async def _await_sends(self, producer, batch, fut, cancels, tasks) -> None:
         try:
             errors = (await fut).errors
         except Exception as e:  # the whole call failed
             errors = dict.fromkeys(range(len(batch)), e)
-        finally:
-            inflight.release()
-        groups = [(g, "") for g in self.delay_group_names]
         t_ack = now_ms()
         for i, (mid, subject, deliver_at, t_req, cancel_after) in enumerate(batch):
-            r = errors.get(i)
-            ok = r is None
-            self.rec.write("sends", id=mid, subject=subject, deliver_at=deliver_at, t_req=t_req, t_ack=t_ack,
-                           ok=ok, error=None if ok else f"{type(r).__name__}: {r}"[:200],
-                           delay_group=group_for(mid, groups))
-            if ok and cancel_after is not None:
+            record_send(self.rec, mid, subject, deliver_at, t_req, t_ack, errors.get(i), self.delay_group_names)
+            if i not in errors and cancel_after is not None:
                 t = asyncio.create_task(self._cancel_later(producer, mid, cancel_after, cancels))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
@@ -296,29 +238,11 @@ class ChaosRun:
             self.rec.write("cancels", id=mid, t_req=t_req, t_ack=now_ms(), result=result)
 
     async def consume(self, resolver, subject: str, group: str) -> None:
-        from cluster.client import Consumer
+        expected = self.expected
 
-        failures = 0
-        async with Consumer(resolver, subject, group=group, wait_ms=300, consumer_id=f"chaos-{group}-{subject}") as c:
-            while not self.stop_consuming.is_set():
-                try:
-                    batch = await c.pull()
-                except Exception as e:
-                    failures += 1
-                    if not isinstance(e, E.Unavailable):
-                        log.warning("pull %s/%s: %s: %s", subject, group, type(e).__name__, e)
-                    await asyncio.sleep(min(1.0, 0.05 * failures))
-                    continue
-                failures = 0
-                t = now_ms()
-                for m in batch:
-                    self.rec.write("receives", id=m.id, wire_id=m.wire_id, subject=subject, group=group, t=t,
-                                   deliver_at=m.deliver_at_ms, attempts=m.attempts)
-                    self.expected.get(f"{subject}/{group}", set()).discard(m.id)
-                try:
-                    await c.ack(batch)
-                except Exception as e:  # unacked messages come back: counted as duplicates
-                    log.info("ack %s/%s failed: %s", subject, group, e)
+        def received(m) -> None:  # drain progress only
+            expected.get(f"{subject}/{group}", set()).discard(m.id)
+        await consume(resolver, subject, group, self.rec, self.stop_consuming, on_receive=received, log=log)
 
     # ------------------------------------------------------------ faults
 
@@ -451,44 +375,30 @@ class ChaosRun:
         ev["restored"] = True
         return ev
 
-    async def _stopped_within(self, delay_s: float) -> bool:
-        """Wait ``delay_s`` or until the workload ends (True)."""
-        return await stopped_within(self.stop_sending, delay_s)
-
-    async def _lane(self, name: str, plan: list[Fault], channels) -> None:
-        """The faults of one lane, one after the other; the main lane waits for recovery after
-        each (up to RECOVERY_TIMEOUT_S), the kill lane until its next kill's time at most, the
-        others (periodic pauses, whole-run starvation) not at all: they keep their period."""
-        for i, fault in enumerate(plan):
-            if self.stop_sending.is_set():
-                break
-            delay = self.t0_ms / 1000 + fault.at_s - time.time()
-            if delay > 0 and await self._stopped_within(delay):
-                break
-            log.warning("fault %d (%s): %s target=%d hold=%.2fs", fault.index, name, fault.kind, fault.target,
-                        fault.hold_s)
-            recovery_s: float | None = RECOVERY_TIMEOUT_S
-            if name not in ("main", "kills"):
-                recovery_s = None
-            elif name != "main" and i + 1 < len(plan):
-                recovery_s = min(RECOVERY_TIMEOUT_S, self.t0_ms / 1000 + plan[i + 1].at_s - time.time())
-            self.rec.write("faults", **await self.inject(fault, channels, recovery_s))
+    async def _play(self, name: str, i: int, plan: list[Fault], channels) -> dict:
+        """Fault ``i`` of lane ``name`` (``play_lanes`` keeps the time); the main lane waits for
+        recovery after each (up to RECOVERY_TIMEOUT_S), the kill lane until its next kill's time
+        at most, the others (periodic pauses, whole-run starvation) not at all: they keep their
+        period."""
+        fault = plan[i]
+        log.warning("fault %d (%s): %s target=%d hold=%.2fs", fault.index, name, fault.kind, fault.target,
+                    fault.hold_s)
+        recovery_s: float | None = RECOVERY_TIMEOUT_S
+        if name not in ("main", "kills"):
+            recovery_s = None
+        elif name != "main" and i + 1 < len(plan):
+            recovery_s = min(RECOVERY_TIMEOUT_S, self.t0_ms / 1000 + plan[i + 1].at_s - time.time())
+        return await self.inject(fault, channels, recovery_s)
 
     async def faults(self) -> None:
         from cluster.transport import Channels
 
         channels = Channels(self.cluster.node_security())
         try:
-            async with asyncio.TaskGroup() as tg:
-                for name, plan in lanes(self.schedule).items():
-                    tg.create_task(self._lane(name, plan, channels), name=f"lane-{name}")
+            await play_lanes(self.schedule, self.t0_ms, self.stop_sending, self.rec,
+                             lambda name, i, plan: self._play(name, i, plan, channels))
         finally:
             await channels.close()
-
-    async def sample_load(self) -> None:
-        """The machine's 1-minute load average every LOAD_SAMPLE_S while the workload runs."""
-        while not await self._stopped_within(LOAD_SAMPLE_S):
-            self.rec.write("load", t=now_ms(), load1=float(Path("/proc/loadavg").read_text().split()[0]))
 
     async def restore_all(self) -> list[str]:
         """Undo every fault in force, thaw and restart everything; errors (a process that does
@@ -554,7 +464,7 @@ class ChaosRun:
                                  for s in cfg.subjects for g in self.groups_for(s)]
                     prod = asyncio.create_task(self.produce(producer))
                     faults = asyncio.create_task(self.faults())
-                    load = asyncio.create_task(self.sample_load())
+                    load = asyncio.create_task(sample_load(self.rec, self.stop_sending))
                     await asyncio.sleep(cfg.duration_s)
                     self.stop_sending.set()
                     await faults
