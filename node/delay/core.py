@@ -36,10 +36,8 @@ Invariants that make restart exact:
   (per-bucket seq high-water mark) and what the id index already holds.
 * Pending counts add up: every bucket's count is positive (asserted), and equals a recount
   from the schedule index (``DelayStore.check_invariants``); ``inflight`` is the sum of the
-  units' live messages (asserted).
-
-The shell asserts the last one of issue 29: the iterate offset never passes the durable
-offset (``DelayStore.iterate``).
+  units' live messages (asserted). (The shell asserts that the iterate offset never passes
+  the durable offset, ``DelayStore.iterate``.)
 """
 
 from __future__ import annotations
@@ -340,10 +338,8 @@ class DelayCore:
     # ------------------------------------------------------------------ in flight
 
     def fire(self, now_ms: int) -> list[DueBatch]:
-        """Advance the wheel to ``now_ms`` (its seconds loaded by the shell) and take what is
-        due as one in-flight unit."""
-        fired = self.wheel.advance(now_ms)
-        return self.unit_of(fired)
+        """Advance the wheel to ``now_ms`` (its seconds loaded by the shell): what is due, as one unit."""
+        return self.unit_of(self.wheel.advance(now_ms))
 
     def unit_of(self, fired) -> list[DueBatch]:
         if not fired:
@@ -482,6 +478,34 @@ class DelayCore:
         if not len(idx):
             return None
         return Chunk(b.effective_ms[idx], seq[idx], idx.astype(np.int32), ref)
+
+    def effective_times(self, batch: Batch, is_cancel: np.ndarray) -> np.ndarray:
+        """The filing rule: a message is filed under ``max(deliver_at_ms, persisted
+        completed_ms)``, a tombstone under its own time (its message's, where that member
+        filed it: the shell moves it beside its target, ``lookup.cancels_beside_targets``)."""
+        return np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
+
+    def filed(self, batch: Batch, is_cancel: np.ndarray, placed: np.ndarray, frames: list[FrameRef]) -> bool:
+        """``batch`` (effective times set) was written into the schedule log: ``placed`` says
+        which records are new there, ``frames`` are its new frames. Counts them, and on a master
+        hands them to the wheel and takes what its tombstones cancel out of it. True when the
+        wheel took something (the shell wakes its loop)."""
+        if placed.any():
+            self.pending_add(batch.effective_ms[placed], np.where(is_cancel[placed], -1, 1))
+        if self.follower:
+            return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
+        targets = None
+        if is_cancel.any():
+            targets = batch.cancel_targets()[is_cancel]
+            self.wheel.cancel(targets)  # messages filed by an earlier call
+            if self.unfiled_cancels:
+                self.unfiled_cancels.difference_update(int(t) for t in targets.tolist())
+        changed = False
+        for ref in frames:
+            # and in this very call; filed behind the wheel (effective >= persisted completed_ms):
+            # completed_ms steps back so a checkpoint cannot skip it before it is dispatched
+            changed |= self.offer(self.chunk(ref, reload=False, cancelled=targets))
+        return changed
 
     def offer(self, chunk: Chunk | None, *, filed: bool = True) -> bool:
         """A chunk to the wheel (``filed``: of records just filed, see ``behind``): True when

@@ -336,7 +336,7 @@ class DelayStore:
         if core.voided and core.unvoid(batch.seq[core.voided_mask(batch.seq)]):
             cuts.save_voided(self._voided_path, self.core)
         is_cancel = batch.kind == KIND_CANCEL
-        eff = np.where(is_cancel, batch.deliver_at_ms, np.maximum(batch.deliver_at_ms, self.persisted_completed_ms))
+        eff = core.effective_times(batch, is_cancel)
         if is_cancel.any():
             lookup.cancels_beside_targets(self, batch, is_cancel, eff)
         batch = batch.replace(effective_ms=eff.astype(np.int64))
@@ -360,22 +360,8 @@ class DelayStore:
                 bucket[i], off[i], size[i] = ref.bucket_start_ms, ref.data_offset, ref.frame_size
             put = np.flatnonzero(new)
             self.ids.put_many(hashes[put], bucket[put], off[put], size[put], seq[put])
-        filed = placed.filed
-        if filed.any():
-            core.pending_add(eff[filed], np.where(is_cancel[filed], -1, 1))
-        if self.follower:
-            return  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
-        targets = None
-        if is_cancel.any():
-            targets = batch.cancel_targets()[is_cancel]
-            core.wheel.cancel(targets)  # messages filed by an earlier call
-            if core.unfiled_cancels:
-                core.unfiled_cancels.difference_update(int(t) for t in targets.tolist())
-        for ref in placed.frames:
-            # and in this very call; filed behind the wheel (effective >= persisted completed_ms):
-            # completed_ms steps back so a checkpoint cannot skip it before it is dispatched
-            if core.offer(core.chunk(ref, reload=False, cancelled=targets)):
-                self.wheel_changed = True
+        if core.filed(batch, is_cancel, placed.filed, placed.frames):
+            self.wheel_changed = True
 
     # ------------------------------------------------------------------ wheel and dispatch
 
