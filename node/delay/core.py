@@ -3,14 +3,14 @@
 ``DelayStore`` (node/delay/store.py) is the shell: it opens the files, reads and writes them
 and asks this core what to do. The core owns the state that decides:
 
-* the seqs of the current store epoch (``next_seqs``);
+* the seqs of the current store epoch (``next_seqs``), the filing rule (``effective_times``, ``filed``);
 * the timing wheel and ``completed_ms`` (``advance_completed``, ``behind``): what was
   delivered, what a checkpoint may claim, the tick state and the checkpoint documents;
 * the delivered-seq map (``dispatched``), fed by dispatch records (``note_dispatched``,
   ``replayed``), pruned behind the persisted ``completed_ms``;
 * the in-flight units (``fire``, ``settle``) and the pending counts per bucket;
-* voided seq ranges (a divergent suffix cut off) and cancels not filed yet;
-* which messages of a frame the wheel may hold (``chunk``), the status of a record.
+* voided seq ranges (a divergent suffix cut off), cancels not filed yet, which messages of a
+  frame the wheel may hold (``chunk``), the status of a record.
 
 Time always comes in as ``now_ms``. Effects go out as values: ``fire`` returns the unit to
 dispatch, ``dispatch_record`` the record the shell appends before ``acked`` settles it,
@@ -266,7 +266,8 @@ class DelayCore:
         must, as a restart of the master does (a checkpoint interval more to load)."""
         doc = self.persisted_doc
         if all(k in doc for k in ("iterate_offset", "completed_ms", "dispatch_offset")):
-            return {k: int(doc[k]) for k in ("iterate_offset", "completed_ms", "dispatch_offset", "log_end") if k in doc}
+            keys = ("iterate_offset", "completed_ms", "dispatch_offset", "log_end")
+            return {k: int(doc[k]) for k in keys if k in doc}
         st = self.tick_state(dispatch_end_offset)  # nothing persisted yet (never on a store that opened)
         return {"iterate_offset": 0, "completed_ms": (st.tick + 1) * self.settings.tick_ms,
                 "dispatch_offset": st.dispatch_offset}

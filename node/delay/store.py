@@ -12,7 +12,7 @@ Owns a data folder::
 This module is the **shell**: it reads and writes those files and asks the pure core what
 to do. Who owns what (``docs/design.md``, "The delay node's modules"):
 
-* ``node/delay/core.py``: ``DelayCore``, the decisions (seqs, wheel and ``completed_ms``,
+* ``node/delay/core.py``: ``DelayCore``, the decisions (seqs, the filing rule, wheel and ``completed_ms``,
   delivered seqs, in-flight units, pending counts, voided seqs, checkpoint documents);
 * ``node/delay/ingest.py``: the duplicate rules of ``accept``, what waits to be filed,
   disk bounds;
@@ -232,7 +232,8 @@ class DelayStore:
             return 0
         return ingest.unfiled_bytes_bound(
             self.unfiled, settings=self.settings, log_bytes=max(0, self.messages.end_offset - self.iterate_offset),
-            id_allocation_bytes=self.ids.allocation_bytes(n), new_buckets_bytes=self._new_buckets_bytes(self.unfiled.due_ms()))
+            id_allocation_bytes=self.ids.allocation_bytes(n),
+            new_buckets_bytes=self._new_buckets_bytes(self.unfiled.due_ms()))
 
     def cancel_bytes_bound(self, msg_id: str) -> int:
         """``write_bytes_bound`` of the tombstone ``cancel(msg_id)`` appends and files."""
