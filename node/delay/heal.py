@@ -71,254 +71,85 @@ at 12:00:08.300 (wheel loaded until 12:00:09.000): the first is filed again at
 12:00:08.100 (the persisted ``completed_ms``) and fires at once; the second is still ahead
 of the wheel and stays in the bucket at 12:00:09.000.
 
-The **id index** is derived too: ``id_entries`` rebuilds the entries of one id file (a seq
-range) from the schedule frames that hold those records, read through each bucket's index
-(first/last seq per frame). ``IdIndex.open`` uses it for a file whose header fails its
-checks, which used to stop the node at every start. What it cannot give back: entries of
-messages whose bucket retention already deleted (delivered or cancelled, still inside the
-dedupe window) - a re-send of such an id inside the window is then accepted as new - and
-entries in a bucket that itself fails to read (it is rebuilt right after, and its records
-are found by seq, ``docs/format.md``). Both are counted in the log line.
-
 ``BucketHealer.check_soon`` runs at open, before the node announces serving: the buckets
 the wheel loads first are verified (``Bucket.verify``: the whole index and heads, and the
 frames due within ``verify_ahead_ms``) and rebuilt when they fail. Later buckets are rebuilt
 when opening or reading them fails (``ScheduleLog._healing``).
+
+The healer talks to its store only through ``HealedStore`` (the files, the store's progress,
+its voided and recently delivered seqs, and ``bucket_rebuilt`` to hand records back), and
+reads no clock: ``rebuild``, ``fetch_due`` and ``fetch_failed`` take ``now_ms`` (a rebuild a
+read ran into takes the store's latest ``now_ms``). Reading around damage is
+``node/delay/salvage.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import time
-import zlib
+import time  # perf_counter: a rebuild's elapsed_ms for its log line, no rule reads it
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch, DispatchBatch
 from cluster.errors import CorruptRecord, InvalidArgument
-from node.store import checkpoint, records
-from node.store.idindex import ENTRY_DTYPE, key_hashes
 from node.delay.missing import LOST_FILE, Missing, damaged_records, ids_text, read_missing
-from node.store.log import HEADER, HEADER_SIZE, SegmentedLog
-
-if TYPE_CHECKING:
-    from node.delay.store import DelayStore
-    from node.store.schedule import ScheduleLog
+from node.delay.salvage import (
+    HealFault, LogScan, group_by_second, readable_records, refile_times, salvage_frames)
+from node.store import checkpoint, records
+from node.store.log import SegmentedLog
+from node.store.schedule import ScheduleLog
+from node.store.settings import StoreSettings
 
 log = logging.getLogger("hourglass.delay.heal")
 
 REBUILDS_PER_BUCKET_MAX = 3      # a bucket failing again after this many rebuilds ...
-REBUILD_WINDOW_S = 600.0          # ... within this long is a bug or a dying disk: the error is raised
-RESYNC_BYTES_MAX = 1 << 20   # after a bad frame header, look this far for the next good frame
+REBUILD_WINDOW_MS = 600_000      # ... within this long is a bug or a dying disk: the error is raised
 FAULTS_KEPT_MAX = 32         # recent faults shown in Status
 FETCH_RETRY_MS_MIN = 200     # a failed fetch of a bucket's missing records is tried again after this ...
 FETCH_RETRY_MS_MAX = 30_000  # ... doubling up to this
 
 
-def _frame_at(buf: bytes, pos: int, record_bytes_max: int) -> tuple[bytes | None, int]:
-    """(body, next position) of a frame at ``pos`` that passes its checks; (None, frame end)
-    when only its body is bad (the length is trusted); (None, -1) when its header is bad."""
-    if len(buf) - pos < HEADER_SIZE:
-        return None, -1
-    body_len, body_crc, header_crc = HEADER.unpack_from(buf, pos)
-    if zlib.crc32(buf[pos:pos + 8]) != header_crc or body_len > record_bytes_max or \
-            pos + HEADER_SIZE + body_len > len(buf):
-        return None, -1
-    body = buf[pos + HEADER_SIZE:pos + HEADER_SIZE + body_len]
-    return (body if zlib.crc32(body) == body_crc else None), pos + HEADER_SIZE + body_len
 
+class HealedStore(Protocol):
+    """What the healer needs of the store it heals, and all it touches (``DelayStore``
+    implements it): the files it reads and swaps buckets in, the store's progress, and two
+    answers of its core. No private attribute, no clock: time comes in as ``now_ms``."""
 
-def _next_good(buf: bytes, pos: int, record_bytes_max: int, limit: int) -> int | None:
-    """The first position after ``pos`` (below ``limit``) where a frame passes its checks."""
-    return next((p for p in range(pos + 1, min(len(buf), limit))
-                 if _frame_at(buf, p, record_bytes_max)[0] is not None), None)
-
-
-def salvage_frames(data_dir: Path, record_bytes_max: int) -> tuple[list[Batch], list[tuple[int, int]]]:
-    """Every frame of a bucket's data log that passes its checks (log order), and the spans
-    skipped as corrupt (``(offset, end)`` in the data log's offsets). Reads the files
-    directly: the bucket may not open."""
-    out: list[Batch] = []
-    skipped: list[tuple[int, int]] = []
-    for seg in sorted(data_dir.glob("*.log")):
-        if not seg.stem.isdigit():
-            continue
-        base = int(seg.stem)
-        buf = seg.read_bytes()
-        pos = 0
-        while pos < len(buf):
-            body, nxt = _frame_at(buf, pos, record_bytes_max)
-            if body is not None:
-                try:
-                    out.append(Batch.decode(body))
-                except InvalidArgument:
-                    skipped.append((base + pos, base + nxt))  # a good CRC over a bad structure: skipped all the same
-                pos = nxt
-                continue
-            if nxt > 0:  # the body is bad, the length is good: skip exactly this frame
-                skipped.append((base + pos, base + nxt))
-                pos = nxt
-                continue
-            found = _next_good(buf, pos, record_bytes_max, pos + RESYNC_BYTES_MAX)
-            end = len(buf) if found is None else found
-            skipped.append((base + pos, base + end))
-            pos = end
-    return out, skipped
-
-
-# ---------------------------------------------------------------------- reading logs around damage
-
-
-@dataclass(frozen=True, slots=True)
-class HealFault:
-    """A second fault met while healing: ``kind`` messages | dispatch (a corrupt record a
-    rebuild read around), fetch (a member that could not give a bucket's missing records),
-    rebuild (a rebuild that failed and left the bucket as it was)."""
-
-    kind: str
-    where: str   # a file, or a member's address
-    offset: int
-    reason: str
-
-
-def _resync(lg: SegmentedLog, bad: int, end: int) -> int:
-    """Where to read on after a corrupt record at ``bad``: past its body when its header is
-    good, else the next frame that passes its checks in the same segment (within
-    ``RESYNC_BYTES_MAX``), else the next segment (or ``end``)."""
-    bases = lg.segment_bases()
-    i = max(0, bisect.bisect_right(bases, bad) - 1)
-    limit = min(end, bases[i + 1] if i + 1 < len(bases) else lg.end_offset)
-    if bad >= limit:
-        return limit
-    try:
-        with open(lg.directory / f"{bases[i]:020d}.log", "rb") as f:
-            f.seek(bad - bases[i])
-            buf = f.read(min(limit - bad, RESYNC_BYTES_MAX + HEADER_SIZE + lg.record_bytes_max))
-    except OSError:
-        return limit
-    _, nxt = _frame_at(buf, 0, lg.record_bytes_max)
-    if nxt > 0:
-        return bad + nxt
-    found = _next_good(buf, 0, lg.record_bytes_max, RESYNC_BYTES_MAX)
-    return limit if found is None else bad + found
-
-
-def readable_records(lg: SegmentedLog, start: int, end: int, kind: str,
-                     faults: list[HealFault]) -> Iterator[tuple[int, bytes]]:
-    """(offset, body) of every record of ``lg`` in ``[start, end)`` that passes its checks;
-    a corrupt one is read around (``_resync``) and noted in ``faults``."""
-    off = start
-    while off < end:
-        try:
-            for o, body in lg.iterate(off, end):
-                off = o + HEADER_SIZE + len(body)
-                yield o, body
-            return
-        except CorruptRecord as e:
-            at = max(off, e.offset)
-            nxt = _resync(lg, at, end)
-            faults.append(HealFault(kind, e.path, e.offset, f"{e.reason}; read on at offset {nxt}"))
-            off = nxt
-
-
-@dataclass(slots=True)
-class LogScan:
-    """What the message log (its filed part) and the dispatch log say about one bucket."""
-
-    cover_lo: np.ndarray   # seq intervals [lo, hi] of the message log's readable records, sorted
-    cover_hi: np.ndarray
-    known_seq: np.ndarray  # sorted: seqs whose effective time is known (dispatched, or a tombstone's target)
-    known_eff: np.ndarray
-    faults: list[HealFault]
-
-    def covered(self, seq: np.ndarray) -> np.ndarray:
-        """Which seqs the message log holds (readable)."""
-        if not len(self.cover_lo):
-            return np.zeros(len(seq), bool)
-        at = np.searchsorted(self.cover_lo, seq, side="right") - 1
-        ok = at >= 0
-        out = np.zeros(len(seq), bool)
-        out[ok] = seq[ok] <= self.cover_hi[at[ok]]
-        return out
+    settings: StoreSettings
+    schedule: ScheduleLog
+    messages: SegmentedLog
+    dispatch: SegmentedLog
+    iterate_offset: int
 
     @property
-    def first_seq(self) -> int | None:
-        return int(self.cover_lo[0]) if len(self.cover_lo) else None
+    def epoch(self) -> int: ...
+    @property
+    def follower(self) -> bool: ...
+    @property
+    def completed_ms(self) -> int: ...
+    @property
+    def persisted_completed_ms(self) -> int: ...
+    @property
+    def loaded_until_ms(self) -> int:
+        """The end of what the wheel has loaded."""
+    @property
+    def now_ms(self) -> int:
+        """The latest ``now_ms`` a caller gave the store (a rebuild found by a read has no other)."""
 
+    def voided_mask(self, seq: np.ndarray) -> np.ndarray | None:
+        """Which seqs were cut off the message log (None: none ever were)."""
 
-def id_entries(schedule: "ScheduleLog", lo_seq: int, hi_seq: int | None) -> np.ndarray:
-    """Id-index entries (``ENTRY_DTYPE``, sorted by seq) of every filed record with
-    ``lo_seq <= seq < hi_seq``: one per record of the schedule frames whose seq range meets
-    it, pointing at that frame (module docs). Buckets or frames that fail to read are
-    skipped and logged: the bucket healer deals with them, the index loses those entries."""
-    hi = (1 << 64) - 1 if hi_seq is None else hi_seq - 1
-    parts: list[np.ndarray] = []
-    skipped = 0
-    for start in schedule.bucket_starts():
-        try:
-            b = schedule.bucket(start, create=False)
-            frames = b.entries_array() if b is not None else None
-        except CorruptRecord as e:
-            log.warning("id index rebuild skips a bucket that does not open bucket=%d error=%s", start, e)
-            skipped += 1
-            continue
-        if frames is None:
-            continue
-        sel = np.flatnonzero((frames["last_seq"] >= np.uint64(lo_seq)) & (frames["first_seq"] <= np.uint64(hi)))
-        for off, size in zip(frames["data_offset"][sel].tolist(), frames["frame_size"][sel].tolist()):
-            try:
-                batch = b.read(off, size)
-            except (CorruptRecord, InvalidArgument) as e:
-                log.warning("id index rebuild skips a frame that does not read bucket=%d offset=%d error=%s",
-                            start, off, e)
-                skipped += 1
-                continue
-            m = (batch.seq >= np.uint64(lo_seq)) & (batch.seq <= np.uint64(hi))
-            if not m.any():
-                continue
-            part = batch.take(np.flatnonzero(m))
-            e = np.zeros(part.n, ENTRY_DTYPE)
-            e["key_hash"] = key_hashes(part.id_bytes_list())
-            e["bucket_start_ms"] = start
-            e["data_offset"] = off
-            e["seq"] = part.seq
-            e["frame_size"] = size
-            parts.append(e)
-    out = np.concatenate(parts) if parts else np.zeros(0, ENTRY_DTYPE)
-    out = out[np.argsort(out["seq"], kind="stable")]
-    log.warning("id index entries rebuilt from the schedule log seqs=[%d, %s) entries=%d unreadable=%d", lo_seq,
-                "end" if hi_seq is None else hi_seq, len(out), skipped)
-    return out
+    def delivered_recently(self) -> dict[int, int]:
+        """seq -> effective_ms of messages delivered at or after the persisted ``completed_ms``."""
 
-
-def group_by_second(b: Batch) -> list[Batch]:
-    """Cut a batch (``effective_ms`` set) into groups due in one second, each in due order."""
-    if not b.n:
-        return []
-    eff = b.effective_ms
-    order = np.argsort(eff, kind="stable")
-    cuts = np.flatnonzero(np.diff(eff[order] // 1000)) + 1
-    return [b.take(part) for part in np.split(order, cuts)]
-
-
-def refile_times(b: Batch, *, completed_ms: int, known_seq: np.ndarray, known_eff: np.ndarray) -> np.ndarray:
-    """Effective times of a message-log batch's records for a rebuild (rules above).
-    ``known_seq`` (sorted) / ``known_eff``: seqs whose effective time is known (dispatched or
-    cancelled messages)."""
-    is_cancel = b.kind == KIND_CANCEL
-    eff = np.where(is_cancel, b.deliver_at_ms, np.maximum(b.deliver_at_ms, completed_ms)).astype(np.int64)
-    if len(known_seq):
-        at = np.searchsorted(known_seq, b.seq)
-        at[at >= len(known_seq)] = 0
-        hit = (known_seq[at] == b.seq) & ~is_cancel
-        eff[hit] = known_eff[at[hit]]
-    return eff
+    def bucket_rebuilt(self, start_ms: int, *, late: Batch | None, cancelled: np.ndarray | None) -> None:
+        """Bucket ``start_ms`` was swapped: ``late`` records to hand to the wheel, ``cancelled``
+        targets to take out of it."""
 
 
 @dataclass(slots=True)
@@ -347,13 +178,13 @@ class BucketHealer:
     """Verifies and rebuilds schedule buckets of one ``DelayStore``; keeps their missing
     records (``missing``, bucket start -> ``Missing``) and counts what it did."""
 
-    def __init__(self, store: "DelayStore") -> None:
+    def __init__(self, store: HealedStore) -> None:
         self.store = store
         self.counters = {"corrupt_found": 0, "buckets_rebuilt": 0, "frames_rebuilt": 0, "damaged_bytes": 0,
                          "missing_records": 0, "fetched_records": 0, "lost_records": 0, "faults": 0}
         self.fault_counts: dict[str, int] = {}      # kind -> faults met while healing
         self.recent_faults: deque[HealFault] = deque(maxlen=FAULTS_KEPT_MAX)
-        self._rebuilds: dict[int, list[float]] = {}  # bucket -> monotonic times of its recent rebuilds
+        self._rebuilds: dict[int, list[int]] = {}  # bucket -> now_ms of its recent rebuilds
         self.missing: dict[int, Missing] = {}
         self._load_missing()
 
@@ -466,24 +297,26 @@ class BucketHealer:
                 self.rebuild(start, e)
 
     def rebuild(self, start_ms: int, why: CorruptRecord, *, extra: list[Batch] | None = None,
-                source: str = "") -> None:
+                source: str = "", now_ms: int | None = None) -> None:
         """Re-file bucket ``start_ms`` from the message log and swap it in. ``extra``: frames
         of the same bucket from ``source``, a member of the group, for its missing records
         (module docs). Faults met on the way (a corrupt message-log or dispatch-log record)
-        are read around and reported; what stays missing is written down."""
+        are read around and reported; what stays missing is written down. ``now_ms`` paces
+        repeated rebuilds of one bucket (``REBUILDS_PER_BUCKET_MAX`` in ``REBUILD_WINDOW_MS``);
+        None: the store's latest ``now_ms`` (a rebuild a read ran into has no caller's time)."""
         s = self.store
         if extra is None:
             self.counters["corrupt_found"] += 1
-            now = time.monotonic()
-            recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_S]
+            now = s.now_ms if now_ms is None else now_ms
+            recent = [t for t in self._rebuilds.get(start_ms, []) if now - t < REBUILD_WINDOW_MS]
             if len(recent) >= REBUILDS_PER_BUCKET_MAX:
                 log.error("schedule bucket keeps failing bucket=%d rebuilds=%d in %d s error=%s", start_ms,
-                          len(recent), REBUILD_WINDOW_S, why)
+                          len(recent), REBUILD_WINDOW_MS // 1000, why)
                 raise why
             self._rebuilds[start_ms] = recent + [now]
             log.warning("schedule bucket corrupt, rebuilding from the message log bucket=%d path=%s offset=%d "
                         "reason=%r", start_ms, why.path, why.offset, why.reason)
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         end_ms = start_ms + s.settings.bucket_ms
         r = _Rebuild(start_ms, end_ms, self._scan(start_ms, end_ms), extra)
         frames = s.schedule.replace_bucket(start_ms, self._chunks(r),
@@ -498,7 +331,7 @@ class BucketHealer:
         log.warning("schedule bucket rebuilt bucket=%d frames=%d records=%d salvaged=%d fetched=%d refiled_late=%d "
                     "damaged_bytes=%d messages_from=%d iterate_offset=%d faults=%d elapsed_ms=%d", start_ms, frames,
                     r.messages, r.salvaged, len(fetched), 0 if late is None else late.n, r.damaged_bytes,
-                    s.messages.start_offset, s.iterate_offset, len(r.scan.faults), (time.monotonic() - t0) * 1000)
+                    s.messages.start_offset, s.iterate_offset, len(r.scan.faults), (time.perf_counter() - t0) * 1000)
         self.missing.pop(start_ms, None)
         if r.missing is not None:
             self.missing[start_ms] = r.missing
@@ -518,7 +351,7 @@ class BucketHealer:
                       [[lo, hi, n] for lo, hi, n, _ in m.ranges], m.unknown_bytes)
         self._count_missing()
         cancels = np.concatenate(r.cancelled) if (extra is not None and r.cancelled) else None
-        s._rebuilt(start_ms, late=late, cancelled=cancels)
+        s.bucket_rebuilt(start_ms, late=late, cancelled=cancels)
 
     def _write_missing(self, r: _Rebuild, tmp: Path) -> None:
         """Before the swap: what the new bucket lacks, into its folder (``lost.json``)."""
@@ -528,7 +361,7 @@ class BucketHealer:
         if r.skipped:
             frames, ranges, unknown = damaged_records(s.schedule.bucket_path(r.start_ms), r.skipped,
                                                       s.messages.record_bytes_max)
-            from_ms = s.completed_ms if s.follower else max(s.completed_ms, s.wheel.loaded_until_ms)
+            from_ms = s.completed_ms if s.follower else max(s.completed_ms, s.loaded_until_ms)
             kept = [b for b in (self._undelivered(r, f) for f in frames) if b is not None and b.n]
             ranges = [(lo, hi, n, from_ms) for lo, hi, n, sec in ranges
                       if r.start_ms + 1000 * (sec + 1) > s.completed_ms
@@ -548,8 +381,9 @@ class BucketHealer:
         s = self.store
         eff = b.effective_ms
         keep = ~r.scan.covered(b.seq) & (eff >= max(s.completed_ms, r.start_ms)) & (eff < r.end_ms)
-        if s.voided:
-            keep &= ~s._voided_mask(b.seq)
+        voided = s.voided_mask(b.seq)
+        if voided is not None:
+            keep &= ~voided
         if r.fetched:
             keep &= ~np.isin(b.seq, np.concatenate(r.fetched))
         keep &= ~((b.kind == KIND_MESSAGE) & np.isin(b.seq, self._settled(r)))
@@ -560,8 +394,9 @@ class BucketHealer:
         or cancelled (a tombstone in the log, the old bucket or a member's copy)."""
         s = self.store
         parts = [r.scan.known_seq] + r.cancelled
-        if s._dispatched:
-            parts.append(np.fromiter(s._dispatched.keys(), np.uint64, len(s._dispatched)))
+        delivered = s.delivered_recently()
+        if delivered:
+            parts.append(np.fromiter(delivered.keys(), np.uint64, len(delivered)))
         return np.concatenate(parts).astype(np.uint64)
 
     def _scan(self, start_ms: int, end_ms: int) -> LogScan:
@@ -600,7 +435,7 @@ class BucketHealer:
                     seqs.append(d.seq[m])
                     effs.append(d.effective_ms[m])
         else:  # a future bucket: only what was delivered early, which memory still holds
-            got = [(q, e) for q, e in s._dispatched.items() if start_ms <= e < end_ms]
+            got = [(q, e) for q, e in s.delivered_recently().items() if start_ms <= e < end_ms]
             if got:
                 seqs.append(np.array([q for q, _ in got], np.uint64))
                 effs.append(np.array([e for _, e in got], np.int64))
@@ -652,15 +487,17 @@ class BucketHealer:
                       for f in r.extra or ()]
             for f in frames + theirs:  # tombstones first: a fetched record they cancel is not refiled late
                 tomb = f.kind == KIND_CANCEL
-                if s.voided and tomb.any():
-                    tomb &= ~s._voided_mask(f.seq)
+                voided = s.voided_mask(f.seq) if tomb.any() else None
+                if voided is not None:
+                    tomb &= ~voided
                 if tomb.any():
                     r.cancelled.append(f.cancel_targets()[tomb])
             for k, f in enumerate(frames + theirs):
                 fetched = k >= len(frames)
                 keep = ~scan.covered(f.seq)
-                if s.voided:
-                    keep &= ~s._voided_mask(f.seq)
+                voided = s.voided_mask(f.seq)
+                if voided is not None:
+                    keep &= ~voided
                 if r.seen and keep.any():  # a member's frames: only records not salvaged here
                     keep &= ~np.isin(f.seq, np.concatenate(r.seen))
                 if not keep.any():
@@ -677,8 +514,9 @@ class BucketHealer:
             eff = refile_times(b, completed_ms=s.persisted_completed_ms, known_seq=scan.known_seq,
                                known_eff=scan.known_eff)
             m = (eff >= start_ms) & (eff < end_ms)
-            if s.voided:
-                m &= ~s._voided_mask(b.seq)
+            voided = s.voided_mask(b.seq)
+            if voided is not None:
+                m &= ~voided
             if not m.any():
                 continue
             idx = np.flatnonzero(m)
@@ -694,7 +532,7 @@ class BucketHealer:
         if s.follower or m is None:
             yield [part]
             return
-        passed = (part.kind == KIND_MESSAGE) & (part.effective_ms < s.wheel.loaded_until_ms) & \
+        passed = (part.kind == KIND_MESSAGE) & (part.effective_ms < s.loaded_until_ms) & \
             (part.effective_ms >= m.from_of(part.seq))
         passed &= ~np.isin(part.seq, self._settled(r))
         if not passed.any():
@@ -707,3 +545,6 @@ class BucketHealer:
         late = late.replace(effective_ms=eff)
         r.late.append(late)
         yield group_by_second(late)
+
+
+__all__ = ["BucketHealer", "HealFault", "HealedStore", "readable_records", "salvage_frames"]

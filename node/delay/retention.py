@@ -81,6 +81,7 @@ def plan(store, *, now_ms: int, slave_holds: dict[str, dict[str, int]] | None = 
     """Decide and detach (on the loop). ``slave_holds``: log name -> ``{holder: offset}``
     (a master's registered slaves; None for a node without replicas)."""
     work, report = Work(), Report()
+    store.note_now(now_ms)  # a follower's only regular caller with a time (the healer's pacing)
     doc = store.persisted_doc
     if "iterate_offset" not in doc:
         return work, report  # no checkpoint yet: nothing is known durable
