@@ -322,7 +322,7 @@ class IdIndex:
                 f = self._roll(int(seqs[i]))
             k = min(n - i, f.entries_max - f.entries_used)
             put_chunk(f, hashes[i:i + k], bucket_start_ms[i:i + k], data_offset[i:i + k],
-                            frame_size[i:i + k], seqs[i:i + k])
+                      frame_size[i:i + k], seqs[i:i + k])
             i += k
         self._last_seq = int(seqs[-1])
 
@@ -549,8 +549,8 @@ class IdIndex:
             raise Closed("id index is closed")
 
 
-__all__ = ["ALLOCATE_STEP_BYTES", "COMPACT_CHUNK_ENTRIES", "ENTRY", "ENTRY_DTYPE", "ENTRY_FRAME_SIZE_OFFSET", "ENTRY_SIZE",
-           "HEADER", "HEADER_CRC_OFFSET", "HEADER_SIZE", "MAGIC", "OPEN_FILES_MAX", "SLOT_SIZE", "SUFFIX", "U32",
-           "VERSION", "VERSION_BLAKE2B", "VERSIONS", "Compacted", "IdIndex", "IdLocation", "IndexFile",
+__all__ = ["ALLOCATE_STEP_BYTES", "COMPACT_CHUNK_ENTRIES", "ENTRY", "ENTRY_DTYPE", "ENTRY_FRAME_SIZE_OFFSET",
+           "ENTRY_SIZE", "HEADER", "HEADER_CRC_OFFSET", "HEADER_SIZE", "MAGIC", "OPEN_FILES_MAX", "SLOT_SIZE", "SUFFIX",
+           "U32", "VERSION", "VERSION_BLAKE2B", "VERSIONS", "Compacted", "IdIndex", "IdLocation", "IndexFile",
            "build_compacted", "build_from_entries", "file_name", "file_size", "key_hash", "key_hashes",
            "pack_header", "read_entries", "read_header"]

@@ -5,10 +5,11 @@ index is derived from (the schedule log, ``IdIndex.open(rebuild=...)``).
 Both write ``{name}.tmp`` with the kept entries in their order, chains relinked with
 numpy (about two slots per entry), header last, fsynced; a failure removes the temporary
 file. Invariants: the source file is only read (nobody writes a sealed file), so the
-build may run on any thread; the new file takes the old one's place by one atomic
-rename (``IdIndex.swap_compacted``, ``rebuild_file``), and a ``*.idx.tmp`` a crash left
-behind is removed at open. A compacted file keeps its source's version (its key hash);
-a rebuilt one is written in the current version.
+build may run on any thread; a compacted file takes the old one's place by one atomic
+rename (``IdIndex.swap_compacted``), a rebuilt one once the bad file is renamed
+``{name}.corrupt`` (``rebuild_file``, kept for a look, never read again); a ``*.idx.tmp``
+a crash left behind is removed at open. A compacted file keeps its source's version (its
+key hash); a rebuilt one is written in the current version.
 """
 
 from __future__ import annotations
