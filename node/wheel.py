@@ -43,7 +43,8 @@ whose head is due, takes ``[pos : searchsorted(due, horizon))`` of each with
 numpy and groups it by ``ref`` (one stable argsort for a merged second).
 ``cancel`` finds entries through a seq index (a few sorted runs of ``seq ->
 (run id, position)``, built lazily) and marks them in the run's ``dead`` mask,
-which ``advance`` applies to what it slices.
+which ``advance`` applies to what it slices. The run and the seq index are
+``node/wheel_runs.py``'s; the ``TickState`` codec is ``node/tickstate.py``'s.
 
 Invariants (asserted where cheap)
 ---------------------------------
@@ -103,15 +104,15 @@ Worked example (tick_ms=10, window_ms=2000)
 from __future__ import annotations
 
 import heapq
-import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.errors import CorruptRecord, Overloaded
+from cluster.errors import Overloaded
 from node.store.settings import STORE_DEFAULTS
+from node.tickstate import TICK_STATE_SIZE, TickState
+from node.wheel_runs import Run, SeqIndex
 
 __all__ = ["INDEX_PENDING_MAX", "TICK_STATE_SIZE", "Chunk", "Fired", "TickState", "TimingWheel"]
 
@@ -156,66 +157,6 @@ class Fired:
         return len(self.due_ms)
 
 
-# magic, version, epoch, tick, index_in_second, dispatch_offset; then crc32.
-_TICK_STATE_BODY = struct.Struct("<4sBqqIQ")
-_TICK_STATE_CRC = struct.Struct("<I")
-_TICK_STATE_MAGIC = b"HGTS"
-_TICK_STATE_VERSION = 1
-TICK_STATE_SIZE = _TICK_STATE_BODY.size + _TICK_STATE_CRC.size  # 37 bytes
-
-
-@dataclass(frozen=True, slots=True)
-class TickState:
-    """Where dispatching stood; persisted locally and shipped to slaves.
-
-    Layout (little-endian, 37 bytes): ``b"HGTS"``, u8 version = 1, i64 epoch,
-    i64 tick, u32 index_in_second, u64 dispatch_offset, u32 zlib.crc32 of all
-    the bytes before it.
-    """
-
-    epoch: int
-    tick: int  # last fully dispatched tick; -1 = none
-    index_in_second: int  # entries dispatched within the second containing `tick` (informational)
-    dispatch_offset: int  # dispatch-log end offset when the state was taken
-
-    def encode(self) -> bytes:
-        if self.tick < -1:
-            raise ValueError(f"tick {self.tick} < -1")
-        try:
-            body = _TICK_STATE_BODY.pack(
-                _TICK_STATE_MAGIC,
-                _TICK_STATE_VERSION,
-                self.epoch,
-                self.tick,
-                self.index_in_second,
-                self.dispatch_offset,
-            )
-        except struct.error as exc:
-            raise ValueError(f"tick state field out of range: {exc}") from None
-        return body + _TICK_STATE_CRC.pack(zlib.crc32(body))
-
-    @classmethod
-    def decode(cls, data: bytes) -> TickState:
-        def corrupt(reason: str) -> CorruptRecord:
-            return CorruptRecord(path="<tick-state>", offset=0, reason=reason)
-
-        data = bytes(data)
-        if len(data) != TICK_STATE_SIZE:
-            raise corrupt(f"length {len(data)}, expected {TICK_STATE_SIZE}")
-        body = data[: _TICK_STATE_BODY.size]
-        (crc,) = _TICK_STATE_CRC.unpack_from(data, _TICK_STATE_BODY.size)
-        if zlib.crc32(body) != crc:
-            raise corrupt(f"crc mismatch: stored {crc:#010x}, computed {zlib.crc32(body):#010x}")
-        magic, version, epoch, tick, index_in_second, dispatch_offset = _TICK_STATE_BODY.unpack(body)
-        if magic != _TICK_STATE_MAGIC:
-            raise corrupt(f"bad magic {magic!r}")
-        if version != _TICK_STATE_VERSION:
-            raise corrupt(f"unknown version {version}")
-        if tick < -1:
-            raise corrupt(f"tick {tick} < -1")
-        return cls(epoch, tick, index_in_second, dispatch_offset)
-
-
 def _columns(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The chunk's arrays with the wheel's dtypes; ValueError if they do not line up."""
     due = np.asarray(chunk.due_ms, np.int64)
@@ -226,96 +167,6 @@ def _columns(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             f"chunk arrays must be 1-D of one length: due_ms {due.shape}, seq {seq.shape}, idx {idx.shape}"
         )
     return due, seq, idx
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
-
-
-class _Run:
-    """Held entries sorted by due; ``[pos:]`` not returned yet. See the module docstring."""
-
-    __slots__ = ("rid", "due", "seq", "idx", "refs", "refno", "in_pos", "pos", "dead")
-
-    def __init__(self, rid: int, due, seq, idx, refs: list, refno: np.ndarray | None, order: np.ndarray) -> None:
-        self.rid = rid
-        # Position in the run of each entry in input order. Frames list seqs in increasing
-        # order, so seqs taken in input order are a few sorted stretches: the seq index
-        # sorts them with timsort in a fraction of the time a random order would take.
-        in_pos = np.empty(len(order), np.int32)
-        in_pos[order] = np.arange(len(order), dtype=np.int32)
-        self.in_pos = in_pos
-        self.due = _frozen(due)
-        self.seq = _frozen(seq)
-        self.idx = _frozen(idx)
-        self.refs = refs  # one ref, or the refs that refno points into
-        self.refno = refno  # None: every entry is of refs[0]
-        self.pos = 0
-        self.dead: np.ndarray | None = None  # bool per entry, made by the first cancel that hits the run
-
-    def live_from(self, pos: int) -> np.ndarray:
-        """Positions >= pos not cancelled."""
-        if self.dead is None:
-            return np.arange(pos, len(self.due))
-        return pos + np.flatnonzero(~self.dead[pos:])
-
-    def live_in_input_order(self) -> np.ndarray:
-        """Positions of the live entries, in input order."""
-        p = self.in_pos
-        if self.pos:
-            p = p[p >= self.pos]
-        if self.dead is not None:
-            p = p[~self.dead[p]]
-        return p
-
-
-class _SeqIndex:
-    """``seq -> (run id, position)`` as a few sorted runs, newest last (an LSM, in numpy).
-
-    A new batch becomes a run; the last two runs merge while the older one is at
-    most twice the newer, so there are O(log n) runs and each mapping is merged
-    O(log n) times. Mappings are never deleted: a hit may be stale (fired or
-    cancelled) and the caller checks it. Within a run, equal seqs keep their
-    insertion order, so the last one is the newest.
-    """
-
-    __slots__ = ("runs", "size")
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self.size = 0
-
-    def reset(self) -> None:
-        self.runs = []
-        self.size = 0
-
-    def append(self, seq: np.ndarray, rid: np.ndarray, pos: np.ndarray) -> None:
-        """Index a batch of live entries (no seq twice), best in frame order (sorted stretches)."""
-        order = np.argsort(seq, kind="stable")  # timsort: O(n log stretches)
-        runs = self.runs
-        runs.append((seq[order], rid[order], pos[order]))
-        self.size += len(seq)
-        while len(runs) >= 2 and len(runs[-2][0]) <= 2 * len(runs[-1][0]):
-            (s1, r1, p1), (s2, r2, p2) = runs[-2], runs[-1]
-            s = np.concatenate([s1, s2])
-            order = np.argsort(s, kind="stable")  # a merge of two sorted runs: O(n) for timsort
-            runs[-2:] = [(s[order], np.concatenate([r1, r2])[order], np.concatenate([p1, p2])[order])]
-
-    def lookup(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Candidate (run id, position) pairs of ``seqs``: the newest mapping per index run."""
-        rids, poss = [], []
-        for keys, rid, pos in self.runs:
-            i = keys.searchsorted(seqs, side="right") - 1
-            ok = i >= 0
-            i = i[ok]
-            i = i[keys[i] == seqs[ok]]
-            if len(i):
-                rids.append(rid[i])
-                poss.append(pos[i])
-        if not rids:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return np.concatenate(rids), np.concatenate(poss)
 
 
 class TimingWheel:
@@ -343,12 +194,12 @@ class TimingWheel:
         self.epoch = 0
         self.cursor_ms = start_ms - start_ms % tick_ms
         self.loaded_until_ms = start_ms - start_ms % 1000
-        self._runs: dict[int, _Run] = {}  # run id -> run, until its last entry is returned
+        self._runs: dict[int, Run] = {}  # run id -> run, until its last entry is returned
         self._heap: list[tuple[int, int]] = []  # (due_ms at run.pos, run id)
         self._next_rid = 0
         self._live = 0  # held entries neither returned nor cancelled
-        self._index = _SeqIndex()
-        self._unindexed: list[_Run] = []  # runs added since the index was last brought up to date
+        self._index = SeqIndex()
+        self._unindexed: list[Run] = []  # runs added since the index was last brought up to date
         self._unindexed_entries = 0
         self._staged: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # added, not in a run yet
         self._staged_refs: list[object] = []
@@ -492,7 +343,7 @@ class TimingWheel:
             order = np.argsort(due, kind="stable")
         rid = self._next_rid
         self._next_rid += 1
-        run = _Run(rid, due[order], seq[order], idx[order], refs, None if refno is None else refno[order], order)
+        run = Run(rid, due[order], seq[order], idx[order], refs, None if refno is None else refno[order], order)
         self._runs[rid] = run
         heapq.heappush(self._heap, (int(run.due[0]), rid))
         self._unindexed.append(run)

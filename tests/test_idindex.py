@@ -145,7 +145,7 @@ def test_version_1_files_are_read_never_written(tmp_path: Path) -> None:
         assert ids.swap_compacted(1, built)
         assert ids.get_all("old-3") == [loc(4, off=30)]
     with IdIndex.open(tmp_path, slots_count=8, entries_max=64) as ids:
-        assert [idindex._read_header(p, int(p.name[:20])).version for p in idx_files(tmp_path)] == [1, 2]
+        assert [idindex.read_header(p, int(p.name[:20])).version for p in idx_files(tmp_path)] == [1, 2]
         assert ids.get_all("old-3") == [loc(4, off=30)] and ids.get_all("new-4") == [loc(34)]
 
 

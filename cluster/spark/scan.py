@@ -3,7 +3,7 @@
 The engine (``node.store.log.SegmentedLog``) must stop at the first bad record: a node
 that guessed could serve garbage. An audit must not stop: it reads files copied from
 sick nodes and has to say what is in them. So this scanner uses the same frame checks
-(``node.store.log.decode_frame`` rules, docs/format.md) but reports instead of raising:
+(``node.store.frame.decode_frame`` rules, docs/format.md) but reports instead of raising:
 
 * **good frame**: header CRC and body CRC pass -> a ``Frame`` with its body (a whole
   ``cluster.codec`` batch; ``cluster.spark.rows`` turns it into one row per message);

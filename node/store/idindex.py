@@ -10,45 +10,11 @@ Files are named by the seq of their first entry, zero padded so names sort::
     ids/00000000000000000000.idx     entries for seq 0 .. 4_194_303 (full, sealed)
     ids/00000000000004194304.idx     the newest file: the only one written to
 
-File layout (version 2, little-endian; files are created sparse at full size)::
-
-    offset 0     header, 64 bytes:
-                   4s  magic        b"HGIX"
-                   u32 version      2 (1: the key hash is blake2b, see below)
-                   u32 slots_count
-                   u32 entries_max
-                   u32 entries_used  as of the last flush / roll (recovered by scan on open)
-                   u64 first_seq     seq of entry 0; equals the number in the file name
-                   u64 last_seq      seq of entry entries_used-1 (0 while entries_used == 0)
-                   24 bytes zero
-                   u32 crc32 of header bytes [0, 60)
-    offset 64    slots_count x u32 slot head: entry number + 1 of the newest entry whose
-                 key hash maps to the slot (hash % slots_count), 0 = empty
-    offset 64 + 4 * slots_count
-                 entries_max x 40-byte entry (``<QqQQII``):
-                   u64 key_hash        xxh3_64(id utf-8) (version 1 files: blake2b(id utf-8,
-                                       digest_size=8) read as u64 LE)
-                   i64 bucket_start_ms
-                   u64 data_offset
-                   u64 seq             the seq given to put
-                   u32 frame_size      > 0 for a written entry; written last (the commit mark)
-                   u32 prev            entry number + 1 of the previous entry in the same slot
-                                       (0 = none); always < own number + 1
-
-    file size = 64 + 4 * slots_count + 40 * entries_max
-    (defaults 1<<20 slots, 4<<20 entries: 164 MiB sparse per file, ~44 bytes touched per id)
-
-Writing an entry (``put``), in this order, each step a plain store into the shared map:
-
-1. the entry with ``frame_size = 0`` and ``prev`` = the slot's current head;
-2. ``frame_size`` (one aligned 4-byte store: the entry now counts);
-3. the slot head = entry number + 1 (the entry is now linked).
-
-Key hash versions: version 2 files hash ids with xxh3_64 (the ``xxhash`` package: 0.04 us
-per id against 0.6 us for blake2b, ``docs/benchmarks.md``); version 1 files, written before,
-hold blake2b hashes. Version 1 files are still read (``probe`` and ``get_all`` hash the ids
-both ways while one is open) but never written: after an upgrade the next put rolls to a new
-version 2 file, and retention deletes the old ones with their seqs.
+The format of one file (header, slot table, 40-byte entries, the key hash and its
+versions, the order an entry is written in) is ``node/store/idindex_file.py``'s;
+compaction and the rebuild of a corrupt file are ``node/store/idindex_compact.py``'s.
+This module owns the folder: which file is written, rolling, the LRU of mapped files,
+lookups across files, flushing, retention.
 
 Invariants:
 
@@ -62,19 +28,14 @@ Invariants:
   and nothing is indexed twice. This needs distinct seqs per put, as the message log's are;
   at most ``entries_max`` puts may share one seq (a file's name is its first seq).
 
-Crash recovery (``open``): a killed process leaves its writes in the page cache, so
-they survive. The header of the newest file may be behind: entries after its
-``entries_used`` are scanned while ``frame_size > 0``, ``prev`` points backwards and
-seqs do not decrease; the scan stops at the first entry failing that (a torn tail,
-never linked since step 3 follows step 2). The one entry a kill can leave unlinked
-(between steps 2 and 3) is linked again: its stored ``prev`` is still the slot's head.
-An empty newest file (a kill between creating it and its first entry) is removed.
-Walks are defensive all the same: a head beyond ``entries_used`` is treated as empty,
-a walk stops at a ``prev`` not below its own number and takes at most ``entries_used``
-steps. A header failing its CRC or its checks raises ``CorruptRecord`` naming the file.
-Header updates go through ``pwrite`` (one syscall, atomic against a kill); ``flush``
-syncs the entries before writing the header, so after a power loss the header never
-vouches for entries that did not reach the disk.
+Crash recovery (``open``): the newest file's tail is scanned and its one unlinked entry
+relinked (``idindex_file.recover_tail``). An empty newest file (a kill between creating it
+and its first entry) is removed. Walks are defensive all the same: a head beyond
+``entries_used`` is treated as empty, a walk stops at a ``prev`` not below its own number
+and takes at most ``entries_used`` steps. A header failing its CRC or its checks raises
+``CorruptRecord`` naming the file, unless ``open`` was given ``rebuild``. ``flush`` syncs
+the entries before writing the header, so after a power loss the header never vouches for
+entries that did not reach the disk.
 
 Lookups return candidates, not answers: two ids can share an 8-byte hash. ``get_all``
 returns every location whose hash matches, newest first across files (newest file
@@ -100,19 +61,14 @@ Example, with 4 slots::
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import os
-import struct
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from cluster.errors import Closed, CorruptRecord, DiskFull, InvalidArgument
 from cluster.files import DATA_DIR_MODE, DATA_MODE
@@ -121,262 +77,29 @@ from node.store.log import fsync_dir
 from node.store.settings import STORE_DEFAULTS
 from node.store.syncplan import SyncPlan
 
+from .idindex_compact import COMPACT_CHUNK_ENTRIES, Compacted, build_compacted, build_from_entries, rebuild_file
+from .idindex_file import (ALLOCATE_STEP_BYTES, ENTRY, ENTRY_DTYPE, ENTRY_FRAME_SIZE_OFFSET, ENTRY_SIZE, HEADER,
+                           HEADER_CRC_OFFSET, HEADER_SIZE, I64_MAX, I64_MIN, MAGIC, SEQ_MAX, SLOT_SIZE, SUFFIX, U32,
+                           U32_MAX, U64_MAX, VERSION, VERSION_BLAKE2B, VERSIONS, IdLocation, IndexFile, file_name,
+                           file_size, key_hash, key_hashes, pack_header, put_chunk, read_entries, read_header,
+                           recover_tail)
+
 log = logging.getLogger("hourglass.store.idindex")
 
-MAGIC = b"HGIX"
-VERSION = 2  # key hash xxh3_64
-VERSION_BLAKE2B = 1  # key hash blake2b (digest_size=8): read, never written
-VERSIONS = (VERSION_BLAKE2B, VERSION)
-HEADER = struct.Struct("<4sIIIIQQ")  # 36 bytes, zero padded to 60, then u32 crc
-HEADER_SIZE = 64
-HEADER_CRC_OFFSET = 60
-U32 = struct.Struct("<I")
-SLOT_SIZE = U32.size
-ENTRY = struct.Struct("<QqQQII")
-ENTRY_SIZE = ENTRY.size  # 40
-ENTRY_FRAME_SIZE_OFFSET = 32
-SUFFIX = ".idx"
-
-ALLOCATE_STEP_BYTES = 1 << 20  # entries are allocated on disk this far ahead of puts
-COMPACT_CHUNK_ENTRIES = 1 << 18  # entries read at once while a sealed file is compacted
 OPEN_FILES_MAX = 8  # sealed files kept mapped (LRU) unless ``open_files_max`` says otherwise
-
-_U32_MAX = (1 << 32) - 1
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-_U64_MAX = (1 << 64) - 1
-_SEQ_MAX = (1 << 63) - 1  # last_seq() uses -1 for "none", so keep seqs in the signed range
-
-
-@dataclass(frozen=True, slots=True)
-class IdLocation:
-    """Where a message id was filed: a frame in a schedule-log bucket, and its seq."""
-
-    bucket_start_ms: int
-    data_offset: int
-    frame_size: int
-    seq: int
-
-
-def key_hash(msg_id: str, version: int = VERSION) -> int:
-    """The 8-byte key hash stored in entries of a file of ``version`` (collisions possible;
-    callers confirm)."""
-    if not isinstance(msg_id, str) or not msg_id:
-        raise InvalidArgument("msg_id", "must be a non-empty str")
-    try:
-        raw = msg_id.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgument("msg_id", f"not encodable as utf-8: {e.reason}") from None
-    return int(key_hashes([raw], version)[0])
-
-
-ENTRY_DTYPE = np.dtype([("key_hash", "<u8"), ("bucket_start_ms", "<i8"), ("data_offset", "<u8"), ("seq", "<u8"),
-                        ("frame_size", "<u4"), ("prev", "<u4")])
-
-
-def key_hashes(ids: list[bytes], version: int = VERSION) -> np.ndarray:
-    """``key_hash`` of many ids (UTF-8 bytes) at once: one join over the C hash function
-    (xxhash's digest is the u64 big-endian; the byte swap is one numpy step)."""
-    if version == VERSION_BLAKE2B:
-        blake = hashlib.blake2b
-        return np.frombuffer(b"".join([blake(i, digest_size=8).digest() for i in ids]), "<u8")
-    return np.frombuffer(b"".join(map(xxhash.xxh3_64_digest, ids)), ">u8").astype("<u8")
-
-
-def file_size(slots_count: int, entries_max: int) -> int:
-    return HEADER_SIZE + SLOT_SIZE * slots_count + ENTRY_SIZE * entries_max
-
-
-def file_name(first_seq: int) -> str:
-    return f"{first_seq:020d}{SUFFIX}"
-
-
-def pack_header(slots_count: int, entries_max: int, entries_used: int, first_seq: int, last_seq: int,
-                version: int = VERSION) -> bytes:
-    buf = bytearray(HEADER_SIZE)
-    HEADER.pack_into(buf, 0, MAGIC, version, slots_count, entries_max, entries_used, first_seq,
-                     max(last_seq, 0) if entries_used else 0)
-    U32.pack_into(buf, HEADER_CRC_OFFSET, zlib.crc32(buf[:HEADER_CRC_OFFSET]))
-    return bytes(buf)
-
-
-@dataclass(slots=True, eq=False)
-class _IndexFile:
-    """One index file: header fields plus, while mapped, its fd and map."""
-
-    path: Path
-    first_seq: int
-    slots_count: int
-    entries_max: int
-    entries_used: int
-    last_seq: int  # -1 while entries_used == 0
-    fd: int = -1
-    mm: mmap.mmap | None = None
-    writable: bool = False
-    dirty: bool = False
-    allocated: int = 0  # bytes from the start allocated on disk (writable newest file; see ``_ensure_allocated``)
-    buckets: tuple | None = None  # sealed file: (unique bucket_start_ms, counts), computed once (retention)
-    version: int = VERSION  # VERSION_BLAKE2B: an older file, read only
-
-    @property
-    def entries_offset(self) -> int:
-        return HEADER_SIZE + SLOT_SIZE * self.slots_count
-
-    @property
-    def size(self) -> int:
-        return file_size(self.slots_count, self.entries_max)
-
-    def header(self) -> bytes:
-        return pack_header(self.slots_count, self.entries_max, self.entries_used, self.first_seq, self.last_seq,
-                           self.version)
-
-
-def _read_header(path: Path, first_seq: int) -> _IndexFile:
-    """Read and check a file's header; any failure is corruption of that file."""
-    where = str(path)
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_SIZE)
-        actual_size = os.fstat(f.fileno()).st_size
-    if len(raw) < HEADER_SIZE:
-        raise CorruptRecord(where, 0, f"header truncated: {len(raw)} of {HEADER_SIZE} bytes")
-    (crc,) = U32.unpack_from(raw, HEADER_CRC_OFFSET)
-    if crc != zlib.crc32(raw[:HEADER_CRC_OFFSET]):
-        raise CorruptRecord(where, 0, "header crc mismatch")
-    magic, version, slots_count, entries_max, entries_used, hdr_first_seq, last_seq = HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        raise CorruptRecord(where, 0, f"bad magic {magic!r}")
-    if version not in VERSIONS:
-        raise CorruptRecord(where, 4, f"unsupported version {version}")
-    if slots_count < 1 or entries_max < 1 or entries_max >= _U32_MAX:
-        raise CorruptRecord(where, 8, f"bad geometry slots_count={slots_count} entries_max={entries_max}")
-    if entries_used > entries_max:
-        raise CorruptRecord(where, 16, f"entries_used {entries_used} > entries_max {entries_max}")
-    if hdr_first_seq != first_seq:
-        raise CorruptRecord(where, 20, f"first_seq {hdr_first_seq} does not match the file name")
-    if entries_used and last_seq < first_seq:
-        raise CorruptRecord(where, 28, f"last_seq {last_seq} < first_seq {first_seq}")
-    want = file_size(slots_count, entries_max)
-    if actual_size != want:
-        raise CorruptRecord(where, 0, f"file size {actual_size}, header geometry says {want}")
-    return _IndexFile(path, first_seq, slots_count, entries_max, entries_used, last_seq if entries_used else -1,
-                      version=version)
-
-
-def _read_entries(path: Path, entries_offset: int, first: int, count: int) -> np.ndarray:
-    with open(path, "rb") as fh:
-        raw = os.pread(fh.fileno(), count * ENTRY_SIZE, entries_offset + first * ENTRY_SIZE)
-    return np.frombuffer(raw[: len(raw) - len(raw) % ENTRY_SIZE], ENTRY_DTYPE)
-
-
-@dataclass(frozen=True, slots=True)
-class Compacted:
-    tmp: Path
-    slots_count: int
-    entries_max: int
-    entries_used: int
-    last_seq: int
-
-
-def build_compacted(path: Path, entries_offset: int, entries_used: int, gone_buckets: np.ndarray, *,
-                    first_seq: int) -> Compacted:
-    """Write ``{path}.tmp``: the entries of sealed file ``path`` whose bucket is not in
-    ``gone_buckets``, in their order, chains relinked; fsynced. Pure file work on a file
-    nobody writes (any thread). Memory: one chunk of entries plus the slot table."""
-    with open(path, "rb") as src:  # the copy keeps the source's version (its key hash)
-        version = HEADER.unpack_from(src.read(HEADER_SIZE))[1]
-    keep_total = 0
-    for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
-        e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
-        keep_total += int(np.count_nonzero(~np.isin(e["bucket_start_ms"], gone_buckets)))
-
-    def kept():
-        for lo in range(0, entries_used, COMPACT_CHUNK_ENTRIES):
-            e = _read_entries(path, entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, entries_used - lo))
-            yield e[~np.isin(e["bucket_start_ms"], gone_buckets)].copy()
-
-    return _write_table(path.with_name(path.name + ".tmp"), kept(), max(1, keep_total), first_seq=first_seq,
-                        version=version)
-
-
-def build_from_entries(path: Path, entries: np.ndarray, *, first_seq: int) -> Compacted:
-    """Write ``{path}.tmp`` holding ``entries`` (``ENTRY_DTYPE``, sorted by seq, each seq >=
-    ``first_seq``), chains linked; fsynced. How a corrupt file is rebuilt (``IdIndex.open``)."""
-    e = np.array(entries, ENTRY_DTYPE)  # a writable copy: the writer sets ``prev``
-    chunks = (e[lo:lo + COMPACT_CHUNK_ENTRIES] for lo in range(0, len(e), COMPACT_CHUNK_ENTRIES))
-    return _write_table(path.with_name(path.name + ".tmp"), chunks, max(1, len(e)), first_seq=first_seq,
-                        version=VERSION)
-
-
-def _write_table(tmp: Path, chunks: Iterable[np.ndarray], entries_max: int, *, first_seq: int,
-                 version: int) -> Compacted:
-    """A sealed file at ``tmp`` from chunks of entries in order (``prev`` is set here), with
-    about two slots per entry; fsynced. Removed again if anything fails."""
-    slots_count = 1 << max(10, (2 * entries_max - 1).bit_length())  # about two slots per entry
-    slots = np.zeros(slots_count, np.uint32)
-    size = file_size(slots_count, entries_max)
-    ent_off = HEADER_SIZE + SLOT_SIZE * slots_count
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, DATA_MODE)
-    try:
-        allocate(fd, 0, size, str(tmp))
-        n = 0
-        last_seq = -1
-        for e in chunks:
-            k = len(e)
-            if not k:
-                continue
-            slot_of = (e["key_hash"] % np.uint64(slots_count)).astype(np.int64)
-            numbers = np.arange(n + 1, n + k + 1, dtype=np.int64)
-            order = np.argsort(slot_of, kind="stable")
-            s_sorted = slot_of[order]
-            prev_sorted = slots[s_sorted].astype(np.int64)
-            same = np.zeros(k, bool)
-            same[1:] = s_sorted[1:] == s_sorted[:-1]
-            prev_sorted[same] = numbers[order][:-1][same[1:]]
-            prev = np.empty(k, np.int64)
-            prev[order] = prev_sorted
-            e["prev"] = prev
-            last = np.ones(k, bool)
-            last[:-1] = s_sorted[:-1] != s_sorted[1:]
-            slots[s_sorted[last]] = numbers[order][last]
-            os.pwrite(fd, e.tobytes(), ent_off + n * ENTRY_SIZE)
-            n += k
-            last_seq = int(e["seq"][-1])
-        os.pwrite(fd, slots.tobytes(), HEADER_SIZE)
-        os.pwrite(fd, pack_header(slots_count, entries_max, n, first_seq, last_seq if n else first_seq, version), 0)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    return Compacted(tmp, slots_count, entries_max, n, last_seq if n else first_seq)
-
-
-def _rebuild_file(p: Path, first_seq: int, next_first_seq: int | None,
-                  rebuild: Callable[[int, int | None], np.ndarray], why: CorruptRecord) -> _IndexFile:
-    """Replace corrupt file ``p`` by one written from ``rebuild``'s entries (module docs)."""
-    log.warning("id index file corrupt, rebuilding it from the schedule log path=%s offset=%d reason=%r",
-                p, why.offset, why.reason)
-    entries = rebuild(first_seq, next_first_seq)
-    built = build_from_entries(p, entries, first_seq=first_seq)
-    os.replace(p, p.with_name(p.name + ".corrupt"))  # kept for a look; never read again
-    os.replace(built.tmp, p)
-    fsync_dir(p.parent)
-    log.warning("id index file rebuilt path=%s entries=%d last_seq=%d (the bad file is %s.corrupt)",
-                p, built.entries_used, built.last_seq, p.name)
-    return _read_header(p, first_seq)
 
 
 class IdIndex:
     """Message id -> ``IdLocation`` candidates, in rolling mmap'd hash-slot files."""
 
-    def __init__(self, directory: Path, files: list[_IndexFile], *, slots_count: int, entries_max: int,
+    def __init__(self, directory: Path, files: list[IndexFile], *, slots_count: int, entries_max: int,
                  open_files_max: int) -> None:
         self.directory = directory
         self.slots_count = slots_count
         self.entries_max = entries_max
         self.open_files_max = open_files_max
         self._files = files  # ascending first_seq; the last one is the active (writable) file
-        self._mapped: OrderedDict[int, _IndexFile] = OrderedDict()  # first_seq -> file, LRU order
+        self._mapped: OrderedDict[int, IndexFile] = OrderedDict()  # first_seq -> file, LRU order
         self._closed = False
         self._last_seq = -1
         self.rebuilt_files: list[Path] = []  # files rebuilt at open (their header was corrupt)
@@ -394,8 +117,8 @@ class IdIndex:
         data the index is derived from. A file whose header fails its checks is then rebuilt
         from them (the bad file kept as ``{name}.corrupt``) instead of failing the open;
         without it the ``CorruptRecord`` is raised."""
-        for name, value, lo, hi in (("slots_count", slots_count, 1, _U32_MAX),
-                                    ("entries_max", entries_max, 1, _U32_MAX - 1),
+        for name, value, lo, hi in (("slots_count", slots_count, 1, U32_MAX),
+                                    ("entries_max", entries_max, 1, U32_MAX - 1),
                                     ("open_files_max", open_files_max, 1, 1 << 16)):
             if not isinstance(value, int) or not lo <= value <= hi:
                 raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
@@ -414,12 +137,12 @@ class IdIndex:
             if len(stem) != 20 or not stem.isdigit():
                 raise CorruptRecord(str(p), 0, "file name is not a 20-digit first seq")
             try:
-                files.append(_read_header(p, int(stem)))
+                files.append(read_header(p, int(stem)))
             except CorruptRecord as e:
                 if rebuild is None:
                     raise
                 nxt = int(names[k + 1].name[: -len(SUFFIX)]) if k + 1 < len(names) else None
-                files.append(_rebuild_file(p, int(stem), nxt, rebuild, e))
+                files.append(rebuild_file(p, int(stem), nxt, rebuild, e))
                 rebuilt.append(p)
         self = cls(path, files, slots_count=slots_count, entries_max=entries_max, open_files_max=open_files_max)
         self.rebuilt_files = rebuilt
@@ -435,10 +158,10 @@ class IdIndex:
             f = self._files[-1]
             self._map(f, writable=True)
             try:
-                self._ensure_allocated(f, f.entries_used + 1)
+                f.ensure_allocated(f.entries_used + 1)
             except DiskFull as e:  # still opens: the next put will say so again
                 log.error("id index cannot allocate path=%s error=%s", f.path, e)
-            self._recover(f)
+            recover_tail(f)
             if f.entries_used:
                 self._last_seq = f.last_seq
                 return
@@ -449,35 +172,9 @@ class IdIndex:
             fsync_dir(self.directory)
             self._files.pop()
 
-    def _recover(self, f: _IndexFile) -> None:
-        mm = f.mm
-        assert mm is not None
-        start = n = f.entries_used
-        last = f.last_seq
-        relinked = 0
-        base = f.entries_offset
-        while n < f.entries_max:
-            h, _bucket, _off, seq, frame_size, prev = ENTRY.unpack_from(mm, base + n * ENTRY_SIZE)
-            if frame_size == 0 or prev > n or seq < last or seq < f.first_seq:
-                break  # not committed (or torn): the tail ends here
-            slot_off = HEADER_SIZE + SLOT_SIZE * (h % f.slots_count)
-            (head,) = U32.unpack_from(mm, slot_off)
-            if head < n + 1:
-                # committed but killed before the link; its prev is the slot's head of then, still current
-                U32.pack_into(mm, slot_off, n + 1)
-                relinked += 1
-            last = seq
-            n += 1
-        if n != start or relinked:
-            f.entries_used, f.last_seq = n, last
-            f.dirty = True
-            self._write_header(f)
-            log.warning("id index recovered path=%s entries_header=%d entries_recovered=%d relinked=%d",
-                        f.path, start, n, relinked)
-
     # -- mapping (LRU) -----------------------------------------------------------------
 
-    def _map(self, f: _IndexFile, *, writable: bool = False) -> mmap.mmap:
+    def _map(self, f: IndexFile, *, writable: bool = False) -> mmap.mmap:
         if f.mm is not None:
             self._mapped.move_to_end(f.first_seq)
             return f.mm
@@ -499,11 +196,11 @@ class IdIndex:
             self._unmap(victim)
         return f.mm
 
-    def _unmap(self, f: _IndexFile) -> None:
+    def _unmap(self, f: IndexFile) -> None:
         if f.mm is None:
             return
         if f.dirty:
-            self._sync(f)
+            f.sync()
         f.mm.close()
         os.close(f.fd)
         f.mm, f.fd, f.writable = None, -1, False
@@ -513,20 +210,6 @@ class IdIndex:
         for f in list(self._mapped.values()):
             self._unmap(f)
 
-    def _write_header(self, f: _IndexFile) -> None:
-        # pwrite, not a store into the map: one syscall cannot be torn by a kill
-        os.pwrite(f.fd, f.header(), 0)
-
-    def _sync(self, f: _IndexFile) -> None:
-        """Entries and heads to disk first, then the header that vouches for them."""
-        assert f.mm is not None
-        # fsync, not msync: the map shares the file's page cache, and fsync costs what is
-        # dirty while msync walks the whole (sparse, 164 MiB by default) mapping
-        os.fsync(f.fd)
-        self._write_header(f)
-        os.fsync(f.fd)
-        f.dirty = False
-
     # -- writing -------------------------------------------------------------------------
 
     def put(self, msg_id: str, loc: IdLocation) -> None:
@@ -535,10 +218,10 @@ class IdIndex:
         h = key_hash(msg_id)
         if not isinstance(loc, IdLocation):
             raise InvalidArgument("loc", f"must be an IdLocation, got {type(loc).__name__}")
-        for name, value, lo, hi in (("bucket_start_ms", loc.bucket_start_ms, _I64_MIN, _I64_MAX),
-                                    ("data_offset", loc.data_offset, 0, _U64_MAX),
-                                    ("frame_size", loc.frame_size, 1, _U32_MAX),
-                                    ("seq", loc.seq, 0, _SEQ_MAX)):
+        for name, value, lo, hi in (("bucket_start_ms", loc.bucket_start_ms, I64_MIN, I64_MAX),
+                                    ("data_offset", loc.data_offset, 0, U64_MAX),
+                                    ("frame_size", loc.frame_size, 1, U32_MAX),
+                                    ("seq", loc.seq, 0, SEQ_MAX)):
             if not isinstance(value, int) or not lo <= value <= hi:
                 raise InvalidArgument(name, f"must be an int in [{lo}, {hi}], got {value!r}")
         if loc.seq < self._last_seq:
@@ -549,7 +232,7 @@ class IdIndex:
         mm = f.mm
         assert mm is not None and f.writable
         n = f.entries_used
-        self._ensure_allocated(f, n + 1)
+        f.ensure_allocated(n + 1)
         slot_off = HEADER_SIZE + SLOT_SIZE * (h % f.slots_count)
         (head,) = U32.unpack_from(mm, slot_off)
         if head > n:
@@ -563,13 +246,13 @@ class IdIndex:
         f.dirty = True
         self._last_seq = loc.seq
 
-    def _roll(self, seq: int) -> _IndexFile:
+    def _roll(self, seq: int) -> IndexFile:
         old = self._files[-1] if self._files else None
         if old is not None:
             if seq == old.first_seq:
                 raise InvalidArgument("seq", f"more than entries_max={old.entries_max} puts share seq {seq}")
             self._map(old, writable=True)
-            self._sync(old)  # sealed: the header now covers every entry
+            old.sync()  # sealed: the header now covers every entry
         path = self.directory / file_name(seq)
         tmp = path.with_name(path.name + ".tmp")
         size = file_size(self.slots_count, self.entries_max)
@@ -588,7 +271,7 @@ class IdIndex:
         os.close(fd)
         os.rename(tmp, path)
         fsync_dir(self.directory)
-        f = _IndexFile(path, seq, self.slots_count, self.entries_max, 0, -1)
+        f = IndexFile(path, seq, self.slots_count, self.entries_max, 0, -1)
         self._files.append(f)
         if old is not None and old.writable:
             self._unmap(old)  # remapped read-only if a lookup needs it
@@ -638,8 +321,8 @@ class IdIndex:
             if f is None or f.entries_used >= f.entries_max or f.version != VERSION:
                 f = self._roll(int(seqs[i]))
             k = min(n - i, f.entries_max - f.entries_used)
-            self._put_chunk(f, hashes[i:i + k], bucket_start_ms[i:i + k], data_offset[i:i + k],
-                            frame_size[i:i + k], seqs[i:i + k])
+            put_chunk(f, hashes[i:i + k], bucket_start_ms[i:i + k], data_offset[i:i + k],
+                      frame_size[i:i + k], seqs[i:i + k])
             i += k
         self._last_seq = int(seqs[-1])
 
@@ -668,52 +351,6 @@ class IdIndex:
                          max(slots, -(-need // ALLOCATE_STEP_BYTES) * ALLOCATE_STEP_BYTES))
             entries -= k
         return total
-
-    def _ensure_allocated(self, f: _IndexFile, entries: int) -> None:
-        """Allocate the file up to ``entries`` entries (in steps of ``ALLOCATE_STEP_BYTES``)
-        before they are stored through the map; ``DiskFull`` (nothing written) if the disk
-        cannot."""
-        need = f.entries_offset + entries * ENTRY_SIZE
-        if need <= f.allocated:
-            return
-        upto = min(f.size, -(-need // ALLOCATE_STEP_BYTES) * ALLOCATE_STEP_BYTES)
-        assert f.fd >= 0
-        allocate(f.fd, f.allocated, upto - f.allocated, str(f.path))
-        f.allocated = upto
-
-    def _put_chunk(self, f: _IndexFile, h, bucket, off, size, seqs) -> None:
-        mm = f.mm
-        assert mm is not None and f.writable
-        k = len(h)
-        n0 = f.entries_used
-        self._ensure_allocated(f, n0 + k)
-        slots = np.frombuffer(mm, "<u4", f.slots_count, HEADER_SIZE)
-        entries = np.frombuffer(mm, ENTRY_DTYPE, k, f.entries_offset + n0 * ENTRY_SIZE)
-        slot_of = (np.asarray(h, np.uint64) % np.uint64(f.slots_count)).astype(np.int64)
-        numbers = np.arange(n0 + 1, n0 + k + 1, dtype=np.int64)
-        heads = slots[slot_of].astype(np.int64)
-        heads[heads > n0] = 0  # never link to an entry that does not exist
-        order = np.argsort(slot_of, kind="stable")
-        s_sorted = slot_of[order]
-        prev_sorted = heads[order]
-        same = np.zeros(k, bool)
-        same[1:] = s_sorted[1:] == s_sorted[:-1]
-        prev_sorted[same] = numbers[order][:-1][same[1:]]
-        prev = np.empty(k, np.int64)
-        prev[order] = prev_sorted
-        entries["key_hash"] = h
-        entries["bucket_start_ms"] = bucket
-        entries["data_offset"] = off
-        entries["seq"] = seqs
-        entries["prev"] = prev
-        entries["frame_size"] = size  # commit marks, after the rest of each entry
-        last_of_slot = np.ones(k, bool)
-        last_of_slot[:-1] = s_sorted[:-1] != s_sorted[1:]
-        slots[s_sorted[last_of_slot]] = numbers[order][last_of_slot]  # link, last
-        del slots, entries  # views of the map must not outlive this call (unmap needs none)
-        f.entries_used = n0 + k
-        f.last_seq = int(seqs[-1])
-        f.dirty = True
 
     def probe(self, hashes: np.ndarray, ids: list[bytes] | None = None) -> np.ndarray:
         """For each key hash (``key_hashes`` of ``ids``), whether some entry carries it (a
@@ -799,7 +436,7 @@ class IdIndex:
         """Delete whole files whose last_seq < seq; the newest file is always kept
         (it is the one written to and carries ``last_seq``). Returns files deleted."""
         self._check_open()
-        keep: list[_IndexFile] = []
+        keep: list[IndexFile] = []
         deleted = 0
         for i, f in enumerate(self._files):
             if i < len(self._files) - 1 and f.entries_used and f.last_seq < seq:
@@ -827,7 +464,7 @@ class IdIndex:
                 starts = np.zeros(0, np.int64)
                 counts = np.zeros(0, np.int64)
                 for lo in range(0, f.entries_used, COMPACT_CHUNK_ENTRIES):
-                    e = _read_entries(f.path, f.entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, f.entries_used - lo))
+                    e = read_entries(f.path, f.entries_offset, lo, min(COMPACT_CHUNK_ENTRIES, f.entries_used - lo))
                     u, c = np.unique(e["bucket_start_ms"], return_counts=True)
                     starts, inv = np.unique(np.concatenate([starts, u]), return_inverse=True)
                     counts = np.bincount(inv, weights=np.concatenate([counts, c]), minlength=len(starts)).astype(np.int64)
@@ -910,3 +547,10 @@ class IdIndex:
     def _check_open(self) -> None:
         if self._closed:
             raise Closed("id index is closed")
+
+
+__all__ = ["ALLOCATE_STEP_BYTES", "COMPACT_CHUNK_ENTRIES", "ENTRY", "ENTRY_DTYPE", "ENTRY_FRAME_SIZE_OFFSET",
+           "ENTRY_SIZE", "HEADER", "HEADER_CRC_OFFSET", "HEADER_SIZE", "MAGIC", "OPEN_FILES_MAX", "SLOT_SIZE", "SUFFIX",
+           "U32", "VERSION", "VERSION_BLAKE2B", "VERSIONS", "Compacted", "IdIndex", "IdLocation", "IndexFile",
+           "build_compacted", "build_from_entries", "file_name", "file_size", "key_hash", "key_hashes",
+           "pack_header", "read_entries", "read_header"]

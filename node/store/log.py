@@ -7,11 +7,10 @@ not fit in the current segment starts a new one whose base offset is the
 current end offset, so offsets are dense and ``read_bytes`` can ship raw bytes
 to a replica that appends them and ends up byte-identical.
 
-Frame (little-endian, see docs/format.md)::
-
-    u32 body_len | u32 body_crc | u32 header_crc | body
-    body_crc   = zlib.crc32(body)
-    header_crc = zlib.crc32(first 8 header bytes)
+The record frame (``u32 body_len | u32 body_crc | u32 header_crc | body``) is
+``node/store/frame.py``'s; segment names, the folder scan and tail recovery at open are
+``node/store/segments.py``'s. This module owns the log over them: appending, rolling,
+reading by offset, truncation, retention, flushing.
 
 Invariants:
 
@@ -22,14 +21,10 @@ Invariants:
   only ``flush()`` makes bytes durable against power loss. Callers acknowledge
   after ``flush()`` (see ``node.store.group_commit``).
 
-Recovery (``open``): the last segment is scanned from its start.
-
-* fewer bytes than a header remain, or a valid header announces a body running
-  past end of file, or everything left is zero bytes -> torn tail: truncated,
-  and logged with file, offset and bytes dropped;
-* anything else that fails a check -> ``CorruptRecord(path, offset)``: the node
-  refuses to start rather than guess. Sealed segments are checked lazily on
-  read (``verify()`` checks everything).
+Recovery (``open``, ``segments.open_segments``): the last segment is scanned from its
+start; a torn tail is truncated and reported (``recovery``), anything else failing a check
+is ``CorruptRecord(path, offset)``. Sealed segments are checked lazily on read
+(``verify()`` checks everything).
 
 Example::
 
@@ -48,119 +43,29 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
-from cluster.files import DATA_DIR_MODE, DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
+from cluster.files import DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
 from node.store.diskspace import enospc, is_enospc
 from node.store.settings import STORE_DEFAULTS
 
+from .frame import HEADER, HEADER_SIZE, PREFIX, TornRecord, decode_frame, frame, frame_many
+from .segments import (DELETING_SUFFIX, SUFFIX, RecoveryReport, Segment, open_segments, recover_tail, segment_name,
+                       unlink_segments)
+
 log = logging.getLogger("hourglass.store.log")
 
-HEADER = struct.Struct("<III")
-HEADER_SIZE = HEADER.size  # 12
-PREFIX = struct.Struct("<II")
-SUFFIX = ".log"
-DELETING_SUFFIX = ".deleting"
 RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
 READ_CHUNK_BYTES = 1 << 20
 OPEN_READERS_MAX = 16
 
 
-def frame(body: bytes) -> bytes:
-    """Encode one record frame (header + body)."""
-    prefix = PREFIX.pack(len(body), zlib.crc32(body))
-    return prefix + struct.pack("<I", zlib.crc32(prefix)) + body
-
-
-def frame_many(bodies: Iterable[bytes]) -> tuple[bytes, list[int]]:
-    """Encode several frames; return the bytes and each frame's relative position."""
-    parts: list[bytes] = []
-    positions: list[int] = []
-    pos = 0
-    pack_prefix = PREFIX.pack
-    pack_u32 = struct.Struct("<I").pack
-    crc = zlib.crc32
-    for body in bodies:
-        prefix = pack_prefix(len(body), crc(body))
-        parts.append(prefix)
-        parts.append(pack_u32(crc(prefix)))
-        parts.append(body)
-        positions.append(pos)
-        pos += HEADER_SIZE + len(body)
-    return b"".join(parts), positions
-
-
-class TornRecord(Exception):
-    """Internal: the bytes end in the middle of a record."""
-
-
-def decode_frame(buf: bytes | memoryview, pos: int, path: str, base: int, record_bytes_max: int) -> tuple[bytes, int]:
-    """Decode the frame at ``buf[pos:]``; return (body, next_pos).
-
-    Raises TornRecord when the buffer ends inside the frame (only meaningful at
-    the end of a file) and CorruptRecord when a check fails.
-    """
-    end = len(buf)
-    if end - pos < HEADER_SIZE:
-        raise TornRecord()
-    body_len, body_crc, header_crc = HEADER.unpack_from(buf, pos)
-    if zlib.crc32(bytes(buf[pos : pos + 8])) != header_crc:
-        raise CorruptRecord(path, base + pos, "header checksum mismatch")
-    if body_len > record_bytes_max:
-        raise CorruptRecord(path, base + pos, f"record length {body_len} exceeds {record_bytes_max}")
-    start = pos + HEADER_SIZE
-    stop = start + body_len
-    if stop > end:
-        raise TornRecord()
-    body = bytes(buf[start:stop])
-    if zlib.crc32(body) != body_crc:
-        raise CorruptRecord(path, base + pos, "body checksum mismatch")
-    return body, stop
-
-
-@dataclass(frozen=True, slots=True)
-class RecoveryReport:
-    path: str
-    offset: int
-    bytes_dropped: int
-
-
-@dataclass(slots=True)
-class _Segment:
-    base: int
-    path: Path
-    size: int
-    mtime: float
-
-
-def _segment_name(base: int) -> str:
-    return f"{base:020d}{SUFFIX}"
-
-
-
-
-def unlink_segments(directory: Path, paths: list[Path]) -> int:
-    """Delete detached segments oldest first (so a crash midway leaves the log's front cut,
-    never a gap), then fsync the folder. Any thread. Returns bytes freed."""
-    freed = 0
-    for p in paths:
-        try:
-            freed += p.stat().st_size
-            p.unlink()
-        except FileNotFoundError:
-            pass
-    if paths:
-        fsync_dir(directory)
-    return freed
-
-
 class SegmentedLog:
     """See module docstring. Not thread-safe, except ``flush`` may run in a worker thread."""
 
-    def __init__(self, directory: Path, segments: list[_Segment], *, segment_bytes_max: int,
+    def __init__(self, directory: Path, segments: list[Segment], *, segment_bytes_max: int,
                  record_bytes_max: int, recovery: RecoveryReport | None) -> None:
         self.directory = directory
         self.segment_bytes_max = segment_bytes_max
@@ -185,70 +90,9 @@ class SegmentedLog:
         if segment_bytes_max < HEADER_SIZE + 1:
             raise ValueError("segment_bytes_max too small")
         d = Path(directory)
-        d.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
-        # retention renames segments "*.log.deleting" oldest first, then unlinks them: a crash
-        # in between leaves some; every segment at or below the newest of them was due too
-        # (a rename lost by a power cut would otherwise leave a gap)
-        dying = [p for p in d.glob("*" + SUFFIX + DELETING_SUFFIX)]
-        if dying:
-            upto = max(int(p.name.split(".")[0]) for p in dying)
-            for p in sorted(d.glob("*" + SUFFIX)):
-                if p.stem.isdigit() and int(p.stem) <= upto and \
-                        any(q.stem.isdigit() and int(q.stem) > int(p.stem) for q in d.glob("*" + SUFFIX)):
-                    dying.append(p)
-            for p in dying:
-                p.unlink()
-            fsync_dir(d)
-            log.warning("segment deletion finished path=%s segments=%d", d, len(dying))
-        segments: list[_Segment] = []
-        for p in sorted(d.glob("*" + SUFFIX)):
-            try:
-                base = int(p.stem)
-            except ValueError:
-                continue
-            st = p.stat()
-            segments.append(_Segment(base, p, st.st_size, st.st_mtime))
-        for tmp in d.glob("*.tmp"):
-            tmp.unlink()
-        recovery = None
-        if not segments:
-            p = d / _segment_name(start_offset)
-            p.touch(mode=DATA_MODE)
-            fsync_dir(d)
-            segments.append(_Segment(start_offset, p, 0, time.time()))
-        else:
-            for prev, seg in zip(segments, segments[1:]):
-                if prev.base + prev.size != seg.base:
-                    raise CorruptRecord(str(prev.path), prev.base + prev.size,
-                                        f"segment ends at {prev.base + prev.size} but next segment starts at {seg.base}")
-            recovery = cls._recover_tail(segments[-1], record_bytes_max)
+        segments, recovery = open_segments(d, start_offset, record_bytes_max)
         return cls(d, segments, segment_bytes_max=segment_bytes_max,
                    record_bytes_max=record_bytes_max, recovery=recovery)
-
-    @staticmethod
-    def _recover_tail(seg: _Segment, record_bytes_max: int) -> RecoveryReport | None:
-        data = seg.path.read_bytes()
-        pos = 0
-        path = str(seg.path)
-        while pos < len(data):
-            try:
-                _, pos = decode_frame(data, pos, path, seg.base, record_bytes_max)
-            except TornRecord:
-                break
-            except CorruptRecord:
-                if data.count(0, pos) == len(data) - pos:
-                    break  # zero-filled tail (preallocation / lost page): torn, not corrupt
-                raise
-        if pos == len(data):
-            return None
-        dropped = len(data) - pos
-        with open(seg.path, "r+b") as f:
-            f.truncate(pos)
-            f.flush()
-            os.fsync(f.fileno())
-        seg.size = pos
-        log.warning("torn tail truncated path=%s offset=%d bytes_dropped=%d", path, seg.base + pos, dropped)
-        return RecoveryReport(path, seg.base + pos, dropped)
 
     def _open_active(self) -> None:
         seg = self._segments[-1]
@@ -374,7 +218,7 @@ class SegmentedLog:
         is created before the old one is let go: a full disk leaves the log as it was."""
         os.fsync(self._active_fd)
         base = self.end_offset
-        p = self.directory / _segment_name(base)
+        p = self.directory / segment_name(base)
         try:
             p.touch(mode=DATA_MODE)
             fsync_dir(self.directory)
@@ -383,7 +227,7 @@ class SegmentedLog:
                 raise enospc(e, str(p)) from None
             raise
         os.close(self._active_fd)
-        self._segments.append(_Segment(base, p, 0, time.time()))
+        self._segments.append(Segment(base, p, 0, time.time()))
         self._open_active()
 
     def flush(self) -> None:
@@ -421,10 +265,10 @@ class SegmentedLog:
         self._drop_readers()
         for s in self._segments:
             s.path.unlink()
-        p = self.directory / _segment_name(start_offset)
+        p = self.directory / segment_name(start_offset)
         p.touch(mode=DATA_MODE)
         fsync_dir(self.directory)
-        self._segments = [_Segment(start_offset, p, 0, time.time())]
+        self._segments = [Segment(start_offset, p, 0, time.time())]
         self._open_active()
 
     # ------------------------------------------------------------------ repair
@@ -516,7 +360,7 @@ class SegmentedLog:
 
     # ------------------------------------------------------------------ reading
 
-    def _segment_for(self, offset: int) -> _Segment:
+    def _segment_for(self, offset: int) -> Segment:
         segs = self._segments
         lo, hi = 0, len(segs) - 1
         while lo < hi:
@@ -527,7 +371,7 @@ class SegmentedLog:
                 hi = mid - 1
         return segs[lo]
 
-    def _reader(self, seg: _Segment) -> int:
+    def _reader(self, seg: Segment) -> int:
         fd = self._readers.get(seg.base)
         if fd is None:
             fd = os.open(seg.path, os.O_RDONLY)
@@ -688,3 +532,9 @@ class SegmentedLog:
     def verify(self) -> int:
         """Check every record of every segment; return the record count."""
         return sum(1 for _ in self.iterate())
+
+
+__all__ = ["DELETING_SUFFIX", "HEADER", "HEADER_SIZE", "OPEN_READERS_MAX", "PREFIX", "READ_CHUNK_BYTES",
+           "RECORD_BYTES_MAX_DEFAULT", "SUFFIX", "RecoveryReport", "Segment", "SegmentedLog", "TornRecord",
+           "decode_frame", "fsync_dir", "frame", "frame_many", "open_segments", "recover_tail", "segment_name",
+           "unlink_segments"]

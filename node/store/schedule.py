@@ -16,45 +16,17 @@ one ``write`` per bucket, k index entries with one ``pwrite`` per bucket, and k 
 batch made of a few due-ordered runs (SDK batches are sent sorted) is cut into slices
 instead, one frame per (run, second): a second may then hold several frames of one call.
 
-Index entry (``<QIIQQIIII``, 48 bytes, little-endian)::
+The files of one bucket - the data log, the 48-byte index entries chaining the frames of
+each second, the per-second heads - their format, and how a bucket recovers at open are
+``node/store/schedule_bucket.py``'s (``Bucket``). The cache of decoded frames is
+``node/store/schedule_cache.py``'s. This module owns the buckets together: ``meta.json``,
+the LRU of open buckets, filing a batch (``file``), loading a second (``load_second``,
+``second_entries``, ``frames_of``), finding a record (``find``, ``locate``), healing and
+retention.
 
-    u64 data_offset   offset of the frame in the bucket's data log
-    u32 frame_size    header + body bytes
-    u32 prev          entry number + 1 of the previous frame of the same second (0 = none)
-    u64 first_seq     lowest seq in the frame
-    u64 last_seq      highest seq in the frame
-    u32 second        due second relative to the bucket start
-    u32 messages      records of kind message in the frame
-    u32 cancels       cancel tombstones in the frame
-    u32 pad           entries written after this one by the same filing call (0: its last)
-
-heads: 32-byte header ``magic "HGH2" | u32 version | i64 bucket_start_ms | u32 seconds |
-u64 entries_covered | u32 crc32(first 28 bytes)`` then ``seconds`` x u32 (entry number +
-1 of the newest frame of that second, 0 = none). Loading second ``s`` walks its frame
-chain from ``heads[s]`` through ``prev`` (newest first) and reads each frame once; a
-recently filed frame is served from a bounded in-memory cache of decoded batches
-(``cache_bytes_max``), so the wheel loading the next seconds rarely touches the disk.
-
-Invariants and recovery (``Bucket.open``):
-
-* data is written before its index entries, index entries before their heads;
-* the frames one filing call puts in a bucket are all kept or all dropped: the data log
-  recovers its own torn tail; index entries pointing past the data end are dropped, and so
-  are the entries of a call cut short (``pad`` of an entry counts the entries written after
-  it by the same call, so a call's last entry has 0); frames in data past the last kept
-  entry are cut off. Replaying the message log files them again: a checkpoint only covers
-  records whose index entries were written and flushed. Nothing a flush vouched for (the
-  heads header's ``entries_covered``) is ever dropped this way: if the index holds fewer
-  entries than that, it was damaged, and the frames past it are indexed again instead;
-* ``entries_covered`` in the heads header says which index entries are reflected in the
-  heads; entries after it are re-applied; a heads file failing its checks is rebuilt;
-* the high-water mark ``last_seq`` is the largest ``last_seq`` of the index entries (the
-  groups of one batch are filed second by second, so their seqs interleave; every batch
-  is filed after the ones before it in the log): replaying the message log re-offers
-  records and ``file`` skips any with ``seq <= last_seq``, so nothing is filed twice. This
-  is only sound because a call's frames are kept or dropped together: had the group due in
-  second 4 been lost while the group due in second 3 (holding a higher seq) was kept, the
-  mark would skip the lost records for good.
+Invariant kept here: filing skips the records a bucket already holds (``seq <= last_seq``
+of the bucket, its replay high-water mark), so replaying the message log after a crash
+files nothing twice; ``schedule_bucket.py`` says why that mark is sound.
 
 Healing (derived data, ``docs/operations.md`` "Self-healing and scrubbing"): every entry
 point that reads a bucket (``bucket``, ``load_second``, ``find``, ``locate``) catches
@@ -74,11 +46,8 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import shutil
-import struct
-import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,26 +56,19 @@ from typing import Callable
 
 import numpy as np
 
-from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch
+from cluster.codec import KIND_MESSAGE, Batch
 from cluster.errors import CorruptRecord, InvalidArgument
 from cluster.files import DATA_DIR_MODE, DATA_MODE, write_atomic
 from node.store.settings import STORE_DEFAULTS
 from node.store.syncplan import SyncPlan
 
-from .diskspace import allocate, enospc, is_enospc
-from .log import HEADER_SIZE, SegmentedLog, fsync_dir
+from .log import fsync_dir
+from .schedule_bucket import (ENTRY, ENTRY_DTYPE, ENTRY_SIZE, FORMAT_VERSION, HEADS_HEADER, HEADS_HEADER_SIZE,
+                              HEADS_MAGIC, REBUILT_MARKER, Bucket)
+from .schedule_cache import FrameCache, FrameRef
 
 log = logging.getLogger("hourglass.store.schedule")
 
-ENTRY = struct.Struct("<QIIQQIIII")
-ENTRY_SIZE = ENTRY.size  # 48
-ENTRY_DTYPE = np.dtype([("data_offset", "<u8"), ("frame_size", "<u4"), ("prev", "<u4"), ("first_seq", "<u8"),
-                        ("last_seq", "<u8"), ("second", "<u4"), ("messages", "<u4"), ("cancels", "<u4"),
-                        ("pad", "<u4")])
-HEADS_HEADER = struct.Struct("<4sIqIQ")  # 28 bytes, then u32 crc, padded to 32
-HEADS_HEADER_SIZE = 32
-HEADS_MAGIC = b"HGH2"
-FORMAT_VERSION = 2  # of the heads header
 # meta.json "version": 3 = frames may use the packed column layout (cluster/codec.py
 # FLAG_PACKED); a version 2 folder (plain frames only) is read the same and marked 3 when
 # opened, so a node older than the packed layout refuses it instead of misreading it.
@@ -115,21 +77,8 @@ META_VERSIONS_READ = (2, 3)
 MEMO_FRAMES_MAX = 4096  # frames one ``ScheduleLog.memo`` block keeps (a batch's duplicates)
 OPEN_BUCKETS_MAX = 32  # buckets kept open (LRU) unless ``open_buckets_max`` says otherwise
 REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
-REBUILT_MARKER = "rebuilt"
 FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices,
 FILE_SORTED_RUN_MIN = 16  # ... of this many records each on average (else sorted: no tiny frames)
-
-assert ENTRY_DTYPE.itemsize == ENTRY_SIZE
-
-
-@dataclass(frozen=True, slots=True)
-class FrameRef:
-    """One filed group: where it lives and its decoded records."""
-
-    bucket_start_ms: int
-    data_offset: int
-    frame_size: int
-    batch: Batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,391 +91,6 @@ class Filed:
     data_offset: np.ndarray
     frame_size: np.ndarray
     frames: list[FrameRef]
-
-
-class _FrameCache:
-    """Decoded frames by (bucket, offset), least recently used out, bounded in bytes."""
-
-    def __init__(self, bytes_max: int) -> None:
-        self.bytes_max = bytes_max
-        self.bytes = 0
-        self._items: OrderedDict[tuple[int, int], FrameRef] = OrderedDict()
-
-    def put(self, ref: FrameRef) -> None:
-        key = (ref.bucket_start_ms, ref.data_offset)
-        if key in self._items:
-            return
-        self._items[key] = ref
-        self.bytes += ref.frame_size
-        while self.bytes > self.bytes_max and self._items:
-            _, old = self._items.popitem(last=False)
-            self.bytes -= old.frame_size
-
-    def get(self, bucket: int, offset: int) -> FrameRef | None:
-        return self._items.get((bucket, offset))
-
-    def drop_bucket(self, bucket: int) -> None:
-        for key in [k for k in self._items if k[0] == bucket]:
-            self.bytes -= self._items.pop(key).frame_size
-
-
-def _group_counts(b: Batch) -> tuple[int, int]:
-    cancels = int(np.count_nonzero(b.kind == KIND_CANCEL))
-    return b.n - cancels, cancels
-
-
-class Bucket:
-    """One time bucket: data log + index + mmap'd heads."""
-
-    def __init__(self, path: Path, start_ms: int, bucket_ms: int, *, data_segment_bytes: int) -> None:
-        self.path = path
-        self.start_ms = start_ms
-        self.seconds = bucket_ms // 1000
-        path.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
-        self.data = SegmentedLog.open(path / "data", segment_bytes_max=data_segment_bytes)
-        self._index_path = path / "index"
-        self._index_fd = os.open(self._index_path, os.O_RDWR | os.O_CREAT, DATA_MODE)
-        self._heads_path = path / "heads"
-        self.entries = 0
-        self.last_seq = -1
-        self._repaired = False
-        self.rebuilt = (path / REBUILT_MARKER).exists()
-        self._recover_index()
-        self._open_heads()
-        self._check_mark()
-
-    # -- recovery ----------------------------------------------------------------
-
-    def _read_entry(self, n: int) -> tuple:
-        raw = os.pread(self._index_fd, ENTRY_SIZE, n * ENTRY_SIZE)
-        if len(raw) != ENTRY_SIZE:
-            raise CorruptRecord(str(self._index_path), n * ENTRY_SIZE, "short index entry")
-        return ENTRY.unpack(raw)
-
-    def _recover_index(self) -> None:
-        size = os.fstat(self._index_fd).st_size
-        n = size // ENTRY_SIZE
-        data_end = self.data.end_offset
-        while n > 0:  # drop entries whose frame is not (or no longer) in the data log
-            off, fsize, *_ = self._read_entry(n - 1)
-            if off + fsize <= data_end:
-                break
-            n -= 1
-        # a filing call cut short: its entries after one whose count is not 0. Never below what
-        # a flush vouched for (the heads header's count): a checkpoint may cover those records,
-        # so they would not be filed again; a count there that is not 0 is a flipped bit.
-        vouched = self._vouched_entries()
-        while n > vouched:
-            if self._read_entry(n - 1)[-1] == 0:
-                break
-            n -= 1
-        if n * ENTRY_SIZE != size:
-            os.ftruncate(self._index_fd, n * ENTRY_SIZE)
-            log.warning("schedule index truncated path=%s entries=%d bytes_dropped=%d",
-                        self._index_path, n, size - n * ENTRY_SIZE)
-            self._repaired = True
-        self.entries = n
-        indexed_end = self.data.start_offset
-        if n:
-            off, fsize, *_ = self._read_entry(n - 1)
-            indexed_end = off + fsize
-            # the groups of one batch are filed by second, not by seq: the mark is the maximum
-            self.last_seq = int(self.entries_array()["last_seq"].max())
-        if indexed_end < data_end and n >= vouched:
-            # frames of a filing call that reached the data log but not the index (the process
-            # died between the two writes, maybe after only some of its frames): cut them off.
-            # Indexing them would keep part of a call, and its highest seq as the mark would
-            # skip the rest when the message log is replayed; the replay files them all again
-            # (no flush vouched for them, so no checkpoint covers them).
-            dropped = self.data.truncate(indexed_end)
-            self._repaired = True
-            log.warning("schedule data cut to its index path=%s offset=%d bytes_dropped=%d",
-                        self.data.directory, indexed_end, dropped)
-        elif indexed_end < data_end:
-            # the index lost entries a flush vouched for (damage, not a kill): a checkpoint may
-            # cover these frames, so they are indexed again from their bodies rather than lost
-            rows = []
-            for off, body in self.data.iterate(indexed_end):
-                rows.append(self._entry_row(off, HEADER_SIZE + len(body), Batch.decode(body)))
-            self._write_entries(rows, link=False)
-            self._repaired = True
-            log.warning("schedule index rebuilt from data path=%s frames=%d (fewer entries than flushed: %d < %d)",
-                        self._index_path, len(rows), n, vouched)
-
-    def _vouched_entries(self) -> int:
-        """``entries_covered`` of the heads header when it passes its checks (the entries the
-        last completed flush made durable), else 0."""
-        try:
-            with open(self._heads_path, "rb") as f:
-                hdr = f.read(HEADS_HEADER_SIZE)
-        except FileNotFoundError:
-            return 0
-        if len(hdr) < HEADS_HEADER_SIZE:
-            return 0
-        covered = self._heads_covered(hdr)
-        return 0 if covered is None else covered
-
-    def _heads_covered(self, hdr: bytes) -> int | None:
-        """``entries_covered`` of a heads header that is this bucket's and passes its CRC, else None."""
-        magic, version, start, seconds, covered = HEADS_HEADER.unpack_from(hdr)
-        crc = struct.unpack_from("<I", hdr, 28)[0]
-        ok = (magic == HEADS_MAGIC and version == FORMAT_VERSION and start == self.start_ms
-              and seconds == self.seconds and crc == zlib.crc32(hdr[:28]))
-        return int(covered) if ok else None
-
-    def _check_mark(self) -> None:
-        """The replay high-water mark comes from one entry (the largest ``last_seq``): read
-        its frame and check it, so a flipped bit there cannot make filing skip records."""
-        if not self.entries:
-            return
-        e = self.entries_array()
-        n = int(np.argmax(e["last_seq"]))
-        b = self.read(int(e["data_offset"][n]), int(e["frame_size"][n]))
-        if b.n == 0 or int(b.seq.max()) != int(e["last_seq"][n]) or int(b.seq.min()) != int(e["first_seq"][n]):
-            raise CorruptRecord(str(self._index_path), n * ENTRY_SIZE, "index entry seq range does not match its frame")
-
-    def _entry_row(self, off: int, fsize: int, b: Batch) -> tuple:
-        if not b.n:
-            raise CorruptRecord(str(self.data.directory), off, "empty schedule frame")
-        second = (max(int(b.effective_ms[0]), self.start_ms) - self.start_ms) // 1000
-        if not 0 <= second < self.seconds:
-            raise CorruptRecord(str(self.data.directory), off, f"frame due outside bucket {self.start_ms}")
-        msgs, cancels = _group_counts(b)
-        return (off, fsize, 0, int(b.seq.min()), int(b.seq.max()), second, msgs, cancels, 0)
-
-    def _open_heads(self) -> None:
-        want = HEADS_HEADER_SIZE + 4 * self.seconds
-        fd = os.open(self._heads_path, os.O_RDWR | os.O_CREAT, DATA_MODE)
-        try:
-            fresh = os.fstat(fd).st_size != want
-            if fresh:
-                os.ftruncate(fd, 0)
-            # allocated before it is mapped: a store into a page the disk cannot back is a SIGBUS
-            allocate(fd, 0, want, str(self._heads_path))
-            self._heads_map = mmap.mmap(fd, want)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._heads_fd = fd  # kept: a flush planned on the loop fsyncs it from a worker thread
-        self.heads = np.frombuffer(self._heads_map, "<u4", self.seconds, HEADS_HEADER_SIZE)
-        covered = 0
-        if not fresh:
-            vouched = self._heads_covered(bytes(self._heads_map[:HEADS_HEADER_SIZE]))
-            ok = vouched is not None and vouched <= self.entries
-            covered = vouched or 0
-            if not ok or self._repaired:
-                log.warning("schedule heads rebuilt path=%s reason=%s", self._heads_path,
-                            "index repaired" if ok else "bad header")
-                covered = 0
-        if covered == 0:
-            self.heads[:] = 0
-        # Re-apply index entries the header does not vouch for. A killed process may have
-        # linked some already (the map lives in the page cache): a head at or past the entry
-        # means it is linked; otherwise relink it, since its stored prev may be stale.
-        if covered < self.entries:
-            region = bytearray(os.pread(self._index_fd, (self.entries - covered) * ENTRY_SIZE, covered * ENTRY_SIZE))
-            rows = np.frombuffer(region, ENTRY_DTYPE)
-            heads = self.heads
-            for i in range(len(rows)):
-                n = covered + i
-                second = int(rows["second"][i])
-                if second >= self.seconds:
-                    raise CorruptRecord(str(self._index_path), n * ENTRY_SIZE, "index entry second past bucket end")
-                if heads[second] >= n + 1:
-                    continue
-                rows["prev"][i] = heads[second]
-                heads[second] = n + 1
-            os.pwrite(self._index_fd, region, covered * ENTRY_SIZE)
-        self._write_heads_header()
-
-    def _heads_header(self) -> bytes:
-        hdr = HEADS_HEADER.pack(HEADS_MAGIC, FORMAT_VERSION, self.start_ms, self.seconds, self.entries)
-        return hdr + struct.pack("<I", zlib.crc32(hdr))
-
-    def _write_heads_header(self) -> None:
-        self._heads_map[:HEADS_HEADER_SIZE] = self._heads_header()
-
-    # -- writing -----------------------------------------------------------------
-
-    def _write_entries(self, rows: list[tuple], *, link: bool = True) -> None:
-        """Append one filing call's index entries with one pwrite, then (``link``) point their
-        seconds' heads at them: one step per frame, never per message. Recovery writes
-        unlinked entries and relinks everything from the heads rebuild."""
-        if not rows:
-            return
-        arr = np.array(rows, ENTRY_DTYPE)
-        arr["pad"] = np.arange(len(rows) - 1, -1, -1)  # one call's entries: kept or dropped together
-        n0 = self.entries
-        new_heads: dict[int, int] = {}
-        if link:
-            heads = self.heads
-            for i, sec in enumerate(arr["second"].tolist()):
-                arr["prev"][i] = new_heads.get(sec, int(heads[sec]))
-                new_heads[sec] = n0 + i + 1
-        os.pwrite(self._index_fd, arr.tobytes(), n0 * ENTRY_SIZE)
-        for sec, head in new_heads.items():
-            self.heads[sec] = head
-        self.entries = n0 + len(rows)
-        self.last_seq = max(self.last_seq, int(arr["last_seq"].max()))
-
-    def append_groups(self, groups: list[Batch]) -> list[tuple[int, int]]:
-        """File groups (each due in one second of this bucket, in due order, all newer than
-        ``last_seq``): one data write, one index write. Returns (offset, size) each."""
-        bodies = [g.encode(packed=True) for g in groups]
-        data_end = self.data.end_offset
-        offsets = self.data.append(bodies)
-        sizes = [HEADER_SIZE + len(body) for body in bodies]
-        try:
-            self._write_entries([self._entry_row(off, size, g) for off, size, g in zip(offsets, sizes, groups)])
-        except OSError as e:  # the disk filled between data and index: as if nothing was filed
-            self.data.truncate(data_end)
-            if is_enospc(e):
-                raise enospc(e, str(self._index_path)) from None
-            raise
-        return list(zip(offsets, sizes))
-
-    def discard(self) -> None:
-        """Let go of the files without flushing them (the bucket is being deleted)."""
-        if hasattr(self, "heads"):
-            del self.heads
-        self._heads_map.close()
-        for name in ("_index_fd", "_heads_fd"):
-            if getattr(self, name, -1) >= 0:
-                os.close(getattr(self, name))
-                setattr(self, name, -1)
-        self.data.close()
-
-    def flush(self) -> None:
-        """Make data, index and heads durable, in that order."""
-        plan = SyncPlan()
-        self.plan_flush(plan)
-        plan.run()
-
-    def plan_flush(self, plan: SyncPlan) -> None:
-        """``flush`` as steps for a worker thread: data, index, heads (the page cache the
-        map shares), then the heads header vouching for the entries filed so far."""
-        self.data.plan_flush(plan)
-        plan.fsync(self._index_fd)
-        plan.fsync(self._heads_fd)
-        plan.pwrite(self._heads_fd, self._heads_header(), 0)
-        plan.fsync(self._heads_fd)
-
-    # -- reading -----------------------------------------------------------------
-
-    def chain(self, second_in_bucket: int, *, newer_than: int = 0) -> list[tuple[int, int, int, int]]:
-        """(entry number, data_offset, frame_size, last_seq) of the frames due in one second,
-        newest first; only entries numbered above ``newer_than`` (appended after it)."""
-        n = int(self.heads[second_in_bucket])
-        out = []
-        steps = 0
-        while n > newer_than:
-            if n > self.entries or steps > self.entries:
-                raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain points past the end")
-            off, fsize, prev, _first, last, second, *_ = self._read_entry(n - 1)
-            if prev >= n or second != second_in_bucket:
-                raise CorruptRecord(str(self._index_path), (n - 1) * ENTRY_SIZE, "index chain is broken")
-            out.append((n, off, fsize, last))
-            n = prev
-            steps += 1
-        return out
-
-    def entries_array(self) -> np.ndarray:
-        """Every index entry (for counts): one read."""
-        raw = os.pread(self._index_fd, self.entries * ENTRY_SIZE, 0)
-        return np.frombuffer(raw[: len(raw) - len(raw) % ENTRY_SIZE], ENTRY_DTYPE)
-
-    def read(self, data_offset: int, frame_size: int) -> Batch:
-        return Batch.decode(self.data.read_at(data_offset, frame_size))
-
-    def verify(self, *, seconds: range | None = None, seq_below: int | None = None) -> int:
-        """Check this bucket against itself; return the frames read. Raises ``CorruptRecord``
-        naming the file and offset.
-
-        Always (numpy over the whole index, no frame read): entries in filing order cover the
-        data log contiguously, every ``prev`` links the previous entry of the same second,
-        every head the newest one, every seq range is ordered and below ``seq_below`` (the
-        first seq not issued yet: a flipped high bit in ``last_seq`` would make filing skip
-        new records). Then the frames - all of them (``seconds`` None, one pass over the data
-        log), or only those of ``seconds`` (relative to the bucket start) - pass their CRCs
-        and match their entries exactly (seq range, second, counts)."""
-        e = self.entries_array().copy()
-        ipath = str(self._index_path)
-        n = len(e)
-        if n:
-            bad = np.flatnonzero(e["first_seq"] > e["last_seq"])
-            if seq_below is not None:
-                bad = np.union1d(bad, np.flatnonzero(e["last_seq"] >= np.uint64(seq_below)))
-            if len(bad):
-                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index entry seq range is impossible")
-            ends = e["data_offset"].astype(np.int64) + e["frame_size"]
-            starts = np.concatenate([[self.data.start_offset], ends[:-1]])
-            bad = np.flatnonzero((e["data_offset"].astype(np.int64) != starts) | (e["second"] >= self.seconds))
-            if len(bad):
-                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index entry does not describe the next frame")
-            if int(ends[-1]) != self.data.end_offset:
-                raise CorruptRecord(ipath, (n - 1) * ENTRY_SIZE, "index does not cover the data log")
-            # the chain of each second, recomputed: prev = previous entry of the same second
-            order = np.argsort(e["second"], kind="stable")
-            sec_sorted = e["second"][order]
-            want_prev = np.zeros(n, np.int64)
-            same = np.zeros(n, bool)
-            same[1:] = sec_sorted[1:] == sec_sorted[:-1]
-            want_prev[order[same]] = order[np.flatnonzero(same) - 1] + 1
-            bad = np.flatnonzero(e["prev"].astype(np.int64) != want_prev)
-            if len(bad):
-                raise CorruptRecord(ipath, int(bad[0]) * ENTRY_SIZE, "index chain is broken")
-            last = np.ones(n, bool)
-            last[:-1] = sec_sorted[:-1] != sec_sorted[1:]
-            want_heads = np.zeros(self.seconds, np.int64)
-            want_heads[sec_sorted[last].astype(np.int64)] = order[last] + 1
-        else:
-            want_heads = np.zeros(self.seconds, np.int64)
-        bad = np.flatnonzero(self.heads.astype(np.int64) != want_heads)
-        if len(bad):
-            raise CorruptRecord(str(self._heads_path), HEADS_HEADER_SIZE + 4 * int(bad[0]), "head does not match index")
-        def check(i: int, off: int, body: bytes) -> None:
-            row = self._entry_row(off, HEADER_SIZE + len(body), Batch.decode(body))
-            got = (int(e["data_offset"][i]), int(e["frame_size"][i]), 0, int(e["first_seq"][i]),
-                   int(e["last_seq"][i]), int(e["second"][i]), int(e["messages"][i]), int(e["cancels"][i]), 0)
-            if got != row:
-                raise CorruptRecord(ipath, i * ENTRY_SIZE, "index entry does not match its frame")
-
-        if seconds is not None:
-            picked = np.flatnonzero((e["second"] >= seconds.start) & (e["second"] < seconds.stop)).tolist()
-            for i in picked:
-                off, size = int(e["data_offset"][i]), int(e["frame_size"][i])
-                check(i, off, self.data.read_at(off, size))
-            return len(picked)
-        i = 0
-        for off, body in self.data.iterate():
-            if i >= n:
-                raise CorruptRecord(str(self.data.directory), off, "frame not in the index")
-            check(i, off, body)
-            i += 1
-        return i
-
-    def close(self) -> None:
-        self.flush()
-        del self.heads
-        self._heads_map.close()
-        os.close(self._heads_fd)
-        self._heads_fd = -1
-        os.close(self._index_fd)
-        self._index_fd = -1
-        self.data.close()
-
-    def __del__(self) -> None:
-        # dropped without close(): give the descriptors back, write nothing
-        try:
-            for name in ("_index_fd", "_heads_fd"):
-                if getattr(self, name, -1) >= 0:
-                    os.close(getattr(self, name))
-                    setattr(self, name, -1)
-            if hasattr(self, "heads"):
-                del self.heads
-            self._heads_map.close()
-        except Exception:
-            pass
 
 
 def _write_meta(path: Path, bucket_ms: int) -> None:
@@ -560,7 +124,7 @@ class ScheduleLog:
         self.data_segment_bytes = data_segment_bytes
         self.open_buckets_max = open_buckets_max
         self._open: OrderedDict[int, Bucket] = OrderedDict()
-        self.cache = _FrameCache(cache_bytes_max)
+        self.cache = FrameCache(cache_bytes_max)
         # frames read during one synchronous pass (``memo``): a retried batch's duplicates are
         # confirmed on the frames that hold them, each read and decoded once, not once per id
         self._memo: dict[tuple[int, int], FrameRef] | None = None
@@ -950,4 +514,5 @@ class ScheduleLog:
             b.close()
 
 
-__all__ = ["Bucket", "ENTRY", "ENTRY_SIZE", "Filed", "FrameRef", "HEADS_MAGIC", "KIND_MESSAGE", "ScheduleLog"]
+__all__ = ["Bucket", "ENTRY", "ENTRY_DTYPE", "ENTRY_SIZE", "FORMAT_VERSION", "HEADS_HEADER", "HEADS_HEADER_SIZE",
+           "HEADS_MAGIC", "KIND_MESSAGE", "REBUILT_MARKER", "Filed", "FrameRef", "ScheduleLog"]
