@@ -57,7 +57,7 @@ from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, unpack_ranges
-from node.aio import finish_then_cancel, wait_event
+from node.aio import wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
 from node.intake import SendIntake
@@ -67,6 +67,7 @@ from node.realtime.creator import SubjectCreator
 from node.realtime.immediate import due_later, refuse_due_later
 from node.realtime.nack import nack_copies
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
+from node.realtime.upkeep import RealtimeUpkeep
 from node.role import SINGLE, Role
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
@@ -82,7 +83,7 @@ POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (
 RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
 
-class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
+class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock(settings.clock_offset_ms)
@@ -523,90 +524,6 @@ class RealtimeNode(SendIntake, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.A
                                  unrepaired=report.unrepaired, json=report.to_json())
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
-            await self._flush_once(at_rest_skip=True)
-
-    async def _flush_once(self, *, at_rest_skip: bool = False) -> None:
-        """Periodic flush: the message log, the index checkpoint once enough was appended
-        (``checkpoint_bytes_min``), and the positions pulls moved, committed with the ack rounds.
-        ``at_rest_skip``: nothing to do when ``RealtimeStore.flush_key`` is what it was after
-        the last flush, except once every ``checkpoint_idle_interval_ms`` (the dedup window's
-        oldest offset may have moved with the clock): a node at rest fsyncs nothing (issue 28)."""
-        store = self.store
-        loop = asyncio.get_running_loop()
-        key = store.flush_key()
-        last = self._flushed
-        if at_rest_skip and last is not None and last[0] is store and last[1] == key \
-                and loop.time() - last[2] < self.settings.checkpoint_idle_interval_ms / 1000:
-            return
-        plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min,
-                                fsyncs_max=store.settings.checkpoint_index_fsyncs_max)
-        try:
-            # fsyncs off the loop; a role switch waits for the thread (it then closes this store)
-            await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, plan.run))
-        except OSError as e:
-            if not is_enospc(e):
-                raise
-            self.disk.note_enospc("checkpoint")  # the previous checkpoint stands; the next flush tries again
-            log.error("checkpoint not written (no space left) path=%s", self.settings.data_dir)
-            return
-        if self.store is not store:
-            return  # reopened meanwhile (a role change): its own flush covers it
-        plan.finish()
-        dirty = store.dirty_groups()
-        if dirty:
-            try:
-                await self._groups_durable(set(dirty))
-            except DiskFull as e:  # positions stay dirty: the next flush writes them again
-                self.disk.note_enospc(str(e))
-                return
-        if self.store is store:
-            self._flushed = (store, key, loop.time())
-
-    async def _disk_loop(self) -> None:
-        """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
-        await self.disk.run(self.settings.disk_check_interval_ms / 1000, self.metrics)
-
-    def _retention_slave_holds(self) -> dict[str, int] | None:
-        return None  # no replicas (ReplicatedRealtimeNode: its registered slaves)
-
-    async def _retention_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.retention_interval_ms / 1000)
-            try:
-                await self.retention_once()
-            except OSError as e:  # ENOSPC renaming or copying: nothing was half done; next round again
-                log.error("retention round failed path=%s error=%s", self.settings.data_dir, e)
-
-    async def retention_once(self) -> RetentionReport:
-        """One retention round (node/realtime/retention.py): decide and detach on the loop,
-        delete and copy on a worker thread, swap compacted index files in on the loop."""
-        store = self.store
-        work, report = store.retention_plan(now_ms=self.clock.now_ms(), slave_holds=self._retention_slave_holds())
-        try:
-            if work:
-                await finish_then_cancel(asyncio.get_running_loop().run_in_executor(None, work.run))
-        finally:
-            store.retention_finish(work)  # a store closed meanwhile (role change) only drops temp files
-        self.metrics.retention_freed.inc(work.freed_bytes)
-        self.metrics.idle_groups.set(report.idle_groups)
-        self.metrics.set_retention_held({"messages": (report.held_by, report.held_age_ms / 1000)})
-        prev_store, prev = self._counted
-        if prev_store is not store:
-            prev = {}
-        c = store.counters
-        for event, key in (("idle", "groups_idled"), ("resumed", "groups_resumed")):
-            self.metrics.idle_group_events.labels(event=event).inc(max(0, c[key] - prev.get(key, 0)))
-        self.metrics.retention_skipped.inc(max(0, c["resumed_skipped_messages"] - prev.get("resumed_skipped_messages", 0)))
-        self._counted = (store, dict(c))
-        sizes = await asyncio.to_thread(store.disk_bytes)
-        for name, n in sizes.items():
-            self.metrics.disk_bytes.labels(log=name).set(n)
-        self.last_retention = (report, sizes)
-        return report
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
         server, self.address = await start_grpc(self.settings, producer=self, consumer=self, admin=self)
