@@ -168,6 +168,8 @@ class NodeSettings(BaseSettings):
     cache_ahead_ms: int = Field(default=S.cache_ahead_ms, ge=0,
                                 description="frames due this far past the loaded seconds are cached when filed")
     seconds_load_max: int = Field(default=S.seconds_load_max, ge=1, description="seconds loaded from disk per poll")
+    file_step_max: int = Field(default=S.file_step_max, ge=1, description="records a master files per step of its filing loop (the loop yields to other work between steps)")
+    follower_file_step_max: int = Field(default=S.follower_file_step_max, ge=1, description="records a slave files per step (it also applies replicated bytes on its loop)")
     frame_bytes_max: int = Field(default=S.frame_bytes_max, ge=4096,
                                  description="a larger accepted batch is appended as several frames")
     verify_ahead_ms: int = Field(default=S.verify_ahead_ms, ge=0,

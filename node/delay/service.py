@@ -251,7 +251,7 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
             try:
-                while self.store.iterate(limit=20_000):
+                while self.store.iterate(limit=self.settings.file_step_max):
                     self._wake_wheel()
                     await asyncio.sleep(0)
             except DiskFull as e:  # accepted records are durable in the message log: filing waits for space

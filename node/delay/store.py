@@ -286,7 +286,7 @@ class DelayStore:
 
     # ------------------------------------------------------------------ iterator (filing)
 
-    def iterate(self, limit: int | None = 10_000) -> int:
+    def iterate(self, limit: int | None) -> int:
         """File durable batches from the message log into the schedule log; returns records filed.
 
         A follower files only up to the master's checkpointed iterate offset, under the

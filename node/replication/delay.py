@@ -335,7 +335,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             await wait_event(self._durable_moved, 1.0)  # every answer sets it; the timeout is a safety net
             self._durable_moved.clear()
             try:
-                while self.store.iterate(limit=5000):
+                while self.store.iterate(limit=self.settings.follower_file_step_max):
                     await asyncio.sleep(0)
             except DiskFull as e:  # filing waits for space; the replicated bytes are safe in the log
                 self.disk.note_enospc(str(e))
