@@ -12,12 +12,9 @@ its driver, block manager and UI to the first non-loopback address). An explicit
 ``SPARK_LOCAL_IP`` or ``spark.driver.*`` setting wins; a cluster master is left alone (its
 executors must reach the driver: docs/spark.md, "Running on a Spark cluster").
 
-A local JVM that this process starts compiles with the client compiler only
-(``-XX:TieredStopAtLevel=1``, ``LOCAL_JVM_OPTIONS``, added to any
-``spark.driver.extraJavaOptions`` given unless that already sets a ``TieredStopAtLevel``;
-``jvm_c1_only=False`` leaves it out): Hourglass jobs are short, and the optimising compiler's
-own CPU (compiling each query's generated code) outweighed what its faster code saved -
-JVM CPU of the 1M-record audit 41.7 -> 24.2 s (docs/benchmarks.md).
+The JVM keeps its default (tiered) compilers: compiling with C1 only
+(``-XX:TieredStopAtLevel=1``) saved 40% of the JVM's CPU of a 1M-record audit but cost 30%
+more at 10M, where the optimised code pays for its compilation (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from pydantic import BaseModel, Field
 
 LOCAL_MASTER = "local[*]"
 LOOPBACK = "127.0.0.1"
-LOCAL_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"   # C1 only: short jobs (module docstring)
 
 
 class SessionSettings(BaseModel):
@@ -36,7 +32,6 @@ class SessionSettings(BaseModel):
     driver_memory: str | None = None           # e.g. "2g"; only effective when this process starts the JVM
     conf: dict[str, str] = {}
     log_level: str = "WARN"                    # Spark's log4j level once started (the CLI: OFF)
-    jvm_c1_only: bool = True                   # a local JVM this process starts: LOCAL_JVM_OPTIONS
 
 
 def is_local(master: str | None) -> bool:
@@ -83,12 +78,7 @@ def build_session(settings: SessionSettings | None = None):
         b = b.config("spark.sql.shuffle.partitions", str(s.shuffle_partitions))
     if s.driver_memory:
         b = b.config("spark.driver.memory", s.driver_memory)
-    conf = dict(s.conf)
-    if s.jvm_c1_only and s.master and is_local(s.master):
-        given = conf.get("spark.driver.extraJavaOptions", "")
-        if "TieredStopAtLevel" not in given:
-            conf["spark.driver.extraJavaOptions"] = f"{given} {LOCAL_JVM_OPTIONS}".strip()
-    for k, v in conf.items():
+    for k, v in s.conf.items():
         b = b.config(k, v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel(s.log_level)
