@@ -39,6 +39,9 @@ Phases (``--phases``, default ``scan,audit,bulk``):
   docs/benchmarks.md);
 * ``bulk``: bulk-schedule against a ``LocalCluster``.
 
+``--conf KEY=VALUE`` (repeatable) sets a Spark setting for the session, to compare settings
+one at a time (e.g. ``--conf spark.driver.extraJavaOptions=-XX:+UseParallelGC``).
+
 Memory: a sampler thread reads RSS every 200 ms of the JVM (the driver's java child),
 the Python driver, and the sum over Spark's Python workers; the peaks are reported.
 Prints one JSON line per phase.

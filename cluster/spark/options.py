@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import InvalidArgument
+
 from . import layout
 
 # node.store.log.RECORD_BYTES_MAX_DEFAULT (tests check they agree): not imported, so a Python

@@ -90,7 +90,6 @@ DISPATCH_SCHEMA = StructType([
     StructField("outcome", StringType()), StructField("error", StringType())])
 
 
-
 @dataclass
 class SegmentPartition(InputPartition):
     segment: layout.Segment
