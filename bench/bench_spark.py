@@ -39,6 +39,9 @@ Phases (``--phases``, default ``scan,audit,bulk``):
   docs/benchmarks.md);
 * ``bulk``: bulk-schedule against a ``LocalCluster``.
 
+``--conf KEY=VALUE`` (repeatable) sets a Spark setting for the session, to compare settings
+one at a time (e.g. ``--conf spark.driver.extraJavaOptions=-XX:+UseParallelGC``).
+
 Memory: a sampler thread reads RSS every 200 ms of the JVM (the driver's java child),
 the Python driver, and the sum over Spark's Python workers; the peaks are reported.
 Prints one JSON line per phase.
@@ -264,7 +267,7 @@ def bench_audit(args, spark, info: dict) -> dict:
             "phases_s": s["phases_s"],
             "log_bytes": disk, "lost": s["status"]["lost"], "duplicated": s["status"]["duplicated"],
             "cores": os.cpu_count(), "master": args.master, "driver_memory": args.driver_memory,
-            "loadavg_start": round(load_start, 1), "loadavg_end": round(os.getloadavg()[0], 1),
+            "conf": args.conf, "loadavg_start": round(load_start, 1), "loadavg_end": round(os.getloadavg()[0], 1),
             "generate_s": info["generate_s"]}
 
 
@@ -317,6 +320,8 @@ def main() -> None:
     ap.add_argument("--bulk-rows", type=int, default=20_000)
     ap.add_argument("--bulk-rate", type=float, default=2000)
     ap.add_argument("--bulk-partitions", type=int, default=2)
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting for the session (repeatable), e.g. to compare settings")
     args = ap.parse_args()
     phases = set(args.phases.split(","))
 
@@ -326,7 +331,8 @@ def main() -> None:
     if info is not None:
         print(json.dumps({"bench": "spark_data", **info}), flush=True)
     spark = build_session(SessionSettings(master=args.master, driver_memory=args.driver_memory,
-                                          app_name="hourglass-bench"))
+                                          app_name="hourglass-bench",
+                                          conf=dict(c.split("=", 1) for c in args.conf)))
     try:
         if info is not None and "scan" in phases:
             for r in bench_scan(args, spark, info):

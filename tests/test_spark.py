@@ -648,3 +648,14 @@ def test_lateness_buckets_in_spark_are_the_python_ones(spark):
     rows = spark.sql(f"select v, {stats.bucket_sql('v')} as b from values "
                      + ", ".join(f"(cast({v} as bigint))" for v in vals) + " as t(v)").collect()
     assert [(r["v"], r["b"]) for r in rows] == [(v, stats.bucket(v)) for v in vals]
+
+
+def test_reader_modules_agree_with_what_they_no_longer_import():
+    """``cluster.spark.source`` and ``options`` keep numpy, pyarrow and the node's store out of the
+    Python processes that only plan a scan; the columns and the frame-size default still agree."""
+    from cluster.spark import options, rows, source
+    from node.store.log import RECORD_BYTES_MAX_DEFAULT
+
+    assert options.RECORD_BYTES_MAX_DEFAULT == RECORD_BYTES_MAX_DEFAULT
+    assert tuple(source.MESSAGE_SCHEMA.fieldNames()) == rows.MESSAGE_COLUMNS
+    assert tuple(source.DISPATCH_SCHEMA.fieldNames()) == rows.DISPATCH_COLUMNS

@@ -61,13 +61,15 @@ from dataclasses import dataclass
 
 from pyspark.sql.datasource import (DataSource, DataSourceReader, EqualTo, GreaterThan, GreaterThanOrEqual, In,
                                     InputPartition, LessThan, LessThanOrEqual)
-from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, MapType, StringType, StructField,
                                StructType)
 
 from cluster.errors import InvalidArgument
 
-from . import layout, options, rows, scan
+# numpy, pyarrow (which imports pandas) and the decoder are imported by ``read`` only: Spark
+# runs each planning step of a Python data source (lookup, schema, pushdown, partitions) in a
+# fresh Python process that imports this module, so what it imports is paid per step
+from . import layout, options
 
 NAME = "hourglass"
 LOG_PRUNING_ENV = "HOURGLASS_SPARK_LOG_PRUNING"   # 1: print each scan's pruning line on stderr
@@ -86,9 +88,6 @@ DISPATCH_SCHEMA = StructType([
     StructField("offset", LongType()), StructField("frame_bytes", IntegerType()), StructField("seq", LongType()),
     StructField("effective_ms", LongType()), StructField("dispatched_ms", LongType()),
     StructField("outcome", StringType()), StructField("error", StringType())])
-
-assert tuple(MESSAGE_SCHEMA.fieldNames()) == rows.MESSAGE_COLUMNS
-assert tuple(DISPATCH_SCHEMA.fieldNames()) == rows.DISPATCH_COLUMNS
 
 
 @dataclass
@@ -196,6 +195,10 @@ class HourglassReader(DataSourceReader):
         seg = getattr(partition, "segment", None)
         if seg is None:
             return
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        from . import rows, scan
+
         frames = scan.scan_file(seg.path, seg.base, last=seg.last, record_bytes_max=self.record_bytes_max)
         where = rows.Where(seg.node, seg.log, seg.path, seg.bucket_start_ms)
         arrow_schema = to_arrow_schema(self.schema, timezone="UTC")
