@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.tools import helm_binary
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "hourglass"
 VALUES = {
@@ -32,11 +34,7 @@ CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # not in Kubernetes' own schem
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    if shutil.which("go") is None and not (ROOT / ".cache/tools/bin/helm").exists():
-        pytest.skip("no Go toolchain to build helm with (scripts/helm-tools.sh needs `go`)")
-    r = subprocess.run(["bash", str(ROOT / "scripts/helm-tools.sh")], capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, f"scripts/helm-tools.sh failed:\n{r.stderr[-3000:]}"
-    return r.stdout.strip().splitlines()[-1]
+    return helm_binary()
 
 
 def run_helm(helm: str, *args: str, chart: Path = CHART) -> subprocess.CompletedProcess:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+
+from tests.helpers.tools import helm_binary, promtool_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "hourglass"
@@ -174,11 +175,7 @@ def test_metric_names_are_found_in_promql():
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    if shutil.which("go") is None and not (ROOT / ".cache/tools/bin/helm").exists():
-        pytest.skip("no Go toolchain to build helm with (scripts/helm-tools.sh needs `go`)")
-    r = subprocess.run(["bash", str(ROOT / "scripts/helm-tools.sh")], capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, f"scripts/helm-tools.sh failed:\n{r.stderr[-3000:]}"
-    return r.stdout.strip().splitlines()[-1]
+    return helm_binary()
 
 
 def render(helm: str, *sets: str) -> list[dict]:
@@ -214,9 +211,7 @@ def test_alert_rules_cover_what_operators_page_on(rules):
 
 @pytest.mark.integration
 def test_alert_rules_pass_promtool(rules, tmp_path):
-    r = subprocess.run(["bash", str(ROOT / "scripts/promtool.sh")], capture_output=True, text=True, timeout=2400)
-    assert r.returncode == 0, f"scripts/promtool.sh failed:\n{r.stderr[-3000:]}"
-    promtool = r.stdout.strip().splitlines()[-1]
+    promtool = promtool_binary()
     good = tmp_path / "rules.yaml"
     good.write_text(yaml.safe_dump(rules))
     ok = subprocess.run([promtool, "check", "rules", str(good)], capture_output=True, text=True, timeout=120)

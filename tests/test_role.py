@@ -136,6 +136,21 @@ async def test_work_off_the_loop_that_outlives_its_caller_is_handed_back():
     assert await off_loop(lambda: 7, abandoned.append) == 7
 
 
+def hold_the_master_switch(node) -> tuple[threading.Event, threading.Event]:
+    """Make ``node``'s next switch to master wait on its worker thread: ``entered`` is set
+    once the thread is in, and it goes on when ``release`` is set."""
+    entered, release = threading.Event(), threading.Event()
+    real = node._role_store
+
+    def held(mode, store, now_ms, store_epoch):
+        if mode == "master":
+            entered.set()
+            release.wait(GUARD_S)
+        return real(mode, store, now_ms, store_epoch)
+    node._role_store = held
+    return entered, release
+
+
 async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_role_is_in(tmp_path):
     """A replicated delay node promoted by hand (no election): while its store is promoted on
     a worker thread the event loop goes on, no client is served, the registration does not
@@ -146,15 +161,7 @@ async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_
 
     node = ReplicatedDelayNode(NodeSettings(role="delay", node_id="d1", data_dir=tmp_path / "d1", port=0,
                                             meta_servers=["127.0.0.1:1"]))
-    entered, release = threading.Event(), threading.Event()
-    real = node._role_store
-
-    def held(mode, store, now_ms, store_epoch):
-        if mode == "master":
-            entered.set()
-            release.wait(GUARD_S)
-        return real(mode, store, now_ms, store_epoch)
-    node._role_store = held
+    entered, release = hold_the_master_switch(node)
     try:
         async with asyncio.TaskGroup() as root:
             node._tg = root
@@ -193,15 +200,7 @@ async def test_a_realtime_switch_opens_a_new_store_off_the_loop_and_ends_the_pul
 
     node = ReplicatedRealtimeNode(NodeSettings(role="realtime", node_id="r1", data_dir=tmp_path / "r1", port=0,
                                                meta_servers=["127.0.0.1:1"]))
-    entered, release = threading.Event(), threading.Event()
-    real = node._role_store
-
-    def held(mode, store, now_ms, store_epoch):
-        if mode == "master":
-            entered.set()
-            release.wait(GUARD_S)
-        return real(mode, store, now_ms, store_epoch)
-    node._role_store = held
+    entered, release = hold_the_master_switch(node)
     try:
         async with asyncio.TaskGroup() as root:
             node._tg = root
