@@ -580,7 +580,11 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        self.server, self.address = await start_grpc(self.settings, producer=self, admin=self)
+        try:
+            self.server, self.address = await start_grpc(self.settings, producer=self, admin=self)
+        except BaseException:  # the port is taken (or the start was cut): close the files opened for it
+            self.store.close()
+            raise
         self.health = self.server.health
         try:
             async with asyncio.TaskGroup() as tg:

@@ -526,7 +526,11 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        server, self.address = await start_grpc(self.settings, producer=self, consumer=self, admin=self)
+        try:
+            server, self.address = await start_grpc(self.settings, producer=self, consumer=self, admin=self)
+        except BaseException:  # the port is taken (or the start was cut): close the files opened for it
+            self.store.close()
+            raise
         self.health = server.health
         try:
             async with asyncio.TaskGroup() as tg:
