@@ -159,6 +159,94 @@ class MetaProcess(NodeProcess):
                 "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
 
 
+# ---------------------------------------------------------------------- the shape of a dev cluster
+
+DELAY_GROUPS_MAX = 8      # `hourglass dev up --delay-groups`
+REALTIME_GROUPS_MAX = 8   # `hourglass dev up --realtime-groups`
+REPLICAS_MAX = 5          # members of one group (`--replicas`, `--realtime-replicas`)
+NODES_MAX = 24            # node processes of one local cluster, all groups together
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """How many groups of each kind and how many members per group (``hourglass dev up``, ``dev
+    chaos`` reads it back from the cluster, the benchmarks that start a cluster). Pure.
+
+    ``replicas`` is the size of every delay group (2+: master and slaves, by election);
+    ``realtime_replicas`` that of every real-time group (default 1: one unreplicated node per
+    group, docs/cli.md says why)."""
+
+    delay_groups: int = 1
+    realtime_groups: int = 1
+    replicas: int = 1
+    realtime_replicas: int = 1
+
+    def problem(self, *, meta: bool = True, ack_mode: str = "async") -> tuple[str, str] | None:
+        """(option, one-line reason) of the first thing wrong with this shape, or None."""
+        bounds = (("--delay-groups", self.delay_groups, DELAY_GROUPS_MAX),
+                  ("--realtime-groups", self.realtime_groups, REALTIME_GROUPS_MAX),
+                  ("--replicas", self.replicas, REPLICAS_MAX),
+                  ("--realtime-replicas", self.realtime_replicas, REPLICAS_MAX))
+        for option, value, top in bounds:
+            if not 1 <= value <= top:
+                return option, f"{value} is not in 1..{top}"
+        if self.nodes > NODES_MAX:
+            return "--delay-groups", (f"{self.nodes} node processes ({self.delay_groups}x{self.replicas} delay + "
+                                      f"{self.realtime_groups}x{self.realtime_replicas} real-time); at most "
+                                      f"{NODES_MAX} on one machine")
+        if not meta:
+            if self.replicas > 1:
+                return "--replicas", "more than one replica needs --meta (elections run through the meta servers)"
+            if self.realtime_replicas > 1:
+                return "--realtime-replicas", "more than one replica needs --meta (elections run through the meta servers)"
+            if self.delay_groups > 1 or self.realtime_groups > 1:
+                option = "--delay-groups" if self.delay_groups > 1 else "--realtime-groups"
+                return option, ("more than one group needs --meta (the meta servers route subjects to groups "
+                                "and clients find the groups there)")
+        if ack_mode == "sync" and self.replicas < 2:
+            return "--ack-mode", "sync needs a slave to acknowledge: use --replicas 2 or more"
+        return None
+
+    @property
+    def nodes(self) -> int:
+        return self.delay_groups * self.replicas + self.realtime_groups * self.realtime_replicas
+
+    def cluster_kwargs(self) -> dict:
+        """The ``LocalCluster`` arguments of this shape."""
+        return {"n_delay": self.delay_groups * self.replicas, "delay_replicas": self.replicas,
+                "n_realtime": self.realtime_groups * self.realtime_replicas,
+                "realtime_replicas": self.realtime_replicas}
+
+    def describe(self) -> str:
+        def kind(n: int, r: int, what: str) -> str:
+            return f"{n} {what} group(s) of {r} node(s)"
+        return (kind(self.delay_groups, self.replicas, "delay") + ", "
+                + kind(self.realtime_groups, self.realtime_replicas, "real-time"))
+
+    def as_dict(self) -> dict:
+        return {"delay_groups": self.delay_groups, "realtime_groups": self.realtime_groups,
+                "replicas": self.replicas, "realtime_replicas": self.realtime_replicas}
+
+
+def add_shape_arguments(parser) -> None:
+    """``--delay-groups --realtime-groups --replicas --realtime-replicas`` on an argparse parser
+    (the benchmarks that start a cluster); ``shape_from_args`` reads them back, checked."""
+    parser.add_argument("--delay-groups", type=int, default=1, help=f"delay groups (1..{DELAY_GROUPS_MAX})")
+    parser.add_argument("--realtime-groups", type=int, default=1, help=f"real-time groups (1..{REALTIME_GROUPS_MAX})")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help=f"members of each delay group (1..{REPLICAS_MAX}; 2+: master and slaves)")
+    parser.add_argument("--realtime-replicas", type=int, default=1,
+                        help=f"members of each real-time group (1..{REPLICAS_MAX})")
+
+
+def shape_from_args(parser, args, *, meta: bool = True, ack_mode: str = "async") -> ClusterShape:
+    shape = ClusterShape(args.delay_groups, args.realtime_groups, args.replicas, args.realtime_replicas)
+    bad = shape.problem(meta=meta, ack_mode=ack_mode)
+    if bad is not None:
+        parser.error(f"{bad[0]}: {bad[1]}")
+    return shape
+
+
 class LocalCluster:
     """``n_delay`` delay nodes and ``n_realtime`` real-time nodes, each its own process.
 
@@ -210,17 +298,21 @@ class LocalCluster:
         self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
                                   dict(self.env), list(delay_args or []), **place(f"delay-{i + 1}"))
                       for i in range(n_delay)]
+        # group name -> member names (meta mode; static mode: every node is its own group)
+        self.group_of: dict[str, str] = {n.name: n.name for n in self.realtime + self.delay}
         if self.meta:
             for i, n in enumerate(self.realtime):
                 # realtime_replicas > 1: real-time groups of a master and slaves (node/replication/realtime.py)
                 group = n.name if realtime_replicas <= 1 else f"realtime-g{i // realtime_replicas + 1}"
                 n.args += ["--meta", ",".join(self.meta_addresses), "--group", group]
+                self.group_of[n.name] = group
                 if realtime_replicas > 1:
                     n.env.update({"HOURGLASS_REPLICATED": "true", "HOURGLASS_ACK_MODE": ack_mode})
             for i, n in enumerate(self.delay):
                 # delay_replicas > 1: groups of a master and slaves, roles by election (node/replication/)
                 group = n.name if delay_replicas <= 1 else f"delay-g{i // delay_replicas + 1}"
                 n.args += ["--meta", ",".join(self.meta_addresses), "--group", group]
+                self.group_of[n.name] = group
                 if delay_replicas > 1:
                     n.env.update({"HOURGLASS_REPLICATED": "true", "HOURGLASS_ACK_MODE": ack_mode})
             if lease_ttl_ms:
@@ -251,6 +343,14 @@ class LocalCluster:
                   "tls_key_file": self.security.client_key,
                   "token_file": token_file or self.security.admin_token_file}
         return ClientSecurity(SecuritySettings(**(fields | settings)))
+
+    def groups(self) -> dict[str, dict[str, list[str]]]:
+        """role -> group name -> member names, as the nodes were told (``cluster.json`` "groups")."""
+        out: dict[str, dict[str, list[str]]] = {"delay": {}, "realtime": {}}
+        for role, nodes in (("delay", self.delay), ("realtime", self.realtime)):
+            for n in nodes:
+                out[role].setdefault(self.group_of[n.name], []).append(n.name)
+        return out
 
     @property
     def meta_addresses(self) -> list[str]:
@@ -367,6 +467,7 @@ class LocalCluster:
                              for n in self.meta + self.nodes}}
         for m in self.etcd.members if self.etcd is not None else []:
             out["processes"][m.name] = {"role": "etcd", "address": m.endpoint, "pid": m.proc.pid if m.proc else None}
+        out["groups"] = self.groups()
         if self.meta:
             out["meta"] = self.meta_addresses
             out["etcd"] = self.etcd_endpoints
