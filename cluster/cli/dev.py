@@ -41,6 +41,15 @@ DEFAULT_DATA = Path("var/dev")
 _DEFAULT_POLICY = RestartPolicy()
 
 
+class KillGroups(str, Enum):
+    delay = "delay"
+    realtime = "realtime"
+    any = "any"
+
+
+KILL_ROLES = {KillGroups.delay: ("delay",), KillGroups.realtime: ("realtime",), KillGroups.any: ("delay", "realtime")}
+
+
 class AckMode(str, Enum):
     async_ = "async"
     sync = "sync"
@@ -226,7 +235,11 @@ async def _supervise(supervisor) -> None:
 
 
 @dev.command("chaos")
-def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SIGKILL, one after the other"),
+def chaos(kills: int = typer.Option(3, min=1, max=100, help="masters to SIGKILL, one after the other (of the "
+                                                             "groups --kill-groups names)"),
+          kill_groups: KillGroups = typer.Option(KillGroups.delay, case_sensitive=False,
+                                                 help="whose masters --kills SIGKILLs: delay groups, real-time "
+                                                      "groups, or any group"),
           seed: int = typer.Option(1, help="the same seed gives the same kill schedule and traffic"),
           cluster_file: Path = typer.Option(DEFAULT_DATA / "cluster.json", help="cluster.json of `hourglass dev up`"),
           rate: Optional[float] = typer.Option(None, min=1, max=10_000,
@@ -275,6 +288,7 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
         raise fail(f"{cluster_file} is not of a `hourglass dev up --meta` cluster", 2)
     out = (out or cluster_file.parent / f"chaos-{seed}-{int(time.time())}").resolve()
     common = dict(cluster_file=cluster_file, out_dir=out, seed=seed, kills=kills, kill_gap_s=kill_gap_s,
+                  kill_roles=KILL_ROLES[kill_groups],
                   cpu_hogs_per_core=cpu_hogs_per_core, disk_writers=disk_writers, throttle_cpu_fraction=throttle_cpu,
                   ack_journals=tuple(p.resolve() for p in ack_journal))
     if scenario:
@@ -282,7 +296,8 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
         what = f"scenario {scenario} for {cfg.duration_s:g} s"
     else:
         cfg = DevChaosConfig(rate_per_s=rate or 20.0, kinds=kind_list, duration_s=duration_s, **common)
-        what = f"{', '.join(kind_list)} for {duration_s or 60:g} s" if kind_list else f"{kills} delay master kill(s)"
+        what = f"{', '.join(kind_list)} for {duration_s or 60:g} s" if kind_list else \
+            f"{kills} master kill(s) of {kill_groups.value} groups"
     say(f"chaos seed={seed}: {what}, {cfg.rate_per_s:g} msg/s, records in {out}")
     try:
         report = run_dev_chaos(cfg, say=say)
@@ -308,7 +323,9 @@ def verdict_table(report: dict) -> Table:
     t = Table("check", "value", title=f"dev chaos seed={report['seed']}: "
               + ("PASSED" if report["passed"] else "FAILED"))
     rows = [
-        ("masters killed", str(f["master_kills"]) + (f" ({len(f['skipped'])} skipped)" if f["skipped"] else "")),
+        ("masters killed", str(f["master_kills"] + f["by_kind"].get("realtime_kill", 0))
+         + (f" ({f['by_kind']['realtime_kill']} real-time)" if f["by_kind"].get("realtime_kill") else "")
+         + (f" ({len(f['skipped'])} skipped)" if f["skipped"] else "")),
         ("sent / acknowledged", f"{m['sent']} / {m['acked']}"),
         ("expected deliveries / received", f"{m['expected_deliveries']} / {m['receives']}"),
         ("lost (acknowledged, never received)", str(report["lost"]["count"])),
@@ -320,7 +337,8 @@ def verdict_table(report: dict) -> Table:
         ("master changes: after a kill / without", f"{mc['after_kill']} / {mc['without_kill']}"),
         ("overlapping acknowledgement windows",
          f"{aw['overlaps']} ({aw['windows']} windows)" if aw["journals"] else "not checked (no journal)"),
-        ("other faults", ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items()) if k != "delay_master_kill")
+        ("other faults", ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items())
+                                   if k not in ("delay_master_kill", "realtime_kill"))
          or "-"),
         ("processes not restarted", str(len(report["restart_errors"]))),
         ("lateness ms p50 / p99", f"{lat['all']['p50']} / {lat['all']['p99']}"),
