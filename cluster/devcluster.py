@@ -391,6 +391,24 @@ class LocalCluster:
             return ms[0] if len(ms) == 1 and slaves and len(st) == len(running) else None
         return await wait_until(find, timeout_s, f"one {role} master")
 
+    async def wait_masters(self, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> dict[str, str]:
+        """group -> its one master, once every group of ``role`` has one and its other running
+        members are its slaves (``wait_master`` for a cluster of several groups)."""
+        groups = self.groups()[role]
+
+        async def find():
+            st = await self.statuses(role)
+            out = {}
+            for group, members in groups.items():
+                running = [m for m in members if next(n for n in self.nodes if n.name == m).running]
+                ms = [m for m in running if st.get(m, {}).get("master")]
+                if len(ms) != 1 or not all(m in st for m in running) \
+                        or not all(st[m].get("mode") == "slave" for m in running if m != ms[0]):
+                    return None
+                out[group] = ms[0]
+            return out
+        return await wait_until(find, timeout_s, f"one master in every {role} group")
+
     async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> None:
         async def ok():
             st = (await self.statuses(role)).get(name, {})
