@@ -531,7 +531,7 @@ class RestartPolicy:
     restarts_max: int = 5               # at most this many restarts of one process ...
     restart_window_ms: int = 60_000     # ... within this window; beyond, it is left down (logged)
     ready_timeout_ms: int = 30_000      # a restarted process that writes no ready file by then is killed
-    role_poll_ms: int = 1000            # how often the delay nodes' roles are read (takeovers are logged)
+    role_poll_ms: int = 1000            # how often the nodes' roles are read (takeovers are logged)
 
     def __post_init__(self) -> None:
         assert self.restart_backoff_ms >= 0 and self.restarts_max >= 0 and self.restart_window_ms > 0
@@ -590,7 +590,7 @@ class Supervisor:
         self.starting_ms: dict[str, int] = {}     # restarted, waiting for its ready file
         self.given_up: set[str] = set()
         self.restarts = 0
-        self.roles: dict[str, str] = {}           # delay node -> "master"/"slave" last seen
+        self.roles: dict[str, str] = {}           # node -> "master"/"slave" last seen
 
     def processes(self) -> list:
         etcd = self.cluster.etcd.members if self.cluster.etcd is not None else []
@@ -651,7 +651,7 @@ class Supervisor:
         return out
 
     def role_changes(self, statuses: dict[str, dict]) -> list[str]:
-        """Log lines for delay nodes whose mode changed (``LocalCluster.statuses`` output)."""
+        """Log lines for nodes whose mode changed (``LocalCluster.statuses`` output)."""
         out = []
         for name, st in sorted(statuses.items()):
             mode = "master" if st.get("master") else st.get("mode", "slave")
@@ -670,14 +670,20 @@ class Supervisor:
         import asyncio
 
         next_roles_ms = 0
+        groups = self.cluster.groups()
+        # roles worth following: the delay nodes when there are several, the real-time ones in replicated groups
+        polled = [role for role, several in (("delay", len(self.cluster.delay) > 1),
+                                             ("realtime", any(len(m) > 1 for m in groups["realtime"].values())))
+                  if several]
         while not stop.is_set():
             now_ms = time.monotonic_ns() // 1_000_000
             for line in self.tick(now_ms):
                 log(line)
-            if now_ms >= next_roles_ms and len(self.cluster.delay) > 1:
+            if now_ms >= next_roles_ms and polled:
                 next_roles_ms = now_ms + self.policy.role_poll_ms
-                for line in self.role_changes(await self.cluster.statuses("delay")):
-                    log(line)
+                for role in polled:
+                    for line in self.role_changes(await self.cluster.statuses(role)):
+                        log(line)
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except asyncio.TimeoutError:
