@@ -372,3 +372,46 @@ def test_dev_up_of_two_delay_and_three_realtime_groups_serves_all_of_them(tmp_pa
     assert "cluster stopped" in text
     assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"
     assert not (data / "cluster.json").exists()
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # tier: ~60 s, a cluster of 8 processes and two master kills
+def test_dev_chaos_kills_masters_of_delay_and_replicated_realtime_groups(tmp_path):
+    """`dev up --delay-groups 2 --realtime-groups 2 --realtime-replicas 2`; `dev chaos --kill-groups
+    any` (seed 3: a real-time master, then a delay master) passes: nothing acknowledged lost, no
+    duplicate, the real-time slave takes over, both killed nodes come back."""
+    data = tmp_path / "d"
+    out_path = tmp_path / "dev-up.out"
+    seen: dict = {}
+    up = _start_dev_up(["--data", str(data), "--delay-groups", "2", "--realtime-groups", "2",
+                        "--realtime-replicas", "2", "--no-console"], tmp_path, out_path)
+    try:
+        seen = _wait_cluster_json(up, data, out_path)
+        assert {g: len(m) for g, m in seen["groups"]["realtime"].items()} == {"realtime-g1": 2, "realtime-g2": 2}
+        chaos = run_cli("dev", "chaos", "--kills", "2", "--kill-groups", "any", "--seed", "3", "--rate", "20",
+                        "--kill-gap-s", "1", "--cluster-file", str(data / "cluster.json"),
+                        "--out", str(tmp_path / "chaos"), cwd=tmp_path, timeout_s=200)
+        assert_no_traceback(chaos.stdout + chaos.stderr)
+        assert chaos.returncode == 0, chaos.stdout + chaos.stderr
+        report = json.loads((tmp_path / "chaos" / "report.json").read_text())
+        assert report["faults"]["by_kind"] == {"realtime_kill": 1, "delay_master_kill": 1}, report["faults"]
+        assert report["lost"]["count"] == 0 and report["duplicates"]["extra_receives"] == 0
+        assert report["messages"]["acked"] > 0
+        faults = [json.loads(line) for line in (tmp_path / "chaos" / "faults.jsonl").read_text().splitlines()]
+        rt = next(f for f in faults if f["kind"] == "realtime_kill")
+        assert rt["group"] in ("realtime-g1", "realtime-g2") and rt["new_master"] not in (None, rt["process"]), rt
+        assert all(f["restart_error"] is None for f in faults), faults
+        assert "2 (1 real-time)" in chaos.stdout, chaos.stdout
+        seen = json.loads((data / "cluster.json").read_text())  # the PIDs of the restarted processes
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        _stop_dev_up(up)
+        if (data / "cluster.json").exists():
+            seen = json.loads((data / "cluster.json").read_text())
+        _kill_listed(seen)
+    text = out_path.read_text()
+    assert_no_traceback(text)
+    assert f"{rt['new_master']} is now master of group {rt['group']}" in text, text
+    assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"
