@@ -298,7 +298,8 @@ class DevChaos:
         try:
             if f.kind in ("delay_master_kill", "realtime_kill"):
                 role = "delay" if f.kind == "delay_master_kill" else "realtime"
-                return ev | await self.kill_one(f.index, f.target, channels, label="fault", role=role) | {"lane": f.lane}
+                got = await self.kill_one(f.index, f.target, channels, label="fault", role=role)
+                return ev | got | {"lane": f.lane}
             got = await self._inject(f, channels)
         except (OSError, E.HourglassError) as e:  # could not act: recorded, the run goes on
             return ev | {"skipped": f"injector error: {type(e).__name__}: {e}", "t_start": now_ms(), "t_end": now_ms()}

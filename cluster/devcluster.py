@@ -195,10 +195,11 @@ class ClusterShape:
                                       f"{self.realtime_groups}x{self.realtime_replicas} real-time); at most "
                                       f"{NODES_MAX} on one machine")
         if not meta:
+            elections = "more than one replica needs --meta (elections run through the meta servers)"
             if self.replicas > 1:
-                return "--replicas", "more than one replica needs --meta (elections run through the meta servers)"
+                return "--replicas", elections
             if self.realtime_replicas > 1:
-                return "--realtime-replicas", "more than one replica needs --meta (elections run through the meta servers)"
+                return "--realtime-replicas", elections
             if self.delay_groups > 1 or self.realtime_groups > 1:
                 option = "--delay-groups" if self.delay_groups > 1 else "--realtime-groups"
                 return option, ("more than one group needs --meta (the meta servers route subjects to groups "
