@@ -41,6 +41,7 @@ consumer process against ``hourglass dev up``'s cluster and Redis, phases sustai
 (``bench/e2e_user.py``; docs/benchmarks.md, "User-mode client (issue 28)"):
 
     python bench/bench_e2e.py --client user --sustain-s 30 --stalls
+    python bench/bench_e2e.py --client user --delay-groups 2 --realtime-groups 3 --replicas 2   # any shape (issue 30)
 """
 
 from __future__ import annotations
@@ -825,6 +826,8 @@ def main() -> None:
     p.add_argument("--consumer", action="store_true", help=argparse.SUPPRESS)
     for k in ("target", "subjects", "out", "ready-file", "stop-file"):
         p.add_argument(f"--{k}", help=argparse.SUPPRESS)
+    from cluster.devcluster import add_shape_arguments, shape_from_args
+    add_shape_arguments(p)  # --client user: the shape of the `dev up` cluster (bench/e2e_user.py)
     p.add_argument("--expect", type=int, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -832,6 +835,10 @@ def main() -> None:
         consumer_main(a)
         return
     user = a.client == "user"
+    a.shape = shape_from_args(p, a)
+    if not user and a.shape.nodes > 2:
+        p.error("--delay-groups/--realtime-groups/--replicas/--realtime-replicas: with --client user only "
+                "(--client bench runs one delay and one real-time node, static)")
     import e2e_user  # noqa: E402  (the user mode; its constants are the defaults below)
 
     if a.systems is None:

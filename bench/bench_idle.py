@@ -1,7 +1,8 @@
 """Idle CPU of every process of a local cluster at rest (issue 28, "idle means idle").
 
-Starts a local cluster with an etcd, a meta server, one real-time node and ``--replicas``
-delay nodes (one group: a master and its slaves when ``--replicas`` is 2 or more), loads
+Starts a local cluster with an etcd, a meta server and the shape of ``hourglass dev up``
+(``--delay-groups N --realtime-groups M --replicas R [--realtime-replicas R2]``, default one
+group of each kind of one node; ``--replicas 2``: each delay group a master and a slave), loads
 it with ``N`` messages due a day ahead plus ``N // 10`` due at once that a consumer pulls
 and acks ("some consumed"), waits ``--settle`` seconds, then reads each process's CPU
 seconds (utime + stime of ``/proc/<pid>/stat``) over ``--seconds`` of no traffic and
@@ -9,6 +10,7 @@ prints the share of one core each used: one JSON line per case and a table at th
 
     PYTHONPATH=. python bench/bench_idle.py --messages 0,20,200000 --replicas 1 --seconds 60
     PYTHONPATH=. python bench/bench_idle.py --messages 200000 --replicas 2 --seconds 60
+    PYTHONPATH=. python bench/bench_idle.py --messages 20 --delay-groups 2 --realtime-groups 3 --seconds 10
 
 ``--hold S`` keeps the cluster up S more seconds after measuring, printing the PIDs, so
 that ``strace -c -f -p PID`` or ``py-spy dump --pid PID`` can look at a process at rest.
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cpu_s, emit  # noqa: E402,F401
 
 from cluster.client import Consumer, Producer  # noqa: E402
-from cluster.devcluster import LocalCluster  # noqa: E402
+from cluster.devcluster import ClusterShape, LocalCluster, add_shape_arguments, shape_from_args  # noqa: E402
 from cluster.discovery import MetaResolver  # noqa: E402
 
 SUBJECT = "bench.idle"
@@ -95,26 +97,27 @@ def measure(pids: dict[str, int], seconds: float) -> dict[str, float]:
     return {k: round(100 * (cpu_s(p) - t0[k]) / wall, 2) for k, p in pids.items()}
 
 
-def one_case(root: Path, messages: int, replicas: int, args) -> dict:
-    c = LocalCluster(root, n_delay=replicas, n_realtime=1, meta=True, delay_replicas=replicas)
+def one_case(root: Path, messages: int, shape: ClusterShape, args) -> dict:
+    c = LocalCluster(root, meta=True, **shape.cluster_kwargs())
     with c:
         c.wait_registered()
         masters = {}
-        if replicas > 1:
-            master = asyncio.run(c.wait_master("delay", timeout_s=60))
-            masters["delay_master"] = master
-            for n in c.delay:
-                if n.name != master:
-                    asyncio.run(c.wait_caught_up_slave(n.name, timeout_s=60))
+        slaves: list[tuple[str, str]] = []  # (node, role) of every slave
+        for role, r in (("delay", shape.replicas), ("realtime", shape.realtime_replicas)):
+            if r > 1:
+                ms = asyncio.run(c.wait_masters(role, timeout_s=60))
+                masters[f"{role}_masters"] = ms
+                slaves += [(n, role) for g, members in c.groups()[role].items() for n in members if n != ms[g]]
+        for n, role in slaves:
+            asyncio.run(c.wait_caught_up_slave(n, role, timeout_s=60))
         loaded = asyncio.run(load(c.meta_addresses, messages, messages // 10, args.payload))
-        if replicas > 1:
-            for n in c.delay:
-                if n.name != masters["delay_master"]:
-                    asyncio.run(c.wait_caught_up_slave(n.name, timeout_s=120))
+        for n, role in slaves:
+            asyncio.run(c.wait_caught_up_slave(n, role, timeout_s=120))
         time.sleep(args.settle)
         pids = processes(c)
         pct = measure(pids, args.seconds)
-        rec = {"bench": "idle", "messages": messages, "consumed": loaded["consumed"], "replicas": replicas,
+        rec = {"bench": "idle", "messages": messages, "consumed": loaded["consumed"], "replicas": shape.replicas,
+               "shape": shape.as_dict(),
                "seconds": args.seconds, "settle_s": args.settle, "load_s": loaded["load_s"],
                "cpu_pct_of_core": pct, **masters}
         emit(rec)
@@ -127,22 +130,23 @@ def one_case(root: Path, messages: int, replicas: int, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--messages", default="0,20,200000", help="comma-separated: one case per count")
-    p.add_argument("--replicas", type=int, default=1, help="delay nodes in the group (2: master and slave)")
+    add_shape_arguments(p)  # --delay-groups --realtime-groups --replicas --realtime-replicas
     p.add_argument("--seconds", type=float, default=60.0, help="measured window of no traffic")
     p.add_argument("--settle", type=float, default=15.0, help="seconds after loading before measuring")
     p.add_argument("--payload", type=int, default=100)
     p.add_argument("--hold", type=float, default=0.0, help="keep the cluster up this long after measuring")
     p.add_argument("--dir", default=None)
     a = p.parse_args()
+    shape = shape_from_args(p, a)
     rows = []
     for n in [int(x) for x in a.messages.split(",") if x]:
         root = Path(tempfile.mkdtemp(prefix="hg-bench-idle-", dir=a.dir))
         try:
-            rows.append(one_case(root, n, a.replicas, a))
+            rows.append(one_case(root, n, shape, a))
         finally:
             shutil.rmtree(root, ignore_errors=True)
     names = sorted({k for r in rows for k in r["cpu_pct_of_core"]})
-    print("\n% of one core over", a.seconds, "s at rest")
+    print("\n% of one core over", a.seconds, "s at rest;", shape.describe())
     print("| messages | replicas | " + " | ".join(names) + " |")
     print("|---:|---:|" + "---:|" * len(names))
     for r in rows:

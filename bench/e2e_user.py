@@ -2,8 +2,9 @@
 two client processes against ``hourglass dev up``'s cluster, and a Redis sorted-set queue
 driven by the same two processes in the same way.
 
-* cluster: ``LocalCluster`` as ``hourglass dev up`` makes it by default (etcd, one meta
-  server, one delay node, one real-time node, nodes' meta lease 6 s, log level INFO, open);
+* cluster: ``LocalCluster`` as ``hourglass dev up`` makes it (etcd, one meta server, by
+  default one delay node and one real-time node: ``--delay-groups N --realtime-groups M
+  --replicas R`` give any shape, issue 30; nodes' meta lease 6 s, log level INFO, open);
   the clients find it through the meta server (``MetaResolver``), as the README shows. No
   supervisor: a process that dies is reported, not restarted.
 * producer process: ``async with Producer(resolver) as p`` with the SDK's defaults; every
@@ -422,16 +423,20 @@ class Child:
 
 
 class HourglassDev:
-    """``hourglass dev up``'s default cluster (cluster/cli/dev.py ``up``): etcd, a meta
-    server, a delay node, a real-time node; the nodes register through the meta server."""
+    """``hourglass dev up``'s cluster (cluster/cli/dev.py ``up``): etcd, a meta server and the
+    shape given (``--delay-groups --realtime-groups --replicas --realtime-replicas``; default a
+    delay node and a real-time node); the nodes register through the meta server."""
 
     name = "hourglass"
 
     def __init__(self, work: Path, args) -> None:
         from cluster.devcluster import LocalCluster
 
+        from cluster.devcluster import ClusterShape
+
         env = dict(kv.partition("=")[::2] for kv in args.node_env)  # settings under test, if any
-        self.cluster = LocalCluster(work / "hourglass", meta=True, delay_replicas=1, n_delay=1, ack_mode="async",
+        self.shape = getattr(args, "shape", None) or ClusterShape()
+        self.cluster = LocalCluster(work / "hourglass", meta=True, **self.shape.cluster_kwargs(), ack_mode="async",
                                     lease_ttl_ms=LEASE_TTL_MS, env=env)
         self.node_env = args.node_env
 
@@ -460,8 +465,9 @@ class HourglassDev:
         return {n.name: n.log_path for n in self.cluster.nodes if n.log_path}
 
     def settings(self) -> dict:
-        return {"cluster": "hourglass dev up defaults: etcd + 1 meta server + 1 delay node + 1 real-time node, "
+        return {"cluster": f"hourglass dev up: etcd + 1 meta server + {self.shape.describe()}, "
                            f"meta lease {LEASE_TTL_MS} ms, log level INFO, open", "node_env": self.node_env,
+                "shape": self.shape.as_dict(),
                 "producer": "Producer(MetaResolver) defaults; await (await send_many(..., ids, delay_ms)) per tick",
                 "consumer": f"Consumer(MetaResolver, 16 subjects, group={GROUP!r}) defaults; "
                             "async for batch in batches(): handle(ids, payloads); await batch.ack()"}

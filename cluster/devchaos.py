@@ -57,8 +57,10 @@ FAILOVER_TIMEOUT_S = 45.0
 RESTART_TIMEOUT_S = 60.0
 SEND_PERIOD_S = 0.1
 DURATION_S_MAX = 86_400
-# what dev chaos can play on a `dev up` cluster (real-time, meta and etcd kills are the harness's)
-DEV_KINDS = ("delay_master_kill", "delay_master_stop") + STARVATION_KINDS
+# what dev chaos can play on a `dev up` cluster (meta and etcd kills are the harness's)
+DEV_KINDS = ("delay_master_kill", "delay_master_stop", "realtime_kill") + STARVATION_KINDS
+SUBJECTS_PER_REALTIME_GROUP = 2  # subjects of the traffic: this many per real-time group (the meta server
+                                 # routes each by a hash, so most groups get some), at least 2
 
 
 class DevChaosConfig(BaseModel):
@@ -66,6 +68,7 @@ class DevChaosConfig(BaseModel):
     out_dir: Path
     seed: int = 1
     kills: int = Field(default=3, ge=1, le=KILLS_MAX)
+    kill_roles: tuple[str, ...] = ("delay",)          # the kills hit masters of these groups: delay, realtime
     first_kill_s: float = Field(default=3.0, ge=0)
     kill_gap_s: float = Field(default=6.0, ge=0)     # mean quiet time between recovery and the next kill
     rate_per_s: float = Field(default=20.0, gt=0, le=10_000)
@@ -115,7 +118,8 @@ class DevChaos:
         self.rec = Recorder(self.out)
         self.rng = random.Random(cfg.seed * 1_000_003 + 1)
         run_id = f"{cfg.seed}-{now_ms() % 100_000_000}"  # fresh subjects: nothing of an earlier run is read
-        self.subjects = [f"devchaos.{run_id}.a", f"devchaos.{run_id}.b"]
+        n_subjects = max(2, SUBJECTS_PER_REALTIME_GROUP * self.realtime_groups())
+        self.subjects = [f"devchaos.{run_id}.{chr(ord('a') + i)}" for i in range(min(n_subjects, 26))]
         self.run_id = run_id
         self.stop_sending = asyncio.Event()
         self.stop_consuming = asyncio.Event()
@@ -135,6 +139,12 @@ class DevChaos:
     def delay_nodes(self) -> dict[str, dict]:
         return self.processes("delay")
 
+    def realtime_groups(self) -> int:
+        """Real-time groups of the cluster (``cluster.json`` "groups"; one per node without it)."""
+        info = self.info()
+        groups = info.get("groups", {}).get("realtime")
+        return len(groups) if groups else max(1, len(info.get("realtime", [])))
+
     def processes(self, role: str) -> dict[str, dict]:
         return {n: p for n, p in sorted(self.info().get("processes", {}).items()) if p["role"] == role}
 
@@ -152,13 +162,13 @@ class DevChaos:
 
     # ------------------------------------------------------------ probes
 
-    async def statuses(self, channels) -> dict[str, dict]:
-        """name -> Status document of the delay nodes that answer (``node_statuses``)."""
-        return await node_statuses(channels, {name: p["address"] for name, p in self.delay_nodes().items()})
+    async def statuses(self, channels, role: str = "delay") -> dict[str, dict]:
+        """name -> Status document of the ``role`` nodes that answer (``node_statuses``)."""
+        return await node_statuses(channels, {name: p["address"] for name, p in self.processes(role).items()})
 
-    async def masters(self, channels) -> dict[str, str]:
+    async def masters(self, channels, role: str = "delay") -> dict[str, str]:
         """group -> its single master, for groups whose other members all answer as slaves."""
-        st = await self.statuses(channels)
+        st = await self.statuses(channels, role)
         members: dict[str, list[str]] = {}
         for name, s in st.items():
             members.setdefault(s["group"], []).append(name)
@@ -208,15 +218,19 @@ class DevChaos:
 
     # ------------------------------------------------------------ kills
 
-    async def kill_one(self, index: int, draw: int, channels, label: str = "kill") -> dict:
-        ev = {"index": index, "kind": "delay_master_kill", "target": draw, "hold_s": 0}
-        masters = await wait_until(lambda: self.masters(channels), FIND_MASTER_TIMEOUT_S)
+    async def kill_one(self, index: int, draw: int, channels, label: str = "kill", role: str = "delay") -> dict:
+        """SIGKILL the master of one ``role`` group (``draw`` picks among the groups with a master),
+        wait for a master of that group again (its slave, or the killed node restarted by `dev up`
+        when the group has one member) and for the killed node to be back."""
+        kind = "delay_master_kill" if role == "delay" else "realtime_kill"
+        ev = {"index": index, "kind": kind, "target": draw, "hold_s": 0}
+        masters = await wait_until(lambda: self.masters(channels, role), FIND_MASTER_TIMEOUT_S)
         if not masters:
-            return ev | {"skipped": "no delay master found", "t_start": now_ms(), "t_end": now_ms()}
+            return ev | {"skipped": f"no {role} master found", "t_start": now_ms(), "t_end": now_ms()}
         groups = sorted(masters)
         group = groups[draw % len(groups)]
         name = masters[group]
-        node = self.delay_nodes()[name]
+        node = self.processes(role)[name]
         pid = node["pid"]
         if pid is None or f"--node-id" not in _cmdline(pid) or name not in _cmdline(pid):
             return ev | {"skipped": f"pid {pid} of {name} is not that node", "t_start": now_ms(), "t_end": now_ms()}
@@ -226,8 +240,8 @@ class DevChaos:
         self.say(f"{label} {index + 1}: SIGKILL {name} pid={pid} (master of {group})")
 
         async def taken_over():
-            m = (await self.masters(channels)).get(group)
-            return m if m and (m != name or self.delay_nodes()[name]["pid"] != pid) else None
+            m = (await self.masters(channels, role)).get(group)
+            return m if m and (m != name or self.processes(role)[name]["pid"] != pid) else None
         new_master = await wait_until(taken_over, FAILOVER_TIMEOUT_S)
         ev["failover_ms"] = now_ms() - t_start if new_master else None
         ev["new_master"] = new_master
@@ -235,29 +249,31 @@ class DevChaos:
             self.say(f"{label} {index + 1}: {new_master} is master of {group} after {ev['failover_ms']} ms")
 
         async def back():
-            p = self.delay_nodes()[name]
-            return p["pid"] not in (None, pid) and name in await self.statuses(channels)
+            p = self.processes(role)[name]
+            return p["pid"] not in (None, pid) and name in await self.statuses(channels, role)
         restarted = await wait_until(back, RESTART_TIMEOUT_S)
         ev["restart_error"] = None if restarted else (
             f"{name} not restarted within {RESTART_TIMEOUT_S} s (is `hourglass dev up` supervising it?)")
         ev["t_start"], ev["t_end"] = t_start, now_ms()
 
         async def healthy():
-            st = await self.statuses(channels)
-            return group in await self.masters(channels) and all(n in st for n in self.delay_nodes())
+            st = await self.statuses(channels, role)
+            return group in await self.masters(channels, role) and all(n in st for n in self.processes(role))
         ok = await wait_until(healthy, FAILOVER_TIMEOUT_S)
         ev["recovered_ms"] = now_ms() - t_start if ok else None
         if restarted:
-            mode = (await self.statuses(channels)).get(name, {}).get("mode", "?")
+            mode = (await self.statuses(channels, role)).get(name, {}).get("mode", "master")
             self.say(f"{label} {index + 1}: {name} back as {mode}"
-                     f" pid={self.delay_nodes()[name]['pid']}")
+                     f" pid={self.processes(role)[name]['pid']}")
         return ev
 
     async def kills(self, channels) -> None:
         for i, (wait_s, draw) in enumerate(kill_schedule(self.cfg.seed, self.cfg.kills, self.cfg.first_kill_s,
                                                          self.cfg.kill_gap_s)):
             await asyncio.sleep(wait_s)
-            self.rec.write("faults", **await self.kill_one(i, draw, channels))
+            roles = self.cfg.kill_roles or ("delay",)
+            role = roles[(draw >> 8) % len(roles)]  # the draw's high bits pick the kind of group, its low bits one
+            self.rec.write("faults", **await self.kill_one(i, draw, channels, role=role))
 
     # ------------------------------------------------------------ plans of other faults
 
@@ -267,7 +283,7 @@ class DevChaos:
         if cfg.scenario:
             return scenario_schedule(SCENARIOS[cfg.scenario], cfg.seed, cfg.duration_s)
         if cfg.kinds:
-            topo = Topology(delay_groups=max(1, len(self.group_names)), realtime_groups=1,
+            topo = Topology(delay_groups=max(1, len(self.group_names)), realtime_groups=self.realtime_groups(),
                             meta=max(1, len(self.processes("meta"))), etcd_members=max(1, len(self.processes("etcd"))))
             return fault_schedule(cfg.seed, cfg.duration_s or 60.0, kinds=cfg.kinds, topology=topo,
                                   first_s=cfg.first_kill_s, gap_s=cfg.kill_gap_s)
@@ -280,8 +296,10 @@ class DevChaos:
     async def inject(self, f: Fault, channels) -> dict:
         ev = {"index": f.index, "kind": f.kind, "target": f.target, "hold_s": f.hold_s, "at_s": f.at_s, "lane": f.lane}
         try:
-            if f.kind == "delay_master_kill":
-                return ev | await self.kill_one(f.index, f.target, channels, label="fault") | {"lane": f.lane}
+            if f.kind in ("delay_master_kill", "realtime_kill"):
+                role = "delay" if f.kind == "delay_master_kill" else "realtime"
+                got = await self.kill_one(f.index, f.target, channels, label="fault", role=role)
+                return ev | got | {"lane": f.lane}
             got = await self._inject(f, channels)
         except (OSError, E.HourglassError) as e:  # could not act: recorded, the run goes on
             return ev | {"skipped": f"injector error: {type(e).__name__}: {e}", "t_start": now_ms(), "t_end": now_ms()}

@@ -159,6 +159,95 @@ class MetaProcess(NodeProcess):
                 "--etcd-endpoints", ",".join(self.etcd_endpoints), "--ready-file", str(self.ready_file), *self.args]
 
 
+# ---------------------------------------------------------------------- the shape of a dev cluster
+
+DELAY_GROUPS_MAX = 8      # `hourglass dev up --delay-groups`
+REALTIME_GROUPS_MAX = 8   # `hourglass dev up --realtime-groups`
+REPLICAS_MAX = 5          # members of one group (`--replicas`, `--realtime-replicas`)
+NODES_MAX = 24            # node processes of one local cluster, all groups together
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """How many groups of each kind and how many members per group (``hourglass dev up``, ``dev
+    chaos`` reads it back from the cluster, the benchmarks that start a cluster). Pure.
+
+    ``replicas`` is the size of every delay group (2+: master and slaves, by election);
+    ``realtime_replicas`` that of every real-time group (default 1: one unreplicated node per
+    group, docs/cli.md says why)."""
+
+    delay_groups: int = 1
+    realtime_groups: int = 1
+    replicas: int = 1
+    realtime_replicas: int = 1
+
+    def problem(self, *, meta: bool = True, ack_mode: str = "async") -> tuple[str, str] | None:
+        """(option, one-line reason) of the first thing wrong with this shape, or None."""
+        bounds = (("--delay-groups", self.delay_groups, DELAY_GROUPS_MAX),
+                  ("--realtime-groups", self.realtime_groups, REALTIME_GROUPS_MAX),
+                  ("--replicas", self.replicas, REPLICAS_MAX),
+                  ("--realtime-replicas", self.realtime_replicas, REPLICAS_MAX))
+        for option, value, top in bounds:
+            if not 1 <= value <= top:
+                return option, f"{value} is not in 1..{top}"
+        if self.nodes > NODES_MAX:
+            return "--delay-groups", (f"{self.nodes} node processes ({self.delay_groups}x{self.replicas} delay + "
+                                      f"{self.realtime_groups}x{self.realtime_replicas} real-time); at most "
+                                      f"{NODES_MAX} on one machine")
+        if not meta:
+            elections = "more than one replica needs --meta (elections run through the meta servers)"
+            if self.replicas > 1:
+                return "--replicas", elections
+            if self.realtime_replicas > 1:
+                return "--realtime-replicas", elections
+            if self.delay_groups > 1 or self.realtime_groups > 1:
+                option = "--delay-groups" if self.delay_groups > 1 else "--realtime-groups"
+                return option, ("more than one group needs --meta (the meta servers route subjects to groups "
+                                "and clients find the groups there)")
+        if ack_mode == "sync" and self.replicas < 2:
+            return "--ack-mode", "sync needs a slave to acknowledge: use --replicas 2 or more"
+        return None
+
+    @property
+    def nodes(self) -> int:
+        return self.delay_groups * self.replicas + self.realtime_groups * self.realtime_replicas
+
+    def cluster_kwargs(self) -> dict:
+        """The ``LocalCluster`` arguments of this shape."""
+        return {"n_delay": self.delay_groups * self.replicas, "delay_replicas": self.replicas,
+                "n_realtime": self.realtime_groups * self.realtime_replicas,
+                "realtime_replicas": self.realtime_replicas}
+
+    def describe(self) -> str:
+        def kind(n: int, r: int, what: str) -> str:
+            return f"{n} {what} group(s) of {r} node(s)"
+        return (kind(self.delay_groups, self.replicas, "delay") + ", "
+                + kind(self.realtime_groups, self.realtime_replicas, "real-time"))
+
+    def as_dict(self) -> dict:
+        return {"delay_groups": self.delay_groups, "realtime_groups": self.realtime_groups,
+                "replicas": self.replicas, "realtime_replicas": self.realtime_replicas}
+
+
+def add_shape_arguments(parser) -> None:
+    """``--delay-groups --realtime-groups --replicas --realtime-replicas`` on an argparse parser
+    (the benchmarks that start a cluster); ``shape_from_args`` reads them back, checked."""
+    parser.add_argument("--delay-groups", type=int, default=1, help=f"delay groups (1..{DELAY_GROUPS_MAX})")
+    parser.add_argument("--realtime-groups", type=int, default=1, help=f"real-time groups (1..{REALTIME_GROUPS_MAX})")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help=f"members of each delay group (1..{REPLICAS_MAX}; 2+: master and slaves)")
+    parser.add_argument("--realtime-replicas", type=int, default=1,
+                        help=f"members of each real-time group (1..{REPLICAS_MAX})")
+
+
+def shape_from_args(parser, args, *, meta: bool = True, ack_mode: str = "async") -> ClusterShape:
+    shape = ClusterShape(args.delay_groups, args.realtime_groups, args.replicas, args.realtime_replicas)
+    bad = shape.problem(meta=meta, ack_mode=ack_mode)
+    if bad is not None:
+        parser.error(f"{bad[0]}: {bad[1]}")
+    return shape
+
+
 class LocalCluster:
     """``n_delay`` delay nodes and ``n_realtime`` real-time nodes, each its own process.
 
@@ -210,17 +299,21 @@ class LocalCluster:
         self.delay = [NodeProcess(f"delay-{i + 1}", "delay", self.root / f"delay-{i + 1}", free_port(),
                                   dict(self.env), list(delay_args or []), **place(f"delay-{i + 1}"))
                       for i in range(n_delay)]
+        # group name -> member names (meta mode; static mode: every node is its own group)
+        self.group_of: dict[str, str] = {n.name: n.name for n in self.realtime + self.delay}
         if self.meta:
             for i, n in enumerate(self.realtime):
                 # realtime_replicas > 1: real-time groups of a master and slaves (node/replication/realtime.py)
                 group = n.name if realtime_replicas <= 1 else f"realtime-g{i // realtime_replicas + 1}"
                 n.args += ["--meta", ",".join(self.meta_addresses), "--group", group]
+                self.group_of[n.name] = group
                 if realtime_replicas > 1:
                     n.env.update({"HOURGLASS_REPLICATED": "true", "HOURGLASS_ACK_MODE": ack_mode})
             for i, n in enumerate(self.delay):
                 # delay_replicas > 1: groups of a master and slaves, roles by election (node/replication/)
                 group = n.name if delay_replicas <= 1 else f"delay-g{i // delay_replicas + 1}"
                 n.args += ["--meta", ",".join(self.meta_addresses), "--group", group]
+                self.group_of[n.name] = group
                 if delay_replicas > 1:
                     n.env.update({"HOURGLASS_REPLICATED": "true", "HOURGLASS_ACK_MODE": ack_mode})
             if lease_ttl_ms:
@@ -251,6 +344,14 @@ class LocalCluster:
                   "tls_key_file": self.security.client_key,
                   "token_file": token_file or self.security.admin_token_file}
         return ClientSecurity(SecuritySettings(**(fields | settings)))
+
+    def groups(self) -> dict[str, dict[str, list[str]]]:
+        """role -> group name -> member names, as the nodes were told (``cluster.json`` "groups")."""
+        out: dict[str, dict[str, list[str]]] = {"delay": {}, "realtime": {}}
+        for role, nodes in (("delay", self.delay), ("realtime", self.realtime)):
+            for n in nodes:
+                out[role].setdefault(self.group_of[n.name], []).append(n.name)
+        return out
 
     @property
     def meta_addresses(self) -> list[str]:
@@ -290,6 +391,24 @@ class LocalCluster:
             slaves = all(v.get("mode") == "slave" for k, v in st.items() if k not in ms)
             return ms[0] if len(ms) == 1 and slaves and len(st) == len(running) else None
         return await wait_until(find, timeout_s, f"one {role} master")
+
+    async def wait_masters(self, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> dict[str, str]:
+        """group -> its one master, once every group of ``role`` has one and its other running
+        members are its slaves (``wait_master`` for a cluster of several groups)."""
+        groups = self.groups()[role]
+
+        async def find():
+            st = await self.statuses(role)
+            out = {}
+            for group, members in groups.items():
+                running = [m for m in members if next(n for n in self.nodes if n.name == m).running]
+                ms = [m for m in running if st.get(m, {}).get("master")]
+                if len(ms) != 1 or not all(m in st for m in running) \
+                        or not all(st[m].get("mode") == "slave" for m in running if m != ms[0]):
+                    return None
+                out[group] = ms[0]
+            return out
+        return await wait_until(find, timeout_s, f"one master in every {role} group")
 
     async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> None:
         async def ok():
@@ -367,6 +486,7 @@ class LocalCluster:
                              for n in self.meta + self.nodes}}
         for m in self.etcd.members if self.etcd is not None else []:
             out["processes"][m.name] = {"role": "etcd", "address": m.endpoint, "pid": m.proc.pid if m.proc else None}
+        out["groups"] = self.groups()
         if self.meta:
             out["meta"] = self.meta_addresses
             out["etcd"] = self.etcd_endpoints
@@ -412,7 +532,7 @@ class RestartPolicy:
     restarts_max: int = 5               # at most this many restarts of one process ...
     restart_window_ms: int = 60_000     # ... within this window; beyond, it is left down (logged)
     ready_timeout_ms: int = 30_000      # a restarted process that writes no ready file by then is killed
-    role_poll_ms: int = 1000            # how often the delay nodes' roles are read (takeovers are logged)
+    role_poll_ms: int = 1000            # how often the nodes' roles are read (takeovers are logged)
 
     def __post_init__(self) -> None:
         assert self.restart_backoff_ms >= 0 and self.restarts_max >= 0 and self.restart_window_ms > 0
@@ -471,7 +591,7 @@ class Supervisor:
         self.starting_ms: dict[str, int] = {}     # restarted, waiting for its ready file
         self.given_up: set[str] = set()
         self.restarts = 0
-        self.roles: dict[str, str] = {}           # delay node -> "master"/"slave" last seen
+        self.roles: dict[str, str] = {}           # node -> "master"/"slave" last seen
 
     def processes(self) -> list:
         etcd = self.cluster.etcd.members if self.cluster.etcd is not None else []
@@ -532,7 +652,7 @@ class Supervisor:
         return out
 
     def role_changes(self, statuses: dict[str, dict]) -> list[str]:
-        """Log lines for delay nodes whose mode changed (``LocalCluster.statuses`` output)."""
+        """Log lines for nodes whose mode changed (``LocalCluster.statuses`` output)."""
         out = []
         for name, st in sorted(statuses.items()):
             mode = "master" if st.get("master") else st.get("mode", "slave")
@@ -551,14 +671,20 @@ class Supervisor:
         import asyncio
 
         next_roles_ms = 0
+        groups = self.cluster.groups()
+        # roles worth following: the delay nodes when there are several, the real-time ones in replicated groups
+        polled = [role for role, several in (("delay", len(self.cluster.delay) > 1),
+                                             ("realtime", any(len(m) > 1 for m in groups["realtime"].values())))
+                  if several]
         while not stop.is_set():
             now_ms = time.monotonic_ns() // 1_000_000
             for line in self.tick(now_ms):
                 log(line)
-            if now_ms >= next_roles_ms and len(self.cluster.delay) > 1:
+            if now_ms >= next_roles_ms and polled:
                 next_roles_ms = now_ms + self.policy.role_poll_ms
-                for line in self.role_changes(await self.cluster.statuses("delay")):
-                    log(line)
+                for role in polled:
+                    for line in self.role_changes(await self.cluster.statuses(role)):
+                        log(line)
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except asyncio.TimeoutError:

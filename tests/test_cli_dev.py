@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.devcluster import RestartBudget, RestartPolicy
+from cluster.devcluster import NODES_MAX, ClusterShape, RestartBudget, RestartPolicy
 
 HOURGLASS = [sys.executable, "-m", "cluster.cli"]
 MARKUP_BAIT = "grpc error [/hourglass.v1.Producer/SendBatch] [bold]not markup"
@@ -44,6 +44,14 @@ def assert_no_traceback(text: str) -> None:
     (["--replicas", "99"], "--replicas"),
     (["--ack-mode", "sync"], "--ack-mode"),            # sync without a slave to acknowledge
     (["--static", "--replicas", "2"], "--replicas"),  # elections need the meta servers
+    (["--delay-groups", "0"], "--delay-groups"),
+    (["--delay-groups", "99"], "--delay-groups"),
+    (["--realtime-groups", "99"], "--realtime-groups"),
+    (["--realtime-replicas", "0"], "--realtime-replicas"),
+    (["--static", "--delay-groups", "2"], "--delay-groups"),         # groups are found through the meta servers
+    (["--static", "--realtime-groups", "2"], "--realtime-groups"),
+    (["--static", "--realtime-replicas", "2"], "--realtime-replicas"),
+    (["--delay-groups", "8", "--replicas", "5"], "--delay-groups"),  # more node processes than NODES_MAX
 ])
 def test_dev_up_refuses_bad_options(tmp_path, args, option):
     r = run_cli("dev", "up", "--data", str(tmp_path / "d"), *args, cwd=tmp_path)
@@ -85,6 +93,19 @@ def test_restart_budget_backs_off_and_gives_up_per_window():
     assert b.restart_at_ms("delay-1", 3_000) is None          # 2 restarts within 10 s
     assert b.restart_at_ms("delay-2", 3_000) == 3_500         # per process
     assert b.restart_at_ms("delay-1", 11_501) == 12_001       # the first restart left the window
+
+
+@pytest.mark.unit
+def test_cluster_shape_maps_to_local_cluster_arguments_and_names_the_bad_option():
+    assert ClusterShape(2, 3, 2).cluster_kwargs() == {"n_delay": 4, "delay_replicas": 2, "n_realtime": 3,
+                                                      "realtime_replicas": 1}
+    assert ClusterShape(2, 3).problem() is None
+    assert ClusterShape(2, 1).problem(meta=False)[0] == "--delay-groups"
+    assert ClusterShape(1, 1).problem(ack_mode="sync")[0] == "--ack-mode"
+    assert ClusterShape(1, 1, 2).problem(ack_mode="sync") is None
+    big = ClusterShape(8, 8, 2, 2)
+    assert big.nodes > NODES_MAX and big.problem()[0] == "--delay-groups"
+    assert "\n" not in big.problem()[1], "one line"
 
 
 # ---------------------------------------------------------------------- the acceptance run
@@ -259,3 +280,138 @@ def test_dev_up_secure_serves_the_cli_through_the_cluster_file_and_refuses_plain
     text = out_path.read_text()
     assert_no_traceback(text)
     assert "secure: mutual TLS on every port" in text and "OPEN" not in text, text
+
+
+SHAPE_SUBJECTS = 12          # subjects sent to: enough that the meta server spreads them over 3 groups
+SHAPE_PER_SUBJECT = 2
+SHAPE_DRAIN_S_MAX = 60.0     # every message is due 300 ms after its send; wait at most this long for all
+SHAPE_QUIET_S = 2.0          # after the last expected receive, listen this long for duplicates
+
+
+async def _send_and_receive_everywhere(meta: list[str]) -> dict[str, int]:
+    """Send SHAPE_SUBJECTS x SHAPE_PER_SUBJECT messages through the SDK, consume them all in one
+    consumer group; id -> receives."""
+    import asyncio
+
+    from cluster.client import Consumer, Producer
+    from cluster.discovery import MetaResolver
+
+    subjects = [f"shape.s{i}" for i in range(SHAPE_SUBJECTS)]
+    ids = {f"{s}-m{k}": s for s in subjects for k in range(SHAPE_PER_SUBJECT)}
+    got: dict[str, int] = {}
+    resolver = MetaResolver(meta)
+    try:
+        async with Producer(resolver) as p:
+            for mid, subject in ids.items():
+                await p.send_and_wait(subject, b"x", delay_ms=300, id=mid)
+        async with Consumer(resolver, subjects, group="g", wait_ms=200) as c:
+            async def drain():
+                quiet_until = None
+                while quiet_until is None or time.monotonic() < quiet_until:
+                    for m in await c.pull(max_messages=100, wait_ms=200):
+                        got[m.id] = got.get(m.id, 0) + 1
+                        await m.ack()
+                    if quiet_until is None and set(ids) <= set(got):
+                        quiet_until = time.monotonic() + SHAPE_QUIET_S
+            try:
+                await asyncio.wait_for(drain(), SHAPE_DRAIN_S_MAX)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await resolver.close()
+    assert set(got) == set(ids), f"not delivered: {sorted(set(ids) - set(got))}"
+    return got
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+@pytest.mark.timeout(240)
+def test_dev_up_of_two_delay_and_three_realtime_groups_serves_all_of_them(tmp_path):
+    """Issue 30 acceptance: `dev up --delay-groups 2 --realtime-groups 3` comes up, `status` lists
+    every group and member, messages to several subjects are delivered once each and land on more
+    than one delay group and more than one real-time group; SIGTERM stops every process."""
+    import asyncio
+
+    data = tmp_path / "d"
+    out_path = tmp_path / "dev-up.out"
+    seen: dict = {}
+    up = _start_dev_up(["--data", str(data), "--delay-groups", "2", "--realtime-groups", "3", "--no-console"],
+                       tmp_path, out_path)
+    try:
+        seen = _wait_cluster_json(up, data, out_path)
+        assert {g: len(m) for g, m in seen["groups"]["delay"].items()} == {"delay-1": 1, "delay-2": 1}
+        assert len(seen["groups"]["realtime"]) == 3
+        cf = str(data / "cluster.json")
+        st = run_cli("status", "--json", "--cluster-file", cf, cwd=tmp_path)
+        assert st.returncode == 0, st.stdout + st.stderr
+        rows = json.loads(st.stdout)
+        groups = {(r["role"], r["group"]) for r in rows}
+        assert {g for role, g in groups if role == "delay"} == {"delay-1", "delay-2"}, rows
+        assert {g for role, g in groups if role == "realtime"} == {"realtime-1", "realtime-2", "realtime-3"}, rows
+        assert all(r.get("mode", "master") == "master" and "error" not in r for r in rows), rows
+        table = run_cli("status", "--cluster-file", cf, cwd=tmp_path)
+        assert table.returncode == 0 and all(f"realtime-{i}" in table.stdout for i in (1, 2, 3)), table.stdout
+
+        got = asyncio.run(_send_and_receive_everywhere(seen["meta"]))
+        assert all(n == 1 for n in got.values()), {k: n for k, n in got.items() if n != 1}
+
+        rows = json.loads(run_cli("status", "--json", "--cluster-file", cf, cwd=tmp_path).stdout)
+        used_delay = [r["node_id"] for r in rows if r["role"] == "delay" and r.get("message_log_end", 0) > 0]
+        used_rt = [r["node_id"] for r in rows if r["role"] == "realtime" and r.get("subjects_created", 0) > 0]
+        assert len(used_delay) == 2, f"sends land on both delay groups: {rows}"
+        assert len(used_rt) >= 2, f"subjects are routed over the real-time groups: {rows}"
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        _stop_dev_up(up)
+        _kill_listed(seen)
+    text = out_path.read_text()
+    assert_no_traceback(text)
+    assert "2 delay group(s) of 1 node(s), 3 real-time group(s) of 1 node(s)" in text, text
+    assert "realtime group realtime-3: realtime-3" in text, text
+    assert "cluster stopped" in text
+    assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"
+    assert not (data / "cluster.json").exists()
+
+
+@pytest.mark.skipif(not shutil.which("etcd"), reason="etcd binary not installed")
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # tier: ~60 s, a cluster of 8 processes and two master kills
+def test_dev_chaos_kills_masters_of_delay_and_replicated_realtime_groups(tmp_path):
+    """`dev up --delay-groups 2 --realtime-groups 2 --realtime-replicas 2`; `dev chaos --kill-groups
+    any` (seed 3: a real-time master, then a delay master) passes: nothing acknowledged lost, no
+    duplicate, the real-time slave takes over, both killed nodes come back."""
+    data = tmp_path / "d"
+    out_path = tmp_path / "dev-up.out"
+    seen: dict = {}
+    up = _start_dev_up(["--data", str(data), "--delay-groups", "2", "--realtime-groups", "2",
+                        "--realtime-replicas", "2", "--no-console"], tmp_path, out_path)
+    try:
+        seen = _wait_cluster_json(up, data, out_path)
+        assert {g: len(m) for g, m in seen["groups"]["realtime"].items()} == {"realtime-g1": 2, "realtime-g2": 2}
+        chaos = run_cli("dev", "chaos", "--kills", "2", "--kill-groups", "any", "--seed", "3", "--rate", "20",
+                        "--kill-gap-s", "1", "--cluster-file", str(data / "cluster.json"),
+                        "--out", str(tmp_path / "chaos"), cwd=tmp_path, timeout_s=200)
+        assert_no_traceback(chaos.stdout + chaos.stderr)
+        assert chaos.returncode == 0, chaos.stdout + chaos.stderr
+        report = json.loads((tmp_path / "chaos" / "report.json").read_text())
+        assert report["faults"]["by_kind"] == {"realtime_kill": 1, "delay_master_kill": 1}, report["faults"]
+        assert report["lost"]["count"] == 0 and report["duplicates"]["extra_receives"] == 0
+        assert report["messages"]["acked"] > 0
+        faults = [json.loads(line) for line in (tmp_path / "chaos" / "faults.jsonl").read_text().splitlines()]
+        rt = next(f for f in faults if f["kind"] == "realtime_kill")
+        assert rt["group"] in ("realtime-g1", "realtime-g2") and rt["new_master"] not in (None, rt["process"]), rt
+        assert all(f["restart_error"] is None for f in faults), faults
+        assert "2 (1 real-time)" in chaos.stdout, chaos.stdout
+        seen = json.loads((data / "cluster.json").read_text())  # the PIDs of the restarted processes
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        _stop_dev_up(up)
+        if (data / "cluster.json").exists():
+            seen = json.loads((data / "cluster.json").read_text())
+        _kill_listed(seen)
+    text = out_path.read_text()
+    assert_no_traceback(text)
+    assert f"{rt['new_master']} is now master of group {rt['group']}" in text, text
+    assert not [n for n, p in seen["processes"].items() if _pid_alive(p["pid"])], "no process left behind"

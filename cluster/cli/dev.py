@@ -1,6 +1,7 @@
 """``hourglass dev``: a local development cluster.
 
     hourglass dev up [--replicas 2 --ack-mode sync]   a supervised cluster that runs until Ctrl-C
+    hourglass dev up --delay-groups 2 --realtime-groups 3 [--replicas 2]   any shape (docs/cli.md)
     hourglass dev chaos --kills 3 [--seed 7]          traffic + seeded master kills against it, verdict
     hourglass dev chaos --scenario meta-pause         a named scenario (issue 26), or --kinds node_stall,...
 
@@ -28,17 +29,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cluster.devcluster import RestartPolicy
+from cluster.devcluster import DELAY_GROUPS_MAX, REALTIME_GROUPS_MAX, REPLICAS_MAX, ClusterShape, RestartPolicy
 
 dev = typer.Typer(help="Local development cluster.", no_args_is_help=True)
 console = Console()
 err_console = Console(stderr=True)
 
-REPLICAS_MAX = 5            # delay nodes of the one dev delay group
 LEASE_TTL_MS = 6000         # nodes' meta lease: a paused master keeps its seat this long (a killed one's port
                             # refuses connections: its slave reports it and takes over at once, docs/replication.md)
 DEFAULT_DATA = Path("var/dev")
 _DEFAULT_POLICY = RestartPolicy()
+
+
+class KillGroups(str, Enum):
+    delay = "delay"
+    realtime = "realtime"
+    any = "any"
+
+
+KILL_ROLES = {KillGroups.delay: ("delay",), KillGroups.realtime: ("realtime",), KillGroups.any: ("delay", "realtime")}
 
 
 class AckMode(str, Enum):
@@ -64,8 +73,14 @@ def fail(message: str, code: int) -> typer.Exit:
 def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cluster"),
        meta: bool = typer.Option(True, "--meta/--static",
                                  help="start etcd and a meta server; nodes register and discover there"),
+       delay_groups: int = typer.Option(1, min=1, max=DELAY_GROUPS_MAX,
+                                        help="delay groups; the clients spread sends over them by message id"),
+       realtime_groups: int = typer.Option(1, min=1, max=REALTIME_GROUPS_MAX,
+                                           help="real-time groups; the meta server routes each new subject to one"),
        replicas: int = typer.Option(1, min=1, max=REPLICAS_MAX,
-                                    help="delay nodes in the delay group (2 = master + slave, by election)"),
+                                    help="delay nodes in each delay group (2 = master + slave, by election)"),
+       realtime_replicas: int = typer.Option(1, min=1, max=REPLICAS_MAX,
+                                             help="real-time nodes in each real-time group (2 = master + slave)"),
        ack_mode: AckMode = typer.Option(AckMode.async_, case_sensitive=False,
                                         help="sync: acknowledged once a slave holds it (needs --replicas 2+)"),
        restart_backoff_ms: int = typer.Option(_DEFAULT_POLICY.restart_backoff_ms, min=0, max=600_000,
@@ -84,12 +99,10 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
     from cluster.devcluster import LocalCluster, Supervisor
     from cluster.errors import HourglassError
 
-    if replicas > 1 and not meta:
-        raise typer.BadParameter("more than one replica needs --meta (elections run through the meta servers)",
-                                 param_hint="'--replicas'")
-    if ack_mode is AckMode.sync and replicas < 2:
-        raise typer.BadParameter("sync needs a slave to acknowledge: use --replicas 2 or more",
-                                 param_hint="'--ack-mode'")
+    shape = ClusterShape(delay_groups, realtime_groups, replicas, realtime_replicas)
+    bad = shape.problem(meta=meta, ack_mode=ack_mode.value)
+    if bad is not None:
+        raise typer.BadParameter(bad[1], param_hint=f"'{bad[0]}'")
     data = data.resolve()  # once: the processes do not share the caller's working directory
     policy = RestartPolicy(restart_backoff_ms=restart_backoff_ms, restarts_max=restarts_max,
                            restart_window_ms=restart_window_ms)
@@ -98,10 +111,10 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(data, meta=meta, delay_replicas=replicas, n_delay=replicas, ack_mode=ack_mode.value,
+    cluster = LocalCluster(data, meta=meta, **shape.cluster_kwargs(), ack_mode=ack_mode.value,
                            lease_ttl_ms=LEASE_TTL_MS if meta else None, secure=secure)
     say(f"starting in {data}: " + ("etcd, a meta server, " if meta else "")
-        + f"{replicas} delay node(s) (ack_mode={ack_mode.value}), a real-time node")
+        + f"{shape.describe()} (ack_mode={ack_mode.value})")
     if secure:
         say(f"secure: mutual TLS on every port, tokens checked; client credentials in {data / 'security'} "
             f"(cluster.json names them; the admin token is {data / 'security' / 'admin.token'}); "
@@ -125,12 +138,16 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
     info = cluster.describe()
     say(f"cluster up  delay={info['delay']}  realtime={info['realtime']}  meta={info.get('meta', [])}  "
         f"etcd={info.get('etcd', [])}")
+    for role, groups in info["groups"].items():
+        for group, members in groups.items():
+            say(f"  {role} group {group}: {', '.join(members)}")
     for name, p in info["processes"].items():
         say(f"  {name} pid={p['pid']} address={p['address']} log={data / (name + '.log')}")
     say(f"restart policy: backoff {policy.restart_backoff_ms} ms, at most {policy.restarts_max} restarts "
         f"per {policy.restart_window_ms} ms per process")
     say(f"try:  hourglass send demo.hello 'hi' --delay-ms 3000 --cluster-file {data}/cluster.json")
     say(f"      hourglass consume demo.hello --group g --cluster-file {data}/cluster.json")
+    say(f"      hourglass status --cluster-file {data}/cluster.json")
     if replicas > 1:
         say(f"      hourglass dev chaos --kills 3 --cluster-file {data}/cluster.json")
     web = None
@@ -218,7 +235,11 @@ async def _supervise(supervisor) -> None:
 
 
 @dev.command("chaos")
-def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SIGKILL, one after the other"),
+def chaos(kills: int = typer.Option(3, min=1, max=100, help="masters to SIGKILL, one after the other (of the "
+                                                             "groups --kill-groups names)"),
+          kill_groups: KillGroups = typer.Option(KillGroups.delay, case_sensitive=False,
+                                                 help="whose masters --kills SIGKILLs: delay groups, real-time "
+                                                      "groups, or any group"),
           seed: int = typer.Option(1, help="the same seed gives the same kill schedule and traffic"),
           cluster_file: Path = typer.Option(DEFAULT_DATA / "cluster.json", help="cluster.json of `hourglass dev up`"),
           rate: Optional[float] = typer.Option(None, min=1, max=10_000,
@@ -267,6 +288,7 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
         raise fail(f"{cluster_file} is not of a `hourglass dev up --meta` cluster", 2)
     out = (out or cluster_file.parent / f"chaos-{seed}-{int(time.time())}").resolve()
     common = dict(cluster_file=cluster_file, out_dir=out, seed=seed, kills=kills, kill_gap_s=kill_gap_s,
+                  kill_roles=KILL_ROLES[kill_groups],
                   cpu_hogs_per_core=cpu_hogs_per_core, disk_writers=disk_writers, throttle_cpu_fraction=throttle_cpu,
                   ack_journals=tuple(p.resolve() for p in ack_journal))
     if scenario:
@@ -274,7 +296,8 @@ def chaos(kills: int = typer.Option(3, min=1, max=100, help="delay masters to SI
         what = f"scenario {scenario} for {cfg.duration_s:g} s"
     else:
         cfg = DevChaosConfig(rate_per_s=rate or 20.0, kinds=kind_list, duration_s=duration_s, **common)
-        what = f"{', '.join(kind_list)} for {duration_s or 60:g} s" if kind_list else f"{kills} delay master kill(s)"
+        what = f"{', '.join(kind_list)} for {duration_s or 60:g} s" if kind_list else \
+            f"{kills} master kill(s) of {kill_groups.value} groups"
     say(f"chaos seed={seed}: {what}, {cfg.rate_per_s:g} msg/s, records in {out}")
     try:
         report = run_dev_chaos(cfg, say=say)
@@ -300,7 +323,9 @@ def verdict_table(report: dict) -> Table:
     t = Table("check", "value", title=f"dev chaos seed={report['seed']}: "
               + ("PASSED" if report["passed"] else "FAILED"))
     rows = [
-        ("masters killed", str(f["master_kills"]) + (f" ({len(f['skipped'])} skipped)" if f["skipped"] else "")),
+        ("masters killed", str(f["master_kills"] + f["by_kind"].get("realtime_kill", 0))
+         + (f" ({f['by_kind']['realtime_kill']} real-time)" if f["by_kind"].get("realtime_kill") else "")
+         + (f" ({len(f['skipped'])} skipped)" if f["skipped"] else "")),
         ("sent / acknowledged", f"{m['sent']} / {m['acked']}"),
         ("expected deliveries / received", f"{m['expected_deliveries']} / {m['receives']}"),
         ("lost (acknowledged, never received)", str(report["lost"]["count"])),
@@ -312,7 +337,8 @@ def verdict_table(report: dict) -> Table:
         ("master changes: after a kill / without", f"{mc['after_kill']} / {mc['without_kill']}"),
         ("overlapping acknowledgement windows",
          f"{aw['overlaps']} ({aw['windows']} windows)" if aw["journals"] else "not checked (no journal)"),
-        ("other faults", ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items()) if k != "delay_master_kill")
+        ("other faults", ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items())
+                                   if k not in ("delay_master_kill", "realtime_kill"))
          or "-"),
         ("processes not restarted", str(len(report["restart_errors"]))),
         ("lateness ms p50 / p99", f"{lat['all']['p50']} / {lat['all']['p99']}"),
