@@ -53,7 +53,7 @@ SOURCES = {
 }
 # bounds of a format, not settings, named ``*_DEFAULT`` for the readers that import them
 NOT_SETTINGS = {
-    ("node/store/log.py", "RECORD_BYTES_MAX_DEFAULT"),  # the largest record any reader of a log accepts
+    ("cluster/logformat.py", "RECORD_BYTES_MAX_DEFAULT"),  # the largest record any reader of a log accepts
 }
 # written twice still, in modules being rewritten in parallel (issue 29): (module, name); this
 # list may only shrink. cluster/spark/layout.py BUCKET_MS_DEFAULT repeats StoreSettings.bucket_ms

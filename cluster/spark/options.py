@@ -31,12 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import InvalidArgument
+from cluster.logformat import RECORD_BYTES_MAX_DEFAULT  # the node's logs' bound, without loading the node
 
 from . import layout
 
-# node.store.log.RECORD_BYTES_MAX_DEFAULT (tests check they agree): not imported, so a Python
-# process that plans a scan (cluster.spark.source) does not load the node's store and settings
-RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
 
 RECORD_BYTES_MAX_LIMIT = 1 << 30      # Arrow binary offsets (rows.py) are i32: one frame stays well below 2 GiB
 OPTIONS = ("path", "log", "payload", "recordBytesMax", "pushdown")

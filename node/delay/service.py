@@ -33,7 +33,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 from cluster import security, status
 from cluster.client import StaticResolver
 from cluster.clock import Clock, SystemClock
-from cluster.codec import OUTCOME_DEAD_LETTER, Batch, encode_extra
+from cluster.codec import OUTCOME_DEAD_LETTER, Batch
 from cluster.discovery import MetaResolver
 from cluster.errors import DiskFull, HourglassError, Unavailable
 from cluster.proto import hourglass_pb2 as pb
@@ -43,7 +43,7 @@ from cluster.transport import Channels
 from cluster.wire import BatchResult, make_request
 from node.aio import finish_then_cancel, wait_event
 from node.config import NodeSettings
-from node.delay import retention
+from node.delay import deadletter, retention
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.grpcserver import start_grpc
@@ -421,28 +421,20 @@ class DelayNode(SendIntake, rpc.ProducerServicer, rpc.AdminServicer):
             self.store.release(unit, part[rest])
 
     async def _handle_permanent(self, unit: int, b: Batch, idx: np.ndarray, why: dict[int, tuple[int, str]]) -> None:
-        """Refused for good by the real-time side (rare): retry a few times, then dead letter."""
-        dead, again = [], []
+        """Refused for good by the real-time side (rare): retry a few times, then dead letter
+        (the rule: node/delay/deadletter.py)."""
         for i in idx.tolist():
-            seq = int(b.seq[i])
-            n = self._permanent_failures.get(seq, 0) + 1
-            self._permanent_failures[seq] = n
             self.metrics.errors.labels(kind=pb.Code.Name(why[i][0])).inc()
-            (dead if n >= self.settings.dispatch_attempts_max or b.subject(i) == DLQ_SUBJECT else again).append(i)
-        if again:
-            n = max(self._permanent_failures[int(b.seq[i])] for i in again)
-            delay = min(self.settings.dispatch_backoff_ms_max, 50 * 2 ** n) / 1000
-            asyncio.get_running_loop().call_later(delay, self._requeue, unit, np.array(again, np.int64))
+        refused = deadletter.sort_refused(b, idx, self._permanent_failures,
+                                          attempts_max=self.settings.dispatch_attempts_max,
+                                          backoff_ms_max=self.settings.dispatch_backoff_ms_max)
+        dead = refused.dead
+        if refused.again:
+            asyncio.get_running_loop().call_later(refused.again_ms / 1000, self._requeue, unit,
+                                                  np.array(refused.again, np.int64))
         if not dead:
             return
-        extras = []
-        for i in dead:
-            tags, props = b.extra(i)
-            code, error = why[i]
-            extras.append(encode_extra(tags, sorted(dict(props, **{
-                "dlq.subject": b.subject(i), "dlq.reason": error[:500], "dlq.code": pb.Code.Name(code)}).items())))
-        dlq = Batch.build(DLQ_SUBJECT, [b.payload(i) for i in dead], [b.id(i) for i in dead],
-                          b.deliver_at_ms[dead], attempts=b.attempts[dead], extras=extras)
+        dlq = deadletter.dead_letters(b, dead, why)
         retrying = AsyncRetrying(retry=retry_if_exception_type(Unavailable),
                                  wait=wait_exponential(multiplier=0.05, max=2), reraise=True)
         async for attempt in retrying:

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
 from cluster.files import DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
+from cluster.logformat import RECORD_BYTES_MAX_DEFAULT  # a format bound, shared with cluster.spark
 from node.store.diskspace import enospc, is_enospc
 from node.store.settings import STORE_DEFAULTS
 
@@ -57,7 +58,6 @@ from .segments import (DELETING_SUFFIX, SUFFIX, RecoveryReport, Segment, open_se
 
 log = logging.getLogger("hourglass.store.log")
 
-RECORD_BYTES_MAX_DEFAULT = 8 * 1024 * 1024
 READ_CHUNK_BYTES = 1 << 20
 OPEN_READERS_MAX = 16
 
