@@ -508,6 +508,17 @@ class DelayCore:
             changed |= self.offer(self.chunk(ref, reload=False, cancelled=targets))
         return changed
 
+    def cancels_retired(self, targets: np.ndarray, effective_ms: np.ndarray) -> None:
+        """Tombstones that are not filed: their messages' bucket (at ``effective_ms``) is retired,
+        the messages went with it (``DelayStore._file``). Their messages count as pending no more,
+        and are out of the wheel (already: no bucket is retired while it holds one)."""
+        self.pending_add(effective_ms, -1)
+        if self.follower:
+            return
+        self.wheel.cancel(targets)
+        if self.unfiled_cancels:
+            self.unfiled_cancels.difference_update(int(t) for t in targets.tolist())
+
     def offer(self, chunk: Chunk | None, *, filed: bool = True) -> bool:
         """A chunk to the wheel (``filed``: of records just filed, see ``behind``): True when
         it took entries (``completed_ms`` steps back for one behind it)."""

@@ -340,6 +340,15 @@ class DelayStore:
         eff = core.effective_times(batch, is_cancel)
         if is_cancel.any():
             lookup.cancels_beside_targets(self, batch, is_cancel, eff)
+            gone = is_cancel & lookup.buckets_retired(self, eff)
+            if gone.any():
+                # their messages' bucket is retired (docs/design.md, "Cancel"): filing them would
+                # create it again under the id index's old offsets. The message is gone with it
+                core.cancels_retired(batch.cancel_targets()[gone], eff[gone])
+                keep = np.flatnonzero(~gone)
+                batch, hashes, eff, is_cancel = batch.take(keep), hashes[keep], eff[keep], is_cancel[keep]
+                if not batch.n:
+                    return
         batch = batch.replace(effective_ms=eff.astype(np.int64))
         soon = None if self.follower else core.wheel.loaded_until_ms + self.settings.cache_ahead_ms
         force = self.refiled.mask(batch, refile_seq_max=core.refile_seq_max, index=self.ids)
