@@ -132,11 +132,6 @@ class DelayStoreModel(RuleBasedStateMachine):
             else:
                 r.tomb_filed = True
 
-    def _maybe_called_dispatched(self, r: Rec) -> bool:
-        """KNOWN BUG C (test_a_message_filed_behind_the_cursor_is_not_dispatched_before_it_fires):
-        a message filed overdue since the last poll may be answered as dispatched until it fires."""
-        return r.state == PENDING and r.filed and r.due_ms <= self.now
-
     def _fired(self, unit: int, batch) -> None:
         ids = batch.id_list()
         assert len(set(ids)) == len(ids), f"one id twice in one unit: {ids}"
@@ -307,13 +302,7 @@ class DelayStoreModel(RuleBasedStateMachine):
             except TooLate:
                 assert self.retention_ran
             return
-        if self._maybe_called_dispatched(r):
-            try:
-                got = self.store.cancel(mid, now_ms=self.now)
-            except TooLate:
-                return  # KNOWN BUG C: still pending, it fires at the next poll (the drain checks it)
-        else:
-            got = self.store.cancel(mid, now_ms=self.now)
+        got = self.store.cancel(mid, now_ms=self.now)
         assert got == r.seq
         event(f"cancel of a pending message, {'filed' if r.filed else 'not filed'}"
               f"{', due within 1 s' if r.due_ms <= self.now + 1_000 else ''}")
@@ -397,8 +386,6 @@ class DelayStoreModel(RuleBasedStateMachine):
                 assert self.retention_ran and r.state in (DISPATCHED, CANCELLED), (mid, r.state)
                 event("lookup: record expired (retention)")
                 continue
-            if got.status == DISPATCHED and self._maybe_called_dispatched(r):
-                continue  # KNOWN BUG C
             assert got.status == r.state, (mid, got.status, r)
             if r.state != CANCELLED:
                 assert got.seq == r.seq
@@ -508,9 +495,6 @@ def test_a_tombstone_filed_after_retention_deleted_its_bucket(tmp_path):
         store.lookup("m2")
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN BUG C: ack_dispatched (any _advance_completed) moves completed_ms "
-                   "to the wheel cursor past a message filed overdue and not fired yet; lookup then answers "
-                   "'dispatched' and cancel TooLate, and the message fires at the next poll")
 def test_a_message_filed_behind_the_cursor_is_not_dispatched_before_it_fires(tmp_path):
     store = DelayStore.open(tmp_path, SET, now_ms=T0)
     sent(store, T0, message("m1", T0 + 50, b"a"))
@@ -520,4 +504,14 @@ def test_a_message_filed_behind_the_cursor_is_not_dispatched_before_it_fires(tmp
     store.ack_dispatched(unit.unit, np.arange(unit.batch.n), now_ms=T0 + 100)
     assert store.lookup("m2").status == "pending"  # is 'dispatched'
     assert store.cancel("m2", now_ms=T0 + 100) > 0  # raises TooLate
+    assert fire(store, T0 + 110) == []
+
+
+def test_a_released_message_is_not_dispatched_before_it_fires_again(tmp_path):
+    store = DelayStore.open(tmp_path, SET, now_ms=T0)
+    sent(store, T0, message("m1", T0 + 50, b"a"))
+    (unit,) = store.poll_due(now_ms=T0 + 100)
+    store.release(unit.unit, np.arange(unit.batch.n))  # back in the wheel, overdue
+    assert store.lookup("m1").status == "pending"
+    assert store.cancel("m1", now_ms=T0 + 100) > 0
     assert fire(store, T0 + 110) == []

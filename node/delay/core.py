@@ -19,8 +19,8 @@ dispatch, ``dispatch_record`` the record the shell appends before ``acked`` sett
 Invariants that make restart exact:
 
 * ``completed_ms``: every message whose effective due time is before it has been
-  dispatched (it is in a dispatch record). It is ``min(wheel cursor, effective time of
-  anything in flight)`` rounded down to a tick. A message filed behind it steps it back,
+  dispatched (it is in a dispatch record). It is ``min(wheel cursor, earliest due time held
+  in the wheel, effective time of anything in flight)`` rounded down to a tick. A message filed behind it steps it back,
   never back past the last durable checkpoint (asserted in ``behind``): the filing rule
   puts the message at or after ``persisted_completed_ms``. Two steps may go further, and
   are not asserted: a checkpoint whose document was taken before such a message was filed
@@ -162,6 +162,13 @@ class DelayCore:
             if len(live):
                 m = int(live.min())
                 low = m if low is None else min(low, m)
+        if not self.follower:
+            # an overdue entry held behind the cursor (filed or released behind it, not fired
+            # yet) is not delivered: completed_ms never passes it (as tick_state), or lookup
+            # answered 'dispatched' and cancel TooLate for a message that had not fired
+            held = self.wheel.next_due_ms()
+            if held is not None and held < c:
+                c = held
         if low is not None:
             c = min(c, low)
         c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
