@@ -92,6 +92,9 @@ class DelayCore:
         # below it are checked one by one instead (``DelayStore._file``)
         self.refile_seq_max = -1
         self.pending: dict[int, int] = {}  # bucket start -> messages filed, not dispatched nor cancelled
+        # the completed_ms the pending counts were made from (``counted``): a message due before
+        # it was never counted, so its tombstone takes nothing off (``cancelled_counts``)
+        self.pending_from_ms = -1
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
         self.persisted_doc: dict = {}  # the last checkpoint known durable: retention deletes only what it covers
@@ -499,7 +502,9 @@ class DelayCore:
         hands them to the wheel and takes what its tombstones cancel out of it. True when the
         wheel took something (the shell wakes its loop)."""
         if placed.any():
-            self.pending_add(batch.effective_ms[placed], np.where(is_cancel[placed], -1, 1))
+            eff = batch.effective_ms[placed]
+            tomb = is_cancel[placed]
+            self.pending_add(eff, np.where(tomb, -self.cancelled_counts(eff), 1))
         if self.follower:
             return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
@@ -519,7 +524,7 @@ class DelayCore:
         """Tombstones that are not filed: their messages' bucket (at ``effective_ms``) is retired,
         the messages went with it (``DelayStore._file``). Their messages count as pending no more,
         and are out of the wheel (already: no bucket is retired while it holds one)."""
-        self.pending_add(effective_ms, -1)
+        self.pending_add(effective_ms, -self.cancelled_counts(effective_ms))
         if self.follower:
             return
         self.wheel.cancel(targets)
@@ -580,6 +585,20 @@ class DelayCore:
         return changed
 
     # ------------------------------------------------------------------ pending counts
+
+    def counted(self, pending: dict[int, int]) -> None:
+        """Pending counts made afresh from the schedule log (``recovery.count_pending``, at open
+        and at a promotion): the messages filed at or after ``completed_ms``, not delivered."""
+        self.pending = pending
+        self.pending_from_ms = self.completed_ms
+
+    def cancelled_counts(self, effective_ms: np.ndarray) -> np.ndarray:
+        """Of tombstones filed at ``effective_ms`` (their messages'), which take one off the
+        pending counts (1) or nothing (0). A message is counted from its filing, or from the last
+        fresh count if it was filed by then; that count left out every message due before the
+        completed_ms it was made from (delivered or cancelled). A tombstone a crash left unfiled
+        for such a message is filed by the replay, and took another message's count with it."""
+        return (effective_ms >= self.pending_from_ms).astype(np.int64)
 
     def pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int) -> None:
         if not len(effective_ms):

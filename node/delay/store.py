@@ -103,7 +103,7 @@ class DelayStore:
         self.healer.counters["id_files_rebuilt"] = len(self.ids.rebuilt_files)
         self.schedule.healer = self.healer.rebuild
         self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
-        self.core.pending = recovery.count_pending(self.schedule, self.core)
+        self.core.counted(recovery.count_pending(self.schedule, self.core))
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.recovery.records_refiled = self.iterate(limit=None)  # replay: file everything the crash left unfiled
         if not follower:
@@ -557,7 +557,7 @@ class DelayStore:
         t["epoch_wheel"] = time.perf_counter()
         self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)
         t["verify"] = time.perf_counter()
-        core.pending = recovery.count_pending(self.schedule, core)
+        core.counted(recovery.count_pending(self.schedule, core))
         t["pending"] = time.perf_counter()
         self.iterate(limit=None)
         self._bump_past_filed_seqs()
