@@ -510,3 +510,17 @@ def test_a_released_message_is_not_dispatched_before_it_fires_again(tmp_path):
     assert store.lookup("m1").status == "pending"
     assert store.cancel("m1", now_ms=T0 + 100) > 0
     assert fire(store, T0 + 110) == []
+
+
+def test_an_index_repeated_in_one_ack_records_its_message_once(tmp_path):
+    store = DelayStore.open(tmp_path, SET, now_ms=T0)
+    sent(store, T0, message("m1", T0 + 50, b"a"), message("m2", T0 + 50, b"b"))
+    (unit,) = store.poll_due(now_ms=T0 + 100)
+    assert store.inflight == 2
+    assert store.ack_dispatched(unit.unit, np.array([0, 0]), now_ms=T0 + 100) == 1
+    assert store.inflight == 1
+    store.release(unit.unit, np.array([1, 1]))
+    assert store.inflight == 0
+    assert store.counters["dispatched"] == 1
+    assert fire(store, T0 + 110) == [unit.batch.id(1)]  # the released one, once
+    assert store.inflight == 0

@@ -368,7 +368,7 @@ class DelayCore:
         u = self.units.get(unit)
         if u is None:
             return None
-        idx = np.asarray(idx, np.int64)
+        idx = _indexes(idx)
         idx = idx[u.live[idx]]
         if not len(idx):
             return None
@@ -385,7 +385,7 @@ class DelayCore:
         u = self.units.get(unit)
         if u is None:
             return None
-        idx = np.asarray(idx, np.int64)
+        idx = _indexes(idx)
         idx = idx[u.live[idx]]
         if not len(idx):
             return None
@@ -632,6 +632,12 @@ class DelayCore:
             (self.completed_ms, self.persisted_completed_ms)
         assert all(n > 0 for n in self.pending.values()), self.pending
         assert self.inflight == sum(int(u.live.sum()) for u in self.units.values()), self.inflight
+
+
+def _indexes(idx) -> np.ndarray:
+    """Indexes into a unit, each once: an index repeated in one call settles its message once
+    (it was recorded twice in the dispatch log and lowered ``inflight`` twice)."""
+    return np.unique(np.asarray(idx, np.int64))
 
 
 __all__ = ["DelayCore", "DueBatch"]

@@ -425,7 +425,8 @@ class DelayStore:
 
     def ack_dispatched(self, unit: int, idx, *, now_ms: int, outcome: int = OUTCOME_OK) -> int:
         """Record messages ``idx`` of an in-flight unit as delivered (or dead-lettered): one
-        dispatch record. Returns how many were recorded (already settled ones are skipped)."""
+        dispatch record. Returns how many were recorded (already settled ones are skipped, an
+        index repeated counts once)."""
         self.note_now(now_ms)
         got = self.core.dispatch_record(unit, idx, now_ms=now_ms, outcome=outcome)
         if got is None:
