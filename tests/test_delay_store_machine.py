@@ -524,3 +524,51 @@ def test_an_index_repeated_in_one_ack_records_its_message_once(tmp_path):
     assert store.counters["dispatched"] == 1
     assert fire(store, T0 + 110) == [unit.batch.id(1)]  # the released one, once
     assert store.inflight == 0
+
+
+def test_a_slave_does_not_file_a_tombstone_into_a_bucket_its_retention_deleted(tmp_path):
+    """KNOWN BUG B on a slave: it files up to the master's checkpoint and retains on the master's
+    completed_ms, so its retention can delete the bucket of a tombstone it has not filed yet."""
+    def replicate(master, slave):
+        for name in ("messages", "dispatch"):
+            a, b = getattr(master, name), getattr(slave, name)
+            while b.end_offset < a.end_offset:
+                b.append_raw(b.end_offset, a.read_bytes(b.end_offset, 8192))
+            b.flush()
+        slave.appended()
+        slave.follow(master.replication_doc())
+        slave.iterate(limit=None)
+
+    master = DelayStore.open(tmp_path / "m", SET, now_ms=T0)
+    slave = DelayStore.open(tmp_path / "s", SET, now_ms=T0, follower=True)
+    slave.follow()
+    for i in range(3):
+        sent(master, T0, message(f"m{i}", T0 + 100 + i, b"a"))
+    sent(master, T0, message("m9", T0 + 9_000, b"z"))
+    master.checkpoint()
+    replicate(master, slave)  # the slave filed the four messages
+    master.cancel("m9", now_ms=T0)
+    master.flush_messages()  # durable, not filed on the master: its checkpoint stops before it
+    now = T0
+    while now < T0 + 12_000:
+        now += 500
+        fire(master, now)
+    master.checkpoint()
+    replicate(master, slave)  # the slave holds the tombstone, not filed
+    slave.checkpoint()
+    work, _ = DR.plan(slave, now_ms=now, dedupe_window_ms=SET.dedupe_window_ms,
+                      id_compact_ratio_min=SET.id_compact_ratio_min)
+    work.run()
+    DR.finish(slave, work, same_store=True)
+    assert not slave.schedule.exists(T0)
+    master.iterate(limit=None)
+    master.checkpoint()
+    replicate(master, slave)  # now the slave files the tombstone
+    assert not slave.schedule.exists(T0)
+    for mid in ("m2", "m9"):
+        with pytest.raises(NotFound, match="expired"):
+            slave.lookup(mid)
+    slave.promote(now + 1_000)
+    res = slave.accept([message("m2", T0 + 102, b"a")], now_ms=now + 1_000)
+    assert res.codes[0] == 0 and res.duplicates[0] == 1
+    assert fire(slave, now + 2_000) == []
