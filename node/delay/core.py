@@ -19,8 +19,8 @@ dispatch, ``dispatch_record`` the record the shell appends before ``acked`` sett
 Invariants that make restart exact:
 
 * ``completed_ms``: every message whose effective due time is before it has been
-  dispatched (it is in a dispatch record). It is ``min(wheel cursor, effective time of
-  anything in flight)`` rounded down to a tick. A message filed behind it steps it back,
+  dispatched (it is in a dispatch record). It is ``min(wheel cursor, earliest due time held
+  in the wheel, effective time of anything in flight)`` rounded down to a tick. A message filed behind it steps it back,
   never back past the last durable checkpoint (asserted in ``behind``): the filing rule
   puts the message at or after ``persisted_completed_ms``. Two steps may go further, and
   are not asserted: a checkpoint whose document was taken before such a message was filed
@@ -92,6 +92,9 @@ class DelayCore:
         # below it are checked one by one instead (``DelayStore._file``)
         self.refile_seq_max = -1
         self.pending: dict[int, int] = {}  # bucket start -> messages filed, not dispatched nor cancelled
+        # the completed_ms the pending counts were made from (``counted``): a message due before
+        # it was never counted, so its tombstone takes nothing off (``cancelled_counts``)
+        self.pending_from_ms = -1
         self.counters = {"accepted": 0, "duplicates": 0, "filed": 0, "dispatched": 0, "cancelled": 0,
                          "dead_lettered": 0}
         self.persisted_doc: dict = {}  # the last checkpoint known durable: retention deletes only what it covers
@@ -162,6 +165,13 @@ class DelayCore:
             if len(live):
                 m = int(live.min())
                 low = m if low is None else min(low, m)
+        if not self.follower:
+            # an overdue entry held behind the cursor (filed or released behind it, not fired
+            # yet) is not delivered: completed_ms never passes it (as tick_state), or lookup
+            # answered 'dispatched' and cancel TooLate for a message that had not fired
+            held = self.wheel.next_due_ms()
+            if held is not None and held < c:
+                c = held
         if low is not None:
             c = min(c, low)
         c -= c % self.settings.tick_ms  # always a whole tick: exactly what a checkpoint persists
@@ -358,7 +368,7 @@ class DelayCore:
         u = self.units.get(unit)
         if u is None:
             return None
-        idx = np.asarray(idx, np.int64)
+        idx = _indexes(idx)
         idx = idx[u.live[idx]]
         if not len(idx):
             return None
@@ -375,7 +385,7 @@ class DelayCore:
         u = self.units.get(unit)
         if u is None:
             return None
-        idx = np.asarray(idx, np.int64)
+        idx = _indexes(idx)
         idx = idx[u.live[idx]]
         if not len(idx):
             return None
@@ -492,7 +502,9 @@ class DelayCore:
         hands them to the wheel and takes what its tombstones cancel out of it. True when the
         wheel took something (the shell wakes its loop)."""
         if placed.any():
-            self.pending_add(batch.effective_ms[placed], np.where(is_cancel[placed], -1, 1))
+            eff = batch.effective_ms[placed]
+            tomb = is_cancel[placed]
+            self.pending_add(eff, np.where(tomb, -self.cancelled_counts(eff), 1))
         if self.follower:
             return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
@@ -507,6 +519,17 @@ class DelayCore:
             # completed_ms steps back so a checkpoint cannot skip it before it is dispatched
             changed |= self.offer(self.chunk(ref, reload=False, cancelled=targets))
         return changed
+
+    def cancels_retired(self, targets: np.ndarray, effective_ms: np.ndarray) -> None:
+        """Tombstones that are not filed: their messages' bucket (at ``effective_ms``) is retired,
+        the messages went with it (``DelayStore._file``). Their messages count as pending no more,
+        and are out of the wheel (already: no bucket is retired while it holds one)."""
+        self.pending_add(effective_ms, -self.cancelled_counts(effective_ms))
+        if self.follower:
+            return
+        self.wheel.cancel(targets)
+        if self.unfiled_cancels:
+            self.unfiled_cancels.difference_update(int(t) for t in targets.tolist())
 
     def offer(self, chunk: Chunk | None, *, filed: bool = True) -> bool:
         """A chunk to the wheel (``filed``: of records just filed, see ``behind``): True when
@@ -563,6 +586,20 @@ class DelayCore:
 
     # ------------------------------------------------------------------ pending counts
 
+    def counted(self, pending: dict[int, int]) -> None:
+        """Pending counts made afresh from the schedule log (``recovery.count_pending``, at open
+        and at a promotion): the messages filed at or after ``completed_ms``, not delivered."""
+        self.pending = pending
+        self.pending_from_ms = self.completed_ms
+
+    def cancelled_counts(self, effective_ms: np.ndarray) -> np.ndarray:
+        """Of tombstones filed at ``effective_ms`` (their messages'), which take one off the
+        pending counts (1) or nothing (0). A message is counted from its filing, or from the last
+        fresh count if it was filed by then; that count left out every message due before the
+        completed_ms it was made from (delivered or cancelled). A tombstone a crash left unfiled
+        for such a message is filed by the replay, and took another message's count with it."""
+        return (effective_ms >= self.pending_from_ms).astype(np.int64)
+
     def pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int) -> None:
         if not len(effective_ms):
             return
@@ -595,6 +632,12 @@ class DelayCore:
             (self.completed_ms, self.persisted_completed_ms)
         assert all(n > 0 for n in self.pending.values()), self.pending
         assert self.inflight == sum(int(u.live.sum()) for u in self.units.values()), self.inflight
+
+
+def _indexes(idx) -> np.ndarray:
+    """Indexes into a unit, each once: an index repeated in one call settles its message once
+    (it was recorded twice in the dispatch log and lowered ``inflight`` twice)."""
+    return np.unique(np.asarray(idx, np.int64))
 
 
 __all__ = ["DelayCore", "DueBatch"]

@@ -81,8 +81,22 @@ def find(store: "DelayStore", msg_id: str) -> tuple[Message | Retired, int | Non
 
 
 def _bucket_retired(store: "DelayStore", start_ms: int) -> bool:
+    """Retention deleted bucket ``start_ms`` (everything in it was delivered or cancelled; the
+    last durable checkpoint's ``completed_ms`` is past its end). Nothing is filed there again."""
     done = int(store.persisted_doc.get("completed_ms", -1))
     return start_ms + store.settings.bucket_ms <= done and not store.schedule.exists(start_ms)
+
+
+def buckets_retired(store: "DelayStore", effective_ms: np.ndarray) -> np.ndarray:
+    """Which of these effective times fall in a retired bucket (``_bucket_retired``)."""
+    bms = store.settings.bucket_ms
+    starts = effective_ms - effective_ms % bms
+    out = np.zeros(len(starts), bool)
+    done = int(store.persisted_doc.get("completed_ms", -1))
+    for s in np.unique(starts[starts + bms <= done]).tolist():
+        if _bucket_retired(store, int(s)):
+            out |= starts == s
+    return out
 
 
 def lookup(store: "DelayStore", msg_id: str) -> LookupResult:

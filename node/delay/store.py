@@ -103,7 +103,7 @@ class DelayStore:
         self.healer.counters["id_files_rebuilt"] = len(self.ids.rebuilt_files)
         self.schedule.healer = self.healer.rebuild
         self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
-        self.core.pending = recovery.count_pending(self.schedule, self.core)
+        self.core.counted(recovery.count_pending(self.schedule, self.core))
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.recovery.records_refiled = self.iterate(limit=None)  # replay: file everything the crash left unfiled
         if not follower:
@@ -340,6 +340,15 @@ class DelayStore:
         eff = core.effective_times(batch, is_cancel)
         if is_cancel.any():
             lookup.cancels_beside_targets(self, batch, is_cancel, eff)
+            gone = is_cancel & lookup.buckets_retired(self, eff)
+            if gone.any():
+                # their messages' bucket is retired (docs/design.md, "Cancel"): filing them would
+                # create it again under the id index's old offsets. The message is gone with it
+                core.cancels_retired(batch.cancel_targets()[gone], eff[gone])
+                keep = np.flatnonzero(~gone)
+                batch, hashes, eff, is_cancel = batch.take(keep), hashes[keep], eff[keep], is_cancel[keep]
+                if not batch.n:
+                    return
         batch = batch.replace(effective_ms=eff.astype(np.int64))
         soon = None if self.follower else core.wheel.loaded_until_ms + self.settings.cache_ahead_ms
         force = self.refiled.mask(batch, refile_seq_max=core.refile_seq_max, index=self.ids)
@@ -416,7 +425,8 @@ class DelayStore:
 
     def ack_dispatched(self, unit: int, idx, *, now_ms: int, outcome: int = OUTCOME_OK) -> int:
         """Record messages ``idx`` of an in-flight unit as delivered (or dead-lettered): one
-        dispatch record. Returns how many were recorded (already settled ones are skipped)."""
+        dispatch record. Returns how many were recorded (already settled ones are skipped, an
+        index repeated counts once)."""
         self.note_now(now_ms)
         got = self.core.dispatch_record(unit, idx, now_ms=now_ms, outcome=outcome)
         if got is None:
@@ -548,7 +558,7 @@ class DelayStore:
         t["epoch_wheel"] = time.perf_counter()
         self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)
         t["verify"] = time.perf_counter()
-        core.pending = recovery.count_pending(self.schedule, core)
+        core.counted(recovery.count_pending(self.schedule, core))
         t["pending"] = time.perf_counter()
         self.iterate(limit=None)
         self._bump_past_filed_seqs()
