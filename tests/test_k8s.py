@@ -41,9 +41,9 @@ SCRIPT = ROOT / "scripts" / "k8s-local.sh"
 K8S_VERSION = "v1.37.2"
 RELEASE = "hg"
 VALUES = {  # values file -> the pods its workloads ask for
-    "default": (None, 2 + 2 + 2 + 3),  # meta servers, d1, r1, etcd
-    "large": (CHART / "ci" / "large-values.yaml", 3 + (3 + 2 + 4) + (3 + 2) + 5),
-    "external-etcd": (CHART / "ci" / "external-etcd-values.yaml", 1 + 1 + 1),
+    "default": (None, 2 + 2 + 2 + 3 + 1),  # meta servers, d1, r1, etcd, the console
+    "large": (CHART / "ci" / "large-values.yaml", 3 + (3 + 2 + 4) + (3 + 2) + 5 + 1),
+    "external-etcd": (CHART / "ci" / "external-etcd-values.yaml", 1 + 1 + 1 + 1),
     "local-node": (CHART / "ci" / "local-node-values.yaml", 1 + 2 + 1 + 1),
 }
 assert {p.name for p in (CHART / "ci").glob("*.yaml")} == {v.name for v, _ in VALUES.values() if v}, \
