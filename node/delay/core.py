@@ -50,6 +50,7 @@ import numpy as np
 
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch, DispatchBatch
 from cluster.errors import Overloaded
+from node.delay import voided
 from node.store import records
 from node.store.records import SEQ_COUNTER_MAX
 from node.store.schedule import FrameRef
@@ -539,49 +540,23 @@ class DelayCore:
         self.behind(int(chunk.due_ms.min()), filed=filed)
         return True
 
-    # ------------------------------------------------------------------ voided seqs
+    # ------------------------------------------------------------------ voided seqs (node/delay/voided.py)
 
     def voided_mask(self, seq: np.ndarray) -> np.ndarray:
-        out = np.zeros(len(seq), bool)
-        for lo, hi in self.voided:
-            out |= (seq >= np.uint64(lo)) & (seq < np.uint64(hi))
-        return out
+        return voided.mask(self.voided, seq)
 
     def is_voided(self, seq: int) -> bool:
-        return any(lo <= seq < hi for lo, hi in self.voided)
+        return voided.contains(self.voided, seq)
 
     def void(self, seqs: np.ndarray) -> None:
-        """Seqs cut off the message log: voided (seqs of one store epoch grow with the log, so
-        the suffix is one range per epoch)."""
-        epochs = seqs >> np.uint64(records.SEQ_EPOCH_SHIFT)
-        for ep in np.unique(epochs).tolist():
-            mine = seqs[epochs == ep]
-            self.voided.append((int(mine.min()), int(mine.max()) + 1))
+        """Seqs cut off the message log: voided."""
+        self.voided.extend(voided.ranges_of(seqs))
         self.refile_seq_max = max(self.refile_seq_max, int(seqs.max()))
 
     def unvoid(self, seq: np.ndarray) -> bool:
         """Records with these seqs are in the message log again: not voided any more. True
         when the ranges changed (the shell persists them)."""
-        if not self.voided or not len(seq):
-            return False
-        s = np.sort(seq)
-        out: list[tuple[int, int]] = []
-        changed = False
-        for lo, hi in self.voided:
-            a, b = np.searchsorted(s, np.uint64(lo)), np.searchsorted(s, np.uint64(hi))
-            if a == b:
-                out.append((lo, hi))
-                continue
-            changed = True
-            start = lo
-            for x in [int(x) for x in s[a:b].tolist()]:
-                if x > start:
-                    out.append((start, x))
-                start = max(start, x + 1)
-            if start < hi:
-                out.append((start, hi))
-        if changed:
-            self.voided = out
+        self.voided, changed = voided.without(self.voided, seq)
         return changed
 
     # ------------------------------------------------------------------ pending counts
