@@ -247,7 +247,8 @@ def test_install_upgrade_uninstall(cluster, servicemonitor_crd, name, record_pro
     assert sum(w["spec"]["replicas"] for w in workloads) == pods_want
     # each StatefulSet member asked for its volume claim (Pending here: no provisioner, no kubelet)
     claims = {c["metadata"]["name"] for c in cluster.get("pvc", ns)}
-    members = {p["metadata"]["name"] for p in created if "metaserver" not in p["metadata"]["name"]}
+    members = {p["metadata"]["name"] for p in created
+               if "metaserver" not in p["metadata"]["name"] and "console" not in p["metadata"]["name"]}
     assert claims == {f"data-{m}" for m in members}
     if path and "serviceMonitor" in path.read_text():
         (sm,) = cluster.get("servicemonitors.monitoring.coreos.com", ns)

@@ -458,7 +458,10 @@ def test_audit_finds_planted_problems_in_real_cluster_data(spark, tmp_path):
     assert problems == {("planted-lost", "lost"), ("a-3", "duplicated"), ("cancel-me", "delivered_after_cancel"),
                         ("planted-late", "late"), ("planted-early", "early")}
     lat = [r for r in spark.read.parquet(str(out / "lateness")).collect() if r["subject"] == subject]
-    assert max(r["max_ms"] or 0 for r in lat) == 120_000 and min(r["p50_ms"] for r in lat) >= 0
+    # a subject-hour holding only messages not delivered (the cancelled one, due 2 minutes on,
+    # falls in the next hour when the test runs near its end) has no percentiles
+    assert max(r["max_ms"] or 0 for r in lat) == 120_000
+    assert min(r["p50_ms"] for r in lat if r["p50_ms"] is not None) >= 0
     assert sum(r["delivered"] for r in lat) == n + 2  # the n sent (a-3 once), planted-late and planted-early
     assert sum(r["early"] for r in lat) == 1
     assert summary["lateness_ms"]["p50_ms"] >= 0

@@ -391,6 +391,8 @@ class ReplicaRoles:
                     self._in_sync = list(lr.in_sync)
                 key = LeaderKey(lr.leader.node_id, lr.leader.address, lr.leader.epoch) if lr.present \
                     else LeaderKey(None)
+                if key.node_id is not None:
+                    self._refused_logged = False  # "not campaigning" is said once per empty seat
                 allowed = (mono_ms() >= self._no_campaign_until
                            or (mono_ms() >= self._handover_until and not self._peers)) \
                     and may_campaign(me, self._in_sync)
