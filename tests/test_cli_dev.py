@@ -23,7 +23,7 @@ from cluster.devcluster import NODES_MAX, ClusterShape, RestartBudget, RestartPo
 
 HOURGLASS = [sys.executable, "-m", "cluster.cli"]
 MARKUP_BAIT = "grpc error [/hourglass.v1.Producer/SendBatch] [bold]not markup"
-UP_TIMEOUT_S = 60.0
+UP_TIMEOUT_S = 180.0  # a bound on waiting for `dev up`, not a measurement: generous for a starved machine
 
 
 def run_cli(*args: str, cwd: Path, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
