@@ -91,14 +91,22 @@ async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_pa
         try:
             prod = asyncio.create_task(produce())
             cons = asyncio.create_task(consume(lambda: stop_producing.is_set() and acked_sends <= set(deliveries)))
-            await asyncio.sleep(2.5)
+            async def confirmed_and_sent(n_confirmed: int, n_sent: int):
+                return len(confirmed_at) >= n_confirmed and len(acked_sends) >= n_sent
+
+            # the kill comes once acks are flowing (an outcome, not a time: a starved CI machine
+            # may need far longer than a quiet one to get there)
+            await wait_for(lambda: confirmed_and_sent(1, 100), 120, "acks flowing before the kill")
             before_kill = len(confirmed_at)
             old.kill()
             killed.set()
             await asyncio.sleep(1.0)
             old.start()  # a supervisor restarts it: in sync mode the group needs a slave to take writes
             await asyncio.to_thread(old.wait_ready)
-            await asyncio.sleep(3.0)
+            sent_at_restart = len(acked_sends)
+            # writes are taken again (sync mode: the group has a slave again) before stopping
+            await wait_for(lambda: confirmed_and_sent(before_kill + 1, max(sent_at_restart, 200) + 100), 180,
+                           "sends and acks taken again after the restart")
             stop_producing.set()
             await asyncio.wait_for(prod, 60)
             await asyncio.wait_for(cons, 60)
