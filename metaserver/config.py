@@ -34,6 +34,12 @@ class MetaSettings(BaseSettings):
                                                        "this meta server (docs/security.md \"Subject quotas\")")
     route_creations_max: int = Field(default=16, ge=1, description="route creations waiting on etcd at once")
     health_check_interval_ms: int = Field(default=1000, ge=100)
+    leader_wait_ms_max: int = Field(default=2000, ge=0, le=30_000,
+                                    description="a Leader long poll waits at most this long for the leader key or "
+                                                "the in-sync set to change (docs/replication.md \"Leader long poll\")")
+    leader_waits_max: int = Field(default=1024, ge=0,
+                                  description="Leader long polls waiting at once; beyond it a Leader call is "
+                                              "answered at once (the caller polls)")
     ready_file: Path | None = None
     log_level: str = "INFO"
     # the /metrics endpoint (docs/operations.md "Metrics endpoint"): off unless metrics_port is set;

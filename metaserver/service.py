@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from aetcd import exceptions as aex
 
 from cluster import security, status
 from cluster.errors import HourglassError, InvalidArgument, NotLeader, QuotaExceeded, Unavailable
@@ -89,6 +90,7 @@ class MetaService(mrpc.MetaServicer):
         self.registry = Registry(etcd, settings)
         self.healthy = False
         self.health_error = "not checked yet"
+        self.leader_waits = 0  # Leader long polls waiting now (at most settings.leader_waits_max)
 
     async def _fail(self, context, e: HourglassError):
         if isinstance(e, Unavailable) and not isinstance(e, (NotLeader, QuotaExceeded)):  # a quota is the caller's
@@ -307,20 +309,58 @@ class MetaService(mrpc.MetaServicer):
         return mpb.ResignResponse(resigned=ok)
 
     async def Leader(self, request: mpb.LeaderRequest, context) -> mpb.LeaderResponse:
+        """Who leads the group, and its in-sync set. A long poll when the caller gives
+        ``wait_ms`` and the token of its last answer (``known``): answered when either key
+        changes or after the wait, whichever is first."""
         try:
             ks.check_role(request.role)
             ks.check_name("group", request.group)
-            current = await Election(self.etcd, request.role, request.group).leader()
+            current, in_sync, token, revision = await self._leader_state(request.role, request.group)
+            wait_s = min(request.wait_ms, self.settings.leader_wait_ms_max) / 1000
+            if wait_s > 0 and request.known == token and self.leader_waits < self.settings.leader_waits_max:
+                self.leader_waits += 1
+                try:
+                    await self._leader_changed(request.role, request.group, revision + 1, wait_s)
+                finally:
+                    self.leader_waits -= 1
+                current, in_sync, token, _ = await self._leader_state(request.role, request.group)
         except HourglassError as e:
             await self._fail(context, e)
-        try:
-            isr, _ = await self._read_in_sync(request.role, request.group)
-        except HourglassError as e:
-            await self._fail(context, e)
-        in_sync = list(isr.members) if isr else []
         if current is None:
-            return mpb.LeaderResponse(present=False, in_sync=in_sync)
-        return mpb.LeaderResponse(present=True, leader=leader_to_pb(current), in_sync=in_sync)
+            return mpb.LeaderResponse(present=False, in_sync=in_sync, token=token)
+        return mpb.LeaderResponse(present=True, leader=leader_to_pb(current), in_sync=in_sync, token=token)
+
+    async def _leader_state(self, role: str, group: str) -> tuple[ks.LeaderInfo | None, list[str], str, int]:
+        """The leader (or None), the in-sync set, the token naming both keys' versions, and
+        the etcd revision the leader key was read at (a watch from the next one misses no
+        change of either key made after these reads)."""
+        lkey = ks.leader_key(role, group)
+        r = await self.etcd.call(lambda c: c.get_range(lkey, lkey + b"\0"))
+        current, lcreate, lmod = None, 0, 0
+        if r.count:
+            kv = r[0]
+            current, lcreate, lmod = ks.LeaderInfo.from_kv(kv.value, kv.create_revision), kv.create_revision, kv.mod_revision
+        isr, isr_mod = await self._read_in_sync(role, group)
+        return current, (list(isr.members) if isr else []), f"{lcreate}.{lmod}.{isr_mod}", r.header.revision
+
+    async def _leader_changed(self, role: str, group: str, from_revision: int, wait_s: float) -> None:
+        """Returns when the leader key or the in-sync set of the group changes at or after
+        ``from_revision``, or after ``wait_s``; an etcd error ends the wait too (the caller
+        reads again, and that read reports the error)."""
+        async def watch(key: bytes) -> None:
+            try:
+                await self.etcd.call(lambda c: c.watch_once(key, timeout=wait_s, start_revision=from_revision),
+                                     wait_s=wait_s)
+            except (aex.WatchTimeoutError, aex.RevisionCompactedError, Unavailable, aex.ClientError):
+                pass
+
+        tasks = [asyncio.ensure_future(watch(k)) for k in (ks.leader_key(role, group), ks.in_sync_key(role, group))]
+        try:
+            await asyncio.wait(tasks, timeout=wait_s + 1.0, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------------ health
 

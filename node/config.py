@@ -101,6 +101,10 @@ class NodeSettings(BaseSettings):
                              description="a master that stood down does not contest the seat again for this long "
                                          "while another member is registered: the new master keeps its seat")
     leader_poll_ms: int = Field(default=100, ge=10)
+    leader_wait_ms: int = Field(default=1000, ge=0, le=30_000,
+                                description="a member whose role is settled asks the meta server who leads with a "
+                                            "long poll of up to this long (answered at once on a change; 0: poll "
+                                            "every leader_poll_ms, docs/replication.md \"Leader long poll\")")
     ack_journal: Path | None = Field(default=None,
                                      description="append this master's acknowledgement windows here (JSON lines "
                                                  "for the chaos checker, node/replication/ackjournal.py); off if unset")

@@ -92,6 +92,7 @@ MODULE_TIERS = {
     "test_replication_realtime.py": "integration",
     "test_registration.py": "integration",
     "test_replication_sim.py": "unit",
+    "test_leader_wait.py": "unit",
     "test_insync.py": "unit",
     "test_insync_cluster.py": "integration",
     "test_restart_large.py": "slow",

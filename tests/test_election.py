@@ -168,3 +168,51 @@ async def test_meta_server_campaign_resign_leader(meta_server):
         await stub.Deregister(mpb.DeregisterRequest(lease_id=l2, node_id=f"{group}-n2"))
         assert not (await stub.Leader(mpb.LeaderRequest(role="delay", group=group))).present
         await stub.Deregister(mpb.DeregisterRequest(lease_id=l1, node_id=f"{group}-n1"))
+
+
+async def test_leader_long_poll_answers_with_the_change_it_waited_for(meta_server):
+    """A Leader call with the token of the caller's last answer waits for a change and answers
+    with it: the seat taken, the in-sync set changed, the seat given up. A stale token is
+    answered at once with the current state. Outcomes only: a poll that ends by its time
+    limit answers the same token, and the caller asks again (bounded)."""
+    group = f"lp-{random.randrange(1 << 30)}"
+    async with grpc.aio.insecure_channel(meta_server.address) as ch:
+        stub = mrpc.MetaStub(ch)
+        first = await stub.Leader(mpb.LeaderRequest(role="delay", group=group))
+        assert not first.present and first.token
+
+        async def next_change(known: str, polls_max: int = 30) -> mpb.LeaderResponse:
+            for _ in range(polls_max):
+                r = await stub.Leader(mpb.LeaderRequest(role="delay", group=group, wait_ms=2000, known=known))
+                if r.token != known:
+                    return r
+            raise AssertionError(f"no change seen in {polls_max} polls")
+
+        lease = await _register(stub, f"{group}-n1", group, 9101)
+        waiting = asyncio.ensure_future(next_change(first.token))
+        won = await stub.Campaign(mpb.CampaignRequest(role="delay", group=group, node_id=f"{group}-n1", lease_id=lease))
+        assert won.elected
+        seen = await asyncio.wait_for(waiting, 120)
+        assert seen.present and seen.leader.node_id == f"{group}-n1" and seen.leader.epoch == won.leader.epoch
+        assert list(seen.in_sync) == [f"{group}-n1"]
+        # nothing changes: a poll keeps the token
+        same = await stub.Leader(mpb.LeaderRequest(role="delay", group=group, wait_ms=50, known=seen.token))
+        assert same.token == seen.token and same.leader.epoch == won.leader.epoch
+        # a stale token is answered at once with what holds now
+        stale = await stub.Leader(mpb.LeaderRequest(role="delay", group=group, wait_ms=30_000, known=first.token))
+        assert stale.token == seen.token
+        # the in-sync set changes
+        waiting = asyncio.ensure_future(next_change(seen.token))
+        up = await stub.UpdateInSync(mpb.UpdateInSyncRequest(role="delay", group=group, node_id=f"{group}-n1",
+                                                             epoch=won.leader.epoch,
+                                                             members=[f"{group}-n1", f"{group}-n2"]))
+        assert up.updated
+        isr = await asyncio.wait_for(waiting, 120)
+        assert sorted(isr.in_sync) == [f"{group}-n1", f"{group}-n2"] and isr.present
+        # the seat is given up
+        waiting = asyncio.ensure_future(next_change(isr.token))
+        assert (await stub.Resign(mpb.ResignRequest(role="delay", group=group, node_id=f"{group}-n1",
+                                                    epoch=won.leader.epoch))).resigned
+        gone = await asyncio.wait_for(waiting, 120)
+        assert not gone.present
+        await stub.Deregister(mpb.DeregisterRequest(lease_id=lease, node_id=f"{group}-n1"))

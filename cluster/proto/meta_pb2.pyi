@@ -252,22 +252,28 @@ class ResignResponse(_message.Message):
     def __init__(self, resigned: _Optional[bool] = ...) -> None: ...
 
 class LeaderRequest(_message.Message):
-    __slots__ = ("role", "group")
+    __slots__ = ("role", "group", "wait_ms", "known")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     role: str
     group: str
-    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ...) -> None: ...
+    wait_ms: int
+    known: str
+    def __init__(self, role: _Optional[str] = ..., group: _Optional[str] = ..., wait_ms: _Optional[int] = ..., known: _Optional[str] = ...) -> None: ...
 
 class LeaderResponse(_message.Message):
-    __slots__ = ("present", "leader", "in_sync")
+    __slots__ = ("present", "leader", "in_sync", "token")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     IN_SYNC_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     present: bool
     leader: Leader
     in_sync: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, present: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., in_sync: _Optional[_Iterable[str]] = ...) -> None: ...
+    token: str
+    def __init__(self, present: _Optional[bool] = ..., leader: _Optional[_Union[Leader, _Mapping]] = ..., in_sync: _Optional[_Iterable[str]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

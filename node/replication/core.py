@@ -281,6 +281,10 @@ class Member:
     def is_master(self, now_ms: int) -> bool:
         return self.leader == self.node_id and self._won_epoch == self.epoch and now_ms < self._lease_ok_until
 
+    def lease_left_ms(self, now_ms: int) -> int:
+        """How long the confirmed lease still holds the seat (<= 0: not confirmed now)."""
+        return self._lease_ok_until - now_ms
+
 
 # ---------------------------------------------------------------------- the rules the shell applies
 # node/replication/roles.py asks these; tests/test_replication_sim.py drives the same functions.
@@ -327,6 +331,26 @@ class LeaderKey:
     node_id: str | None
     address: str = ""
     epoch: int = 0
+
+
+def steady_turn(action: str, leader: str | None, *, me: str, mode: str) -> bool:
+    """After a role-loop turn: nothing is left to do until the election changes. The seat is
+    held, this turn neither campaigned nor switched, and the node acts as what the key says
+    (master when the key is its own, slave otherwise). Only then may the next ``Leader``
+    call wait for a change (an empty seat, a campaign or a switch polls every
+    ``leader_poll_ms``)."""
+    return action == "" and leader is not None and (mode == "master") == (leader == me)
+
+
+def leader_wait_ms(wait_ms: int, until_peers_ms: float, lease_left_ms: int | None, *, poll_ms: int) -> int:
+    """How long a steady turn's next ``Leader`` call may wait for a change: at most
+    ``wait_ms``, never past the next peers read, and for a master (``lease_left_ms`` given)
+    at least a poll before its confirmed lease would lapse, so a master whose keepalives stop
+    still steps down on time."""
+    w = min(float(wait_ms), until_peers_ms)
+    if lease_left_ms is not None:
+        w = min(w, lease_left_ms - 2 * poll_ms)
+    return max(0, int(w))
 
 
 def role_step(member: Member, key: LeaderKey, *, me: str, address: str, mode: str, lease: int | None,

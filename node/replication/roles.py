@@ -39,7 +39,7 @@ from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
 from node.registration import Registrar
 from node.replication.core import (LeaderKey, Member, SyncTracker, campaign_delay_ms, in_sync_change,
-                                   may_campaign, role_step)
+                                   leader_wait_ms, may_campaign, role_step, steady_turn)
 from node.replication.history import HistoryFile
 from node.role import Role, off_loop
 from node.store.group_commit import GroupCommitter
@@ -75,6 +75,8 @@ class ReplicaRoles:
         self._term_checked_at = -(1 << 62)  # mono ms of the last _check_term
         self._lease_seen: int | None = None
         self._campaigned_lease: int | None = None
+        self._leader_token = ""            # the token of the last Leader answer (its long poll's ``known``)
+        self._leader_steady = False        # the last turn changed nothing: the next Leader call may wait
         self._in_sync: list[str] = []      # the group's in-sync set as last read (Leader answer)
         self._store_epoch = 0              # the store epoch the election handed to this node's term
         self._term_start_ms = 0
@@ -386,7 +388,12 @@ class ReplicaRoles:
                     if self.mode == "master":
                         await self._maintain_in_sync()
                     next_peers = loop_now + 1.0
-                lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group))
+                wait_ms = self._leader_wait_ms(next_peers)
+                self._leader_steady = False
+                lr = await meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=group, wait_ms=wait_ms,
+                                                                 known=self._leader_token),
+                                     timeout_s=meta.timeout_s + wait_ms / 1000)
+                self._leader_token = lr.token
                 if self.mode != "master":
                     self._in_sync = list(lr.in_sync)
                 key = LeaderKey(lr.leader.node_id, lr.leader.address, lr.leader.epoch) if lr.present \
@@ -439,11 +446,23 @@ class ReplicaRoles:
                     action = ""
                 if action in ("master", "slave"):
                     await self._switch(action)
+                self._leader_steady = steady_turn(action, key.node_id, me=me, mode=self.mode)
             except E.HourglassError as e:
                 log.info("role loop: %s", e)
                 if self.mode == "master" and not self.member.is_master(mono_ms()):
                     await self._switch("slave")
             await asyncio.sleep(self.settings.leader_poll_ms / 1000)
+
+    def _leader_wait_ms(self, next_peers: float) -> int:
+        """How long the next Leader call may wait for a change (docs/replication.md, "Leader
+        long poll"): 0 unless the last turn changed nothing; never past the next peers read,
+        nor, for a master, past a poll before its lease would lapse unconfirmed."""
+        if not self._leader_steady:
+            return 0
+        until_peers_ms = (next_peers - time.monotonic()) * 1000
+        lease_left_ms = self.member.lease_left_ms(mono_ms()) if self.mode == "master" else None
+        return leader_wait_ms(self.settings.leader_wait_ms, until_peers_ms, lease_left_ms,
+                              poll_ms=self.settings.leader_poll_ms)
 
     def _store_epoch_floor(self) -> int:
         """The highest seq epoch this node's store uses or holds (the election hands the new
