@@ -15,6 +15,7 @@ from cluster.errors import CorruptRecord, Overloaded
 from node.delay import ingest
 from node.delay.core import DelayCore
 from node.delay.heal import REBUILD_WINDOW_MS, REBUILDS_PER_BUCKET_MAX, HealedStore
+from node.delay.inflight import InFlight
 from node.delay.ingest import Retired, Unfiled
 from node.delay.store import DelayStore, StoreSettings
 from node.store import records
@@ -60,7 +61,7 @@ def imported(path: Path) -> set[str]:
 
 
 def test_the_core_and_the_ingest_rules_touch_no_file_thread_or_clock():
-    for name in ("core.py", "ingest.py"):
+    for name in ("core.py", "inflight.py", "ingest.py", "voided.py"):
         got = imported(DELAY / name)
         assert not got & {"time", "os", "uuid", "pathlib", "random", "threading", "asyncio", "datetime"}, name
         assert not re.search(r"\bopen\(|\.append\(\[|write_atomic|flush\(", (DELAY / name).read_text()), name
@@ -102,6 +103,22 @@ def test_fire_ack_release_settle_once_and_completed_ms_follows_in_flight():
     assert core.status(3, T0 + 300) == "pending"
     core.check_invariants()
     assert [d.batch.id_list() for d in core.fire(T0 + 400)] == [["m2", "m3"]]  # m2 again, overdue
+
+
+def test_in_flight_units_settle_each_message_once():
+    b = records.batch_from_messages([msg(i, T0 + 100 * i) for i in range(3)])
+    b = b.replace(seq=np.arange(1, 4, dtype=np.uint64), effective_ms=b.deliver_at_ms)
+    flight = InFlight()
+    due = flight.add(b)
+    assert (due.unit, flight.count, flight.low_ms()) == (1, 3, T0)
+    assert flight.settle(due.unit, [0, 0, 2]).id_list() == ["m0", "m2"] and flight.count == 1
+    assert flight.settle(due.unit, [0]) is None and flight.live(due.unit, [2]) is None
+    assert flight.contains(2) and not flight.contains(1) and flight.seqs().tolist() == [2]
+    assert flight.low_ms() == T0 + 100
+    flight.check()
+    assert flight.settle(due.unit, [1]).id_list() == ["m1"] and flight.batch(due.unit) is None
+    assert (flight.count, flight.seqs(), flight.low_ms()) == (0, None, None)
+    assert flight.add(b).unit == 2  # unit ids never repeat
 
 
 def test_completed_ms_never_goes_back_past_a_checkpoint():

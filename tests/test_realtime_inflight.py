@@ -1,6 +1,6 @@
 """The pure parts of the real-time store: in-flight ranges against a dict of handles, the dedup
 window against a dict with timestamps, the accept decision against a loop over the batch, and
-the index entry codec (round trip, every bit flip)."""
+the index entry codec (round trip, every bit flip), a group's resume decision."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from cluster.errors import CorruptRecord
 from node.store.records import make_seq
 from node.realtime.accept import assign_seqs
 from node.realtime.dedup import DedupWindow
+from node.realtime.groups import Resume, resume_of
 from node.realtime.index import ENTRY_SIZE, decode_entries, encode_entries, frame_runs
 from node.realtime.inflight import InflightRanges
 
@@ -151,3 +152,11 @@ def test_assign_seqs_against_a_loop_over_the_batch(ids, known, counter):
             want_dup.append(False)
             want_new.append(pos)
     assert seqs.tolist() == want and dup.tolist() == want_dup and new.tolist() == want_new
+
+
+def test_a_group_resumes_only_when_idle_or_behind_what_retention_kept():
+    assert resume_of(idle=False, committed=120, live_from=100) is None  # active, still on disk
+    assert resume_of(idle=False, committed=100, live_from=100) is None
+    assert resume_of(idle=False, committed=40, live_from=100) == Resume(was_idle=False, live_from=100, skip=True)
+    assert resume_of(idle=True, committed=40, live_from=100) == Resume(was_idle=True, live_from=100, skip=True)
+    assert resume_of(idle=True, committed=120, live_from=100) == Resume(was_idle=True, live_from=100, skip=False)

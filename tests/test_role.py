@@ -5,6 +5,7 @@ retryable error, and nothing of it runs outside the node's root TaskGroup."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -136,19 +137,61 @@ async def test_work_off_the_loop_that_outlives_its_caller_is_handed_back():
     assert await off_loop(lambda: 7, abandoned.append) == 7
 
 
-def hold_the_master_switch(node) -> tuple[threading.Event, threading.Event]:
-    """Make ``node``'s next switch to master wait on its worker thread: ``entered`` is set
-    once the thread is in, and it goes on when ``release`` is set."""
-    entered, release = threading.Event(), threading.Event()
-    real = node._role_store
+class HeldSwitch:
+    """A replicated node of ``mode`` whose switch to master waits on its worker thread
+    (``entered`` is set once the thread is in) until ``finish_promotion``; ``slave`` is its
+    role before (``held_switch``)."""
 
-    def held(mode, store, now_ms, store_epoch):
-        if mode == "master":
-            entered.set()
-            release.wait(GUARD_S)
-        return real(mode, store, now_ms, store_epoch)
-    node._role_store = held
-    return entered, release
+    def __init__(self, node) -> None:
+        self.node = node
+        self.slave = None
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = node._role_store
+
+        def held(mode, store, now_ms, store_epoch):
+            if mode == "master":
+                self.entered.set()
+                self.release.wait(GUARD_S)
+            return real(mode, store, now_ms, store_epoch)
+        node._role_store = held
+
+    async def start_promotion(self) -> asyncio.Task:
+        """The switch to master, begun: returns once its worker thread holds (the loop turns)."""
+        promoting = asyncio.create_task(self.node._switch("master"))
+        await asyncio.get_running_loop().run_in_executor(None, self.entered.wait, GUARD_S)
+        return promoting
+
+    async def finish_promotion(self, promoting: asyncio.Task):
+        """Let the held switch go on; the master role once it is in."""
+        self.release.set()
+        await asyncio.wait_for(promoting, GUARD_S)
+        return self.node.role
+
+
+@contextlib.asynccontextmanager
+async def held_switch(tmp_path, mode: str):
+    """A replicated node built for ``mode`` (no election, no metaserver), switched to slave in
+    a root TaskGroup, as a ``HeldSwitch``; on the way out its store, channels and clients are
+    closed."""
+    from node.config import NodeSettings
+    from node.replication.delay import ReplicatedDelayNode
+    from node.replication.realtime import ReplicatedRealtimeNode
+
+    node_id, cls = {"delay": ("d1", ReplicatedDelayNode), "realtime": ("r1", ReplicatedRealtimeNode)}[mode]
+    node = cls(NodeSettings(role=mode, node_id=node_id, data_dir=tmp_path / node_id, port=0,
+                            meta_servers=["127.0.0.1:1"]))
+    held = HeldSwitch(node)
+    try:
+        async with asyncio.TaskGroup() as root:
+            node._tg = root
+            await node._switch("slave")
+            held.slave = node.role
+            yield held
+    finally:
+        node._tg = None
+        node.store.close()
+        await node.channels.close()
+        await node._close_clients()
 
 
 async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_role_is_in(tmp_path):
@@ -156,70 +199,36 @@ async def test_a_promotion_runs_off_the_loop_and_serves_nobody_until_the_master_
     a worker thread the event loop goes on, no client is served, the registration does not
     read the store, and the old role is over; then the master's role owns the same store (in
     place) with a new committer, and its loops run in the root TaskGroup."""
-    from node.config import NodeSettings
-    from node.replication.delay import ReplicatedDelayNode
-
-    node = ReplicatedDelayNode(NodeSettings(role="delay", node_id="d1", data_dir=tmp_path / "d1", port=0,
-                                            meta_servers=["127.0.0.1:1"]))
-    entered, release = hold_the_master_switch(node)
-    try:
-        async with asyncio.TaskGroup() as root:
-            node._tg = root
-            await node._switch("slave")
-            slave = node.role
-            assert slave.mode == "slave" and slave.running and node.mode == "slave"
-            described = node.registration_info()
-            promoting = asyncio.create_task(node._switch("master"))
-            await asyncio.get_running_loop().run_in_executor(None, entered.wait, GUARD_S)  # the loop turns
-            assert node.mode == "switching" and slave.ended and not slave.running
-            assert not node._may_serve()
-            with pytest.raises(NotLeader):
-                slave.check()
-            assert node.registration_info() == dict(described, master=False, epoch=node.member.epoch)
-            release.set()
-            await asyncio.wait_for(promoting, GUARD_S)
-            master = node.role
-            assert master is not slave and master.mode == "master" and master.running
-            assert master.store is slave.store and master.committer is not slave.committer  # promoted in place
-            assert not master.store.follower and node.mode == "master"
-            await node._switch("master")  # already: nothing happens
-            assert node.role is master
-            await master.end(NotLeader())
-    finally:
-        node._tg = None
-        node.store.close()
-        await node.channels.close()
-        await node._close_clients()
+    async with held_switch(tmp_path, "delay") as held:
+        node, slave = held.node, held.slave
+        assert slave.mode == "slave" and slave.running and node.mode == "slave"
+        described = node.registration_info()
+        promoting = await held.start_promotion()
+        assert node.mode == "switching" and slave.ended and not slave.running
+        assert not node._may_serve()
+        with pytest.raises(NotLeader):
+            slave.check()
+        assert node.registration_info() == dict(described, master=False, epoch=node.member.epoch)
+        master = await held.finish_promotion(promoting)
+        assert master is not slave and master.mode == "master" and master.running
+        assert master.store is slave.store and master.committer is not slave.committer  # promoted in place
+        assert not master.store.follower and node.mode == "master"
+        await node._switch("master")  # already: nothing happens
+        assert node.role is master
+        await master.end(NotLeader())
 
 
 async def test_a_realtime_switch_opens_a_new_store_off_the_loop_and_ends_the_pulls_of_the_old_role(tmp_path):
     """The real-time store is closed and opened again on a worker thread; a long poll that
     began under the old role stops (it never reads the store the thread closes)."""
-    from node.config import NodeSettings
-    from node.replication.realtime import ReplicatedRealtimeNode
-
-    node = ReplicatedRealtimeNode(NodeSettings(role="realtime", node_id="r1", data_dir=tmp_path / "r1", port=0,
-                                               meta_servers=["127.0.0.1:1"]))
-    entered, release = hold_the_master_switch(node)
-    try:
-        async with asyncio.TaskGroup() as root:
-            node._tg = root
-            await node._switch("slave")
-            slave = node.role
-            waiting = asyncio.create_task(node._wait_new_data(["orders"], GUARD_S))  # a pull's long poll
-            await asyncio.sleep(0)
-            promoting = asyncio.create_task(node._switch("master"))
-            await asyncio.get_running_loop().run_in_executor(None, entered.wait, GUARD_S)
-            assert node.mode == "switching" and slave.ended and not node._may_serve()
-            node.registration_info()  # answers from what it knew: never reads the store being closed
-            release.set()
-            await asyncio.wait_for(promoting, GUARD_S)
-            await asyncio.wait_for(waiting, GUARD_S)  # woken by the new role: the pull looks again and stops
-            master = node.role
-            assert master.mode == "master" and master.running and master.store is not slave.store
-            await master.end(NotLeader())
-    finally:
-        node._tg = None
-        node.store.close()
-        await node.channels.close()
-        await node._close_clients()
+    async with held_switch(tmp_path, "realtime") as held:
+        node, slave = held.node, held.slave
+        waiting = asyncio.create_task(node._wait_new_data(["orders"], GUARD_S))  # a pull's long poll
+        await asyncio.sleep(0)
+        promoting = await held.start_promotion()
+        assert node.mode == "switching" and slave.ended and not node._may_serve()
+        node.registration_info()  # answers from what it knew: never reads the store being closed
+        master = await held.finish_promotion(promoting)
+        await asyncio.wait_for(waiting, GUARD_S)  # woken by the new role: the pull looks again and stops
+        assert master.mode == "master" and master.running and master.store is not slave.store
+        await master.end(NotLeader())

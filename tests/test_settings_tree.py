@@ -44,6 +44,7 @@ CHECKED = sorted({str(p.relative_to(ROOT)) for pattern in ("node/**/*.py", "meta
 SOURCES = {
     ("cluster/codec.py", "SUBJECT_BYTES_MAX"),          # Limits.subject_bytes_max (and the meta servers' routes)
     ("cluster/codec.py", "DELAY_HORIZON_MS_DEFAULT"),   # Limits.delay_horizon_ms
+    ("cluster/logformat.py", "BUCKET_MS_DEFAULT"),      # StoreSettings.bucket_ms (and the Spark reader's fallback)
     ("cluster/quota.py", "NEW_PER_MINUTE_MAX_DEFAULT"),  # subjects_new_per_minute_max, routes_new_per_minute_max
     ("cluster/quota.py", "OWNED_MAX_DEFAULT"),          # subjects_owned_max
     ("cluster/auththrottle.py", "AUTH_FAILURES_MAX"),   # SecuritySettings.auth_failures_max
@@ -56,13 +57,8 @@ NOT_SETTINGS = {
     ("cluster/logformat.py", "RECORD_BYTES_MAX_DEFAULT"),  # the largest record any reader of a log accepts
 }
 # written twice still, in modules being rewritten in parallel (issue 29): (module, name); this
-# list may only shrink. cluster/spark/layout.py BUCKET_MS_DEFAULT repeats StoreSettings.bucket_ms
-# (the Spark reader's fallback for a folder without meta.json); rows.py's is the reader's own
-# batch size, a Spark option to name in cluster/spark/options.py.
-LEFT_FOR_AFTER_MERGE = {
-    ("cluster/spark/layout.py", "BUCKET_MS_DEFAULT"),
-    ("cluster/spark/rows.py", "ROWS_MAX_DEFAULT"),
-}
+# list may only shrink (it is empty: keep it so)
+LEFT_FOR_AFTER_MERGE: set[tuple[str, str]] = set()
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.LShift: operator.lshift,
         ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv, ast.Pow: operator.pow}
@@ -221,3 +217,16 @@ def test_sdk_settings_come_from_the_environment(monkeypatch):
     s = ClientSettings()
     assert (s.producer.linger_ms, s.discovery.refresh_ms, s.limits.payload_bytes_max) == (7, 900, 1234)
     assert ClientSettings.model_construct().producer.linger_ms != 7  # the defaults object reads no environment
+
+
+def test_the_spark_reader_takes_the_bucket_default_from_the_node_without_loading_it():
+    """``StoreSettings.bucket_ms`` and the Spark reader's fallback are one value, written in
+    ``cluster/logformat.py``, a module that imports nothing (Spark planning loads no numpy)."""
+    from cluster import logformat
+    from cluster.spark import layout
+    from node.store.settings import StoreSettings
+
+    tree = ast.parse(Path(logformat.__file__).read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert StoreSettings().bucket_ms == layout.BUCKET_MS_DEFAULT == logformat.BUCKET_MS_DEFAULT
+    assert NodeSettings.model_fields["bucket_ms"].default == logformat.BUCKET_MS_DEFAULT

@@ -15,7 +15,9 @@ Security (docs/console.md, "Security"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -87,12 +89,39 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             return RedirectResponse("/login?" + urlencode({"next": here}), status_code=303)
         return s if s is not None else guests.create(_now_ms())
 
-    async def checked_form(request: Request, s: Session) -> dict | Response:
+    async def checked_form(request: Request, s: Session | None) -> dict | Response:
         form = await request.form()
         if not csrf_ok(s, form.get("csrf")):
             return PlainTextResponse("refused: the form's CSRF token is missing or wrong; reload the page",
                                      status_code=403)
         return form
+
+    def viewer_page(handler: Callable[[Request, Session], Awaitable[Response]]
+                    ) -> Callable[[Request], Awaitable[Response]]:
+        """A page for the viewer: ``handler(request, s)`` runs with the viewer's session
+        (``viewer_session``: a secure cluster sends a viewer without a login to ``/login``)."""
+        @functools.wraps(handler)
+        async def page(request: Request) -> Response:
+            s = viewer_session(request)
+            if isinstance(s, Response):
+                return s
+            return await handler(request, s)
+        return page
+
+    def viewer_post(handler: Callable[[Request, Session, dict], Awaitable[Response]]
+                    ) -> Callable[[Request], Awaitable[Response]]:
+        """A form the viewer posts: ``handler(request, s, form)`` runs once the session is there
+        and the form carries its CSRF token (``checked_form``)."""
+        @functools.wraps(handler)
+        async def post(request: Request) -> Response:
+            s = viewer_session(request)
+            if isinstance(s, Response):
+                return s
+            form = await checked_form(request, s)
+            if isinstance(form, Response):
+                return form
+            return await handler(request, s, form)
+        return post
 
     # ------------------------------------------------------------------ login
 
@@ -101,10 +130,9 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             s = session_of(request) or guests.create(_now_ms())
             return render(request, "login.html", s, next=request.query_params.get("next", "/"))
         s = session_of(request)
-        form = await request.form()
-        if s is None or not csrf_ok(s, form.get("csrf")):
-            return PlainTextResponse("refused: the form's CSRF token is missing or wrong; reload the page",
-                                     status_code=403)
+        form = await checked_form(request, s)  # no session: refused (csrf_ok)
+        if isinstance(form, Response):
+            return form
         token = str(form.get("token", "")).strip()[:TOKEN_CHARS_MAX]
         nxt = str(form.get("next", "/"))
         if not token:
@@ -135,10 +163,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
 
     # ------------------------------------------------------------------ pages
 
-    async def cluster_page(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
+    @viewer_page
+    async def cluster_page(request: Request, s: Session) -> Response:
         error, groups = None, []
         try:
             groups = views.cluster_groups(await (await viewers.get(s.token)).status_rows(), epochs, _now_ms())
@@ -147,10 +173,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         name = "cluster_table.html" if request.query_params.get("fragment") else "cluster.html"
         return render(request, name, s, groups=groups, error=error, now_ms=_now_ms())
 
-    async def schedule_page(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
+    @viewer_page
+    async def schedule_page(request: Request, s: Session) -> Response:
         error, rows, by_group, missing = None, [], {}, []
         try:
             rows = await (await viewers.get(s.token)).status_rows()
@@ -172,10 +196,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
 
     samples: dict[str, tuple[int, dict]] = {}  # real-time master address -> its last (now_ms, counters)
 
-    async def subjects_page(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
+    @viewer_page
+    async def subjects_page(request: Request, s: Session) -> Response:
         error, flows = None, []
         try:
             rows = await (await viewers.get(s.token)).status_rows()
@@ -191,10 +213,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             samples[addr] = (int(r.get("now_ms") or 0), dict(r.get("counters") or {}))
         return render(request, "subjects.html", s, flows=flows, error=error)
 
-    async def message_page(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
+    @viewer_page
+    async def message_page(request: Request, s: Session) -> Response:
         msg_id = request.query_params.get("id", "").strip()[:ID_CHARS_MAX]
         found, hops, error = None, [], None
         if msg_id:
@@ -207,13 +227,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
                       cancellable=found is not None and views.cancellable(found),
                       status_code=404 if isinstance(error, str) and error.startswith("NotFound") else 200)
 
-    async def cancel(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
-        form = await checked_form(request, s)
-        if isinstance(form, Response):
-            return form
+    @viewer_post
+    async def cancel(request: Request, s: Session, form: dict) -> Response:
         msg_id = str(form.get("id", "")).strip()[:ID_CHARS_MAX]
         try:
             r = await (await viewers.get(s.token)).cancel(msg_id)
@@ -222,10 +237,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             s.flash.append(f"cancel refused: {type(e).__name__}: {e}")
         return RedirectResponse(f"/message?id={quote(msg_id)}", status_code=303)
 
-    async def dead_page(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
+    @viewer_page
+    async def dead_page(request: Request, s: Session) -> Response:
         letters, error = [], None
         try:
             letters = await (await viewers.get(s.token)).dead_letters()
@@ -233,13 +246,8 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             error = f"{type(e).__name__}: {e}"
         return render(request, "dead.html", s, letters=letters, error=error)
 
-    async def dead_action(request: Request) -> Response:
-        s = viewer_session(request)
-        if isinstance(s, Response):
-            return s
-        form = await checked_form(request, s)
-        if isinstance(form, Response):
-            return form
+    @viewer_post
+    async def dead_action(request: Request, s: Session, form: dict) -> Response:
         picked = [str(v) for v in form.getlist("pick")][:SELECTED_MAX]
         v = await viewers.get(s.token)
         try:

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.errors import InvalidArgument
+from cluster.logformat import BUCKET_MS_DEFAULT  # StoreSettings.bucket_ms, without loading the node
 
 LOGS = ("message", "schedule", "dispatch", "realtime")
 ROLE_DELAY = "delay"
 ROLE_REALTIME = "realtime"
 SEARCH_DEPTH_MAX = 2
 SEGMENT_SUFFIX = ".log"
-BUCKET_MS_DEFAULT = 3_600_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ DISPATCH_COLUMNS = ("node", "log", "segment", "offset", "frame_bytes", "seq", "e
                     "outcome", "error")
 KIND_NAMES = ("unknown", "message", "cancel")              # by codec kind (1, 2)
 OUTCOME_NAMES = {OUTCOME_OK: "delivered", OUTCOME_DEAD_LETTER: "dead_letter"}
-ROWS_MAX_DEFAULT = 65_536             # rows per record batch (a frame is never split)
+ROWS_MAX = 65_536                     # rows per record batch (a frame is never split): the reader's bound, no setting
 BLOB_BYTES_MAX = 64 * 1024 * 1024     # id and payload bytes pending before a record batch is cut
 
 _KIND_TABLE = pa.array(KIND_NAMES)
@@ -279,7 +279,7 @@ def _only(d: _Decoded, code: int, extras: bool) -> _Decoded | None:
 
 
 def message_batches(frames: Iterable[Frame], schema: pa.Schema, where: Where, *, with_payload: bool,
-                    rows_max: int = ROWS_MAX_DEFAULT, kind: str | None = None) -> Iterator[pa.RecordBatch]:
+                    rows_max: int = ROWS_MAX, kind: str | None = None) -> Iterator[pa.RecordBatch]:
     """Record batches of ``schema`` (the message schema, or some of its columns) for the frames
     of one segment. ``kind`` ("message" | "cancel"): only the rows of that kind - frames without
     one cost a decode and nothing else, and error rows (whose kind is null) are left out too."""
@@ -340,7 +340,7 @@ def _dispatch_batch(schema: pa.Schema, where: Where, frames: list[Frame], recs: 
 
 
 def dispatch_batches(frames: Iterable[Frame], schema: pa.Schema, where: Where, *,
-                     rows_max: int = ROWS_MAX_DEFAULT) -> Iterator[pa.RecordBatch]:
+                     rows_max: int = ROWS_MAX) -> Iterator[pa.RecordBatch]:
     """Record batches of ``schema`` (the dispatch schema) for the frames of one segment."""
     good: list[Frame] = []
     recs: list[DispatchBatch] = []

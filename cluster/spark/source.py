@@ -65,6 +65,7 @@ from pyspark.sql.types import (ArrayType, BinaryType, IntegerType, LongType, Map
                                StructType)
 
 from cluster.errors import InvalidArgument
+from cluster.logformat import BUCKET_MS_DEFAULT
 
 # numpy, pyarrow (which imports pandas) and the decoder are imported by ``read`` only: Spark
 # runs each planning step of a Python data source (lookup, schema, pushdown, partitions) in a
@@ -173,7 +174,7 @@ class HourglassReader(DataSourceReader):
             if self.nodes is not None and s.node not in self.nodes:
                 continue
             if s.bucket_start_ms is not None:
-                b_lo, b_hi = s.bucket_start_ms, s.bucket_start_ms + (s.bucket_ms or layout.BUCKET_MS_DEFAULT) - 1
+                b_lo, b_hi = s.bucket_start_ms, s.bucket_start_ms + (s.bucket_ms or BUCKET_MS_DEFAULT) - 1
                 # effective_ms below the bucket start is filed at 0 in the bucket: keep the low side open
                 if self.effective_hi is not None and b_lo > self.effective_hi:
                     continue

@@ -8,7 +8,8 @@ and asks this core what to do. The core owns the state that decides:
   delivered, what a checkpoint may claim, the tick state and the checkpoint documents;
 * the delivered-seq map (``dispatched``), fed by dispatch records (``note_dispatched``,
   ``replayed``), pruned behind the persisted ``completed_ms``;
-* the in-flight units (``fire``, ``settle``) and the pending counts per bucket;
+* the in-flight units (``fire``, ``acked``, ``release``; held in node/delay/inflight.py) and
+  the pending counts per bucket;
 * voided seq ranges (a divergent suffix cut off), cancels not filed yet, which messages of a
   frame the wheel may hold (``chunk``), the status of a record.
 
@@ -44,13 +45,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch, DispatchBatch
 from cluster.errors import Overloaded
 from node.delay import voided
+from node.delay.inflight import DueBatch, InFlight
 from node.store import records
 from node.store.records import SEQ_COUNTER_MAX
 from node.store.schedule import FrameRef
@@ -58,20 +59,6 @@ from node.store.settings import StoreSettings
 from node.wheel import Chunk, TickState, TimingWheel
 
 DISPATCHED_PRUNE_STEP = 4096  # delivered seqs forgotten per dispatch record at most (prune_dispatched)
-
-
-@dataclass(frozen=True, slots=True)
-class DueBatch:
-    """Messages to dispatch now: one in-flight unit (``batch.effective_ms`` = schedule time)."""
-
-    unit: int
-    batch: Batch
-
-
-@dataclass(slots=True)
-class _Unit:
-    batch: Batch
-    live: np.ndarray  # bool: not yet acknowledged or released
 
 
 class DelayCore:
@@ -83,9 +70,7 @@ class DelayCore:
         self.epoch = epoch
         self.counter = 0
         self.follower = follower
-        self.units: dict[int, _Unit] = {}
-        self.unit_counter = 0
-        self.inflight = 0
+        self.flight = InFlight()
         self.unfiled_cancels: set[int] = set()  # seqs cancelled whose tombstones are not filed yet
         self.voided: list[tuple[int, int]] = []  # [lo, hi) seq ranges cut off (voided.json)
         # the largest seq a truncation ever cut: filing's high-water marks (per bucket, id index)
@@ -160,12 +145,7 @@ class DelayCore:
 
     def advance_completed(self) -> None:
         c = self.wheel.cursor_ms
-        low = None  # the earliest effective time in flight
-        for u in self.units.values():
-            live = u.batch.effective_ms[u.live]
-            if len(live):
-                m = int(live.min())
-                low = m if low is None else min(low, m)
+        low = self.flight.low_ms()  # the earliest effective time in flight
         if not self.follower:
             # an overdue entry held behind the cursor (filed or released behind it, not fired
             # yet) is not delivered: completed_ms never passes it (as tick_state), or lookup
@@ -286,8 +266,7 @@ class DelayCore:
     def follow(self, master_checkpoint: dict | None, *, durable_offset: int) -> None:
         """Become (or stay) a follower under the master's last checkpoint (``DelayStore.follow``)."""
         self.follower = True
-        self.units.clear()
-        self.inflight = 0
+        self.flight.clear()
         if master_checkpoint is not None:
             if int(master_checkpoint.get("log_end", -1)) > durable_offset:
                 # its completed_ms may rest on records this replica does not hold yet (a
@@ -360,42 +339,26 @@ class DelayCore:
         due = b.deliver_at_ms
         if len(due) > 1 and (due[1:] < due[:-1]).any():  # in due order: a real-time node holds a
             b = b.take(np.argsort(due, kind="stable"))   # subject at its first message not due yet
-        self.unit_counter += 1
-        self.units[self.unit_counter] = _Unit(b, np.ones(b.n, bool))
-        self.inflight += b.n
-        return [DueBatch(self.unit_counter, b)]
+        return [self.flight.add(b)]
 
-    def settle(self, unit: int, idx) -> Batch | None:
-        u = self.units.get(unit)
-        if u is None:
-            return None
-        idx = _indexes(idx)
-        idx = idx[u.live[idx]]
-        if not len(idx):
-            return None
-        u.live[idx] = False
-        self.inflight -= len(idx)
-        assert self.inflight >= 0, self.inflight
-        if not u.live.any():
-            del self.units[unit]
-        return u.batch.take(idx)
+    @property
+    def inflight(self) -> int:
+        """Messages in flight (fired, not acknowledged nor released)."""
+        return self.flight.count
 
     def dispatch_record(self, unit: int, idx, *, now_ms: int, outcome: int) -> tuple[np.ndarray, DispatchBatch] | None:
         """The dispatch record of messages ``idx`` of a unit not settled yet (None: none are):
         the shell appends it, then calls ``acked``."""
-        u = self.units.get(unit)
-        if u is None:
+        got = self.flight.live(unit, idx)
+        if got is None:
             return None
-        idx = _indexes(idx)
-        idx = idx[u.live[idx]]
-        if not len(idx):
-            return None
+        u, idx = got
         b = u.batch.take(idx)
         return idx, DispatchBatch(b.seq, b.effective_ms, b.deliver_at_ms, now_ms, outcome)
 
     def acked(self, unit: int, idx: np.ndarray, rec: DispatchBatch, offset: int, *, dead_letter: bool) -> int:
         """The dispatch record ``rec`` of a unit's messages ``idx`` is appended at ``offset``."""
-        self.settle(unit, idx)
+        self.flight.settle(unit, idx)
         self.note_dispatched(rec.seq, rec.effective_ms)
         self.dispatch_trail.append((int(rec.effective_ms.max()), offset))
         self.pending_add(rec.effective_ms, -1)
@@ -406,7 +369,7 @@ class DelayCore:
     def release(self, unit: int, idx) -> bool | None:
         """Give messages ``idx`` of a unit back to the wheel: whether the wheel took them
         (None: none were in flight)."""
-        b = self.settle(unit, idx)
+        b = self.flight.settle(unit, idx)
         if b is None:
             return None
         ref = FrameRef(-1, -1, 0, b)  # held in memory only: the schedule log still has them
@@ -414,13 +377,10 @@ class DelayCore:
         self.advance_completed()
         return bool(held)
 
-    def in_flight(self, seq: int) -> bool:
-        return any(bool((u.batch.seq[u.live] == seq).any()) for u in self.units.values())
-
     def status(self, seq: int, eff: int | None) -> str:
         """in_flight | dispatched | pending, of a message record with seq ``seq`` filed under
         ``eff`` (None: not filed yet)."""
-        if self.in_flight(seq):
+        if self.flight.contains(seq):
             return "in_flight"
         if seq in self.dispatched:
             return "dispatched"
@@ -477,8 +437,9 @@ class DelayCore:
             mask &= ~np.isin(seq, delivered)
         if reload:
             mask &= b.effective_ms >= self.restored_completed_ms
-            if self.units:
-                mask &= ~np.isin(seq, np.concatenate([u.batch.seq[u.live] for u in self.units.values()]))
+            flying = self.flight.seqs()
+            if flying is not None:
+                mask &= ~np.isin(seq, flying)
         if order is not None:
             idx = order if mask.all() else order[mask[order]]
             if not len(idx):
@@ -606,13 +567,7 @@ class DelayCore:
         assert self.follower or self.completed_ms >= self.persisted_completed_ms, \
             (self.completed_ms, self.persisted_completed_ms)
         assert all(n > 0 for n in self.pending.values()), self.pending
-        assert self.inflight == sum(int(u.live.sum()) for u in self.units.values()), self.inflight
-
-
-def _indexes(idx) -> np.ndarray:
-    """Indexes into a unit, each once: an index repeated in one call settles its message once
-    (it was recorded twice in the dispatch log and lowered ``inflight`` twice)."""
-    return np.unique(np.asarray(idx, np.int64))
+        self.flight.check()
 
 
 __all__ = ["DelayCore", "DueBatch"]

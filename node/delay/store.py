@@ -62,7 +62,8 @@ from cluster.codec import KIND_CANCEL, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch
 from cluster.errors import NotFound, TooLate
 from cluster.wire import BatchResult
 from node.delay import cuts, ingest, lookup, recovery
-from node.delay.core import DelayCore, DueBatch
+from node.delay.core import DelayCore
+from node.delay.inflight import DueBatch, InFlight
 from node.delay.heal import BucketHealer
 from node.delay.ingest import Retired, Unfiled
 from node.delay.loading import LOAD_STEP_FRAMES, SecondLoader
@@ -447,8 +448,7 @@ class DelayStore:
         self.wheel_changed = True
 
     def unit_batch(self, unit: int) -> Batch | None:
-        u = self.core.units.get(unit)
-        return None if u is None else u.batch
+        return self.core.flight.batch(unit)
 
     def tick_state(self) -> TickState:
         return self.core.tick_state(self.dispatch.end_offset)
@@ -549,9 +549,7 @@ class DelayStore:
         if last >= 0 and (last >> SEQ_EPOCH_SHIFT) >= core.epoch:
             core.epoch = (last >> SEQ_EPOCH_SHIFT) + 1
         core.counter = 0
-        core.units.clear()
-        core.unit_counter = 0
-        core.inflight = 0
+        core.flight = InFlight()
         recovery.restore_tick(core, self.dispatch, ck, now_ms)
         self.healer.wheel_restarted()  # missing records the old wheel passed are due again
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used

@@ -40,6 +40,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from cluster.errors import InvalidArgument, Overloaded
 from node.realtime.index import SubjectIndex
@@ -56,6 +57,27 @@ START_LATEST = "latest"
 DUE_NOW_MS = -(1 << 62)  # pulled_at of handles restored from disk: due for redelivery at once
 
 GroupKey = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A group's position after a pull, ack or nack found it idle or behind what retention
+    kept (``resume_of``); ``ConsumerGroups.resume`` applies it."""
+
+    was_idle: bool
+    live_from: int  # the subject's first entry whose frame is still on disk
+    skip: bool      # the position is below ``live_from``: handles below it go, ``next`` moves up to it
+
+
+def resume_of(*, idle: bool, committed: int, live_from: int) -> Resume | None:
+    """The position decision of a group's activity (pure): None while it was active and its
+    committed position is still on disk; else it resumes, skipping what retention deleted.
+
+    Example: an idle group committed at 40, entries from 100 on disk -> ``Resume(True, 100,
+    True)``; an active one at 120 -> None; an idle one at 120 -> ``Resume(True, 100, False)``."""
+    if not idle and committed >= live_from:
+        return None
+    return Resume(idle, live_from, committed < live_from)
 
 
 class Group:
@@ -151,25 +173,25 @@ class ConsumerGroups:
 
     def touch(self, g: Group, ix: SubjectIndex, now_ms: int) -> None:
         """A pull, ack or nack of the group: it is active; if it was idle, or is behind the
-        first entry still on disk, it resumes there (``resume``)."""
+        first entry still on disk, it resumes there (``resume_of`` decides, ``resume`` applies)."""
         g.active_ms = now_ms
-        if g.idle or g.committed() < ix.live_from:
-            self.resume(g, ix)
+        r = resume_of(idle=g.idle, committed=g.committed(), live_from=ix.live_from)
+        if r is not None:
+            self.resume(g, ix, r)
 
-    def resume(self, g: Group, ix: SubjectIndex) -> None:
-        """An idle group is back: what retention deleted while it was idle is skipped, its
-        position moves to ``ix.live_from`` (the first entry whose frame is still on disk)."""
-        was_idle, g.idle = g.idle, False
+    def resume(self, g: Group, ix: SubjectIndex, r: Resume) -> None:
+        """Apply ``r``: an idle group is back; what retention deleted meanwhile is skipped,
+        its position moves to ``r.live_from`` (the first entry whose frame is still on disk)."""
+        g.idle = False
         skipped = 0
-        if g.committed() < ix.live_from:
-            live = ix.live_from
-            skipped = g.inflight.remove([(0, live)]) + max(0, live - g.next_pos)
-            g.next_pos = max(g.next_pos, live)
+        if r.skip:
+            skipped = g.inflight.remove([(0, r.live_from)]) + max(0, r.live_from - g.next_pos)
+            g.next_pos = max(g.next_pos, r.live_from)
             self.mark_dirty(g)
         self.counters["groups_resumed"] += 1
         self.counters["resumed_skipped_messages"] += skipped
         log.warning("consumer group active again subject=%s group=%s was_idle=%s skipped_messages=%d position=%d "
-                    "path=%s", g.subject, g.name, was_idle, skipped, g.committed(), ix.path)
+                    "path=%s", g.subject, g.name, r.was_idle, skipped, g.committed(), ix.path)
 
     def clamp(self, subject: str, keep: int) -> None:
         """The subject's index was cut to ``keep`` entries (a divergent suffix)."""

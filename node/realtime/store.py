@@ -5,10 +5,11 @@ The unit is the batch (``shared/ARCHITECTURE.md``, "Hot path"): one append store
 ``Batch.take`` + ``Batch.concat`` from whole frames, acks take handle ranges. Python does
 per-batch work; per-message work runs inside numpy, ``bytes.join`` and comprehensions.
 
-This module owns the message log, the checkpoint and the seq counter, and composes the
+This module owns the message log and the checkpoint (the seq counter: append.py), and composes the
 parts (``docs/design.md``, "The real-time store: who owns what")::
 
     accept.py          pure: which messages of a batch are new, and their seqs
+    append.py          the append path: the seq counter, one frame and its index runs per batch
     dedup.py           pure: the de-duplication window, (subject, id) -> seq
     index.py           one subject's consume index file (entry format, tail repair)
     indexfiles.py      every subject's index, the descriptor LRU, the checkpoint's index fsyncs
@@ -74,16 +75,17 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.codec import OK, Batch
-from cluster.errors import Closed, DiskFull, HourglassError, InvalidArgument, PayloadTooLarge
+from cluster.codec import Batch
+from cluster.errors import Closed, HourglassError
 from cluster.files import DATA_DIR_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
-from node.realtime.accept import assign_seqs, encoded_size, validate, with_ids, write_bytes_bound
+from node.realtime.accept import write_bytes_bound
+from node.realtime.append import Appender
 from node.realtime.consume import Delivery, as_pairs
 from node.realtime.dedup import DedupWindow
 from node.realtime.frames import FrameCache
 from node.realtime.groups import START_EARLIEST, START_LATEST, ConsumerGroups, Group
-from node.realtime.index import ENTRY, ENTRY_SIZE, batch_tag_masks, frame_runs, tags_mask, visible_ms
+from node.realtime.index import ENTRY, ENTRY_SIZE, tags_mask
 from node.realtime.indexfiles import IndexFiles
 from node.realtime.offsets import OffsetsLog
 from node.realtime.recovery import RecoveryReport, index_frames, recover
@@ -99,8 +101,6 @@ __all__ = ["DLQ_SUBJECT", "ENTRY", "ENTRY_SIZE", "RealtimeSettings", "RealtimeSt
            "RetentionReport", "RetentionWork", "START_EARLIEST", "START_LATEST", "tags_mask"]
 
 log = logging.getLogger("hourglass.realtime.store")
-
-DEDUP_FULL_LOG_EVERY_MS = 60_000  # "dedup map full" is logged at most this often
 
 
 class RealtimeStore:
@@ -124,17 +124,14 @@ class RealtimeStore:
         self._gate = DocGate()
         ck = checkpoint.read(self._ckpt_path) or {}
         self.epoch = int(ck.get("epoch", 0)) + (1 if bump_epoch else 0)
-        self._counter = 0
         start, end = self.messages.start_offset, self.messages.end_offset
         self.indexed_offset = min(max(int(ck.get("indexed_offset", start)), start), end)
         self._dedup_offset = min(max(int(ck.get("dedup_offset", start)), start), end)
         self._ckpt_saved: dict | None = None
-        self._dedup_full_logged_ms = -DEDUP_FULL_LOG_EVERY_MS
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
                          "dedup_evicted_early": 0, "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0,
                          "groups_idled": 0, "groups_resumed": 0, "resumed_skipped_messages": 0,
                          "segments_deleted": 0, "index_compactions": 0, "checkpoint_index_deferred": 0}
-        self.appended_visible_ms = 0  # after an append: when its first message becomes visible
         self._indexed_upto = end  # every message below it has its index entry written (after recovery)
         self.recovery = RecoveryReport()
 
@@ -145,6 +142,8 @@ class RealtimeStore:
         self._subjects = SubjectRegistry(root, self._journal, owners, self._indexes, settings)
         self._groups = ConsumerGroups(self._offsets, settings, self.counters)
         self._delivery = Delivery(self._indexes, self._groups, self._frames, settings, self.counters)
+        self._appender = Appender(self.messages, self._indexes, self._dedup, self._frames, self._subjects, settings,
+                                  self.counters, frame_bytes_max=self.frame_bytes_max, root=root)
         self._retainer = Retainer(self.messages, self._indexes, self._groups, self._frames, settings, self.counters)
 
     @classmethod
@@ -176,7 +175,7 @@ class RealtimeStore:
             self.epoch = (last_seq >> SEQ_EPOCH_SHIFT) + 1
             self._save_checkpoint(self.indexed_offset, self._dedup_offset)
         elif last_seq is not None and last_seq >> SEQ_EPOCH_SHIFT == self.epoch:
-            self._counter = (last_seq & SEQ_COUNTER_MAX) + 1  # bump_epoch=False: never reuse a seq
+            self._appender.counter = (last_seq & SEQ_COUNTER_MAX) + 1  # bump_epoch=False: never reuse a seq
         self._indexed_upto = self.messages.end_offset
         return report
 
@@ -288,7 +287,7 @@ class RealtimeStore:
 
     def append(self, batch: Batch, *, now_ms: int,
                refused_subjects: dict[str, HourglassError] | None = None) -> BatchResult:
-        """Store a batch; one answer per message (see module docstring, step 1).
+        """Store a batch; one answer per message (see module docstring, step 1; ``append.py``).
 
         A refused message changes nothing; the others go on. ``InvalidArgument`` for the
         whole call when the batch has more than ``batch_messages_max`` messages or more
@@ -296,79 +295,20 @@ class RealtimeStore:
         create (a quota), whose messages are refused with that error instead.
         """
         self._check_open()
-        limits = self.settings.limits
-        n = batch.n
-        if n > limits.batch_messages_max:
-            raise InvalidArgument("batch", f"{n} messages exceeds batch_messages_max {limits.batch_messages_max}")
-        res = BatchResult.sized(n)
-        if not n:
-            return res
-        res.deliver_at_ms[:] = batch.deliver_at_ms
-        batch = with_ids(batch)
-        size = encoded_size(batch)
-        if size > self.frame_bytes_max:
-            raise PayloadTooLarge("batch", f"{size} bytes exceeds one frame ({self.frame_bytes_max} bytes)")
-        self._dedup.expire(now_ms)
-        codes, errors = validate(batch, now_ms=now_ms, limits=limits)
-        self._subjects.refuse_unknown(batch, codes, errors, refused_subjects or {}, now_ms=now_ms)
-
-        ok = np.flatnonzero(codes == OK)
-        sub = batch if len(ok) == n else batch.take(ok)  # ok is sorted: all of them is the batch itself
-        keys = list(zip(sub.subject_list(), sub.id_list()))
-        seqs, dup, new = assign_seqs(keys, self._dedup.map, epoch=self.epoch, counter=self._counter)
-        res.codes[:] = codes
-        res.errors = errors
-        res.seqs[ok] = seqs
-        res.duplicates[ok[dup]] = 1
-        self.counters["duplicates"] += int(dup.sum())
-        k = len(new)
-        if k:
-            if k == sub.n:  # new is sorted: all of them is sub itself
-                self._store_frame(sub, seqs, keys, now_ms)
-            else:
-                self._store_frame(sub.take(new), seqs[new], [keys[i] for i in new.tolist()], now_ms)
+        contiguous = self._indexed_upto == self.messages.end_offset  # else replay repairs a failed index write
+        res = self._appender.append(batch, epoch=self.epoch, now_ms=now_ms, refused_subjects=refused_subjects or {})
+        if contiguous:
+            self._indexed_upto = self.messages.end_offset
         return res
+
+    @property
+    def appended_visible_ms(self) -> int:
+        """After an append: when its first message becomes visible."""
+        return self._appender.appended_visible_ms
 
     def write_bytes_bound(self, batch: Batch) -> int:
         """Disk bytes that ``append(batch)`` takes at most (``accept.write_bytes_bound``)."""
         return write_bytes_bound(batch)
-
-    def _store_frame(self, stored: Batch, seqs: np.ndarray, keys: list, now_ms: int) -> None:
-        """Append one frame and its index runs; remember its ids and keep it decoded for pulls."""
-        stored = stored.replace(seq=seqs, store_ms=now_ms)
-        body = stored.encode()
-        contiguous = self._indexed_upto == self.messages.end_offset  # else replay repairs a failed index write
-        [off] = self.messages.append([body])
-        self._counter += stored.n
-        vis = visible_ms(stored, now_ms, self.settings.visible_hold_ms_max, self.settings.visible_step_ms)
-        held = int(vis.max())
-        self.appended_visible_ms = int(vis.min())
-        runs = frame_runs(offset=off, subject_idx=stored.subject_idx, visible_ms=vis, masks=batch_tag_masks(stored))
-        try:
-            self._indexes.append_frame(off, runs, stored.subjects, held)
-        except DiskFull:  # rare: the refused batch leaves nothing behind
-            self.messages.truncate(off)
-            log.error("append undone: index write hit no space left path=%s offset=%d", self.messages.directory, off)
-            raise
-        if contiguous:
-            self._indexed_upto = self.messages.end_offset
-        evicted = self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
-        if evicted:
-            self._dedup_full(evicted, now_ms)
-        self._frames.put(off, stored, len(body))
-        self.counters["appended"] += stored.n
-
-    def _dedup_full(self, evicted: int, now_ms: int) -> None:
-        """The dedup map reached ``dedup_entries_max``: the oldest ids were forgotten before
-        their window ended (the window is shorter while the rate is this high). Counted,
-        and said at most once per ``DEDUP_FULL_LOG_EVERY_MS``; never a reason to refuse."""
-        self.counters["dedup_evicted_early"] += evicted
-        if now_ms - self._dedup_full_logged_ms >= DEDUP_FULL_LOG_EVERY_MS:
-            self._dedup_full_logged_ms = now_ms
-            oldest = self._dedup.order[0][0] if self._dedup.order else now_ms
-            log.warning("dedup map full path=%s dedup_entries_max=%d: ids are remembered for %d ms, not "
-                        "dedup_window_ms=%d (evicted early so far: %d)", self.root, self.settings.dedup_entries_max,
-                        now_ms - oldest, self.settings.dedup_window_ms, self.counters["dedup_evicted_early"])
 
     # ------------------------------------------------------------------ durability
 

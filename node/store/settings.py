@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.logformat import BUCKET_MS_DEFAULT  # shared with the Spark reader, without loading the node
 from node.store.diskspace import DiskWatermark
 from node.store.records import Limits
 
@@ -23,7 +24,7 @@ from node.store.records import Limits
 class StoreSettings:
     tick_ms: int = 10
     window_ms: int = 500
-    bucket_ms: int = 3_600_000
+    bucket_ms: int = BUCKET_MS_DEFAULT
     message_segment_bytes: int = 64 * 1024 * 1024
     dispatch_segment_bytes: int = 16 * 1024 * 1024
     schedule_segment_bytes: int = 256 * 1024 * 1024
