@@ -140,4 +140,6 @@ async def test_a_subject_widened_to_three_groups_under_load_delivers_each_messag
         assert "drain" in lines[0] and others[0] in lines[0], lines[0]
         r = _cli("admin", "route", SUBJECT, "--groups", ",".join(sorted(node_group.values())), "--meta", meta)
         assert r.returncode == 0 and "unchanged" in r.stdout and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+        r = _cli("admin", "route", SUBJECT, "--groups", ",".join([*node_group.values(), "realtime-9"]), "--meta", meta)
+        assert r.returncode == 2 and "realtime-9" in r.stderr and "registered" in r.stderr, (r.stdout, r.stderr)
         assert (await _route(meta)).epoch == 2
