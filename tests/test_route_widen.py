@@ -143,3 +143,42 @@ async def test_a_subject_widened_to_three_groups_under_load_delivers_each_messag
         r = _cli("admin", "route", SUBJECT, "--groups", ",".join([*node_group.values(), "realtime-9"]), "--meta", meta)
         assert r.returncode == 2 and "realtime-9" in r.stderr and "registered" in r.stderr, (r.stdout, r.stderr)
         assert (await _route(meta)).epoch == 2
+
+
+async def test_a_route_written_before_lists_still_routes_and_widens(tmp_path):
+    """A key holding a bare group name (the old format) answers as a route of one at epoch 1,
+    carries messages, and is rewritten in the new format only when widened."""
+    from metaserver.etcd import EtcdClient
+    from metaserver.keyspace import subject_key
+
+    c = LocalCluster(tmp_path / "c", n_delay=1, n_realtime=2, meta=True, env=ENV)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        etcd = EtcdClient(c.etcd_endpoints)
+        key = subject_key(SUBJECT)
+        try:
+            await etcd.call(lambda cl: cl.put(key, b"realtime-2"))
+            r = await _route(meta)
+            assert [g.name for g in r.groups] == ["realtime-2"] and r.epoch == 1 and r.group.name == "realtime-2"
+            resolver = MetaResolver([meta], refresh_ms=REFRESH_MS)
+            try:
+                async with Producer(resolver) as p, Consumer(resolver, SUBJECT, group="g") as cons:
+                    await p.send_and_wait(SUBJECT, b"old", id="old-1", immediate=True)
+                    got = []
+                    for _ in range(20):  # bounded: 20 long polls
+                        for rb in await cons.pull_batch(wait_ms=500):
+                            got += [(i, rb.node) for i in rb.ids]
+                            await rb.ack(wait=True)
+                        if got:
+                            break
+                    assert got == [("old-1", c.realtime[1].address)]
+            finally:
+                await resolver.close()
+            assert (await etcd.call(lambda cl: cl.get(key))).value == b"realtime-2"  # reading rewrote nothing
+            done = _cli("admin", "route", SUBJECT, "--groups", "realtime-1,realtime-2", "--meta", meta)
+            assert done.returncode == 0 and "epoch 2" in done.stdout, (done.stdout, done.stderr)
+            raw = (await etcd.call(lambda cl: cl.get(key))).value
+            assert raw == b'{"epoch": 2, "groups": ["realtime-1", "realtime-2"]}'
+        finally:
+            await etcd.close()
