@@ -50,8 +50,9 @@ Consumer::
         async for msg in c:                      # or one Received at a time
             await msg.ack()
 
-Subjects are grouped by the real-time node each maps to (``resolver.realtime_for``)
-and each node is pulled with one long-poll request; a node's answer is handed out
+Subjects are grouped by the real-time nodes each maps to (``resolver.realtime_route``:
+every master of the subject's real-time groups, ``cluster/routes.py``) and each node is
+pulled with one long-poll request; a message is acked to the node it came from; a node's answer is handed out
 as soon as it arrives while the other nodes' pulls stay in flight. The server
 filters tags by hash; the client checks exactly and acks the non-matching away.
 ``close()`` cancels in-flight pulls (a message the server had handed to a cancelled
@@ -79,6 +80,7 @@ from cluster import status
 from cluster.clock import wall_ms as _now_ms
 from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
 from cluster.proto import hourglass_pb2 as pb
+from cluster.routes import RouteView
 from cluster.clientsettings import ACK_LINGER_MS_MAX, CLIENT_DEFAULTS, ClientSettings
 from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
@@ -222,6 +224,18 @@ class StaticResolver:
 
     async def close(self) -> None:
         pass
+
+
+async def route_of(resolver, subject: str) -> RouteView:
+    """The subject's route from ``resolver``: ``realtime_route`` when it has one, else the one
+    node of ``realtime_for`` (a resolver written before routes were lists)."""
+    realtime_route = getattr(resolver, "realtime_route", None)
+    if realtime_route is not None:
+        return await realtime_route(subject)
+    address = await resolver.realtime_for(subject)
+    if not address:
+        raise E.Unavailable(f"no real-time node known for subject {subject!r}")
+    return RouteView.single(address)
 
 
 def _describe(resolver) -> str:
@@ -944,18 +958,33 @@ class Producer:
         return routes, stuck, why
 
     async def _route_immediate(self, pieces: list[_Piece]):
-        """Immediate messages go to the real-time node of their subject."""
+        """Immediate messages go to their subject's real-time groups, each to the group of its
+        id's hash (``cluster/routes.py``), so a retry lands where the first try went; the
+        messages of a group without a master now wait and are tried again."""
         routes: dict[str, list[_Piece]] = {}
+        stuck: list[_Piece] = []
+        why = None
         for job, idx, _ in pieces:
             if isinstance(job.subjects, str):
-                routes.setdefault(await self.resolver.realtime_for(job.subjects), []).append((job, idx, None))
-                continue
-            subs = [job.subjects[i] for i in idx.tolist()]
-            where = {s: await self.resolver.realtime_for(s) for s in set(subs)}
-            addrs = [where[s] for s in subs]
-            for a in set(addrs):
-                routes.setdefault(a, []).append((job, idx[np.array([x == a for x in addrs])], None))
-        return routes, [], None
+                by_subject = {job.subjects: idx}
+            else:
+                subs = [job.subjects[i] for i in idx.tolist()]
+                by_subject = {s: idx[np.array([x == s for x in subs])] for s in dict.fromkeys(subs)}
+            for subject, sidx in by_subject.items():
+                view = await route_of(self.resolver, subject)
+                if len(view.groups) == 1:
+                    routes.setdefault(view.masters[0], []).append((job, sidx, None))
+                    continue
+                gi = view.targets([job.ids[i] for i in sidx.tolist()])
+                for k in np.unique(gi).tolist():
+                    part = (job, sidx[gi == k], None)
+                    if view.masters[k]:
+                        routes.setdefault(view.masters[k], []).append(part)
+                    else:
+                        stuck.append(part)
+                        why = E.Unavailable(f"real-time group {view.groups[k]!r} of subject {subject!r} "
+                                            f"has no live master now")
+        return routes, stuck, why
 
     async def _send_to(self, address: str, pieces: list[_Piece], immediate: bool):
         try:
@@ -1341,13 +1370,16 @@ class Consumer:
     # ------------------------------------------------------------------ pulling
 
     async def _routes(self) -> dict[str, list[str]]:
-        """node -> the subjects it serves now. A subject whose node is unknown is left out
-        this round; none known at all raises Unavailable."""
+        """node -> the subjects it serves now: every master of each subject's route (a subject
+        spread over several real-time groups is pulled from all of them; each message is
+        acked to the node it came from). A subject whose nodes are unknown is left out this
+        round; none known at all raises Unavailable."""
         routes: dict[str, list[str]] = {}
         last: E.Unavailable | None = None
         for s in self.subjects:
             try:
-                routes.setdefault(await self.resolver.realtime_for(s), []).append(s)
+                for node in (await route_of(self.resolver, s)).live():
+                    routes.setdefault(node, []).append(s)
             except E.Unavailable as err:
                 last = err
         if not routes:

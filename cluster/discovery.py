@@ -5,10 +5,12 @@
     async with Consumer(resolver, "orders.cancel", group="billing") as c: ...
 
 It offers what ``cluster.client`` asks of a resolver: ``delay_nodes()`` (masters
-of the delay groups, for producers of delayed messages), ``realtime_for(subject)``
-(master of the real-time group that owns the subject, for immediate producers,
-consumers and delay nodes dispatching), ``refresh()`` (called after a failed
-call), ``close()``; and ``invalidate(subject)`` for the delay node's router.
+of the delay groups, for producers of delayed messages), ``realtime_route(subject)``
+(the subject's real-time groups and their masters, ``cluster/routes.py``: immediate
+producers and delay nodes send each message to the group of its id's hash, consumers
+pull from all), ``realtime_for(subject)`` (the first of them that has a master: tools
+and the dead-letter subject), ``refresh()`` (called after a failed call), ``close()``;
+and ``invalidate(subject)`` for the delay node's router.
 
 Caching rules (all times monotonic, limits named):
 
@@ -24,7 +26,9 @@ Caching rules (all times monotonic, limits named):
 * if no meta server answers (all dead, or etcd down behind them) the cached
   answer is used as long as there is one: nodes keep serving with the routes
   they have. Only with nothing cached is ``Unavailable`` raised;
-* subject routes are cached up to ``routes_max`` subjects (oldest dropped).
+* subject routes are cached up to ``routes_max`` subjects (oldest dropped); an answer
+  with a smaller route epoch than the cached one is ignored, so a widened route is never
+  narrowed again by a late answer. A widening reaches a client within ``refresh_ms``.
 
 Consumers never see delay nodes: ``realtime_for`` asks ``Route`` with kind
 CONSUMER or IMMEDIATE_PRODUCER, which only ever answers real-time groups.
@@ -44,6 +48,7 @@ from cluster import status
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.clientsettings import CLIENT_DEFAULTS, ClientSettings
+from cluster.routes import RouteView
 from cluster.security import ClientSecurity
 from cluster.transport import Channels
 
@@ -116,7 +121,7 @@ class MetaResolver:
         self._delay: list[str] = []
         self._delay_groups: list[tuple[str, str]] = []
         self._delay_at = float("-inf")
-        self._routes: OrderedDict[str, tuple[str, float]] = OrderedDict()  # subject -> (master, fetched_at)
+        self._routes: OrderedDict[str, tuple[RouteView, float]] = OrderedDict()  # subject -> (route, fetched_at)
         self._stale_since: float | None = None
         self._last_fetch = float("-inf")
         self._refreshing: dict[str, asyncio.Task] = {}  # key -> its background refresh (``_behind``)
@@ -217,6 +222,13 @@ class MetaResolver:
         return self._delay
 
     async def realtime_for(self, subject: str) -> str:
+        """The master of the subject's first group that has one (tools, the dead-letter
+        subject); senders and consumers of a subject use ``realtime_route``."""
+        return (await self.realtime_route(subject)).first_master()
+
+    async def realtime_route(self, subject: str) -> RouteView:
+        """The subject's real-time groups with their masters (``cluster/routes.py``). At
+        least one group has a master, else ``Unavailable``."""
         cached = self._routes.get(subject)
         if cached is not None and not self._stale(cached[1]):
             if self._aged(cached[1]):
@@ -225,23 +237,30 @@ class MetaResolver:
         try:
             return await self._fetch_route(subject)
         except E.Unavailable as e:
-            if cached is not None:
+            if cached is not None and cached[0].live():
                 log.warning("keeping cached route subject=%s: %s", subject, e)
                 return cached[0]
             raise
 
-    async def _fetch_route(self, subject: str) -> str:
+    async def _fetch_route(self, subject: str) -> RouteView:
         self._last_fetch = time.monotonic()
         resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
-        master = resp.group.master
-        if not master:
+        groups = list(resp.groups) or [resp.group]  # a meta server from before routes were lists
+        view = RouteView(tuple(g.name for g in groups), tuple(g.master for g in groups), max(1, resp.epoch))
+        cached = self._routes.get(subject)
+        if cached is not None and cached[0].epoch > view.epoch:  # never step back to an older route
+            log.info("ignoring route subject=%s epoch=%d older than cached epoch %d", subject, view.epoch,
+                     cached[0].epoch)
+            return cached[0]
+        if not view.live():
             self._routes.pop(subject, None)
-            raise E.Unavailable(f"real-time group {resp.group.name!r} of subject {subject!r} has no live master")
-        self._routes[subject] = (master, time.monotonic())
+            raise E.Unavailable(f"no real-time group of subject {subject!r} ({', '.join(view.groups)}) "
+                                f"has a live master")
+        self._routes[subject] = (view, time.monotonic())
         self._routes.move_to_end(subject)
         while len(self._routes) > self.routes_max:
             self._routes.popitem(last=False)
-        return master
+        return view
 
     async def refresh(self) -> None:
         """A call failed: the next lookup asks a meta server again (rate limited)."""

@@ -13,8 +13,10 @@ again), then rewrite the record in a transaction guarded by the claim's value,
 so a node can only ever write its own record.
 
 Route: read ``/hourglass/subjects/{subject}``; if absent, choose among the live
-real-time groups (``keyspace.choose_group``) and create the key if still absent
-(a concurrent first use reads the winner's choice). Routes are never rewritten.
+real-time groups (``keyspace.choose_group``) and create the key, a route of one group at
+epoch 1 (``cluster/routes.py``), if still absent (a concurrent first use reads the winner's
+choice). A route is only rewritten by an operator (``set_route``, ``hourglass admin route``),
+and only widened: groups are added, the epoch grows by one, nothing stored moves.
 A new route counts against the caller's ``routes_new_per_minute_max`` (a token bucket per
 principal, ``cluster/quota.py``, in this meta server's memory; nodes are not limited), so
 one token cannot fill etcd with keys; at most ``route_creations_max`` creations wait on
@@ -34,6 +36,7 @@ from aetcd import exceptions as aex
 from cluster import security
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from cluster.quota import SubjectQuota, SubjectQuotas
+from cluster.routes import Route, parse_groups, widen
 from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
@@ -176,7 +179,9 @@ class Registry:
                 log.error("unreadable leader key=%s", kv.key)
         return ks.build_groups(role, records, lead), max(nodes.header.revision, leaders.header.revision)
 
-    async def route(self, subject: str) -> ks.GroupView:
+    async def route(self, subject: str) -> tuple[Route, list[ks.GroupView]]:
+        """The subject's route (created on first use with one group) and a view of each of its
+        groups, in the route's order (a group with no live node is a view without a master)."""
         ks.check_subject(subject)
         key = ks.subject_key(subject)
         groups, _ = await self.groups("realtime")
@@ -191,24 +196,59 @@ class Registry:
                 if adm.refusal is not None:
                     log.info("route quota: refused principal=%s subject=%s", owner, subject[:200])
                     raise adm.refusal
+            first = Route((chosen.name,), 1)
             try:
                 async with self._creations:
                     ok, resps = await self.etcd.call(lambda c: c.transaction(
                         compare=[c.transactions.version(key) == 0],
-                        success=[c.transactions.put(key, chosen.name.encode())],
+                        success=[c.transactions.put(key, first.encode())],
                         failure=[c.transactions.get(key)]))
             except BaseException:
                 if owner is not None:
                     self.route_quotas.refund(owner, 1)
                 raise
-            name = chosen.name if ok else resps[0][0][0].decode()
+            route = first if ok else self._decode(subject, resps[0][0][0])
             if ok:
-                log.info("routed subject=%s group=%s", subject, name)
+                log.info("routed subject=%s group=%s", subject, chosen.name)
             elif owner is not None:
                 self.route_quotas.refund(owner, 1)  # a concurrent first use created it
         else:
-            name = kv.value.decode()
-        for g in groups:
-            if g.name == name:
-                return g
-        return ks.GroupView("realtime", name)  # routed to a group with no live node: no master now
+            route = self._decode(subject, kv.value)
+        return route, ks.route_views(route, groups)
+
+    @staticmethod
+    def _decode(subject: str, raw: bytes) -> Route:
+        try:
+            return Route.decode(raw)
+        except ValueError as e:  # written by something else: say so, write nothing
+            log.error("unreadable route subject=%s: %s", subject[:200], e)
+            raise Unavailable(f"the route of {subject!r} in etcd is unreadable: {e}") from None
+
+    async def set_route(self, subject: str, groups: list[str]) -> tuple[Route | None, Route]:
+        """An operator widens a subject's route to ``groups`` (every one a registered real-time
+        group). Returns (the route before, the route now); a no-op writes nothing. Narrowing
+        is ``InvalidArgument`` (it needs a drain, not built). The write is guarded by the
+        key's mod revision, so two concurrent changes cannot lose one another."""
+        ks.check_subject(subject)
+        wanted = parse_groups(groups, ks.check_name)
+        known = {g.name for g in (await self.groups("realtime"))[0]}
+        unknown = [g for g in wanted if g not in known]
+        key = ks.subject_key(subject)
+        kv = await self.etcd.call(lambda c: c.get(key))
+        before = None if kv is None else self._decode(subject, kv.value)
+        after = widen(subject, before, wanted)
+        if after is before:
+            return before, after
+        new_groups = [g for g in unknown if before is None or g not in before.groups]
+        if new_groups:
+            raise InvalidArgument("groups", f"no registered real-time group named {', '.join(new_groups)} "
+                                            f"(registered: {', '.join(sorted(known)) or 'none'})")
+        rev = 0 if kv is None else kv.mod_revision
+        ok, _ = await self.etcd.call(lambda c: c.transaction(
+            compare=[c.transactions.mod(key) == rev], success=[c.transactions.put(key, after.encode())],
+            failure=[]))
+        if not ok:
+            raise Unavailable(f"the route of {subject!r} changed meanwhile; try again")
+        log.warning("route changed subject=%s groups=%s epoch=%d (was %s)", subject[:200], ",".join(after.groups),
+                    after.epoch, ",".join(before.groups) if before else "none")
+        return before, after

@@ -145,10 +145,22 @@ class MetaService(mrpc.MetaServicer):
             if role_for_kind(request.kind) != "realtime":
                 raise InvalidArgument("kind", "subjects route to real-time groups; delayed messages go to any "
                                               "delay group (GetServers DELAYED_PRODUCER)")
-            group = await self.registry.route(request.subject)
+            route, views = await self.registry.route(request.subject)
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.RouteResponse(group=group_to_pb(group))
+        groups = [group_to_pb(g) for g in views]
+        return mpb.RouteResponse(group=groups[0], groups=groups, epoch=route.epoch)
+
+    async def SetRoute(self, request: mpb.SetRouteRequest, context) -> mpb.SetRouteResponse:
+        """An operator widens a subject's route (``hourglass admin route``). Admin only (the
+        interceptor's table, ``cluster/security.py``): a tenant's produce or consume grant
+        on the subject is not enough, a route decides where everybody's messages go."""
+        try:
+            before, after = await self.registry.set_route(request.subject, list(request.groups))
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.SetRouteResponse(groups=list(after.groups), epoch=after.epoch,
+                                    previous=list(before.groups) if before else [], changed=after is not before)
 
     # ------------------------------------------------------------------ election
 

@@ -101,3 +101,42 @@ async def test_background_refreshes_are_bounded_and_cancelled_at_close(clock, mo
     assert len(r._refreshing) == 3 and meta.calls == 5 + 3
     await r.close()
     assert not r._refreshing
+
+
+class ListMeta(FakeMeta):
+    """Answers Route with a list of groups and an epoch (``answers`` in turn, the last repeated)."""
+
+    def __init__(self, answers) -> None:
+        super().__init__()
+        self.answers = list(answers)
+
+    async def call(self, name, req, **_):
+        assert name == "Route"
+        self.calls += 1
+        groups, epoch = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        pb = [mpb.Group(name=g, master=m) for g, m in groups]
+        return mpb.RouteResponse(group=pb[0], groups=pb, epoch=epoch)
+
+
+async def test_a_route_of_several_groups_is_cached_and_never_steps_back_to_an_older_epoch(clock):
+    wide = ([("r1", "n1:1"), ("r2", "n2:1"), ("r3", "")], 2)
+    old = ([("r1", "n1:1")], 1)
+    r = D.MetaResolver(["meta:1"], refresh_ms=5000, refresh_min_ms=200)
+    await r.meta.close()
+    r.meta = ListMeta([wide, old])
+    view = await r.realtime_route("s")
+    assert view.groups == ("r1", "r2", "r3") and view.masters == ("n1:1", "n2:1", "") and view.epoch == 2
+    assert view.live() == ["n1:1", "n2:1"] and await r.realtime_for("s") == "n1:1"
+    await r.refresh()
+    clock[0] += 1  # past refresh_min_ms: asked again, and a late answer of epoch 1 arrives
+    assert (await r.realtime_route("s")).epoch == 2  # kept: a widened route is not narrowed by it
+    await r.close()
+
+
+async def test_an_old_meta_servers_answer_without_a_list_is_a_route_of_one(clock):
+    r = D.MetaResolver(["meta:1"], refresh_ms=5000, refresh_min_ms=200)
+    await r.meta.close()
+    r.meta = FakeMeta()  # answers only ``group``
+    view = await r.realtime_route("s")
+    assert view.groups == ("r1",) and view.masters == ("n1:1",) and view.epoch == 1
+    await r.close()

@@ -403,6 +403,24 @@ async def test_route_needs_a_grant_on_its_subject_and_a_valid_subject_and_writes
     assert await _meta_code(secure, "orders-reader", "Route",
                             route(mpb.CONSUMER, "orders.routed")) == grpc.StatusCode.OK
     assert await _subject_keys(secure) == before | {b"/hourglass/subjects/orders.routed"}
+    # a route change is an admin write: a tenant with grants on the subject may not widen it
+    groups = [g.name for g in (await _route_groups(secure, "orders.routed"))]
+    widen = mpb.SetRouteRequest(subject="orders.routed", groups=groups + ["realtime-x"])
+    for token in ("producer", "orders-reader", "canceller"):
+        assert await _meta_code(secure, token, "SetRoute", widen) == grpc.StatusCode.PERMISSION_DENIED, token
+    assert [g.name for g in (await _route_groups(secure, "orders.routed"))] == groups
+    same = mpb.SetRouteRequest(subject="orders.routed", groups=groups)  # the admin token: a no-op answers OK
+    assert await _meta_code(secure, None, "SetRoute", same) == grpc.StatusCode.OK
+
+
+async def _route_groups(c: LocalCluster, subject: str):
+    ch = Channels(c.client_security())
+    try:
+        resp = await mrpc.MetaStub(ch.get(c.meta_addresses[0])).Route(
+            mpb.RouteRequest(kind=mpb.CONSUMER, subject=subject), timeout=10)
+        return list(resp.groups)
+    finally:
+        await ch.close()
 
 
 async def test_a_subject_with_a_trailing_newline_is_invalid_from_a_send_and_a_consume(secure):

@@ -4,6 +4,7 @@
     hourglass admin verify --data DIR            a stopped node's data folder, offline, read-only
     hourglass admin handover GROUP               graceful handover of a delay group's master
     hourglass admin force-in-sync GROUP NODE     unclean election: NODE may become master (may lose acks)
+    hourglass admin route SUBJECT --groups r1,r2 widen SUBJECT over these real-time groups (online)
 
 Part of the ``hourglass`` app (``cluster/cli/__init__.py`` adds this sub-app). It uses the
 helpers of ``cluster/cli/common.py``: the resolver, the option types, the error boundary's
@@ -230,3 +231,30 @@ def admin_force_in_sync(group: str = typer.Argument(..., help="the group with no
         raise typer.Exit(EXIT_FAILED)
     console.print(f"[yellow]forced[/yellow]: in-sync set of {role}/{group} is now [{node}] (was "
                   f"{', '.join(r.previous) or 'none'}); possibly lost: {loss}")
+
+
+@admin.command("route")
+def admin_route(subject: str = typer.Argument(..., help="the subject whose route changes"),
+                groups: str = typer.Option(..., "--groups", help="every real-time group of the subject, comma "
+                                                                  "separated: the current ones and those to add"),
+                meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Widen SUBJECT over real-time GROUPS, online: new messages of the subject spread over every
+    listed group by id hash, consumers pull from all of them, nothing already stored moves
+    (docs/design.md, "A subject over several real-time groups"). Narrowing (leaving out a current
+    group) is refused: it needs a drain, not built yet. A list equal to the route is a no-op."""
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        from cluster.proto import meta_pb2 as mpb
+        if not hasattr(resolver, "meta"):
+            raise CliError("route needs the meta servers", hint="hint: give --meta, or a --cluster-file")
+        try:
+            return await resolver.meta.call("SetRoute", mpb.SetRouteRequest(subject=subject, groups=_split(groups)))
+        finally:
+            await resolver.close()
+    r = asyncio.run(_run())
+    now = ",".join(r.groups)
+    if not r.changed:
+        _say(f"unchanged: {subject} routes to {now} (epoch {r.epoch})")
+        return
+    _say(f"routed: {subject} -> {now} (epoch {r.epoch}; was {','.join(r.previous) or 'none'})")

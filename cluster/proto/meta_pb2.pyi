@@ -130,10 +130,34 @@ class RouteRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., subject: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("group",)
+    __slots__ = ("group", "groups", "epoch")
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     group: Group
-    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    epoch: int
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SetRouteRequest(_message.Message):
+    __slots__ = ("subject", "groups")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetRouteResponse(_message.Message):
+    __slots__ = ("groups", "epoch", "previous", "changed")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    epoch: int
+    previous: _containers.RepeatedScalarFieldContainer[str]
+    changed: bool
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., previous: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class CampaignRequest(_message.Message):
     __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms", "store_epoch_min")

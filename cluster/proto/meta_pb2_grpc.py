@@ -59,6 +59,11 @@ class MetaStub:
                 request_serializer=meta__pb2.RouteRequest.SerializeToString,
                 response_deserializer=meta__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.SetRoute = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/SetRoute',
+                request_serializer=meta__pb2.SetRouteRequest.SerializeToString,
+                response_deserializer=meta__pb2.SetRouteResponse.FromString,
+                _registered_method=True)
         self.Campaign = channel.unary_unary(
                 '/hourglass.meta.v1.Meta/Campaign',
                 request_serializer=meta__pb2.CampaignRequest.SerializeToString,
@@ -124,6 +129,12 @@ class MetaServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Route(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRoute(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,6 +209,11 @@ def add_MetaServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=meta__pb2.RouteRequest.FromString,
                     response_serializer=meta__pb2.RouteResponse.SerializeToString,
+            ),
+            'SetRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRoute,
+                    request_deserializer=meta__pb2.SetRouteRequest.FromString,
+                    response_serializer=meta__pb2.SetRouteResponse.SerializeToString,
             ),
             'Campaign': grpc.unary_unary_rpc_method_handler(
                     servicer.Campaign,
@@ -370,6 +386,33 @@ class Meta:
             '/hourglass.meta.v1.Meta/Route',
             meta__pb2.RouteRequest.SerializeToString,
             meta__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/SetRoute',
+            meta__pb2.SetRouteRequest.SerializeToString,
+            meta__pb2.SetRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

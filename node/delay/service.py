@@ -31,7 +31,7 @@ import numpy as np
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from cluster import security, status
-from cluster.client import StaticResolver
+from cluster.client import StaticResolver, route_of
 from cluster.clock import Clock, SystemClock
 from cluster.codec import OUTCOME_DEAD_LETTER, Batch
 from cluster.discovery import MetaResolver
@@ -47,6 +47,7 @@ from node.delay import deadletter, retention
 from node.delay.upkeep import DelayUpkeep
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
+from node.delay.targets import split as targets_split
 from node.grpcserver import start_grpc
 from node.intake import SendIntake
 from node.lifecycle import side_tasks
@@ -364,19 +365,18 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     async def _deliver_once(self, unit: int, b: Batch, idx: np.ndarray) -> np.ndarray:
         """One round: route, send every target its part at once; returns what is left."""
-        # route each entry of the subject table once, then group the messages with numpy
-        addrs = [await self._route(s) for s in b.subjects]
-        names = sorted(set(addrs))
-        target_of = np.array([names.index(a) for a in addrs], np.int64)[b.subject_idx[idx]]
-        if len(names) == 1:
-            targets = {names[0]: idx}
-        else:
-            targets = {names[t]: idx[target_of == t] for t in np.unique(target_of).tolist()}
+        # route each entry of the subject table once, then group the messages with numpy;
+        # a subject over several real-time groups: by id hash (node/delay/targets.py)
+        targets, stuck = targets_split(b, idx, [await route_of(self.router, s) for s in b.subjects])
         step = self.settings.dispatch_batch_max  # a real-time node refuses larger batches whole
         parts = [(addr, part[i:i + step]) for addr, part in targets.items() for i in range(0, len(part), step)]
         results = await asyncio.gather(*(self._send_part(addr, unit, b, part) for addr, part in parts),
                                        return_exceptions=True)
         left = []
+        if len(stuck):  # their group has no master now: asked again, and tried again
+            for s in {b.subject(int(i)) for i in stuck[:64]}:
+                self.router.invalidate(s)
+            left.append(stuck)
         for (addr, part), r in zip(parts, results):
             if isinstance(r, Unavailable):
                 for s in {b.subject(int(i)) for i in part[:64]}:
