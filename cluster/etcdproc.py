@@ -47,6 +47,10 @@ STOP_TIMEOUT_S = 10.0
 # minimum lease TTL etcd grants (ceil(1.5 x election timeout)) drops to 1 s.
 HEARTBEAT_MS = 100
 ELECTION_MS = 500
+# every heartbeat and election write is a new etcd revision: without compaction etcd keeps the
+# whole history and reaches its backend quota (2 GiB), after which it refuses every write
+# (docs/operations.md, "etcd history"). Keep an hour of history, as the chart does.
+AUTO_COMPACTION_RETENTION = "1h"
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ def _member_args(name: str, data_dir: str, client_port: int, peer_port: int, ini
             "--initial-cluster", initial_cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", token,
             "--heartbeat-interval", str(HEARTBEAT_MS), "--election-timeout", str(ELECTION_MS),
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", AUTO_COMPACTION_RETENTION,
             "--log-level", "warn", "--logger", "zap", *(tls.args() if tls else [])]
 
 

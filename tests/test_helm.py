@@ -180,6 +180,8 @@ def test_default_install(helm):
     assert cluster.count("=https://") == 3 and f"hg-hourglass-etcd-2.hg-hourglass-etcd-headless.{DOMAIN}:2380" in cluster
     # etcd's plaintext /health and /metrics on the pod IP, not 0.0.0.0
     assert "--listen-metrics-urls=http://$(POD_IP):2381" in ec["args"]
+    # heartbeats write a revision each: the history is compacted, or etcd's quota fills up
+    assert {"--auto-compaction-mode=periodic", "--auto-compaction-retention=1h"} <= set(ec["args"])
     assert env_of(ec)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert "ServiceMonitor" not in {o["kind"] for o in objs}
     mcenv = env_of(mc)
