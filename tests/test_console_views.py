@@ -85,6 +85,27 @@ def test_pending_buckets_reads_a_status_row_or_says_none():
     assert views.pending_buckets({"pending_by_bucket": {"x": 1}}) is None
 
 
+def test_hour_buckets_with_minute_counts_show_the_minute_view_by_minute():
+    due = NOW + 10 * MIN + 17_000
+    by_group = {"d": ({NOW: 20, NOW + HOUR: 6, NOW + 5 * HOUR: 4}, HOUR), "e": ({NOW: 2}, HOUR)}
+    minutes = {"d": {NOW + 10 * MIN: 18, NOW + 2 * MIN: 2, NOW + HOUR + 30 * MIN: 6}, "e": {NOW + 5 * MIN: 2}}
+    minute, hours, _ = views.schedule_views(by_group, NOW + 3_000, minutes)
+    assert minute.resolution_ms == MIN
+    assert [(r.start_ms, r.total) for r in minute.rows if r.total] == \
+        [(NOW + 2 * MIN, 2), (NOW + 5 * MIN, 2), (due - due % MIN, 18)]  # the next hour's bucket: past the view
+    assert hours.resolution_ms == HOUR  # the hour and day views use the buckets
+    assert [(r.start_ms, r.total) for r in hours.rows if r.total] == [(NOW, 22), (NOW + HOUR, 6), (NOW + 5 * HOUR, 4)]
+
+
+def test_minute_counts_of_a_status_row_and_the_lateness_text():
+    assert views.pending_minutes({}) is None
+    assert views.pending_minutes({"pending_by_minute": {str(NOW): 2, str(NOW + MIN): 0}}) == {NOW: 2}
+    assert views.lateness_text({}) == "not reported"
+    assert views.lateness_text({"lateness": {"count": 0, "window_ms": HOUR}}) == "nothing fired in the last 60 min"
+    assert views.lateness_text({"lateness": {"count": 9, "window_ms": HOUR, "p50_ms": 3, "p99_ms": 41}}) \
+        == "p50 3 ms, p99 41 ms (9 fired in the last 60 min)"
+
+
 # ---------------------------------------------------------------------- cluster
 
 

@@ -6,8 +6,11 @@ Worked example (``schedule_rows``): a delay group reports ``{"pending_by_bucket"
 {"1700000400000": 5}}`` with 60 s buckets, and now is 1700000000000. The "next 60 minutes by
 minute" view has 60 slots of 60 s from the minute of now; the bucket starts 400 s later,
 in slot 6 (the slot starting 1700000360000): that row says 5. A group whose buckets are
-1 h long cannot be split by minute: its view has slots of 1 h instead, and says so
-(``ScheduleView.resolution_ms``), never spreads a count it does not have.
+1 h long cannot be split by minute from its bucket counts; it also reports
+``pending_by_minute`` (per-minute counts of the buckets of the next hour, from its per-second
+schedule index), and the minute view uses those. A group without them makes the view's slots
+1 h instead, and says so (``ScheduleView.resolution_ms``): a count it does not have is never
+spread.
 """
 
 from __future__ import annotations
@@ -163,6 +166,38 @@ def pending_buckets(row: dict) -> tuple[dict[int, int], int] | None:
     return counts, max(1, bucket_ms)
 
 
+def pending_minutes(row: dict) -> dict[int, int] | None:
+    """A delay master's pending counts by minute start (ms) for the buckets of the next hour
+    (``pending_by_minute``), or None when its Status carries none."""
+    raw = row.get("pending_by_minute")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return {int(k): int(v) for k, v in raw.items() if int(v) > 0}
+    except (TypeError, ValueError):
+        return None
+
+
+def finer(by_group: dict[str, tuple[dict[int, int], int]], minutes: dict[str, dict[int, int]],
+          slot_ms: int) -> dict[str, tuple[dict[int, int], int]]:
+    """The counts a view of ``slot_ms`` slots uses: a group whose buckets are longer than a
+    slot and that reports counts by minute gives those, with the buckets its minutes do not
+    cover (they start later: beyond the hour the minutes cover) at their start."""
+    out = {}
+    for g, (counts, bucket_ms) in by_group.items():
+        m = minutes.get(g)
+        if m is None or bucket_ms <= slot_ms or slot_ms < MINUTE_MS:
+            out[g] = (counts, bucket_ms)
+            continue
+        covered = {start - start % bucket_ms for start in m}
+        merged = dict(m)
+        for start, n in counts.items():
+            if start not in covered:
+                merged[start] = merged.get(start, 0) + n
+        out[g] = (merged, MINUTE_MS)
+    return out
+
+
 def schedule_view(name: str, slot_ms: int, slots: int, by_group: dict[str, tuple[dict[int, int], int]],
                   now_ms: int) -> ScheduleView:
     """Pending counts of each delay group summed into ``slots`` slots of ``slot_ms`` from
@@ -182,8 +217,24 @@ def schedule_view(name: str, slot_ms: int, slots: int, by_group: dict[str, tuple
     return ScheduleView(name, slot_ms, res, rows, max([r.total for r in rows] + [1]))
 
 
-def schedule_views(by_group: dict[str, tuple[dict[int, int], int]], now_ms: int) -> list[ScheduleView]:
-    return [schedule_view(name, slot, n, by_group, now_ms) for name, slot, n in SCHEDULE_VIEWS]
+def schedule_views(by_group: dict[str, tuple[dict[int, int], int]], now_ms: int,
+                   minutes: dict[str, dict[int, int]] | None = None) -> list[ScheduleView]:
+    """The three views; ``minutes``: the groups' ``pending_by_minute`` (``finer``)."""
+    return [schedule_view(name, slot, n, finer(by_group, minutes or {}, slot), now_ms)
+            for name, slot, n in SCHEDULE_VIEWS]
+
+
+def lateness_text(row: dict) -> str:
+    """A delay master's lateness over its window: ``p50 3 ms, p99 41 ms (1234 fired in the last
+    60 min)``, or why there is none."""
+    late = row.get("lateness")
+    if not isinstance(late, dict):
+        return "not reported"
+    n = int(late.get("count") or 0)
+    minutes = int(late.get("window_ms") or HOUR_MS) // MINUTE_MS
+    if not n or late.get("p50_ms") is None:
+        return f"nothing fired in the last {minutes} min"
+    return f"p50 {late['p50_ms']} ms, p99 {late['p99_ms']} ms ({n} fired in the last {minutes} min)"
 
 
 # ---------------------------------------------------------------------- message page
