@@ -100,8 +100,6 @@ async def test_the_schedule_page_counts_a_burst_due_in_ten_minutes(cluster, cons
     shot(browser, "schedule")
 
 
-@pytest.mark.xfail(strict=True, reason="node-side support: a delay node's Status does not carry pending_by_bucket "
-                                       "yet (docs/console.md, 'Node-side support')")
 async def test_the_schedule_chart_shows_the_burst_in_its_bucket(cluster, console, browser):
     due_ms = None
     await _send(cluster, "console.burst", [f"chart-{i}" for i in range(20)], delay_ms=10 * 60_000)
