@@ -84,6 +84,10 @@ def test_the_cluster_page_lists_every_group_and_member_and_refreshes_itself(clus
     assert modes == {master: "master", slave: "slave", "realtime-1": "master"}
     lag = _css(browser, f'tr.member[data-node="{slave}"]')[0].text
     assert " B / " in lag and " ms" in lag, lag  # the slave's replication lag
+    for node in (master, slave, "realtime-1"):  # each node reports its disk and its own master changes
+        cells = _css(browser, f'tr.member[data-node="{node}"]')[0]
+        assert "MiB free" in cells.find_element("css selector", ".disk").text
+        assert cells.find_element("css selector", ".master-changes").text.isdigit()
     assert _css(browser, "#open-banner"), "an open cluster says so on every page"
     first = _css(browser, "#live")[0].get_attribute("data-now")
     wait_for(browser, lambda d: _css(d, "#live")[0].get_attribute("data-now") != first,
@@ -132,6 +136,9 @@ async def test_the_subjects_page_lists_subjects_with_their_flow(cluster, console
     row = _css(browser, 'tr.flow[data-group="realtime-1"]')[0]
     assert "console.flow" in {e.get_attribute("data-subject") for e in row.find_elements("css selector", ".subject")}
     assert int(row.find_element("css selector", ".delivered").text) >= before + 5
+    consumer = _css(browser, 'tr.consumer[data-subject="console.flow"][data-group="g"]')
+    assert consumer, "the consumer group of console.flow is listed"
+    assert int(consumer[0].find_element("css selector", ".lag").text) == 0  # all five received and acked
     shot(browser, "subjects")
 
 
@@ -204,3 +211,12 @@ async def test_a_dead_letter_sent_back_from_the_page_is_delivered(cluster, conso
             assert "doomed-1" in await receive_ids(cons, {"doomed-1"})
     finally:
         await r.close()
+
+
+def test_the_schedule_page_shows_the_lateness_of_fired_messages(cluster, console, browser):
+    # the messages of the tests above were fired (traced-1 after its delay): the delay master
+    # reports their lateness over the last hour
+    browser.get(console.url + "/schedule")
+    text = _css(browser, 'tr.total[data-group="delay-g1"] .lateness')[0].text
+    assert text.startswith("p50 ") and " fired in the last 60 min" in text, text
+    shot(browser, "schedule")

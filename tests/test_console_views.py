@@ -128,6 +128,13 @@ def test_cluster_groups_put_delay_first_masters_first_and_tell_health():
     assert groups[0].members[0].disk == "not reported"
 
 
+def test_disk_and_master_changes_come_from_the_status_when_reported():
+    m = views.member({"role": "delay", "disk": {"used_bytes": 3 << 20, "free_bytes": 10 << 20}, "master_changes_1h": 2})
+    assert (m.disk, m.master_changes) == ("3.0 MiB used / 10.0 MiB free", "2")
+    fresh = views.member({"role": "realtime", "disk": {"used_bytes": None, "free_bytes": 1 << 20}})
+    assert fresh.disk == "measuring / 1.0 MiB free"  # before the first retention pass sized the files
+
+
 def test_an_unrepaired_segment_makes_a_member_unhealthy():
     m = views.member({"role": "delay", "scrub": {"unrepaired": {"seg": "crc"}}})
     assert not m.healthy and "unrepaired" in m.health
@@ -213,6 +220,14 @@ def test_node_flow_rates_come_from_the_previous_sample_of_the_same_node():
     assert (first.in_per_s, first.subjects, first.delivered, first.redelivered) == ("-", ["a", "b"], 30, 2)
     later = views.node_flow(row, (10_000, {"appended": 10, "delivered": 30, "acked": 0}))
     assert (later.in_per_s, later.out_per_s, later.acked_per_s) == ("20.0", "0.0", "5.0")
+
+
+def test_consumer_rows_come_from_a_realtime_status_or_say_none():
+    assert views.consumer_rows({"group": "rt"}) is None
+    got = views.consumer_rows({"group": "rt", "groups": [
+        {"subject": "a", "group": "g", "backlog": 3, "lag_messages": 5, "in_flight": 2, "redelivered": 1},
+        {"subject": "broken"}]})
+    assert got == [views.ConsumerRow("rt", "a", "g", 3, 5, 2, 1, False)]
 
 
 def test_the_console_refuses_to_dial_with_a_node_certificate(tmp_path):

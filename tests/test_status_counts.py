@@ -132,3 +132,34 @@ def test_schedule_status_is_json_keyed_by_bucket_start(tmp_path):
     assert s["pending_by_bucket"] == {str(START): 1, str(START + BUCKET_MS): 1}
     assert s["pending_buckets_left_out"] == 1
     assert s["lateness"]["count"] == 0
+
+
+# ---------------------------------------------------------------------- real-time consumer groups
+
+
+def test_group_rows_count_backlog_in_flight_and_redeliveries_and_survive_restart(tmp_path):
+    from tests.test_realtime_store import M, SMALL, append, open_store, pull
+
+    s = open_store(tmp_path)
+    append(s, *[M(i) for i in range(100)])
+    _, h = pull(s, "orders", "billing", 90, T0)
+    s.ack("orders", "billing", [(int(h[0]), int(h[80]))], now_ms=T0)  # 80..89 stay in flight
+    pull(s, "orders", "audit", 5, T0)
+    assert s.group_rows(10) == ([
+        {"subject": "orders", "group": "audit", "backlog": 95, "lag_messages": 100, "in_flight": 5, "redelivered": 0,
+         "idle": False},
+        {"subject": "orders", "group": "billing", "backlog": 10, "lag_messages": 20, "in_flight": 10, "redelivered": 0,
+         "idle": False}], 0)
+    again, _ = pull(s, "orders", "billing", 3, T0 + SMALL.ack_timeout_ms + 1)  # three of them time out: redelivered
+    assert again.n == 3
+    billing = {r["group"]: r for r in s.group_rows(10)[0]}["billing"]
+    assert (billing["in_flight"], billing["redelivered"], billing["lag_messages"]) == (10, 3, 20)
+    assert s.group_rows(1) == ([{"subject": "orders", "group": "audit", "backlog": 95, "lag_messages": 100,
+                                 "in_flight": 5, "redelivered": 0, "idle": False}], 1)
+    s.close()
+    s = open_store(tmp_path, now=T0 + 5_000)
+    rows = {r["group"]: r for r in s.group_rows(10)[0]}
+    # positions and in-flight handles come back from the offsets log; redeliveries count anew
+    assert (rows["billing"]["backlog"], rows["billing"]["in_flight"], rows["billing"]["redelivered"]) == (10, 10, 0)
+    assert (rows["audit"]["backlog"], rows["audit"]["in_flight"]) == (95, 5)
+    s.close()

@@ -181,7 +181,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         s = viewer_session(request)
         if isinstance(s, Response):
             return s
-        error, flows = None, []
+        error, flows, consumers, missing = None, [], [], []
         try:
             rows = await (await viewers.get(s.token)).status_rows()
         except E.HourglassError as e:
@@ -191,10 +191,15 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
                 continue
             addr = r.get("address", "?")
             flows.append(views.node_flow(r, samples.get(addr)))
+            got = views.consumer_rows(r)
+            if got is None:
+                missing.append(r.get("group", "?"))
+            else:
+                consumers += got
             if len(samples) >= SAMPLES_MAX and addr not in samples:
                 samples.pop(next(iter(samples)))
             samples[addr] = (int(r.get("now_ms") or 0), dict(r.get("counters") or {}))
-        return render(request, "subjects.html", s, flows=flows, error=error)
+        return render(request, "subjects.html", s, flows=flows, consumers=consumers, missing=missing, error=error)
 
     async def message_page(request: Request) -> Response:
         s = viewer_session(request)

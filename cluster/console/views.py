@@ -84,7 +84,8 @@ def member(row: dict) -> Member:
     disk = "not reported"
     if isinstance(row.get("disk"), dict):  # node-side support still needed (docs/console.md)
         d = row["disk"]
-        disk = f"{_mib(d.get('used_bytes'))} used / {_mib(d.get('free_bytes'))} free"
+        used = "measuring" if d.get("used_bytes") is None else f"{_mib(d.get('used_bytes'))} used"
+        disk = f"{used} / {_mib(d.get('free_bytes'))} free"
     changes = row.get("master_changes_1h")
     health, healthy = "ok", True
     if err:
@@ -318,6 +319,34 @@ class NodeFlow:
     delivered: int             # totals since the node started
     redelivered: int
     acked: int
+
+
+@dataclass
+class ConsumerRow:
+    realtime_group: str        # the real-time group whose master reported it
+    subject: str
+    group: str                 # the consumer group
+    backlog: int               # never handed out
+    lag_messages: int          # not acked (backlog + in flight)
+    in_flight: int
+    redelivered: int           # handed out again since the node opened the group
+    idle: bool
+
+
+def consumer_rows(row: dict) -> list[ConsumerRow] | None:
+    """A real-time master's consumer groups (its Status ``groups``), or None when it reports none."""
+    raw = row.get("groups")
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for g in raw:
+        try:
+            out.append(ConsumerRow(str(row.get("group", "")), str(g["subject"]), str(g["group"]), int(g["backlog"]),
+                                   int(g["lag_messages"]), int(g["in_flight"]), int(g.get("redelivered", 0)),
+                                   bool(g.get("idle", False))))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
 
 
 FLOW_COUNTERS = (("in_per_s", "appended"), ("out_per_s", "delivered"), ("acked_per_s", "acked"))

@@ -63,6 +63,7 @@ from node.grpcserver import start_grpc
 from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
+from node.nodestatus import disk_status
 from node.realtime.creator import SubjectCreator
 from node.realtime.immediate import due_later, refuse_due_later
 from node.realtime.nack import nack_copies
@@ -501,7 +502,12 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
                 "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
                 "subject_rounds": self.creator.rounds, "subjects_created": self.creator.created,
-                "scrub": self.scrubber.status()}
+                "scrub": self.scrubber.status(), **self._group_stats(), "master_changes_1h": 0,
+                "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1])}
+
+    def _group_stats(self) -> dict:
+        rows, left_out = self.store.group_rows(self.settings.status_groups_max)
+        return {"groups": rows, "groups_left_out": left_out}
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,

@@ -82,6 +82,7 @@ from node.realtime.accept import assign_seqs, encoded_size, validate, with_ids, 
 from node.realtime.consume import Delivery, as_pairs
 from node.realtime.dedup import DedupWindow
 from node.realtime.frames import FrameCache
+from node.realtime.group_status import group_rows
 from node.realtime.groups import START_EARLIEST, START_LATEST, ConsumerGroups, Group
 from node.realtime.index import ENTRY, ENTRY_SIZE, batch_tag_masks, frame_runs, tags_mask, visible_ms
 from node.realtime.indexfiles import IndexFiles
@@ -494,6 +495,11 @@ class RealtimeStore:
         deadline restarted; the caller acks them once the retry copy (or dead letter) is stored."""
         self._check_open()
         return self._delivery.nack(subject, group, ranges, now_ms)
+
+    def group_rows(self, rows_max: int) -> tuple[list[dict], int]:
+        """Per (subject, group): backlog, lag, in flight, redelivered (``node/realtime/group_status.py``)."""
+        return group_rows(self._groups.by_key.values(), {s: ix.count for s, ix in self._indexes.by_subject.items()},
+                          rows_max=rows_max)
 
     def lag(self, subject: str, group: str) -> int:
         """Entries of the subject this group has not acked (a group not seen yet: all of them)."""

@@ -310,7 +310,8 @@ class ReplicaRoles:
                 await self._resign_quietly()
                 raise E.StorageError(f"promotion failed: {e}") from e
             self.metrics.master_changes.labels(to=mode).inc()
-            self.role_changes.note(mono_ms())
+            if "master" in (mode, was):  # became master or stopped being one (not: started as a slave)
+                self.role_changes.note(mono_ms())
             if mode == "slave" and was == "master":
                 # stood down (lease not confirmed in time, or deposed): the member elected next keeps
                 # its seat for a minimum term; this one contests it again only if nobody else is there
