@@ -140,6 +140,10 @@ class LookupResult:
     seq: int
     deliver_at_ms: int
     subject: str
+    accepted_ms: int = 0       # when the delay group accepted it (0: not known)
+    effective_ms: int = 0      # the time it is filed under and fires at (0: not filed yet)
+    cancelled_ms: int = 0      # cancelled: when the cancel was accepted
+    store_epoch: int = 0       # the delay group's store epoch (term) that accepted it
 
 
 @dataclass(slots=True)
@@ -1054,7 +1058,8 @@ class Producer:
         """Where a message is (``pending`` ...); like ``cancel``, within ``call_timeout_s``."""
         resp = await self._ask_groups(msg_id, "Lookup", pb.LookupRequest(id=msg_id))
         return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
-                            subject=resp.subject)
+                            subject=resp.subject, accepted_ms=resp.accepted_ms, effective_ms=resp.effective_ms,
+                            cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch)
 
     async def _call_node(self, address: str, method: str, request):
         try:

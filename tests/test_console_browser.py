@@ -155,6 +155,8 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
     hops = [(e.get_attribute("data-hop"), e.get_attribute("data-state")) for e in _css(browser, "li.hop")]
     assert [h for h, s in hops if s == "done"] == ["accepted", "filed", "fired", "stored at the real-time node"]
     assert [h for h, _ in hops][:4] == ["accepted", "filed", "fired", "stored at the real-time node"]
+    accepted = _css(browser, 'li.hop[data-hop="accepted"]')[0].text
+    assert "store epoch" in accepted and ", at 20" in accepted, accepted  # the Lookup says when and which term
     assert not _css(browser, "#cancel"), "a dispatched message has no Cancel button"
     shot(browser, "message")
     # the same trace from the command line

@@ -44,6 +44,17 @@ def test_a_cancelled_message_skips_every_hop_after_filing():
     assert all(s[h] == "skipped" for h in ("fired", "stored at the real-time node", "delivered"))
 
 
+def test_the_trace_says_when_it_was_accepted_and_the_time_it_fires_under():
+    hops = {h.name: h for h in views.trace({"status": "dispatched", "seq": 9, "deliver_at_ms": NOW - 60_000,
+                                              "accepted_ms": NOW - 120_000, "effective_ms": NOW - 30_000,
+                                              "store_epoch": 3, "group": "delay-g1"}, NOW)}
+    assert hops["accepted"].detail == f"by delay-g1 (store epoch 3), seq 9, at {views.iso(NOW - 120_000)}"
+    assert hops["filed"].detail.endswith(f"filed under {views.iso(NOW - 30_000)}")  # behind the floor: later
+    assert hops["fired"].detail == f"at its due time {views.iso(NOW - 30_000)}"
+    cancelled = {h.name: h for h in views.trace({"status": "cancelled", "cancelled_ms": NOW}, NOW)}
+    assert cancelled["cancelled"].detail == f"at {views.iso(NOW)}"
+
+
 def test_trace_lines_name_the_message_and_mark_each_hop():
     lines = views.trace_lines({"id": "x1", "status": "in_flight", "seq": 1, "deliver_at_ms": NOW, "subject": "s"},
                               NOW)

@@ -269,11 +269,17 @@ def trace(lookup: dict, now_ms: int) -> list[Hop]:
     done = _DONE_BY_STATUS.get(status, ())
     due = int(lookup.get("deliver_at_ms") or 0)
     group = lookup.get("group") or "a delay group"
+    accepted = int(lookup.get("accepted_ms") or 0)
+    eff = int(lookup.get("effective_ms") or 0)
+    fires = eff or due
+    epoch = int(lookup.get("store_epoch") or 0)
     details = {
-        "accepted": f"by {group}, seq {lookup.get('seq', '?')}",
-        "filed": f"in the schedule, due {iso(due)}",
-        "fired": f"at its due time {iso(due)}" if due <= now_ms else f"due in {(due - now_ms) / 1000:.0f} s",
+        "accepted": f"by {group}" + (f" (store epoch {epoch})" if epoch else "") + f", seq {lookup.get('seq', '?')}"
+                    + (f", at {iso(accepted)}" if accepted else ""),
+        "filed": f"in the schedule, due {iso(due)}" + (f", filed under {iso(eff)}" if eff and eff != due else ""),
+        "fired": f"at its due time {iso(fires)}" if fires <= now_ms else f"due in {(fires - now_ms) / 1000:.0f} s",
         "stored at the real-time node": f"subject {lookup.get('subject', '?')}",
+        "cancelled": f"at {iso(int(lookup.get('cancelled_ms') or 0))}",
     }
     hops = []
     for name in HOPS:

@@ -196,7 +196,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             return pb.LookupResponse(code=status.to_code(e), error=str(e))
         await security.require(context, Action.CANCEL, [r.subject])
         return pb.LookupResponse(code=pb.OK, status=r.status, seq=r.seq, deliver_at_ms=r.deliver_at_ms,
-                                 subject=r.subject)
+                                 subject=r.subject, accepted_ms=r.accepted_ms, effective_ms=r.effective_ms,
+                                 cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch)
 
     # ------------------------------------------------------------------ gRPC: admin
 
