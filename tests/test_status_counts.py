@@ -34,7 +34,7 @@ def naive_minutes(dues: dict[str, int], completed_ms: int) -> dict[int, int]:
 
 
 def minutes_of(h: Harness, pm: PendingMinutes) -> dict[int, int]:
-    return pm.counts(h.store, now_ms=h.now, horizon_ms=3 * BUCKET_MS)
+    return pm.counts(h.store, h.store.pending_by_bucket(), now_ms=h.now, horizon_ms=3 * BUCKET_MS)
 
 
 def test_minutes_of_a_burst_are_in_its_minute_and_sum_to_the_bucket(tmp_path):
@@ -163,3 +163,25 @@ def test_group_rows_count_backlog_in_flight_and_redeliveries_and_survive_restart
     assert (rows["billing"]["backlog"], rows["billing"]["in_flight"], rows["billing"]["redelivered"]) == (10, 10, 0)
     assert (rows["audit"]["backlog"], rows["audit"]["in_flight"]) == (95, 5)
     s.close()
+
+
+def test_a_follower_counts_as_of_its_masters_checkpoint(tmp_path):
+    """A follower fires nothing: what its master's checkpoint says is done leaves its counts."""
+    from node.delay.store import DelayStore
+
+    h = Harness(tmp_path, settings=SETTINGS, now=START + 1_000)
+    dues = [START + 2_000] * 5 + [START + 300_000] * 3 + [START + BUCKET_MS + 5_000] * 4
+    h.send([msg(i, d) for i, d in enumerate(dues)])
+    h.store.checkpoint()
+    doc = h.store.replication_doc()
+    h.store.close()
+    f = DelayStore.open(tmp_path, SETTINGS, now_ms=START + 1_000, follower=True)
+    s = ScheduleStatus(NodeSettings())
+    assert s.stats(f, now_ms=START + 1_000)["pending_by_bucket"] == {str(START): 8, str(START + BUCKET_MS): 4}
+    f.follow(dict(doc, completed_ms=START + 60_000))  # the master fired the first 5
+    got = s.stats(f, now_ms=START + 60_000)
+    assert got["pending_by_bucket"] == {str(START): 3, str(START + BUCKET_MS): 4}
+    assert got["pending_by_minute"] == {str(START + 300_000): 3, str(START + BUCKET_MS): 4}
+    f.follow(dict(doc, completed_ms=START + BUCKET_MS + 1_000))
+    assert s.stats(f, now_ms=START + BUCKET_MS + 1_000)["pending_by_bucket"] == {str(START + BUCKET_MS): 4}
+    f.close()

@@ -104,14 +104,34 @@ class PendingMinutes:
             seen.entries += len(e)
         return seen.net
 
-    def counts(self, store, *, now_ms: int, horizon_ms: int) -> dict[int, int]:
-        """Minute start -> pending messages, for every bucket with pending messages that starts
-        before ``now_ms + horizon_ms`` (whole buckets: each sums to its pending count)."""
+    def follower_pending(self, store, pending: dict[int, int]) -> dict[int, int]:
+        """A follower's pending counts as of its master's last checkpoint: a follower files what
+        it replicates (its counts go up, and down for tombstones) but fires nothing, so what the
+        master dispatched stays counted. Buckets that end by ``completed_ms`` (the master's, as
+        replicated) are done; the bucket holding it counts the seconds after its second, from
+        the index; later buckets are exact."""
+        c = store.core.completed_ms
+        bms = store.settings.bucket_ms
+        out = {b: n for b, n in pending.items() if b + bms > c}
+        now_bucket = c - c % bms
+        if c >= 0 and now_bucket in out:
+            net = self.net_by_second(store.schedule, now_bucket)
+            n = 0 if net is None else max(0, int(net[(c - now_bucket) // 1000 + 1:].sum()))
+            if n:
+                out[now_bucket] = n
+            else:
+                del out[now_bucket]
+        return out
+
+    def counts(self, store, pending: dict[int, int], *, now_ms: int, horizon_ms: int) -> dict[int, int]:
+        """Minute start -> pending messages, for every bucket with pending messages (``pending``:
+        bucket start -> count) that starts before ``now_ms + horizon_ms`` (whole buckets: each
+        sums to its pending count)."""
         core = store.core
         bms = store.settings.bucket_ms
         c = core.completed_ms
         end = now_ms + horizon_ms
-        starts = sorted(s for s, n in core.pending.items() if n > 0 and s < end)[: self.buckets_max]
+        starts = sorted(s for s, n in pending.items() if n > 0 and s < end)[: self.buckets_max]
         for gone in [s for s in self._seen if s not in starts]:
             del self._seen[gone]
         if not starts:
@@ -123,7 +143,7 @@ class PendingMinutes:
             net = self.net_by_second(store.schedule, s)
             if net is None:
                 net = np.zeros(bms // 1000, np.int64)
-            out.update(minute_counts(net, start_ms=s, completed_ms=c, pending=core.pending[s], delivered_ms=delivered))
+            out.update(minute_counts(net, start_ms=s, completed_ms=c, pending=pending[s], delivered_ms=delivered))
         return out
 
 

@@ -11,8 +11,9 @@ Schedule page; docs/console.md, "Node-side support"):
 * ``lateness``: p50/p99 of fire time minus due time over ``lateness_window_ms``
   (``node/delay/lateness.py``), with how many messages fired in the window.
 
-A slave reports its own view: its store files what it replicated and keeps the same counts
-(its ``completed_ms`` is the master's last checkpoint), and it fires nothing (lateness empty).
+A slave reports its own view: its store files what it replicated and counts it, and fires
+nothing (lateness empty); its counts are taken as of the master's last checkpoint that it
+holds (``PendingMinutes.follower_pending``: what is due by that ``completed_ms`` was fired).
 The lateness window lives in memory: it starts empty after a restart.
 """
 
@@ -31,12 +32,15 @@ class ScheduleStatus:
 
     def stats(self, store, *, now_ms: int) -> dict:
         pending = store.pending_by_bucket()
+        if store.follower:
+            pending = self.minutes.follower_pending(store, pending)
         shown = sorted(pending)[: self.buckets_max]
         return {"bucket_ms": store.settings.bucket_ms,
                 "pending_by_bucket": {str(b): pending[b] for b in shown},
                 "pending_buckets_left_out": len(pending) - len(shown),
                 "pending_by_minute": {str(m): n for m, n in
-                                      self.minutes.counts(store, now_ms=now_ms, horizon_ms=self.horizon_ms).items()},
+                                      self.minutes.counts(store, pending, now_ms=now_ms,
+                                                          horizon_ms=self.horizon_ms).items()},
                 "lateness": self.lateness.summary(now_ms)}
 
 
