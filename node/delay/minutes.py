@@ -137,7 +137,9 @@ class PendingMinutes:
         if not starts:
             return {}
         lo = starts[0]
-        delivered = np.fromiter((eff for eff in core.dispatched.values() if eff >= max(c, lo)), np.int64)
+        floor = max(c, lo)
+        delivered = np.zeros(0, np.int64) if core.dispatched_eff_max < floor else \
+            np.fromiter((eff for eff in core.dispatched.values() if eff >= floor), np.int64)
         out: dict[int, int] = {}
         for s in starts:
             net = self.net_by_second(store.schedule, s)
