@@ -185,3 +185,35 @@ def test_a_follower_counts_as_of_its_masters_checkpoint(tmp_path):
     f.follow(dict(doc, completed_ms=START + BUCKET_MS + 1_000))
     assert s.stats(f, now_ms=START + BUCKET_MS + 1_000)["pending_by_bucket"] == {str(START + BUCKET_MS): 4}
     f.close()
+
+
+# ---------------------------------------------------------------------- browsing without consuming
+
+
+def test_browse_reads_what_the_group_has_not_acked_and_moves_nothing(tmp_path):
+    from node.realtime.browse import unacked
+    from node.realtime.inflight import InflightRanges
+    from tests.test_realtime_store import M, append, open_store, pull
+
+    # the worked example of node/realtime/browse.py
+    f = InflightRanges()
+    f.add(4, 6, 0)
+    assert np.flatnonzero(unacked(np.arange(10), 7, f)).tolist() == [4, 5, 7, 8, 9]
+
+    s = open_store(tmp_path)
+    append(s, *[M(i) for i in range(10)])
+    _, h = pull(s, "orders", "billing", 7, T0)
+    s.ack("orders", "billing", [(0, 4), (6, 7)], now_ms=T0)
+    before = s.group_rows(10)
+    batch, positions, nxt, end = s.browse("orders", "billing", from_position=0, max_messages=10)
+    assert positions.tolist() == [4, 5, 7, 8, 9] and batch.id_list() == ["m4", "m5", "m7", "m8", "m9"]
+    assert (nxt, end) == (10, 10)
+    assert s.group_rows(10) == before  # nothing handed out, nothing moved
+    _, positions, nxt, _ = s.browse("orders", "billing", from_position=0, max_messages=2)
+    assert positions.tolist() == [4, 5] and nxt == 6
+    _, positions, nxt, _ = s.browse("orders", "billing", from_position=nxt, max_messages=2)
+    assert positions.tolist() == [7, 8] and nxt == 9
+    batch, positions, _, _ = s.browse("orders", "fresh", from_position=3, max_messages=100)
+    assert positions.tolist() == list(range(3, 10))  # a group not opened yet acked nothing
+    assert s.group_rows(10) == before  # and browsing did not open it
+    s.close()

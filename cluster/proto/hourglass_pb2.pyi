@@ -192,6 +192,30 @@ class NackResponse(_message.Message):
     dead_lettered: int
     def __init__(self, retried: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
 
+class BrowseRequest(_message.Message):
+    __slots__ = ("subject", "group", "from_position", "max_messages")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FROM_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    group: str
+    from_position: int
+    max_messages: int
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., from_position: _Optional[int] = ..., max_messages: _Optional[int] = ...) -> None: ...
+
+class BrowseResponse(_message.Message):
+    __slots__ = ("batch", "positions", "next_position", "end_position")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    batch: bytes
+    positions: bytes
+    next_position: int
+    end_position: int
+    def __init__(self, batch: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., next_position: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

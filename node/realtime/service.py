@@ -110,7 +110,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self._groups_lock = asyncio.Lock()
         self._groups_rounds_started = 0
         self._groups_rounds_done = 0
-        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0}
+        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0,
+                      "browse": 0}
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -400,6 +401,20 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             await status.abort(context, self._refusal(e))
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
+
+    async def Browse(self, request: pb.BrowseRequest, context) -> pb.BrowseResponse:
+        """What the group has not acked, read without consuming (``node/realtime/browse.py``)."""
+        await self._authorize_consume(context, request.group, [request.subject])
+        self.calls["browse"] += 1
+        max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
+        try:
+            batch, positions, nxt, end = self.role.store.browse(request.subject, request.group,
+                                                                from_position=request.from_position,
+                                                                max_messages=max_messages)
+        except HourglassError as e:
+            await status.abort(context, e)
+        return pb.BrowseResponse(batch=batch.encode() if batch is not None else b"",
+                                 positions=positions.astype("<u8").tobytes(), next_position=nxt, end_position=end)
 
     async def _groups_durable(self, keys: set[tuple[str, str]], role: Role | None = None) -> None:
         """Group commit of consumer-group positions: acks that arrive while a commit is running
