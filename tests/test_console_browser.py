@@ -219,6 +219,11 @@ async def test_a_dead_letter_sent_back_from_the_page_is_delivered(cluster, conso
                      "the dead letter listed")
             row = _css(browser, 'tr.dead[data-id="doomed-1"]')[0]
             assert subject in row.text and f"{MAX_ATTEMPTS} delivery attempts" in row.text
+            # listed without consuming: the console's group holds nothing in flight
+            rt = next(iter((await cluster.statuses("realtime")).values()))
+            held = [g["in_flight"] for g in rt["groups"]
+                    if (g["subject"], g["group"]) == ("hourglass.dlq", "hourglass-console")]
+            assert held in ([], [0]), rt["groups"]
             shot(browser, "dead-letters")
             row.find_element("css selector", "input[type=checkbox]").click()
             _css(browser, "#send-back")[0].click()
