@@ -37,8 +37,9 @@ def minute_counts(net_by_second: np.ndarray, *, start_ms: int, completed_ms: int
     ``net_by_second[i]``: messages minus tombstones filed in second ``i`` of the bucket;
     ``delivered_ms``: effective times of delivered messages the store remembers (any; those
     of this bucket after ``completed_ms``'s second are taken off); ``pending``: the bucket's
-    pending count. The result sums to ``pending`` (negative minutes, which a count the index
-    cannot explain would make, are clamped to 0 and the difference goes to the first minute)."""
+    pending count. The result sums to ``pending``: what the later seconds do not hold is due
+    now (``completed_ms``'s minute); should the index show more than is pending (a count it
+    cannot explain), the excess is taken from the earliest minutes, and no minute is negative."""
     seconds = len(net_by_second)
     first_s = max(0, (completed_ms - start_ms) // 1000 + 1) if completed_ms >= start_ms else 0
     net = np.asarray(net_by_second, np.int64).copy()
