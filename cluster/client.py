@@ -136,12 +136,25 @@ class CancelResult:
 
 
 @dataclass(frozen=True, slots=True)
+class BrowsePage:
+    """One ``Consumer.browse``: the messages (their ``handle`` is their position in the
+    subject), where to browse on, and the subject's end position."""
+    messages: list
+    next_position: int
+    end_position: int
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     id: str
     status: str
     seq: int
     deliver_at_ms: int
     subject: str
+    accepted_ms: int = 0       # when the delay group accepted it (0: not known)
+    effective_ms: int = 0      # the time it is filed under and fires at (0: not filed yet)
+    cancelled_ms: int = 0      # cancelled: when the cancel was accepted
+    store_epoch: int = 0       # the delay group's store epoch (term) that accepted it
 
 
 @dataclass(slots=True)
@@ -1083,7 +1096,8 @@ class Producer:
         """Where a message is (``pending`` ...); like ``cancel``, within ``call_timeout_s``."""
         resp = await self._ask_groups(msg_id, "Lookup", pb.LookupRequest(id=msg_id))
         return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
-                            subject=resp.subject)
+                            subject=resp.subject, accepted_ms=resp.accepted_ms, effective_ms=resp.effective_ms,
+                            cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch)
 
     async def _call_node(self, address: str, method: str, request):
         try:
@@ -1526,6 +1540,29 @@ class Consumer:
         if err is not None and not out:
             raise err
         return out
+
+    async def browse(self, max_messages: int | None = None, from_position: int = 0) -> BrowsePage:
+        """Read the consumer's one subject without consuming it: what this group has not acked
+        (in flight or never handed out), from ``from_position`` on (``Consumer/Browse``). The
+        messages are not handed out: acking or nacking them does nothing. Within
+        ``timeout_s``; errors as ``pull``'s."""
+        if len(self.subjects) != 1:
+            raise E.InvalidArgument("subjects", "browse reads one subject")
+        node = await self.resolver.realtime_for(self.subject)
+        req = pb.BrowseRequest(subject=self.subject, group=self.group, from_position=from_position,
+                               max_messages=max_messages or self.batch_max)
+        try:
+            resp = await self.channels.consumer(node).Browse(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise status.from_rpc_error(e) from None
+        messages: list[Received] = []
+        if resp.batch:
+            batch = Batch.decode(resp.batch)
+            positions = np.frombuffer(resp.positions, "<u8")
+            if len(positions) != batch.n:
+                raise E.InvalidArgument("browse response", f"{len(positions)} positions for {batch.n} messages")
+            messages = ReceivedBatch(self, node, batch, positions, _now_ms()).messages()
+        return BrowsePage(messages, resp.next_position, resp.end_position)
 
     async def pull(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[Received]:
         """``pull_batch`` as ``Received`` messages."""

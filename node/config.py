@@ -256,6 +256,28 @@ class NodeSettings(BaseSettings):
     visible_step_ms: int = Field(default=R.visible_step_ms, ge=1, le=1000,
                                  description="... at its due time rounded up to a multiple of this (batches pulls)")
 
+    # what Admin/Status reports for the console (docs/console.md, "Node-side support")
+    status_buckets_max: int = Field(default=20_000, ge=1,
+                                    description="pending_by_bucket entries one delay Status carries at most "
+                                                "(the earliest buckets; 2 years of 1 h buckets is 17,520)")
+    pending_by_minute_horizon_ms: int = Field(default=3_600_000, ge=3_600_000, le=86_400_000,
+                                              description="pending_by_minute covers the buckets starting before "
+                                                          "now + this (whole buckets; the console's minute view "
+                                                          "is an hour)")
+    pending_by_minute_buckets_max: int = Field(default=4, ge=1, le=1000,
+                                               description="buckets whose per-second index counts a delay node "
+                                                           "keeps for pending_by_minute")
+    lateness_window_ms: int = Field(default=3_600_000, ge=60_000,
+                                    description="the window of the lateness p50/p99 in a delay Status")
+    lateness_slot_ms: int = Field(default=60_000, ge=1000,
+                                  description="the window moves in steps this long (one histogram a step)")
+    master_changes_window_ms: int = Field(default=3_600_000, ge=60_000,
+                                          description="master_changes_1h in Status counts role changes this recent")
+    master_changes_kept_max: int = Field(default=256, ge=1,
+                                         description="role-change times a node keeps (a storm counts as this many)")
+    status_groups_max: int = Field(default=1000, ge=1,
+                                   description="(subject, consumer group) rows one real-time Status carries at most")
+
     # clock (tests inject skew; allow_clock_control lets an admin call move it forward)
     clock_offset_ms: int = 0
     allow_clock_control: bool = False

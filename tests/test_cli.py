@@ -216,8 +216,13 @@ def test_send_lookup_cancel_consume(hg, cluster):
     r = hg("send", "cli.later", "hi", "--delay-ms", "600000", "--id", "cli-1", "--meta", m)
     assert r.code == 0 and "accepted id=cli-1" in r.out, r
     r = hg("lookup", "cli-1", "--meta", m)
-    assert r.code == 0 and json.loads(r.out) | {"seq": 0, "deliver_at_ms": 0} == {
-        "id": "cli-1", "status": "pending", "seq": 0, "deliver_at_ms": 0, "subject": "cli.later"}, r
+    assert r.code == 0, r
+    got = json.loads(r.out)
+    # the trace fields: accepted now, by a term of the group, filed under its due time (0: not filed yet)
+    assert got["accepted_ms"] > 0 and got["effective_ms"] in (0, got["deliver_at_ms"]) and got["store_epoch"] >= 1, r
+    varying = {"seq": 0, "deliver_at_ms": 0, "accepted_ms": 0, "effective_ms": 0, "store_epoch": 0}
+    assert got | varying == {"id": "cli-1", "status": "pending", "subject": "cli.later", "cancelled_ms": 0,
+                             **varying}, r
     r = hg("cancel", "cli-1", "--meta", m)
     assert r.code == 0 and r.out.startswith("cancelled id=cli-1"), r
     fails(hg("lookup", "no-such-id", "--meta", m), 4, "no-such-id")

@@ -44,6 +44,17 @@ def test_a_cancelled_message_skips_every_hop_after_filing():
     assert all(s[h] == "skipped" for h in ("fired", "stored at the real-time node", "delivered"))
 
 
+def test_the_trace_says_when_it_was_accepted_and_the_time_it_fires_under():
+    hops = {h.name: h for h in views.trace({"status": "dispatched", "seq": 9, "deliver_at_ms": NOW - 60_000,
+                                              "accepted_ms": NOW - 120_000, "effective_ms": NOW - 30_000,
+                                              "store_epoch": 3, "group": "delay-g1"}, NOW)}
+    assert hops["accepted"].detail == f"by delay-g1 (store epoch 3), seq 9, at {views.iso(NOW - 120_000)}"
+    assert hops["filed"].detail.endswith(f"filed under {views.iso(NOW - 30_000)}")  # behind the floor: later
+    assert hops["fired"].detail == f"at its due time {views.iso(NOW - 30_000)}"
+    cancelled = {h.name: h for h in views.trace({"status": "cancelled", "cancelled_ms": NOW}, NOW)}
+    assert cancelled["cancelled"].detail == f"at {views.iso(NOW)}"
+
+
 def test_trace_lines_name_the_message_and_mark_each_hop():
     lines = views.trace_lines({"id": "x1", "status": "in_flight", "seq": 1, "deliver_at_ms": NOW, "subject": "s"},
                               NOW)
@@ -85,6 +96,27 @@ def test_pending_buckets_reads_a_status_row_or_says_none():
     assert views.pending_buckets({"pending_by_bucket": {"x": 1}}) is None
 
 
+def test_hour_buckets_with_minute_counts_show_the_minute_view_by_minute():
+    due = NOW + 10 * MIN + 17_000
+    by_group = {"d": ({NOW: 20, NOW + HOUR: 6, NOW + 5 * HOUR: 4}, HOUR), "e": ({NOW: 2}, HOUR)}
+    minutes = {"d": {NOW + 10 * MIN: 18, NOW + 2 * MIN: 2, NOW + HOUR + 30 * MIN: 6}, "e": {NOW + 5 * MIN: 2}}
+    minute, hours, _ = views.schedule_views(by_group, NOW + 3_000, minutes)
+    assert minute.resolution_ms == MIN
+    assert [(r.start_ms, r.total) for r in minute.rows if r.total] == \
+        [(NOW + 2 * MIN, 2), (NOW + 5 * MIN, 2), (due - due % MIN, 18)]  # the next hour's bucket: past the view
+    assert hours.resolution_ms == HOUR  # the hour and day views use the buckets
+    assert [(r.start_ms, r.total) for r in hours.rows if r.total] == [(NOW, 22), (NOW + HOUR, 6), (NOW + 5 * HOUR, 4)]
+
+
+def test_minute_counts_of_a_status_row_and_the_lateness_text():
+    assert views.pending_minutes({}) is None
+    assert views.pending_minutes({"pending_by_minute": {str(NOW): 2, str(NOW + MIN): 0}}) == {NOW: 2}
+    assert views.lateness_text({}) == "not reported"
+    assert views.lateness_text({"lateness": {"count": 0, "window_ms": HOUR}}) == "nothing fired in the last 60 min"
+    assert views.lateness_text({"lateness": {"count": 9, "window_ms": HOUR, "p50_ms": 3, "p99_ms": 41}}) \
+        == "p50 3 ms, p99 41 ms (9 fired in the last 60 min)"
+
+
 # ---------------------------------------------------------------------- cluster
 
 
@@ -105,6 +137,13 @@ def test_cluster_groups_put_delay_first_masters_first_and_tell_health():
     assert dg.members[1].pending == dg.members[1].dispatch_lag_ms == ""  # a slave dispatches nothing
     assert not groups[1].healthy and groups[1].members[0].mode == "unreachable"
     assert groups[0].members[0].disk == "not reported"
+
+
+def test_disk_and_master_changes_come_from_the_status_when_reported():
+    m = views.member({"role": "delay", "disk": {"used_bytes": 3 << 20, "free_bytes": 10 << 20}, "master_changes_1h": 2})
+    assert (m.disk, m.master_changes) == ("3.0 MiB used / 10.0 MiB free", "2")
+    fresh = views.member({"role": "realtime", "disk": {"used_bytes": None, "free_bytes": 1 << 20}})
+    assert fresh.disk == "measuring / 1.0 MiB free"  # before the first retention pass sized the files
 
 
 def test_an_unrepaired_segment_makes_a_member_unhealthy():
@@ -192,6 +231,14 @@ def test_node_flow_rates_come_from_the_previous_sample_of_the_same_node():
     assert (first.in_per_s, first.subjects, first.delivered, first.redelivered) == ("-", ["a", "b"], 30, 2)
     later = views.node_flow(row, (10_000, {"appended": 10, "delivered": 30, "acked": 0}))
     assert (later.in_per_s, later.out_per_s, later.acked_per_s) == ("20.0", "0.0", "5.0")
+
+
+def test_consumer_rows_come_from_a_realtime_status_or_say_none():
+    assert views.consumer_rows({"group": "rt"}) is None
+    got = views.consumer_rows({"group": "rt", "groups": [
+        {"subject": "a", "group": "g", "backlog": 3, "lag_messages": 5, "in_flight": 2, "redelivered": 1},
+        {"subject": "broken"}]})
+    assert got == [views.ConsumerRow("rt", "a", "g", 3, 5, 2, 1, False)]
 
 
 def test_the_console_refuses_to_dial_with_a_node_certificate(tmp_path):

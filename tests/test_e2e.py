@@ -109,6 +109,29 @@ async def test_group_with_two_consumers_shares_work(resolver):
     assert len(await collect(resolver, "e2e.share", "auditors", 40)) == 40
 
 
+async def test_browse_reads_without_consuming(resolver):
+    async with Producer(resolver) as p:
+        await asyncio.gather(*[await p.send("e2e.browse", str(i), immediate=True, id=f"br-{i}") for i in range(6)])
+    ids = {f"br-{i}" for i in range(6)}
+    async with Consumer(resolver, "e2e.browse", group="readers", wait_ms=300) as c:
+        first = []
+        deadline = time.monotonic() + 15
+        while len(first) < 2 and time.monotonic() < deadline:
+            batch = await c.pull(max_messages=2 - len(first))
+            first += batch
+            await c.ack(batch)
+        held = await c.pull(max_messages=1)  # in flight, not acked: still the group's to finish
+        assert len(first) == 2 and len(held) == 1
+        page = await c.browse(max_messages=10)
+        assert {m.id for m in page.messages} == ids - {m.id for m in first}
+        assert page.next_position == page.end_position == 6
+        again = await c.browse(max_messages=10)
+        assert [m.id for m in again.messages] == [m.id for m in page.messages]  # nothing was handed out
+        await c.ack(held)
+    rest = await collect(resolver, "e2e.browse", "readers", 3)
+    assert {m.id for m in first + held + rest} == ids
+
+
 async def test_nack_retries_then_dead_letters(resolver):
     async with Producer(resolver) as p:
         await p.send_and_wait("e2e.nack", "fails", id="nack-1", immediate=True)

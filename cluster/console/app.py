@@ -180,25 +180,30 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             rows = await (await viewers.get(s.token)).status_rows()
         except E.HourglassError as e:
             error = str(e)
-        totals = {}
+        totals, minutes, lateness = {}, {}, {}
         for r in rows:
             if r.get("role") != "delay" or "error" in r or r.get("mode", "master") != "master":
                 continue
-            totals[r.get("group", "?")] = r.get("pending", 0)
+            g = r.get("group", "?")
+            totals[g] = r.get("pending", 0)
+            lateness[g] = views.lateness_text(r)
             got = views.pending_buckets(r)
             if got is None:
-                missing.append(r.get("group", "?"))
+                missing.append(g)
             else:
-                by_group[r.get("group", "?")] = got
+                by_group[g] = got
+            m = views.pending_minutes(r)
+            if m is not None:
+                minutes[g] = m
         now = _now_ms()
-        return render(request, "schedule.html", s, error=error, totals=totals, missing=missing,
-                      schedule=views.schedule_views(by_group, now) if by_group else [], now_ms=now)
+        return render(request, "schedule.html", s, error=error, totals=totals, missing=missing, lateness=lateness,
+                      schedule=views.schedule_views(by_group, now, minutes) if by_group else [], now_ms=now)
 
     samples: dict[str, tuple[int, dict]] = {}  # real-time master address -> its last (now_ms, counters)
 
     @viewer_page
     async def subjects_page(request: Request, s: Session) -> Response:
-        error, flows = None, []
+        error, flows, consumers, missing = None, [], [], []
         try:
             rows = await (await viewers.get(s.token)).status_rows()
         except E.HourglassError as e:
@@ -208,10 +213,15 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
                 continue
             addr = r.get("address", "?")
             flows.append(views.node_flow(r, samples.get(addr)))
+            got = views.consumer_rows(r)
+            if got is None:
+                missing.append(r.get("group", "?"))
+            else:
+                consumers += got
             if len(samples) >= SAMPLES_MAX and addr not in samples:
                 samples.pop(next(iter(samples)))
             samples[addr] = (int(r.get("now_ms") or 0), dict(r.get("counters") or {}))
-        return render(request, "subjects.html", s, flows=flows, error=error)
+        return render(request, "subjects.html", s, flows=flows, consumers=consumers, missing=missing, error=error)
 
     @viewer_page
     async def message_page(request: Request, s: Session) -> Response:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import grpc
 from pydantic import SecretStr
 
+from cluster.errors import UnknownSubject
 from cluster.security import ClientSecurity, SecuritySettings
 from cluster.status import from_rpc_error
 
@@ -26,7 +27,7 @@ RPC_TIMEOUT_S = 5.0         # one Status/Lookup/Cancel call
 CALL_TIMEOUT_S = 10.0       # one SDK call with its retries
 DLQ_SUBJECT = "hourglass.dlq"
 DLQ_GROUP = "hourglass-console"   # the console's consumer group on the dead-letter subject
-DLQ_HELD_MAX = 500          # dead letters held (pulled, not yet acked) for the page
+DLQ_HELD_MAX = 500          # dead letters listed on the page, and held (pulled, not yet acked) for an action
 
 
 @dataclass(frozen=True)
@@ -142,21 +143,37 @@ class Viewer:
             self._dlq_consumer = await c.__aenter__()
         return self._dlq_consumer
 
+    @staticmethod
+    def _row(m) -> DeadLetter:
+        props = m.properties or {}
+        return DeadLetter(wire_id=m.wire_id, origin_id=props.get("hourglass.origin_id", m.id),
+                          subject=props.get("dlq.subject", "?"), reason=props.get("dlq.reason", "?"),
+                          attempts=m.attempts, payload_preview=repr(bytes(m.payload[:80])), received_ms=m.received_ms)
+
     async def dead_letters(self) -> list[DeadLetter]:
-        """The dead letters held, after one pull for new ones (up to ``DLQ_HELD_MAX`` held).
-        They stay unacked in the console's group until sent back or purged."""
+        """The dead letters the console's group has not acked (sent back or purged), read
+        without consuming (``Consumer/Browse``): up to ``DLQ_HELD_MAX``, oldest first."""
         async with self._lock:
-            room = DLQ_HELD_MAX - len(self.dead)
-            if room > 0:
-                c = await self._dlq()
-                for m in await c.pull(max_messages=room, wait_ms=200):
-                    props = m.properties or {}
-                    self.dead[m.wire_id] = (DeadLetter(
-                        wire_id=m.wire_id, origin_id=props.get("hourglass.origin_id", m.id),
-                        subject=props.get("dlq.subject", "?"), reason=props.get("dlq.reason", "?"),
-                        attempts=m.attempts, payload_preview=repr(bytes(m.payload[:80])),
-                        received_ms=m.received_ms), m)
-            return [row for row, _ in self.dead.values()]
+            try:
+                page = await (await self._dlq()).browse(max_messages=DLQ_HELD_MAX)
+            except UnknownSubject:  # nothing was ever dead-lettered on that node
+                return []
+            return [self._row(m) for m in page.messages]
+
+    async def _take(self, wire_ids: list[str]) -> list[tuple[DeadLetter, object]]:
+        """The selected dead letters in hand (pulled into the console's group, not acked): the
+        ones held already, then pulls until each is in hand or a pull brings nothing new (one
+        another console holds stays with it until its ack timeout). At most ``DLQ_HELD_MAX``
+        held; unselected ones pulled meanwhile stay held for a later action."""
+        want = [w for w in dict.fromkeys(wire_ids)]
+        c = await self._dlq()
+        while any(w not in self.dead for w in want) and len(self.dead) < DLQ_HELD_MAX:
+            got = await c.pull(max_messages=DLQ_HELD_MAX - len(self.dead), wait_ms=200)
+            if not got:
+                break
+            for m in got:
+                self.dead[m.wire_id] = (self._row(m), m)
+        return [self.dead[w] for w in want if w in self.dead]
 
     async def send_back(self, wire_ids: list[str]) -> int:
         """Each selected dead letter produced again, now, to its original subject (with a new
@@ -164,19 +181,19 @@ class Viewer:
         the original id in ``hourglass.origin_id``, which the SDK shows as ``Received.id``),
         then acked in the console's group. Returns how many went back."""
         async with self._lock:
-            picked = [(w, *self.dead[w]) for w in wire_ids if w in self.dead]
+            picked = await self._take(wire_ids)
             p = await self.producer()
             sent = []
-            for w, row, msg in picked:
+            for row, msg in picked:
                 if row.subject == "?":
                     continue
                 # the origin id travels as the SDK's retries carry it: consumers see the id they know
-                fut = await p.send_many(row.subject, [bytes(msg.payload)], ids=[f"{w}~back"], immediate=True,
-                                        properties={"hourglass.origin_id": row.origin_id})
+                fut = await p.send_many(row.subject, [bytes(msg.payload)], ids=[f"{row.wire_id}~back"],
+                                        immediate=True, properties={"hourglass.origin_id": row.origin_id})
                 res = await fut
                 if res.errors:
                     raise res.errors[min(res.errors)]
-                sent.append((w, msg))
+                sent.append((row.wire_id, msg))
             if sent:
                 await (await self._dlq()).ack([m for _, m in sent])
                 for w, _ in sent:
@@ -186,11 +203,11 @@ class Viewer:
     async def purge(self, wire_ids: list[str]) -> int:
         """Ack (drop) the selected dead letters in the console's group."""
         async with self._lock:
-            picked = [(w, self.dead[w][1]) for w in wire_ids if w in self.dead]
+            picked = await self._take(wire_ids)
             if picked:
                 await (await self._dlq()).ack([m for _, m in picked])
-            for w, _ in picked:
-                self.dead.pop(w, None)
+            for row, _ in picked:
+                self.dead.pop(row.wire_id, None)
             return len(picked)
 
 

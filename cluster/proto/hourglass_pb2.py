@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhourglass.proto\x12\x0chourglass.v1\"[\n\x10SendBatchRequest\x12\x11\n\timmediate\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x0c\x12\x10\n\x08\x64\x65lay_ms\x18\x05 \x01(\x0cJ\x04\x08\x01\x10\x02\"*\n\nBatchError\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xb8\x01\n\x11SendBatchResponse\x12\r\n\x05\x63odes\x18\x02 \x01(\x0c\x12\x0c\n\x04seqs\x18\x03 \x01(\x0c\x12\x15\n\rdeliver_at_ms\x18\x04 \x01(\x0c\x12\x12\n\nduplicates\x18\x05 \x01(\x0c\x12(\n\x06\x65rrors\x18\x06 \x03(\x0b\x32\x18.hourglass.v1.BatchError\x12+\n\x07refused\x18\x07 \x01(\x0b\x32\x1a.hourglass.v1.StreamStatusJ\x04\x08\x01\x10\x02\"-\n\x0cStreamStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"N\n\x0e\x43\x61ncelResponse\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.hourglass.v1.Code\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x1b\n\rLookupRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x86\x01\n\x0eLookupResponse\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.hourglass.v1.Code\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x15\n\rdeliver_at_ms\x18\x04 \x01(\x03\x12\x0f\n\x07subject\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\xb5\x01\n\x0bPullRequest\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12\x14\n\x0cmax_messages\x18\x04 \x01(\r\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x0c\n\x04tags\x18\x06 \x03(\t\x12\x10\n\x08subjects\x18\x07 \x03(\t\x12*\n\x04\x61\x63ks\x18\x08 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandles\"a\n\x0cPullResponse\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c\x12\x0f\n\x07handles\x18\x03 \x01(\x0c\x12+\n\x07refused\x18\x04 \x01(\x0b\x32\x1a.hourglass.v1.StreamStatusJ\x04\x08\x01\x10\x02\"1\n\x0eSubjectHandles\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0e\n\x06ranges\x18\x02 \x01(\x0c\"S\n\nAckRequest\x12\r\n\x05group\x18\x02 \x01(\t\x12*\n\x04\x61\x63ks\x18\x04 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandlesJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"m\n\x0bNackRequest\x12\r\n\x05group\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\x12+\n\x05nacks\x18\x05 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandlesJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"6\n\x0cNackResponse\x12\x0f\n\x07retried\x18\x01 \x01(\r\x12\x15\n\rdead_lettered\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"k\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0e\n\x06master\x18\x04 \x01(\x08\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04json\x18\x06 \x01(\t\"\x0f\n\rVerifyRequest\"T\n\x0eVerifyResponse\x12\x0f\n\x07summary\x18\x01 \x01(\t\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\r\x12\x12\n\nunrepaired\x18\x03 \x01(\r\x12\x0c\n\x04json\x18\x04 \x01(\t\"\x80\x01\n\x0c\x46\x65tchRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03log\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x11\n\tmax_bytes\x18\x05 \x01(\r\x12\x0f\n\x07wait_ms\x18\x06 \x01(\r\x12\x0f\n\x07history\x18\x07 \x01(\t\"\xb0\x01\n\rFetchResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nend_offset\x18\x04 \x01(\x03\x12\x13\n\x0btruncate_to\x18\x05 \x01(\x03\x12\x0f\n\x07history\x18\x06 \x01(\t\x12\x12\n\ncheckpoint\x18\x07 \x01(\t\x12\x12\n\ntick_state\x18\x08 \x01(\x0c\x12\x10\n\x08reset_to\x18\t \x01(\x03\"\"\n\x0fHandoverRequest\x12\x0f\n\x07wait_ms\x18\x01 \x01(\r\"@\n\x0eReadLogRequest\x12\x0b\n\x03log\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\".\n\x0fReadLogResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"C\n\x10HandoverResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x12\n\nnew_master\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\xc8\x01\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x15\n\x11PAYLOAD_TOO_LARGE\x10\x02\x12\x13\n\x0fUNKNOWN_SUBJECT\x10\x03\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x04\x12\x0e\n\nOVERLOADED\x10\x05\x12\x0e\n\nNOT_LEADER\x10\x06\x12\r\n\tNOT_FOUND\x10\x07\x12\x0c\n\x08TOO_LATE\x10\x08\x12\x0c\n\x08INTERNAL\x10\t\x12\x17\n\x13REPLICATION_TIMEOUT\x10\n2\xea\x01\n\x0bReplication\x12H\n\tReplicate\x12\x1a.hourglass.v1.FetchRequest\x1a\x1b.hourglass.v1.FetchResponse(\x01\x30\x01\x12I\n\x08Handover\x12\x1d.hourglass.v1.HandoverRequest\x1a\x1e.hourglass.v1.HandoverResponse\x12\x46\n\x07ReadLog\x12\x1c.hourglass.v1.ReadLogRequest\x1a\x1d.hourglass.v1.ReadLogResponse2\xba\x02\n\x08Producer\x12L\n\tSendBatch\x12\x1e.hourglass.v1.SendBatchRequest\x1a\x1f.hourglass.v1.SendBatchResponse\x12V\n\x0fSendBatchStream\x12\x1e.hourglass.v1.SendBatchRequest\x1a\x1f.hourglass.v1.SendBatchResponse(\x01\x30\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.hourglass.v1.CancelRequest\x1a\x1c.hourglass.v1.CancelResponse\x12\x43\n\x06Lookup\x12\x1b.hourglass.v1.LookupRequest\x1a\x1c.hourglass.v1.LookupResponse2\x8d\x02\n\x08\x43onsumer\x12=\n\x04Pull\x12\x19.hourglass.v1.PullRequest\x1a\x1a.hourglass.v1.PullResponse\x12G\n\nPullStream\x12\x19.hourglass.v1.PullRequest\x1a\x1a.hourglass.v1.PullResponse(\x01\x30\x01\x12:\n\x03\x41\x63k\x12\x18.hourglass.v1.AckRequest\x1a\x19.hourglass.v1.AckResponse\x12=\n\x04Nack\x12\x19.hourglass.v1.NackRequest\x1a\x1a.hourglass.v1.NackResponse2\x91\x01\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.hourglass.v1.StatusRequest\x1a\x1c.hourglass.v1.StatusResponse\x12\x43\n\x06Verify\x12\x1b.hourglass.v1.VerifyRequest\x1a\x1c.hourglass.v1.VerifyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fhourglass.proto\x12\x0chourglass.v1\"[\n\x10SendBatchRequest\x12\x11\n\timmediate\x18\x02 \x01(\x08\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\x0c\x12\x10\n\x08\x64\x65lay_ms\x18\x05 \x01(\x0cJ\x04\x08\x01\x10\x02\"*\n\nBatchError\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\xb8\x01\n\x11SendBatchResponse\x12\r\n\x05\x63odes\x18\x02 \x01(\x0c\x12\x0c\n\x04seqs\x18\x03 \x01(\x0c\x12\x15\n\rdeliver_at_ms\x18\x04 \x01(\x0c\x12\x12\n\nduplicates\x18\x05 \x01(\x0c\x12(\n\x06\x65rrors\x18\x06 \x03(\x0b\x32\x18.hourglass.v1.BatchError\x12+\n\x07refused\x18\x07 \x01(\x0b\x32\x1a.hourglass.v1.StreamStatusJ\x04\x08\x01\x10\x02\"-\n\x0cStreamStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x1b\n\rCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"N\n\x0e\x43\x61ncelResponse\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.hourglass.v1.Code\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x1b\n\rLookupRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\xdc\x01\n\x0eLookupResponse\x12 \n\x04\x63ode\x18\x01 \x01(\x0e\x32\x12.hourglass.v1.Code\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x15\n\rdeliver_at_ms\x18\x04 \x01(\x03\x12\x0f\n\x07subject\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0b\x61\x63\x63\x65pted_ms\x18\x07 \x01(\x03\x12\x14\n\x0c\x65\x66\x66\x65\x63tive_ms\x18\x08 \x01(\x03\x12\x14\n\x0c\x63\x61ncelled_ms\x18\t \x01(\x03\x12\x13\n\x0bstore_epoch\x18\n \x01(\r\"\xb5\x01\n\x0bPullRequest\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12\x14\n\x0cmax_messages\x18\x04 \x01(\r\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x0c\n\x04tags\x18\x06 \x03(\t\x12\x10\n\x08subjects\x18\x07 \x03(\t\x12*\n\x04\x61\x63ks\x18\x08 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandles\"a\n\x0cPullResponse\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c\x12\x0f\n\x07handles\x18\x03 \x01(\x0c\x12+\n\x07refused\x18\x04 \x01(\x0b\x32\x1a.hourglass.v1.StreamStatusJ\x04\x08\x01\x10\x02\"1\n\x0eSubjectHandles\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\x0e\n\x06ranges\x18\x02 \x01(\x0c\"S\n\nAckRequest\x12\r\n\x05group\x18\x02 \x01(\t\x12*\n\x04\x61\x63ks\x18\x04 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandlesJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\r\"m\n\x0bNackRequest\x12\r\n\x05group\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x04 \x01(\x03\x12+\n\x05nacks\x18\x05 \x03(\x0b\x32\x1c.hourglass.v1.SubjectHandlesJ\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04\"6\n\x0cNackResponse\x12\x0f\n\x07retried\x18\x01 \x01(\r\x12\x15\n\rdead_lettered\x18\x02 \x01(\r\"\\\n\rBrowseRequest\x12\x0f\n\x07subject\x18\x01 \x01(\t\x12\r\n\x05group\x18\x02 \x01(\t\x12\x15\n\rfrom_position\x18\x03 \x01(\x04\x12\x14\n\x0cmax_messages\x18\x04 \x01(\r\"_\n\x0e\x42rowseResponse\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\x0c\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12\x15\n\rnext_position\x18\x03 \x01(\x04\x12\x14\n\x0c\x65nd_position\x18\x04 \x01(\x04\"\x0f\n\rStatusRequest\"k\n\x0eStatusResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0e\n\x06master\x18\x04 \x01(\x08\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0c\n\x04json\x18\x06 \x01(\t\"\x0f\n\rVerifyRequest\"T\n\x0eVerifyResponse\x12\x0f\n\x07summary\x18\x01 \x01(\t\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\r\x12\x12\n\nunrepaired\x18\x03 \x01(\r\x12\x0c\n\x04json\x18\x04 \x01(\t\"\x80\x01\n\x0c\x46\x65tchRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0b\n\x03log\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x11\n\tmax_bytes\x18\x05 \x01(\r\x12\x0f\n\x07wait_ms\x18\x06 \x01(\r\x12\x0f\n\x07history\x18\x07 \x01(\t\"\xb0\x01\n\rFetchResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nend_offset\x18\x04 \x01(\x03\x12\x13\n\x0btruncate_to\x18\x05 \x01(\x03\x12\x0f\n\x07history\x18\x06 \x01(\t\x12\x12\n\ncheckpoint\x18\x07 \x01(\t\x12\x12\n\ntick_state\x18\x08 \x01(\x0c\x12\x10\n\x08reset_to\x18\t \x01(\x03\"\"\n\x0fHandoverRequest\x12\x0f\n\x07wait_ms\x18\x01 \x01(\r\"@\n\x0eReadLogRequest\x12\x0b\n\x03log\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\r\".\n\x0fReadLogResponse\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"C\n\x10HandoverResponse\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x12\n\nnew_master\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t*\xc8\x01\n\x04\x43ode\x12\x06\n\x02OK\x10\x00\x12\x14\n\x10INVALID_ARGUMENT\x10\x01\x12\x15\n\x11PAYLOAD_TOO_LARGE\x10\x02\x12\x13\n\x0fUNKNOWN_SUBJECT\x10\x03\x12\x12\n\x0e\x41LREADY_EXISTS\x10\x04\x12\x0e\n\nOVERLOADED\x10\x05\x12\x0e\n\nNOT_LEADER\x10\x06\x12\r\n\tNOT_FOUND\x10\x07\x12\x0c\n\x08TOO_LATE\x10\x08\x12\x0c\n\x08INTERNAL\x10\t\x12\x17\n\x13REPLICATION_TIMEOUT\x10\n2\xea\x01\n\x0bReplication\x12H\n\tReplicate\x12\x1a.hourglass.v1.FetchRequest\x1a\x1b.hourglass.v1.FetchResponse(\x01\x30\x01\x12I\n\x08Handover\x12\x1d.hourglass.v1.HandoverRequest\x1a\x1e.hourglass.v1.HandoverResponse\x12\x46\n\x07ReadLog\x12\x1c.hourglass.v1.ReadLogRequest\x1a\x1d.hourglass.v1.ReadLogResponse2\xba\x02\n\x08Producer\x12L\n\tSendBatch\x12\x1e.hourglass.v1.SendBatchRequest\x1a\x1f.hourglass.v1.SendBatchResponse\x12V\n\x0fSendBatchStream\x12\x1e.hourglass.v1.SendBatchRequest\x1a\x1f.hourglass.v1.SendBatchResponse(\x01\x30\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.hourglass.v1.CancelRequest\x1a\x1c.hourglass.v1.CancelResponse\x12\x43\n\x06Lookup\x12\x1b.hourglass.v1.LookupRequest\x1a\x1c.hourglass.v1.LookupResponse2\xd2\x02\n\x08\x43onsumer\x12=\n\x04Pull\x12\x19.hourglass.v1.PullRequest\x1a\x1a.hourglass.v1.PullResponse\x12G\n\nPullStream\x12\x19.hourglass.v1.PullRequest\x1a\x1a.hourglass.v1.PullResponse(\x01\x30\x01\x12:\n\x03\x41\x63k\x12\x18.hourglass.v1.AckRequest\x1a\x19.hourglass.v1.AckResponse\x12=\n\x04Nack\x12\x19.hourglass.v1.NackRequest\x1a\x1a.hourglass.v1.NackResponse\x12\x43\n\x06\x42rowse\x12\x1b.hourglass.v1.BrowseRequest\x1a\x1c.hourglass.v1.BrowseResponse2\x91\x01\n\x05\x41\x64min\x12\x43\n\x06Status\x12\x1b.hourglass.v1.StatusRequest\x1a\x1c.hourglass.v1.StatusResponse\x12\x43\n\x06Verify\x12\x1b.hourglass.v1.VerifyRequest\x1a\x1c.hourglass.v1.VerifyResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hourglass_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODE']._serialized_start=2054
-  _globals['_CODE']._serialized_end=2254
+  _globals['_CODE']._serialized_start=2331
+  _globals['_CODE']._serialized_end=2531
   _globals['_SENDBATCHREQUEST']._serialized_start=33
   _globals['_SENDBATCHREQUEST']._serialized_end=124
   _globals['_BATCHERROR']._serialized_start=126
@@ -48,47 +48,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPREQUEST']._serialized_start=513
   _globals['_LOOKUPREQUEST']._serialized_end=540
   _globals['_LOOKUPRESPONSE']._serialized_start=543
-  _globals['_LOOKUPRESPONSE']._serialized_end=677
-  _globals['_PULLREQUEST']._serialized_start=680
-  _globals['_PULLREQUEST']._serialized_end=861
-  _globals['_PULLRESPONSE']._serialized_start=863
-  _globals['_PULLRESPONSE']._serialized_end=960
-  _globals['_SUBJECTHANDLES']._serialized_start=962
-  _globals['_SUBJECTHANDLES']._serialized_end=1011
-  _globals['_ACKREQUEST']._serialized_start=1013
-  _globals['_ACKREQUEST']._serialized_end=1096
-  _globals['_ACKRESPONSE']._serialized_start=1098
-  _globals['_ACKRESPONSE']._serialized_end=1126
-  _globals['_NACKREQUEST']._serialized_start=1128
-  _globals['_NACKREQUEST']._serialized_end=1237
-  _globals['_NACKRESPONSE']._serialized_start=1239
-  _globals['_NACKRESPONSE']._serialized_end=1293
-  _globals['_STATUSREQUEST']._serialized_start=1295
-  _globals['_STATUSREQUEST']._serialized_end=1310
-  _globals['_STATUSRESPONSE']._serialized_start=1312
-  _globals['_STATUSRESPONSE']._serialized_end=1419
-  _globals['_VERIFYREQUEST']._serialized_start=1421
-  _globals['_VERIFYREQUEST']._serialized_end=1436
-  _globals['_VERIFYRESPONSE']._serialized_start=1438
-  _globals['_VERIFYRESPONSE']._serialized_end=1522
-  _globals['_FETCHREQUEST']._serialized_start=1525
-  _globals['_FETCHREQUEST']._serialized_end=1653
-  _globals['_FETCHRESPONSE']._serialized_start=1656
-  _globals['_FETCHRESPONSE']._serialized_end=1832
-  _globals['_HANDOVERREQUEST']._serialized_start=1834
-  _globals['_HANDOVERREQUEST']._serialized_end=1868
-  _globals['_READLOGREQUEST']._serialized_start=1870
-  _globals['_READLOGREQUEST']._serialized_end=1934
-  _globals['_READLOGRESPONSE']._serialized_start=1936
-  _globals['_READLOGRESPONSE']._serialized_end=1982
-  _globals['_HANDOVERRESPONSE']._serialized_start=1984
-  _globals['_HANDOVERRESPONSE']._serialized_end=2051
-  _globals['_REPLICATION']._serialized_start=2257
-  _globals['_REPLICATION']._serialized_end=2491
-  _globals['_PRODUCER']._serialized_start=2494
-  _globals['_PRODUCER']._serialized_end=2808
-  _globals['_CONSUMER']._serialized_start=2811
-  _globals['_CONSUMER']._serialized_end=3080
-  _globals['_ADMIN']._serialized_start=3083
-  _globals['_ADMIN']._serialized_end=3228
+  _globals['_LOOKUPRESPONSE']._serialized_end=763
+  _globals['_PULLREQUEST']._serialized_start=766
+  _globals['_PULLREQUEST']._serialized_end=947
+  _globals['_PULLRESPONSE']._serialized_start=949
+  _globals['_PULLRESPONSE']._serialized_end=1046
+  _globals['_SUBJECTHANDLES']._serialized_start=1048
+  _globals['_SUBJECTHANDLES']._serialized_end=1097
+  _globals['_ACKREQUEST']._serialized_start=1099
+  _globals['_ACKREQUEST']._serialized_end=1182
+  _globals['_ACKRESPONSE']._serialized_start=1184
+  _globals['_ACKRESPONSE']._serialized_end=1212
+  _globals['_NACKREQUEST']._serialized_start=1214
+  _globals['_NACKREQUEST']._serialized_end=1323
+  _globals['_NACKRESPONSE']._serialized_start=1325
+  _globals['_NACKRESPONSE']._serialized_end=1379
+  _globals['_BROWSEREQUEST']._serialized_start=1381
+  _globals['_BROWSEREQUEST']._serialized_end=1473
+  _globals['_BROWSERESPONSE']._serialized_start=1475
+  _globals['_BROWSERESPONSE']._serialized_end=1570
+  _globals['_STATUSREQUEST']._serialized_start=1572
+  _globals['_STATUSREQUEST']._serialized_end=1587
+  _globals['_STATUSRESPONSE']._serialized_start=1589
+  _globals['_STATUSRESPONSE']._serialized_end=1696
+  _globals['_VERIFYREQUEST']._serialized_start=1698
+  _globals['_VERIFYREQUEST']._serialized_end=1713
+  _globals['_VERIFYRESPONSE']._serialized_start=1715
+  _globals['_VERIFYRESPONSE']._serialized_end=1799
+  _globals['_FETCHREQUEST']._serialized_start=1802
+  _globals['_FETCHREQUEST']._serialized_end=1930
+  _globals['_FETCHRESPONSE']._serialized_start=1933
+  _globals['_FETCHRESPONSE']._serialized_end=2109
+  _globals['_HANDOVERREQUEST']._serialized_start=2111
+  _globals['_HANDOVERREQUEST']._serialized_end=2145
+  _globals['_READLOGREQUEST']._serialized_start=2147
+  _globals['_READLOGREQUEST']._serialized_end=2211
+  _globals['_READLOGRESPONSE']._serialized_start=2213
+  _globals['_READLOGRESPONSE']._serialized_end=2259
+  _globals['_HANDOVERRESPONSE']._serialized_start=2261
+  _globals['_HANDOVERRESPONSE']._serialized_end=2328
+  _globals['_REPLICATION']._serialized_start=2534
+  _globals['_REPLICATION']._serialized_end=2768
+  _globals['_PRODUCER']._serialized_start=2771
+  _globals['_PRODUCER']._serialized_end=3085
+  _globals['_CONSUMER']._serialized_start=3088
+  _globals['_CONSUMER']._serialized_end=3426
+  _globals['_ADMIN']._serialized_start=3429
+  _globals['_ADMIN']._serialized_end=3574
 # @@protoc_insertion_point(module_scope)

@@ -99,20 +99,28 @@ class LookupRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error")
+    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error", "accepted_ms", "effective_ms", "cancelled_ms", "store_epoch")
     CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DELIVER_AT_MS_FIELD_NUMBER: _ClassVar[int]
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_MS_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_MS_FIELD_NUMBER: _ClassVar[int]
+    STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     code: Code
     status: str
     seq: int
     deliver_at_ms: int
     subject: str
     error: str
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    accepted_ms: int
+    effective_ms: int
+    cancelled_ms: int
+    store_epoch: int
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks")
@@ -183,6 +191,30 @@ class NackResponse(_message.Message):
     retried: int
     dead_lettered: int
     def __init__(self, retried: _Optional[int] = ..., dead_lettered: _Optional[int] = ...) -> None: ...
+
+class BrowseRequest(_message.Message):
+    __slots__ = ("subject", "group", "from_position", "max_messages")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    FROM_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    group: str
+    from_position: int
+    max_messages: int
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., from_position: _Optional[int] = ..., max_messages: _Optional[int] = ...) -> None: ...
+
+class BrowseResponse(_message.Message):
+    __slots__ = ("batch", "positions", "next_position", "end_position")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    batch: bytes
+    positions: bytes
+    next_position: int
+    end_position: int
+    def __init__(self, batch: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., next_position: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

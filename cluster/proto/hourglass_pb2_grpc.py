@@ -414,6 +414,11 @@ class ConsumerStub:
                 request_serializer=hourglass__pb2.NackRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.Browse = channel.unary_unary(
+                '/hourglass.v1.Consumer/Browse',
+                request_serializer=hourglass__pb2.BrowseRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.BrowseResponse.FromString,
+                _registered_method=True)
 
 
 class ConsumerServicer:
@@ -444,6 +449,12 @@ class ConsumerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Browse(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConsumerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -466,6 +477,11 @@ def add_ConsumerServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=hourglass__pb2.NackRequest.FromString,
                     response_serializer=hourglass__pb2.NackResponse.SerializeToString,
+            ),
+            'Browse': grpc.unary_unary_rpc_method_handler(
+                    servicer.Browse,
+                    request_deserializer=hourglass__pb2.BrowseRequest.FromString,
+                    response_serializer=hourglass__pb2.BrowseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +592,33 @@ class Consumer:
             '/hourglass.v1.Consumer/Nack',
             hourglass__pb2.NackRequest.SerializeToString,
             hourglass__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Browse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.v1.Consumer/Browse',
+            hourglass__pb2.BrowseRequest.SerializeToString,
+            hourglass__pb2.BrowseResponse.FromString,
             options,
             channel_credentials,
             insecure,

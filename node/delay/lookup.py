@@ -28,7 +28,7 @@ from cluster.errors import NotFound
 from node.delay.ingest import Retired
 from node.store import records
 from node.store.idindex import key_hash
-from node.store.records import Message
+from node.store.records import SEQ_EPOCH_SHIFT, Message
 
 if TYPE_CHECKING:
     from node.delay.store import DelayStore
@@ -41,6 +41,12 @@ class LookupResult:
     seq: int
     deliver_at_ms: int
     subject: str
+    # the trace (issue 31): when the record was accepted, the time it is filed under (0: not
+    # filed yet), when a cancel was accepted, and the store epoch of the seq (which term)
+    accepted_ms: int = 0
+    effective_ms: int = 0
+    cancelled_ms: int = 0
+    store_epoch: int = 0
 
 
 def find(store: "DelayStore", msg_id: str) -> tuple[Message | Retired, int | None] | None:
@@ -110,8 +116,10 @@ def lookup(store: "DelayStore", msg_id: str) -> LookupResult:
                        f"expired (retention)")
     if m.kind == KIND_CANCEL:
         (target,) = struct.unpack("<Q", m.payload)
-        return LookupResult("cancelled", msg_id, target, m.deliver_at_ms, m.subject)
-    return LookupResult(store.core.status(m.seq, eff), msg_id, m.seq, m.deliver_at_ms, m.subject)
+        return LookupResult("cancelled", msg_id, target, m.deliver_at_ms, m.subject, effective_ms=eff or 0,
+                            cancelled_ms=m.store_ms, store_epoch=target >> SEQ_EPOCH_SHIFT)
+    return LookupResult(store.core.status(m.seq, eff), msg_id, m.seq, m.deliver_at_ms, m.subject,
+                        accepted_ms=m.store_ms, effective_ms=eff or 0, store_epoch=m.seq >> SEQ_EPOCH_SHIFT)
 
 
 def located(store: "DelayStore", msg_id: str, seq: int) -> int | None:

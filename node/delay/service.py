@@ -44,6 +44,7 @@ from cluster.wire import BatchResult, make_request
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import deadletter, retention
+from node.delay.schedule_status import ScheduleStatus
 from node.delay.upkeep import DelayUpkeep
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
@@ -52,6 +53,7 @@ from node.grpcserver import start_grpc
 from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
+from node.nodestatus import disk_status
 from node.realtime.store import DLQ_SUBJECT
 from node.role import SINGLE, Role
 from node.store.diskspace import DiskMonitor
@@ -100,6 +102,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         # with load, a lone message still leaves at once)
         self._dispatch_slots = asyncio.Semaphore(settings.dispatch_concurrency_max)
         self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
+        self.schedule_status = ScheduleStatus(settings)  # what the console's Schedule page reads (Status)
         self.address = ""
         self.server: grpc.aio.Server | None = None
         # background CRC re-checks of segments at rest (node/delay/scrub.py)
@@ -194,7 +197,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             return pb.LookupResponse(code=status.to_code(e), error=str(e))
         await security.require(context, Action.CANCEL, [r.subject])
         return pb.LookupResponse(code=pb.OK, status=r.status, seq=r.seq, deliver_at_ms=r.deliver_at_ms,
-                                 subject=r.subject)
+                                 subject=r.subject, accepted_ms=r.accepted_ms, effective_ms=r.effective_ms,
+                                 cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch)
 
     # ------------------------------------------------------------------ gRPC: admin
 
@@ -207,6 +211,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             "counters": dict(s.counters), "wheel_held": len(s.wheel), "in_flight": s.inflight,
             "pending": sum(s.pending_by_bucket().values()),
             "completed_ms": s.completed_ms, "dispatch_lag_ms": s.dispatch_lag_ms(now),
+            **self.schedule_status.stats(s, now_ms=now), "master_changes_1h": 0,
+            "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1]),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
             **self.health_stats(),
@@ -408,7 +414,9 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                 for seq in sub.seq[ok].tolist():
                     self._permanent_failures.pop(seq, None)
             self.metrics.dispatched.inc(int(ok.sum()))
-            self.metrics.observe_lateness(np.maximum(0, now - sub.deliver_at_ms[ok]) / 1000)
+            late_ms = np.maximum(0, now - sub.deliver_at_ms[ok])
+            self.metrics.observe_lateness(late_ms / 1000)
+            self.schedule_status.lateness.observe(late_ms, now_ms=now)
         if ok.all():  # the common case: nothing refused (np.isin alone costs ~30 us a round)
             return
         perm = np.isin(res.codes, PERMANENT_CODES)

@@ -137,6 +137,7 @@ class Delivery:
                 parts.append((ix.read(fd(ix), a, b - a), np.arange(a, b, dtype=np.int64)))
                 left -= b - a
                 self.counters["redelivered"] += b - a
+                g.redelivered += b - a
                 self.groups.mark_dirty(g)
 
         self.held_next_ms = None

@@ -84,7 +84,7 @@ class Group:
     """A consumer group of one subject."""
 
     __slots__ = ("subject", "name", "start", "next_pos", "inflight", "persisted", "dirty", "active_ms", "idle",
-                 "hold")
+                 "hold", "redelivered")
 
     def __init__(self, subject: str, name: str, start: str, next_pos: int) -> None:
         self.subject = subject
@@ -97,6 +97,7 @@ class Group:
         self.active_ms: int | None = None  # last pull/ack/nack (None: not known yet, counts from the next retention)
         self.idle = False                  # retention found it idle past group_idle_ms_max: it holds nothing
         self.hold: tuple[int, int] = (-1, -1)  # (committed, frame offset of its entry), cached for retention
+        self.redelivered = 0  # handles handed out again since this node opened the group (Status)
 
     def committed(self) -> int:
         return self.inflight.committed(self.next_pos)

@@ -63,6 +63,7 @@ from node.grpcserver import start_grpc
 from node.intake import SendIntake
 from node.lifecycle import side_tasks
 from node.metrics import NodeMetrics
+from node.nodestatus import disk_status
 from node.realtime.creator import SubjectCreator
 from node.realtime.immediate import due_later, refuse_due_later
 from node.realtime.nack import nack_copies
@@ -109,7 +110,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self._groups_lock = asyncio.Lock()
         self._groups_rounds_started = 0
         self._groups_rounds_done = 0
-        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0}
+        self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0,
+                      "browse": 0}
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -400,6 +402,20 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self.metrics.acked.inc(n)
         return pb.AckResponse(acked=n)
 
+    async def Browse(self, request: pb.BrowseRequest, context) -> pb.BrowseResponse:
+        """What the group has not acked, read without consuming (``node/realtime/browse.py``)."""
+        await self._authorize_consume(context, request.group, [request.subject])
+        self.calls["browse"] += 1
+        max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
+        try:
+            batch, positions, nxt, end = self.role.store.browse(request.subject, request.group,
+                                                                from_position=request.from_position,
+                                                                max_messages=max_messages)
+        except HourglassError as e:
+            await status.abort(context, e)
+        return pb.BrowseResponse(batch=batch.encode() if batch is not None else b"",
+                                 positions=positions.astype("<u8").tobytes(), next_position=nxt, end_position=end)
+
     async def _groups_durable(self, keys: set[tuple[str, str]], role: Role | None = None) -> None:
         """Group commit of consumer-group positions: acks that arrive while a commit is running
         are committed together by the next one (one offsets-log record and one fsync per
@@ -501,7 +517,12 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
                 "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
                 "subject_rounds": self.creator.rounds, "subjects_created": self.creator.created,
-                "scrub": self.scrubber.status()}
+                "scrub": self.scrubber.status(), **self._group_stats(), "master_changes_1h": 0,
+                "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1])}
+
+    def _group_stats(self) -> dict:
+        rows, left_out = self.store.group_rows(self.settings.status_groups_max)
+        return {"groups": rows, "groups_left_out": left_out}
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,

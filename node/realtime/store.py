@@ -84,6 +84,8 @@ from node.realtime.append import Appender
 from node.realtime.consume import Delivery, as_pairs
 from node.realtime.dedup import DedupWindow
 from node.realtime.frames import FrameCache
+from node.realtime.browse import browse
+from node.realtime.group_status import group_rows
 from node.realtime.groups import START_EARLIEST, START_LATEST, ConsumerGroups, Group
 from node.realtime.index import ENTRY, ENTRY_SIZE, tags_mask
 from node.realtime.indexfiles import IndexFiles
@@ -434,6 +436,17 @@ class RealtimeStore:
         deadline restarted; the caller acks them once the retry copy (or dead letter) is stored."""
         self._check_open()
         return self._delivery.nack(subject, group, ranges, now_ms)
+
+    def browse(self, subject: str, group: str, *, from_position: int, max_messages: int):
+        """What ``group`` has not acked, read without consuming (``node/realtime/browse.py``)."""
+        self._check_open()
+        return browse(self._indexes, self._groups, self._delivery, subject, group, from_position=from_position,
+                      max_messages=max_messages, scan_max=self.settings.pull_scan_entries_max)
+
+    def group_rows(self, rows_max: int) -> tuple[list[dict], int]:
+        """Per (subject, group): backlog, lag, in flight, redelivered (``node/realtime/group_status.py``)."""
+        return group_rows(self._groups.by_key.values(), {s: ix.count for s, ix in self._indexes.by_subject.items()},
+                          rows_max=rows_max)
 
     def lag(self, subject: str, group: str) -> int:
         """Entries of the subject this group has not acked (a group not seen yet: all of them)."""

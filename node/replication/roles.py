@@ -37,6 +37,7 @@ from cluster.proto import meta_pb2 as mpb
 from node.aio import wait_event, within
 from node.grpcserver import start_grpc
 from node.lifecycle import side_tasks
+from node.nodestatus import RoleChanges
 from node.registration import Registrar
 from node.replication.core import (LeaderKey, Member, SyncTracker, campaign_delay_ms, in_sync_change,
                                    leader_wait_ms, may_campaign, role_step, steady_turn)
@@ -89,6 +90,8 @@ class ReplicaRoles:
         self.lag_bytes = 0
         self._caught_up_at = time.monotonic()
         self.failovers = 0
+        self.role_changes = RoleChanges(window_ms=settings.master_changes_window_ms,
+                                        kept_max=settings.master_changes_kept_max)
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
         self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)
         self._described: dict = {}  # the last registration_info (what a switch in progress answers)
@@ -178,7 +181,8 @@ class ReplicaRoles:
             s = super().stats()
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
                   "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
-                  "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers})
+                  "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers,
+                  "master_changes_1h": self.role_changes.count(mono_ms())})
         return s
 
     async def Status(self, request, context) -> pb.StatusResponse:
@@ -308,6 +312,8 @@ class ReplicaRoles:
                 await self._resign_quietly()
                 raise E.StorageError(f"promotion failed: {e}") from e
             self.metrics.master_changes.labels(to=mode).inc()
+            if "master" in (mode, was):  # became master or stopped being one (not: started as a slave)
+                self.role_changes.note(mono_ms())
             if mode == "slave" and was == "master":
                 # stood down (lease not confirmed in time, or deposed): the member elected next keeps
                 # its seat for a minimum term; this one contests it again only if nobody else is there

@@ -349,9 +349,9 @@ class Bucket:
             steps += 1
         return out
 
-    def entries_array(self) -> np.ndarray:
-        """Every index entry (for counts): one read."""
-        raw = os.pread(self._index_fd, self.entries * ENTRY_SIZE, 0)
+    def entries_array(self, first: int = 0) -> np.ndarray:
+        """Every index entry from entry ``first`` on (for counts): one read."""
+        raw = os.pread(self._index_fd, max(0, self.entries - first) * ENTRY_SIZE, first * ENTRY_SIZE)
         return np.frombuffer(raw[: len(raw) - len(raw) % ENTRY_SIZE], ENTRY_DTYPE)
 
     def read(self, data_offset: int, frame_size: int) -> Batch:
