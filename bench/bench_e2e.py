@@ -805,6 +805,9 @@ def main() -> None:
                    help="--client user: collect the nodes' 'event loop stalled' log lines of each step into the "
                         "report (threshold: node setting loop_stall_report_ms, default 200; e.g. "
                         "--node-env HOURGLASS_LOOP_STALL_REPORT_MS=20)")
+    p.add_argument("--console", action="store_true",
+                   help="--client user: hourglass console open on the Cluster and Schedule pages throughout "
+                        "(bench/console_viewer.py); its CPU is the 'console' figure (issue 31)")
     p.add_argument("--sustain-s", type=float, default=30.0, help="sustain: seconds per rate")
     p.add_argument("--batch", type=int, default=1000,
                    help="messages per send call (Hourglass send_many, Redis pipeline)")

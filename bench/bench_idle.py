@@ -113,13 +113,23 @@ def one_case(root: Path, messages: int, shape: ClusterShape, args) -> dict:
         loaded = asyncio.run(load(c.meta_addresses, messages, messages // 10, args.payload))
         for n, role in slaves:
             asyncio.run(c.wait_caught_up_slave(n, role, timeout_s=120))
-        time.sleep(args.settle)
-        pids = processes(c)
-        pct = measure(pids, args.seconds)
+        viewer = None
+        if args.console:  # an operator with the Cluster and Schedule pages open (issue 31)
+            from console_viewer import ConsoleViewer
+
+            viewer = ConsoleViewer(c.meta_addresses, root / "console.log").start()
+        try:
+            time.sleep(args.settle)
+            pids = processes(c) | ({"console": viewer.pid} if viewer else {})
+            pct = measure(pids, args.seconds)
+        finally:
+            if viewer is not None:
+                viewer.stop()
         rec = {"bench": "idle", "messages": messages, "consumed": loaded["consumed"], "replicas": shape.replicas,
                "shape": shape.as_dict(),
                "seconds": args.seconds, "settle_s": args.settle, "load_s": loaded["load_s"],
-               "cpu_pct_of_core": pct, **masters}
+               "cpu_pct_of_core": pct, **masters,
+               **({"console_pages_loaded": viewer.fetched, "console_errors": viewer.errors} if viewer else {})}
         emit(rec)
         if args.hold:
             print(json.dumps({"hold_s": args.hold, "pids": pids}), flush=True)
@@ -136,6 +146,9 @@ def main() -> None:
     p.add_argument("--payload", type=int, default=100)
     p.add_argument("--hold", type=float, default=0.0, help="keep the cluster up this long after measuring")
     p.add_argument("--dir", default=None)
+    p.add_argument("--console", action="store_true",
+                   help="hourglass console open on the Cluster and Schedule pages during the measured window "
+                        "(bench/console_viewer.py); its own CPU is the 'console' column")
     a = p.parse_args()
     shape = shape_from_args(p, a)
     rows = []

@@ -439,17 +439,26 @@ class HourglassDev:
         self.cluster = LocalCluster(work / "hourglass", meta=True, **self.shape.cluster_kwargs(), ack_mode="async",
                                     lease_ttl_ms=LEASE_TTL_MS, env=env)
         self.node_env = args.node_env
+        self.console = getattr(args, "console", False)
+        self.viewer = None
+        self.work = work
 
     def start(self) -> "HourglassDev":
         self.cluster.start()
         try:
             self.cluster.wait_registered()
+            if self.console:  # an operator with the Cluster and Schedule pages open (issue 31)
+                from console_viewer import ConsoleViewer
+
+                self.viewer = ConsoleViewer(self.cluster.meta_addresses, self.work / "console.log").start()
         except BaseException:
             self.cluster.stop()
             raise
         return self
 
     def stop(self) -> None:
+        if self.viewer is not None:
+            self.viewer.stop()
         self.cluster.stop()
 
     def target(self) -> dict:
@@ -459,6 +468,8 @@ class HourglassDev:
         out = {n.name: n.proc.pid for n in self.cluster.nodes + self.cluster.meta}
         for m in self.cluster.etcd.members if self.cluster.etcd is not None else []:
             out[m.name] = m.proc.pid
+        if self.viewer is not None:
+            out["console"] = self.viewer.pid
         return out
 
     def logs(self) -> dict[str, Path]:
@@ -467,6 +478,8 @@ class HourglassDev:
     def settings(self) -> dict:
         return {"cluster": f"hourglass dev up: etcd + 1 meta server + {self.shape.describe()}, "
                            f"meta lease {LEASE_TTL_MS} ms, log level INFO, open", "node_env": self.node_env,
+                "console": ("hourglass console open on the Cluster and Schedule pages, each loaded every "
+                            f"{self.viewer.every_s:g} s ({self.viewer.fetched} loads so far)") if self.viewer else None,
                 "shape": self.shape.as_dict(),
                 "producer": "Producer(MetaResolver) defaults; await (await send_many(..., ids, delay_ms)) per tick",
                 "consumer": f"Consumer(MetaResolver, 16 subjects, group={GROUP!r}) defaults; "
