@@ -48,7 +48,7 @@ from node.replication.core import SyncTracker
 from node.replication.history import HistoryFile
 from node.replication.repair import REPAIR_TIMEOUT_S, SegmentRepair
 from node.replication.roles import ReplicaRoles, mono_ms
-from node.replication.shipping import LogShipping
+from node.replication.shipping import REST_AFTER_S, LogShipping
 from node.role import Role
 from node.store.log import decode_frame
 from node.store import retention
@@ -59,7 +59,6 @@ log = logging.getLogger("hourglass.replication")
 
 LOGS = ("messages", "dispatch")
 BUCKET_LOG_PREFIX = "schedule:"  # ReadLog of a schedule bucket's data log
-REST_AFTER_S = 1.0  # a master is at rest this long after its last append, dispatch or checkpoint beyond the clock
 FENCED_DELIVERY_POLL_S = 0.05  # how often a fenced dispatch looks again (the role loop ends it by cancelling)
 BUCKET_FETCH_CHUNKS_MAX = 1 << 16  # ReadLog calls for one bucket (x replication_chunk_bytes)
 NO_BUCKET = "no bucket"  # ReadLog's answer when this member has no such bucket

@@ -51,7 +51,7 @@ from node.replication.core import SyncTracker
 from node.replication.history import HistoryFile
 from node.replication.repair import SegmentRepair
 from node.replication.roles import ReplicaRoles, mono_ms
-from node.replication.shipping import LogShipping
+from node.replication.shipping import REST_AFTER_S, LogShipping
 from node.store.retention import slave_holds
 
 log = logging.getLogger("hourglass.replication.realtime")
@@ -75,6 +75,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.server = None
         self._handing_over = False
+        self._active_at = time.monotonic()  # last append or group move shipped to the slaves (_poll_cap_ms)
 
     # ------------------------------------------------------------------ hooks of ReplicaRoles
 
@@ -105,6 +106,24 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         s["group_seq"] = self.store.group_seq
         return s
 
+    # ------------------------------------------------------------------ at rest (issue 28)
+
+    def _wake_slaves(self) -> None:
+        """Something for the slaves (bytes appended, group positions moved, a handover): the
+        waiting polls are answered at once, and the master is not at rest for a while."""
+        self._active_at = time.monotonic()
+        self._changed.set()
+
+    def _poll_cap_ms(self) -> int:
+        """``replication_idle_wait_ms`` (1 s) once nothing was appended and no group moved for
+        ``REST_AFTER_S`` (docs/replication.md, "At rest"), else ``replication_wait_ms``. What
+        ends the rest wakes the polls at once (``_wake_slaves``), so bytes and group documents
+        never wait for the longer cap."""
+        s = self.settings
+        if time.monotonic() - self._active_at < REST_AFTER_S:
+            return s.replication_wait_ms
+        return max(s.replication_wait_ms, s.replication_idle_wait_ms)
+
     # ------------------------------------------------------------------ client API (master only)
 
     async def SendBatch(self, request, context):
@@ -112,7 +131,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         await self._serving(context, request.epoch)
         term, tracker = self._term(), self.tracker
         resp = await self._store_batch(batch, now, request.immediate, context)
-        self._changed.set()
+        self._wake_slaves()
         # within one term a master never truncates: the end now covers this write
         await self._confirm_ack(term, tracker, "bytes", self.store.messages.end_offset, context)
         return resp
@@ -137,7 +156,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
 
     async def _groups_replicated(self, keys: list[tuple[str, str]], context) -> None:
         """Sync mode: answer once every slave holds the newest written document of these groups."""
-        self._changed.set()
+        self._wake_slaves()
         if self.settings.ack_mode == "sync":
             seq = max((self.store.group_written_seq(s, g) for s, g in keys), default=0)
             if seq:
@@ -149,7 +168,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
             seq = self.store.group_seq
             await self._flush_once(at_rest_skip=True)
             if self.store.group_seq != seq:
-                self._changed.set()  # pulls moved group positions: ship them
+                self._wake_slaves()  # pulls moved group positions: ship them
 
     # ------------------------------------------------------------------ master side of replication
 
@@ -283,7 +302,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         role = self.role
         await role.stop_tasks()
         self.store.flush()
-        self._changed.set()
+        self._wake_slaves()
         end, seq = self.store.messages.end_offset, self.store.group_seq
         deadline = time.monotonic() + min(request.wait_ms or 5000, 30_000) / 1000
         while time.monotonic() < deadline:

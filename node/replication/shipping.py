@@ -27,6 +27,8 @@ from node.replication.core import EpochHistory, answer_fetch, take_answer, trunc
 
 log = logging.getLogger("hourglass.replication")
 
+REST_AFTER_S = 1.0  # a master is at rest this long after its last change for the slaves (docs/replication.md "At rest")
+
 
 class LogShipping:
     def _caught_up(self, master_end: int, own_end: int) -> None:
