@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from cluster import status
 from cluster.codec import SUBJECT_WIRE_BYTES_MAX, Batch, pack_i64, pack_u64, subject_problem, unpack_i64
 from cluster.errors import InvalidArgument
 from cluster.proto import hourglass_pb2 as pb
@@ -270,12 +271,16 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
         return wrapped
 
 
+def _undecodable(bad: _Undecodable) -> InvalidArgument:
+    return InvalidArgument("request", f"{bad.method}: cannot parse the request: {bad.reason}")
+
+
 def _undecodable_text(bad: _Undecodable) -> str:
-    return str(InvalidArgument("request", f"{bad.method}: cannot parse the request: {bad.reason}"))
+    return str(_undecodable(bad))
 
 
 async def _refuse(bad: _Undecodable, context) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_text(bad))
+    await status.abort(context, _undecodable(bad))  # the status table chooses the code
 
 
 def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
