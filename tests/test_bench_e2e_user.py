@@ -76,3 +76,10 @@ def test_fails_badly_against_the_rate_offered():
     assert e2e_user.fails_badly({**row, "achieved_per_s": 850})
     assert e2e_user.fails_badly({**row, "lateness_all_ms": {"p99": 1500}})
     assert e2e_user.fails_badly({**row, "lateness_all_ms": {"p99": None}})
+
+
+def test_open_loop_carries_late_ticks():
+    assert e2e_user.owed(5, 0.0, 0, 100) == 5         # the first tick
+    assert e2e_user.owed(5, 0.001, 5, 100) == 0       # still the first tick: nothing more
+    assert e2e_user.owed(5, 0.035, 5, 100) == 15      # woke 2 ticks late: ticks 2..4 in one call
+    assert e2e_user.owed(5, 10.0, 90, 100) == 10      # never past the total
