@@ -42,6 +42,8 @@ consumer process against ``hourglass dev up``'s cluster and Redis, phases sustai
 
     python bench/bench_e2e.py --client user --sustain-s 30 --stalls
     python bench/bench_e2e.py --client user --delay-groups 2 --realtime-groups 3 --replicas 2   # any shape (issue 30)
+    python bench/bench_e2e.py --client user --systems hourglass --phases sustain --delay-groups 4 --realtime-groups 4 \
+        --node-cpu-quota 0.2 --producer-mode open --rates 1600,6400   # nodes under a CPU quota (bench_scale.py)
 """
 
 from __future__ import annotations

@@ -68,5 +68,6 @@ def test_ladder_and_held():
     assert bench_scale.highest(rows, p99_ms=50) == 2000
     assert bench_scale.highest(rows, p99_ms=None) == 2000
     assert bench_scale.highest([], p99_ms=10) is None
+    assert bench_scale.most(rows) == 2000 and bench_scale.most([]) is None
     assert bench_scale.linear_ratio({1: 1000, 4: 3200}, 4) == 0.8
     assert bench_scale.linear_ratio({1: None, 4: 3200}, 4) is None
