@@ -42,6 +42,8 @@ consumer process against ``hourglass dev up``'s cluster and Redis, phases sustai
 
     python bench/bench_e2e.py --client user --sustain-s 30 --stalls
     python bench/bench_e2e.py --client user --delay-groups 2 --realtime-groups 3 --replicas 2   # any shape (issue 30)
+    python bench/bench_e2e.py --client user --systems hourglass --phases sustain --delay-groups 4 --realtime-groups 4 \
+        --node-cpu-quota 0.2 --producer-mode open --rates 1600,6400   # nodes under a CPU quota (bench_scale.py)
 """
 
 from __future__ import annotations
@@ -831,6 +833,20 @@ def main() -> None:
         p.add_argument(f"--{k}", help=argparse.SUPPRESS)
     from cluster.devcluster import add_shape_arguments, shape_from_args
     add_shape_arguments(p)  # --client user: the shape of the `dev up` cluster (bench/e2e_user.py)
+    p.add_argument("--node-cpu-quota", type=float, default=None, metavar="CORES",
+                   help="--client user: each node process in its own cgroup v1 cpu group limited to CORES (e.g. 0.2; "
+                        "root; bench/cgroupquota.py, issue 30); the meta server, etcd and the clients are not limited")
+    p.add_argument("--node-cpu-period-us", type=int, default=100_000,
+                   help="--client user with --node-cpu-quota: cpu.cfs_period_us (quota = CORES x this)")
+    p.add_argument("--producers", type=int, default=1,
+                   help="--client user, sustain: producer processes sharing each tick's messages (issue 30: enough "
+                        "of them that one awaited call per process does not cap the rate offered)")
+    p.add_argument("--producer-mode", choices=("awaited", "open"), default="awaited",
+                   help="--client user, sustain: awaited = one call per tick, answered before the next (a slow call "
+                        "skips ticks); open = every tick's send_many queued at once and its answer awaited after the "
+                        "last tick (an open loop: the rate offered does not fall when calls slow down; issue 30)")
+    p.add_argument("--climb", action="store_true",
+                   help="--client user: stop a system's ladder after a rate under 90%% of offered or p99 over 1 s")
     p.add_argument("--expect", type=int, help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -147,6 +147,12 @@ class Ticks:
         return max(0.0, self.t0 + k * TICK_S - t)
 
 
+def owed(per: int, elapsed_s: float, sent: int, total: int) -> int:
+    """The open loop's next call: the messages of every tick begun by ``elapsed_s`` (``per`` a
+    tick) not sent yet, at most ``total`` in all."""
+    return max(0, min(total, (int(elapsed_s / TICK_S) + 1) * per) - sent)
+
+
 async def _produce(cfg: dict, ctl: Control) -> dict:
     """The producer's run; returns its report (the due array is saved beside it)."""
     import asyncio
@@ -154,6 +160,7 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
     rnd = np.random.default_rng(cfg["seed"])
     prefix, kind, system = cfg["prefix"], cfg["kind"], cfg["target"]["system"]
     n_max = cfg["n_max"]
+    base = cfg.get("id_base", 0)  # --producers P: producer j's ids start at its base (issue 30)
     due = np.full(n_max, -1, np.int64)
     loop = asyncio.get_running_loop()
     if system == "hourglass":
@@ -163,15 +170,34 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
         resolver = MetaResolver(cfg["target"]["meta"])
         client = Producer(resolver)
 
-        async def call(lo: int, ids, subjects, payloads, delays) -> int:
-            res = await (await client.send_many(subjects, payloads, ids=ids, delay_ms=delays))
-            due[lo:lo + len(ids)] = res.deliver_at_ms
+        def record(lo: int, res) -> int:
+            due[lo:lo + len(res)] = res.deliver_at_ms
             if res.errors:
                 due[lo + np.fromiter(res.errors, np.int64, len(res.errors))] = -1
             return len(res.errors)
 
+        async def call(lo: int, ids, subjects, payloads, delays) -> int:
+            return record(lo, await (await client.send_many(subjects, payloads, ids=ids, delay_ms=delays)))
+
+        open_futs: list = []  # --producer-mode open: (lo, n, future) of calls queued and not awaited yet
+
+        async def call_open(lo: int, ids, subjects, payloads, delays) -> int:
+            open_futs.append((lo, len(ids), await client.send_many(subjects, payloads, ids=ids, delay_ms=delays)))
+            return 0
+
+        async def drain_open() -> tuple[int, list[str]]:
+            errs, msgs = 0, []
+            for lo, n, fut in open_futs:
+                try:
+                    errs += record(lo, await fut)
+                except Exception as e:  # the whole call failed
+                    errs += n
+                    msgs.append(repr(e)[:200])
+            open_futs.clear()
+            return errs, msgs
+
         async def warm() -> None:  # connections and routes, as a running service has them
-            await call(0, [f"warm-{prefix}{k}" for k in range(16)], SUBJECTS, _payloads(16), [100] * 16)
+            await call(0, [f"warm-{prefix}{base}-{k}" for k in range(16)], SUBJECTS, _payloads(16), [100] * 16)
             due[:16] = -1
 
         async def close() -> None:
@@ -206,26 +232,46 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
             raise SystemExit("producer: no go")
         out["start_ms"] = now_ms()
         if kind == "sustain":
-            per = max(1, cfg["rate"] // 100)
+            opened = cfg.get("mode") == "open" and system == "hourglass"
+            send = call_open if opened else call
+            per = cfg.get("per") or max(1, cfg["rate"] // 100)
             ticks = Ticks(cfg["seconds"])
             ticks.start(loop.time())
             sent = 0
+            total = ticks.n_max * per  # what the open loop owes by its end
             while sent + per <= n_max and not ctl.exit.is_set():
-                ids = [f"{prefix}{i}" for i in range(sent, sent + per)]
-                subjects = [SUBJECTS[i % 16] for i in range(sent, sent + per)]
-                delays = rnd.integers(SUSTAIN_DELAY_MS[0], SUSTAIN_DELAY_MS[1], per, endpoint=True).tolist()
-                try:
-                    errors += await call(sent, ids, subjects, _payloads(per), delays)
-                except Exception as e:  # a whole call failed: its messages are not acknowledged
-                    errors += per
-                    out.setdefault("call_errors", []).append(repr(e)[:200])
-                sent += per
+                # awaited: one tick's messages per call. open: what the clock owes so far (a tick the
+                # loop woke up late for is carried by the next call, as bench_e2e's open loop does)
+                n = per if not opened else owed(per, loop.time() - ticks.t0, sent, total)
+                if n > 0:
+                    ids = [f"{prefix}{base + i}" for i in range(sent, sent + n)]
+                    subjects = [SUBJECTS[i % 16] for i in range(sent, sent + n)]
+                    delays = rnd.integers(SUSTAIN_DELAY_MS[0], SUSTAIN_DELAY_MS[1], n, endpoint=True).tolist()
+                    try:
+                        errors += await send(sent, ids, subjects, _payloads(n), delays)
+                    except Exception as e:  # a whole call failed: its messages are not acknowledged
+                        errors += n
+                        out.setdefault("call_errors", []).append(repr(e)[:200])
+                    sent += n
                 wait = ticks.next_wait(loop.time())
                 if wait is None:
                     break
                 if wait:
                     await asyncio.sleep(wait)
-            out.update(sent=sent, per_call=per, calls=ticks.calls, ticks_missed=ticks.missed)
+            if opened and sent < total and not ctl.exit.is_set():  # the last ticks' messages, if the loop was late
+                lo, n = sent, total - sent
+                ids = [f"{prefix}{base + i}" for i in range(lo, lo + n)]
+                delays = rnd.integers(SUSTAIN_DELAY_MS[0], SUSTAIN_DELAY_MS[1], n, endpoint=True).tolist()
+                errors += await send(lo, ids, [SUBJECTS[i % 16] for i in range(lo, lo + n)], _payloads(n), delays)
+                sent = total
+            if opened:  # every answer, after the last tick
+                out["last_enqueue_ms"] = now_ms()
+                e, msgs = await drain_open()
+                errors += e
+                if msgs:
+                    out.setdefault("call_errors", []).extend(msgs)
+            out.update(sent=sent, per_call=per, calls=ticks.calls, ticks_missed=ticks.missed,
+                       mode="open" if opened else "awaited")
         else:  # burst: built first, then timed from the first call to the last answer
             n, step = cfg["n"], cfg["call"] or cfg["n"]
             chunks = []
@@ -442,24 +488,55 @@ class HourglassDev:
         self.console = getattr(args, "console", False)
         self.viewer = None
         self.work = work
+        self.cpu_quota = getattr(args, "node_cpu_quota", None)
+        self.cpu_period_us = getattr(args, "node_cpu_period_us", None) or 100_000
+        self.quotas = None
 
     def start(self) -> "HourglassDev":
         self.cluster.start()
         try:
             self.cluster.wait_registered()
+            if self.cpu_quota:  # issue 30: every node process under its own fixed CPU quota (bench/cgroupquota.py)
+                from cgroupquota import CpuQuotas
+
+                self.quotas = CpuQuotas(self.cpu_quota, self.cpu_period_us).open()
+                for n in self.cluster.nodes:
+                    self.quotas.limit(n.name, n.proc.pid)
             if self.console:  # an operator with the Cluster and Schedule pages open (issue 31)
                 from console_viewer import ConsoleViewer
 
                 self.viewer = ConsoleViewer(self.cluster.meta_addresses, self.work / "console.log").start()
         except BaseException:
-            self.cluster.stop()
+            self.stop()
             raise
         return self
 
     def stop(self) -> None:
         if self.viewer is not None:
             self.viewer.stop()
-        self.cluster.stop()
+        try:
+            self.cluster.stop()
+        finally:
+            if self.quotas is not None:
+                problems = self.quotas.close()
+                if problems:
+                    print(f"cgroup clean-up: {problems}", file=sys.stderr)
+
+    def probe(self) -> dict:
+        """What a step reads before and after: each node cgroup's ``cpu.stat`` and etcd's gRPC counters."""
+        return {"cg": self.quotas.stat() if self.quotas is not None else {},
+                "etcd": etcd_counters(self.cluster.etcd.endpoints if self.cluster.etcd is not None else [])}
+
+    def probe_delta(self, a: dict, b: dict, seconds: float) -> dict:
+        from cgroupquota import throttle_delta
+
+        out = {"etcd_per_s": {k: round((v - a["etcd"].get(k, 0)) / seconds, 1) for k, v in sorted(b["etcd"].items())
+                              if v - a["etcd"].get(k, 0) > 0}}
+        if self.quotas is not None:
+            out["cpu_quota"] = {"cores": self.cpu_quota, "period_us": self.quotas.period_us,
+                                "quota_us": self.quotas.quota_us}
+            out["throttling"] = {k: throttle_delta(a["cg"].get(k, {}), v) for k, v in b["cg"].items()}
+        return out
 
     def target(self) -> dict:
         return {"system": "hourglass", "meta": self.cluster.meta_addresses}
@@ -484,6 +561,28 @@ class HourglassDev:
                 "producer": "Producer(MetaResolver) defaults; await (await send_many(..., ids, delay_ms)) per tick",
                 "consumer": f"Consumer(MetaResolver, 16 subjects, group={GROUP!r}) defaults; "
                             "async for batch in batches(): handle(ids, payloads); await batch.ack()"}
+
+
+def etcd_counters(endpoints: list[str]) -> dict[str, float]:
+    """etcd's own gRPC counters summed over its members: ``<method>`` calls started (unary calls and
+    streams opened) and ``<method>.msgs`` messages received (a keep-alive stream's refreshes, watch
+    requests), from its ``/metrics`` on the client port; {} when unreadable."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for ep in endpoints:
+        try:
+            text = urllib.request.urlopen(f"http://{ep}/metrics", timeout=5).read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            for metric, suffix in (("grpc_server_started_total{", ""), ("grpc_server_msg_received_total{", ".msgs")):
+                if line.startswith(metric):
+                    m = re.search(r'grpc_method="([^"]+)"', line)
+                    if m:
+                        key = m.group(1) + suffix
+                        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def make_user_system(name: str, work: Path, args):
@@ -597,6 +696,26 @@ def _window_summary(rows: list[dict], over_ms: int) -> dict:
             "spacing_s_of_those_median": round(float(np.median(gaps)) / 1000, 2) if gaps else None}
 
 
+def producer_shares(per_tick: int, producers: int) -> list[int]:
+    """Messages per 10 ms tick of each of ``producers`` processes: ``per_tick`` split as evenly as
+    integers allow (the first ones take the remainder), none under 1."""
+    q, r = divmod(per_tick, producers)
+    return [max(1, q + (1 if j < r else 0)) for j in range(producers)]
+
+
+def merge_reports(reps: list[dict]) -> dict:
+    """The reports of several sustain producers as one: counts summed, first start, last end."""
+    out = {"kind": reps[0]["kind"], "start_ms": min(r["start_ms"] for r in reps),
+           "end_ms": max(r["end_ms"] for r in reps)}
+    for k in ("sent", "calls", "ticks_missed", "errors", "acked"):
+        out[k] = sum(r.get(k, 0) for r in reps)
+    out["per_call"] = [r.get("per_call") for r in reps]
+    errs = [e for r in reps for e in r.get("call_errors", [])]
+    if errs:
+        out["call_errors"] = errs
+    return out
+
+
 def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     import bench_e2e as e2e
 
@@ -609,34 +728,55 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
         n_max = args.burst_n
         send_s = args.burst_n / 2_000  # bounded by ~2k/s at worst
     base = {"target": system.target(), "prefix": prefix}
-    out_p, out_c = str(work / f"{system.name}-{tag}.producer"), str(work / f"{system.name}-{tag}.recv")
+    out_c = str(work / f"{system.name}-{tag}.recv")
+    # --producers P (issue 30): P producer processes, each its share of every tick's messages and its own
+    # range of ids, so that one awaited call at a time per process does not cap the rate offered
+    n_prod = max(1, getattr(args, "producers", 1)) if kind == "sustain" else 1
+    shares = producer_shares(max(1, rate // 100), n_prod) if kind == "sustain" else [0]
+    per_max = [int(sh * 100 * args.sustain_s) + sh * 100 for sh in shares] if kind == "sustain" else [n_max]
+    id_bases = np.concatenate(([0], np.cumsum(per_max)[:-1])).astype(int).tolist()
+    n_max = int(sum(per_max))
+    offered = sum(shares) * 100 if kind == "sustain" else None
     load = machine()["loadavg"]
-    cons = prod = None
+    cons = None
+    prods: list[Child] = []
+    outs = [str(work / f"{system.name}-{tag}.producer{j}") for j in range(n_prod)]
     try:
         cons = Child("consumer", {**base, "out": out_c})
         cons.wait_for("ready", READY_TIMEOUT_S)
-        prod = Child("producer", {**base, "out": out_p, "kind": kind, "rate": rate, "seconds": args.sustain_s,
-                                  "n": args.burst_n, "call": args.burst_call, "n_max": n_max,
-                                  "seed": args.seed + (rate or 0)})
-        prod.wait_for("ready", READY_TIMEOUT_S)
+        for j in range(n_prod):
+            prods.append(Child("producer", {**base, "out": outs[j], "kind": kind, "rate": rate, "per": shares[j],
+                                            "mode": getattr(args, "producer_mode", "awaited"),
+                                            "seconds": args.sustain_s, "n": args.burst_n, "call": args.burst_call,
+                                            "n_max": per_max[j], "id_base": id_bases[j],
+                                            "seed": args.seed + (rate or 0) + 7919 * j}))
+        for prod in prods:
+            prod.wait_for("ready", READY_TIMEOUT_S)
         offsets = _log_offsets(system) if args.stalls else {}
-        meter = CpuMeter({**system.pids(), "producer": prod.pid, "consumer": cons.pid}).start()
+        names = ["producer"] if n_prod == 1 else [f"producer-{j}" for j in range(n_prod)]
+        meter = CpuMeter({**system.pids(), **dict(zip(names, (p.pid for p in prods))), "consumer": cons.pid}).start()
+        probe0 = system.probe() if hasattr(system, "probe") else None
         t0_ms = now_ms()
-        prod.send("go")
-        prod.wait_for("done", send_s + SEND_FINISH_TIMEOUT_S)
-        rep = json.loads(Path(out_p + ".json").read_text())
+        for prod in prods:
+            prod.send("go")
+        for prod in prods:
+            prod.wait_for("done", send_s + SEND_FINISH_TIMEOUT_S)
+        reps = [json.loads(Path(o + ".json").read_text()) for o in outs]
         acked = e2e.Acked(prefix, n_max)
-        acked.due[:] = np.load(out_p + ".npy")
+        for o, b, m in zip(outs, id_bases, per_max):
+            acked.due[b:b + m] = np.load(o + ".npy")
         last_due = int(acked.due.max()) if acked.count else now_ms()
         deadline_ms = last_due + LOST_AFTER_MS
         cons.send(f"expect {acked.count} {deadline_ms}")
         cons.wait_for("done", max(5.0, (deadline_ms - now_ms()) / 1000) + 30)
         cpu = meter.seconds()  # both clients still alive: their CPU is readable
         t1_ms = now_ms()
+        probe1 = system.probe() if probe0 is not None else None
     finally:
-        for c in (prod, cons):
+        for c in (*prods, cons):
             if c is not None:
                 c.stop()
+    rep = reps[0] if n_prod == 1 else merge_reports(reps)
     blocks = _read_blocks(Path(out_c))
     sc = e2e.score(acked, blocks)
     wins = windows(acked, blocks, t0_ms)
@@ -646,8 +786,8 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
          "send_errors": rep["errors"], **{k: rep[k] for k in ("sent", "per_call", "calls") if k in rep}}
     if kind == "sustain":
         seconds = max((rep["end_ms"] - rep["start_ms"]) / 1000, args.sustain_s)
-        r.update(rate=rate, seconds=args.sustain_s, ticks_missed=rep["ticks_missed"],
-                 achieved_per_s=round(acked.count / seconds))
+        r.update(rate=rate, offered_per_s=offered, producers=n_prod, seconds=args.sustain_s,
+                 ticks_missed=rep["ticks_missed"], achieved_per_s=round(acked.count / seconds))
     else:
         seconds = (rep["end_ms"] - rep["start_ms"]) / 1000
         r.update(n=args.burst_n, accepted_per_s=round(acked.count / seconds) if seconds > 0 else None,
@@ -657,6 +797,8 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     r.update(sc)
     r["cpu_us_per_msg"] = CpuMeter({}).per_message_us(counts, cpu)
     r["window_s"] = round((t1_ms - t0_ms) / 1000, 1)
+    if probe0 is not None:  # per-node cgroup throttling, etcd calls per second (issue 30)
+        r.update(system.probe_delta(probe0, probe1, (t1_ms - t0_ms) / 1000))
     r["windows_100ms"] = _window_summary(wins, args.window_over_ms)
     if args.stalls:  # None: the system has no loop watchdog (Redis)
         r["stalls"] = _stall_lines(system, offsets, t0_ms) if system.logs() else None
@@ -666,6 +808,16 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     r["_windows"] = {"system": system.name, "phase": kind, "rate": rate, "t0_ms": t0_ms, "window_ms": WINDOW_MS,
                      "windows": wins}
     return r
+
+
+def fails_badly(r: dict) -> bool:
+    """A sustain step so far off that a higher rate is pointless: under 90% of the rate offered
+    or p99 over 1 s (bench_e2e.py's open-loop rule)."""
+    import bench_e2e as e2e
+
+    offered = r.get("offered_per_s") or r["rate"]
+    p99 = r["lateness_all_ms"]["p99"]
+    return r["achieved_per_s"] < e2e.BAD_RATE_FRACTION * offered or p99 is None or p99 > e2e.BAD_P99_MS
 
 
 def _cpu_cell(r: dict) -> str:
@@ -718,6 +870,8 @@ def run(args, work: Path) -> None:
                     win_dump.append(r.pop("_windows"))
                     emit(r)
                     rows.append(r)
+                    if kind == "sustain" and getattr(args, "climb", False) and fails_badly(r):
+                        break  # --climb (issue 30): no higher rate of this ladder is tried
             finally:
                 sysm.stop()
             shutil.rmtree(work / name, ignore_errors=True)

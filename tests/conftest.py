@@ -62,6 +62,7 @@ MODULE_TIERS = {
     "test_disk_full.py": "integration",
     "test_diskspace.py": "unit",
     "test_bench_e2e_user.py": "unit",
+    "test_bench_cgroupquota.py": "unit",
     "test_docs.py": "unit",
     "test_e2e.py": "integration",
     "test_election.py": "integration",

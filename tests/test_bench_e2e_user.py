@@ -50,3 +50,36 @@ def test_windows_by_due_time_and_by_receive_time():
     assert rows[4]["seen"] == 2 and rows[4]["due"] == 0
     s = e2e_user._window_summary(rows, 50)
     assert s["windows_over_50ms"] == 1 and s["worst_max_ms_at_s"][0] == [250, 0.1]
+
+
+def test_producer_shares_split_each_tick():  # --producers P (issue 30)
+    assert e2e_user.producer_shares(10, 1) == [10]
+    assert e2e_user.producer_shares(10, 3) == [4, 3, 3]
+    assert sum(e2e_user.producer_shares(40, 6)) == 40
+    assert e2e_user.producer_shares(2, 4) == [1, 1, 1, 1]  # never 0 a tick: the rate offered rounds up
+
+
+def test_merge_reports_of_several_producers():
+    reps = [{"kind": "sustain", "start_ms": 10, "end_ms": 50, "sent": 5, "calls": 2, "ticks_missed": 1, "errors": 0,
+             "acked": 5, "per_call": 3},
+            {"kind": "sustain", "start_ms": 12, "end_ms": 40, "sent": 4, "calls": 2, "ticks_missed": 0, "errors": 1,
+             "acked": 3, "per_call": 2, "call_errors": ["x"]}]
+    m = e2e_user.merge_reports(reps)
+    assert (m["start_ms"], m["end_ms"], m["sent"], m["calls"], m["ticks_missed"], m["errors"], m["acked"]) == \
+        (10, 50, 9, 4, 1, 1, 8)
+    assert m["call_errors"] == ["x"] and m["per_call"] == [3, 2]
+
+
+def test_fails_badly_against_the_rate_offered():
+    row = {"rate": 1000, "offered_per_s": 1000, "achieved_per_s": 950, "lateness_all_ms": {"p99": 30}}
+    assert not e2e_user.fails_badly(row)
+    assert e2e_user.fails_badly({**row, "achieved_per_s": 850})
+    assert e2e_user.fails_badly({**row, "lateness_all_ms": {"p99": 1500}})
+    assert e2e_user.fails_badly({**row, "lateness_all_ms": {"p99": None}})
+
+
+def test_open_loop_carries_late_ticks():
+    assert e2e_user.owed(5, 0.0, 0, 100) == 5         # the first tick
+    assert e2e_user.owed(5, 0.001, 5, 100) == 0       # still the first tick: nothing more
+    assert e2e_user.owed(5, 0.035, 5, 100) == 15      # woke 2 ticks late: ticks 2..4 in one call
+    assert e2e_user.owed(5, 10.0, 90, 100) == 10      # never past the total
