@@ -70,7 +70,7 @@ def _delay_hops(lookup: dict, now_ms: int) -> dict[str, Hop]:
         "accepted": f"by {group}" + (f" (store epoch {epoch})" if epoch else "") + f", seq {lookup.get('seq', '?')}"
                     + (f", at {iso(accepted)}" if accepted else ""),
         "filed": f"in the schedule, due {iso(due)}" + (f", filed under {iso(eff)}" if eff and eff != due else ""),
-        "fired": (f"dispatched at {iso(fired_ms)}" if fired_ms else
+        "fired": (f"at {iso(fires)}, its dispatch recorded at {iso(fired_ms)}" if fired_ms else
                   f"at its due time {iso(fires)}" if fires <= now_ms else f"due in {(fires - now_ms) / 1000:.0f} s")
                  + (f" to {rt_group}" if rt_group and status == "dispatched" else ""),
         "stored at the real-time node": f"subject {lookup.get('subject', '?')}",

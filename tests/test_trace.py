@@ -9,6 +9,7 @@ import pytest
 from cluster import errors as E
 from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster
+from cluster.discovery import MetaResolver
 from tests.helpers.flow import POLLS_MAX, POLL_WAIT_MS, receive_ids
 
 SUBJECT = "trace.orders"
@@ -16,11 +17,21 @@ SUBJECT = "trace.orders"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    # one attempt: a nack dead-letters at once
-    c = LocalCluster(tmp_path_factory.mktemp("trace"), env={"HOURGLASS_MAX_ATTEMPTS": "1"})
-    c.start()
-    yield c
-    c.stop()
+    # meta servers: routes name real-time groups, as a deployed cluster's do; one attempt: a
+    # nack dead-letters at once
+    c = LocalCluster(tmp_path_factory.mktemp("trace"), meta=True, env={"HOURGLASS_MAX_ATTEMPTS": "1"})
+    with c:
+        c.wait_registered()
+        yield c
+
+
+@pytest.fixture
+async def resolver(cluster):
+    r = MetaResolver(cluster.meta_addresses, security=cluster.client_security())
+    try:
+        yield r
+    finally:
+        await r.close()
 
 
 async def _nack_until(consumer, msg_id: str) -> bool:
@@ -34,7 +45,7 @@ async def _nack_until(consumer, msg_id: str) -> bool:
     return False
 
 
-async def test_a_delivered_messages_trace_has_every_hop_in_order(resolver):
+async def test_a_delivered_messages_trace_has_every_hop_in_order(cluster, resolver):
     async with Consumer(resolver, SUBJECT, group="billing") as billing, \
             Consumer(resolver, SUBJECT, group="audit") as audit:
         async with Producer(resolver) as p:
@@ -48,8 +59,10 @@ async def test_a_delivered_messages_trace_has_every_hop_in_order(resolver):
         t = await p.trace("order-42")
     assert t.realtime_error == ""
     lk, rt = t.lookup, t.realtime
-    assert lk.status == "dispatched" and lk.dispatched_ms >= lk.effective_ms > 0 and not lk.dead_lettered
-    assert rt is not None and rt.group == lk.realtime_group and rt.stored_ms >= lk.dispatched_ms
+    # dispatched_ms: known (a firing round may send a little ahead of the due time: dispatch_lead_ms)
+    assert lk.status == "dispatched" and lk.dispatched_ms > 0 and lk.effective_ms > 0 and not lk.dead_lettered
+    # the dispatch record is written once the real-time node answered that it stored the message
+    assert rt is not None and rt.group == lk.realtime_group != "" and rt.stored_ms <= lk.dispatched_ms
     states = {g.group: g for g in rt.groups}
     assert states["billing"].state == "acked"
     assert states["audit"].state == "dead_lettered" and states["audit"].copy_id == "order-42~r1"
@@ -63,7 +76,7 @@ async def test_a_delivered_messages_trace_has_every_hop_in_order(resolver):
     assert "order-42~r1" in hops[8].detail and rt.node_id in hops[3].detail
 
 
-async def test_the_real_time_lookup_finds_an_id_by_scan_and_refuses_an_unknown_one(cluster, resolver):
+async def test_the_real_time_lookup_answers_by_the_status_table(cluster, resolver):
     from cluster.proto import hourglass_pb2 as pb
     from cluster.status import from_rpc_error
     from cluster.transport import Channels
@@ -75,7 +88,7 @@ async def test_the_real_time_lookup_finds_an_id_by_scan_and_refuses_an_unknown_o
     ch = Channels()
     try:
         stub = ch.consumer(cluster.realtime[0].address)
-        # the same message found by the window (its seq) and by a time scan: the same place
+        # found by its seq in the de-duplication window (the scan past it: tests/test_trace_rules.py)
         by_window = await stub.Trace(pb.TraceRequest(subject=SUBJECT, id="scan-1"), timeout=10)
         assert by_window.found_by == "window"
         with pytest.raises(Exception) as ei:
@@ -83,6 +96,6 @@ async def test_the_real_time_lookup_finds_an_id_by_scan_and_refuses_an_unknown_o
         assert isinstance(from_rpc_error(ei.value), E.NotFound)
         with pytest.raises(Exception) as ei:
             await stub.Trace(pb.TraceRequest(subject="trace.none", id="scan-1"), timeout=10)
-        assert isinstance(from_rpc_error(ei.value), E.NotFound)  # UnknownSubject is a NotFound on the wire
+        assert isinstance(from_rpc_error(ei.value), E.UnknownSubject)
     finally:
         await ch.close()

@@ -37,7 +37,7 @@ def test_hops_name_each_group_in_order_and_the_dead_letter_copy():
         ("accepted", "done"), ("filed", "done"), ("fired", "done"), ("stored at the real-time node", "done"),
         ("delivered to a", "done"), ("acked by a", "done"), ("delivered to b", "done"), ("nacked by b", "done"),
         ("dead-lettered", "done"), ("cancelled", "skipped")]
-    assert hops[2].detail == f"dispatched at {trace.iso(NOW - 8_990)} to rt-1"
+    assert hops[2].detail == f"at {trace.iso(NOW - 9_000)}, its dispatch recorded at {trace.iso(NOW - 8_990)} to rt-1"
     assert "realtime-1" in hops[3].detail and "position 3" in hops[3].detail
     assert "m~r1" in hops[8].detail and "nacked by b" in hops[8].detail
 
