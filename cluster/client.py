@@ -160,6 +160,8 @@ class LookupResult:
     dead_lettered: bool = False  # dispatched to the dead letters by the delay node
     realtime_group: str = ""   # the real-time group its route and id name now
     realtime_address: str = ""  # that group's master now
+    group: str = ""            # the delay group that answered (holds the record)
+    node_id: str = ""          # the member that answered (its master now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1145,7 +1147,8 @@ class Producer:
                             subject=resp.subject, accepted_ms=resp.accepted_ms, effective_ms=resp.effective_ms,
                             cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch,
                             dispatched_ms=resp.dispatched_ms, dead_lettered=resp.dead_lettered,
-                            realtime_group=resp.realtime_group, realtime_address=resp.realtime_address)
+                            realtime_group=resp.realtime_group, realtime_address=resp.realtime_address,
+                            group=resp.group, node_id=resp.node_id)
 
     async def trace(self, msg_id: str) -> MessageTrace:
         """A message's trace: ``lookup`` at its delay group, then, once dispatched, ``Consumer/Trace``

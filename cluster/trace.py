@@ -3,7 +3,8 @@
 In: the delay Lookup (``Producer.lookup`` as a dict: ``status``, ``seq``, ``deliver_at_ms``,
 ``subject``, ``accepted_ms``, ``effective_ms``, ``cancelled_ms``, ``store_epoch``,
 ``dispatched_ms``, ``dead_lettered``, ``realtime_group``; ``group``: the delay group that
-answered, when the caller knows it) and, once it was dispatched, the real-time node's
+answered and ``node_id`` its member; the accepting node is not recorded, the store epoch
+names the term that accepted it) and, once it was dispatched, the real-time node's
 ``Consumer/Trace`` under ``"realtime"`` (``node_id``, ``group``, ``position``, ``stored_ms``,
 ``attempts``, ``groups``: ``[{"group", "state", "copy_id", "copy_subject", "copy_ms"}]``)
 or why it could not be asked under ``"realtime_error"``. Out: ``Hop`` s.
@@ -68,7 +69,8 @@ def _delay_hops(lookup: dict, now_ms: int) -> dict[str, Hop]:
     rt_group = rt.get("group") or lookup.get("realtime_group") or ""
     details = {
         "accepted": f"by {group}" + (f" (store epoch {epoch})" if epoch else "") + f", seq {lookup.get('seq', '?')}"
-                    + (f", at {iso(accepted)}" if accepted else ""),
+                    + (f", at {iso(accepted)}" if accepted else "")
+                    + (f"; answered by {lookup['node_id']}" if lookup.get("node_id") else ""),
         "filed": f"in the schedule, due {iso(due)}" + (f", filed under {iso(eff)}" if eff and eff != due else ""),
         "fired": (f"at {iso(fires)}, its dispatch recorded at {iso(fired_ms)}" if fired_ms else
                   f"at its due time {iso(fires)}" if fires <= now_ms else f"due in {(fires - now_ms) / 1000:.0f} s")
@@ -78,7 +80,8 @@ def _delay_hops(lookup: dict, now_ms: int) -> dict[str, Hop]:
     }
     if rt:
         details["stored at the real-time node"] = (
-            f"{rt.get('group', '?')} ({rt.get('node_id', '?')}), subject {lookup.get('subject', '?')} position "
+            f"{rt.get('group', '?')}" + (f" ({rt['node_id']})" if rt.get("node_id", "") != rt.get("group") else "")
+            + f", subject {lookup.get('subject', '?')} position "
             f"{rt.get('position', '?')}, at {iso(int(rt.get('stored_ms') or 0))}")
     elif lookup.get("dead_lettered"):
         details["stored at the real-time node"] = "as a dead letter (the delay node could not deliver it)"

@@ -202,7 +202,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                                  subject=r.subject, accepted_ms=r.accepted_ms, effective_ms=r.effective_ms,
                                  cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch,
                                  dispatched_ms=r.dispatched_ms, dead_lettered=r.dead_lettered,
-                                 realtime_group=rt_group, realtime_address=rt_address)
+                                 realtime_group=rt_group, realtime_address=rt_address,
+                                 group=self.settings.group, node_id=self.settings.node_id)
 
     # ------------------------------------------------------------------ gRPC: admin
 
