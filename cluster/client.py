@@ -1152,8 +1152,9 @@ class Producer:
 
     async def trace(self, msg_id: str) -> MessageTrace:
         """A message's trace: ``lookup`` at its delay group, then, once dispatched, ``Consumer/Trace``
-        at the real-time group its subject's route and its id name (the rule the delay node
-        dispatches by; the route's other groups after it, for a route that changed). A
+        at the real-time master the delay node names (``realtime_address``: its subject's route
+        and its id, the rule it dispatches by), else at the route's groups, the id's own first
+        (the route needs a produce or consume grant). A
         real-time answer that cannot be had is said in ``realtime_error``; the delay
         Lookup's own errors are raised (NotFound for an unknown id)."""
         lk = await self.lookup(msg_id)
@@ -1165,26 +1166,36 @@ class Producer:
             return MessageTrace(lk, None, f"{type(e).__name__}: {e}")
 
     async def _trace_realtime(self, lk: LookupResult) -> RealtimeTrace:
-        view = await route_of(self.resolver, lk.subject)
-        k = int(view.targets([lk.id])[0]) if len(view.groups) > 1 else 0
         request = pb.TraceRequest(subject=lk.subject, id=lk.id, around_ms=lk.dispatched_ms)
         not_found: E.HourglassError | None = None
+        tried: set[str] = set()
+        # the master the delay node named (no route call: a cancel grant alone may trace) ...
+        if lk.realtime_address:
+            tried.add(lk.realtime_address)
+            try:
+                return await self._trace_at(lk.realtime_address, request)
+            except (E.NotFound, E.UnknownSubject, E.Unavailable) as err:
+                not_found = err
+        # ... then the route's groups, the id's own first (a master changed, a route changed)
+        view = await route_of(self.resolver, lk.subject)
+        k = int(view.targets([lk.id])[0]) if len(view.groups) > 1 else 0
         for i in [k, *(j for j in range(len(view.groups)) if j != k)]:
             address = view.masters[i]
-            if not address:
+            if not address or address in tried:
                 continue
             try:
-                r = await self.channels.consumer(address).Trace(request, timeout=self.timeout_s)
-            except grpc.RpcError as e:
-                err = status.from_rpc_error(e)
-                if isinstance(err, E.NotFound | E.UnknownSubject):
-                    not_found = not_found or err
-                    continue
-                raise err from None
-            return RealtimeTrace(r.node_id, r.group, r.position, r.seq, r.stored_ms, r.attempts, r.found_by,
-                                 [GroupTrace(g.group, g.state, g.copy_id, g.copy_subject, g.copy_ms)
-                                  for g in r.groups])
+                return await self._trace_at(address, request)
+            except (E.NotFound, E.UnknownSubject) as err:
+                not_found = not_found or err
         raise not_found or E.Unavailable(f"no real-time group of subject {lk.subject!r} has a master now")
+
+    async def _trace_at(self, address: str, request) -> RealtimeTrace:
+        try:
+            r = await self.channels.consumer(address).Trace(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise status.from_rpc_error(e) from None
+        return RealtimeTrace(r.node_id, r.group, r.position, r.seq, r.stored_ms, r.attempts, r.found_by,
+                             [GroupTrace(g.group, g.state, g.copy_id, g.copy_subject, g.copy_ms) for g in r.groups])
 
     async def _call_node(self, address: str, method: str, request):
         try:
