@@ -203,4 +203,5 @@ def lookup(indexes, frames, groups, dedup_map: dict, subject: str, msg_id: str, 
     return Found(pos, int(b.seq[i]), stored, int(b.attempts[i]), how, tuple(states))
 
 
-__all__ = ["AROUND_SLACK_MS", "SCAN_ENTRIES_MAX", "Found", "GroupState", "find", "group_state", "lookup", "nack_copies_of"]
+__all__ = ["AROUND_SLACK_MS", "SCAN_ENTRIES_MAX", "Found", "GroupState", "find", "group_state", "lookup",
+           "nack_copies_of"]
