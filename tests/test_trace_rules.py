@@ -9,7 +9,7 @@ import pytest
 
 from cluster import trace
 from cluster.codec import OUTCOME_DEAD_LETTER, OUTCOME_OK, DispatchBatch
-from cluster.errors import NotFound, UnknownSubject
+from cluster.errors import NotFound, Unavailable, UnknownSubject
 from node.delay.dispatch_find import dispatched_at, find_in, start_segment
 from node.realtime.nack import nack_copies
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
@@ -161,3 +161,33 @@ def test_an_id_past_the_dedup_window_is_found_by_time_and_at_the_end(tmp_path):
         assert s.lookup("orders", "m17").position == 17  # no time: the newest entries
     finally:
         s.close()
+
+
+# ---------------------------------------------------------------------- the real-time group of an id
+
+
+async def test_the_lookup_names_the_real_time_group_the_dispatch_rule_picks():
+    from cluster.codec import Batch
+    from cluster.routes import RouteView
+    from node.delay.targets import realtime_target, split
+
+    view = RouteView(("rt-1", "rt-2", "rt-3"), ("10.0.0.1:7002", "", "10.0.0.3:7002"))
+
+    class Router:
+        async def realtime_route(self, subject):
+            if subject == "gone":
+                raise Unavailable("no route")
+            return view
+
+    ids = [f"id-{k}" for k in range(30)]
+    b = Batch.build("s", [b"x"] * len(ids), ids, np.zeros(len(ids), np.int64))
+    sent, stuck = split(b, np.arange(len(ids)), [view])
+    where = {ids[i]: addr for addr, part in sent.items() for i in part.tolist()}
+    where.update({ids[i]: "" for i in stuck.tolist()})
+    for msg_id in ids:  # the group named is the one the message was (or will be) dispatched to
+        group, address = await realtime_target(Router(), "s", msg_id)
+        assert address == where[msg_id] and view.masters[view.groups.index(group)] == address
+    # 30 ids reach every group, the one without a master too (named, with no address)
+    assert {await realtime_target(Router(), "s", i) for i in ids} == {("rt-1", "10.0.0.1:7002"), ("rt-2", ""),
+                                                                      ("rt-3", "10.0.0.3:7002")}
+    assert await realtime_target(Router(), "gone", "id-1") == ("", "")
