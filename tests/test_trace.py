@@ -4,12 +4,16 @@ and real-time group, the real-time node's ``Consumer/Trace`` per consumer group,
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from cluster import errors as E
 from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster
 from cluster.discovery import MetaResolver
+from tests.helpers.console import ROOT
 from tests.helpers.flow import POLLS_MAX, POLL_WAIT_MS, receive_ids
 
 SUBJECT = "trace.orders"
@@ -32,6 +36,11 @@ async def resolver(cluster):
         yield r
     finally:
         await r.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
 
 
 async def _nack_until(consumer, msg_id: str) -> bool:
@@ -74,6 +83,17 @@ async def test_a_delivered_messages_trace_has_every_hop_in_order(cluster, resolv
                                       "acked by billing", "dead-lettered", "cancelled"]
     assert [h.state for h in hops] == ["done"] * 9 + ["skipped"]
     assert "order-42~r1" in hops[8].detail and rt.node_id in hops[3].detail
+
+    # the same from the command line: one hop a line, marked; an unknown id is one error line, exit 4
+    meta = ",".join(cluster.meta_addresses)
+    out = _cli("trace", "order-42", "--meta", meta)
+    assert out.returncode == 0, out.stderr
+    marked = [ln.strip().split(" ", 1) for ln in out.stdout.splitlines()[1:]]
+    assert [(m, rest.split("  ")[0]) for m, rest in marked] == [("[x]", h.name) for h in hops[:9]] + \
+        [("[-]", "cancelled")], out.stdout
+    out = _cli("trace", "no-such-id", "--meta", meta)
+    assert out.returncode == 4 and out.stderr.startswith("error: ") and "no-such-id" in out.stderr.splitlines()[0]
+    assert "Traceback" not in out.stdout + out.stderr
 
 
 async def test_the_real_time_lookup_answers_by_the_status_table(cluster, resolver):
