@@ -4,6 +4,7 @@ and real-time group, the real-time node's ``Consumer/Trace`` per consumer group,
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -91,6 +92,10 @@ async def test_a_delivered_messages_trace_has_every_hop_in_order(cluster, resolv
     marked = [ln.strip().split(" ", 1) for ln in out.stdout.splitlines()[1:]]
     assert [(m, rest.split("  ")[0]) for m, rest in marked] == [("[x]", h.name) for h in hops[:9]] + \
         [("[-]", "cancelled")], out.stdout
+    out = _cli("trace", "order-42", "--json", "--meta", meta)
+    got = json.loads(out.stdout)
+    assert [h["name"] for h in got["hops"]] == [h.name for h in hops]
+    assert {g["group"]: g["state"] for g in got["realtime"]["groups"]} == {"audit": "dead_lettered", "billing": "acked"}
     out = _cli("trace", "no-such-id", "--meta", meta)
     assert out.returncode == 4 and out.stderr.startswith("error: ") and "no-such-id" in out.stderr.splitlines()[0]
     assert "Traceback" not in out.stdout + out.stderr
