@@ -6,22 +6,25 @@ and the outcome (delivered or dead-lettered). No index maps a seq to its record,
 added: a lookup is rare, and the records are appended in firing order, which is the order of
 effective time up to retries (a message given back to the wheel fires again later). So:
 
-1. pick the segment: the last one whose first record holds an effective time at or before
-   the message's (one record read per step of a binary search over the segments), then one
-   segment before it (a retried message fires after later ones were recorded);
+1. pick the segment: the last one whose first record's smallest effective time is before
+   the message's (strictly: a backlog filed under one floor time spans segments with the
+   same effective time, and the message may be in the first of them), by a binary search
+   over the segments (one record read per step);
 2. read on from that segment's start, at most ``DISPATCH_SCAN_RECORDS_MAX`` records, until
    a record holds the seq; stop early at a record whose every effective time is more than
-   ``RETRY_SLACK_MS`` past the message's.
+   ``RETRY_SLACK_MS`` past the message's. A message given back to the wheel and fired
+   again later is recorded further on, after records of later effective times: the scan
+   reaches it while it is within the bound.
 
 Bounded: ``log2(segments) + 1 + DISPATCH_SCAN_RECORDS_MAX`` record reads. Not found within
 the bound (a segment busier than that, or retention deleted the record): ``None``, and the
 Lookup answers ``dispatched_ms`` 0 ("not known"). The record format is unchanged: records
 written before this module are read the same way.
 
-Worked example: segments based at 0 and 5000; the first record of 5000 holds effective
-times 9000..9100; a message filed under 9050 starts the scan at segment 0 (one before the
-pick), reads records in order and answers the ``dispatched_ms`` of the record holding its
-seq.
+Worked example: segments based at 0, 5000 and 9000, their first records' smallest
+effective times 1000, 9000 and 9050; a message filed under 9050 starts the scan at segment
+5000 (9000 < 9050; 9050 is not before it), reads records in order and answers the
+``dispatched_ms`` of the record holding its seq.
 """
 
 from __future__ import annotations
@@ -60,11 +63,11 @@ def start_segment(bases: list[int], first_eff, effective_ms: int) -> int:
     while lo <= hi:
         mid = (lo + hi) // 2
         eff = first_eff(bases[mid])
-        if eff is not None and eff <= effective_ms:
+        if eff is not None and eff < effective_ms:
             pick, lo = mid, mid + 1
         else:
             hi = mid - 1
-    return max(0, pick - 1)
+    return pick
 
 
 def find_in(records, seq: int, effective_ms: int, records_max: int = DISPATCH_SCAN_RECORDS_MAX) -> Dispatched | None:
