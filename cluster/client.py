@@ -69,7 +69,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 import numpy as np
@@ -81,6 +81,7 @@ from cluster.clock import wall_ms as _now_ms
 from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import RouteView
+from cluster.trace import hops as trace_hops
 from cluster.clientsettings import ACK_LINGER_MS_MAX, CLIENT_DEFAULTS, ClientSettings
 from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
@@ -155,6 +156,53 @@ class LookupResult:
     effective_ms: int = 0      # the time it is filed under and fires at (0: not filed yet)
     cancelled_ms: int = 0      # cancelled: when the cancel was accepted
     store_epoch: int = 0       # the delay group's store epoch (term) that accepted it
+    dispatched_ms: int = 0     # dispatched: when (0: not known, node/delay/dispatch_find.py)
+    dead_lettered: bool = False  # dispatched to the dead letters by the delay node
+    realtime_group: str = ""   # the real-time group its route and id name now
+    realtime_address: str = ""  # that group's master now
+    group: str = ""            # the delay group that answered (holds the record)
+    node_id: str = ""          # the member that answered (its master now)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTrace:
+    """What one consumer group did with a message (``Consumer/Trace``)."""
+    group: str
+    state: str                 # waiting | in_flight | acked | nacked | dead_lettered
+    copy_id: str = ""          # nacked / dead_lettered: the copy's id
+    copy_subject: str = ""
+    copy_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RealtimeTrace:
+    """A real-time node's answer to ``Consumer/Trace``: where it stored the message."""
+    node_id: str
+    group: str
+    position: int
+    seq: int
+    stored_ms: int
+    attempts: int
+    found_by: str              # window | scan
+    groups: list[GroupTrace]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageTrace:
+    """``Producer.trace``: the delay Lookup, the real-time node's answer once it was
+    dispatched (None: not dispatched, or ``realtime_error`` says why it is missing)."""
+    lookup: LookupResult
+    realtime: RealtimeTrace | None = None
+    realtime_error: str = ""
+
+    def as_dict(self) -> dict:
+        """The dict ``cluster.trace.hops`` reads."""
+        return {**asdict(self.lookup), "realtime": asdict(self.realtime) if self.realtime else None,
+                "realtime_error": self.realtime_error}
+
+    def hops(self, now_ms: int) -> list:
+        """The hops, in order (``cluster.trace.Hop``)."""
+        return trace_hops(self.as_dict(), now_ms)
 
 
 @dataclass(slots=True)
@@ -1097,7 +1145,57 @@ class Producer:
         resp = await self._ask_groups(msg_id, "Lookup", pb.LookupRequest(id=msg_id))
         return LookupResult(id=msg_id, status=resp.status, seq=resp.seq, deliver_at_ms=resp.deliver_at_ms,
                             subject=resp.subject, accepted_ms=resp.accepted_ms, effective_ms=resp.effective_ms,
-                            cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch)
+                            cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch,
+                            dispatched_ms=resp.dispatched_ms, dead_lettered=resp.dead_lettered,
+                            realtime_group=resp.realtime_group, realtime_address=resp.realtime_address,
+                            group=resp.group, node_id=resp.node_id)
+
+    async def trace(self, msg_id: str) -> MessageTrace:
+        """A message's trace: ``lookup`` at its delay group, then, once dispatched, ``Consumer/Trace``
+        at the real-time master the delay node names (``realtime_address``: its subject's route
+        and its id, the rule it dispatches by), else at the route's groups, the id's own first
+        (the route needs a produce or consume grant). A
+        real-time answer that cannot be had is said in ``realtime_error``; the delay
+        Lookup's own errors are raised (NotFound for an unknown id)."""
+        lk = await self.lookup(msg_id)
+        if lk.status != "dispatched" or lk.dead_lettered:
+            return MessageTrace(lk)
+        try:
+            return MessageTrace(lk, await self._trace_realtime(lk))
+        except E.HourglassError as e:
+            return MessageTrace(lk, None, f"{type(e).__name__}: {e}")
+
+    async def _trace_realtime(self, lk: LookupResult) -> RealtimeTrace:
+        request = pb.TraceRequest(subject=lk.subject, id=lk.id, around_ms=lk.dispatched_ms)
+        not_found: E.HourglassError | None = None
+        tried: set[str] = set()
+        # the master the delay node named (no route call: a cancel grant alone may trace) ...
+        if lk.realtime_address:
+            tried.add(lk.realtime_address)
+            try:
+                return await self._trace_at(lk.realtime_address, request)
+            except (E.NotFound, E.UnknownSubject, E.Unavailable) as err:
+                not_found = err
+        # ... then the route's groups, the id's own first (a master changed, a route changed)
+        view = await route_of(self.resolver, lk.subject)
+        k = int(view.targets([lk.id])[0]) if len(view.groups) > 1 else 0
+        for i in [k, *(j for j in range(len(view.groups)) if j != k)]:
+            address = view.masters[i]
+            if not address or address in tried:
+                continue
+            try:
+                return await self._trace_at(address, request)
+            except (E.NotFound, E.UnknownSubject) as err:
+                not_found = not_found or err
+        raise not_found or E.Unavailable(f"no real-time group of subject {lk.subject!r} has a master now")
+
+    async def _trace_at(self, address: str, request) -> RealtimeTrace:
+        try:
+            r = await self.channels.consumer(address).Trace(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise status.from_rpc_error(e) from None
+        return RealtimeTrace(r.node_id, r.group, r.position, r.seq, r.stored_ms, r.attempts, r.found_by,
+                             [GroupTrace(g.group, g.state, g.copy_id, g.copy_subject, g.copy_ms) for g in r.groups])
 
     async def _call_node(self, address: str, method: str, request):
         try:

@@ -77,7 +77,7 @@ DECISIONS_MAX = 4096        # cached (principal, action, subject, group) answers
 class Action(str, enum.Enum):
     PRODUCE = "produce"     # SendBatch / SendBatchStream of these subjects
     CONSUME = "consume"     # Pull / PullStream / Ack / Nack / Browse of these subjects, in these groups
-    CANCEL = "cancel"       # Cancel / Lookup of messages of these subjects
+    CANCEL = "cancel"       # Cancel / Lookup (and Consumer/Trace) of messages of these subjects
     ADMIN = "admin"         # Status details, Verify, Handover
     DISCOVER = "discover"   # GetServers, grpc.health.v1: every authenticated caller
     NODE = "node"           # Replicate, ReadLog, Register, Heartbeat, Campaign ...: node certificates only
@@ -472,6 +472,7 @@ METHOD_ACTIONS: dict[str, tuple[Action, ...]] = {
     "/hourglass.v1.Consumer/Ack": (Action.CONSUME,),
     "/hourglass.v1.Consumer/Nack": (Action.CONSUME,),
     "/hourglass.v1.Consumer/Browse": (Action.CONSUME,),
+    "/hourglass.v1.Consumer/Trace": (Action.CANCEL, Action.CONSUME),  # a grant on the subject: the servicer
     "/hourglass.v1.Admin/Status": _ADMIN,
     "/hourglass.v1.Admin/Verify": _ADMIN,
     "/hourglass.v1.Replication/Handover": _ADMIN,

@@ -111,6 +111,8 @@ MODULE_TIERS = {
     "test_status.py": "unit",
     "test_status_counts.py": "unit",
     "test_streams.py": "integration",
+    "test_trace.py": "integration",
+    "test_trace_rules.py": "unit",
     "test_wheel.py": "unit",
 }
 

@@ -168,8 +168,11 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
     browser.get(console.url + "/message?id=traced-1")
     assert _css(browser, "#state")[0].text == "dispatched"
     hops = [(e.get_attribute("data-hop"), e.get_attribute("data-state")) for e in _css(browser, "li.hop")]
-    assert [h for h, s in hops if s == "done"] == ["accepted", "filed", "fired", "stored at the real-time node"]
-    assert [h for h, _ in hops][:4] == ["accepted", "filed", "fired", "stored at the real-time node"]
+    # the consumer closed: its ack was sent; the real-time node's Consumer/Trace says so
+    done = ["accepted", "filed", "fired", "stored at the real-time node", "delivered to g", "acked by g"]
+    assert [h for h, s in hops if s == "done"] == done
+    assert [h for h, _ in hops][:6] == done
+    assert dict(hops)["dead-lettered"] == "skipped" and dict(hops)["cancelled"] == "skipped"
     accepted = _css(browser, 'li.hop[data-hop="accepted"]')[0].text
     assert "store epoch" in accepted and ", at 20" in accepted, accepted  # the Lookup says when and which term
     assert not _css(browser, "#cancel"), "a dispatched message has no Cancel button"
@@ -180,7 +183,8 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
                          timeout=120)
     assert out.returncode == 0, out.stderr
     done = [line.split("]", 1)[1].split("  ")[0].strip() for line in out.stdout.splitlines() if "[x]" in line]
-    assert done == ["accepted", "filed", "fired", "stored at the real-time node"], out.stdout
+    assert done == ["accepted", "filed", "fired", "stored at the real-time node", "delivered to g", "acked by g"], \
+        out.stdout
 
 
 async def test_cancel_from_the_page_cancels_and_lookup_agrees(cluster, console, browser):

@@ -28,7 +28,7 @@ def test_a_dispatched_message_shows_accepted_filed_fired_stored_done_in_order():
     s = _states("dispatched")
     assert [h for h in views.HOPS if s[h] == "done"] == ["accepted", "filed", "fired", "stored at the real-time node"]
     assert s["cancelled"] == "skipped"
-    assert s["delivered"] == "unknown"  # not recorded by the nodes: said, not guessed
+    assert s["delivered"] == "unknown"  # no real-time answer in the dict: said, not guessed (tests/test_trace_rules.py)
 
 
 def test_a_pending_message_is_filed_and_cancellable_and_nothing_later_is_done():

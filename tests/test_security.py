@@ -12,6 +12,7 @@ import pytest
 
 from cluster import certs
 from cluster import errors as E
+from cluster import status
 from cluster.client import Consumer, Producer
 from cluster.codec import Batch
 from cluster.devcluster import LocalCluster
@@ -180,6 +181,28 @@ async def test_a_cancel_token_cancels_its_subjects(secure):
         assert (await p.lookup("sec-x1")).status == "pending"
         await p.cancel("sec-x1")
         assert (await p.lookup("sec-x1")).status == "cancelled"
+    await r.close()
+
+
+async def test_a_trace_needs_a_cancel_or_consume_grant_on_the_subject(secure):
+    await _produce(secure, "orders.traced", "sec-t1", delay_ms=50)
+    r = _resolver(secure, "orders-reader")
+    async with Consumer(r, "orders.traced", group="billing") as cons:
+        assert "sec-t1" in await receive_ids(cons, {"sec-t1"})
+    await r.close()
+    r = _resolver(secure, "canceller")  # a cancel grant: the delay Lookup and Consumer/Trace both answer
+    async with Producer(r) as p:
+        t = await p.trace("sec-t1")
+    await r.close()
+    assert t.realtime_error == "" and {g.group: g.state for g in t.realtime.groups} == {"billing": "acked"}
+    r = _resolver(secure, "producer")
+    async with Producer(r, call_timeout_s=10) as p:
+        with pytest.raises(E.PermissionDenied):
+            await p.trace("sec-t1")  # the delay Lookup refuses first
+        with pytest.raises(grpc.RpcError) as ei:  # and the real-time node on its own
+            await p.channels.consumer(t.lookup.realtime_address).Trace(
+                pb.TraceRequest(subject="orders.traced", id="sec-t1"), timeout=10)
+        assert isinstance(status.from_rpc_error(ei.value), E.PermissionDenied)
     await r.close()
 
 

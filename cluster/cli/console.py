@@ -108,16 +108,17 @@ def console_cluster(meta: str | None, cluster_file: Path | None):
 def trace(id: str, delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOpt,
           cluster_file: Optional[Path] = ClusterFileOpt, meta: Optional[str] = MetaOpt,
           as_json: bool = typer.Option(False, "--json"), timeout_s: float = TimeoutOpt) -> None:
-    """The hops of one message (accepted, filed, fired, stored, delivered, ...), as the console's
-    message page shows them (exit 4: no such id). Hops no node records yet are marked [?]."""
+    """The hops of one message in order (accepted, filed, fired, stored, delivered to and acked
+    or nacked by each consumer group, dead-lettered, cancelled), as the console's message page
+    shows them (exit 4: no such id). A hop no node could say is marked [?] with the reason."""
     from dataclasses import asdict
 
-    from cluster.console import views
+    from cluster import trace as hops
 
-    found = asdict(_producer_call("lookup", id, (delay, realtime, cluster_file, meta), timeout_s))
+    found = _producer_call("trace", id, (delay, realtime, cluster_file, meta), timeout_s).as_dict()
     if as_json:
-        console.print(json.dumps(found | {"hops": [asdict(h) for h in views.trace(found, wall_ms())]}),
+        console.print(json.dumps(found | {"hops": [asdict(h) for h in hops.hops(found, wall_ms())]}),
                       markup=False, highlight=False)
         return
-    for line in views.trace_lines(found, wall_ms()):
+    for line in hops.lines(found, wall_ms()):
         console.print(line, markup=False, highlight=False)

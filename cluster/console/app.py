@@ -229,7 +229,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
         found, hops, error = None, [], None
         if msg_id:
             try:
-                found = await (await viewers.get(s.token)).lookup(msg_id)
+                found = await (await viewers.get(s.token)).trace(msg_id)
                 hops = views.trace(found, _now_ms())
             except E.HourglassError as e:
                 error = f"{type(e).__name__}: {e}"

@@ -129,6 +129,10 @@ class Viewer:
     async def lookup(self, msg_id: str) -> dict:
         return asdict(await (await self.producer()).lookup(msg_id))
 
+    async def trace(self, msg_id: str) -> dict:
+        """The Lookup as a dict with the real-time node's answer (``Producer.trace``)."""
+        return (await (await self.producer()).trace(msg_id)).as_dict()
+
     async def cancel(self, msg_id: str) -> dict:
         return asdict(await (await self.producer()).cancel(msg_id))
 

@@ -16,7 +16,9 @@ spread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+
+from cluster import trace as _trace
+from cluster.trace import iso  # the pages write times as the trace does
 
 MINUTE_MS = 60_000
 HOUR_MS = 3_600_000
@@ -29,13 +31,6 @@ SCHEDULE_VIEWS: tuple[tuple[str, int, int], ...] = (
     ("next 2 years, by day", DAY_MS, 731),
 )
 ROWS_SHOWN_MAX = 800  # rows of one schedule view (2 years by day is 731)
-
-
-def iso(ms: int | None) -> str:
-    """UTC time of epoch ms as ``2026-11-27T01:02:03Z`` (``-`` for none)."""
-    if ms is None or ms <= 0:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 # ---------------------------------------------------------------------- cluster page
@@ -241,60 +236,14 @@ def lateness_text(row: dict) -> str:
 # ---------------------------------------------------------------------- message page
 
 
-@dataclass
-class Hop:
-    name: str
-    state: str                 # done | waiting | unknown | skipped
-    detail: str = ""
-
-
-# Lookup status -> the hops it proves done. ``in_flight``: fired, not yet confirmed by a
-# real-time node; ``dispatched``: a real-time node stored it (the dispatch log says so).
-_DONE_BY_STATUS = {
-    "pending": ("accepted", "filed"),
-    "in_flight": ("accepted", "filed", "fired"),
-    "dispatched": ("accepted", "filed", "fired", "stored at the real-time node"),
-    "cancelled": ("accepted", "filed", "cancelled"),
-}
-HOPS = ("accepted", "filed", "fired", "stored at the real-time node", "delivered", "acked or nacked",
-        "dead-lettered", "cancelled")
-NOT_RECORDED = "not recorded by the nodes yet (docs/console.md, \"Node-side support\")"
+# the hops themselves are cluster/trace.py (the SDK's ``Producer.trace`` and the CLI use them too)
+Hop, HOPS = _trace.Hop, _trace.HOPS
 
 
 def trace(lookup: dict, now_ms: int) -> list[Hop]:
-    """The hops of one message, in order, from what a Lookup answers (``id``, ``status``,
-    ``seq``, ``deliver_at_ms``, ``subject``, and ``group``: the delay group that answered).
-    Hops no node records yet are ``unknown`` and say so."""
-    status = lookup.get("status", "")
-    done = _DONE_BY_STATUS.get(status, ())
-    due = int(lookup.get("deliver_at_ms") or 0)
-    group = lookup.get("group") or "a delay group"
-    accepted = int(lookup.get("accepted_ms") or 0)
-    eff = int(lookup.get("effective_ms") or 0)
-    fires = eff or due
-    epoch = int(lookup.get("store_epoch") or 0)
-    details = {
-        "accepted": f"by {group}" + (f" (store epoch {epoch})" if epoch else "") + f", seq {lookup.get('seq', '?')}"
-                    + (f", at {iso(accepted)}" if accepted else ""),
-        "filed": f"in the schedule, due {iso(due)}" + (f", filed under {iso(eff)}" if eff and eff != due else ""),
-        "fired": f"at its due time {iso(fires)}" if fires <= now_ms else f"due in {(fires - now_ms) / 1000:.0f} s",
-        "stored at the real-time node": f"subject {lookup.get('subject', '?')}",
-        "cancelled": f"at {iso(int(lookup.get('cancelled_ms') or 0))}",
-    }
-    hops = []
-    for name in HOPS:
-        if name in done:
-            hops.append(Hop(name, "done", details.get(name, "")))
-        elif status == "cancelled":
-            hops.append(Hop(name, "skipped", "cancelled before this"))
-        elif name == "cancelled":
-            hops.append(Hop(name, "skipped" if status in ("in_flight", "dispatched") else "waiting",
-                                  "too late to cancel" if status in ("in_flight", "dispatched") else "cancellable"))
-        elif name in ("delivered", "acked or nacked", "dead-lettered"):
-            hops.append(Hop(name, "unknown", NOT_RECORDED))
-        else:
-            hops.append(Hop(name, "waiting", details.get(name, "")))
-    return hops
+    """The hops of one message, in order (``cluster.trace.hops``): a Lookup as a dict, with the
+    real-time node's answer under ``"realtime"`` once it was dispatched."""
+    return _trace.hops(lookup, now_ms)
 
 
 def cancellable(lookup: dict) -> bool:
@@ -304,11 +253,7 @@ def cancellable(lookup: dict) -> bool:
 
 def trace_lines(lookup: dict, now_ms: int) -> list[str]:
     """The trace as text (``hourglass trace``): one hop a line, a mark for its state."""
-    marks = {"done": "[x]", "waiting": "[ ]", "unknown": "[?]", "skipped": "[-]"}
-    head = (f"message {lookup.get('id', '?')}  status={lookup.get('status', '?')}  "
-            f"subject={lookup.get('subject', '?')}  due={iso(int(lookup.get('deliver_at_ms') or 0))}")
-    return [head] + [f"  {marks[h.state]} {h.name}" + (f"  {h.detail}" if h.detail else "")
-                     for h in trace(lookup, now_ms)]
+    return _trace.lines(lookup, now_ms)
 
 
 # ---------------------------------------------------------------------- subjects page

@@ -99,7 +99,7 @@ class LookupRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error", "accepted_ms", "effective_ms", "cancelled_ms", "store_epoch")
+    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error", "accepted_ms", "effective_ms", "cancelled_ms", "store_epoch", "dispatched_ms", "dead_lettered", "realtime_group", "realtime_address", "group", "node_id")
     CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,12 @@ class LookupResponse(_message.Message):
     EFFECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_MS_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_GROUP_FIELD_NUMBER: _ClassVar[int]
+    REALTIME_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     code: Code
     status: str
     seq: int
@@ -120,7 +126,13 @@ class LookupResponse(_message.Message):
     effective_ms: int
     cancelled_ms: int
     store_epoch: int
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ...) -> None: ...
+    dispatched_ms: int
+    dead_lettered: bool
+    realtime_group: str
+    realtime_address: str
+    group: str
+    node_id: str
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., dead_lettered: _Optional[bool] = ..., realtime_group: _Optional[str] = ..., realtime_address: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks")
@@ -215,6 +227,50 @@ class BrowseResponse(_message.Message):
     next_position: int
     end_position: int
     def __init__(self, batch: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., next_position: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("subject", "id", "around_ms")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    AROUND_MS_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    id: str
+    around_ms: int
+    def __init__(self, subject: _Optional[str] = ..., id: _Optional[str] = ..., around_ms: _Optional[int] = ...) -> None: ...
+
+class GroupTrace(_message.Message):
+    __slots__ = ("group", "state", "copy_id", "copy_subject", "copy_ms")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COPY_ID_FIELD_NUMBER: _ClassVar[int]
+    COPY_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    COPY_MS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    state: str
+    copy_id: str
+    copy_subject: str
+    copy_ms: int
+    def __init__(self, group: _Optional[str] = ..., state: _Optional[str] = ..., copy_id: _Optional[str] = ..., copy_subject: _Optional[str] = ..., copy_ms: _Optional[int] = ...) -> None: ...
+
+class TraceResponse(_message.Message):
+    __slots__ = ("position", "seq", "stored_ms", "node_id", "group", "attempts", "groups", "found_by")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_BY_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    seq: int
+    stored_ms: int
+    node_id: str
+    group: str
+    attempts: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupTrace]
+    found_by: str
+    def __init__(self, position: _Optional[int] = ..., seq: _Optional[int] = ..., stored_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., group: _Optional[str] = ..., attempts: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupTrace, _Mapping]]] = ..., found_by: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

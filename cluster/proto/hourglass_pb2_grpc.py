@@ -419,6 +419,11 @@ class ConsumerStub:
                 request_serializer=hourglass__pb2.BrowseRequest.SerializeToString,
                 response_deserializer=hourglass__pb2.BrowseResponse.FromString,
                 _registered_method=True)
+        self.Trace = channel.unary_unary(
+                '/hourglass.v1.Consumer/Trace',
+                request_serializer=hourglass__pb2.TraceRequest.SerializeToString,
+                response_deserializer=hourglass__pb2.TraceResponse.FromString,
+                _registered_method=True)
 
 
 class ConsumerServicer:
@@ -455,6 +460,12 @@ class ConsumerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Trace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConsumerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -482,6 +493,11 @@ def add_ConsumerServicer_to_server(servicer, server):
                     servicer.Browse,
                     request_deserializer=hourglass__pb2.BrowseRequest.FromString,
                     response_serializer=hourglass__pb2.BrowseResponse.SerializeToString,
+            ),
+            'Trace': grpc.unary_unary_rpc_method_handler(
+                    servicer.Trace,
+                    request_deserializer=hourglass__pb2.TraceRequest.FromString,
+                    response_serializer=hourglass__pb2.TraceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -619,6 +635,33 @@ class Consumer:
             '/hourglass.v1.Consumer/Browse',
             hourglass__pb2.BrowseRequest.SerializeToString,
             hourglass__pb2.BrowseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Trace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.v1.Consumer/Trace',
+            hourglass__pb2.TraceRequest.SerializeToString,
+            hourglass__pb2.TraceResponse.FromString,
             options,
             channel_credentials,
             insecure,

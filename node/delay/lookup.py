@@ -11,7 +11,8 @@ Voided seqs (cut off the log) are never found. An id whose bucket retention dele
 everything in it was delivered (``completed_ms`` of the last durable checkpoint past its
 end) answers ``Retired``: known for the dedupe window, its record gone.
 
-Reads only (the schedule log, the message log); the status of what is found is the core's
+Reads only (the schedule log, the message log; for a dispatched message its dispatch record,
+``node/delay/dispatch_find.py``); the status of what is found is the core's
 rule (``DelayCore.status``).
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from cluster.codec import KIND_CANCEL, Batch
 from cluster.errors import NotFound
+from node.delay.dispatch_find import dispatched_at
 from node.delay.ingest import Retired
 from node.store import records
 from node.store.idindex import key_hash
@@ -47,6 +49,10 @@ class LookupResult:
     effective_ms: int = 0
     cancelled_ms: int = 0
     store_epoch: int = 0
+    # dispatched: when its dispatch record was written (0: not found within the bound,
+    # node/delay/dispatch_find.py) and whether it went to the dead letters
+    dispatched_ms: int = 0
+    dead_lettered: bool = False
 
 
 def find(store: "DelayStore", msg_id: str) -> tuple[Message | Retired, int | None] | None:
@@ -118,8 +124,12 @@ def lookup(store: "DelayStore", msg_id: str) -> LookupResult:
         (target,) = struct.unpack("<Q", m.payload)
         return LookupResult("cancelled", msg_id, target, m.deliver_at_ms, m.subject, effective_ms=eff or 0,
                             cancelled_ms=m.store_ms, store_epoch=target >> SEQ_EPOCH_SHIFT)
-    return LookupResult(store.core.status(m.seq, eff), msg_id, m.seq, m.deliver_at_ms, m.subject,
-                        accepted_ms=m.store_ms, effective_ms=eff or 0, store_epoch=m.seq >> SEQ_EPOCH_SHIFT)
+    st = store.core.status(m.seq, eff)
+    fired = dispatched_at(store.dispatch, m.seq, eff) if st == "dispatched" and eff is not None else None
+    return LookupResult(st, msg_id, m.seq, m.deliver_at_ms, m.subject,
+                        accepted_ms=m.store_ms, effective_ms=eff or 0, store_epoch=m.seq >> SEQ_EPOCH_SHIFT,
+                        dispatched_ms=fired.dispatched_ms if fired else 0,
+                        dead_lettered=fired.dead_lettered if fired else False)
 
 
 def located(store: "DelayStore", msg_id: str, seq: int) -> int | None:

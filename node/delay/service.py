@@ -48,6 +48,7 @@ from node.delay.schedule_status import ScheduleStatus
 from node.delay.upkeep import DelayUpkeep
 from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
+from node.delay.targets import realtime_target
 from node.delay.targets import split as targets_split
 from node.grpcserver import start_grpc
 from node.intake import SendIntake
@@ -196,9 +197,13 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         except HourglassError as e:
             return pb.LookupResponse(code=status.to_code(e), error=str(e))
         await security.require(context, Action.CANCEL, [r.subject])
+        rt_group, rt_address = await realtime_target(self.router, r.subject, request.id)
         return pb.LookupResponse(code=pb.OK, status=r.status, seq=r.seq, deliver_at_ms=r.deliver_at_ms,
                                  subject=r.subject, accepted_ms=r.accepted_ms, effective_ms=r.effective_ms,
-                                 cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch)
+                                 cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch,
+                                 dispatched_ms=r.dispatched_ms, dead_lettered=r.dead_lettered,
+                                 realtime_group=rt_group, realtime_address=rt_address,
+                                 group=self.settings.group, node_id=self.settings.node_id)
 
     # ------------------------------------------------------------------ gRPC: admin
 

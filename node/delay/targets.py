@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from cluster.client import route_of
 from cluster.codec import Batch
+from cluster.errors import HourglassError
 from cluster.routes import RouteView
 
 
@@ -46,3 +48,14 @@ def split(b: Batch, idx: np.ndarray, views: list[RouteView]) -> tuple[dict[str, 
             target[mask] = per_view[k][views[k].targets([ids[i] for i in idx[mask].tolist()])]
     out = {names[t]: idx[target == t] for t in np.unique(target).tolist() if t >= 0}
     return out, idx[target < 0]
+
+
+async def realtime_target(router, subject: str, msg_id: str) -> tuple[str, str]:
+    """``(group, master address)`` the route of ``subject`` gives id ``msg_id`` now (the rule
+    ``split`` dispatches by); ``("", "")`` when no route is known (Lookup still answers)."""
+    try:
+        view = await route_of(router, subject)
+    except HourglassError:
+        return "", ""
+    k = int(view.targets([msg_id])[0]) if len(view.groups) > 1 else 0
+    return view.groups[k], view.masters[k]

@@ -17,7 +17,9 @@ Rules, per message (``attempts`` is what it carried when it was pulled):
   original id travels in property ``hourglass.origin_id`` (``ORIGIN_ID``), kept from the first
   nack on (a copy of a copy names the first message). ``origin`` is cut to its first
   ``ORIGIN_ID_CHARS_MAX`` characters, so that an ASCII id with its suffix stays within the
-  codec's ``id_bytes_max`` (128). Tags, payload and the other properties travel unchanged.
+  codec's ``id_bytes_max`` (128). Property ``hourglass.nacked_by`` (``NACKED_BY``) names the
+  group that nacked (the trace tells a nack from an ack by it). Tags, payload and the other
+  properties travel unchanged.
 
 Example: ``max_attempts=3``, ``now_ms=1000``, ``retry_after_ms=5000``; message "a" (attempts 0)
 -> retry copy "a~r1", attempts 1, due 6000, origin "a"; message "b~r2" (attempts 2, origin
@@ -30,9 +32,10 @@ from __future__ import annotations
 import numpy as np
 
 from cluster.codec import Batch, encode_extra
-from node.realtime.store import DLQ_SUBJECT
+from node.realtime.subjects import DLQ_SUBJECT
 
 ORIGIN_ID = "hourglass.origin_id"  # cluster/client.py reads it back as the message's id
+NACKED_BY = "hourglass.nacked_by"  # the consumer group whose nack made the copy (the trace, node/realtime/lookup.py)
 ORIGIN_ID_CHARS_MAX = 100          # + "~r" + attempts (at most 5 digits): an ASCII id stays within 128 bytes
 
 
@@ -41,9 +44,10 @@ def is_dead(attempts: np.ndarray, max_attempts: int) -> np.ndarray:
     return np.asarray(attempts, np.int64) + 1 >= max_attempts
 
 
-def nack_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int) -> tuple[Batch, Batch]:
-    """The copies a nack of ``b`` sends: ``(retries to a delay node, dead letters)``, each in
-    the order of ``b`` (rules in the module docstring)."""
+def nack_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int,
+                group: str = "") -> tuple[Batch, Batch]:
+    """The copies a nack of ``b`` by consumer group ``group`` sends: ``(retries to a delay
+    node, dead letters)``, each in the order of ``b`` (rules in the module docstring)."""
     retry_at_ms = now_ms + max(0, retry_after_ms)
     dead_mask = is_dead(b.attempts, max_attempts)
     retry: list[tuple] = []
@@ -52,6 +56,8 @@ def nack_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int
         tags, props = b.extra(i)
         props = dict(props)
         origin = props.setdefault(ORIGIN_ID, b.id(i))
+        if group:
+            props[NACKED_BY] = group  # the last nack's group (a copy of a copy: replaced)
         attempts = int(b.attempts[i]) + 1
         new_id = f"{origin[:ORIGIN_ID_CHARS_MAX]}~r{attempts}"
         if dead_mask[i]:

@@ -111,7 +111,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self._groups_rounds_started = 0
         self._groups_rounds_done = 0
         self.calls = {"send": 0, "pull": 0, "pull_polls": 0, "pull_messages": 0, "ack": 0, "ack_on_pull": 0, "ack_rounds": 0,
-                      "browse": 0}
+                      "browse": 0, "trace": 0}
         self.address = ""
         self.registrar = None
         self.resolver = None
@@ -416,6 +416,28 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         return pb.BrowseResponse(batch=batch.encode() if batch is not None else b"",
                                  positions=positions.astype("<u8").tobytes(), next_position=nxt, end_position=end)
 
+    async def Trace(self, request: pb.TraceRequest, context) -> pb.TraceResponse:
+        """Consumer/Trace (the real-time lookup): where one message is here and what each group did with it
+        (``node/realtime/lookup.py``). A cancel or consume grant on the subject."""
+        try:
+            check_subject(request.subject, "subject", self.settings.subject_bytes_max)
+            if not request.id:
+                raise InvalidArgument("id", "is required")
+        except HourglassError as e:
+            await status.abort(context, e)
+        await security.require(context, (Action.CANCEL, Action.CONSUME), [request.subject])
+        await self._serving(context)
+        self.calls["trace"] += 1
+        try:
+            f = self.role.store.lookup(request.subject, request.id, around_ms=request.around_ms)
+        except HourglassError as e:
+            await status.abort(context, e)
+        return pb.TraceResponse(
+            position=f.position, seq=f.seq, stored_ms=f.stored_ms, node_id=self.settings.node_id,
+            group=self.settings.group, attempts=f.attempts, found_by=f.found_by,
+            groups=[pb.GroupTrace(group=g.group, state=g.state, copy_id=g.copy_id, copy_subject=g.copy_subject,
+                                  copy_ms=g.copy_ms) for g in f.groups])
+
     async def _groups_durable(self, keys: set[tuple[str, str]], role: Role | None = None) -> None:
         """Group commit of consumer-group positions: acks that arrive while a commit is running
         are committed together by the next one (one offsets-log record and one fsync per
@@ -460,7 +482,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             try:
                 got, handles = store.nack(subject, request.group, ranges, now_ms=now)
                 to_retry, to_dlq = nack_copies(got, now_ms=now, retry_after_ms=request.retry_after_ms,
-                                               max_attempts=self.settings.max_attempts)
+                                               max_attempts=self.settings.max_attempts, group=request.group)
                 if to_retry.n:
                     await self._send_to_delay(to_retry)
                     self._still_serving(role)

@@ -89,6 +89,7 @@ from node.realtime.group_status import group_rows
 from node.realtime.groups import START_EARLIEST, START_LATEST, ConsumerGroups, Group
 from node.realtime.index import ENTRY, ENTRY_SIZE, tags_mask
 from node.realtime.indexfiles import IndexFiles
+from node.realtime.lookup import SCAN_ENTRIES_MAX, Found, lookup
 from node.realtime.offsets import OffsetsLog
 from node.realtime.recovery import RecoveryReport, index_frames, recover
 from node.realtime.retention_work import Retainer, RetentionReport, RetentionWork
@@ -442,6 +443,12 @@ class RealtimeStore:
         self._check_open()
         return browse(self._indexes, self._groups, self._delivery, subject, group, from_position=from_position,
                       max_messages=max_messages, scan_max=self.settings.pull_scan_entries_max)
+
+    def lookup(self, subject: str, msg_id: str, *, around_ms: int = 0) -> Found:
+        """Where ``msg_id`` is in ``subject`` and each group's state of it (``node/realtime/lookup.py``)."""
+        self._check_open()
+        return lookup(self._indexes, self._frames, self._groups, self._dedup.map, subject, msg_id, around_ms=around_ms,
+                      scan_max=min(SCAN_ENTRIES_MAX, self.settings.pull_scan_entries_max))
 
     def group_rows(self, rows_max: int) -> tuple[list[dict], int]:
         """Per (subject, group): backlog, lag, in flight, redelivered (``node/realtime/group_status.py``)."""
