@@ -938,6 +938,8 @@ class Producer:
         stuck: list[_Piece] = []
         why = None
         for job, idx, group in pieces:
+            if group is not None and group not in masters:
+                group = None  # its group left the list (drained, it refused): pinned again among the others
             if group is None and len(names) == 1:
                 parts = [(job, idx, names[0])]
             elif group is None:
@@ -1023,7 +1025,10 @@ class Producer:
         ordered = [m for g, m in groups if g == mine] + [m for g, m in groups if g != mine]
         if not ordered[0]:
             raise E.Unavailable(f"delay group {mine!r} of id {msg_id!r} has no live master now")
-        return [m for m in ordered if m]
+        # a draining group last: its messages move to their home among the others (asked
+        # first); one not moved yet is still there (docs/design.md, "Draining a delay group")
+        draining = getattr(self.resolver, "draining_groups", lambda: [])()
+        return [m for m in ordered if m] + [m for _, m in draining if m]
 
     async def _ask_groups(self, msg_id: str, method: str, request):
         """The first OK answer; an error other than NotFound from any group wins over NotFound.
