@@ -173,6 +173,9 @@ class NodeSettings(BaseSettings):
                                               "instead of moving them (the wheel's window plus a margin)")
     drain_batch_max: int = Field(default=2000, ge=1, le=100_000,
                                  description="messages a draining master moves per SendBatch to another group")
+    drain_round_max: int = Field(default=20_000, ge=1, le=10_000_000,
+                                 description="messages a draining master moves per drain_poll_ms at most (the "
+                                             "load a drain puts on the other groups)")
     inflight_max: int = Field(default=S.inflight_max, ge=1, description="fired, not yet acknowledged messages")
     unfiled_max: int = Field(default=S.unfiled_max, ge=1, description="accepted, not yet filed messages")
     wheel_entries_max: int = Field(default=S.wheel_entries_max, ge=1, description="messages in the timing wheel")

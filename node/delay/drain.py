@@ -152,6 +152,7 @@ class DrainTask:
         self.counters = {"moved": 0, "duplicates": 0, "refused": 0, "raced": 0, "rounds": 0}
         self.near = 0
         self.unplaced = 0
+        self._resume = 0   # epoch second the next round starts at (0: the horizon)
 
     # ------------------------------------------------------------------ what the servicer asks
 
@@ -221,21 +222,23 @@ class DrainTask:
         return True if is_master is None else is_master()
 
     async def round(self) -> None:
-        """One walk of the schedule log from the horizon on: every pending message found is
-        sent to its target, in batches of ``drain_batch_max``."""
+        """One step of the walk of the schedule log from the horizon on: every pending message
+        found is sent to its target, in batches of ``drain_batch_max``, at most
+        ``drain_round_max`` a round (the next round resumes at the second this one stopped in;
+        a round that reaches the end starts the next walk from the horizon again)."""
         st = self.node.settings
         now = self.node.clock.now_ms()
         horizon = now + st.drain_horizon_ms
         self.counters["rounds"] += 1
-        near = unplaced = 0
+        near = unplaced = queued = sent = walked = 0
         todo: dict[str, list[Batch]] = {}
-        queued = 0
-        walked = 0
+        bucket_ms = self.node.store.schedule.bucket_ms
+        begin = max(horizon // 1000, self._resume)
+        self._resume = 0
         for start, count in sorted(self.node.store.pending_by_bucket().items()):
-            if count <= 0 or start + self.node.store.schedule.bucket_ms <= horizon:
+            if count <= 0 or start + bucket_ms <= begin * 1000:
                 continue
-            first = max(start, horizon) // 1000
-            for second in range(first, (start + self.node.store.schedule.bucket_ms) // 1000):
+            for second in range(max(start // 1000, begin), (start + bucket_ms) // 1000):
                 walked += 1
                 if walked % YIELD_SECONDS == 0:
                     await asyncio.sleep(0)
@@ -260,7 +263,11 @@ class DrainTask:
                         queued += len(idx)
                 if queued >= st.drain_batch_max:
                     await self._send_all(todo)
-                    todo, queued = {}, 0
+                    sent, todo, queued = sent + queued, {}, 0
+                    if sent >= st.drain_round_max:
+                        self._resume = second  # the rest next round
+                        self.near, self.unplaced = near, unplaced
+                        return
         if queued:
             await self._send_all(todo)
         self.near, self.unplaced = near, unplaced
