@@ -1028,7 +1028,9 @@ class Producer:
         # a draining group last: its messages move to their home among the others (asked
         # first); one not moved yet is still there (docs/design.md, "Draining a delay group")
         draining = getattr(self.resolver, "draining_groups", lambda: [])()
-        return [m for m in ordered if m] + [m for _, m in draining if m]
+        # "": a draining group without a master now (a failover): NotFound elsewhere is not the
+        # answer yet (``_ask_once`` makes it Unavailable, retried)
+        return [m for m in ordered if m] + [m for _, m in draining]
 
     async def _ask_groups(self, msg_id: str, method: str, request):
         """The first OK answer; an error other than NotFound from any group wins over NotFound.
@@ -1067,6 +1069,8 @@ class Producer:
     async def _ask_once(self, msg_id: str, method: str, request, tried: dict[str, int]):
         not_found: BaseException | None = None
         for address in await self._groups_for_id(msg_id):
+            if not address:  # asked every other group: the id may be in this one
+                raise E.Unavailable(f"{method} of id {msg_id!r}: a draining delay group has no live master now")
             tried[address] = tried.get(address, 0) + 1
             resp = await self._call_node(address, method, request)
             if resp.code == pb.OK:

@@ -139,6 +139,16 @@ def state_of(draining: bool, pending: int, in_flight: int, unfiled: int) -> str:
 # ---------------------------------------------------------------------- the shell
 
 
+class _RaiseContext:
+    """A servicer context for calls made outside a request: ``abort`` raises the error."""
+
+    async def abort(self, code, details, trailing_metadata=None):
+        raise Unavailable(f"drain: {details}")
+
+
+_RAISE = _RaiseContext()
+
+
 class DrainTask:
     """The drained group's side: state from the meta servers, moves, forwarding. Owned by a
     ``DelayNode`` (``node.drain``); ``run`` is one of its master tasks."""
@@ -309,6 +319,8 @@ class DrainTask:
     async def _tombstones(self, target: str, master: str, batch: Batch, idx: np.ndarray) -> None:
         node = self.node
         role = node.role  # this round's store and committer
+        confirm = getattr(node, "_confirm_ack", None)  # a replicated master: as a client's cancel
+        term = (node._term(), node.tracker) if confirm is not None else None
         extra = moved_extra(target)
         now = node.clock.now_ms()
         undo = []  # held there, but no longer pending here: cancelled or fired meanwhile
@@ -326,9 +338,15 @@ class DrainTask:
             role.store.cancel(msg_id, now_ms=now, extra=extra)
             wrote += 1
         if wrote:
-            await role.committer.sync_to(role.store.messages.end_offset)
+            end = role.store.messages.end_offset
+            await role.committer.sync_to(end)
             node._note_durable()
+            if confirm is not None:
+                # sync acks: wait until a slave holds the tombstones too, so a failover now
+                # leaves at most the moves of this batch to send again (de-duplicated there)
+                await confirm(*term, "bytes", end, _RAISE)
             self.counters["moved"] += wrote
+            log.info("drain: moved %d messages to group=%s (%s)", wrote, target, master)
         for msg_id in undo:
             self.counters["raced"] += 1
             try:
