@@ -91,3 +91,134 @@ def test_check_drain_refuses_unknown_groups_and_the_last_group_not_draining():
         check_drain("delay-g9", {"delay-g1", "delay-g2"}, set())
     with pytest.raises(InvalidArgument, match="last delay group"):
         check_drain("delay-g1", {"delay-g1", "delay-g2"}, {"delay-g2"})
+
+
+# ---------------------------------------------------------------------- the shell, with fakes
+
+
+class _Target:
+    """A target group's master: holds what it was sent (by id), answers re-sends as duplicates."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.held: dict[str, int] = {}
+        self.cancelled: set[str] = set()
+        self.fail = fail
+
+    async def SendBatch(self, req, timeout):
+        from cluster.wire import BatchResult
+        if self.fail:
+            raise _RpcDown()
+        b = Batch.decode(req.batch)
+        res = BatchResult.sized(b.n)
+        for i in range(b.n):
+            res.duplicates[i] = b.id(i) in self.held
+            self.held[b.id(i)] = int(b.deliver_at_ms[i])
+        return res.to_pb()
+
+    async def Cancel(self, req, timeout):
+        from cluster.proto import hourglass_pb2 as pb
+        self.cancelled.add(req.id)
+        return pb.CancelResponse(code=pb.OK)
+
+
+class _RpcDown(Exception):
+    pass
+
+
+def _rpc_down():
+    import grpc
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "down"
+
+        def trailing_metadata(self):
+            return ()
+    return Down()
+
+
+class _FakeNode:
+    def __init__(self, store, now, targets):
+        from types import SimpleNamespace as NS
+        self.settings = NS(group="delay-g2", drain_horizon_ms=5_000, drain_batch_max=3, drain_round_max=1_000)
+        self.now = now
+        self.clock = NS(now_ms=lambda: self.now)
+        self.store = store
+        self.synced = []
+
+        async def sync_to(end):
+            store.flush_messages()
+            self.synced.append(end)
+        self.role = NS(store=store, committer=NS(sync_to=sync_to))
+        self.channels = NS(producer=lambda address: targets[address])
+        self.disk = NS(admit=lambda n: None)
+
+    def _note_durable(self):
+        pass
+
+
+async def _round(task):
+    try:
+        await task.round()
+    except _RpcDown:
+        raise AssertionError("a failed move must not escape the round") from None
+
+
+async def test_a_round_moves_far_messages_then_writes_tombstones_and_a_rerun_after_a_crash_is_deduplicated(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + (1_000 if i < 3 else 30_000 + i)) for i in range(12)])  # m0-m2 near, m3-m11 far
+    h.store.cancel("m4", now_ms=h.now)  # cancelled before its move: never moved
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    targets = {"a:1": _Target(), "a:3": _Target()}
+    node = _FakeNode(h.store, T0, targets)
+    task = drain.DrainTask(node)
+    task.draining = True
+    task.groups = [("delay-g1", "a:1"), ("delay-g3", "a:3")]
+    task.masters = dict(task.groups)
+    await task.round()
+    held = {i: g for g, t in zip(("delay-g1", "delay-g3"), targets.values()) for i in t.held}
+    assert sorted(held) == sorted(f"m{i}" for i in range(3, 12) if i != 4)
+    for msg_id, g in held.items():
+        assert g == group_for(msg_id, task.groups)  # the SDK's home among the others
+        assert drain.moved_to(lookup.find(h.store, msg_id)[0]) == g
+    assert all(t.held[i] == T0 + 30_000 + int(i[1:]) for t in targets.values() for i in t.held)  # due unchanged
+    assert task.near == 3 and task.counters["moved"] == 8
+    h.store.iterate(limit=None)
+    assert sum(h.store.pending_by_bucket().values()) == 3  # the near ones, fired here
+    assert task.status()["state"] == "draining"
+    h.run_until(T0 + 2_000, step=100)
+    assert sorted(h.delivered) == ["m0", "m1", "m2"]
+    h.store.iterate(limit=None)
+    assert task.status()["state"] == "empty"
+    await task.round()  # nothing left to move
+    assert task.counters["moved"] == 8 and task.counters["duplicates"] == 0
+    h.run_until(T0 + 70_000, step=1_000)
+    assert sorted(h.delivered) == ["m0", "m1", "m2"]  # moved and cancelled ones never fire here
+
+
+async def test_a_move_the_target_did_not_acknowledge_writes_nothing_and_is_sent_again(tmp_path):
+    h = Harness(tmp_path)
+    h.send([msg(i, T0 + 60_000) for i in range(4)])
+    down = _Target()
+
+    async def refuse(req, timeout):
+        raise _rpc_down()
+    down.SendBatch = refuse
+    node = _FakeNode(h.store, T0, {"a:1": down})
+    task = drain.DrainTask(node)
+    task.draining = True
+    task.groups = [("delay-g1", "a:1")]
+    task.masters = dict(task.groups)
+    await task.round()
+    assert task.counters["moved"] == 0 and node.synced == []
+    assert lookup.lookup(h.store, "m0").status == "pending"
+    up = _Target()
+    up.held["m1"] = T0 + 60_000  # acknowledged there before a crash, its tombstone lost: a duplicate
+    node.channels.producer = lambda address: up
+    await task.round()
+    assert task.counters["moved"] == 4 and task.counters["duplicates"] == 1
+    assert all(drain.moved_to(lookup.find(h.store, f"m{i}")[0]) == "delay-g1" for i in range(4))

@@ -7,7 +7,8 @@ carries on) learns it from the meta servers every ``drain_poll_ms`` and then:
 
 1. refuses ``SendBatch`` (``Unavailable``, naming the drain: a producer with a stale view
    refreshes and sends elsewhere; ``check_accepting``);
-2. walks its schedule log second by second from ``now + drain_horizon_ms`` on, and for each
+2. walks its schedule log second by second from now on (what is due before
+   ``now + drain_horizon_ms`` is only counted: *near*, fired here), and for each other
    pending message (a message record, not cancelled, not fired, not voided) picks its
    target: ``group_for(id)`` over the delay groups not draining, the SDK's own rule, so the
    SDK's cancel and lookup ask that group first (``plan_moves``, pure);
@@ -162,7 +163,7 @@ class DrainTask:
         self.counters = {"moved": 0, "duplicates": 0, "refused": 0, "raced": 0, "rounds": 0}
         self.near = 0
         self.unplaced = 0
-        self._resume = 0   # epoch second the next round starts at (0: the horizon)
+        self._resume = 0   # epoch second the next round starts at (0: now)
 
     # ------------------------------------------------------------------ what the servicer asks
 
@@ -232,18 +233,17 @@ class DrainTask:
         return True if is_master is None else is_master()
 
     async def round(self) -> None:
-        """One step of the walk of the schedule log from the horizon on: every pending message
-        found is sent to its target, in batches of ``drain_batch_max``, at most
+        """One step of the walk of the schedule log from now on: every pending message due
+        past the horizon is sent to its target, in batches of ``drain_batch_max``, at most
         ``drain_round_max`` a round (the next round resumes at the second this one stopped in;
-        a round that reaches the end starts the next walk from the horizon again)."""
+        a round that reaches the end starts the next walk from now again)."""
         st = self.node.settings
         now = self.node.clock.now_ms()
-        horizon = now + st.drain_horizon_ms
         self.counters["rounds"] += 1
         near = unplaced = queued = sent = walked = 0
         todo: dict[str, list[Batch]] = {}
         bucket_ms = self.node.store.schedule.bucket_ms
-        begin = max(horizon // 1000, self._resume)
+        begin = max(now // 1000, self._resume)  # the seconds before the horizon only count (near)
         self._resume = 0
         for start, count in sorted(self.node.store.pending_by_bucket().items()):
             if count <= 0 or start + bucket_ms <= begin * 1000:
