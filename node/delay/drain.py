@@ -157,7 +157,6 @@ class DrainTask:
     def __init__(self, node) -> None:
         self.node = node
         self.draining = False          # sticky: a drain is never undone while the node runs
-        self.since_ms = 0
         self.groups: list[tuple[str, str]] = []      # delay groups not draining, sorted
         self.masters: dict[str, str] = {}            # every delay group -> master ("" none)
         self.counters = {"moved": 0, "duplicates": 0, "refused": 0, "raced": 0, "rounds": 0}
@@ -174,7 +173,9 @@ class DrainTask:
                               f"send to another delay group")
 
     def moved(self, msg_id: str) -> str | None:
-        """The group an id's message moved to (its newest record is a moved tombstone)."""
+        """The group an id's message moved to (its newest record is a moved tombstone). Asked
+        on every cancel and lookup, draining or not: after a restart the node learns that it
+        drains only at its first poll, and a moved tombstone must never answer as a cancel."""
         try:
             found = lookup.find(self.node.store, msg_id)
         except HourglassError:
@@ -198,8 +199,7 @@ class DrainTask:
         s = self.node.store
         pending = sum(s.pending_by_bucket().values())
         unfiled = len(s.unfiled.frames)
-        return {"state": state_of(self.draining, pending, s.inflight, unfiled), "since_ms": self.since_ms,
-                "pending": pending, "in_flight": s.inflight, "unfiled_frames": unfiled,
+        return {"state": state_of(self.draining, pending, s.inflight, unfiled), "pending": pending, "in_flight": s.inflight, "unfiled_frames": unfiled,
                 "near": self.near, "unplaced": self.unplaced, **self.counters}
 
     # ------------------------------------------------------------------ the loop
