@@ -4,7 +4,8 @@ runs; some are cancelled before or after their move. The drained group ends ``em
 acknowledged message not cancelled is delivered exactly once, with its original due time and
 none early; no cancelled one is delivered; a lookup of a moved id at the drained group is
 answered by the group that holds it. The second test does the same with replicated groups
-(``sync`` acks) and a SIGKILL of the drained group's master in the middle of the drain."""
+(``sync`` acks) and a SIGKILL of the drained group's master in the middle of the drain, and
+the third with a SIGKILL of the target group's master."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ async def _forwarded_at_the_drained_group(c: LocalCluster, load: Load, drained: 
         await ch.close()
 
 
-async def _drain_under_load(c: LocalCluster, drained: str, *, kill_mid_drain: bool) -> dict:
+async def _drain_under_load(c: LocalCluster, drained: str, *, kill: str | None) -> dict:
     meta = c.meta_addresses[0]
     load = Load(meta)
     consumer = asyncio.create_task(load.consume())
@@ -185,18 +186,24 @@ async def _drain_under_load(c: LocalCluster, drained: str, *, kill_mid_drain: bo
                 await load.send_round(p, k)
             r = _cli("admin", "drain", drained, "--meta", meta)
             assert r.returncode in (0, 1) and f"draining: {drained}" in r.stdout, (r.stdout, r.stderr)
-            if kill_mid_drain:  # SIGKILL the drained master once it has moved some, not all
+            if kill:  # SIGKILL a master (the drained group's or the target's) once some moved, not all
                 masters = await c.wait_masters("delay")
-                node = next(n for n in c.delay if n.name == masters[drained])
+                source = next(n for n in c.delay if n.name == masters[drained])
+                victim_group = drained if kill == "drained" else next(g for g in masters if g != drained)
+                victim = next(n for n in c.delay if n.name == masters[victim_group])
                 for _ in range(KILL_POLLS_MAX):
-                    st = await _drain_status(node.address)
+                    st = await _drain_status(source.address)
                     if st["moved"] > 0:
                         break
                     await asyncio.sleep(0.05)
-                node.kill()
+                victim.kill()
                 assert st["moved"] > 0 and st["state"] == "draining", st
                 far = st["pending"] - st["near"]
                 assert far > 0, f"the drain was over before the kill: {st}"
+                if kill == "target":
+                    # a new master there; the killed one back as its slave (sync acks need one)
+                    await c.wait_masters("delay")
+                    await asyncio.to_thread(c.restart, victim)
             for k in range(ROUNDS_BEFORE, ROUNDS_BEFORE + ROUNDS_DURING):
                 await load.send_round(p, k)
             # a producer with the current view is never given the drained group
@@ -211,7 +218,7 @@ async def _drain_under_load(c: LocalCluster, drained: str, *, kill_mid_drain: bo
             if moved:
                 found = await p.lookup(moved[-1])
                 assert found.status in ("pending", "in_flight", "dispatched"), found
-            if not kill_mid_drain:
+            if not kill:
                 await _forwarded_at_the_drained_group(c, load, drained)
         await load.delivered()
     finally:
@@ -240,7 +247,7 @@ async def test_a_delay_group_drained_under_load_ends_empty_and_loses_nothing(tmp
     c = LocalCluster(tmp_path / "c", n_delay=2, n_realtime=1, meta=True, env=ENV)
     with c:
         c.wait_registered()
-        st = await _drain_under_load(c, "delay-2", kill_mid_drain=False)
+        st = await _drain_under_load(c, "delay-2", kill=None)
         assert st["moved"] > 0
         # a lookup of a moved id asked of the drained group itself is answered by its new group
         ch = Channels()
@@ -267,5 +274,16 @@ async def test_a_drain_survives_a_sigkill_of_the_drained_masters(tmp_path):
     with c:
         c.wait_registered()
         await c.wait_masters("delay")
-        st = await _drain_under_load(c, "delay-g2", kill_mid_drain=True)
+        st = await _drain_under_load(c, "delay-g2", kill="drained")
         assert st["moved"] + st["duplicates"] > 0  # the new master carried the drain on
+
+
+@pytest.mark.slow  # tier: replicated groups, a SIGKILL and a failover under load
+async def test_a_drain_survives_a_sigkill_of_the_target_groups_master(tmp_path):
+    c = LocalCluster(tmp_path / "c", n_delay=4, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",
+                     lease_ttl_ms=2000, env=ENV)
+    with c:
+        c.wait_registered()
+        await c.wait_masters("delay")
+        st = await _drain_under_load(c, "delay-g2", kill="target")
+        assert st["moved"] > 0
