@@ -99,15 +99,12 @@ def test_check_drain_refuses_unknown_groups_and_the_last_group_not_draining():
 class _Target:
     """A target group's master: holds what it was sent (by id), answers re-sends as duplicates."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self) -> None:
         self.held: dict[str, int] = {}
         self.cancelled: set[str] = set()
-        self.fail = fail
 
     async def SendBatch(self, req, timeout):
         from cluster.wire import BatchResult
-        if self.fail:
-            raise _RpcDown()
         b = Batch.decode(req.batch)
         res = BatchResult.sized(b.n)
         for i in range(b.n):
@@ -119,10 +116,6 @@ class _Target:
         from cluster.proto import hourglass_pb2 as pb
         self.cancelled.add(req.id)
         return pb.CancelResponse(code=pb.OK)
-
-
-class _RpcDown(Exception):
-    pass
 
 
 def _rpc_down():
@@ -158,13 +151,6 @@ class _FakeNode:
 
     def _note_durable(self):
         pass
-
-
-async def _round(task):
-    try:
-        await task.round()
-    except _RpcDown:
-        raise AssertionError("a failed move must not escape the round") from None
 
 
 async def test_a_round_moves_far_messages_then_writes_tombstones_and_a_rerun_after_a_crash_is_deduplicated(tmp_path):

@@ -169,7 +169,8 @@ def admin_handover(group: str = typer.Argument(..., help="delay group whose mast
         from cluster.transport import Channels
         if not hasattr(resolver, "meta"):
             raise CliError("handover needs the meta servers", hint="hint: give --meta, or a --cluster-file with meta")
-        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER, include_draining=True))
+        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER,
+                                                                             include_draining=True))
         groups = {g.name: g for g in resp.groups}
         if group not in groups or not groups[group].master:
             raise E.NotFound(f"no delay group {shown(group)} with a live master (known: {sorted(groups)})")

@@ -199,7 +199,8 @@ class DrainTask:
         s = self.node.store
         pending = sum(s.pending_by_bucket().values())
         unfiled = len(s.unfiled.frames)
-        return {"state": state_of(self.draining, pending, s.inflight, unfiled), "pending": pending, "in_flight": s.inflight, "unfiled_frames": unfiled,
+        return {"state": state_of(self.draining, pending, s.inflight, unfiled), "pending": pending,
+                "in_flight": s.inflight, "unfiled_frames": unfiled,
                 "near": self.near, "unplaced": self.unplaced, **self.counters}
 
     # ------------------------------------------------------------------ the loop

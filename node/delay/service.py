@@ -103,8 +103,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
         self.address = ""
         self.server: grpc.aio.Server | None = None
-        # background CRC re-checks of segments at rest (node/delay/scrub.py)
         self.drain = DrainTask(self)  # moves pending messages away while an operator drains the group
+        # background CRC re-checks of segments at rest (node/delay/scrub.py)
         self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
                                   step_bytes_max=settings.scrub_step_bytes_max,
                                   pass_interval_ms=settings.scrub_pass_interval_ms)
