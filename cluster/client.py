@@ -999,6 +999,8 @@ class Producer:
         stuck: list[_Piece] = []
         why = None
         for job, idx, group in pieces:
+            if group is not None and group not in masters:
+                group = None  # its group left the list (drained, it refused): pinned again among the others
             if group is None and len(names) == 1:
                 parts = [(job, idx, names[0])]
             elif group is None:
@@ -1084,7 +1086,12 @@ class Producer:
         ordered = [m for g, m in groups if g == mine] + [m for g, m in groups if g != mine]
         if not ordered[0]:
             raise E.Unavailable(f"delay group {mine!r} of id {msg_id!r} has no live master now")
-        return [m for m in ordered if m]
+        # a draining group last: its messages move to their home among the others (asked
+        # first); one not moved yet is still there (docs/design.md, "Draining a delay group")
+        draining = getattr(self.resolver, "draining_groups", lambda: [])()
+        # "": a draining group without a master now (a failover): NotFound elsewhere is not the
+        # answer yet (``_ask_once`` makes it Unavailable, retried)
+        return [m for m in ordered if m] + [m for _, m in draining]
 
     async def _ask_groups(self, msg_id: str, method: str, request):
         """The first OK answer; an error other than NotFound from any group wins over NotFound.
@@ -1123,6 +1130,8 @@ class Producer:
     async def _ask_once(self, msg_id: str, method: str, request, tried: dict[str, int]):
         not_found: BaseException | None = None
         for address in await self._groups_for_id(msg_id):
+            if not address:  # asked every other group: the id may be in this one
+                raise E.Unavailable(f"{method} of id {msg_id!r}: a draining delay group has no live master now")
             tried[address] = tried.get(address, 0) + 1
             resp = await self._call_node(address, method, request)
             if resp.code == pb.OK:

@@ -120,6 +120,7 @@ class MetaResolver:
         self.realtime_kind = realtime_kind
         self._delay: list[str] = []
         self._delay_groups: list[tuple[str, str]] = []
+        self._draining_groups: list[tuple[str, str]] = []
         self._delay_at = float("-inf")
         self._routes: OrderedDict[str, tuple[RouteView, float]] = OrderedDict()  # subject -> (route, fetched_at)
         self._stale_since: float | None = None
@@ -202,10 +203,18 @@ class MetaResolver:
 
     async def _fetch_delay(self) -> None:
         self._last_fetch = time.monotonic()
-        resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
-        self._delay_groups = sorted((g.name, g.master) for g in resp.groups)
+        resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER,
+                                                                         include_draining=True))
+        # a draining group takes nothing new (it refuses SendBatch), but may still hold an id
+        # not moved yet: cancel and lookup ask it last (``draining_groups``)
+        self._delay_groups = sorted((g.name, g.master) for g in resp.groups if not g.draining)
+        self._draining_groups = sorted((g.name, g.master) for g in resp.groups if g.draining)
         self._delay = [m for _, m in self._delay_groups if m]
         self._delay_at = time.monotonic()
+
+    def draining_groups(self) -> list[tuple[str, str]]:
+        """The delay groups being drained, as of the last ``delay_groups`` answer."""
+        return self._draining_groups
 
     async def delay_nodes(self) -> list[str]:
         if self._delay and self._cached_delay_usable():
@@ -277,8 +286,8 @@ class MetaResolver:
         """Fetch every group of both roles (for status pages); fills ``delay``/``realtime``."""
         out = {}
         for kind, role in ((mpb.DELAYED_PRODUCER, "delay"), (mpb.CONSUMER, "realtime")):
-            resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=kind))
-            out[role] = [{"group": g.name, "master": g.master, "epoch": g.epoch,
+            resp = await self.meta.call("GetServers", mpb.GetServersRequest(kind=kind, include_draining=True))
+            out[role] = [{"group": g.name, "master": g.master, "epoch": g.epoch, "draining": g.draining,
                           "members": [m.address for m in g.members]} for g in resp.groups]
         self.delay = [a for g in out["delay"] for a in g["members"]]
         self.realtime = [a for g in out["realtime"] for a in g["members"]]

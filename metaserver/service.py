@@ -18,6 +18,7 @@ from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
+from metaserver.drains import Drains
 from metaserver.election import Election
 from metaserver.etcd import EtcdClient
 from metaserver.registry import Registry
@@ -74,9 +75,9 @@ def record_to_pb(r: ks.NodeRecord) -> mpb.NodeInfo:
                         updated_ms=r.updated_ms)
 
 
-def group_to_pb(g: ks.GroupView) -> mpb.Group:
+def group_to_pb(g: ks.GroupView, draining: bool = False) -> mpb.Group:
     return mpb.Group(role=g.role, name=g.name, master=g.master, epoch=g.epoch,
-                     members=[record_to_pb(m) for m in g.members])
+                     members=[record_to_pb(m) for m in g.members], draining=draining)
 
 
 def leader_to_pb(info: ks.LeaderInfo) -> mpb.Leader:
@@ -88,6 +89,7 @@ class MetaService(mrpc.MetaServicer):
         self.settings = settings
         self.etcd = etcd
         self.registry = Registry(etcd, settings)
+        self.drains = Drains(etcd)
         self.healthy = False
         self.health_error = "not checked yet"
         self.leader_waits = 0  # Leader long polls waiting now (at most settings.leader_waits_max)
@@ -129,10 +131,15 @@ class MetaService(mrpc.MetaServicer):
 
     async def GetServers(self, request: mpb.GetServersRequest, context) -> mpb.GetServersResponse:
         try:
-            groups, revision = await self.registry.groups(role_for_kind(request.kind))
+            role = role_for_kind(request.kind)
+            groups, revision = await self.registry.groups(role)
+            draining = await self.drains.draining() if role == "delay" else {}
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.GetServersResponse(groups=[group_to_pb(g) for g in groups], revision=revision)
+        # a draining delay group takes no new messages: left out unless asked for (marked)
+        return mpb.GetServersResponse(groups=[group_to_pb(g, g.name in draining) for g in groups
+                                              if request.include_draining or g.name not in draining],
+                                      revision=revision)
 
     async def Route(self, request: mpb.RouteRequest, context) -> mpb.RouteResponse:
         """The real-time group of a subject, chosen and written to etcd on its first use.
@@ -161,6 +168,17 @@ class MetaService(mrpc.MetaServicer):
             await self._fail(context, e)
         return mpb.SetRouteResponse(groups=list(after.groups), epoch=after.epoch,
                                     previous=list(before.groups) if before else [], changed=after is not before)
+
+    async def Drain(self, request: mpb.DrainRequest, context) -> mpb.DrainResponse:
+        """An operator drains a delay group (``hourglass admin drain``). Admin only, like
+        ``SetRoute`` (``cluster/security.py``); the rules are ``metaserver/drains.py``."""
+        try:
+            registered = {g.name for g in (await self.registry.groups("delay"))[0]}
+            since, changed = await self.drains.drain(request.group, registered)
+            others = sorted(registered - set(await self.drains.draining()))
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.DrainResponse(group=request.group, since_ms=since, changed=changed, others=others)
 
     # ------------------------------------------------------------------ election
 

@@ -164,6 +164,18 @@ class NodeSettings(BaseSettings):
                                               "node holds them until due (must stay below visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries
     dispatch_backoff_ms_max: int = 2000
+    # draining the group (`hourglass admin drain`, docs/design.md "Draining a delay group")
+    drain_poll_ms: int = Field(default=1000, ge=50, le=60_000,
+                               description="a delay master asks the meta servers this often whether its group "
+                                           "drains, and moves a round of its pending messages")
+    drain_horizon_ms: int = Field(default=5000, ge=1000, le=600_000,
+                                  description="a draining group fires messages due within this long itself "
+                                              "instead of moving them (the wheel's window plus a margin)")
+    drain_batch_max: int = Field(default=2000, ge=1, le=100_000,
+                                 description="messages a draining master moves per SendBatch to another group")
+    drain_round_max: int = Field(default=20_000, ge=1, le=10_000_000,
+                                 description="messages a draining master moves per drain_poll_ms at most (the "
+                                             "load a drain puts on the other groups)")
     inflight_max: int = Field(default=S.inflight_max, ge=1, description="fired, not yet acknowledged messages")
     unfiled_max: int = Field(default=S.unfiled_max, ge=1, description="accepted, not yet filed messages")
     wheel_entries_max: int = Field(default=S.wheel_entries_max, ge=1, description="messages in the timing wheel")

@@ -57,6 +57,7 @@ MODULE_TIERS = {
     "test_console_views.py": "unit",
     "test_crash.py": "slow",
     "test_delay_store.py": "unit",
+    "test_drain.py": "unit",
     "test_delay_deadletter.py": "unit",
     "test_delay_store_machine.py": "unit",
     "test_disk_full.py": "integration",

@@ -434,6 +434,12 @@ async def test_route_needs_a_grant_on_its_subject_and_a_valid_subject_and_writes
     assert [g.name for g in (await _route_groups(secure, "orders.routed"))] == groups
     same = mpb.SetRouteRequest(subject="orders.routed", groups=groups)  # the admin token: a no-op answers OK
     assert await _meta_code(secure, None, "SetRoute", same) == grpc.StatusCode.OK
+    # draining a delay group moves every tenant's messages: admin only (the admin token's own
+    # attempt is refused as the last delay group: INVALID_ARGUMENT, nothing written)
+    drain = mpb.DrainRequest(group="delay-g1")
+    for token in ("producer", "orders-reader", "canceller"):
+        assert await _meta_code(secure, token, "Drain", drain) == grpc.StatusCode.PERMISSION_DENIED, token
+    assert await _meta_code(secure, None, "Drain", drain) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def _route_groups(c: LocalCluster, subject: str):

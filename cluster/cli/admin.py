@@ -5,6 +5,7 @@
     hourglass admin handover GROUP               graceful handover of a delay group's master
     hourglass admin force-in-sync GROUP NODE     unclean election: NODE may become master (may lose acks)
     hourglass admin route SUBJECT --groups r1,r2 widen SUBJECT over these real-time groups (online)
+    hourglass admin drain GROUP [--wait-s S]     move a delay group's pending messages away; 'empty' when done
 
 Part of the ``hourglass`` app (``cluster/cli/__init__.py`` adds this sub-app). It uses the
 helpers of ``cluster/cli/common.py``: the resolver, the option types, the error boundary's
@@ -168,7 +169,8 @@ def admin_handover(group: str = typer.Argument(..., help="delay group whose mast
         from cluster.transport import Channels
         if not hasattr(resolver, "meta"):
             raise CliError("handover needs the meta servers", hint="hint: give --meta, or a --cluster-file with meta")
-        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER))
+        resp = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER,
+                                                                             include_draining=True))
         groups = {g.name: g for g in resp.groups}
         if group not in groups or not groups[group].master:
             raise E.NotFound(f"no delay group {shown(group)} with a live master (known: {sorted(groups)})")
@@ -206,7 +208,7 @@ def admin_force_in_sync(group: str = typer.Argument(..., help="the group with no
             raise CliError("force-in-sync needs the meta servers", hint="hint: give --meta, or a --cluster-file")
         try:
             kind = mpb.DELAYED_PRODUCER if role == "delay" else mpb.CONSUMER
-            servers = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=kind))
+            servers = await resolver.meta.call("GetServers", mpb.GetServersRequest(kind=kind, include_draining=True))
             lr = await resolver.meta.call("Leader", mpb.LeaderRequest(role=role, group=group))
             g = next((x for x in servers.groups if x.name == group), None)
             ends = {m.node_id: int(m.offsets.get("message_log_end", 0)) for m in (g.members if g else [])}
@@ -258,3 +260,61 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
         _say(f"unchanged: {subject} routes to {now} (epoch {r.epoch})")
         return
     _say(f"routed: {subject} -> {now} (epoch {r.epoch}; was {','.join(r.previous) or 'none'})")
+
+
+DRAIN_POLL_S = 1.0  # `admin drain --wait-s`: the master's status is asked this often
+
+
+@admin.command("drain")
+def admin_drain(group: str = typer.Argument(..., help="the delay group to empty"),
+                wait_s: float = typer.Option(0.0, "--wait-s", min=0, max=86_400,
+                                             help="wait up to this long for the group to be empty"),
+                meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Drain delay GROUP (docs/operations.md, "Removing a delay group"): producers stop being given
+    it, its master moves its pending messages to the other delay groups (same ids, due times
+    unchanged, cancels honoured) and fires those due within a few seconds itself. Running it again
+    reports progress; 'empty: GROUP' once it holds nothing (exit 0), else exit 1 after --wait-s."""
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        import json
+
+        from cluster.proto import hourglass_pb2 as pb
+        from cluster.proto import meta_pb2 as mpb
+        from cluster.transport import Channels
+        if not hasattr(resolver, "meta"):
+            raise CliError("drain needs the meta servers", hint="hint: give --meta, or a --cluster-file")
+        ch = Channels(getattr(resolver, "security", None))
+        try:
+            r = await resolver.meta.call("Drain", mpb.DrainRequest(group=group))
+            _say(("draining: " if r.changed else "already draining: ") + f"{group} -> {','.join(r.others)}")
+            loop = asyncio.get_running_loop()
+            end = loop.time() + wait_s
+            for _ in range(int(wait_s / DRAIN_POLL_S) + 2):
+                servers = await resolver.meta.call("GetServers", mpb.GetServersRequest(
+                    kind=mpb.DELAYED_PRODUCER, include_draining=True))
+                g = next((x for x in servers.groups if x.name == group), None)
+                d = None
+                if g is not None and g.master:
+                    try:
+                        st = await ch.admin(g.master).Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S_MAX)
+                        d = json.loads(st.json).get("drain")
+                    except grpc.RpcError as e:
+                        _say(f"{group}: master {g.master} did not answer: {e.code().name}")
+                if d is not None and d.get("state") == "empty":
+                    _say(f"empty: {group} holds nothing (moved {d.get('moved', 0)}); it can be removed")
+                    return True
+                if d is not None:
+                    _say(f"{d.get('state', '?')}: {group}: {d.get('pending', 0)} pending, {d.get('in_flight', 0)} "
+                         f"in flight, {d.get('near', 0)} due soon (fired here), moved {d.get('moved', 0)}")
+                elif g is None or not g.master:
+                    _say(f"{group}: no master now (a failover?); the next master carries on")
+                if loop.time() + DRAIN_POLL_S > end:
+                    return False
+                await asyncio.sleep(DRAIN_POLL_S)
+            return False
+        finally:
+            await ch.close()
+            await resolver.close()
+    if not asyncio.run(_run()):
+        raise typer.Exit(EXIT_FAILED)

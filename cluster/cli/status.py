@@ -92,6 +92,9 @@ def status_table(rows: list[dict]) -> list[str]:
         lag = (f"{r.get('replication_lag_bytes', 0)} B / {r.get('replication_lag_ms', 0)} ms"
                if r.get("mode") == "slave" else "")
         mode = "unreachable" if "error" in r else r.get("mode", "master")
+        drain = r.get("drain") or {}
+        if drain.get("state") in ("draining", "empty"):  # hourglass admin drain: a master says how far
+            mode += f" ({drain['state']}, {drain.get('pending', 0)} pending)"
         cells.append([str(r.get("node_id", "?")), str(r.get("role", "?")), str(r.get("group", "")), mode,
                       str(r.get("address", "?")), str(r.get("election_epoch", r.get("epoch", ""))), lag,
                       r.get("error", "")])

@@ -94,24 +94,28 @@ class DeregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class Group(_message.Message):
-    __slots__ = ("role", "name", "master", "epoch", "members")
+    __slots__ = ("role", "name", "master", "epoch", "members", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     MASTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     name: str
     master: str
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., master: _Optional[str] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., name: _Optional[str] = ..., master: _Optional[str] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetServersRequest(_message.Message):
-    __slots__ = ("kind",)
+    __slots__ = ("kind", "include_draining")
     KIND_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_DRAINING_FIELD_NUMBER: _ClassVar[int]
     kind: Kind
-    def __init__(self, kind: _Optional[_Union[Kind, str]] = ...) -> None: ...
+    include_draining: bool
+    def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., include_draining: _Optional[bool] = ...) -> None: ...
 
 class GetServersResponse(_message.Message):
     __slots__ = ("groups", "revision")
@@ -158,6 +162,24 @@ class SetRouteResponse(_message.Message):
     previous: _containers.RepeatedScalarFieldContainer[str]
     changed: bool
     def __init__(self, groups: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., previous: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("group", "since_ms", "changed", "others")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SINCE_MS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    since_ms: int
+    changed: bool
+    others: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group: _Optional[str] = ..., since_ms: _Optional[int] = ..., changed: _Optional[bool] = ..., others: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CampaignRequest(_message.Message):
     __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms", "store_epoch_min")

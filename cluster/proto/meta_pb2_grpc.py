@@ -64,6 +64,11 @@ class MetaStub:
                 request_serializer=meta__pb2.SetRouteRequest.SerializeToString,
                 response_deserializer=meta__pb2.SetRouteResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/Drain',
+                request_serializer=meta__pb2.DrainRequest.SerializeToString,
+                response_deserializer=meta__pb2.DrainResponse.FromString,
+                _registered_method=True)
         self.Campaign = channel.unary_unary(
                 '/hourglass.meta.v1.Meta/Campaign',
                 request_serializer=meta__pb2.CampaignRequest.SerializeToString,
@@ -135,6 +140,12 @@ class MetaServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetRoute(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +225,11 @@ def add_MetaServicer_to_server(servicer, server):
                     servicer.SetRoute,
                     request_deserializer=meta__pb2.SetRouteRequest.FromString,
                     response_serializer=meta__pb2.SetRouteResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=meta__pb2.DrainRequest.FromString,
+                    response_serializer=meta__pb2.DrainResponse.SerializeToString,
             ),
             'Campaign': grpc.unary_unary_rpc_method_handler(
                     servicer.Campaign,
@@ -413,6 +429,33 @@ class Meta:
             '/hourglass.meta.v1.Meta/SetRoute',
             meta__pb2.SetRouteRequest.SerializeToString,
             meta__pb2.SetRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/Drain',
+            meta__pb2.DrainRequest.SerializeToString,
+            meta__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,7 @@ from cluster.wire import BatchResult, make_request
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import deadletter, retention
+from node.delay.drain import DrainTask
 from node.delay.schedule_status import ScheduleStatus
 from node.delay.upkeep import DelayUpkeep
 from node.delay.scrub import DelayScrubTask, verify_online
@@ -106,6 +107,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         self.schedule_status = ScheduleStatus(settings)  # what the console's Schedule page reads (Status)
         self.address = ""
         self.server: grpc.aio.Server | None = None
+        self.drain = DrainTask(self)  # moves pending messages away while an operator drains the group
         # background CRC re-checks of segments at rest (node/delay/scrub.py)
         self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
                                   step_bytes_max=settings.scrub_step_bytes_max,
@@ -134,6 +136,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
             role.check()
+            self.drain.check_accepting()  # a draining group takes nothing new (node/delay/drain.py)
             self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
             res = role.store.accept(batch, now_ms=now)
             end = role.store.messages.end_offset
@@ -160,10 +163,23 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         resp, _ = await self._cancel(request, context)
         return resp
 
+    async def _forwarded(self, method: str, request, context):
+        """The answer of the group an id's message moved to (a drain), or None."""
+        group = self.drain.moved(request.id)
+        if group is None:
+            return None
+        try:
+            return await self.drain.forward(group, method, request)
+        except HourglassError as e:
+            await status.abort(context, e)
+
     async def _cancel(self, request: pb.CancelRequest, context) -> tuple[pb.CancelResponse, int]:
         """Cancel one id (the caller may: ``_may_cancel``): ``(answer, end offset of the
         tombstone's write or -1)``."""
         role = self.role  # this call's store and committer, whatever a role switch does meanwhile
+        moved = await self._forwarded("Cancel", request, context)
+        if moved is not None:
+            return moved, -1
         try:
             role.check()
             self.disk.admit(role.store.cancel_bytes_bound(request.id))
@@ -192,6 +208,9 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         await self._serving(context)  # as Cancel: the subject is the stored message's
+        if self.drain.moved(request.id) is not None:  # checked as Cancel, then asked there
+            await self._may_cancel(context, request.id)
+            return await self._forwarded("Lookup", request, context)
         try:
             r = self.store.lookup(request.id)
         except HourglassError as e:
@@ -220,6 +239,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1]),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
+            "drain": self.drain.status(),
             **self.health_stats(),
         }
 
@@ -492,6 +512,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                     tg.create_task(self._checkpoint_loop(), name="checkpoint"),
                     tg.create_task(self._disk_loop(), name="disk"),
                     tg.create_task(self._retention_loop(), name="retention"),
+                    tg.create_task(self.drain.run(), name="drain"),
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
                       for i in range(self.settings.dispatch_concurrency_max)],
                 ]

@@ -255,7 +255,7 @@ class DelayStore:
     def lookup(self, msg_id: str) -> LookupResult:
         return lookup.lookup(self, msg_id)
 
-    def cancel(self, msg_id: str, *, now_ms: int) -> int:
+    def cancel(self, msg_id: str, *, now_ms: int, extra: bytes = b"") -> int:
         """Append a tombstone for a pending message and drop it from the wheel.
 
         Returns the cancelled seq. ``NotFound`` for an unknown id, ``TooLate`` once the
@@ -277,7 +277,7 @@ class DelayStore:
             eff = max(m.deliver_at_ms, self.persisted_completed_ms)
         seqs = self.core.next_seqs(1)
         tomb = Batch.build(m.subject, [struct.pack("<Q", m.seq)], [msg_id], [eff], seq=seqs, store_ms=now_ms,
-                           kind=KIND_CANCEL)
+                           kind=KIND_CANCEL, extras=[extra] if extra else None)  # extra: a move (drain.py)
         (off,) = self.messages.append([tomb.encode()])
         self.unfiled.append(off, self.messages.end_offset, tomb, key_hashes([msg_id.encode()]))
         self.core.wheel.cancel(np.array([m.seq], np.uint64))

@@ -359,6 +359,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         tg.create_task(self._sync_expiry_loop(), name="sync-expiry")
         tg.create_task(self._disk_loop(), name="disk")
         tg.create_task(self._retention_loop(), name="retention")
+        tg.create_task(self.drain.run(), name="drain")  # a new master carries on a drain (node/delay/drain.py)
         for i in range(self.settings.dispatch_concurrency_max):
             tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
 

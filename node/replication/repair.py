@@ -49,7 +49,8 @@ class SegmentRepair:
         return pb.ReadLogResponse(data=data)
 
     async def _member_addresses(self) -> list[str]:
-        resp = await self.registrar.meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND))
+        resp = await self.registrar.meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND,
+                                                                                   include_draining=True))
         return [m.address for g in resp.groups if g.name == self.settings.group for m in g.members
                 if m.node_id != self.settings.node_id and m.address]
 

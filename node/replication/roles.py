@@ -383,7 +383,8 @@ class ReplicaRoles:
             loop_now = time.monotonic()
             try:
                 if loop_now >= next_peers:
-                    resp = await meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND))
+                    resp = await meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND,
+                                                                               include_draining=True))
                     peers = {}
                     for g in resp.groups:
                         if g.name == group:
