@@ -148,6 +148,40 @@ async def test_nack_retries_then_dead_letters(resolver):
     assert dead and dead[0].properties["hourglass.origin_id"] == "nack-1"
 
 
+async def test_a_retry_goes_only_to_the_nacking_group(resolver):
+    """Groups A and B on one subject: A nacks m, B acks it. A gets the retry copy; B never
+    sees m again (it sees a marker sent after A's copy arrived, and m exactly once)."""
+    subject = "e2e.nackgroup"
+    async with Producer(resolver) as p:
+        await p.send_and_wait(subject, "m", id="ng-m", immediate=True)
+        seen_b: list[tuple[str, int]] = []
+        seen_a: list[tuple[str, int]] = []
+        async with Consumer(resolver, subject, group="B", wait_ms=300) as b, \
+                Consumer(resolver, subject, group="A", wait_ms=300) as a:
+            deadline = time.monotonic() + 15
+            while not seen_b and time.monotonic() < deadline:
+                batch = await b.pull()
+                seen_b += [(m.id, m.attempts) for m in batch]
+                await b.ack(batch)
+            assert seen_b == [("ng-m", 0)]
+            deadline = time.monotonic() + 15
+            while len(seen_a) < 2 and time.monotonic() < deadline:
+                for m in await a.pull():
+                    seen_a.append((m.id, m.attempts))
+                    if m.attempts == 0:
+                        await m.nack(retry_after_ms=100)
+                    else:
+                        await a.ack([m])
+            assert seen_a == [("ng-m", 0), ("ng-m", 1)]  # A got its retry copy
+            await p.send_and_wait(subject, "marker", id="ng-marker", immediate=True)  # stored after the copy
+            deadline = time.monotonic() + 15
+            while ("ng-marker", 0) not in seen_b and time.monotonic() < deadline:
+                batch = await b.pull()
+                seen_b += [(m.id, m.attempts) for m in batch]
+                await b.ack(batch)
+            assert seen_b == [("ng-m", 0), ("ng-marker", 0)]  # m exactly once: no copy of A's nack
+
+
 async def test_unknown_subject_goes_to_dead_letter(tmp_path):
     with LocalCluster(tmp_path, env={"HOURGLASS_AUTO_CREATE_SUBJECTS": "false",
                                      "HOURGLASS_DISPATCH_ATTEMPTS_MAX": "2"}) as c:

@@ -13,7 +13,7 @@ from cluster.codec import Batch, encode_extra
 from cluster.proto import hourglass_pb2 as pb
 from cluster.wire import BatchResult
 from node.realtime.immediate import DUE_LATER, due_later, refuse_due_later
-from node.realtime.nack import ORIGIN_ID, ORIGIN_ID_CHARS_MAX, is_dead, nack_copies
+from node.realtime.nack import NACKED_BY, ORIGIN_ID, ORIGIN_ID_CHARS_MAX, is_dead, nack_copies, other_groups_retries
 from node.realtime.store import DLQ_SUBJECT
 
 # ---------------------------------------------------------------------------------- immediate
@@ -122,3 +122,37 @@ def test_every_nacked_message_gets_exactly_one_copy_by_the_rule(rows, now, retry
     assert seen(retry) == want_retry
     assert seen(dead) == want_dead
     assert is_dead(np.array([r[2] for r in rows], np.int64), max_attempts).sum() == dead.n
+
+
+# ------------------------------------------------------------ retries of other groups' nacks
+
+
+def test_other_groups_retries_example():
+    b = nacked([("orders", "a", 0, (), {}),
+                ("orders", "b~r1", 1, (), {ORIGIN_ID: "b", NACKED_BY: "billing"}),
+                ("orders", "c~r1", 1, (), {ORIGIN_ID: "c", NACKED_BY: "mail"}),
+                ("orders", "d~r1", 1, (), {ORIGIN_ID: "d"}),  # an old copy: no nacked_by
+                (DLQ_SUBJECT, "e~r5", 5, (), {ORIGIN_ID: "e", NACKED_BY: "billing", "dlq.subject": "orders"}),
+                ("orders", "f", 0, (), {NACKED_BY: "billing"})])  # a first attempt is never filtered
+    assert other_groups_retries(b, "mail").tolist() == [False, True, False, False, False, False]
+    assert other_groups_retries(b, "billing").tolist() == [False, False, True, False, False, False]
+    assert other_groups_retries(Batch.empty(), "mail").tolist() == []
+
+
+def test_a_retry_copy_is_filtered_for_every_group_but_the_nacking_one():
+    b = nacked([("orders", "a", 0, (), {}), ("orders", "b", 2, (), {})])
+    retry, _ = nack_copies(b, now_ms=0, retry_after_ms=0, max_attempts=5, group="billing")
+    assert other_groups_retries(retry, "billing").tolist() == [False, False]
+    assert other_groups_retries(retry, "mail").tolist() == [True, True]
+    _, dead = nack_copies(b, now_ms=0, retry_after_ms=0, max_attempts=1, group="billing")
+    assert other_groups_retries(dead, "mail").tolist() == [False, False]  # dead letters reach every reader
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from(["orders", DLQ_SUBJECT]), st.integers(0, 3),
+                               st.sampled_from([None, "", "g1", "g2"])), max_size=20),
+       group=st.sampled_from(["g1", "g2", "g3"]))
+def test_other_groups_retries_by_the_rule(rows, group):
+    b = nacked([(s, f"m{i}", a, (), {} if by is None else {NACKED_BY: by}) for i, (s, a, by) in enumerate(rows)])
+    want = [s != DLQ_SUBJECT and a > 0 and bool(by) and by != group for s, a, by in rows]
+    assert other_groups_retries(b, group).tolist() == want

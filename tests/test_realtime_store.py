@@ -391,6 +391,30 @@ def test_nack_returns_inflight_records(tmp_path):
     assert st_.nack("orders", "g", [(0, 1)], now_ms=T0 + 1000)[0].n == 0
 
 
+def test_a_retry_copy_of_another_groups_nack_is_settled_not_handed_out(tmp_path):
+    st_ = open_store(tmp_path)
+    by = "hourglass.nacked_by"
+    append(st_, M(0), M("m1~r1", attempts=1, properties=(("hourglass.origin_id", "m1"), (by, "billing"))),
+           M(2), M("m3~r1", attempts=1, properties=(("hourglass.origin_id", "m3"),)))  # m3: an old copy
+    assert ids(st_, "orders", "mail", 10, T0) == ["m0", "m2", "m3~r1"]
+    assert ids(st_, "orders", "billing", 10, T0) == ["m0", "m1~r1", "m2", "m3~r1"]
+    assert st_.counters["skipped_other_group_retry"] == 1
+    # settled for "mail": not in flight, so never redelivered, and its position moves past it
+    g = st_._groups.get("orders", "mail")
+    assert len(g.inflight) == 3
+    assert ack(st_, "orders", "mail", [0, 2, 3], T0) == 3
+    assert g.committed() == 4
+    assert ids(st_, "orders", "mail", 10, T0 + 5_000) == []
+
+
+def test_a_pull_of_only_other_groups_retries_goes_on_to_the_next_messages(tmp_path):
+    st_ = open_store(tmp_path)
+    by = "hourglass.nacked_by"
+    append(st_, *[M(f"r{i}~r1", attempts=1, properties=((by, "billing"),)) for i in range(3)], M(9))
+    assert ids(st_, "orders", "mail", 3, T0) == ["m9"]  # the first round was all copies: a second round
+    assert ids(st_, "orders", "mail", 3, T0 + 5_000) == ["m9"]  # after ack_timeout_ms: m9 again, no copy
+
+
 # ---------------------------------------------------------------------- restarts
 
 

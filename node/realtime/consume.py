@@ -14,6 +14,13 @@ Per-batch Python, per-message numpy (``shared/ARCHITECTURE.md``, "Hot path"):
    client checks tags exactly. An entry not visible yet (dispatched ahead of its due time,
    ``index.visible_ms``) stops its subject; the earliest such time is left in
    ``held_next_ms`` for the caller's wait.
+
+   A retry copy of another group's nack (``hourglass.nacked_by`` names another group,
+   ``node/realtime/nack.py`` ``other_groups_retries``) is not handed out: its handle is
+   dropped from the group's in-flight set at once (settled for this group, counted in
+   ``skipped_other_group_retry`` after ``delivered``/``redelivered``), so each group gets
+   the retries of its own nacks only. When a round's whole batch was such copies the pull
+   tries again, at most ``SETTLE_ROUNDS_MAX`` rounds.
 2. ``ack`` / ``ack_many`` drop handle ranges from the in-flight set; ``nack`` returns the
    in-flight messages of its ranges (their deadline restarted) for the service to re-send,
    which then acks them.
@@ -40,9 +47,11 @@ from node.realtime.frames import FrameCache
 from node.realtime.groups import ConsumerGroups, Group
 from node.realtime.index import SubjectIndex, held_mask, tags_mask
 from node.realtime.indexfiles import IndexFiles
+from node.realtime.nack import other_groups_retries
 from node.store.settings import RealtimeSettings
 
 SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skips entries
+SETTLE_ROUNDS_MAX = 4  # pull rounds when a round's whole batch was other groups' retry copies
 EMPTY_BATCH = Batch.empty()
 NO_HANDLES = np.zeros(0, np.uint64)
 
@@ -103,7 +112,8 @@ class Delivery:
         self.groups = groups
         self.frames = frames
         self.settings = settings
-        self.counters = counters  # the store's: delivered, redelivered, acked, skipped_by_tag
+        # the store's: delivered, redelivered, acked, skipped_by_tag, skipped_other_group_retry
+        self.counters = counters
         self.rotation = 0  # which subject of a multi-subject pull goes first (fairness)
         self.held_next_ms: int | None = None  # after a pull: when the first entry it held back becomes visible
 
@@ -122,6 +132,21 @@ class Delivery:
         groups = [self.groups.open_group(s, group, ix, start) for s, ix in zip(subjects, ixs)]
         for g, ix in zip(groups, ixs):
             self.groups.touch(g, ix, now_ms)
+        for _ in range(SETTLE_ROUNDS_MAX):
+            batch, handles = self.pull_once(subjects, groups, ixs, group, left, want, now_ms)
+            other = other_groups_retries(batch, group)
+            if not other.any():  # first attempts: one compare of the attempts column
+                return batch, handles
+            self.settle_other_retries(batch, handles, other, groups)
+            keep = np.flatnonzero(~other)
+            if len(keep):
+                return batch.take(keep), handles[keep]
+            # the whole batch was other groups' retries: pull again rather than answer empty
+        return EMPTY_BATCH, NO_HANDLES
+
+    def pull_once(self, subjects: list[str], groups: list[Group], ixs: list[SubjectIndex], group: str, left: int,
+                  want: np.uint64, now_ms: int) -> tuple[Batch, np.ndarray]:
+        """One round of ``pull``: redeliveries, then new positions (module docstring, step 1)."""
         r = self.rotation % len(subjects)
         self.rotation += 1
         order = list(range(r, len(subjects))) + list(range(r))
@@ -148,6 +173,20 @@ class Delivery:
                                  f"{self.settings.inflight_per_group_max} messages in flight")
             return EMPTY_BATCH, NO_HANDLES
         return self.gather(cat_entries([e for e, _ in parts]), np.concatenate([h for _, h in parts]))
+
+    def settle_other_retries(self, batch: Batch, handles: np.ndarray, other: np.ndarray, groups: list[Group]) -> None:
+        """Drop the handles of ``batch``'s messages marked in ``other`` (retry copies of other
+        groups' nacks, ``nack.other_groups_retries``) from the pulling group's in-flight sets:
+        settled for it at once, as if acked, never redelivered to it."""
+        by_subject = {g.subject: g for g in groups}
+        sel = np.flatnonzero(other)
+        for k in np.unique(batch.subject_idx[sel]).tolist():
+            g = by_subject[batch.subjects[k]]
+            h = np.unique(handles[sel[batch.subject_idx[sel] == k]].astype(np.int64))
+            n = g.inflight.remove(_runs(h))
+            if n:
+                self.groups.mark_dirty(g)
+            self.counters["skipped_other_group_retry"] += n
 
     def take_new(self, groups: list[Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
                  parts: list) -> bool:

@@ -21,6 +21,15 @@ Rules, per message (``attempts`` is what it carried when it was pulled):
   group that nacked (the trace tells a nack from an ack by it). Tags, payload and the other
   properties travel unchanged.
 
+A retry copy goes back to its own subject, where every consumer group of that subject
+would pull it; it is meant only for the group that nacked. ``other_groups_retries`` is the
+rule a pull applies (``node/realtime/consume.py``): a message with ``attempts > 0`` whose
+``hourglass.nacked_by`` is set and names another group than the puller is a retry of
+another group's nack; the pull does not hand it out and settles it for the puller at once
+(it counts as acked for that group, like an entry skipped by a tag filter). Dead letters
+(subject ``hourglass.dlq``) are never filtered: their readers are not the group that nacked.
+A copy without the property (made before it existed) goes to every group, as it always did.
+
 Example: ``max_attempts=3``, ``now_ms=1000``, ``retry_after_ms=5000``; message "a" (attempts 0)
 -> retry copy "a~r1", attempts 1, due 6000, origin "a"; message "b~r2" (attempts 2, origin
 "b") -> dead letter "b~r3" on ``hourglass.dlq``, attempts 3, due 1000, ``dlq.subject`` its
@@ -42,6 +51,30 @@ ORIGIN_ID_CHARS_MAX = 100          # + "~r" + attempts (at most 5 digits): an AS
 def is_dead(attempts: np.ndarray, max_attempts: int) -> np.ndarray:
     """Per message, whether its next attempt (``attempts + 1``) reaches ``max_attempts``."""
     return np.asarray(attempts, np.int64) + 1 >= max_attempts
+
+
+def other_groups_retries(b: Batch, group: str) -> np.ndarray:
+    """Per message of a pulled batch, whether it is a retry copy of another group's nack,
+    not to be handed to ``group`` (rule in the module docstring). First attempts cost one
+    vectorized compare: only messages with ``attempts > 0`` outside the dead-letter subject
+    have their properties decoded.
+
+    Example: group "mail"; "a" (attempts 0) -> False; "b~r1" (attempts 1, nacked_by "billing")
+    -> True; "c~r1" (attempts 1, nacked_by "mail") -> False; "d~r1" (attempts 1, no
+    nacked_by: an old copy) -> False; a dead letter on ``hourglass.dlq`` -> False."""
+    out = np.zeros(b.n, bool)
+    if not b.n:
+        return out
+    cand = np.asarray(b.attempts) > 0
+    if not cand.any():
+        return out
+    dlq = [k for k, s in enumerate(b.subjects) if s == DLQ_SUBJECT]
+    if dlq:
+        cand &= ~np.isin(b.subject_idx, dlq)
+    for i in np.flatnonzero(cand).tolist():
+        by = dict(b.extra(i)[1]).get(NACKED_BY)
+        out[i] = bool(by) and by != group
+    return out
 
 
 def nack_copies(b: Batch, *, now_ms: int, retry_after_ms: int, max_attempts: int,

@@ -132,7 +132,8 @@ class RealtimeStore:
         self._dedup_offset = min(max(int(ck.get("dedup_offset", start)), start), end)
         self._ckpt_saved: dict | None = None
         self.counters = {"appended": 0, "duplicates": 0, "delivered": 0, "redelivered": 0, "acked": 0,
-                         "dedup_evicted_early": 0, "skipped_by_tag": 0, "reindexed": 0, "frame_cache_misses": 0,
+                         "dedup_evicted_early": 0, "skipped_by_tag": 0, "skipped_other_group_retry": 0,
+                         "reindexed": 0, "frame_cache_misses": 0,
                          "groups_idled": 0, "groups_resumed": 0, "resumed_skipped_messages": 0,
                          "segments_deleted": 0, "index_compactions": 0, "checkpoint_index_deferred": 0}
         self._indexed_upto = end  # every message below it has its index entry written (after recovery)
