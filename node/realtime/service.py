@@ -43,7 +43,6 @@ import asyncio
 import json
 import logging
 
-import grpc
 import numpy as np
 
 from cluster import security, status
@@ -51,12 +50,12 @@ from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, check_subject
 from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, InvalidArgument, NotLeader, Unavailable, UnknownSubject
+from cluster.errors import DiskFull, HourglassError, InvalidArgument, NotLeader, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
 from cluster.transport import Channels
-from cluster.wire import BatchResult, make_request, pack_ranges, serve_ordered, unpack_ranges
+from cluster.wire import BatchResult, pack_ranges, serve_ordered, unpack_ranges
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.grpcserver import start_grpc
@@ -67,6 +66,7 @@ from node.nodestatus import disk_status
 from node.realtime.creator import SubjectCreator
 from node.realtime.immediate import due_later, refuse_due_later
 from node.realtime.nack import nack_copies
+from node.realtime.retries import send_retries
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.realtime.upkeep import RealtimeUpkeep
 from node.role import SINGLE, Role
@@ -81,7 +81,6 @@ _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
 ANONYMOUS = "anonymous"        # the one tenant of an open cluster (no authentication), for the quotas
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
-RETRY_SEND_TIMEOUT_S = 10.0   # one SendBatch of nacked copies to a delay node
 
 
 class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
@@ -513,23 +512,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         nodes = self.settings.delay_nodes
         if not nodes and self.resolver is not None:
             nodes = await self.resolver.delay_nodes()
-        if not nodes:
-            raise Unavailable("no delay node configured for retries")
-        req = make_request(batch)
-        last: Exception | None = None
-        for address in nodes:
-            try:
-                resp = await self.channels.producer(address).SendBatch(req, timeout=RETRY_SEND_TIMEOUT_S)
-            except grpc.RpcError as e:
-                last = status.from_rpc_error(e)
-                continue
-            res = BatchResult.from_pb(resp, batch.n)
-            bad = np.flatnonzero(res.codes != pb.OK)
-            if len(bad):
-                i = int(bad[0])
-                raise status.from_code(int(res.codes[i]), res.errors.get(i, "refused"))
-            return
-        raise Unavailable(f"no delay node took the retries: {last}")
+        await send_retries(self.channels, nodes, batch)
 
     # ------------------------------------------------------------------ admin
 
