@@ -1,0 +1,122 @@
+"""Pending messages per (bucket, subject): the counts behind the console's Schedule page per
+subject (issue 31). Pure: no file, clock or thread.
+
+What it owns: ``SubjectPending.by_bucket``, bucket start -> subject -> messages filed there and
+not yet dispatched nor cancelled. It moves exactly where ``DelayCore.pending`` moves
+(``DelayCore.pending_add``: filing, a dispatch record, a cancel whose bucket is retired) with the
+same signs, split by each record's subject (the batch's subject column), and is made afresh
+where the pending counts are (at open, at a promotion, after a bucket rebuild:
+``node/delay/subject_tables.py`` recounts it from the per-bucket subject tables and the frames'
+subject columns, never a payload).
+
+Invariant: for every bucket, its subjects' counts are positive and sum to the bucket's pending
+count (``check``; ``DelayStore.check_invariants`` also compares both with a recount from disk).
+
+``summary`` bounds what a Status carries: the ``subjects_max`` subjects with most pending
+messages (in the buckets shown), the rest summed under ``OTHER``, which no subject can be called
+(a subject starts with a letter or digit, ``cluster.codec.subject_problem``).
+
+Worked example: bucket 0 holds ``{"a": 3, "b": 1}``, bucket 3_600_000 ``{"c": 2}``;
+``summary([0, 3_600_000], subjects_max=2)`` is ``{"a": 3, "c": 2, "(other)": 1}``, and
+``of_subject("a", [0, 3_600_000])`` is ``{0: 3}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+OTHER = "(other)"
+
+
+def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
+            sign: np.ndarray | int) -> list[tuple[int, str, int]]:
+    """(bucket start, subject, sum of ``sign``) per distinct (bucket, subject) of the records
+    whose bucket starts are ``starts`` and subject indexes (into ``subjects``) ``sidx``."""
+    n = len(starts)
+    if not n:
+        return []
+    weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
+    sidx = np.asarray(sidx, np.int64)
+    if len(subjects) == 1 and int(starts.min()) == int(starts.max()):  # the usual case: one of each
+        return [(int(starts[0]), subjects[0], int(weights.sum()))]
+    keys = np.stack([np.asarray(starts, np.int64), sidx], axis=1)
+    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=weights, minlength=len(uniq)).astype(np.int64)
+    return [(int(b), subjects[int(s)], int(v)) for (b, s), v in zip(uniq.tolist(), sums.tolist())]
+
+
+class SubjectPending:
+    """bucket start -> subject -> pending messages (module docs)."""
+
+    def __init__(self) -> None:
+        self.by_bucket: dict[int, dict[str, int]] = {}
+
+    def add(self, starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray, sign: np.ndarray | int) -> None:
+        for b, s, v in grouped(starts, subjects, sidx, sign):
+            if not v:
+                continue
+            row = self.by_bucket.setdefault(b, {})
+            n = row.get(s, 0) + v
+            if n:
+                row[s] = n
+            else:
+                row.pop(s, None)
+            if not row:
+                del self.by_bucket[b]
+
+    def set_bucket(self, start: int, counts: dict[str, int]) -> None:
+        row = {s: n for s, n in counts.items() if n > 0}
+        if row:
+            self.by_bucket[start] = row
+        else:
+            self.by_bucket.pop(start, None)
+
+    def reset(self, by_bucket: dict[int, dict[str, int]]) -> None:
+        self.by_bucket = {}
+        for b, row in by_bucket.items():
+            self.set_bucket(b, row)
+
+    def drop_other_than(self, pending: dict[int, int]) -> None:
+        """Buckets the pending counts no longer hold (their count reached 0) hold no subject."""
+        for b in [b for b in self.by_bucket if b not in pending]:
+            del self.by_bucket[b]
+
+    def totals(self, buckets: Iterable[int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for b in buckets:
+            for s, n in self.by_bucket.get(b, {}).items():
+                out[s] = out.get(s, 0) + n
+        return out
+
+    def summary(self, buckets: Iterable[int], *, subjects_max: int) -> dict[str, int]:
+        """Subject -> pending in ``buckets``: the ``subjects_max`` largest (ties by name), the
+        rest as ``OTHER`` (absent when there is no rest)."""
+        tot = self.totals(buckets)
+        ranked = sorted(tot.items(), key=lambda kv: (-kv[1], kv[0]))
+        out = dict(ranked[:subjects_max])
+        rest = sum(n for _, n in ranked[subjects_max:])
+        if rest:
+            out[OTHER] = rest
+        return out
+
+    def of_subject(self, subject: str, buckets: Iterable[int]) -> dict[int, int]:
+        """Bucket start -> pending messages of ``subject`` (buckets where it has some)."""
+        out = {}
+        for b in buckets:
+            n = self.by_bucket.get(b, {}).get(subject, 0)
+            if n > 0:
+                out[b] = n
+        return out
+
+    def check(self, pending: dict[int, int]) -> None:
+        """The module invariant against the bucket counts ``pending``."""
+        for b, row in self.by_bucket.items():
+            assert all(n > 0 for n in row.values()), (b, row)
+            assert sum(row.values()) == pending.get(b, 0), (b, row, pending.get(b))
+        for b, n in pending.items():
+            assert n <= 0 or b in self.by_bucket, (b, n)
+
+
+__all__ = ["OTHER", "SubjectPending", "grouped"]
