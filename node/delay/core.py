@@ -556,6 +556,8 @@ class DelayCore:
             items = zip(uniq.tolist(), np.bincount(inv, weights=weights).astype(np.int64).tolist())
         for b, n in items:
             self.set_pending(b, self.pending.get(b, 0) + n)
+            if b not in self.pending:  # as the bucket's count, none of its subjects' is below 1
+                self.subjects.by_bucket.pop(b, None)
 
     def set_pending(self, start: int, n: int) -> None:
         if n > 0:
@@ -573,7 +575,6 @@ class DelayCore:
         assert self.follower or self.completed_ms >= self.persisted_completed_ms, \
             (self.completed_ms, self.persisted_completed_ms)
         assert all(n > 0 for n in self.pending.values()), self.pending
-        self.subjects.check(self.pending)
         self.flight.check()
 
 

@@ -59,7 +59,7 @@ class SubjectPending:
                 continue
             row = self.by_bucket.setdefault(b, {})
             n = row.get(s, 0) + v
-            if n:
+            if n > 0:  # as ``DelayCore.set_pending``: a count is never below 1
                 row[s] = n
             else:
                 row.pop(s, None)
