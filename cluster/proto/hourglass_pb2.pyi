@@ -217,8 +217,10 @@ class BrowseResponse(_message.Message):
     def __init__(self, batch: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., next_position: _Optional[int] = ..., end_position: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("subject",)
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    def __init__(self, subject: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("node_id", "role", "group", "master", "epoch", "json")
