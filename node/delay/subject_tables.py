@@ -5,7 +5,7 @@ a bucket rebuild without reading a message body (issue 31, the Schedule page per
 What it owns: per schedule bucket, the **filed** net counts (messages minus tombstones) per
 (subject, minute of the bucket) of the bucket's first ``entries`` index entries, in memory for
 the buckets being filed into or counted, and on disk in the bucket's folder as the file
-``subjects`` (a checkpoint file: one line of JSON and a CRC line, ``node/store/checkpoint.py``;
+``subject_counts`` (a checkpoint file: one line of JSON and a CRC line, ``node/store/checkpoint.py``;
 ``docs/format.md``, "Schedule log"):
 ``{"version": 1, "bucket_start_ms", "entries", "subjects": [...], "counts": [[subject index,
 minute, n], ...]}``.
@@ -57,7 +57,7 @@ from node.store.syncplan import DocGate, SyncPlan
 
 log = logging.getLogger("hourglass.delay.subjects")
 
-TABLE_NAME = "subjects"
+TABLE_NAME = "subject_counts"
 TABLE_VERSION = 1
 MINUTE_MS = 60_000
 LOAD_TRIES_MAX = 3  # a frame read may rebuild the bucket (heal.py): count again at most so often
