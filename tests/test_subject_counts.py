@@ -152,3 +152,33 @@ def test_summary_worked_example_of_the_module_docs():
 def test_settings_reach_the_store():
     s = NodeSettings(subject_table_stale_entries_max=7, subject_tables_per_checkpoint_max=3).store_settings()
     assert replace(s).subject_table_stale_entries_max == 7 and s.subject_tables_per_checkpoint_max == 3
+
+
+def test_a_promoted_slave_counts_per_subject_what_its_master_left_pending(tmp_path):
+    from node.delay.store import DelayStore
+    from tests.test_failover_store import replicate
+
+    now = START + 1_000
+    m = DelayStore.open(tmp_path / "m", SETTINGS, now_ms=now)
+    f = DelayStore.open(tmp_path / "f", SETTINGS, now_ms=now, follower=True)
+    f.follow()
+    h = Harness.__new__(Harness)
+    h.path, h.settings, h.now, h.store, h.delivered = tmp_path / "m", SETTINGS, now, m, []
+    h.send([msg(i, START + 20_000 + 10_000 * i, subject=SUBJECTS[i % 3]) for i in range(9)]
+           + [msg(50 + i, START + BUCKET_MS + 1_000, subject="mail") for i in range(4)])
+    h.store.cancel("m50", now_ms=h.now)
+    h.store.flush_messages()
+    h.store.iterate(limit=None)
+    m.checkpoint()
+    replicate(m, f)  # the slave files them where the master did
+    h.run_until(START + 55_000, step=500)  # m0..m3 delivered
+    m.checkpoint()
+    replicate(m, f)
+    f.checkpoint()
+    # the slave's Status: what is left, the bucket holding completed_ms from the table's later minutes
+    st = ScheduleStatus(NodeSettings()).stats(f, now_ms=h.now, subject="mail")
+    assert sum(st["pending_subjects"].values()) == 8
+    f.promote(h.now)
+    want = {START: {"mail": 2, "billing.eu": 2, "orders": 1}, START + BUCKET_MS: {"mail": 3}}  # m4..m8, m51..m53
+    assert f.core.subjects.by_bucket == m.core.subjects.by_bucket == want
+    f.check_invariants()
