@@ -109,7 +109,8 @@ class Viewer:
 
         async def ask(node: dict) -> dict:
             try:
-                r = await self.channels.admin(node["address"]).Status(pb.StatusRequest(subject=subject), timeout=RPC_TIMEOUT_S)
+                r = await self.channels.admin(node["address"]).Status(pb.StatusRequest(subject=subject),
+                                                                      timeout=RPC_TIMEOUT_S)
                 return node | json.loads(r.json)
             except grpc.RpcError as e:
                 return node | {"error": str(from_rpc_error(e))[:200]}

@@ -468,7 +468,8 @@ class DelayCore:
         if placed.any():
             eff = batch.effective_ms[placed]
             tomb = is_cancel[placed]
-            self.pending_add(eff, np.where(tomb, -self.cancelled_counts(eff), 1), (batch.subjects, batch.subject_idx[placed]))
+            sign = np.where(tomb, -self.cancelled_counts(eff), 1)
+            self.pending_add(eff, sign, (batch.subjects, batch.subject_idx[placed]))
         if self.follower:
             return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
