@@ -145,7 +145,8 @@ def test_status_names_the_largest_subjects_and_one_subject_by_bucket(tmp_path):
 def test_summary_worked_example_of_the_module_docs():
     sp = SubjectPending()
     sp.reset({0: {"a": 3, "b": 1}, 3_600_000: {"c": 2}})
-    assert sp.summary([0, 3_600_000], subjects_max=2) == {"a": 3, "c": 2, OTHER: 1}
+    assert sp.summary(subjects_max=2) == {"a": 3, "c": 2, OTHER: 1}
+    assert sp.summary(subjects_max=2, left_out=[3_600_000]) == {"a": 3, "b": 1}
     assert sp.of_subject("a", [0, 3_600_000]) == {0: 3}
 
 

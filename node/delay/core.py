@@ -558,7 +558,7 @@ class DelayCore:
         for b, n in items:
             self.set_pending(b, self.pending.get(b, 0) + n)
             if b not in self.pending:  # as the bucket's count, none of its subjects' is below 1
-                self.subjects.by_bucket.pop(b, None)
+                self.subjects.drop_bucket(b)
 
     def set_pending(self, start: int, n: int) -> None:
         if n > 0:

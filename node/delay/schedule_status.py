@@ -8,7 +8,7 @@ Schedule page; docs/console.md, "Node-side support"):
 * ``pending_by_minute``: minute start -> pending messages of the buckets starting within
   ``pending_by_minute_horizon_ms`` (``node/delay/minutes.py``: from the per-second index, each
   bucket's minutes summing to its pending count);
-* ``pending_subjects``: subject -> pending messages in the buckets shown, the
+* ``pending_subjects``: subject -> pending messages in the buckets shown (a running total per subject), the
   ``status_subjects_max`` largest, the rest summed under ``"(other)"`` (``node/delay/subjects.py``);
 * ``pending_by_subject``, only when the Status request names a subject (``StatusRequest.subject``):
   ``{"<subject>": {"<bucket start ms>": n}}`` over the buckets shown: one subject per request
@@ -52,7 +52,9 @@ class ScheduleStatus:
         if subject:
             per_subject = {"pending_by_subject": {subject: {str(b): n for b, n in
                                                             subjects.of_subject(subject, shown).items()}}}
-        return {"pending_subjects": subjects.summary(shown, subjects_max=self.subjects_max), **per_subject,
+        left_out = sorted(pending)[self.buckets_max:]
+        return {"pending_subjects": subjects.summary(subjects_max=self.subjects_max, left_out=left_out),
+                **per_subject,
                 "bucket_ms": store.settings.bucket_ms,
                 "pending_by_bucket": {str(b): pending[b] for b in shown},
                 "pending_buckets_left_out": len(pending) - len(shown),
@@ -66,8 +68,9 @@ class ScheduleStatus:
         """A slave's counts per subject for its ``pending`` (module docs)."""
         core = store.core
         c, bms = core.completed_ms, store.settings.bucket_ms
-        out = SubjectPending()
-        out.by_bucket = {b: row for b, row in core.subjects.by_bucket.items() if b in pending}
+        out = core.subjects.copy()
+        for b in [b for b in out.by_bucket if b not in pending]:  # done: the master fired them
+            out.drop_bucket(b)
         now_bucket = c - c % bms
         if now_bucket in pending:
             t = store.subject_tables.table(now_bucket)
@@ -80,7 +83,7 @@ class ScheduleStatus:
             rest = pending[now_bucket] - sum(row.values())
             if rest > 0:
                 row[OTHER] = row.get(OTHER, 0) + rest
-            out.by_bucket[now_bucket] = row
+            out.set_bucket(now_bucket, row)
         return out
 
 
