@@ -357,7 +357,7 @@ class DelayStore:
         soon = None if self.follower else core.wheel.loaded_until_ms + self.settings.cache_ahead_ms
         force = self.refiled.mask(batch, refile_seq_max=core.refile_seq_max, index=self.ids)
         placed = self.schedule.file(batch, cache_before_ms=soon, force=force)
-        self.subject_tables.filed(placed.frames)
+        self.subject_tables.filed(batch, placed)
         seq = batch.seq
         last_ids = self.ids.last_seq()
         new = seq > np.uint64(last_ids) if last_ids >= 0 else np.ones(batch.n, bool)

@@ -83,15 +83,18 @@ class _Table:
         self.counts: dict[tuple[str, int], int] = {}
         self.gate = _TableGate()
 
+    def add(self, subject: str, minute: int, v: int) -> None:
+        key = (subject, minute)
+        n = self.counts.get(key, 0) + v
+        if n:
+            self.counts[key] = n
+        else:
+            self.counts.pop(key, None)
+
     def add_batch(self, b: Batch, minute: int) -> None:
         sign = np.where(b.kind == KIND_CANCEL, -1, 1)
         for _, s, v in grouped(np.zeros(b.n, np.int64), b.subjects, b.subject_idx, sign):
-            key = (s, minute)
-            n = self.counts.get(key, 0) + v
-            if n:
-                self.counts[key] = n
-            else:
-                self.counts.pop(key, None)
+            self.add(s, minute, v)
 
     def doc(self, start: int) -> dict:
         names = sorted({s for s, _ in self.counts})
@@ -191,27 +194,36 @@ class SubjectTables:
 
     # -------------------------------------------------------------- filing
 
-    def filed(self, frames: Iterable) -> None:
-        """New frames were appended to the schedule log (``ScheduleLog.file``'s ``frames``, one
-        index entry each): counted into their buckets' tables."""
+    def filed(self, batch: Batch, placed) -> None:
+        """``batch`` was filed (``ScheduleLog.file`` answered ``placed``): its new records counted
+        into their buckets' tables (one numpy pass), each new frame one index entry more."""
         self._fresh()
-        by_bucket: dict[int, list] = {}
-        for ref in frames:
-            by_bucket.setdefault(ref.bucket_start_ms, []).append(ref)
-        for start, refs in by_bucket.items():
+        if not placed.frames:
+            return
+        frames: dict[int, int] = {}
+        for ref in placed.frames:
+            frames[ref.bucket_start_ms] = frames.get(ref.bucket_start_ms, 0) + 1
+        tables = {}
+        for start, k in frames.items():
             b = self.schedule.bucket(start, create=False)
-            if b is None:
-                continue
             t = self.tables.get(start)
-            before = b.entries - len(refs)
-            if t is None or t.entries != before:
-                t = self.table(start, upto=before)
-                if t is None:
-                    continue
-            for ref in refs:
-                sec = (int(ref.batch.effective_ms[0]) - start) // 1000
-                t.add_batch(ref.batch, sec // 60)
-                t.entries += 1
+            if b is not None and (t is None or t.entries != b.entries - k):
+                t = self.table(start, upto=b.entries - k)
+            if t is not None:
+                tables[start] = t
+        m = placed.filed
+        bucket = placed.bucket_start_ms[m]
+        minute = (batch.effective_ms[m] - bucket) // MINUTE_MS
+        sign = np.where(batch.kind[m] == KIND_CANCEL, -1, 1)
+        ub, binv = np.unique(bucket, return_inverse=True)
+        slot = binv.reshape(-1).astype(np.int64) * (int(minute.max()) + 1) + minute
+        span = int(minute.max()) + 1
+        for sl, s, v in grouped(slot, batch.subjects, batch.subject_idx[m], sign):
+            t = tables.get(int(ub[sl // span]))
+            if t is not None:
+                t.add(s, sl % span, v)
+        for start, t in tables.items():
+            t.entries += frames[start]
 
     # -------------------------------------------------------------- checkpoint
 

@@ -33,19 +33,21 @@ OTHER = "(other)"
 
 def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
             sign: np.ndarray | int) -> list[tuple[int, str, int]]:
-    """(bucket start, subject, sum of ``sign``) per distinct (bucket, subject) of the records
-    whose bucket starts are ``starts`` and subject indexes (into ``subjects``) ``sidx``."""
+    """(start, subject, sum of ``sign``) per distinct (start, subject) of records whose starts
+    (a bucket, a minute: any int64) are ``starts`` and subject indexes (into ``subjects``)
+    ``sidx``: two ``np.unique`` over small integers, whatever the number of records."""
     n = len(starts)
     if not n:
         return []
     weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
-    sidx = np.asarray(sidx, np.int64)
     if len(subjects) == 1 and int(starts.min()) == int(starts.max()):  # the usual case: one of each
         return [(int(starts[0]), subjects[0], int(weights.sum()))]
-    keys = np.stack([np.asarray(starts, np.int64), sidx], axis=1)
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-    sums = np.bincount(inv.reshape(-1), weights=weights, minlength=len(uniq)).astype(np.int64)
-    return [(int(b), subjects[int(s)], int(v)) for (b, s), v in zip(uniq.tolist(), sums.tolist())]
+    ub, binv = np.unique(starts, return_inverse=True)
+    nsub = len(subjects)
+    key = binv.reshape(-1).astype(np.int64) * nsub + np.asarray(sidx, np.int64)
+    uk, kinv = np.unique(key, return_inverse=True)
+    sums = np.bincount(kinv.reshape(-1), weights=weights, minlength=len(uk)).astype(np.int64)
+    return [(int(ub[k // nsub]), subjects[k % nsub], v) for k, v in zip(uk.tolist(), sums.tolist())]
 
 
 class SubjectPending:
