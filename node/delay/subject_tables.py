@@ -315,9 +315,17 @@ class SubjectTables:
     # -------------------------------------------------------------- the store's pending counts
 
     def count_pending(self, core) -> None:
-        """The pending counts made afresh, per bucket and per subject (at open, at a promotion)."""
-        core.counted(recovery.count_pending(self.schedule, core))
-        core.subjects.reset(self.recount(core, core.pending))
+        """The pending counts made afresh, per bucket and per subject (at open, at a promotion),
+        each bucket's counts per subject while the bucket count has it open."""
+        rows: dict[int, dict[str, int]] = {}
+
+        def each(start: int) -> None:
+            rows[start] = self.bucket_counts(core, start)
+        core.counted(recovery.count_pending(self.schedule, core, each=each))
+        for start, subject in self.delivered_after(core, set(rows)):
+            row = rows.setdefault(start, {})
+            row[subject] = row.get(subject, 0) - 1
+        core.subjects.reset({b: row for b, row in rows.items() if b in core.pending})
 
     def recount_bucket(self, core, start: int) -> None:
         """Bucket ``start`` was rebuilt: its counts again (``recovery.recount_pending``)."""
