@@ -9,7 +9,7 @@ and asks this core what to do. The core owns the state that decides:
 * the delivered-seq map (``dispatched``), fed by dispatch records (``note_dispatched``,
   ``replayed``), pruned behind the persisted ``completed_ms``;
 * the in-flight units (``fire``, ``acked``, ``release``; held in node/delay/inflight.py) and
-  the pending counts per bucket;
+  the pending counts per bucket (and per subject: node/delay/subjects.py);
 * voided seq ranges (a divergent suffix cut off), cancels not filed yet, which messages of a
   frame the wheel may hold (``chunk``), the status of a record.
 

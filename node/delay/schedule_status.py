@@ -13,6 +13,8 @@ Schedule page; docs/console.md, "Node-side support"):
 * ``pending_by_subject``, only when the Status request names a subject (``StatusRequest.subject``):
   ``{"<subject>": {"<bucket start ms>": n}}`` over the buckets shown: one subject per request
   keeps a Status small (the cluster page polls it) whatever the number of subjects and buckets;
+* ``subject_tables``: what the subject tables did since open (tables written, tables found
+  unusable and counted from frames instead, frames counted);
 * ``lateness``: p50/p99 of fire time minus due time over ``lateness_window_ms``
   (``node/delay/lateness.py``), with how many messages fired in the window.
 
@@ -61,7 +63,7 @@ class ScheduleStatus:
                 "pending_by_minute": {str(m): n for m, n in
                                       self.minutes.counts(store, pending, now_ms=now_ms,
                                                           horizon_ms=self.horizon_ms).items()},
-                "lateness": self.lateness.summary(now_ms)}
+                "lateness": self.lateness.summary(now_ms), "subject_tables": dict(store.subject_tables.counters)}
 
     @staticmethod
     def follower_subjects(store, pending: dict[int, int]) -> SubjectPending:
