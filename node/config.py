@@ -190,6 +190,13 @@ class NodeSettings(BaseSettings):
                                  description="a larger accepted batch is appended as several frames")
     verify_ahead_ms: int = Field(default=S.verify_ahead_ms, ge=0,
                                  description="at open, frames due this far ahead are verified before serving")
+    subject_table_stale_entries_max: int = Field(default=S.subject_table_stale_entries_max, ge=1,
+                                                 description="index entries filed into a schedule bucket before a "
+                                                             "checkpoint writes its subject table again (a restart "
+                                                             "reads at most that many frames per bucket)")
+    subject_tables_per_checkpoint_max: int = Field(default=S.subject_tables_per_checkpoint_max, ge=1,
+                                                   description="subject tables one checkpoint writes at most "
+                                                               "(the stalest first)")
 
     # segment sizes (a segment is the unit retention deletes)
     message_segment_bytes: int = Field(default=S.message_segment_bytes, ge=4096)
@@ -287,6 +294,9 @@ class NodeSettings(BaseSettings):
                                           description="master_changes_1h in Status counts role changes this recent")
     master_changes_kept_max: int = Field(default=256, ge=1,
                                          description="role-change times a node keeps (a storm counts as this many)")
+    status_subjects_max: int = Field(default=20, ge=1, le=1000,
+                                     description="subjects a delay Status names in pending_subjects (most "
+                                                 "pending first; the rest summed as \"(other)\")")
     status_groups_max: int = Field(default=1000, ge=1,
                                    description="(subject, consumer group) rows one real-time Status carries at most")
 

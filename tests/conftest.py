@@ -111,6 +111,7 @@ MODULE_TIERS = {
     "test_spark_cli.py": "slow",
     "test_status.py": "unit",
     "test_status_counts.py": "unit",
+    "test_subject_counts.py": "unit",
     "test_streams.py": "integration",
     "test_trace.py": "integration",
     "test_trace_rules.py": "unit",

@@ -124,6 +124,31 @@ async def test_the_schedule_chart_shows_the_burst_in_its_bucket(cluster, console
     assert rows.get(due_ms - due_ms % slot, 0) >= 20
 
 
+async def test_the_schedule_page_shows_a_subjects_burst_under_that_subject(cluster, console, browser):
+    from selenium.webdriver.support.ui import Select
+
+    await _send(cluster, "console.only", [f"only-{i}" for i in range(7)], delay_ms=10 * 60_000)
+    r = _resolver(cluster)
+    try:
+        async with Producer(r) as p:
+            due_ms = (await p.lookup("only-0")).deliver_at_ms
+    finally:
+        await r.close()
+    browser.get(console.url + "/schedule")
+    assert "console.only" in [e.get_attribute("value") for e in _css(browser, "#subject option")]
+    Select(_css(browser, "#subject")[0]).select_by_value("console.only")
+    _css(browser, "#subject-form button")[0].click()
+    wait_for(browser, lambda d: _css(d, "#subject-shown"), "the page shows the chosen subject")
+    assert int(_css(browser, 'tr.total[data-group="delay-g1"] .count')[0].text) == 7  # its burst alone
+    for table in _css(browser, "table.schedule"):  # minute, hour and day views: the burst in its slot
+        slot = int(table.get_attribute("data-slot-ms"))
+        rows = {int(e.get_attribute("data-start")): int(e.find_element("css selector", ".count").text)
+                for e in table.find_elements("css selector", "tr.slot")}
+        first = min(rows) if rows else 0
+        assert rows.get(max(first, due_ms - due_ms % slot)) == 7 and sum(rows.values()) == 7, (slot, rows)
+    shot(browser, "schedule-subject")
+
+
 async def test_the_slave_reports_the_same_pending_counts_as_its_master(cluster):
     # the burst of the tests above is due in 10 minutes: once the slave holds the master's
     # checkpoint, its own counts (a slave fires nothing) agree with the master's

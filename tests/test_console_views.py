@@ -312,3 +312,46 @@ def test_the_cluster_page_counts_a_new_master_of_a_group():
     views.cluster_groups([row], h, NOW)
     (g,) = views.cluster_groups([row | {"node_id": "b", "election_epoch": 3}], h, NOW + 5000)
     assert g.members[0].master_changes.startswith("1 since")
+
+
+# ---------------------------------------------------------------------- schedule per subject
+
+
+def _delay_row(asked: str) -> dict:
+    row = {"role": "delay", "group": "delay-g1", "address": "a:1", "mode": "master", "pending": 12,
+           "bucket_ms": HOUR, "pending_by_bucket": {str(NOW): 9, str(NOW + HOUR): 3},
+           "pending_by_minute": {str(NOW + 10 * MIN): 9},
+           "pending_subjects": {"orders": 8, "mail": 3, views.OTHER_SUBJECTS: 1}}
+    if asked:
+        row["pending_by_subject"] = {asked: {str(NOW + HOUR): 3} if asked == "mail" else {}}
+    return row
+
+
+def test_subject_totals_sum_the_masters_and_keep_other_apart():
+    rows = [_delay_row(""), _delay_row("") | {"group": "delay-g2", "pending_subjects": {"mail": 2}}]
+    assert views.subject_totals(rows) == ({"orders": 8, "mail": 5}, 1)
+    assert views.subject_buckets(_delay_row("mail"), "mail") == {NOW + HOUR: 3}
+    assert views.subject_buckets(_delay_row(""), "mail") is None  # a Status that did not ask
+
+
+def test_the_schedule_page_shows_a_chosen_subject_in_its_buckets(client, monkeypatch):
+    from cluster.console import backend
+
+    asked: list[str] = []
+
+    async def rows(self, subject=""):
+        asked.append(subject)
+        return [_delay_row(subject), {"role": "realtime", "group": "realtime-1", "address": "b:1"}]
+    monkeypatch.setattr(backend.Viewer, "status_rows", rows)
+    monkeypatch.setattr("cluster.console.app._now_ms", lambda: NOW + 5 * MIN)
+    page = client.get("/schedule").text
+    assert '<option value="orders">orders (8 pending)</option>' in page and "subject-shown" not in page
+    r = client.get("/schedule", params={"subject": "mail"})
+    assert asked == ["", "mail"] and 'id="subject-shown"' in r.text
+    assert '<option value="mail" selected>' in r.text
+    slots = re.findall(r'<tr class="slot" data-start="(\d+)"><td>[^<]*</td><td class="count">(\d+)</td>', r.text)
+    day = NOW + HOUR - (NOW + HOUR) % (24 * HOUR)
+    assert set(slots) == {(str(NOW + HOUR), "3"), (str(day), "3")}, slots  # its one bucket: its hour, its day
+    assert re.search(r'<td class="count">3</td>', r.text.split('id="totals"')[1].split("</table>")[0])
+    bad = client.get("/schedule", params={"subject": "no spaces allowed"})
+    assert asked[-1] == "" and "no spaces allowed" in bad.text and 'id="subject-shown"' not in bad.text

@@ -30,6 +30,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from cluster import errors as E
+from cluster.codec import subject_problem
 from cluster.console import views
 from cluster.console.backend import ConsoleCluster, Viewers
 from cluster.console.sessions import Session, Sessions, csrf_ok
@@ -176,8 +177,11 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
     @viewer_page
     async def schedule_page(request: Request, s: Session) -> Response:
         error, rows, by_group, missing = None, [], {}, []
+        subject = request.query_params.get("subject", "")
+        if subject and subject_problem(subject):
+            error, subject = f"subject {subject[:200]!r}: {subject_problem(subject)}", ""
         try:
-            rows = await (await viewers.get(s.token)).status_rows()
+            rows = await (await viewers.get(s.token)).status_rows(subject)
         except E.HourglassError as e:
             error = str(e)
         totals, minutes, lateness = {}, {}, {}
@@ -188,16 +192,23 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
             totals[g] = r.get("pending", 0)
             lateness[g] = views.lateness_text(r)
             got = views.pending_buckets(r)
+            if got is not None and subject:  # the subject's counts, in the same buckets
+                one = views.subject_buckets(r, subject)
+                got = None if one is None else (one, got[1])
+                totals[g] = sum(one.values()) if one is not None else "not reported"
             if got is None:
                 missing.append(g)
             else:
                 by_group[g] = got
-            m = views.pending_minutes(r)
+            m = None if subject else views.pending_minutes(r)  # a subject's counts are per bucket
             if m is not None:
                 minutes[g] = m
         now = _now_ms()
+        subjects, other = views.subject_totals([r for r in rows if r.get("role") == "delay" and "error" not in r
+                                                and r.get("mode", "master") == "master"])
         return render(request, "schedule.html", s, error=error, totals=totals, missing=missing, lateness=lateness,
-                      schedule=views.schedule_views(by_group, now, minutes) if by_group else [], now_ms=now)
+                      schedule=views.schedule_views(by_group, now, minutes) if by_group else [], now_ms=now,
+                      subject=subject, subjects=subjects, other_subjects=other)
 
     samples: dict[str, tuple[int, dict]] = {}  # real-time master address -> its last (now_ms, counters)
 

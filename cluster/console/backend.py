@@ -98,8 +98,9 @@ class Viewer:
 
     # ------------------------------------------------------------------ cluster
 
-    async def status_rows(self) -> list[dict]:
-        """Every registered member with its Status (a member that does not answer: ``error``)."""
+    async def status_rows(self, subject: str = "") -> list[dict]:
+        """Every registered member with its Status (a member that does not answer: ``error``);
+        ``subject``: delay members add that subject's counts by bucket (``pending_by_subject``)."""
         from cluster.proto import hourglass_pb2 as pb
 
         groups = await self.resolver.load()
@@ -108,7 +109,8 @@ class Viewer:
 
         async def ask(node: dict) -> dict:
             try:
-                r = await self.channels.admin(node["address"]).Status(pb.StatusRequest(), timeout=RPC_TIMEOUT_S)
+                r = await self.channels.admin(node["address"]).Status(pb.StatusRequest(subject=subject),
+                                                                      timeout=RPC_TIMEOUT_S)
                 return node | json.loads(r.json)
             except grpc.RpcError as e:
                 return node | {"error": str(from_rpc_error(e))[:200]}

@@ -174,6 +174,43 @@ def pending_minutes(row: dict) -> dict[int, int] | None:
         return None
 
 
+OTHER_SUBJECTS = "(other)"  # what a delay Status sums the subjects past its limit under
+
+
+def subject_totals(rows: list[dict]) -> tuple[dict[str, int], int]:
+    """The subjects the delay masters name in ``pending_subjects`` with their pending counts
+    summed over the groups, most first, and what they sum under ``(other)`` (the subject
+    selector of the Schedule page)."""
+    out: dict[str, int] = {}
+    other = 0
+    for r in rows:
+        raw = r.get("pending_subjects")
+        if not isinstance(raw, dict):
+            continue
+        for k, v in raw.items():
+            try:
+                n = int(v)
+            except (TypeError, ValueError):
+                continue
+            if k == OTHER_SUBJECTS:
+                other += n
+            elif n > 0:
+                out[str(k)] = out.get(str(k), 0) + n
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))), other
+
+
+def subject_buckets(row: dict, subject: str) -> dict[int, int] | None:
+    """A delay master's pending counts of ``subject`` by bucket start (``pending_by_subject``,
+    answered when the Status asked for that subject), or None when its Status carries none."""
+    raw = row.get("pending_by_subject")
+    if not isinstance(raw, dict) or not isinstance(raw.get(subject), dict):
+        return None
+    try:
+        return {int(k): int(v) for k, v in raw[subject].items() if int(v) > 0}
+    except (TypeError, ValueError):
+        return None
+
+
 def finer(by_group: dict[str, tuple[dict[int, int], int]], minutes: dict[str, dict[int, int]],
           slot_ms: int) -> dict[str, tuple[dict[int, int], int]]:
     """The counts a view of ``slot_ms`` slots uses: a group whose buckets are longer than a

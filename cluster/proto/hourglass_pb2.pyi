@@ -273,8 +273,10 @@ class TraceResponse(_message.Message):
     def __init__(self, position: _Optional[int] = ..., seq: _Optional[int] = ..., stored_ms: _Optional[int] = ..., node_id: _Optional[str] = ..., group: _Optional[str] = ..., attempts: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupTrace, _Mapping]]] = ..., found_by: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("subject",)
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    def __init__(self, subject: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("node_id", "role", "group", "master", "epoch", "json")

@@ -9,7 +9,7 @@ and asks this core what to do. The core owns the state that decides:
 * the delivered-seq map (``dispatched``), fed by dispatch records (``note_dispatched``,
   ``replayed``), pruned behind the persisted ``completed_ms``;
 * the in-flight units (``fire``, ``acked``, ``release``; held in node/delay/inflight.py) and
-  the pending counts per bucket;
+  the pending counts per bucket (and per subject: node/delay/subjects.py);
 * voided seq ranges (a divergent suffix cut off), cancels not filed yet, which messages of a
   frame the wheel may hold (``chunk``), the status of a record.
 
@@ -52,6 +52,7 @@ from cluster.codec import KIND_CANCEL, KIND_MESSAGE, Batch, DispatchBatch
 from cluster.errors import Overloaded
 from node.delay import voided
 from node.delay.inflight import DueBatch, InFlight
+from node.delay.subjects import SubjectPending
 from node.store import records
 from node.store.records import SEQ_COUNTER_MAX
 from node.store.schedule import FrameRef
@@ -78,6 +79,7 @@ class DelayCore:
         # below it are checked one by one instead (``DelayStore._file``)
         self.refile_seq_max = -1
         self.pending: dict[int, int] = {}  # bucket start -> messages filed, not dispatched nor cancelled
+        self.subjects = SubjectPending()  # the same split by subject (node/delay/subjects.py)
         # the completed_ms the pending counts were made from (``counted``): a message due before
         # it was never counted, so its tombstone takes nothing off (``cancelled_counts``)
         self.pending_from_ms = -1
@@ -358,10 +360,10 @@ class DelayCore:
 
     def acked(self, unit: int, idx: np.ndarray, rec: DispatchBatch, offset: int, *, dead_letter: bool) -> int:
         """The dispatch record ``rec`` of a unit's messages ``idx`` is appended at ``offset``."""
-        self.flight.settle(unit, idx)
+        b = self.flight.settle(unit, idx)
         self.note_dispatched(rec.seq, rec.effective_ms)
         self.dispatch_trail.append((int(rec.effective_ms.max()), offset))
-        self.pending_add(rec.effective_ms, -1)
+        self.pending_add(rec.effective_ms, -1, (b.subjects, b.subject_idx))
         self.counters["dead_lettered" if dead_letter else "dispatched"] += rec.n
         self.advance_completed()
         return rec.n
@@ -466,7 +468,8 @@ class DelayCore:
         if placed.any():
             eff = batch.effective_ms[placed]
             tomb = is_cancel[placed]
-            self.pending_add(eff, np.where(tomb, -self.cancelled_counts(eff), 1))
+            sign = np.where(tomb, -self.cancelled_counts(eff), 1)
+            self.pending_add(eff, sign, (batch.subjects, batch.subject_idx[placed]))
         if self.follower:
             return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
@@ -482,11 +485,11 @@ class DelayCore:
             changed |= self.offer(self.chunk(ref, reload=False, cancelled=targets))
         return changed
 
-    def cancels_retired(self, targets: np.ndarray, effective_ms: np.ndarray) -> None:
+    def cancels_retired(self, targets: np.ndarray, effective_ms: np.ndarray, subjects=None) -> None:
         """Tombstones that are not filed: their messages' bucket (at ``effective_ms``) is retired,
         the messages went with it (``DelayStore._file``). Their messages count as pending no more,
         and are out of the wheel (already: no bucket is retired while it holds one)."""
-        self.pending_add(effective_ms, -self.cancelled_counts(effective_ms))
+        self.pending_add(effective_ms, -self.cancelled_counts(effective_ms), subjects)
         if self.follower:
             return
         self.wheel.cancel(targets)
@@ -536,10 +539,14 @@ class DelayCore:
         for such a message is filed by the replay, and took another message's count with it."""
         return (effective_ms >= self.pending_from_ms).astype(np.int64)
 
-    def pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int) -> None:
+    def pending_add(self, effective_ms: np.ndarray, sign: np.ndarray | int, subjects=None) -> None:
+        """``subjects``: (subject table, subject index per record) of the records: the same
+        counts split by subject (``self.subjects``)."""
         if not len(effective_ms):
             return
         bms = self.settings.bucket_ms
+        if subjects is not None:
+            self.subjects.add(effective_ms - effective_ms % bms, subjects[0], subjects[1], sign)
         lo, hi = int(effective_ms.min()), int(effective_ms.max())
         if lo - lo % bms == hi - hi % bms:  # the usual case: one bucket
             items = [(lo - lo % bms, len(effective_ms) * sign if isinstance(sign, int) else int(np.sum(sign)))]
@@ -550,6 +557,8 @@ class DelayCore:
             items = zip(uniq.tolist(), np.bincount(inv, weights=weights).astype(np.int64).tolist())
         for b, n in items:
             self.set_pending(b, self.pending.get(b, 0) + n)
+            if b not in self.pending:  # as the bucket's count, none of its subjects' is below 1
+                self.subjects.drop_bucket(b)
 
     def set_pending(self, start: int, n: int) -> None:
         if n > 0:

@@ -163,9 +163,11 @@ def restore_tick(core: DelayCore, dispatch: SegmentedLog, ck: dict, now_ms: int)
 # ---------------------------------------------------------------------- pending counts
 
 
-def count_pending(schedule: ScheduleLog, core: DelayCore) -> dict[int, int]:
+def count_pending(schedule: ScheduleLog, core: DelayCore, each=None) -> dict[int, int]:
     """Messages filed and not dispatched nor cancelled, by bucket start, from the schedule
-    index (one read per bucket, counts per frame)."""
+    index (one read per bucket, counts per frame). ``each(start)``: called for every bucket
+    counted, while it is open (the counts per subject, ``subject_tables.py``: opening a bucket
+    twice costs a restart twice the opens)."""
     out: dict[int, int] = {}
     c = core.completed_ms
     for start in schedule.bucket_starts():
@@ -174,6 +176,8 @@ def count_pending(schedule: ScheduleLog, core: DelayCore) -> dict[int, int]:
         n = filed_pending(schedule, start, c)
         if n is not None:
             out[start] = n
+            if each is not None:
+                each(start)
     for eff in core.dispatched.values():
         if eff >= c:
             b = schedule.bucket_start(eff)

@@ -8,40 +8,85 @@ Schedule page; docs/console.md, "Node-side support"):
 * ``pending_by_minute``: minute start -> pending messages of the buckets starting within
   ``pending_by_minute_horizon_ms`` (``node/delay/minutes.py``: from the per-second index, each
   bucket's minutes summing to its pending count);
+* ``pending_subjects``: subject -> pending messages in the buckets shown (a running total per subject), the
+  ``status_subjects_max`` largest, the rest summed under ``"(other)"`` (``node/delay/subjects.py``);
+* ``pending_by_subject``, only when the Status request names a subject (``StatusRequest.subject``):
+  ``{"<subject>": {"<bucket start ms>": n}}`` over the buckets shown: one subject per request
+  keeps a Status small (the cluster page polls it) whatever the number of subjects and buckets;
+* ``subject_tables``: what the subject tables did since open (tables written, tables found
+  unusable and counted from frames instead, frames counted);
 * ``lateness``: p50/p99 of fire time minus due time over ``lateness_window_ms``
   (``node/delay/lateness.py``), with how many messages fired in the window.
 
 A slave reports its own view: its store files what it replicated and counts it, and fires
 nothing (lateness empty); its counts are taken as of the master's last checkpoint that it
 holds (``PendingMinutes.follower_pending``: what is due by that ``completed_ms`` was fired).
-The lateness window lives in memory: it starts empty after a restart.
+The lateness window lives in memory: it starts empty after a restart. A slave's counts per
+subject in the bucket holding ``completed_ms`` are those of the minutes after its minute (its
+subject table, ``node/delay/subject_tables.py``); what its bucket count holds beyond them (due
+within that minute) is put under ``"(other)"``: reading that minute's frames at every Status
+would cost a slave more than the page is worth.
 """
 
 from __future__ import annotations
 
 from node.delay.lateness import LatenessWindow
-from node.delay.minutes import PendingMinutes
+from node.delay.minutes import MINUTE_MS, PendingMinutes
+from node.delay.subjects import OTHER, SubjectPending
 
 
 class ScheduleStatus:
     def __init__(self, settings) -> None:
         self.buckets_max = settings.status_buckets_max
+        self.subjects_max = settings.status_subjects_max
         self.horizon_ms = settings.pending_by_minute_horizon_ms
         self.minutes = PendingMinutes(buckets_max=settings.pending_by_minute_buckets_max)
         self.lateness = LatenessWindow(window_ms=settings.lateness_window_ms, slot_ms=settings.lateness_slot_ms)
 
-    def stats(self, store, *, now_ms: int) -> dict:
+    def stats(self, store, *, now_ms: int, subject: str = "") -> dict:
         pending = store.pending_by_bucket()
+        subjects = store.core.subjects
         if store.follower:
             pending = self.minutes.follower_pending(store, pending)
+            subjects = self.follower_subjects(store, pending)
         shown = sorted(pending)[: self.buckets_max]
-        return {"bucket_ms": store.settings.bucket_ms,
+        per_subject = {}
+        if subject:
+            per_subject = {"pending_by_subject": {subject: {str(b): n for b, n in
+                                                            subjects.of_subject(subject, shown).items()}}}
+        left_out = sorted(pending)[self.buckets_max:]
+        return {"pending_subjects": subjects.summary(subjects_max=self.subjects_max, left_out=left_out),
+                **per_subject,
+                "bucket_ms": store.settings.bucket_ms,
                 "pending_by_bucket": {str(b): pending[b] for b in shown},
                 "pending_buckets_left_out": len(pending) - len(shown),
                 "pending_by_minute": {str(m): n for m, n in
                                       self.minutes.counts(store, pending, now_ms=now_ms,
                                                           horizon_ms=self.horizon_ms).items()},
-                "lateness": self.lateness.summary(now_ms)}
+                "lateness": self.lateness.summary(now_ms), "subject_tables": dict(store.subject_tables.counters)}
+
+    @staticmethod
+    def follower_subjects(store, pending: dict[int, int]) -> SubjectPending:
+        """A slave's counts per subject for its ``pending`` (module docs)."""
+        core = store.core
+        c, bms = core.completed_ms, store.settings.bucket_ms
+        out = core.subjects.copy()
+        for b in [b for b in out.by_bucket if b not in pending]:  # done: the master fired them
+            out.drop_bucket(b)
+        now_bucket = c - c % bms
+        if now_bucket in pending:
+            t = store.subject_tables.table(now_bucket)
+            cm = (c - now_bucket) // MINUTE_MS
+            row: dict[str, int] = {}
+            for (s, m), n in ({} if t is None else t.counts).items():
+                if m > cm:
+                    row[s] = row.get(s, 0) + n
+            row = {s: n for s, n in row.items() if n > 0}
+            rest = pending[now_bucket] - sum(row.values())
+            if rest > 0:
+                row[OTHER] = row.get(OTHER, 0) + rest
+            out.set_bucket(now_bucket, row)
+        return out
 
 
 __all__ = ["ScheduleStatus"]

@@ -226,7 +226,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     # ------------------------------------------------------------------ gRPC: admin
 
-    def stats(self) -> dict:
+    def stats(self, subject: str = "") -> dict:
         s = self.store
         now = self.clock.now_ms()
         return {
@@ -235,7 +235,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             "counters": dict(s.counters), "wheel_held": len(s.wheel), "in_flight": s.inflight,
             "pending": sum(s.pending_by_bucket().values()),
             "completed_ms": s.completed_ms, "dispatch_lag_ms": s.dispatch_lag_ms(now),
-            **self.schedule_status.stats(s, now_ms=now), "master_changes_1h": 0,
+            **self.schedule_status.stats(s, now_ms=now, subject=subject), "master_changes_1h": 0,
             "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1]),
             "message_log_end": s.messages.end_offset, "iterate_offset": s.iterate_offset,
             "dispatch_log_end": s.dispatch.end_offset, "fsyncs": self.committer.fsyncs,
@@ -254,7 +254,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     async def Status(self, request, context) -> pb.StatusResponse:
         return pb.StatusResponse(node_id=self.settings.node_id, role="delay", group=self.settings.group,
-                                 master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
+                                 master=True, epoch=self.store.epoch, json=json.dumps(self.stats(request.subject)))
 
     def health_stats(self) -> dict:
         """Scrub progress and what healing did (part of ``stats``)."""

@@ -68,6 +68,7 @@ from node.delay.heal import BucketHealer
 from node.delay.ingest import Retired, Unfiled
 from node.delay.loading import LOAD_STEP_FRAMES, SecondLoader
 from node.delay.lookup import LookupResult
+from node.delay.subject_tables import SubjectTables
 from node.store import checkpoint, records
 from node.store.idindex import IdLocation, key_hashes
 from node.store.log import HEADER_SIZE as LOG_HEADER_SIZE
@@ -97,6 +98,7 @@ class DelayStore:
         self._gate = DocGate()
         self.unfiled = Unfiled()
         self.loader = SecondLoader(self.schedule, self.core)
+        self.subject_tables = SubjectTables(self.schedule, settings)  # counts per subject (subject_tables.py)
         self.wheel_changed = False  # set when a filed message entered the wheel (the shell wakes its loop)
         # derived data heals itself (node/delay/heal.py): a schedule bucket failing a check is
         # rebuilt from the message log; the ones the wheel loads first are checked before serving
@@ -104,7 +106,7 @@ class DelayStore:
         self.healer.counters["id_files_rebuilt"] = len(self.ids.rebuilt_files)
         self.schedule.healer = self.healer.rebuild
         self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
-        self.core.counted(recovery.count_pending(self.schedule, self.core))
+        self.subject_tables.count_pending(self.core)
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.recovery.records_refiled = self.iterate(limit=None)  # replay: file everything the crash left unfiled
         if not follower:
@@ -176,6 +178,7 @@ class DelayStore:
         assert self.iterate_offset <= self.durable_offset, (self.iterate_offset, self.durable_offset)
         recount = recovery.count_pending(self.schedule, self.core)
         assert recount == self.pending_by_bucket(), (recount, self.pending_by_bucket())
+        self.subject_tables.check(self.core)
 
     def bucket_rebuilt(self, start: int, *, late: Batch | None, cancelled: np.ndarray | None) -> None:
         """Bucket ``start`` was rebuilt (node/delay/heal.py). ``late``: records a member gave
@@ -189,7 +192,7 @@ class DelayStore:
             chunk = None if late is None else core.chunk(FrameRef(-1, -1, 0, late), reload=False, cancelled=cancelled)
             if core.offer(chunk, filed=False):
                 self.wheel_changed = True
-        recovery.recount_pending(self.schedule, core, start)
+        self.subject_tables.recount_bucket(core, start)
 
     # ------------------------------------------------------------------ ingest
 
@@ -345,7 +348,7 @@ class DelayStore:
             if gone.any():
                 # their messages' bucket is retired (docs/design.md, "Cancel"): filing them would
                 # create it again under the id index's old offsets. The message is gone with it
-                core.cancels_retired(batch.cancel_targets()[gone], eff[gone])
+                core.cancels_retired(batch.cancel_targets()[gone], eff[gone], (batch.subjects, batch.subject_idx[gone]))
                 keep = np.flatnonzero(~gone)
                 batch, hashes, eff, is_cancel = batch.take(keep), hashes[keep], eff[keep], is_cancel[keep]
                 if not batch.n:
@@ -354,6 +357,7 @@ class DelayStore:
         soon = None if self.follower else core.wheel.loaded_until_ms + self.settings.cache_ahead_ms
         force = self.refiled.mask(batch, refile_seq_max=core.refile_seq_max, index=self.ids)
         placed = self.schedule.file(batch, cache_before_ms=soon, force=force)
+        self.subject_tables.filed(batch, placed)
         seq = batch.seq
         last_ids = self.ids.last_seq()
         new = seq > np.uint64(last_ids) if last_ids >= 0 else np.ones(batch.n, bool)
@@ -470,6 +474,7 @@ class DelayStore:
         ``finish`` it on the loop (the persisted tick state moves only then)."""
         plan = SyncPlan()
         self.schedule.plan_flush(plan)
+        self.subject_tables.plan_write(plan, completed_ms=self.persisted_completed_ms)
         self.ids.plan_flush(plan)
         self.dispatch.plan_flush(plan)
         self._plan_checkpoint_doc(plan)
@@ -556,7 +561,7 @@ class DelayStore:
         t["epoch_wheel"] = time.perf_counter()
         self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)
         t["verify"] = time.perf_counter()
-        core.counted(recovery.count_pending(self.schedule, core))
+        self.subject_tables.count_pending(core)
         t["pending"] = time.perf_counter()
         self.iterate(limit=None)
         self._bump_past_filed_seqs()
@@ -580,6 +585,7 @@ class DelayStore:
     def close(self) -> None:
         self.flush_messages()
         self.iterate(limit=None)
+        self.subject_tables.everything = True  # a close leaves every subject table written
         self.checkpoint()
         self._gate.close()
         self.schedule.close()

@@ -174,11 +174,12 @@ class ReplicaRoles:
         self._described = info
         return info
 
-    def stats(self) -> dict:
+    def stats(self, *asked) -> dict:
+        """``asked``: what the Status request asks for (a delay node's subject)."""
         if self.mode == "switching":  # the store is the switch's worker thread's now (registration_info)
             s = {"role": self.ROLE, "node_id": self.settings.node_id, "group": self.settings.group}
         else:
-            s = super().stats()
+            s = super().stats(*asked)
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
                   "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
                   "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers,
@@ -186,9 +187,10 @@ class ReplicaRoles:
         return s
 
     async def Status(self, request, context) -> pb.StatusResponse:
+        asked = (request.subject,) if request.subject and self.ROLE == "delay" else ()  # a subject's schedule
         return pb.StatusResponse(node_id=self.settings.node_id, role=self.ROLE, group=self.settings.group,
                                  master=self.mode == "master", epoch=self.member.epoch,
-                                 json=json.dumps(self.stats()))
+                                 json=json.dumps(self.stats(*asked)))
 
     # ------------------------------------------------------------------ sync acknowledgements
 

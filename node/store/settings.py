@@ -40,6 +40,11 @@ class StoreSettings:
     id_slots: int = 1 << 20
     id_entries_max: int = 4 << 20
     verify_ahead_ms: int = 10_000         # at open, frames due in [completed_ms, +this] are verified (heal.py)
+    # per-bucket subject tables (node/delay/subject_tables.py): a checkpoint writes a bucket's table
+    # once this many index entries were filed since it was last written (a restart reads the
+    # frames of at most that many entries per bucket), at most so many tables per checkpoint
+    subject_table_stale_entries_max: int = 64
+    subject_tables_per_checkpoint_max: int = 16
     limits: Limits = field(default_factory=Limits)
     # retention (node/delay/retention.py): ids of delivered/cancelled messages stay this long
     # after their bucket ended, so a re-send is still a duplicate; a sealed id file is
