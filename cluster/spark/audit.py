@@ -201,38 +201,38 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
     disp = counted(read_log(spark, s.paths, "dispatch", DISP_COLUMNS), "dispatch")
     recv = counted(read_log(spark, s.paths, "realtime", RECV_COLUMNS), "realtime")
 
-    # per (node, seq): the cancel and the dispatches of a message (a second, unobserved scan
-    # of the message log for the tombstones: cheaper than caching the first)
-    # (the reader takes `kind = 'cancel'` itself: only tombstones reach Spark)
-    tombstones = (read_log(spark, s.paths, "message", SCHED_COLUMNS).where("kind = 'cancel' and error is null")
-                  .select("node", F.col("cancels_seq").alias("seq"), F.col("store_ms").alias("cancel_ms"),
-                          F.lit(None).cast("long").alias("dispatched_ms"), F.lit(False).alias("dead")))
-    dispatches = (disp.where("error is null")
-                  .select("node", "seq", F.lit(None).cast("long").alias("cancel_ms"), "dispatched_ms",
-                          (F.col("outcome") == "dead_letter").alias("dead")))
-    # within one node's dispatch log each dispatch of a message is one row, so count() is
-    # the distinct dispatches; replicas hold the same rows, hence max() over nodes below.
-    # Keyed by (node bit, seq): two longs, not the node's name
-    events = (tombstones.unionByName(dispatches).select(_bit_of("node", dbits).alias("node_bit"), "*")
-              .drop("node").groupBy("node_bit", "seq")
-              .agg(F.min("cancel_ms").alias("cancel_ms"), F.count("dispatched_ms").alias("dispatched"),
-                   F.min("dispatched_ms").alias("first_dispatched_ms"), F.max("dead").alias("dead")))
-    # one row per message-log record; replicas of a group hold byte-identical logs, so the
-    # same (subject, id, seq) found on several nodes is one message (see module docstring)
-    rows = (sched.where("error is null and kind = 'message'")
-            .select(_bit_of("node", dbits).alias("node_bit"), "seq", "id", "subject", "store_ms", "deliver_at_ms",
+    # per (node, seq): the dispatches of a message. Within one node's dispatch log each dispatch
+    # of a message is one row, so count() is the distinct dispatches; replicas hold the same
+    # rows, hence max() over nodes below. Keyed by (node bit, seq): two longs, not the node's name
+    events = (disp.where("error is null")
+              .groupBy(_bit_of("node", dbits).alias("node_bit"), "seq")
+              .agg(F.count("dispatched_ms").alias("dispatched"), F.min("dispatched_ms").alias("first_dispatched_ms"),
+                   F.max(F.col("outcome") == "dead_letter").alias("dead")))
+    # one row per message-log record - messages and tombstones from the one scan of the log; a
+    # tombstone stands in the row of the message it cancels (its seq is `cancels_seq`: the node
+    # writes it with the message's subject and id), so it meets that message in the group-by
+    # below. Replicas of a group hold byte-identical logs, so the same (subject, id, seq) found
+    # on several nodes is one message (see module docstring)
+    cancel = F.col("kind") == "cancel"
+    rows = (sched.where("error is null and kind in ('message', 'cancel')")
+            .select(_bit_of("node", dbits).alias("node_bit"),
+                    F.when(cancel, F.col("cancels_seq")).otherwise(F.col("seq")).alias("seq"),
+                    "id", "subject", cancel.alias("cancel"), "store_ms", "deliver_at_ms",
                     _key("subject", "id").alias("key")))
     # partitioned by the key once: the group-by below and the join with `received` need no
     # other exchange (a hash partitioning on key clusters (key, seq, subject, id) too)
-    msgs = (rows.join(events, ["node_bit", "seq"], "left")
+    msg = ~F.col("cancel")
+    msgs = (rows.join(events.hint("shuffle_hash"), ["node_bit", "seq"], "left")
             .repartition("key")
             .groupBy("key", "seq", "subject", "id")
-            .agg(F.bit_or("node_bit").alias("node_bits"),
-                 F.min("store_ms").alias("accepted_ms"), F.min("deliver_at_ms").alias("deliver_at_ms"),
-                 F.min("cancel_ms").alias("cancelled_ms"),
+            .agg(F.bit_or(F.when(msg, F.col("node_bit"))).alias("node_bits"),
+                 F.min(F.when(msg, F.col("store_ms"))).alias("accepted_ms"),
+                 F.min(F.when(msg, F.col("deliver_at_ms"))).alias("deliver_at_ms"),
+                 F.min(F.when(F.col("cancel"), F.col("store_ms"))).alias("cancelled_ms"),
                  F.coalesce(F.max("dispatched"), F.lit(0)).alias("dispatched"),
                  F.min("first_dispatched_ms").alias("first_dispatched_ms"),
                  F.coalesce(F.max("dead"), F.lit(False)).alias("dead_lettered"))
+            .where(F.col("node_bits").isNotNull())   # a tombstone of a message no log holds
             .withColumn("due_ms", F.greatest("deliver_at_ms", "accepted_ms")))
     # copies received: distinct (seq, store_ms) - a replica's copy has the same, a second hand-over
     # not. The strings end here: the received side is all longs, keyed by the same hash
@@ -260,29 +260,27 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
               .when(overdue, "lost")
               .otherwise("pending"))
     delivered = F.col("status").isin("delivered", "duplicated")
-    messages = (j.withColumn("status", status)
-                .withColumn("visible_ms", F.when(delivered, _visible(s.hold_ms)))
-                .withColumn("lateness_ms", F.greatest(F.col("visible_ms") - F.col("due_ms"), F.lit(0)))
-                .withColumn("early_ms", F.when(F.col("visible_ms") < F.col("due_ms"),
-                                               F.col("due_ms") - F.col("visible_ms")))
-                .withColumn("early", F.col("early_ms").isNotNull())
-                .withColumn("late", F.coalesce(F.col("lateness_ms") > F.lit(s.late_ms), F.lit(False)))
-                .withColumn("reason", F.when(F.col("status") == "lost",
-                                             F.when(F.col("dispatched") > 0, "dispatched but never received")
-                                             .otherwise("never dispatched"))
-                            .when(F.col("status") == "delivered_after_cancel",
-                                  F.when(F.col("first_received_ms") >= F.col("cancelled_ms"),
-                                         "received after the cancel was accepted")
-                                  .otherwise("cancel accepted after delivery"))
-                            .when(F.col("status") == "duplicated",
-                                  F.concat(F.col("received").cast("string"), F.lit(" copies received"))))
-                .withColumn("hour", F.date_trunc("hour", F.timestamp_millis("due_ms")))
-                .withColumn("nodes", _names_of("node_bits", dbits))
-                .withColumn("received_on", _names_of("received_bits", rbits))
-                .select("subject", "id", "seq", "nodes", "accepted_ms", "deliver_at_ms", "due_ms", "cancelled_ms",
-                        "dispatched", "first_dispatched_ms", "dead_lettered", "received", "first_received_ms",
-                        "last_received_ms", "received_on", "status", "visible_ms", "lateness_ms", "late",
-                        "early_ms", "early", "reason", "hour"))
+    # three projections, not a withColumn per column: each DataFrame step analyses the whole plan
+    # again in the driver (a dozen analyses of this plan cost seconds of a cold JVM's CPU)
+    c = F.col
+    step1 = j.select("*", status.alias("status"))
+    step2 = step1.select("*", F.when(delivered, _visible(s.hold_ms)).alias("visible_ms"))
+    lateness = F.greatest(c("visible_ms") - c("due_ms"), F.lit(0))
+    early_ms = F.when(c("visible_ms") < c("due_ms"), c("due_ms") - c("visible_ms"))
+    reason = (F.when(c("status") == "lost", F.when(c("dispatched") > 0, "dispatched but never received")
+                     .otherwise("never dispatched"))
+              .when(c("status") == "delivered_after_cancel",
+                    F.when(c("first_received_ms") >= c("cancelled_ms"), "received after the cancel was accepted")
+                    .otherwise("cancel accepted after delivery"))
+              .when(c("status") == "duplicated", F.concat(c("received").cast("string"), F.lit(" copies received"))))
+    messages = step2.select(
+        "subject", "id", "seq", _names_of("node_bits", dbits).alias("nodes"), "accepted_ms", "deliver_at_ms",
+        "due_ms", "cancelled_ms", "dispatched", "first_dispatched_ms", "dead_lettered", "received",
+        "first_received_ms", "last_received_ms", _names_of("received_bits", rbits).alias("received_on"), "status",
+        "visible_ms", lateness.alias("lateness_ms"),
+        F.coalesce(lateness > F.lit(s.late_ms), F.lit(False)).alias("late"), early_ms.alias("early_ms"),
+        early_ms.isNotNull().alias("early"), reason.alias("reason"),
+        F.date_trunc("hour", F.timestamp_millis("due_ms")).alias("hour"))
     return {"messages": messages, "observations": obs}
 
 
@@ -443,7 +441,8 @@ def run(spark, s: AuditSettings) -> dict:
                   .select("problem", "nodes", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
                           "first_received_ms", "lateness_ms", "early_ms", "reason").collect()):
             examples.setdefault(r["problem"], []).append(r.asDict())
-        corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
+        corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()
+                        ] if corrupt_files else []  # no query of the empty dataset
         phase("summaries")
         records_read = sum(v["records"] for v in logs.values())
         summary = {
