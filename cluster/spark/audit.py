@@ -201,38 +201,38 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
     disp = counted(read_log(spark, s.paths, "dispatch", DISP_COLUMNS), "dispatch")
     recv = counted(read_log(spark, s.paths, "realtime", RECV_COLUMNS), "realtime")
 
-    # per (node, seq): the dispatches of a message. Within one node's dispatch log each dispatch
-    # of a message is one row, so count() is the distinct dispatches; replicas hold the same
-    # rows, hence max() over nodes below. Keyed by (node bit, seq): two longs, not the node's name
-    events = (disp.where("error is null")
-              .groupBy(_bit_of("node", dbits).alias("node_bit"), "seq")
-              .agg(F.count("dispatched_ms").alias("dispatched"), F.min("dispatched_ms").alias("first_dispatched_ms"),
-                   F.max(F.col("outcome") == "dead_letter").alias("dead")))
-    # one row per message-log record - messages and tombstones from the one scan of the log; a
-    # tombstone stands in the row of the message it cancels (its seq is `cancels_seq`: the node
-    # writes it with the message's subject and id), so it meets that message in the group-by
-    # below. Replicas of a group hold byte-identical logs, so the same (subject, id, seq) found
-    # on several nodes is one message (see module docstring)
-    cancel = F.col("kind") == "cancel"
-    rows = (sched.where("error is null and kind in ('message', 'cancel')")
-            .select(_bit_of("node", dbits).alias("node_bit"),
-                    F.when(cancel, F.col("cancels_seq")).otherwise(F.col("seq")).alias("seq"),
-                    "id", "subject", cancel.alias("cancel"), "store_ms", "deliver_at_ms",
+    # per (node, seq): the cancel and the dispatches of a message (a second, unobserved scan
+    # of the message log for the tombstones: cheaper than caching the first)
+    # (the reader takes `kind = 'cancel'` itself: only tombstones reach Spark)
+    tombstones = (read_log(spark, s.paths, "message", SCHED_COLUMNS).where("kind = 'cancel' and error is null")
+                  .select("node", F.col("cancels_seq").alias("seq"), F.col("store_ms").alias("cancel_ms"),
+                          F.lit(None).cast("long").alias("dispatched_ms"), F.lit(False).alias("dead")))
+    dispatches = (disp.where("error is null")
+                  .select("node", "seq", F.lit(None).cast("long").alias("cancel_ms"), "dispatched_ms",
+                          (F.col("outcome") == "dead_letter").alias("dead")))
+    # within one node's dispatch log each dispatch of a message is one row, so count() is
+    # the distinct dispatches; replicas hold the same rows, hence max() over nodes below.
+    # Keyed by (node bit, seq): two longs, not the node's name
+    events = (tombstones.unionByName(dispatches).select(_bit_of("node", dbits).alias("node_bit"), "*")
+              .drop("node").groupBy("node_bit", "seq")
+              .agg(F.min("cancel_ms").alias("cancel_ms"), F.count("dispatched_ms").alias("dispatched"),
+                   F.min("dispatched_ms").alias("first_dispatched_ms"), F.max("dead").alias("dead")))
+    # one row per message-log record; replicas of a group hold byte-identical logs, so the
+    # same (subject, id, seq) found on several nodes is one message (see module docstring)
+    rows = (sched.where("error is null and kind = 'message'")
+            .select(_bit_of("node", dbits).alias("node_bit"), "seq", "id", "subject", "store_ms", "deliver_at_ms",
                     _key("subject", "id").alias("key")))
     # partitioned by the key once: the group-by below and the join with `received` need no
     # other exchange (a hash partitioning on key clusters (key, seq, subject, id) too)
-    msg = ~F.col("cancel")
-    msgs = (rows.join(events.hint("shuffle_hash"), ["node_bit", "seq"], "left")
+    msgs = (rows.join(events, ["node_bit", "seq"], "left")
             .repartition("key")
             .groupBy("key", "seq", "subject", "id")
-            .agg(F.bit_or(F.when(msg, F.col("node_bit"))).alias("node_bits"),
-                 F.min(F.when(msg, F.col("store_ms"))).alias("accepted_ms"),
-                 F.min(F.when(msg, F.col("deliver_at_ms"))).alias("deliver_at_ms"),
-                 F.min(F.when(F.col("cancel"), F.col("store_ms"))).alias("cancelled_ms"),
+            .agg(F.bit_or("node_bit").alias("node_bits"),
+                 F.min("store_ms").alias("accepted_ms"), F.min("deliver_at_ms").alias("deliver_at_ms"),
+                 F.min("cancel_ms").alias("cancelled_ms"),
                  F.coalesce(F.max("dispatched"), F.lit(0)).alias("dispatched"),
                  F.min("first_dispatched_ms").alias("first_dispatched_ms"),
                  F.coalesce(F.max("dead"), F.lit(False)).alias("dead_lettered"))
-            .where(F.col("node_bits").isNotNull())   # a tombstone of a message no log holds
             .withColumn("due_ms", F.greatest("deliver_at_ms", "accepted_ms")))
     # copies received: distinct (seq, store_ms) - a replica's copy has the same, a second hand-over
     # not. The strings end here: the received side is all longs, keyed by the same hash
