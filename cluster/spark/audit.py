@@ -260,29 +260,27 @@ def build(spark, s: AuditSettings, as_of_ms: int) -> dict:
               .when(overdue, "lost")
               .otherwise("pending"))
     delivered = F.col("status").isin("delivered", "duplicated")
-    messages = (j.withColumn("status", status)
-                .withColumn("visible_ms", F.when(delivered, _visible(s.hold_ms)))
-                .withColumn("lateness_ms", F.greatest(F.col("visible_ms") - F.col("due_ms"), F.lit(0)))
-                .withColumn("early_ms", F.when(F.col("visible_ms") < F.col("due_ms"),
-                                               F.col("due_ms") - F.col("visible_ms")))
-                .withColumn("early", F.col("early_ms").isNotNull())
-                .withColumn("late", F.coalesce(F.col("lateness_ms") > F.lit(s.late_ms), F.lit(False)))
-                .withColumn("reason", F.when(F.col("status") == "lost",
-                                             F.when(F.col("dispatched") > 0, "dispatched but never received")
-                                             .otherwise("never dispatched"))
-                            .when(F.col("status") == "delivered_after_cancel",
-                                  F.when(F.col("first_received_ms") >= F.col("cancelled_ms"),
-                                         "received after the cancel was accepted")
-                                  .otherwise("cancel accepted after delivery"))
-                            .when(F.col("status") == "duplicated",
-                                  F.concat(F.col("received").cast("string"), F.lit(" copies received"))))
-                .withColumn("hour", F.date_trunc("hour", F.timestamp_millis("due_ms")))
-                .withColumn("nodes", _names_of("node_bits", dbits))
-                .withColumn("received_on", _names_of("received_bits", rbits))
-                .select("subject", "id", "seq", "nodes", "accepted_ms", "deliver_at_ms", "due_ms", "cancelled_ms",
-                        "dispatched", "first_dispatched_ms", "dead_lettered", "received", "first_received_ms",
-                        "last_received_ms", "received_on", "status", "visible_ms", "lateness_ms", "late",
-                        "early_ms", "early", "reason", "hour"))
+    # three projections, not a withColumn per column: each DataFrame step analyses the whole plan
+    # again in the driver (a dozen analyses of this plan cost seconds of a cold JVM's CPU)
+    c = F.col
+    step1 = j.select("*", status.alias("status"))
+    step2 = step1.select("*", F.when(delivered, _visible(s.hold_ms)).alias("visible_ms"))
+    lateness = F.greatest(c("visible_ms") - c("due_ms"), F.lit(0))
+    early_ms = F.when(c("visible_ms") < c("due_ms"), c("due_ms") - c("visible_ms"))
+    reason = (F.when(c("status") == "lost", F.when(c("dispatched") > 0, "dispatched but never received")
+                     .otherwise("never dispatched"))
+              .when(c("status") == "delivered_after_cancel",
+                    F.when(c("first_received_ms") >= c("cancelled_ms"), "received after the cancel was accepted")
+                    .otherwise("cancel accepted after delivery"))
+              .when(c("status") == "duplicated", F.concat(c("received").cast("string"), F.lit(" copies received"))))
+    messages = step2.select(
+        "subject", "id", "seq", _names_of("node_bits", dbits).alias("nodes"), "accepted_ms", "deliver_at_ms",
+        "due_ms", "cancelled_ms", "dispatched", "first_dispatched_ms", "dead_lettered", "received",
+        "first_received_ms", "last_received_ms", _names_of("received_bits", rbits).alias("received_on"), "status",
+        "visible_ms", lateness.alias("lateness_ms"),
+        F.coalesce(lateness > F.lit(s.late_ms), F.lit(False)).alias("late"), early_ms.alias("early_ms"),
+        early_ms.isNotNull().alias("early"), reason.alias("reason"),
+        F.date_trunc("hour", F.timestamp_millis("due_ms")).alias("hour"))
     return {"messages": messages, "observations": obs}
 
 
@@ -443,7 +441,8 @@ def run(spark, s: AuditSettings) -> dict:
                   .select("problem", "nodes", "seq", "id", "subject", "due_ms", "status", "received", "dispatched",
                           "first_received_ms", "lateness_ms", "early_ms", "reason").collect()):
             examples.setdefault(r["problem"], []).append(r.asDict())
-        corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()]
+        corrupt_rows = [r.asDict() for r in spark.read.parquet(str(out / "corrupt")).limit(EXAMPLES_MAX).collect()
+                        ] if corrupt_files else []  # no query of the empty dataset
         phase("summaries")
         records_read = sum(v["records"] for v in logs.values())
         summary = {
