@@ -832,3 +832,41 @@ def test_a_slave_that_files_after_the_master_delivered_does_not_deliver_again(tm
         assert f.lookup(f"m{i}").status == "dispatched"
     f.close()
     m.close()
+
+
+def test_late_filed_records_are_found_across_dispatch_segments(tmp_path):
+    """The test above with a dispatch log of several segments: the master delivers a stream of
+    messages for 60 s and m0..m3, accepted 40 s in, in the middle of it. A new replica files
+    all of them late (at the master's completed_ms); the promotion finds every one of them in
+    the dispatch log (late_filed.py): only m4..m8 fire, 5 pending."""
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    for k in range(60):  # a stream delivered 1 s apart, over several dispatch segments
+        accept_durable(m, f"x{k}-", 16, now + 1000 * (k + 1), now)
+    got: list[str] = []
+
+    def run(ticks: int) -> None:
+        nonlocal now
+        for _ in range(ticks // 5):
+            g, now = run_master(m, now, ticks=5, step_ms=500)
+            got.extend(g)
+            m.checkpoint()
+    run(80)
+    accept_durable(m, "m", 4, now + 2000, now)  # m0..m3: delivered in the middle of the stream
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 600_000, msg_id=f"m{i}", subject="s", payload=b"p")
+              for i in range(4, 9)], now_ms=now)
+    m.flush_messages()
+    m.checkpoint()
+    run(50)
+    assert sorted(x for x in got if x.startswith("m")) == ["m0", "m1", "m2", "m3"] and len(got) == 964
+    assert len(m.dispatch.segment_bases()) >= 3
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
+    f.follow()
+    replicate(m, f)
+    f.promote(now)
+    f.check_invariants()
+    assert sum(f.pending_by_bucket().values()) == 5
+    fired = run_master(f, now, ticks=20)[0] + run_master(f, now + 600_000, ticks=5)[0]
+    assert sorted(fired) == [f"m{i}" for i in range(4, 9)]
+    f.close()
+    m.close()
