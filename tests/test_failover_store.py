@@ -788,3 +788,85 @@ def test_a_returning_master_killed_before_any_document_opens_on_its_files(tmp_pa
     assert a.lookup("longer-ids-of-the-new-master-0-0").status == "pending"
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("how", ["promote", "reopen", "promote-restart"])
+def test_a_slave_that_files_after_the_master_delivered_does_not_deliver_again(tmp_path, how):
+    """A slave that files records only after its master delivered them (a new replica catching
+    up, a slave that was down) files them overdue, at the master's completed_ms, not at their
+    due time. The dispatch records replayed at promotion (from the replicated dispatch_offset
+    on) do not name them, nor match their effective time: the promoted store must still know
+    them for delivered, fire only what was not, and count only that as pending."""
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    accept_durable(m, "m", 4, now + 1000, now)  # m0..m3: delivered by the master
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 60_000, msg_id=f"m{i}", subject="s", payload=b"p")
+              for i in range(4, 9)], now_ms=now)  # m4..m8: not due before the failover
+    m.flush_messages()
+    m.checkpoint()
+    got, now = run_master(m, now, ticks=30)
+    assert sorted(got) == ["m0", "m1", "m2", "m3"]
+    for _ in range(3):  # the persisted completed_ms passes them
+        m.checkpoint()
+        _, now = run_master(m, now, ticks=1)
+    m.checkpoint()
+    assert m.persisted_completed_ms > T0 + 1000
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)  # a slave that files late
+    f.follow()
+    replicate(m, f)
+    f.check_invariants()
+    if how == "reopen":  # promoted by a close and an open as master
+        f.close()
+        f = DelayStore.open(tmp_path / "f", S, now_ms=now)
+    else:
+        f.promote(now)
+    if how == "promote-restart":  # the new master restarts before its tick state passes them
+        f.close()
+        f = DelayStore.open(tmp_path / "f", S, now_ms=now)
+    f.check_invariants()
+    assert sum(f.pending_by_bucket().values()) == 5
+    fired, now = run_master(f, now, ticks=20)
+    fired += run_master(f, now + 60_000, ticks=5)[0]
+    assert sorted(fired) == [f"m{i}" for i in range(4, 9)]
+    for i in range(4):
+        assert f.lookup(f"m{i}").status == "dispatched"
+    f.close()
+    m.close()
+
+
+def test_late_filed_records_are_found_across_dispatch_segments(tmp_path):
+    """The test above with a dispatch log of several segments: the master delivers a stream of
+    messages for 60 s and m0..m3, accepted 40 s in, in the middle of it. A new replica files
+    all of them late (at the master's completed_ms); the promotion finds every one of them in
+    the dispatch log (late_filed.py): only m4..m8 fire, 5 pending."""
+    now = T0
+    m = DelayStore.open(tmp_path / "m", S, now_ms=now)
+    for k in range(60):  # a stream delivered 1 s apart, over several dispatch segments
+        accept_durable(m, f"x{k}-", 16, now + 1000 * (k + 1), now)
+    got: list[str] = []
+
+    def run(ticks: int) -> None:
+        nonlocal now
+        for _ in range(ticks // 5):
+            g, now = run_master(m, now, ticks=5, step_ms=500)
+            got.extend(g)
+            m.checkpoint()
+    run(80)
+    accept_durable(m, "m", 4, now + 2000, now)  # m0..m3: delivered in the middle of the stream
+    m.accept([Message(seq=0, store_ms=0, deliver_at_ms=now + 600_000, msg_id=f"m{i}", subject="s", payload=b"p")
+              for i in range(4, 9)], now_ms=now)
+    m.flush_messages()
+    m.checkpoint()
+    run(50)
+    assert sorted(x for x in got if x.startswith("m")) == ["m0", "m1", "m2", "m3"] and len(got) == 964
+    assert len(m.dispatch.segment_bases()) >= 3
+    f = DelayStore.open(tmp_path / "f", S, now_ms=now, follower=True)
+    f.follow()
+    replicate(m, f)
+    f.promote(now)
+    f.check_invariants()
+    assert sum(f.pending_by_bucket().values()) == 5
+    fired = run_master(f, now, ticks=20)[0] + run_master(f, now + 600_000, ticks=5)[0]
+    assert sorted(fired) == [f"m{i}" for i in range(4, 9)]
+    f.close()
+    m.close()

@@ -87,6 +87,9 @@ class DelayCore:
                          "dead_lettered": 0}
         self.persisted_doc: dict = {}  # the last checkpoint known durable: retention deletes only what it covers
         self.replicated: dict | None = None  # a follower's copy of the master's checkpoint (``follow``)
+        # the largest effective time a follower filed a message under later than its due time
+        # (overdue: maybe delivered by the master already; node/delay/late_filed.py); -1: none
+        self.late_filed_max_ms = -1
 
     # ------------------------------------------------------------------ seqs
 
@@ -471,6 +474,9 @@ class DelayCore:
             sign = np.where(tomb, -self.cancelled_counts(eff), 1)
             self.pending_add(eff, sign, (batch.subjects, batch.subject_idx[placed]))
         if self.follower:
+            late = placed & ~is_cancel & (batch.deliver_at_ms < batch.effective_ms)
+            if late.any():
+                self.late_filed_max_ms = max(self.late_filed_max_ms, int(batch.effective_ms[late].max()))
             return False  # a follower keeps no wheel: it is rebuilt from the schedule log on promotion
         targets = None
         if is_cancel.any():

@@ -61,7 +61,7 @@ import numpy as np
 from cluster.codec import KIND_CANCEL, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch
 from cluster.errors import NotFound, TooLate
 from cluster.wire import BatchResult
-from node.delay import cuts, ingest, lookup, recovery
+from node.delay import cuts, ingest, late_filed, lookup, recovery
 from node.delay.core import DelayCore
 from node.delay.inflight import DueBatch, InFlight
 from node.delay.heal import BucketHealer
@@ -106,10 +106,13 @@ class DelayStore:
         self.healer.counters["id_files_rebuilt"] = len(self.ids.rebuilt_files)
         self.schedule.healer = self.healer.rebuild
         self.healer.check_soon(ahead_ms=settings.verify_ahead_ms)
+        if not follower:  # filed late, delivered before the replayed dispatch records (late_filed.py)
+            late_filed.name_delivered(self.schedule, self.dispatch, self.core, self.core.completed_ms)
         self.subject_tables.count_pending(self.core)
         self._save_checkpoint()  # the new epoch is durable before any seq of it is used
         self.recovery.records_refiled = self.iterate(limit=None)  # replay: file everything the crash left unfiled
         if not follower:
+            self._late_filed_after_replay(self.recovery.records_refiled)
             self._bump_past_filed_seqs()
         self.recovery.epoch = self.epoch
         log.info("delay store opened path=%s recovery=%s", root, self.recovery)
@@ -530,8 +533,10 @@ class DelayStore:
         2. the new epoch, once: past this store's and past every seq already filed (the
            old master's), durable before any seq of it is issued;
         3. the wheel restored from that tick state (``completed_ms``, the dispatch-log
-           records from ``dispatch_offset`` on name what was delivered): it aligns to the
-           wall clock in ``poll_due`` (behind: catch-up; ahead: it waits);
+           records from ``dispatch_offset`` on name what was delivered, and the whole dispatch
+           log what this slave filed late, after the old master had delivered it:
+           ``late_filed.py``): it aligns to the wall clock in ``poll_due`` (behind: catch-up;
+           ahead: it waits);
         4. the buckets the wheel loads first verified (heal.py), pending counts rebuilt;
         5. the rest of the replicated log filed as a master files it, under the restored
            ``completed_ms``. Voided seqs (divergent suffixes truncated while following)
@@ -561,13 +566,25 @@ class DelayStore:
         t["epoch_wheel"] = time.perf_counter()
         self.healer.check_soon(ahead_ms=self.settings.verify_ahead_ms)
         t["verify"] = time.perf_counter()
+        # records this slave filed late, after the master had delivered them: the replayed dispatch
+        # records do not name them (late_filed.py); the whole dispatch log is searched for them
+        late_filed.name_delivered(self.schedule, self.dispatch, core, max(core.completed_ms, core.late_filed_max_ms))
+        core.late_filed_max_ms = -1
+        t["late_filed"] = time.perf_counter()
         self.subject_tables.count_pending(core)
         t["pending"] = time.perf_counter()
-        self.iterate(limit=None)
+        self._late_filed_after_replay(self.iterate(limit=None))
         self._bump_past_filed_seqs()
         t["file_rest"] = time.perf_counter()
         steps = list(t)
         return {k: round((t[k] - t[steps[i - 1]]) * 1000, 1) for i, k in enumerate(steps) if i}
+
+    def _late_filed_after_replay(self, filed: int) -> None:
+        """Records filed just now, as a master, behind the restored tick state may be ones the
+        old master delivered (late_filed.py): found in the dispatch log, the counts are made
+        again. Nothing has loaded their seconds into the wheel yet."""
+        if filed and late_filed.name_delivered(self.schedule, self.dispatch, self.core, self.core.completed_ms):
+            self.subject_tables.count_pending(self.core)
 
     def appended(self) -> None:
         """Replicated bytes were appended and fsynced: they are durable here."""
