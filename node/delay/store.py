@@ -61,7 +61,7 @@ import numpy as np
 from cluster.codec import KIND_CANCEL, OUTCOME_DEAD_LETTER, OUTCOME_OK, Batch
 from cluster.errors import NotFound, TooLate
 from cluster.wire import BatchResult
-from node.delay import cuts, ingest, late_filed, lookup, recovery
+from node.delay import cuts, diskbounds, ingest, late_filed, lookup, recovery
 from node.delay.core import DelayCore
 from node.delay.inflight import DueBatch, InFlight
 from node.delay.heal import BucketHealer
@@ -217,35 +217,16 @@ class DelayStore:
         return got.result
 
     def write_bytes_bound(self, batch: Batch) -> int:
-        """Disk bytes that accepting ``batch`` and filing it take at most (``ingest.write_bytes_bound``)."""
-        if not batch.n:
-            return 0
-        return ingest.write_bytes_bound(batch, settings=self.settings,
-                                        id_allocation_bytes=self.ids.allocation_bytes(self.unfiled.count + batch.n),
-                                        new_buckets_bytes=self._new_buckets_bytes(batch.deliver_at_ms.astype(np.int64)))
-
-    def _new_buckets_bytes(self, due_ms: np.ndarray) -> int:
-        starts = ingest.bucket_starts_of(due_ms, persisted_completed_ms=self.persisted_completed_ms,
-                                         bucket_ms=self.settings.bucket_ms)
-        new = ingest.BUCKETS_LOOKED_UP_MAX + 1 if starts is None else \
-            sum(1 for b in starts if not self.schedule.exists(b))
-        return ingest.new_buckets_bytes(new, self.settings.bucket_ms)
+        """Disk bytes that accepting ``batch`` and filing it take at most (``diskbounds``)."""
+        return diskbounds.write_bytes_bound(self, batch)
 
     def unfiled_bytes_bound(self) -> int:
-        """Disk bytes that filing what is accepted and not filed yet will take at most: what a
-        disk reading begun now cannot show yet (``DiskBudget.reading_started``)."""
-        n = self.unfiled.count
-        if not n and self.iterate_offset >= self.messages.end_offset:
-            return 0
-        return ingest.unfiled_bytes_bound(
-            self.unfiled, settings=self.settings, log_bytes=max(0, self.messages.end_offset - self.iterate_offset),
-            id_allocation_bytes=self.ids.allocation_bytes(n),
-            new_buckets_bytes=self._new_buckets_bytes(self.unfiled.due_ms()))
+        """Disk bytes that filing what is accepted and not filed yet will take at most."""
+        return diskbounds.unfiled_bytes_bound(self)
 
     def cancel_bytes_bound(self, msg_id: str) -> int:
         """``write_bytes_bound`` of the tombstone ``cancel(msg_id)`` appends and files."""
-        return ingest.cancel_bytes_bound(msg_id, settings=self.settings,
-                                         id_allocation_bytes=self.ids.allocation_bytes(self.unfiled.count + 1))
+        return diskbounds.cancel_bytes_bound(self, msg_id)
 
     def flush_messages(self) -> int:
         """fsync the message log (tests and tools; the service uses a GroupCommitter)."""
