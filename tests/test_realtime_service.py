@@ -117,15 +117,25 @@ async def test_acks_riding_on_a_pull_are_applied_before_it(node):
 
 
 async def test_long_poll_wakes_on_any_subject(node):
-    _, producer, consumer, _ = node
-    started = time.monotonic()
-    waiter = asyncio.create_task(pull(consumer, ["x", "y", "z"], "g", wait_ms=60_000))
-    await asyncio.sleep(0.2)
+    n, producer, consumer, _ = node
+    woke: list[tuple[str, int]] = []  # (subject, pulls waiting on it) at each wake-up
+    wake = n._wake
+
+    def counting_wake(subjects):
+        woke.extend((s, len(n._new_data.get(s, ()))) for s in subjects)
+        wake(subjects)
+
+    n._wake = counting_wake
+    waiter = asyncio.create_task(pull(consumer, ["x", "y", "z"], "g", wait_ms=4_000))
+    for _ in range(600):  # bounded: until the pull waits on its subjects (an order, not a time)
+        if all(n._new_data.get(s) for s in ("x", "y", "z")):
+            break
+        await asyncio.sleep(0.01)
     assert not waiter.done()
     await send(producer, msgs("y", ["late"]))
+    assert ("y", 1) in woke  # the store of a "y" message woke the waiting pull (not its deadline)
     b, h = await asyncio.wait_for(waiter, 60)
     assert b.id_list() == ["late"] and b.subject(0) == "y" and h.tolist() == [0]
-    assert time.monotonic() - started < 30  # woken by the message, not at its 60 s deadline
     t0 = time.monotonic()
     b, _ = await pull(consumer, ["x"], "g", wait_ms=300)  # nothing comes: answered empty at the deadline
     assert b.n == 0 and 0.25 < time.monotonic() - t0  # not before its deadline (after it: a starved machine may be late)
