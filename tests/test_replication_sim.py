@@ -3,7 +3,9 @@
 The simulation decides nothing itself that the shipped shell decides: a master answers a
 fetch with ``answer_fetch`` (fencing, divergence), a slave takes an answer by
 ``take_answer``, and every node's role loop turn (observe, campaign, seat reclaim, step
-down) is ``role_step`` - the same functions ``node/replication/roles.py`` calls. What is
+down) is ``role_step``, and when a settled node's next turn comes is ``steady_turn`` and
+``leader_wait_ms`` (the Leader long poll: a turn on a change of the leader key or the in-sync
+set, or when the wait ends) - the same functions ``node/replication/roles.py`` calls. What is
 modelled here is only the world around them: etcd, the network, faults.
 
 One group of a master and slaves, an etcd model (a leader key under a lease, a revision
@@ -30,13 +32,16 @@ from dataclasses import dataclass, field
 import pytest
 
 from node.replication.core import (EpochHistory, LeaderKey, Member, SyncTracker, answer_fetch, campaign_delay_ms,
-                                   divergence, in_sync_change, may_campaign, role_step, take_answer,
-                                   truncate_allowed)
+                                   divergence, in_sync_change, leader_wait_ms, may_campaign, role_step,
+                                   steady_turn, take_answer, truncate_allowed)
 
 STEP_MS = 10
 TTL_MS = 2000
 MARGIN_MS = 300
 KEEPALIVE_MS = 500
+LEADER_WAIT_MS = 1000  # the role loop's long poll once settled (node setting leader_wait_ms)
+LEADER_POLL_MS = 100
+PEERS_MS = 1000        # the role loop's peers read: a long poll never waits past it
 CHUNK = 16
 FETCH_TIMEOUT_MS = 200
 
@@ -63,6 +68,8 @@ class Node:
     term_start: int = 0
     fetch_no: int = 0                             # the last fetch sent (answers to older ones are dropped)
     acked_known: int = -1                         # the acknowledged point masters told this slave
+    wait_until: int | None = None                 # a settled turn's Leader long poll ends here (None: polling)
+    key_seen: tuple | None = None                 # the leader key and in-sync set that long poll waits on
 
     def active(self, now: int) -> bool:
         return self.alive and now >= self.frozen_until
@@ -93,6 +100,7 @@ class Sim:
         self.won_by: list[str] = []
         self.value = 0
         self.faults = 0
+        self.waited_turns = 0  # turns a settled node's long poll left out (it waited for a change)
         self.leases = 0
         for i, n in enumerate(self.nodes.values()):
             n.lease = self.leases = i + 1
@@ -115,12 +123,24 @@ class Sim:
                     if self.key is not None and self.key[2] == n.lease:
                         self.key_expiry = self.now + TTL_MS
                         n.member.keepalive_sent(self.now)
-            if self.rnd.random() < 0.5:  # the role loop's turn (its poll comes late or early)
+            if self.rnd.random() < 0.5 and self.turn_due(n):  # the role loop's turn (its poll late or early)
                 self.role_turn(n)
+
+    def election_state(self) -> tuple:
+        return (self.key[:2] if self.key is not None else None, frozenset(self.in_sync))
+
+    def turn_due(self, n: Node) -> bool:
+        """The Leader long poll (docs/replication.md): a settled node's next turn comes when the
+        leader key or the in-sync set changes (the meta server's watch) or when its wait ends."""
+        if n.wait_until is None or self.election_state() != n.key_seen or self.now >= n.wait_until:
+            return True
+        self.waited_turns += 1
+        return False
 
     def role_turn(self, n: Node) -> None:
         """One turn of the shipped role loop (``role_step``), the leader key read from the model."""
         key = LeaderKey(self.key[0], self.key[0], self.key[1]) if self.key is not None else LeaderKey(None)
+        n.wait_until = None  # a turn that returns early (a campaign waiting) polls again
         action = role_step(n.member, key, me=n.id, address=n.id, mode=n.mode, lease=n.lease,
                            campaigned_lease=n.campaigned_lease, now_ms=self.now, campaign_allowed=True)
         if action == "campaign":
@@ -151,6 +171,10 @@ class Sim:
         elif action == "slave" and n.mode != "slave":
             n.mode = "slave"
             self.fail_waiters(n)
+        if steady_turn(action, key.node_id, me=n.id, mode=n.mode):  # the shell's rule, as roles.py asks it
+            lease_left = n.member.lease_left_ms(self.now) if n.mode == "master" else None
+            n.key_seen = self.election_state()
+            n.wait_until = self.now + leader_wait_ms(LEADER_WAIT_MS, PEERS_MS, lease_left, poll_ms=LEADER_POLL_MS)
 
     def win(self, n: Node, epoch: int) -> None:
         """``n`` takes the seat of ``epoch`` (won, or reclaimed: the key is still its own)."""
@@ -370,7 +394,7 @@ ONE = os.environ.get("HOURGLASS_SIM_SEED")
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_seeded_runs_keep_every_acknowledged_write(nodes):
     seeds = [int(ONE)] if ONE else range(RUNS if nodes == 2 else RUNS // 4)
-    faults = acked = 0
+    faults = acked = waited = 0
     for seed in seeds:
         sim = Sim(seed, nodes=nodes)
         try:
@@ -380,7 +404,9 @@ def test_seeded_runs_keep_every_acknowledged_write(nodes):
                                  f"rerun: HOURGLASS_SIM_SEED={seed} pytest tests/test_replication_sim.py") from None
         faults += sim.faults
         acked += len(sim.acked)
+        waited += sim.waited_turns
     assert faults > 0 and acked > 0  # the runs did inject faults and acknowledge writes
+    assert waited > 0  # and settled nodes did wait in the Leader long poll between changes
 
 
 def test_same_seed_same_run():
