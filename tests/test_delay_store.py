@@ -66,6 +66,18 @@ class Harness:
             self.now = min(t, self.now + step)
             self.delivered += fire(self.store, self.now)
 
+    def cancel(self, msg_id: str) -> None:
+        """Cancel now, the tombstone durable and filed (what a model-driven test steps through)."""
+        self.store.cancel(msg_id, now_ms=self.now)
+        self.store.flush_messages()
+        self.store.iterate(limit=None)
+
+    def run_forgetting(self, t, pending: dict, step=10) -> None:
+        """``run_until(t)``, then drop every delivered id from the model's ``pending``."""
+        self.run_until(t, step=step)
+        for mid in self.delivered:
+            pending.pop(mid, None)
+
     def crash(self):
         """Reopen without close(): whatever was written is in the page cache, as after a kill."""
         self.store = DelayStore.open(self.path, self.settings, now_ms=self.now)
