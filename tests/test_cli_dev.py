@@ -157,6 +157,16 @@ def _console_url(out_path: Path, up: subprocess.Popen) -> str:
         time.sleep(0.2)
 
 
+def _stop_and_reap(up: subprocess.Popen, data: Path, seen: dict) -> dict:
+    """Stop `dev up`, then kill whatever its cluster.json (the newest, listing restarted
+    processes) still names; returns that listing."""
+    _stop_dev_up(up)
+    if (data / "cluster.json").exists():
+        seen = json.loads((data / "cluster.json").read_text())
+    _kill_listed(seen)
+    return seen
+
+
 def _kill_listed(cluster_json: dict) -> None:
     """Safety net after a failed test: SIGKILL the listed processes that are still that process."""
     for name, p in cluster_json.get("processes", {}).items():
@@ -219,10 +229,7 @@ def test_dev_up_outside_the_repo_survives_a_master_kill(tmp_path):
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
-        _stop_dev_up(up)
-        if (data / "cluster.json").exists():
-            seen = json.loads((data / "cluster.json").read_text())
-        _kill_listed(seen)
+        seen = _stop_and_reap(up, data, seen)
     text = out_path.read_text()
     assert_no_traceback(text)
     assert f"{killed} exited code=-9 signal=SIGKILL; restarting on its data in 3000 ms" in text, text
@@ -407,10 +414,7 @@ def test_dev_chaos_kills_masters_of_delay_and_replicated_realtime_groups(tmp_pat
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
-        _stop_dev_up(up)
-        if (data / "cluster.json").exists():
-            seen = json.loads((data / "cluster.json").read_text())
-        _kill_listed(seen)
+        seen = _stop_and_reap(up, data, seen)
     text = out_path.read_text()
     assert_no_traceback(text)
     assert f"{rt['new_master']} is now master of group {rt['group']}" in text, text
