@@ -484,6 +484,12 @@ class HourglassDev:
         self.shape = getattr(args, "shape", None) or ClusterShape()
         self.cluster = LocalCluster(work / "hourglass", meta=True, **self.shape.cluster_kwargs(), ack_mode="async",
                                     lease_ttl_ms=LEASE_TTL_MS, env=env)
+        from common import free_port
+
+        self.metrics_ports = {}  # node -> its /metrics port: requests served per method (issue 30)
+        for n in self.cluster.nodes:
+            self.metrics_ports[n.name] = free_port()
+            n.env["HOURGLASS_METRICS_PORT"] = str(self.metrics_ports[n.name])
         self.node_env = args.node_env
         self.console = getattr(args, "console", False)
         self.viewer = None
@@ -523,15 +529,20 @@ class HourglassDev:
                     print(f"cgroup clean-up: {problems}", file=sys.stderr)
 
     def probe(self) -> dict:
-        """What a step reads before and after: each node cgroup's ``cpu.stat`` and etcd's gRPC counters."""
+        """What a step reads before and after: each node cgroup's ``cpu.stat``, etcd's gRPC counters
+        and each node's requests served by method."""
         return {"cg": self.quotas.stat() if self.quotas is not None else {},
-                "etcd": etcd_counters(self.cluster.etcd.endpoints if self.cluster.etcd is not None else [])}
+                "etcd": etcd_counters(self.cluster.etcd.endpoints if self.cluster.etcd is not None else []),
+                "requests": {name: node_requests(port) for name, port in self.metrics_ports.items()}}
 
     def probe_delta(self, a: dict, b: dict, seconds: float) -> dict:
         from cgroupquota import throttle_delta
 
         out = {"etcd_per_s": {k: round((v - a["etcd"].get(k, 0)) / seconds, 1) for k, v in sorted(b["etcd"].items())
                               if v - a["etcd"].get(k, 0) > 0}}
+        out["requests"] = {node: {m: int(v - a["requests"].get(node, {}).get(m, 0))
+                                  for m, v in sorted(per.items()) if v - a["requests"].get(node, {}).get(m, 0) > 0}
+                           for node, per in b["requests"].items()}
         if self.quotas is not None:
             out["cpu_quota"] = {"cores": self.cpu_quota, "period_us": self.quotas.period_us,
                                 "quota_us": self.quotas.quota_us}
@@ -561,6 +572,24 @@ class HourglassDev:
                 "producer": "Producer(MetaResolver) defaults; await (await send_many(..., ids, delay_ms)) per tick",
                 "consumer": f"Consumer(MetaResolver, 16 subjects, group={GROUP!r}) defaults; "
                             "async for batch in batches(): handle(ids, payloads); await batch.ack()"}
+
+
+def node_requests(port: int) -> dict[str, float]:
+    """A node's ``hourglass_requests_total`` by method (cluster/wire.py ``REQUESTS``: a unary call
+    or one request of a stream), from its ``/metrics``; {} when unreadable."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hourglass_requests_total{"):
+            m = re.search(r'method="([^"]+)"', line)
+            if m:
+                out[m.group(1)] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def etcd_counters(endpoints: list[str]) -> dict[str, float]:
@@ -799,6 +828,9 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     r["window_s"] = round((t1_ms - t0_ms) / 1000, 1)
     if probe0 is not None:  # per-node cgroup throttling, etcd calls per second (issue 30)
         r.update(system.probe_delta(probe0, probe1, (t1_ms - t0_ms) / 1000))
+        if r.get("requests") and acked.count:  # what a node's CPU is mostly paid per (issue 30)
+            r["requests_per_1k_msgs"] = {node: round(sum(per.values()) * 1000 / acked.count, 1)
+                                         for node, per in r["requests"].items()}
     r["windows_100ms"] = _window_summary(wins, args.window_over_ms)
     if args.stalls:  # None: the system has no loop watchdog (Redis)
         r["stalls"] = _stall_lines(system, offsets, t0_ms) if system.logs() else None
@@ -822,7 +854,9 @@ def fails_badly(r: dict) -> bool:
 
 def _cpu_cell(r: dict) -> str:
     cpu = r.get("cpu_us_per_msg") or {}
-    return " ".join(f"{k}={v['us_per_msg']}" for k, v in cpu.items())
+    cell = " ".join(f"{k}={v['us_per_msg']}" for k, v in cpu.items())
+    req = r.get("requests_per_1k_msgs")
+    return cell + ("  requests per 1k msgs: " + " ".join(f"{k}={v}" for k, v in req.items()) if req else "")
 
 
 def table(rows: list[dict]) -> str:

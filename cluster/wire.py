@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from prometheus_client import Counter
 
 from cluster import status
 from cluster.codec import SUBJECT_WIRE_BYTES_MAX, Batch, pack_i64, pack_u64, subject_problem, unpack_i64
@@ -242,6 +243,21 @@ class _Undecodable:
     reason: str
 
 
+# Requests served, by method: one per unary call and one per request of a stream (an ordered
+# stream's SendBatch or Pull, a Replicate fetch). Counted as protobuf parses the request, so a
+# refused one counts too. Process-wide like REFUSALS (cluster/security.py): each node and meta
+# server registers it in its own registry. What a node's CPU goes to is mostly per request
+# (docs/benchmarks.md, "User-mode client"); this is how requests per message are counted.
+REQUESTS = Counter("hourglass_requests", "Requests served, by method (every request of a stream counts)",
+                   ["method"], registry=None)
+
+
+def _method_label(method: str) -> str:
+    """``/hourglass.v1.Producer/SendBatch`` -> ``Producer/SendBatch``."""
+    service, _, name = method.lstrip("/").partition("/")
+    return f"{service.rsplit('.', 1)[-1]}/{name}"
+
+
 class UndecodableRequests(grpc.aio.ServerInterceptor):
     """A request protobuf cannot parse (a ``string`` field such as a Pull's subject or a
     Cancel's id that is not UTF-8, truncated bytes) is the caller's mistake: answer
@@ -250,7 +266,9 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
 
     Unary requests, and the requests of the ordered streams (``...Stream``: that request
     alone is refused, ``serve_ordered``); the streamed ``Replicate`` requests come from
-    nodes of the same build."""
+    nodes of the same build.
+
+    Every request it parses is also counted in ``REQUESTS`` by method."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -259,16 +277,31 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        if handler.request_streaming and not (handler.response_streaming
-                                              and handler_call_details.method.endswith("Stream")):
-            return handler
         method = handler_call_details.method
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        wrapped = _guarded(method, handler)
+        count = REQUESTS.labels(method=_method_label(method)).inc
+        if handler.request_streaming and not (handler.response_streaming and method.endswith("Stream")):
+            wrapped = _counted(handler, count)
+        else:
+            wrapped = _guarded(method, handler, count)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
+
+
+def _counted(handler: grpc.RpcMethodHandler, count: Callable[[], None]) -> grpc.RpcMethodHandler:
+    """A request-streaming handler (Replicate) whose every parsed request is counted."""
+    parse = handler.request_deserializer
+
+    def deserialize(raw: bytes):
+        count()
+        return parse(raw)
+
+    make = (grpc.stream_stream_rpc_method_handler if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler)
+    return make(handler.stream_stream if handler.response_streaming else handler.stream_unary,
+                request_deserializer=deserialize, response_serializer=handler.response_serializer)
 
 
 def _undecodable(bad: _Undecodable) -> InvalidArgument:
@@ -283,10 +316,12 @@ async def _refuse(bad: _Undecodable, context) -> None:
     await status.abort(context, _undecodable(bad))  # the status table chooses the code
 
 
-def _guarded(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _guarded(method: str, handler: grpc.RpcMethodHandler,
+             count: Callable[[], None] = lambda: None) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
 
     def deserialize(raw: bytes):
+        count()
         try:
             return parse(raw)
         except DecodeError as e:

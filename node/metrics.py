@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cluster.metricsserver import ServesMetrics
 from cluster.security import REFUSALS, THROTTLED_PEERS
+from cluster.wire import REQUESTS
 
 log = logging.getLogger("hourglass.metrics")
 
@@ -23,6 +24,7 @@ class NodeMetrics(ServesMetrics):
         self.registry = r = CollectorRegistry()
         r.register(REFUSALS)  # calls refused by authentication or permissions (cluster/security.py)
         r.register(THROTTLED_PEERS)  # peers refused for a window after too many failed authentications
+        r.register(REQUESTS)  # requests served by method (cluster/wire.py)
         labels = {"role": role, "node": node_id}
         self.ingested = Counter("hourglass_ingested_messages", "Messages accepted (durable)", registry=r)
         self.dispatched = Counter("hourglass_dispatched_messages", "Delayed messages handed to real-time nodes",

@@ -158,3 +158,30 @@ async def test_a_write_cancelled_midway_ends_the_stream_and_later_calls_still_ma
     await asyncio.gather(task, return_exceptions=True)
     got = await asyncio.gather(*(stream.call(_req(d), timeout=5) for d in (3, 4, 5)))
     assert [_got(r) for r in got] == [3, 4, 5]  # every later caller gets its own answer
+
+
+def _requests_counted(method: str) -> float:
+    from cluster.wire import REQUESTS
+
+    return REQUESTS.labels(method=method)._value.get()
+
+
+async def test_every_request_is_counted_by_method_a_refused_one_too(server):
+    """``hourglass_requests{method}`` counts a unary call once and each request of a stream
+    once, the unparsable one included (docs/operations.md, Metrics)."""
+    svc, address, channels = server
+    ch = channels.get(address)
+    unary0, stream0 = _requests_counted("Producer/SendBatch"), _requests_counted("Producer/SendBatchStream")
+    send = ch.unary_unary("/hourglass.v1.Producer/SendBatch", request_serializer=pb.SendBatchRequest.SerializeToString,
+                          response_deserializer=pb.SendBatchResponse.FromString)
+    for e in (1, 2):
+        assert _got(await asyncio.wait_for(send(_req(e)), 10)) == e
+    raw = ch.stream_stream("/hourglass.v1.Producer/SendBatchStream", request_serializer=lambda b: b,
+                           response_deserializer=pb.SendBatchResponse.FromString)()
+    for body in (_req(1).SerializeToString(), b"\xff\xff\xff", _req(2).SerializeToString()):
+        await raw.write(body)
+    answers = [await asyncio.wait_for(raw.read(), 10) for _ in range(3)]
+    raw.cancel()
+    assert [_got(a) for a in answers if not a.HasField("refused")] == [1, 2]
+    assert _requests_counted("Producer/SendBatch") - unary0 == 2
+    assert _requests_counted("Producer/SendBatchStream") - stream0 == 3
