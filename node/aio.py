@@ -130,9 +130,10 @@ async def trim_memory_loop(interval_s: float = MALLOC_TRIM_INTERVAL_S) -> None:
         after, last_at = (in_use() if in_use is not None else None), loop.time()
 
 
-STALL_TICK_MS_MAX = 50       # the stall watch wakes at least this often (its histogram's resolution)
+STALL_OBSERVE_MS_MIN = 5     # loop turns at least this long go into the histogram (its first bucket)
 STALL_STACK_FRAMES = 6       # frames named in a stall's log line, innermost first
 STALL_STILL_MS = 5000        # a stall this long is also logged while it lasts, with the whole stack
+STALL_PARKED_S_MAX = 1.0     # the sampler thread, parked while the loop waits for I/O, looks again this often
 
 
 def _where(frame) -> str:
@@ -142,31 +143,40 @@ def _where(frame) -> str:
 
 
 class StallWatch:
-    """Reports event-loop stalls (setting ``loop_stall_report_ms``; 0 = off).
+    """Reports event-loop stalls (setting ``loop_stall_report_ms``; 0 = off), with no wake-up
+    of its own: it wraps the loop's selector.
 
-    A task on the loop wakes every ``tick`` (a quarter of the threshold, at most 50 ms) and
-    measures how late it woke: that lateness is how long the loop was held (or the process
-    got no CPU). Every lateness goes into ``histogram``
-    (``hourglass_event_loop_stall_seconds``); one at or past the threshold is logged when it
+    A turn of the loop runs from the moment ``select`` returns to the next call of
+    ``select``: the callbacks that were ready ran in between, and nothing else on the loop
+    could. A turn at or past the threshold is a stall of the loop. ``select`` returning
+    later than the timeout it was given (by the threshold or more) is a stall too: the
+    process got no CPU while it waited (``at=selectors.py select``, as a sampled wait).
+    Every turn of ``STALL_OBSERVE_MS_MIN`` or more, and every such late return, goes into
+    ``histogram`` (``hourglass_event_loop_stall_seconds``); a stall is logged when it
     ends, once, with its duration, the task that was running and where the loop thread was
     (WARNING ``event loop stalled stall_ms=612 task=role-master at=store.py:412 promote <
-    ... samples=11/12``). "Where" is sampled by a thread every tick while the task's mark is
-    older than half the threshold (before that the thread sleeps until it could be); the place
-    seen most often during the stall is named, with
-    how many of the samples saw it: the call that held the loop. ``at=selectors.py ... select``
-    means the loop was idle and the process got no CPU; ``at=-`` that the sampler got none
-    either. A stall that lasts ``STALL_STILL_MS`` is also logged
-    while it lasts, with the whole stack: a wedged loop is named even if it never returns.
-    Every message due during a stall is late by it, so this is where a p99 comes from."""
+    ... samples=11/12``). "Where" is sampled by a thread every quarter of the threshold (at
+    most 50 ms) once a turn has run for half the threshold; the place seen most often is
+    named, with how many of the samples saw it: the call that held the loop. ``at=-`` means
+    the sampler got no CPU either. A stall that lasts ``STALL_STILL_MS`` is also logged while
+    it lasts, with the whole stack: a wedged loop is named even if it never returns. While
+    the loop waits in ``select`` the thread is parked (woken when the wait ends, or after
+    ``STALL_PARKED_S_MAX``), so a node at rest pays no wake-up for the watch (issue 28:
+    it woke 20 times a second before). Every message due during a stall is late by it, so
+    this is where a p99 comes from."""
 
     def __init__(self, threshold_ms: int, log: logging.Logger, histogram=None) -> None:
         self.threshold_s = threshold_ms / 1000
-        self.tick_s = min(self.threshold_s / 4, STALL_TICK_MS_MAX / 1000)
+        self.tick_s = min(self.threshold_s / 4, 0.05)
+        self.observe_min_s = min(STALL_OBSERVE_MS_MIN / 1000, self.threshold_s)
         self.log = log
         self.histogram = histogram
-        self.beat = time.monotonic()
+        self.turn_from = time.monotonic()  # when the current turn started (select returned)
+        self.in_select = False
         self.stalls = 0
-        self._sampled_beat: float | None = None  # the stall (its mark) the samples below belong to
+        self._parked = False
+        self._unpark = threading.Event()
+        self._sampled_turn: float | None = None  # the turn the samples below belong to
         self._samples: Counter[tuple[str, str]] = Counter()  # (task, where) -> times seen during it
         self._samples_lock = threading.Lock()
         self._stop = threading.Event()
@@ -174,26 +184,60 @@ class StallWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        selector = getattr(loop, "_selector", None)
+        if selector is None or not callable(getattr(selector, "select", None)):
+            self.log.warning("stall watch off: this event loop has no selector to watch")
+            await asyncio.Event().wait()
+        inner = selector.select
+        selector.select = self._watched(inner)
+        self._loop_thread = threading.get_ident()
         thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
         thread.start()
         try:
-            while True:
-                before = time.monotonic()
-                self.beat = before
-                await asyncio.sleep(self.tick_s)
-                late_s = max(0.0, time.monotonic() - before - self.tick_s)
-                if self.histogram is not None:
-                    self.histogram.observe(late_s)
-                if late_s >= self.threshold_s:
-                    self._report(before, late_s)
+            await asyncio.Event().wait()  # the work is in the selector's wrapper and the thread
         finally:
+            selector.__dict__.pop("select", None)  # the selector's own method again
             self._stop.set()
+            self._unpark.set()
 
-    def _report(self, beat: float, late_s: float) -> None:
+    def _watched(self, inner):
+        def select(timeout=None):
+            t0 = time.monotonic()
+            self._turn_ended(t0 - self.turn_from)
+            self.in_select = True
+            try:
+                return inner(timeout)
+            finally:
+                t1 = time.monotonic()
+                self.turn_from = t1
+                self.in_select = False
+                if self._parked:
+                    self._unpark.set()
+                if timeout is not None and t1 - t0 - timeout >= self.observe_min_s:
+                    self._waited_late(t0, t1 - t0 - timeout)
+        return select
+
+    def _turn_ended(self, turn_s: float) -> None:
+        if turn_s < self.observe_min_s:  # the usual case: one comparison a turn
+            return
+        if self.histogram is not None:
+            self.histogram.observe(turn_s)
+        if turn_s >= self.threshold_s:
+            self._report(self.turn_from, turn_s)
+
+    def _waited_late(self, began: float, late_s: float) -> None:
+        if self.histogram is not None:
+            self.histogram.observe(late_s)
+        if late_s >= self.threshold_s:
+            self.stalls += 1
+            self.log.warning("event loop stalled stall_ms=%.0f task=- at=selectors.py select samples=0/0 "
+                             "(the process got no CPU while the loop waited)", late_s * 1000)
+
+    def _report(self, turn: float, late_s: float) -> None:
         self.stalls += 1
         with self._samples_lock:
-            seen = self._samples.most_common(1) if self._sampled_beat == beat else []
+            seen = self._samples.most_common(1) if self._sampled_turn == turn else []
             n = sum(self._samples.values()) if seen else 0
         (task, where), k = seen[0] if seen else (("-", "-"), 0)
         self.log.warning("event loop stalled stall_ms=%.0f task=%s at=%s samples=%d/%d", late_s * 1000, task,
@@ -203,23 +247,29 @@ class StallWatch:
         still_reported = None
         wait_s = self.tick_s
         while not self._stop.wait(wait_s):
-            beat = self.beat
-            late = time.monotonic() - beat - self.tick_s
-            if late < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
-                # nothing to sample before the mark is half a threshold late: sleep until then (at
-                # least a tick), not a tick at a time: at rest this thread wakes a few times a second
-                wait_s = max(self.tick_s, self.threshold_s / 2 - late)
+            self._parked = True  # set before reading in_select; the wrapper reads it after clearing in_select
+            if self.in_select:
+                self._unpark.wait(STALL_PARKED_S_MAX)
+                self._unpark.clear()
+                self._parked = False
+                wait_s = self.threshold_s / 2  # a turn just begun: nothing to sample before half a threshold
+                continue
+            self._parked = False
+            turn = self.turn_from
+            ran = time.monotonic() - turn
+            if ran < self.threshold_s / 2:  # sampled early: a stall just past the threshold is named too
+                wait_s = max(self.tick_s, self.threshold_s / 2 - ran)
                 continue
             wait_s = self.tick_s
             frame = sys._current_frames().get(self._loop_thread)
             task = asyncio.current_task(self._loop) if self._loop is not None else None
             sample = (task.get_name() if task is not None else "-", _where(frame) if frame is not None else "-")
             with self._samples_lock:
-                if self._sampled_beat != beat:
-                    self._sampled_beat, self._samples = beat, Counter()
+                if self._sampled_turn != turn:
+                    self._sampled_turn, self._samples = turn, Counter()
                 self._samples[sample] += 1
-            if late * 1000 >= STALL_STILL_MS and still_reported != beat:
-                still_reported = beat
+            if ran * 1000 >= STALL_STILL_MS and still_reported != turn:
+                still_reported = turn
                 stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(no stack)"
                 self.log.warning("event loop still stalled stall_ms=%.0f; the loop thread is at:\n%s",
-                                 late * 1000, stack)
+                                 ran * 1000, stack)

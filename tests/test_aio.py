@@ -40,6 +40,27 @@ async def test_a_held_loop_is_reported_with_the_holding_call(caplog):
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_the_watch_adds_no_wake_up_to_a_loop_at_rest():
+    """The watch measures each turn of the loop from its selector: a loop with nothing to
+    do sleeps in ``select`` until its next timer, not every 50 ms for the watch, and the
+    selector is its own again once the watch stops."""
+    loop = asyncio.get_running_loop()
+    watch = StallWatch(200, logging.getLogger("test.stall.rest"))
+    task = asyncio.create_task(watch.run())
+    await asyncio.sleep(0)  # the watch wraps the selector
+    selects = []
+    inner = loop._selector.select
+    loop._selector.select = lambda timeout=None: (selects.append(timeout), inner(timeout))[1]
+    try:
+        await asyncio.sleep(0.6)  # one timer: a couple of turns, whatever the machine's load
+    finally:
+        loop._selector.select = inner
+    assert len(selects) <= 4, selects  # the 50 ms watch made 12 or more
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert "select" not in vars(loop._selector)
+
+
 def _rss_bytes() -> int:
     import os
 
