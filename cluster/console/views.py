@@ -211,6 +211,19 @@ def subject_buckets(row: dict, subject: str) -> dict[int, int] | None:
         return None
 
 
+def subject_minutes(row: dict, subject: str) -> dict[int, int] | None:
+    """A delay master's pending counts of ``subject`` by minute start for the buckets of the
+    minute view (``pending_by_subject_minute``, answered with ``pending_by_subject``), or None
+    when its Status carries none (a node from before per-subject minutes: its buckets are shown)."""
+    raw = row.get("pending_by_subject_minute")
+    if not isinstance(raw, dict) or not isinstance(raw.get(subject), dict):
+        return None
+    try:
+        return {int(k): int(v) for k, v in raw[subject].items() if int(v) > 0}
+    except (TypeError, ValueError):
+        return None
+
+
 def finer(by_group: dict[str, tuple[dict[int, int], int]], minutes: dict[str, dict[int, int]],
           slot_ms: int) -> dict[str, tuple[dict[int, int], int]]:
     """The counts a view of ``slot_ms`` slots uses: a group whose buckets are longer than a
