@@ -264,3 +264,24 @@ def test_counts_per_subject_survive_retention_and_a_restart_after_it(tmp_path):
 def totals_of(store) -> dict[str, int]:
     sp = store.core.subjects
     return sp.totals(list(sp.by_bucket))
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(-2, 2)), min_size=1, max_size=150),
+       st.booleans())
+def test_grouped_sums_alike_in_a_dict_and_in_numpy(rows, scalar):
+    """``grouped`` sums a few records in a dict and more with numpy: the same rows either way."""
+    import numpy as np
+
+    from node.delay import subjects as S
+
+    names = [f"s{i}" for i in range(5)]
+    starts = np.array([r[0] * 60_000 for r in rows], np.int64)
+    sidx = np.array([r[1] for r in rows], np.uint16)
+    sign = -1 if scalar else np.array([r[2] for r in rows], np.int64)
+    small = S.grouped(starts, names, sidx, sign)
+    old, S.GROUPED_PY_MAX = S.GROUPED_PY_MAX, 0
+    try:
+        assert S.grouped(starts, names, sidx, sign) == small
+    finally:
+        S.GROUPED_PY_MAX = old

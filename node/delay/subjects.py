@@ -40,6 +40,9 @@ import numpy as np
 OTHER = "(other)"
 
 
+GROUPED_PY_MAX = 64  # records ``grouped`` sums in a dict; more go through numpy (bench: equal near 200)
+
+
 def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
             sign: np.ndarray | int) -> list[tuple[int, str, int]]:
     """(start, subject, sum of ``sign``) per distinct (start, subject) of records whose starts
@@ -48,6 +51,17 @@ def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
     n = len(starts)
     if not n:
         return []
+    if n <= GROUPED_PY_MAX:  # a few records: a dict is cheaper than numpy's fixed cost per call
+        sums: dict[tuple[int, int], int] = {}
+        keys = zip(np.asarray(starts).tolist(), np.asarray(sidx).tolist())
+        if isinstance(sign, (int, np.integer)):
+            for k in keys:
+                sums[k] = sums.get(k, 0) + 1
+            w = int(sign)
+            return [(b, subjects[k], v * w) for (b, k), v in sorted(sums.items())]
+        for k, v in zip(keys, np.asarray(sign).tolist()):
+            sums[k] = sums.get(k, 0) + int(v)
+        return [(b, subjects[k], v) for (b, k), v in sorted(sums.items())]
     weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
     if len(subjects) == 1 and int(starts.min()) == int(starts.max()):  # the usual case: one of each
         return [(int(starts[0]), subjects[0], int(weights.sum()))]
@@ -107,47 +121,44 @@ class SubjectPending:
     def add(self, starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray, sign: np.ndarray | int,
             effective_ms: np.ndarray | None = None) -> None:
         """Records with bucket ``starts`` and subject indexes ``sidx`` move by ``sign``;
-        ``effective_ms`` (their times) moves the minutes of tracked buckets too."""
-        self._add_buckets(starts, subjects, sidx, sign)
-        if self.minutes and effective_ms is not None and len(starts):
-            self._add_minutes(starts, effective_ms, subjects, sidx, sign)
-
-    def _add_minutes(self, starts: np.ndarray, effective_ms: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
-                     sign: np.ndarray | int) -> None:
-        lo, hi = int(starts.min()), int(starts.max())
-        if lo == hi:  # the usual case: one bucket
-            if lo not in self.minutes:
-                return
-            eff, si, sg = effective_ms, sidx, sign
-        else:
-            mask = np.isin(starts, np.fromiter(self.minutes, np.int64, len(self.minutes)))
-            if not mask.any():
-                return
-            eff, si = effective_ms[mask], np.asarray(sidx)[mask]
-            sg = sign if isinstance(sign, int) else np.asarray(sign)[mask]
-        eff = np.asarray(eff, np.int64)
+        ``effective_ms`` (their times) moves the minutes of tracked buckets too. With buckets
+        tracked, one ``grouped`` by minute makes both (a bucket's rows are its minutes' sums):
+        this runs at every filing and dispatch round."""
+        if not (self.minutes and effective_ms is not None and len(starts)):
+            self._add_buckets(grouped(starts, subjects, sidx, sign))
+            return
+        starts = np.asarray(starts, np.int64)
+        eff = np.asarray(effective_ms, np.int64)
+        by_minute = grouped(starts + (eff - starts) // MINUTE_MS * MINUTE_MS, subjects, sidx, sign)
         bms = self.bucket_ms
-        b0 = eff - eff % bms
-        for m, s, v in grouped(b0 + (eff - b0) // MINUTE_MS * MINUTE_MS, subjects, si, sg):
+        sums: dict[tuple[int, str], int] = {}
+        for m, s, v in by_minute:
+            k = (m - m % bms, s)
+            sums[k] = sums.get(k, 0) + v
+        self._add_buckets([(b, s, v) for (b, s), v in sums.items()])
+        self._add_minutes([row for row in by_minute if row[0] - row[0] % bms in self.minutes])
+
+    def _add_minutes(self, rows: list[tuple[int, str, int]]) -> None:
+        bms = self.bucket_ms
+        for m, s, v in rows:
             b = m - m % bms
-            rows = self.minutes[b]
+            minutes = self.minutes[b]
             if s not in self.by_bucket.get(b, {}):  # as the bucket's count, none of its minutes
-                rows.pop(s, None)
+                minutes.pop(s, None)
                 continue
             if not v:
                 continue
-            row = rows.setdefault(s, {})
+            row = minutes.setdefault(s, {})
             n = row.get(m, 0) + v
             if n > 0:
                 row[m] = n
             else:
                 row.pop(m, None)
                 if not row:
-                    del rows[s]
+                    del minutes[s]
 
-    def _add_buckets(self, starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
-                     sign: np.ndarray | int) -> None:
-        for b, s, v in grouped(starts, subjects, sidx, sign):
+    def _add_buckets(self, rows) -> None:
+        for b, s, v in rows:
             if not v:
                 continue
             row = self.by_bucket.setdefault(b, {})
