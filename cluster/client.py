@@ -156,6 +156,7 @@ class LookupResult:
     effective_ms: int = 0      # the time it is filed under and fires at (0: not filed yet)
     cancelled_ms: int = 0      # cancelled: when the cancel was accepted
     store_epoch: int = 0       # the delay group's store epoch (term) that accepted it
+    accepted_node_id: str = ""  # the node that took that term ("": not named, data older than the term table)
     dispatched_ms: int = 0     # dispatched: when (0: not known, node/delay/dispatch_find.py)
     dead_lettered: bool = False  # dispatched to the dead letters by the delay node
     realtime_group: str = ""   # the real-time group its route and id name now
@@ -1157,7 +1158,7 @@ class Producer:
                             cancelled_ms=resp.cancelled_ms, store_epoch=resp.store_epoch,
                             dispatched_ms=resp.dispatched_ms, dead_lettered=resp.dead_lettered,
                             realtime_group=resp.realtime_group, realtime_address=resp.realtime_address,
-                            group=resp.group, node_id=resp.node_id)
+                            group=resp.group, node_id=resp.node_id, accepted_node_id=resp.accepted_node_id)
 
     async def trace(self, msg_id: str) -> MessageTrace:
         """A message's trace: ``lookup`` at its delay group, then, once dispatched, ``Consumer/Trace``

@@ -3,8 +3,9 @@
 In: the delay Lookup (``Producer.lookup`` as a dict: ``status``, ``seq``, ``deliver_at_ms``,
 ``subject``, ``accepted_ms``, ``effective_ms``, ``cancelled_ms``, ``store_epoch``,
 ``dispatched_ms``, ``dead_lettered``, ``realtime_group``; ``group``: the delay group that
-answered and ``node_id`` its member; the accepting node is not recorded, the store epoch
-names the term that accepted it) and, once it was dispatched, the real-time node's
+answered and ``node_id`` its member; ``accepted_node_id``: the node that took the store epoch
+that accepted it, from the group's term table, node/delay/terms.py; ``""`` for data older than
+that table: the hop then names the term only) and, once it was dispatched, the real-time node's
 ``Consumer/Trace`` under ``"realtime"`` (``node_id``, ``group``, ``position``, ``stored_ms``,
 ``attempts``, ``groups``: ``[{"group", "state", "copy_id", "copy_subject", "copy_ms"}]``)
 or why it could not be asked under ``"realtime_error"``. Out: ``Hop`` s.
@@ -55,6 +56,14 @@ HOPS = ("accepted", "filed", "fired", "stored at the real-time node", "delivered
 DELIVERY_HOPS = ("delivered", "acked or nacked")
 
 
+def accepted_by(lookup: dict, group: str, epoch: int) -> str:
+    """Who accepted it: ``by delay-1 (node d1, store epoch 3)``; without a node named (data older
+    than the term table) ``by delay-1 (store epoch 3)``."""
+    node = lookup.get("accepted_node_id") or ""
+    inner = ", ".join(([f"node {node}"] if node else []) + ([f"store epoch {epoch}"] if epoch else []))
+    return f"by {group}" + (f" ({inner})" if inner else "")
+
+
 def _delay_hops(lookup: dict, now_ms: int) -> dict[str, Hop]:
     status = lookup.get("status", "")
     done = _DONE_BY_STATUS.get(status, ())
@@ -68,7 +77,7 @@ def _delay_hops(lookup: dict, now_ms: int) -> dict[str, Hop]:
     rt = lookup.get("realtime") or {}
     rt_group = rt.get("group") or lookup.get("realtime_group") or ""
     details = {
-        "accepted": f"by {group}" + (f" (store epoch {epoch})" if epoch else "") + f", seq {lookup.get('seq', '?')}"
+        "accepted": accepted_by(lookup, group, epoch) + f", seq {lookup.get('seq', '?')}"
                     + (f", at {iso(accepted)}" if accepted else "")
                     + (f"; answered by {lookup['node_id']}" if lookup.get("node_id") else ""),
         "filed": f"in the schedule, due {iso(due)}" + (f", filed under {iso(eff)}" if eff and eff != due else ""),

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -127,13 +128,9 @@ async def test_the_schedule_chart_shows_the_burst_in_its_bucket(cluster, console
 async def test_the_schedule_page_shows_a_subjects_burst_under_that_subject(cluster, console, browser):
     from selenium.webdriver.support.ui import Select
 
-    await _send(cluster, "console.only", [f"only-{i}" for i in range(7)], delay_ms=10 * 60_000)
-    r = _resolver(cluster)
-    try:
-        async with Producer(r) as p:
-            due_ms = (await p.lookup("only-0")).deliver_at_ms
-    finally:
-        await r.close()
+    soon = int(time.time() * 1000) + 10 * 60_000
+    due_ms = soon - soon % 60_000 + 30_000  # the middle of a minute about ten minutes ahead
+    await _send(cluster, "console.only", [f"only-{i}" for i in range(7)], deliver_at_ms=due_ms)
     browser.get(console.url + "/schedule")
     assert "console.only" in [e.get_attribute("value") for e in _css(browser, "#subject option")]
     Select(_css(browser, "#subject")[0]).select_by_value("console.only")
@@ -146,7 +143,22 @@ async def test_the_schedule_page_shows_a_subjects_burst_under_that_subject(clust
                 for e in table.find_elements("css selector", "tr.slot")}
         first = min(rows) if rows else 0
         assert rows.get(max(first, due_ms - due_ms % slot)) == 7 and sum(rows.values()) == 7, (slot, rows)
+    # the minute view of one subject has minute rows: the node keeps its counts per minute
+    assert int(_css(browser, "table.schedule")[0].get_attribute("data-slot-ms")) == 60_000
     shot(browser, "schedule-subject")
+    r = _resolver(cluster)
+    try:
+        async with Producer(r) as p:
+            for i in range(3):
+                await p.cancel(f"only-{i}")
+    finally:
+        await r.close()
+    browser.get(console.url + "/schedule?subject=console.only")
+    assert int(_css(browser, 'tr.total[data-group="delay-g1"] .count')[0].text) == 4
+    minute = _css(browser, "table.schedule")[0]
+    rows = {int(e.get_attribute("data-start")): int(e.find_element("css selector", ".count").text)
+            for e in minute.find_elements("css selector", "tr.slot")}
+    assert {k: v for k, v in rows.items() if v} == {due_ms - due_ms % 60_000: 4}, rows
 
 
 async def test_the_slave_reports_the_same_pending_counts_as_its_master(cluster):
@@ -200,6 +212,8 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
     assert dict(hops)["dead-lettered"] == "skipped" and dict(hops)["cancelled"] == "skipped"
     accepted = _css(browser, 'li.hop[data-hop="accepted"]')[0].text
     assert "store epoch" in accepted and ", at 20" in accepted, accepted  # the Lookup says when and which term
+    master = await cluster.wait_master("delay")
+    assert f"(node {master}, store epoch " in accepted, accepted  # and which node: the group's term table
     assert not _css(browser, "#cancel"), "a dispatched message has no Cancel button"
     shot(browser, "message")
     # the same trace from the command line

@@ -355,3 +355,17 @@ def test_the_schedule_page_shows_a_chosen_subject_in_its_buckets(client, monkeyp
     assert re.search(r'<td class="count">3</td>', r.text.split('id="totals"')[1].split("</table>")[0])
     bad = client.get("/schedule", params={"subject": "no spaces allowed"})
     assert asked[-1] == "" and "no spaces allowed" in bad.text and 'id="subject-shown"' not in bad.text
+
+
+def test_the_minute_view_of_one_subject_shows_its_minutes_from_the_node():
+    """A subject's counts per minute (``pending_by_subject_minute``) place its burst in its
+    minute row of the minute view, not at its bucket's start; a node without them: the bucket."""
+    row = _delay_row("mail")
+    row["pending_by_subject"]["mail"] = {str(NOW): 2, str(NOW + HOUR): 3}
+    row["pending_by_subject_minute"] = {"mail": {str(NOW + 10 * MIN): 2}}
+    assert views.subject_minutes(row, "mail") == {NOW + 10 * MIN: 2}
+    assert views.subject_minutes(_delay_row("mail"), "mail") is None
+    by_group = {"delay-g1": (views.subject_buckets(row, "mail"), HOUR)}
+    minute_view = views.schedule_views(by_group, NOW + 5 * MIN, {"delay-g1": views.subject_minutes(row, "mail")})[0]
+    got = {r.start_ms: r.total for r in minute_view.rows if r.total}
+    assert minute_view.resolution_ms == MIN and got == {NOW + 10 * MIN: 2, NOW + HOUR: 3}

@@ -268,6 +268,38 @@ async def test_returning_master_truncates_its_divergent_suffix(tmp_path):
         assert x == y[: len(x)] and len(x) > 0
 
 
+async def test_the_trace_names_the_old_master_for_what_it_accepted_after_a_failover(group):
+    """The accepting node of a message (Lookup ``accepted_node_id``, the trace's accepted hop)
+    comes from the group's term table, replicated with the log: after a SIGKILL of the master
+    the promoted slave names the old master for its messages and itself for new ones."""
+    old = await master_of(group)
+    resolver = MetaResolver(group.meta_addresses, refresh_ms=500)
+    try:
+        async with Producer(resolver, retries_max=40) as p:
+            await p.send_and_wait("rep.trace", "x", id="before", delay_ms=600_000)
+            before = await p.lookup("before")
+            assert before.accepted_node_id == old == before.node_id
+            next(n for n in group.delay if n.name == old).kill()
+
+            async def new_master():
+                st = await statuses(group)
+                return next((n for n, r in st.items() if r.get("master") and n != old), None)
+            new = await wait_for(new_master, 30, "the slave to take over")
+            lk = await p.lookup("before")
+            assert (lk.node_id, lk.accepted_node_id, lk.store_epoch) == (new, old, before.store_epoch)
+            t = await p.trace("before")
+            assert t.hops(lk.accepted_ms)[0].detail.startswith(f"by {lk.group} (node {old}, store epoch ")
+            # sync mode: the new master takes writes once it has a slave again (the old master)
+            node = next(n for n in group.delay if n.name == old)
+            node.start()
+            await asyncio.to_thread(node.wait_ready)
+            await p.send_and_wait("rep.trace", "y", id="after", delay_ms=600_000)
+            after = await p.lookup("after")
+            assert after.accepted_node_id == new and after.store_epoch > before.store_epoch
+    finally:
+        await resolver.close()
+
+
 async def test_group_has_a_master_again_after_the_meta_server_stalls(group):
     """Regression (chaos finding 1): heartbeat confirmations come late (the meta server is
     frozen for longer than the lease margin) so the master steps down while the leader key

@@ -32,27 +32,49 @@ def totals(h: Harness) -> dict[str, int]:
     return sp.totals(list(sp.by_bucket))
 
 
-def model_totals(pending: dict[str, str]) -> dict[str, int]:
+def model_totals(subjects) -> dict[str, int]:
+    """Subject -> how many of ``subjects`` (one per pending message) name it."""
     out: dict[str, int] = {}
-    for subject in pending.values():
+    for subject in subjects:
         out[subject] = out.get(subject, 0) + 1
     return out
+
+
+MINUTE_VIEW = NodeSettings(pending_by_minute_horizon_ms=3_600_000, pending_by_minute_buckets_max=3)
+
+
+def model_minutes(h: Harness, due: dict[str, tuple[str, int]], subject: str) -> dict[str, int]:
+    """The minute view of ``subject`` a model expects: its pending messages by minute of their
+    bucket (a bucket's minutes count from its start), in the buckets the view covers."""
+    pending = h.store.pending_by_bucket()
+    near = sorted(b for b in pending if b < h.now + MINUTE_VIEW.pending_by_minute_horizon_ms)
+    near = near[: MINUTE_VIEW.pending_by_minute_buckets_max]
+    out: dict[int, int] = {}
+    for s, t in due.values():
+        b = t - t % BUCKET_MS
+        if s == subject and b in near:
+            m = b + (t - b) // 60_000 * 60_000
+            out[m] = out.get(m, 0) + 1
+    return {str(m): n for m, n in sorted(out.items())}
 
 
 @hsettings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["send", "cancel", "run", "checkpoint", "restart", "crash"]),
                           st.integers(0, 10 ** 6)), min_size=1, max_size=14))
 def test_subject_counts_match_a_model_through_accept_cancel_fire_restart_and_crash(tmp_path_factory, steps):
+    """Per (bucket, subject), and per minute in the Status's minute view of one subject
+    (``pending_by_subject_minute``, the buckets near the head), against a model, after every step."""
     h = Harness(tmp_path_factory.mktemp("s"), settings=SETTINGS, now=START + 1_000)
-    pending: dict[str, str] = {}  # id -> subject of every message neither delivered nor cancelled
+    ss = ScheduleStatus(MINUTE_VIEW)
+    pending: dict[str, tuple[str, int]] = {}  # id -> (subject, due) of every message neither delivered nor cancelled
     n = 0
     for op, x in steps:
         if op == "send":
-            batch = [msg(n + i, h.now + (x * (i + 1)) % (2 * BUCKET_MS), subject=SUBJECTS[(x + i * i) % 3])
+            batch = [msg(n + i, h.now + (x * (i + 1)) % (5 * BUCKET_MS), subject=SUBJECTS[(x + i * i) % 3])
                      for i in range(1 + x % 7)]
             n += len(batch)
             h.send(batch)
-            pending.update({m.msg_id: m.subject for m in batch})
+            pending.update({m.msg_id: (m.subject, m.deliver_at_ms) for m in batch})
         elif op == "cancel" and pending:
             mid = sorted(pending)[x % len(pending)]
             h.cancel(mid)
@@ -65,8 +87,35 @@ def test_subject_counts_match_a_model_through_accept_cancel_fire_restart_and_cra
             h.restart()
         elif op == "crash":
             h.crash()  # no close: tables as the last checkpoint left them, later entries from frames
-        assert totals(h) == model_totals(pending)
-        h.store.check_invariants()  # per bucket: positive, summing to the bucket, equal to a recount from disk
+        assert totals(h) == model_totals(s for s, _due in pending.values())
+        for subject in SUBJECTS:
+            got = ss.stats(h.store, now_ms=h.now, subject=subject)["pending_by_subject_minute"][subject]
+            assert got == model_minutes(h, pending, subject), (op, subject)
+        h.store.check_invariants()  # per bucket (and minute): positive, summing up, equal to a recount from disk
+
+
+def test_a_subjects_burst_shows_in_its_minute_and_leaves_it_when_cancelled_or_fired(tmp_path):
+    h = Harness(tmp_path, settings=SETTINGS, now=START + 1_000)
+    ss = ScheduleStatus(MINUTE_VIEW)
+    burst = START + BUCKET_MS + 4 * 60_000 + 30_000  # the next bucket's fifth minute
+    h.send([msg(i, burst + i, subject="mail") for i in range(6)]
+           + [msg(10 + i, burst, subject="orders") for i in range(2)]
+           + [msg(20, START + 90_000, subject="mail")])
+    minute = str(START + BUCKET_MS + 4 * 60_000)
+
+    def mail() -> dict[str, int]:
+        return ss.stats(h.store, now_ms=h.now, subject="mail")["pending_by_subject_minute"]["mail"]
+    assert mail() == {str(START + 60_000): 1, minute: 6}
+    h.cancel("m0")
+    h.cancel("m1")
+    assert mail() == {str(START + 60_000): 1, minute: 4}
+    h.run_forgetting(START + 100_000, {}, step=997)  # the one due at 90 s fires
+    assert mail() == {minute: 4}
+    h.restart()
+    assert mail() == {minute: 4}
+    h.run_until(burst + 10_000, step=997)
+    assert mail() == {} and h.store.pending_by_bucket() == {}
+    h.store.check_invariants()
 
 
 def test_counts_after_a_crash_come_from_the_tables_and_the_frames_filed_since(tmp_path):
@@ -139,7 +188,7 @@ def test_status_names_the_largest_subjects_and_one_subject_by_bucket(tmp_path):
 
 
 def test_summary_worked_example_of_the_module_docs():
-    sp = SubjectPending()
+    sp = SubjectPending(bucket_ms=3_600_000)
     sp.reset({0: {"a": 3, "b": 1}, 3_600_000: {"c": 2}})
     assert sp.summary(subjects_max=2) == {"a": 3, "c": 2, OTHER: 1}
     assert sp.summary(subjects_max=2, left_out=[3_600_000]) == {"a": 3, "b": 1}
@@ -175,9 +224,16 @@ def test_a_promoted_slave_counts_per_subject_what_its_master_left_pending(tmp_pa
     # the slave's Status: what is left, the bucket holding completed_ms from the table's later minutes
     st = ScheduleStatus(NodeSettings()).stats(f, now_ms=h.now, subject="mail")
     assert sum(st["pending_subjects"].values()) == 8
+    # its minutes of one subject: those after its master's completed_ms's minute (the first):
+    # m4 and m7 (60 s, 90 s) in the second, m51..m53 in the next bucket's first
+    assert st["pending_by_subject_minute"]["mail"] == {str(START + 60_000): 2, str(START + BUCKET_MS): 3}
     f.promote(h.now)
     want = {START: {"mail": 2, "billing.eu": 2, "orders": 1}, START + BUCKET_MS: {"mail": 3}}  # m4..m8, m51..m53
     assert f.core.subjects.by_bucket == m.core.subjects.by_bucket == want
+    # promoted: the minutes per subject made again, exact, as the master's
+    for store in (f, m):
+        st = ScheduleStatus(NodeSettings()).stats(store, now_ms=h.now, subject="mail")
+        assert st["pending_by_subject_minute"]["mail"] == {str(START + 60_000): 2, str(START + BUCKET_MS): 3}
     f.check_invariants()
 
 
@@ -192,12 +248,12 @@ def test_counts_per_subject_survive_retention_and_a_restart_after_it(tmp_path):
     left = {f"m{k * 10 + j}": SUBJECTS[j % 3] for k in range(20) for j in range(10)}
     for mid in n.delivered:
         left.pop(mid)
-    assert totals_of(n.store) == model_totals(left)
+    assert totals_of(n.store) == model_totals(left.values())
     assert all(s + BMS > n.store.persisted_completed_ms for s in n.store.schedule.bucket_starts())
     n.store.check_invariants()
     n.store.close()
     n2 = Node(tmp_path, now=n.now)
-    assert totals_of(n2.store) == model_totals(left)
+    assert totals_of(n2.store) == model_totals(left.values())
     n2.store.check_invariants()
     n2.run_until(RT0 + 40_000)
     n2.store.checkpoint()  # the next checkpoint forgets the tables of buckets done by the last one
@@ -208,3 +264,24 @@ def test_counts_per_subject_survive_retention_and_a_restart_after_it(tmp_path):
 def totals_of(store) -> dict[str, int]:
     sp = store.core.subjects
     return sp.totals(list(sp.by_bucket))
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 4), st.integers(-2, 2)), min_size=1, max_size=150),
+       st.booleans())
+def test_grouped_sums_alike_in_a_dict_and_in_numpy(rows, scalar):
+    """``grouped`` sums a few records in a dict and more with numpy: the same rows either way."""
+    import numpy as np
+
+    from node.delay import subjects as S
+
+    names = [f"s{i}" for i in range(5)]
+    starts = np.array([r[0] * 60_000 for r in rows], np.int64)
+    sidx = np.array([r[1] for r in rows], np.uint16)
+    sign = -1 if scalar else np.array([r[2] for r in rows], np.int64)
+    small = S.grouped(starts, names, sidx, sign)
+    old, S.GROUPED_PY_MAX = S.GROUPED_PY_MAX, 0
+    try:
+        assert S.grouped(starts, names, sidx, sign) == small
+    finally:
+        S.GROUPED_PY_MAX = old

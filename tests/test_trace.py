@@ -84,6 +84,9 @@ async def test_a_delivered_messages_trace_has_every_hop_in_order(cluster, resolv
                                       "acked by billing", "dead-lettered", "cancelled"]
     assert [h.state for h in hops] == ["done"] * 9 + ["skipped"]
     assert "order-42~r1" in hops[8].detail and rt.node_id in hops[3].detail
+    # accepted: by the delay node of a group of one, named from its term table (node/delay/terms.py)
+    assert lk.accepted_node_id == lk.node_id and lk.accepted_node_id in {n.name for n in cluster.delay}
+    assert hops[0].detail.startswith(f"by {lk.group} (node {lk.accepted_node_id}, store epoch {lk.store_epoch})")
 
     # the same from the command line: one hop a line, marked; an unknown id is one error line, exit 4
     meta = ",".join(cluster.meta_addresses)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from cluster import trace
 from cluster.codec import OUTCOME_DEAD_LETTER, OUTCOME_OK, DispatchBatch
 from cluster.errors import NotFound, Unavailable, UnknownSubject
+from node.delay import terms as term_table
 from node.delay.dispatch_find import dispatched_at, find_in, start_segment
 from node.realtime.nack import nack_copies
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore
@@ -82,6 +83,47 @@ def _rec(seqs, effs, at, outcome=OUTCOME_OK) -> bytes:
     n = len(seqs)
     return DispatchBatch(np.array(seqs, np.uint64), np.array(effs, np.int64), np.array(effs, np.int64), at,
                          outcome).encode()
+
+
+def test_the_accepted_hop_names_the_node_and_the_term_or_the_term_only():
+    lk = {"status": "pending", "seq": 7, "deliver_at_ms": NOW + 60_000, "accepted_ms": NOW, "group": "delay-1",
+          "store_epoch": 3, "node_id": "d2"}
+    assert trace.hops({**lk, "accepted_node_id": "d1"}, NOW)[0].detail.startswith("by delay-1 (node d1, store epoch 3), seq 7")
+    assert trace.hops(lk, NOW)[0].detail.startswith("by delay-1 (store epoch 3), seq 7")  # data older than the table
+    assert trace.hops({**lk, "store_epoch": 0}, NOW)[0].detail.startswith("by delay-1, seq 7")
+
+
+# ---------------------------------------------------------------------- the term table (node/delay/terms.py)
+
+
+def test_a_term_table_survives_a_reopen_and_a_slave_adopts_the_masters_table(tmp_path):
+    m, s = tmp_path / "m", tmp_path / "s"
+    m.mkdir(), s.mkdir()
+    t = term_table.TermTable(m)
+    assert t.node_of(3) == "" and t.encoded() == "[]"
+    assert t.take(3, "d1") and not t.take(3, "d1")  # written once
+    t.take(5, "d2")
+    assert term_table.TermTable(m).terms == {3: "d1", 5: "d2"}  # durable
+    slave = term_table.TermTable(s)
+    slave.take(4, "d3")  # its own term as master, before
+    assert slave.adopt(__import__("json").loads(t.encoded()))
+    assert term_table.TermTable(s).terms == {3: "d1", 4: "d3", 5: "d2"}
+    assert not slave.adopt([[3, "d1"], "junk", [None, "x"], [6, ""]])  # nothing new, junk left out
+    (m / term_table.FILE_NAME).write_text("not a checkpoint\n")
+    assert term_table.TermTable(m).terms == {}  # unusable: lookups name the term only
+
+
+@given(st.lists(st.dictionaries(st.integers(0, 400), st.sampled_from(["a", "b", "c"]), max_size=20), max_size=8))
+def test_merging_term_tables_keeps_the_newest_epochs_and_the_masters_word(tables):
+    out: dict[int, str] = {}
+    for theirs in tables:
+        out = term_table.merged(out, theirs, keep=50)
+        assert len(out) <= 50 and all(out[e] == n for e, n in theirs.items() if e in out)
+        assert list(out) == sorted(out)
+    union: dict[int, str] = {}
+    for theirs in tables:
+        union.update(theirs)
+    assert out == dict(sorted(union.items())[-50:])
 
 
 def test_find_in_answers_the_record_holding_the_seq_and_stops_at_its_bounds():

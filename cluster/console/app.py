@@ -200,7 +200,7 @@ def create_app(cluster: ConsoleCluster, *, https: bool = False) -> Starlette:
                 missing.append(g)
             else:
                 by_group[g] = got
-            m = None if subject else views.pending_minutes(r)  # a subject's counts are per bucket
+            m = views.subject_minutes(r, subject) if subject else views.pending_minutes(r)
             if m is not None:
                 minutes[g] = m
         now = _now_ms()

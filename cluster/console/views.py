@@ -199,16 +199,28 @@ def subject_totals(rows: list[dict]) -> tuple[dict[str, int], int]:
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))), other
 
 
-def subject_buckets(row: dict, subject: str) -> dict[int, int] | None:
-    """A delay master's pending counts of ``subject`` by bucket start (``pending_by_subject``,
-    answered when the Status asked for that subject), or None when its Status carries none."""
-    raw = row.get("pending_by_subject")
+def _of_subject(row: dict, key: str, subject: str) -> dict[int, int] | None:
+    """``row[key][subject]`` as start (ms) -> positive count, or None when the row has none."""
+    raw = row.get(key)
     if not isinstance(raw, dict) or not isinstance(raw.get(subject), dict):
         return None
     try:
         return {int(k): int(v) for k, v in raw[subject].items() if int(v) > 0}
     except (TypeError, ValueError):
         return None
+
+
+def subject_buckets(row: dict, subject: str) -> dict[int, int] | None:
+    """A delay master's pending counts of ``subject`` by bucket start (``pending_by_subject``,
+    answered when the Status asked for that subject), or None when its Status carries none."""
+    return _of_subject(row, "pending_by_subject", subject)
+
+
+def subject_minutes(row: dict, subject: str) -> dict[int, int] | None:
+    """A delay master's pending counts of ``subject`` by minute start for the buckets of the
+    minute view (``pending_by_subject_minute``, answered with ``pending_by_subject``), or None
+    when its Status carries none (a node from before per-subject minutes: its buckets are shown)."""
+    return _of_subject(row, "pending_by_subject_minute", subject)
 
 
 def finer(by_group: dict[str, tuple[dict[int, int], int]], minutes: dict[str, dict[int, int]],

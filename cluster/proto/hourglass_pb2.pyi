@@ -99,7 +99,7 @@ class LookupRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error", "accepted_ms", "effective_ms", "cancelled_ms", "store_epoch", "dispatched_ms", "dead_lettered", "realtime_group", "realtime_address", "group", "node_id")
+    __slots__ = ("code", "status", "seq", "deliver_at_ms", "subject", "error", "accepted_ms", "effective_ms", "cancelled_ms", "store_epoch", "dispatched_ms", "dead_lettered", "realtime_group", "realtime_address", "group", "node_id", "accepted_node_id")
     CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class LookupResponse(_message.Message):
     REALTIME_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     code: Code
     status: str
     seq: int
@@ -132,7 +133,8 @@ class LookupResponse(_message.Message):
     realtime_address: str
     group: str
     node_id: str
-    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., dead_lettered: _Optional[bool] = ..., realtime_group: _Optional[str] = ..., realtime_address: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    accepted_node_id: str
+    def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., dead_lettered: _Optional[bool] = ..., realtime_group: _Optional[str] = ..., realtime_address: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., accepted_node_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks")

@@ -79,7 +79,7 @@ class DelayCore:
         # below it are checked one by one instead (``DelayStore._file``)
         self.refile_seq_max = -1
         self.pending: dict[int, int] = {}  # bucket start -> messages filed, not dispatched nor cancelled
-        self.subjects = SubjectPending()  # the same split by subject (node/delay/subjects.py)
+        self.subjects = SubjectPending(settings.bucket_ms)  # the same split by subject (node/delay/subjects.py)
         # the completed_ms the pending counts were made from (``counted``): a message due before
         # it was never counted, so its tombstone takes nothing off (``cancelled_counts``)
         self.pending_from_ms = -1
@@ -552,7 +552,7 @@ class DelayCore:
             return
         bms = self.settings.bucket_ms
         if subjects is not None:
-            self.subjects.add(effective_ms - effective_ms % bms, subjects[0], subjects[1], sign)
+            self.subjects.add(effective_ms - effective_ms % bms, subjects[0], subjects[1], sign, effective_ms)
         lo, hi = int(effective_ms.min()), int(effective_ms.max())
         if lo - lo % bms == hi - hi % bms:  # the usual case: one bucket
             items = [(lo - lo % bms, len(effective_ms) * sign if isinstance(sign, int) else int(np.sum(sign)))]

@@ -13,6 +13,12 @@ Schedule page; docs/console.md, "Node-side support"):
 * ``pending_by_subject``, only when the Status request names a subject (``StatusRequest.subject``):
   ``{"<subject>": {"<bucket start ms>": n}}`` over the buckets shown: one subject per request
   keeps a Status small (the cluster page polls it) whatever the number of subjects and buckets;
+* ``pending_by_subject_minute``, with ``pending_by_subject``: ``{"<subject>": {"<minute start ms>":
+  n}}`` over the buckets of ``pending_by_minute`` (the console's minute view of one subject):
+  counts per (bucket, subject, minute) the node keeps for those buckets only (``SubjectPending.minutes``,
+  moved at filing, dispatch and cancel; a bucket entering the view is counted once from its
+  subject table, ``SubjectTables.track_minutes``), each bucket's minutes summing to the
+  subject's count there; nothing is read per Status once a bucket is in;
 * ``subject_tables``: what the subject tables did since open (tables written, tables found
   unusable and counted from frames instead, frames counted);
 * ``lateness``: p50/p99 of fire time minus due time over ``lateness_window_ms``
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 from node.delay.lateness import LatenessWindow
 from node.delay.minutes import MINUTE_MS, PendingMinutes
-from node.delay.subjects import OTHER, SubjectPending
+from node.delay.subjects import OTHER, SubjectPending, minute_of
 
 
 class ScheduleStatus:
@@ -50,10 +56,16 @@ class ScheduleStatus:
             pending = self.minutes.follower_pending(store, pending)
             subjects = self.follower_subjects(store, pending)
         shown = sorted(pending)[: self.buckets_max]
+        # the buckets of the minute view (PendingMinutes.counts takes the same) keep their
+        # minutes per subject (subject_tables.track_minutes: counted once as one enters)
+        near = sorted(b for b, n in pending.items() if n > 0 and b < now_ms + self.horizon_ms)[: self.minutes.buckets_max]
+        store.subject_tables.track_minutes(store.core, near)
         per_subject = {}
         if subject:
             per_subject = {"pending_by_subject": {subject: {str(b): n for b, n in
-                                                            subjects.of_subject(subject, shown).items()}}}
+                                                            subjects.of_subject(subject, shown).items()}},
+                           "pending_by_subject_minute": {subject: {str(m): n for m, n in
+                                                                   self.subject_minutes(store, subject, near).items()}}}
         left_out = sorted(pending)[self.buckets_max:]
         return {"pending_subjects": subjects.summary(subjects_max=self.subjects_max, left_out=left_out),
                 **per_subject,
@@ -64,6 +76,23 @@ class ScheduleStatus:
                                       self.minutes.counts(store, pending, now_ms=now_ms,
                                                           horizon_ms=self.horizon_ms).items()},
                 "lateness": self.lateness.summary(now_ms), "subject_tables": dict(store.subject_tables.counters)}
+
+    @staticmethod
+    def subject_minutes(store, subject: str, near: list[int]) -> dict[int, int]:
+        """Minute start -> pending messages of ``subject`` in the buckets ``near`` (module docs).
+        A master's minutes of a bucket sum to the subject's count there; a slave shows the
+        minutes after its master's ``completed_ms``'s minute (the rest is what the master fired
+        or is firing, ``follower_subjects``)."""
+        core = store.core
+        c = core.completed_ms
+        if not store.follower:
+            return core.subjects.minutes_of(subject, near, completed_ms=c)
+        out: dict[int, int] = {}
+        for b in near:
+            for m, n in core.subjects.minutes.get(b, {}).get(subject, {}).items():
+                if m > minute_of(b, c) and n > 0:
+                    out[m] = n
+        return dict(sorted(out.items()))
 
     @staticmethod
     def follower_subjects(store, pending: dict[int, int]) -> SubjectPending:

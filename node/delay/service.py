@@ -51,6 +51,7 @@ from node.delay.scrub import DelayScrubTask, verify_online
 from node.delay.store import DelayStore
 from node.delay.targets import realtime_target
 from node.delay.targets import split as targets_split
+from node.delay.terms import TermTable
 from node.grpcserver import start_grpc
 from node.intake import SendIntake
 from node.lifecycle import side_tasks
@@ -82,6 +83,11 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         # the store and its committer belong to the node's role (node/role.py); a replicated
         # node replaces the role on a switch, so a handler captures it once per call
         self.role = Role(SINGLE, store, GroupCommitter(store.messages))
+        # store epoch -> the node that took it: a lookup names the node that accepted a message
+        # (node/delay/terms.py); a group of one took its epoch at open, a replica at promotion
+        self.terms = TermTable(settings.data_dir)
+        if not self.STORE_FOLLOWER:
+            self.terms.take(store.epoch, settings.node_id)
         self.channels = Channels()
         if router is None and settings.meta_servers:
             router = MetaResolver(  # subject -> real-time group through the meta server
@@ -136,6 +142,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
             role.check()
+            if role.store.epoch not in self.terms.terms:  # never: taken at open or promotion (a safety net)
+                self.terms.take(role.store.epoch, self.settings.node_id)
             self.drain.check_accepting()  # a draining group takes nothing new (node/delay/drain.py)
             self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
             res = role.store.accept(batch, now_ms=now)
@@ -222,7 +230,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                                  cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch,
                                  dispatched_ms=r.dispatched_ms, dead_lettered=r.dead_lettered,
                                  realtime_group=rt_group, realtime_address=rt_address,
-                                 group=self.settings.group, node_id=self.settings.node_id)
+                                 group=self.settings.group, node_id=self.settings.node_id,
+                                 accepted_node_id=self.terms.node_of(r.store_epoch))
 
     # ------------------------------------------------------------------ gRPC: admin
 

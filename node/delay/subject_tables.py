@@ -51,7 +51,7 @@ import numpy as np
 from cluster.codec import KIND_CANCEL, Batch
 from cluster.errors import CorruptRecord
 from node.delay import recovery
-from node.delay.subjects import grouped
+from node.delay.subjects import grouped, minute_of
 from node.store import checkpoint
 from node.store.syncplan import DocGate, SyncPlan
 
@@ -258,21 +258,29 @@ class SubjectTables:
     def bucket_counts(self, core, start: int) -> dict[str, int]:
         """Subject -> pending messages of bucket ``start`` (module docs), before the messages
         delivered at or after ``completed_ms`` are taken off (``recount``)."""
+        return {s: sum(row.values()) for s, row in self.bucket_minutes(core, start).items()}
+
+    def bucket_minutes(self, core, start: int) -> dict[str, dict[int, int]]:
+        """``bucket_counts`` per minute: subject -> minute start -> pending messages."""
         c = core.completed_ms
         if start + self.bucket_ms <= c:
             return {}
         t = self.table(start)
         if t is None:
             return {}
-        out: dict[str, int] = {}
+        out: dict[str, dict[int, int]] = {}
+
+        def add(s: str, minute: int, n: int) -> None:
+            row = out.setdefault(s, {})
+            row[start + minute * MINUTE_MS] = row.get(start + minute * MINUTE_MS, 0) + n
         if start >= c:
-            for (s, _m), n in t.counts.items():
-                out[s] = out.get(s, 0) + n
+            for (s, m), n in t.counts.items():
+                add(s, m, n)
             return out
         cm = (c - start) // MINUTE_MS
         for (s, m), n in t.counts.items():
             if m > cm:
-                out[s] = out.get(s, 0) + n
+                add(s, m, n)
         end_ms = min(start + (cm + 1) * MINUTE_MS, start + self.bucket_ms)
         for sec in range(c // 1000, end_ms // 1000):
             for ref in self.schedule.load_second(sec):
@@ -282,13 +290,13 @@ class SubjectTables:
                     continue
                 sign = np.where(b.kind[late] == KIND_CANCEL, -1, 1)
                 for _, s, v in grouped(np.zeros(int(late.sum()), np.int64), b.subjects, b.subject_idx[late], sign):
-                    out[s] = out.get(s, 0) + v
+                    add(s, cm, v)
         return out
 
-    def delivered_after(self, core, buckets: set[int] | None = None) -> list[tuple[int, str]]:
-        """(bucket start, subject) of each message delivered at or after ``completed_ms`` (in
-        ``buckets`` only, unless None): their frames are found by seq (a few: what was delivered
-        ahead of ``completed_ms`` while an earlier message was in flight)."""
+    def delivered_after(self, core, buckets: set[int] | None = None) -> list[tuple[int, str, int]]:
+        """(bucket start, subject, effective time) of each message delivered at or after
+        ``completed_ms`` (in ``buckets`` only, unless None): their frames are found by seq (a
+        few: what was delivered ahead of ``completed_ms`` while an earlier message was in flight)."""
         c = core.completed_ms
         out = []
         for seq, eff in core.dispatched.items():
@@ -300,45 +308,82 @@ class SubjectTables:
             got = self.schedule.locate(eff, seq)
             if got is not None:
                 ref, i = got
-                out.append((start, ref.batch.subject(i)))
+                out.append((start, ref.batch.subject(i), eff))
+        return out
+
+    def minute_rows(self, core, starts: Iterable[int]) -> dict[int, dict[str, dict[int, int]]]:
+        """bucket start -> subject -> minute start -> pending messages, for buckets ``starts``
+        (module docs; what was delivered at or after ``completed_ms`` taken off its minute)."""
+        starts = list(starts)
+        out = {s: self.bucket_minutes(core, s) for s in starts}
+        for start, subject, eff in self.delivered_after(core, set(starts)):
+            _take_one(out.setdefault(start, {}), start, subject, eff)
         return out
 
     def recount(self, core, starts: Iterable[int]) -> dict[int, dict[str, int]]:
         """bucket start -> subject -> pending messages, for buckets ``starts`` (module docs)."""
-        starts = list(starts)
-        out = {s: self.bucket_counts(core, s) for s in starts}
-        for start, subject in self.delivered_after(core, set(starts)):
-            row = out.setdefault(start, {})
-            row[subject] = row.get(subject, 0) - 1
-        return out
+        return {b: {s: sum(row.values()) for s, row in rows.items()} for b, rows in self.minute_rows(core, starts).items()}
 
     # -------------------------------------------------------------- the store's pending counts
 
     def count_pending(self, core) -> None:
         """The pending counts made afresh, per bucket and per subject (at open, at a promotion),
-        each bucket's counts per subject while the bucket count has it open."""
-        rows: dict[int, dict[str, int]] = {}
+        each bucket's counts per subject while the bucket count has it open; the minutes of the
+        buckets tracked before (``SubjectPending.minutes``) and of the earliest pending bucket
+        (the one ``completed_ms`` is in or before: its minute's frames are read here, once)."""
+        rows: dict[int, dict[str, dict[int, int]]] = {}
 
         def each(start: int) -> None:
-            rows[start] = self.bucket_counts(core, start)
+            rows[start] = self.bucket_minutes(core, start)
+        tracked = set(core.subjects.minutes)
         core.counted(recovery.count_pending(self.schedule, core, each=each))
-        for start, subject in self.delivered_after(core, set(rows)):
-            row = rows.setdefault(start, {})
-            row[subject] = row.get(subject, 0) - 1
-        core.subjects.reset({b: row for b, row in rows.items() if b in core.pending})
+        for start, subject, eff in self.delivered_after(core, set(rows)):
+            _take_one(rows.setdefault(start, {}), start, subject, eff)
+        core.subjects.reset({b: {s: sum(row.values()) for s, row in r.items()} for b, r in rows.items()
+                             if b in core.pending})
+        for b in tracked | set(sorted(core.pending)[:1]):
+            core.subjects.track(b, rows.get(b, {}) if b in core.pending else {})
 
     def recount_bucket(self, core, start: int) -> None:
         """Bucket ``start`` was rebuilt: its counts again (``recovery.recount_pending``)."""
         recovery.recount_pending(self.schedule, core, start)
-        row = self.recount(core, [start]).get(start, {}) if start in core.pending else {}
-        core.subjects.set_bucket(start, row)
+        rows = self.minute_rows(core, [start]).get(start, {}) if start in core.pending else {}
+        core.subjects.set_bucket(start, {s: sum(row.values()) for s, row in rows.items()})
+        if start in core.subjects.minutes:
+            core.subjects.track(start, rows)
+
+    def track_minutes(self, core, starts: list[int]) -> None:
+        """The buckets a minute view covers now (``starts``) have their minutes per subject kept
+        (``SubjectPending.track``); the others' are forgotten. A bucket entering is counted once
+        (``minute_rows``: its table, in memory while it is filed into; the frames of
+        ``completed_ms``'s minute only for the bucket holding it, which ``count_pending`` tracks
+        already)."""
+        subjects = core.subjects
+        for b in [b for b in subjects.minutes if b not in starts]:
+            subjects.untrack(b)
+        new = [b for b in starts if b not in subjects.minutes]
+        if new:
+            for b, rows in self.minute_rows(core, new).items():
+                subjects.track(b, rows)
 
     def check(self, core) -> None:
-        """Tests: the live counts per subject equal a recount from disk."""
+        """Tests: the live counts per subject (and per minute, of the tracked buckets) equal a
+        recount from disk."""
         core.subjects.check(core.pending)
-        recount = {b: {s: n for s, n in row.items() if n} for b, row in self.recount(core, core.pending).items()}
+        rows = self.minute_rows(core, core.pending)
+        recount = {b: {s: n for s, row in r.items() for n in [sum(row.values())] if n} for b, r in rows.items()}
         assert {b: row for b, row in recount.items() if row} == core.subjects.by_bucket, \
             (recount, core.subjects.by_bucket)
+        for b, live in core.subjects.minutes.items():
+            want = {s: {m: n for m, n in row.items() if n} for s, row in rows.get(b, {}).items()}
+            assert {s: row for s, row in want.items() if row} == live, (b, want, live)
+
+
+def _take_one(rows: dict[str, dict[int, int]], start: int, subject: str, eff: int) -> None:
+    """One delivered message of ``subject`` at ``eff`` (in bucket ``start``) off its minute."""
+    row = rows.setdefault(subject, {})
+    m = minute_of(start, eff)
+    row[m] = row.get(m, 0) - 1
 
 
 __all__ = ["TABLE_NAME", "TABLE_VERSION", "SubjectTables"]

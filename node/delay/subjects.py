@@ -17,6 +17,15 @@ messages (in every bucket but those a Status leaves out, from a running total pe
 the rest summed under ``OTHER``, which no subject can be called (a subject starts with a
 letter or digit, ``cluster.codec.subject_problem``).
 
+**Per minute** (the console's minute view of one subject): for the buckets the Status's minute
+view covers (``track``: at most ``pending_by_minute_buckets_max``, starting within
+``pending_by_minute_horizon_ms``), ``minutes``: bucket start -> subject -> minute start ->
+pending messages, moved by the same ``add`` calls at the minute of each record's effective
+time; a bucket entering is counted once (``SubjectTables.minute_rows``: its subject table per
+minute and, for the bucket holding ``completed_ms``, that minute's frames), one leaving is
+forgotten. Invariant: a tracked bucket's minutes of a subject are positive and sum to that
+subject's count in the bucket (``check``).
+
 Worked example: bucket 0 holds ``{"a": 3, "b": 1}``, bucket 3_600_000 ``{"c": 2}``;
 ``summary(subjects_max=2)`` is ``{"a": 3, "c": 2, "(other)": 1}``, and
 ``of_subject("a", [0, 3_600_000])`` is ``{0: 3}``.
@@ -31,6 +40,9 @@ import numpy as np
 OTHER = "(other)"
 
 
+GROUPED_PY_MAX = 64  # records ``grouped`` sums in a dict; more go through numpy (bench: equal near 200)
+
+
 def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
             sign: np.ndarray | int) -> list[tuple[int, str, int]]:
     """(start, subject, sum of ``sign``) per distinct (start, subject) of records whose starts
@@ -39,6 +51,17 @@ def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
     n = len(starts)
     if not n:
         return []
+    if n <= GROUPED_PY_MAX:  # a few records: a dict is cheaper than numpy's fixed cost per call
+        sums: dict[tuple[int, int], int] = {}
+        keys = zip(np.asarray(starts).tolist(), np.asarray(sidx).tolist())
+        if isinstance(sign, (int, np.integer)):
+            for k in keys:
+                sums[k] = sums.get(k, 0) + 1
+            w = int(sign)
+            return [(b, subjects[k], v * w) for (b, k), v in sorted(sums.items())]
+        for k, v in zip(keys, np.asarray(sign).tolist()):
+            sums[k] = sums.get(k, 0) + int(v)
+        return [(b, subjects[k], v) for (b, k), v in sorted(sums.items())]
     weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
     if len(subjects) == 1 and int(starts.min()) == int(starts.max()):  # the usual case: one of each
         return [(int(starts[0]), subjects[0], int(weights.sum()))]
@@ -50,14 +73,43 @@ def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
     return [(int(ub[k // nsub]), subjects[k % nsub], v) for k, v in zip(uk.tolist(), sums.tolist())]
 
 
+MINUTE_MS = 60_000
+
+
+def minute_of(start: int, t: int) -> int:
+    """The start of the minute of bucket ``start`` holding ``t`` (a bucket's minutes count from
+    its start, as its subject table's do)."""
+    return start + (t - start) // MINUTE_MS * MINUTE_MS
+
+
+def fit_minutes(rows: dict[int, int], total: int, *, now_minute: int) -> dict[int, int]:
+    """Minute start -> count made to sum to ``total``: what ``rows`` lack is put in
+    ``now_minute`` (due now), what they hold beyond it is taken from the earliest minutes; no
+    minute is below 1. (The live counts are exact; this keeps a view whole should they not be.)"""
+    out = {m: n for m, n in rows.items() if n > 0}
+    rest = total - sum(out.values())
+    if rest > 0:
+        out[now_minute] = out.get(now_minute, 0) + rest
+    for m in sorted(out):
+        if rest >= 0:
+            break
+        d = min(-rest, out[m])
+        out[m] -= d
+        rest += d
+    return {m: n for m, n in sorted(out.items()) if n > 0}
+
+
 class SubjectPending:
     """bucket start -> subject -> pending messages (module docs), and per subject the sum over
     all buckets (``total``, kept as the rows move: a Status reads it without a pass over the
-    buckets, 17,520 of them for two years of 1-hour buckets)."""
+    buckets, 17,520 of them for two years of 1-hour buckets); per minute for the buckets
+    tracked (``minutes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_ms: int) -> None:
+        self.bucket_ms = bucket_ms
         self.by_bucket: dict[int, dict[str, int]] = {}
         self.total: dict[str, int] = {}
+        self.minutes: dict[int, dict[str, dict[int, int]]] = {}  # tracked bucket -> subject -> minute -> n
 
     def _bump(self, s: str, v: int) -> None:
         n = self.total.get(s, 0) + v
@@ -66,8 +118,47 @@ class SubjectPending:
         else:
             self.total.pop(s, None)
 
-    def add(self, starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray, sign: np.ndarray | int) -> None:
-        for b, s, v in grouped(starts, subjects, sidx, sign):
+    def add(self, starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray, sign: np.ndarray | int,
+            effective_ms: np.ndarray | None = None) -> None:
+        """Records with bucket ``starts`` and subject indexes ``sidx`` move by ``sign``;
+        ``effective_ms`` (their times) moves the minutes of tracked buckets too. With buckets
+        tracked, one ``grouped`` by minute makes both (a bucket's rows are its minutes' sums):
+        this runs at every filing and dispatch round."""
+        if not (self.minutes and effective_ms is not None and len(starts)):
+            self._add_buckets(grouped(starts, subjects, sidx, sign))
+            return
+        starts = np.asarray(starts, np.int64)
+        eff = np.asarray(effective_ms, np.int64)
+        by_minute = grouped(starts + (eff - starts) // MINUTE_MS * MINUTE_MS, subjects, sidx, sign)
+        bms = self.bucket_ms
+        sums: dict[tuple[int, str], int] = {}
+        for m, s, v in by_minute:
+            k = (m - m % bms, s)
+            sums[k] = sums.get(k, 0) + v
+        self._add_buckets([(b, s, v) for (b, s), v in sums.items()])
+        self._add_minutes([row for row in by_minute if row[0] - row[0] % bms in self.minutes])
+
+    def _add_minutes(self, rows: list[tuple[int, str, int]]) -> None:
+        bms = self.bucket_ms
+        for m, s, v in rows:
+            b = m - m % bms
+            minutes = self.minutes[b]
+            if s not in self.by_bucket.get(b, {}):  # as the bucket's count, none of its minutes
+                minutes.pop(s, None)
+                continue
+            if not v:
+                continue
+            row = minutes.setdefault(s, {})
+            n = row.get(m, 0) + v
+            if n > 0:
+                row[m] = n
+            else:
+                row.pop(m, None)
+                if not row:
+                    del minutes[s]
+
+    def _add_buckets(self, rows) -> None:
+        for b, s, v in rows:
             if not v:
                 continue
             row = self.by_bucket.setdefault(b, {})
@@ -85,6 +176,8 @@ class SubjectPending:
     def drop_bucket(self, start: int) -> None:
         for s, n in self.by_bucket.pop(start, {}).items():
             self._bump(s, -n)
+        if start in self.minutes:
+            self.minutes[start] = {}
 
     def set_bucket(self, start: int, counts: dict[str, int]) -> None:
         self.drop_bucket(start)
@@ -95,13 +188,24 @@ class SubjectPending:
                 self._bump(s, n)
 
     def reset(self, by_bucket: dict[int, dict[str, int]]) -> None:
-        self.by_bucket, self.total = {}, {}
+        self.by_bucket, self.total, self.minutes = {}, {}, {}
         for b, row in by_bucket.items():
             self.set_bucket(b, row)
 
+    def track(self, start: int, rows: dict[str, dict[int, int]]) -> None:
+        """Bucket ``start``'s minutes per subject from now on, from a count of them (``rows``:
+        subject -> minute start -> pending; only the subjects the bucket counts are kept)."""
+        have = self.by_bucket.get(start, {})
+        self.minutes[start] = {s: kept for s, row in rows.items() if s in have
+                               for kept in [{m: n for m, n in row.items() if n > 0}] if kept}
+
+    def untrack(self, start: int) -> None:
+        self.minutes.pop(start, None)
+
     def copy(self) -> "SubjectPending":
-        out = SubjectPending()
+        out = SubjectPending(self.bucket_ms)
         out.by_bucket, out.total = dict(self.by_bucket), dict(self.total)
+        out.minutes = {b: dict(rows) for b, rows in self.minutes.items()}
         return out
 
     def totals(self, buckets: Iterable[int]) -> dict[str, int]:
@@ -133,8 +237,27 @@ class SubjectPending:
                 out[b] = n
         return out
 
+    def minutes_of(self, subject: str, buckets: Iterable[int], *, completed_ms: int) -> dict[int, int]:
+        """Minute start -> pending messages of ``subject`` in the tracked ``buckets``, each
+        bucket's minutes summing to its count (``fit_minutes``: anything they lack is due now, in
+        ``completed_ms``'s minute or the bucket's first)."""
+        out: dict[int, int] = {}
+        for b in buckets:
+            if b not in self.minutes:
+                continue
+            n = self.by_bucket.get(b, {}).get(subject, 0)
+            now = minute_of(b, min(max(b, completed_ms), b + self.bucket_ms - 1))
+            out.update(fit_minutes(self.minutes[b].get(subject, {}), n, now_minute=now))
+        return out
+
     def check(self, pending: dict[int, int]) -> None:
         """The module invariant against the bucket counts ``pending``."""
+        for b, rows in self.minutes.items():
+            have = self.by_bucket.get(b, {})
+            for s, row in rows.items():
+                assert row and all(n > 0 for n in row.values()), (b, s, row)
+                assert sum(row.values()) == have.get(s, 0), (b, s, row, have.get(s))
+            assert set(have) <= set(rows) or not have, (b, have, rows)
         for b, row in self.by_bucket.items():
             assert all(n > 0 for n in row.values()), (b, row)
             assert sum(row.values()) == pending.get(b, 0), (b, row, pending.get(b))
@@ -143,4 +266,4 @@ class SubjectPending:
         assert self.total == {s: n for s, n in self.totals(list(self.by_bucket)).items() if n > 0}, self.total
 
 
-__all__ = ["OTHER", "SubjectPending", "grouped"]
+__all__ = ["MINUTE_MS", "OTHER", "SubjectPending", "fit_minutes", "grouped", "minute_of"]

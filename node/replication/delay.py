@@ -276,7 +276,8 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
     def _tick_doc(self) -> str:
         # acked_offset: what every required slave holds (sync mode); a slave never cuts below it
         acked = self.tracker.acked_offset if self.settings.ack_mode == "sync" else -1
-        return json.dumps({**self.store.replication_doc(), "acked_offset": acked})
+        doc = json.dumps({**self.store.replication_doc(), "acked_offset": acked})
+        return doc[:-1] + ', "terms": ' + self.terms.encoded() + "}"  # the term table, kept encoded
 
     async def Replicate(self, request_iterator, context):
         async for req in request_iterator:
@@ -313,6 +314,12 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         log.warning("replica %s too far behind: log restarts at %d", name, offset)
         self._log(name).reset(offset)
 
+    def _before_data(self, name: str, resp: pb.FetchResponse) -> None:
+        # the master's term table before its bytes: this member never holds a record of a term
+        # it cannot name (node/delay/terms.py)
+        if name == "messages" and resp.checkpoint:
+            self.terms.adopt(json.loads(resp.checkpoint).get("terms"))
+
     async def _on_data(self, name: str) -> None:
         if name == "messages":
             self.store.appended()
@@ -322,6 +329,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         if name == "messages":
             if resp.checkpoint:
                 doc = json.loads(resp.checkpoint)
+                doc.pop("terms", None)  # adopted before the bytes (_before_data); not tick state
                 self.store.follow(doc)  # the master's live tick state
                 acked = int(doc.get("acked_offset", -1))
                 if 0 <= acked <= self.store.messages.end_offset:
@@ -379,6 +387,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         if mode == "master":
             t0 = time.perf_counter()
             self._promote_steps = store.promote(now_ms, store_epoch) if store.follower else {}
+            self.terms.take(store.epoch, self.settings.node_id)  # before this term accepts a record
             self._promote_steps["total"] = round((time.perf_counter() - t0) * 1000, 1)
             return store
         if not store.follower:

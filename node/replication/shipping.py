@@ -124,6 +124,9 @@ class LogShipping:
         raise E.StorageError(f"the master no longer holds the bytes this replica of {name} needs (it starts at "
                              f"{offset}): rebuild this replica from an empty data folder")
 
+    def _before_data(self, name: str, resp: pb.FetchResponse) -> None:
+        """An answer carrying bytes of ``name``, before they are appended."""
+
     async def _on_data(self, name: str) -> None:
         """Replicated bytes of ``name`` were appended and fsynced."""
 
@@ -165,6 +168,7 @@ class LogShipping:
                         # after bytes it attributes to the wrong one, and a later divergence check
                         # would cut records both members hold)
                         self.histories[name].adopt(resp.history, resp.offset + len(resp.data))
+                        self._before_data(name, resp)
                         lg.append_raw(resp.offset, resp.data)  # checks every record's CRC
                         await finish_then_cancel(asyncio.to_thread(lg.flush))
                         await self._on_data(name)
