@@ -232,3 +232,29 @@ async def test_a_realtime_switch_opens_a_new_store_off_the_loop_and_ends_the_pul
         await asyncio.wait_for(waiting, GUARD_S)  # woken by the new role: the pull looks again and stops
         assert master.mode == "master" and master.running and master.store is not slave.store
         await master.end(NotLeader())
+
+
+def test_role_gauges_are_read_when_scraped():
+    """A replicated node's role gauges follow its state with no loop setting them
+    (``ReplicaRoles._bind_metrics``): a scrape reads the role and lag of that moment."""
+    from types import SimpleNamespace
+
+    from node.metrics import NodeMetrics
+    from node.replication.roles import ReplicaRoles
+
+    metrics = NodeMetrics("delay", "n1")
+    node = SimpleNamespace(metrics=metrics, mode="slave", lag_bytes=4096, member=SimpleNamespace(epoch=3))
+    node.is_master = lambda: node.mode == "master"
+    node.lag_ms = lambda: 0 if node.mode == "master" else 1500
+    ReplicaRoles._bind_metrics(node)
+
+    def read() -> dict[str, float]:
+        return {s.name: s.value for m in metrics.registry.collect() for s in m.samples
+                if s.name in ("hourglass_is_master", "hourglass_replication_lag_bytes",
+                              "hourglass_replication_lag_seconds", "hourglass_election_epoch")}
+
+    assert read() == {"hourglass_is_master": 0, "hourglass_replication_lag_bytes": 4096,
+                      "hourglass_replication_lag_seconds": 1.5, "hourglass_election_epoch": 3}
+    node.mode, node.member.epoch = "master", 4
+    assert read() == {"hourglass_is_master": 1, "hourglass_replication_lag_bytes": 0,
+                      "hourglass_replication_lag_seconds": 0, "hourglass_election_epoch": 4}

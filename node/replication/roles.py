@@ -156,13 +156,14 @@ class ReplicaRoles:
 
     # ------------------------------------------------------------------ visibility
 
-    async def _metrics_loop(self) -> None:
-        while True:
-            self.metrics.is_master.set(1 if self.is_master() else 0)
-            self.metrics.replication_lag_bytes.set(0 if self.mode == "master" else self.lag_bytes)
-            self.metrics.replication_lag_seconds.set(self.lag_ms() / 1000)
-            self.metrics.election_epoch.set(self.member.epoch)
-            await asyncio.sleep(0.5)
+    def _bind_metrics(self) -> None:
+        """The role gauges are read when scraped (on the metrics endpoint's thread: plain
+        attribute reads), not set by a loop: a node at rest wakes for nothing here."""
+        m = self.metrics
+        m.is_master.set_function(lambda: 1 if self.is_master() else 0)
+        m.replication_lag_bytes.set_function(lambda: 0 if self.mode == "master" else self.lag_bytes)
+        m.replication_lag_seconds.set_function(lambda: self.lag_ms() / 1000)
+        m.election_epoch.set_function(lambda: self.member.epoch)
 
     def registration_info(self) -> dict:
         if self.mode == "switching" and self._described:
@@ -551,9 +552,9 @@ class ReplicaRoles:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg  # role tasks are its children (Role.start)
+                self._bind_metrics()
                 tasks = [tg.create_task(self.registrar.run(), name="registration"),
-                         tg.create_task(self._role_loop(), name="roles"),
-                         tg.create_task(self._metrics_loop(), name="metrics")]
+                         tg.create_task(self._role_loop(), name="roles")]
                 # both roles scrub their segments; the registration above has the heartbeat hook
                 tasks += side_tasks(tg, self, log, register=False, gc_tuned=False)
                 log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
