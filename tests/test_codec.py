@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cluster.codec as codec
 from cluster.codec import (COLUMN_BYTES, DAY_MS, DELAY_HORIZON_MS_DEFAULT, HEADER_SIZE, INVALID_ARGUMENT, KIND_CANCEL,
                            OK, PAYLOAD_TOO_LARGE, Batch, DispatchBatch, Limits, decode_extra, encode_extra, span_ms)
 from cluster.errors import InvalidArgument
@@ -64,8 +65,6 @@ def test_gather_is_take_then_concat(sources, data, whole_max):
     """``Batch.gather`` (one firing round from many frames) gives exactly what taking from
     each source and concatenating gives, whether a source is joined whole or taken first,
     with subject tables that differ, blobs that are empty and repeated indices."""
-    import cluster.codec as codec
-
     batches = []
     for rows in sources:
         b = Batch.decode(build(rows).encode())
@@ -113,6 +112,38 @@ def test_packed_columns_decode_to_exactly_the_plain_ones(rows, data):
         a, c = getattr(p, name), getattr(q, name)
         assert a.dtype == c.dtype and a.tolist() == c.tolist(), name
     assert (p.ids, p.payloads, p.extras, p.subjects) == (q.ids, q.payloads, q.extras, q.subjects)
+    if n:  # the matrix form writes the bytes the column-at-a-time form wrote (docs/format.md)
+        assert codec._pack_columns(b) == _pack_columns_by_column(b)
+
+
+def _pack_columns_by_column(b: Batch) -> bytes | None:
+    """The packed block one column at a time (the form before issue 28's matrix): the reference."""
+    n = b.n
+    descr, bases, data, size = bytearray(len(COLUMNS)), [], [], len(COLUMNS)
+    for k, name in enumerate(COLUMNS):
+        v = getattr(b, name)
+        if name in ("id_end", "payload_end", "extra_end"):
+            e = v.astype(np.int64)
+            v = e - np.concatenate(([0], e[:-1])).astype(np.int64)
+        elif name == "effective_ms":
+            v = v.astype(np.int64) - b.deliver_at_ms.astype(np.int64)
+        else:
+            v = v.astype(np.uint64 if name == "seq" else np.int64)
+        lo, hi = int(v.min()), int(v.max())
+        span = hi - lo
+        w = 0 if span == 0 else 1 if span < 1 << 8 else 2 if span < 1 << 16 else 4 if span < 1 << 32 else 8
+        descr[k] = w
+        if lo:
+            descr[k] |= 0x80
+            bases.append((lo & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little"))
+            size += 8
+        if w:
+            off = (v - v.dtype.type(lo)) if v.dtype == np.uint64 else (v - lo)
+            data.append(off.astype(f"<u{w}").tobytes())
+            size += n * w
+    if size >= n * codec.COLUMN_BYTES:
+        return None
+    return b"".join((bytes(descr), *bases, *data))
 
 
 def test_packed_frame_of_one_second_is_small_and_refuses_damage():
