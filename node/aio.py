@@ -190,33 +190,48 @@ class StallWatch:
             self.log.warning("stall watch off: this event loop has no selector to watch")
             await asyncio.Event().wait()
         inner = selector.select
-        selector.select = self._watched(inner)
+        mine = selector.select = self._watched(inner)
         self._loop_thread = threading.get_ident()
         thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
         thread.start()
         try:
             await asyncio.Event().wait()  # the work is in the selector's wrapper and the thread
         finally:
-            selector.__dict__.pop("select", None)  # the selector's own method again
             self._stop.set()
             self._unpark.set()
+            if vars(selector).get("select") is mine:  # what was there before, less stopped watches
+                below = inner
+                while getattr(below, "stall_watch_stopped", None) is not None and below.stall_watch_stopped.is_set():
+                    below = below.__wrapped__
+                del selector.select
+                if below != selector.select:
+                    selector.select = below
+            # wrapped over meanwhile (another watch on this loop): ours passes through until unwrapped
 
     def _watched(self, inner):
+        stopped = self._stop
+
         def select(timeout=None):
-            t0 = time.monotonic()
-            self._turn_ended(t0 - self.turn_from)
-            self.in_select = True
-            try:
+            if stopped.is_set():
                 return inner(timeout)
-            finally:
-                t1 = time.monotonic()
-                self.turn_from = t1
-                self.in_select = False
-                if self._parked:
-                    self._unpark.set()
-                if timeout is not None and t1 - t0 - timeout >= self.observe_min_s:
-                    self._waited_late(t0, t1 - t0 - timeout)
+            return self._timed(inner, timeout)
+        select.__wrapped__, select.stall_watch_stopped = inner, stopped
         return select
+
+    def _timed(self, inner, timeout):
+        t0 = time.monotonic()
+        self._turn_ended(t0 - self.turn_from)
+        self.in_select = True
+        try:
+            return inner(timeout)
+        finally:
+            t1 = time.monotonic()
+            self.turn_from = t1
+            self.in_select = False
+            if self._parked:
+                self._unpark.set()
+            if timeout is not None and t1 - t0 - timeout >= self.observe_min_s:
+                self._waited_late(t0, t1 - t0 - timeout)
 
     def _turn_ended(self, turn_s: float) -> None:
         if turn_s < self.observe_min_s:  # the usual case: one comparison a turn

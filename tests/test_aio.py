@@ -7,6 +7,8 @@ import asyncio
 import logging
 import time
 
+import pytest
+
 from node.aio import StallWatch
 
 
@@ -99,3 +101,19 @@ async def test_trim_memory_loop_gives_freed_heap_back(monkeypatch):
     await asyncio.sleep(0.1)
     task.cancel()
     assert calls and before - _rss_bytes() > 100 * 1024 * 1024
+
+
+@pytest.mark.parametrize("first_stops_first", [True, False])
+async def test_two_watches_on_one_loop_stop_in_any_order(first_stops_first):
+    """Several nodes of one test process share a loop: each watch wraps the selector; a watch
+    stopped under another passes through, and the selector is its own once both stopped."""
+    loop = asyncio.get_running_loop()
+    first = asyncio.create_task(StallWatch(200, logging.getLogger("test.stall.a")).run())
+    await asyncio.sleep(0)
+    second = asyncio.create_task(StallWatch(200, logging.getLogger("test.stall.b")).run())
+    await asyncio.sleep(0.01)
+    for task in ((first, second) if first_stops_first else (second, first)):
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.01)  # the loop still turns through what is left
+    assert "select" not in vars(loop._selector)
