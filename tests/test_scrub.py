@@ -171,10 +171,7 @@ async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its
 
     from cluster.client import Producer, StaticResolver
     from cluster.devcluster import LocalCluster
-    from node.config import NodeSettings
 
-    if "message_segment_bytes" not in NodeSettings.model_fields:
-        pytest.skip("needs the message_segment_bytes setting (issue 14 A)")
     env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # retention would delete the segment first
     with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",

@@ -50,7 +50,7 @@ SOURCES = {
     ("cluster/auththrottle.py", "AUTH_FAILURES_MAX"),   # SecuritySettings.auth_failures_max
     ("cluster/auththrottle.py", "AUTH_FAILURES_WINDOW_MS"),
     ("cluster/auththrottle.py", "AUTH_THROTTLE_PEERS_MAX"),
-    ("cluster/transport.py", "MESSAGE_BYTES_MAX"),      # NodeSettings.request_bytes_max
+    ("cluster/transport.py", "MESSAGE_BYTES_MAX"),      # NodeSettings.limits.request_bytes_max
 }
 # bounds of a format, not settings, named ``*_DEFAULT`` for the readers that import them
 NOT_SETTINGS = {
