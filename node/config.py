@@ -534,11 +534,5 @@ class NodeSettings(BaseSettings):
     def realtime_settings(self) -> RealtimeSettings:
         return self.section("realtime")
 
-    def scrub_settings(self) -> ScrubSettings:
-        return self.section("scrub")
-
     def disk_watermark(self) -> DiskWatermark:
         return self.section("disk")
-
-    def producer_limits(self) -> Limits:
-        return self.section("limits")

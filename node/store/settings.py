@@ -7,7 +7,7 @@ limits' (``Limits``) are written in ``cluster/codec.py``, shared with the SDK.
 ``node.config.NodeSettings`` (the process's settings, ``HOURGLASS_*``) is the root of the tree:
 its sections of the same names (``store``, ``realtime``, ``scrub``, ``disk``) take their
 defaults from here, and it builds these objects from them (``section(name)``,
-``store_settings()``, ``realtime_settings()``, ``scrub_settings()``, ``disk_watermark()``). The pure cores that tests
+``store_settings()``, ``realtime_settings()``, ``disk_watermark()``). The pure cores that tests
 construct directly (``TimingWheel``, ``ScheduleLog``, ``IdIndex``, ``SegmentedLog``,
 ``ScrubPlan``) take these values as arguments; a default they have refers to ``STORE_DEFAULTS``
 / ``SCRUB_DEFAULTS``, never a second literal (tests/test_settings_tree.py keeps it so)."""

@@ -99,9 +99,9 @@ def render() -> str:
            "JSON: `HOURGLASS_META_SERVERS='[\"10.0.0.5:7100\"]'`); the nested form",
            "`HOURGLASS_<SECTION>__<NAME>` works too, and a flat variable wins over it. `hourglass node`",
            "options override both. The stores take the storage sections as dataclasses built from the",
-           "section of the same name (`NodeSettings.section(name)`: `store_settings()`,",
-           "`realtime_settings()`, `scrub_settings()`, `disk_watermark()`, `producer_limits()`); their",
-           "defaults are written in the dataclass, the section's field refers to it.", ""]
+           "section of the same name (`NodeSettings.section(name)`; `store_settings()`,",
+           "`realtime_settings()`, `disk_watermark()`); their defaults are written in the dataclass,",
+           "the section's field refers to it.", ""]
     for section, cls in TREE.items():
         rows = []
         for name, f in cls.model_fields.items():
