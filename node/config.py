@@ -327,7 +327,7 @@ class DiskSection(_Section):
     admitted only if it leaves min(free_min_bytes, free_min_ratio x disk size) free; once
     refusing, writes resume above that mark plus min(resume_margin_ratio x disk size,
     resume_margin_bytes_max). The watermark is built as a ``DiskWatermark`` (defaults:
-    ``DISK_DEFAULTS``); retention runs on the same clock."""
+    ``DISK_DEFAULTS``); the section also says how often free space is read and retention runs."""
 
     FLAT: ClassVar[dict[str, str]] = {"free_min_bytes": "disk_free_min_bytes", "free_min_ratio": "disk_free_min_ratio",
                                       "resume_margin_ratio": "disk_resume_margin_ratio",
@@ -392,7 +392,8 @@ class StatusSection(_Section):
 
 
 class LoopSection(_Section):
-    """The event-loop watchdog (node/watchdog.py)."""
+    """The event-loop watchdog: stalls logged (node/aio.py ``StallWatch``), and the registration
+    given up by a wedged node (node/registration.py)."""
 
     FLAT: ClassVar[dict[str, str]] = {"stall_report_ms": "loop_stall_report_ms", "stall_max_ms": "loop_stall_max_ms"}
 
