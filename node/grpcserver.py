@@ -23,8 +23,8 @@ READY_SERVICE = "hourglass.v1.Node"  # grpc.health.v1 service name of the readin
 async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, admin=None, extra=()) -> tuple[grpc.aio.Server, str]:
     security = ServerSecurity.from_settings()  # HOURGLASS_TLS_* and HOURGLASS_AUTH_FILE (docs/security.md)
     server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", settings.request_bytes_max),
-        ("grpc.max_receive_message_length", settings.request_bytes_max),
+        ("grpc.max_send_message_length", settings.limits.request_bytes_max),
+        ("grpc.max_receive_message_length", settings.limits.request_bytes_max),
         ("grpc.so_reuseport", 0),
     ], interceptors=[*security.interceptors(),  # who calls, may they call this method
                      UndecodableRequests()])    # unparseable bytes: INVALID_ARGUMENT, not UNKNOWN
@@ -41,13 +41,14 @@ async def start_grpc(settings: NodeSettings, *, producer=None, consumer=None, ad
     health_pb2_grpc.add_HealthServicer_to_server(probes, server)
     # readiness (READY_SERVICE): SERVING once the node is registered with the meta servers (the
     # Registrar sets it), at once without them; "" (liveness) is SERVING while the process runs
-    await probes.set(READY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if settings.meta_servers
+    await probes.set(READY_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING if settings.meta.servers
                      else health_pb2.HealthCheckResponse.SERVING)
-    port = listen(server, settings.host, settings.port, security)
+    port = listen(server, settings.server.host, settings.server.port, security)
     if not security.tls:
-        log.warning(open_warning(f"{settings.role} node {settings.node_id} on {settings.host}:{port}"))
+        sv = settings.server
+        log.warning(open_warning(f"{sv.role} node {sv.node_id} on {sv.host}:{port}"))
     await server.start()
-    address = settings.advertise or f"{settings.host}:{port}"
-    server = await add_probe_server(server, settings.host, settings.health_port, probes)
+    address = settings.server.advertise or f"{settings.server.host}:{port}"
+    server = await add_probe_server(server, settings.server.host, settings.server.health_port, probes)
     server.health = probes  # the Registrar reports readiness through it
     return server, address

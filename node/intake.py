@@ -40,14 +40,14 @@ class SendIntake:
     async def SendBatchStream(self, requests, context):
         """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
         async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
-                                        window=self.settings.stream_window_max):
+                                        window=self.settings.limits.stream_window_max):
             yield resp
 
     def _admit_batch(self, batch: Batch, write_bytes_bound: Callable[[Batch], int]) -> None:
         """Raise unless the whole batch may be stored: ``InvalidArgument`` over
         ``batch_messages_max`` messages, ``DiskFull`` when its bound (``write_bytes_bound``, the
         store's) would take free space below the watermark or the node refuses writes."""
-        limit = self.settings.batch_messages_max
+        limit = self.settings.limits.batch_messages_max
         if batch.n > limit:
             raise InvalidArgument("batch", f"{batch.n} messages exceeds batch_messages_max {limit}")
         self.disk.admit(write_bytes_bound(batch))

@@ -20,19 +20,20 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
     renewal timing to the node's metrics)."""
     settings = node.settings
     tasks = []
-    if settings.scrub_rate_mib_s > 0:
+    if settings.scrub.rate_mib_s > 0:
         tasks.append(tg.create_task(node.scrubber.run(), name="scrub"))
-    if register and settings.meta_servers:
+    if register and settings.meta.servers:
         node.registrar = Registrar(settings, node.address, describe=node.registration_info, health=node.health)
         tasks.append(tg.create_task(node.registrar.run(), name="registration"))
     if getattr(node, "registrar", None) is not None:
         # its own or the replicated node's: renewal timing goes to this node's metrics
         node.registrar.metrics = node.metrics
-    if settings.loop_stall_report_ms:
-        watch = StallWatch(settings.loop_stall_report_ms, log, histogram=node.metrics.loop_stall)
+    if settings.loop.stall_report_ms:
+        watch = StallWatch(settings.loop.stall_report_ms, log, histogram=node.metrics.loop_stall)
         tasks.append(tg.create_task(watch.run(), name="stall-watch"))
-    node.metrics.start(MetricsEndpoint(settings.metrics_host, settings.metrics_port, settings.metrics_tls_cert_file,
-                                       settings.metrics_tls_key_file, settings.metrics_token_file))
+    sv = settings.server
+    node.metrics.start(MetricsEndpoint(sv.metrics_host, sv.metrics_port, sv.metrics_tls_cert_file,
+                                       sv.metrics_tls_key_file, sv.metrics_token_file))
     tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
     if gc_tuned:
         tune_gc()

@@ -91,7 +91,8 @@ def mono_ms() -> int:
 
 
 def node_info(settings: NodeSettings, address: str, info: dict) -> mpb.NodeInfo:
-    return mpb.NodeInfo(role=settings.role, group=settings.group, node_id=settings.node_id, address=address,
+    sv = settings.server
+    return mpb.NodeInfo(role=sv.role, group=sv.group, node_id=sv.node_id, address=address,
                         master=bool(info.get("master", True)),
                         offsets={k: int(v) for k, v in info.get("offsets", {}).items()},
                         lag_ms=int(info.get("lag_ms", 0)), lag_bytes=int(info.get("lag_bytes", 0)),
@@ -115,10 +116,10 @@ class Registrar:
         self.address = address
         self.describe = describe  # called on the main loop only (the snapshot task)
         # the main loop's client, for every call but Register/Heartbeat (those use the thread's own)
-        self.meta = MetaClient(settings.meta_servers, timeout_s=settings.meta_timeout_ms / 1000)
+        self.meta = MetaClient(settings.meta.servers, timeout_s=settings.meta.timeout_ms / 1000)
         self.lease_id: int | None = None  # main-loop view; changes with ``registered``
-        self.heartbeat_ms = settings.meta_heartbeat_ms or max(BACKOFF_MS_MIN, min(HEARTBEAT_MS_MAX,
-                                                                                   settings.meta_lease_ttl_ms // 3))
+        self.heartbeat_ms = settings.meta.heartbeat_ms or max(BACKOFF_MS_MIN, min(HEARTBEAT_MS_MAX,
+                                                                                   settings.meta.lease_ttl_ms // 3))
         self.registered = asyncio.Event()
         self.heartbeats = 0  # confirmed Register/Heartbeat calls
         self.on_lost: Callable[[int], None] | None = None
@@ -172,7 +173,7 @@ class Registrar:
         self._snapshot()
         self.loop_alive_at = time.monotonic()
         self._ended = self._main.create_future()
-        self._thread = threading.Thread(target=self._thread_main, name=f"heartbeat-{self.settings.node_id}",
+        self._thread = threading.Thread(target=self._thread_main, name=f"heartbeat-{self.settings.server.node_id}",
                                         daemon=True)
         self._thread.start()
         duties = asyncio.create_task(self._main_duties(), name="registration-duties")
@@ -187,7 +188,7 @@ class Registrar:
     async def _main_duties(self) -> None:
         """Prove the loop turns (``loop_alive_at``) and keep the describe() snapshot fresh."""
         snapshot_at = time.monotonic()
-        stamp_s = min(STAMP_INTERVAL_MS_MAX, self.settings.loop_stall_max_ms // 8) / 1000
+        stamp_s = min(STAMP_INTERVAL_MS_MAX, self.settings.loop.stall_max_ms // 8) / 1000
         while True:
             now = time.monotonic()
             self.loop_alive_at = now
@@ -237,7 +238,7 @@ class Registrar:
             return
         _, pending = await asyncio.wait({self._ended}, timeout=THREAD_STOP_TIMEOUT_S)
         if pending:
-            log.warning("heartbeat thread of node_id=%s did not stop within %.0f s", self.settings.node_id,
+            log.warning("heartbeat thread of node_id=%s did not stop within %.0f s", self.settings.server.node_id,
                         THREAD_STOP_TIMEOUT_S)
             return
         thread.join(THREAD_JOIN_TIMEOUT_S)  # it said it ended: only its return is left
@@ -251,10 +252,10 @@ class Registrar:
             lease = self._lease
             if lease is not None:
                 await self.meta.call("Deregister", mpb.DeregisterRequest(lease_id=lease,
-                                                                         node_id=self.settings.node_id),
+                                                                         node_id=self.settings.server.node_id),
                                      timeout_s=1.0)
         except E.HourglassError as e:
-            log.info("deregister failed node_id=%s: %s (the lease will expire)", self.settings.node_id, e)
+            log.info("deregister failed node_id=%s: %s (the lease will expire)", self.settings.server.node_id, e)
         finally:
             self._lease = None
             self.lease_id = None
@@ -284,7 +285,7 @@ class Registrar:
             if self._stopping:
                 return
             self._beat_loop, self._beat_task = asyncio.get_running_loop(), asyncio.current_task()
-        meta = MetaClient(self.settings.meta_servers, timeout_s=self.settings.meta_timeout_ms / 1000)
+        meta = MetaClient(self.settings.meta.servers, timeout_s=self.settings.meta.timeout_ms / 1000)
         try:
             await self._beat_forever(meta)
         finally:
@@ -300,19 +301,19 @@ class Registrar:
         withheld_since: float | None = None
         while True:
             stalled_ms = self._loop_stalled_ms()
-            if stalled_ms > self.settings.loop_stall_max_ms:
+            if stalled_ms > self.settings.loop.stall_max_ms:
                 if withheld_since is None:  # once per stall
                     withheld_since = time.monotonic()
                     log.warning("heartbeats withheld node_id=%s: the event loop has not turned for %d ms "
                                 "(loop_stall_max_ms=%d); the lease will run out unless it comes back",
-                                self.settings.node_id, stalled_ms, self.settings.loop_stall_max_ms)
+                                self.settings.server.node_id, stalled_ms, self.settings.loop.stall_max_ms)
                     if self.metrics is not None:
                         self.metrics.heartbeats_withheld.inc()
                 await asyncio.sleep(STAMP_INTERVAL_MS / 1000)
                 continue
             if withheld_since is not None:
                 log.warning("heartbeats resume node_id=%s: the event loop turned again after %.0f ms withheld",
-                            self.settings.node_id, (time.monotonic() - withheld_since) * 1000)
+                            self.settings.server.node_id, (time.monotonic() - withheld_since) * 1000)
                 withheld_since = None
             sent_ms = mono_ms()
             next_ms = sent_ms + self.heartbeat_ms
@@ -323,25 +324,25 @@ class Registrar:
                 self._lost(e)
                 next_ms = 0
             except E.AlreadyExists as e:
-                log.error("node id %s is in use by another live node: %s", self.settings.node_id, e)
+                log.error("node id %s is in use by another live node: %s", self.settings.server.node_id, e)
                 self._lost(e)
             except E.InvalidArgument:
                 raise
             except E.HourglassError as e:  # Unavailable and anything unexpected from the meta side
                 failures += 1
                 next_ms = mono_ms() + min(self.heartbeat_ms, BACKOFF_MS_MIN * 2 ** min(failures, 8))
-                log.warning("heartbeat failed node_id=%s attempt=%d: %s", self.settings.node_id, failures, e)
+                log.warning("heartbeat failed node_id=%s attempt=%d: %s", self.settings.server.node_id, failures, e)
             await asyncio.sleep(max(0, next_ms - mono_ms()) / 1000)
 
     async def _beat(self, meta: MetaClient, sent_ms: int) -> None:
         """One Register (no lease) or Heartbeat, sent at ``sent_ms``."""
         if self._lease is None:
             resp = await meta.call("Register", mpb.RegisterRequest(node=self._info,
-                                                                   ttl_ms=self.settings.meta_lease_ttl_ms))
+                                                                   ttl_ms=self.settings.meta.lease_ttl_ms))
             lease = self._lease = resp.lease_id
-            if not self.settings.meta_heartbeat_ms:
+            if not self.settings.meta.heartbeat_ms:
                 self.heartbeat_ms = max(BACKOFF_MS_MIN, resp.heartbeat_ms)
-            log.info("registered node_id=%s lease=%x ttl_ms=%d heartbeat_ms=%d via=%s", self.settings.node_id,
+            log.info("registered node_id=%s lease=%x ttl_ms=%d heartbeat_ms=%d via=%s", self.settings.server.node_id,
                      lease, resp.ttl_ms, self.heartbeat_ms, meta.current)
             self._post(self._set_registered, lease)
             self._last_sent_ms = None
@@ -364,7 +365,7 @@ class Registrar:
         self._lease = None
         self._last_sent_ms = None
         if lease is not None:
-            log.warning("registration lost node_id=%s lease=%x (%s); registering again", self.settings.node_id,
+            log.warning("registration lost node_id=%s lease=%x (%s); registering again", self.settings.server.node_id,
                         lease, reason)
             if self.metrics is not None:
                 self.metrics.registrations_lost.inc()

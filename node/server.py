@@ -25,9 +25,9 @@ def raise_fd_limit(settings: NodeSettings) -> NodeSettings:
     subjects than that reopens files on the event loop, issue 27): raise the soft
     RLIMIT_NOFILE to what that needs (at most the hard limit), and lower
     ``index_files_open_max`` when the hard limit does not allow it, saying so."""
-    if settings.role != "realtime":
+    if settings.server.role != "realtime":
         return settings
-    want = settings.index_files_open_max + FDS_RESERVED
+    want = settings.realtime.index_files_open_max + FDS_RESERVED
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     ceiling = want if hard == resource.RLIM_INFINITY else min(want, hard)
     if soft != resource.RLIM_INFINITY and soft < ceiling:
@@ -39,15 +39,15 @@ def raise_fd_limit(settings: NodeSettings) -> NodeSettings:
     if soft != resource.RLIM_INFINITY and soft < want:
         fit = max(16, soft - FDS_RESERVED)
         log.warning("open-files limit %d (hard %s): index_files_open_max lowered from %d to %d", soft,
-                    "unlimited" if hard == resource.RLIM_INFINITY else hard, settings.index_files_open_max, fit)
-        return settings.model_copy(update={"index_files_open_max": fit})
+                    "unlimited" if hard == resource.RLIM_INFINITY else hard, want - FDS_RESERVED, fit)
+        return settings.replace(index_files_open_max=fit)
     return settings
 
 
 def build(settings: NodeSettings):
-    if settings.role == "delay":
-        return ReplicatedDelayNode(settings) if settings.replicated else DelayNode(settings)
-    return ReplicatedRealtimeNode(settings) if settings.replicated else RealtimeNode(settings)
+    if settings.server.role == "delay":
+        return ReplicatedDelayNode(settings) if settings.replication.enabled else DelayNode(settings)
+    return ReplicatedRealtimeNode(settings) if settings.replication.enabled else RealtimeNode(settings)
 
 
 async def serve(settings: NodeSettings) -> None:
@@ -59,4 +59,4 @@ async def serve(settings: NodeSettings) -> None:
     loop.add_signal_handler(signal.SIGUSR1, dump_tasks)  # operators: `kill -USR1 <pid>` logs every task's stack
     node = build(raise_fd_limit(settings))
 
-    await node.run(stop, on_ready=lambda address: write_ready_file(settings.ready_file, address))
+    await node.run(stop, on_ready=lambda address: write_ready_file(settings.server.ready_file, address))

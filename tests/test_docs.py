@@ -28,7 +28,7 @@ from cluster.proto import hourglass_pb2 as pb
 from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
 from node import wheel
-from node.config import NodeSettings
+from node.config import FLAT_NAMES, NodeSettings
 from node.metrics import NodeMetrics
 from node.realtime import store as rt_store
 from node.replication import delay as delay_replication
@@ -119,7 +119,7 @@ def test_each_error_row_says_what_the_status_table_does(row):
 
 
 def test_every_node_setting_is_documented():
-    ratchet(set(NodeSettings.model_fields), lambda f: f in DOC_WORDS or f"HOURGLASS_{f.upper()}" in DOC_WORDS,
+    ratchet(set(FLAT_NAMES), lambda f: f in DOC_WORDS or f"HOURGLASS_{f.upper()}" in DOC_WORDS,
             NODE_SETTINGS_UNDOCUMENTED, "node settings")
 
 
@@ -151,7 +151,17 @@ def _defaults(model) -> dict[str, object]:
     return {name: f.default for name, f in model.model_fields.items()}
 
 
-NODE_DEFAULTS = {**_defaults(SecuritySettings), **_defaults(NodeSettings)}
+def _node_defaults() -> dict[str, object]:
+    """A node setting's default by its flat name (``tick_ms``, what the documents name) and by
+    its path (``store.tick_ms``)."""
+    tree = NodeSettings.model_construct()
+    out = {}
+    for flat, (section, field) in FLAT_NAMES.items():
+        out[flat] = out[f"{section}.{field}"] = type(getattr(tree, section)).model_fields[field].default
+    return out
+
+
+NODE_DEFAULTS = {**_defaults(SecuritySettings), **_node_defaults()}
 META_DEFAULTS = _defaults(MetaSettings)
 DEV_DEFAULTS = _defaults(RestartPolicy)
 

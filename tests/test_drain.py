@@ -12,6 +12,7 @@ from cluster.client import group_for
 from cluster.codec import KIND_CANCEL, Batch
 from cluster.errors import InvalidArgument
 from metaserver.drains import check_drain
+from node.config import NodeSettings
 from node.delay import drain, lookup
 from tests.test_delay_store import T0, Harness, fire, msg
 
@@ -136,7 +137,7 @@ def _rpc_down():
 class _FakeNode:
     def __init__(self, store, now, targets):
         from types import SimpleNamespace as NS
-        self.settings = NS(group="delay-g2", drain_horizon_ms=5_000, drain_batch_max=3, drain_round_max=1_000)
+        self.settings = NodeSettings(group="delay-g2", drain_horizon_ms=5_000, drain_batch_max=3, drain_round_max=1_000)
         self.now = now
         self.clock = NS(now_ms=lambda: self.now)
         self.store = store

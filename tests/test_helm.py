@@ -279,20 +279,21 @@ def test_node_container_is_accepted_by_cli_and_settings(helm, monkeypatch):
     for k, v in resolved.items():
         monkeypatch.setenv(k, v)
     s = NodeSettings()
-    assert (s.role, s.node_id, s.group, s.port, s.metrics_port) == ("realtime", pod, "r2", 7000, 9100)
-    assert s.metrics_host == "10.1.2.3"  # the pod IP
-    assert s.advertise == f"{pod}.hg-hourglass-realtime-r2.{DOMAIN}:7000"
-    assert s.meta_servers == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
-    assert str(s.data_dir) == "/var/lib/hourglass" and s.host == "0.0.0.0"
-    assert s.dispatch_concurrency_max == 16
-    if "ack_mode" in NodeSettings.model_fields:  # the replication work adds it
-        assert s.ack_mode == "sync"
+    sv = s.server
+    assert (sv.role, sv.node_id, sv.group, sv.port, sv.metrics_port) == ("realtime", pod, "r2", 7000, 9100)
+    assert sv.metrics_host == "10.1.2.3"  # the pod IP
+    assert sv.advertise == f"{pod}.hg-hourglass-realtime-r2.{DOMAIN}:7000"
+    assert s.meta.servers == [f"hg-hourglass-metaserver.{DOMAIN}:7100"]
+    assert str(sv.data_dir) == "/var/lib/hourglass" and sv.host == "0.0.0.0"
+    assert s.delay.dispatch_concurrency_max == 16
+    assert s.replication.ack_mode == "sync"
     from cluster.security import SecuritySettings
+    from node.config import FLAT_NAMES
 
     sec = SecuritySettings()
     assert sec.tls and sec.tls_server_name == "hg-hourglass.brokers.hourglass"
-    assert str(sec.auth_file) == "/etc/hourglass/auth/auth.json" and s.health_port == 7001
-    known = {f"HOURGLASS_{f.upper()}" for f in [*NodeSettings.model_fields, *SecuritySettings.model_fields]}
+    assert str(sec.auth_file) == "/etc/hourglass/auth/auth.json" and sv.health_port == 7001
+    known = {f"HOURGLASS_{f.upper()}" for f in [*FLAT_NAMES, *SecuritySettings.model_fields]}
     assert set(resolved) <= known, set(resolved) - known
 
 

@@ -323,7 +323,7 @@ async def test_a_send_of_many_new_subjects_is_stored_in_frames_of_a_few_new_subj
     """Issue 27: a frame writes at most subjects_new_per_frame_max first index entries on the
     loop; the send is answered as one batch, each subject's messages in one frame, in order."""
     n, producer, consumer, _ = node
-    n.settings = n.settings.model_copy(update={"subjects_new_per_frame_max": 3})
+    n.settings = n.settings.replace(subjects_new_per_frame_max=3)
     assert (await send(producer, msgs("old", ["o-warm"]))).codes.tolist() == [pb.OK]
     frames = _count_appends(n, monkeypatch)
     subjects = [s for i in range(8) for s in ("old", f"new.{i % 7}")] + ["new.0"]
@@ -346,7 +346,7 @@ async def test_a_send_of_many_known_subjects_is_stored_in_frames_of_a_few_subjec
     """Issue 27: not only new subjects: a send over more than subjects_per_frame_max known
     subjects (one index write each) is stored as frames of at most that many, in order."""
     n, producer, consumer, _ = node
-    n.settings = n.settings.model_copy(update={"subjects_per_frame_max": 2, "subjects_new_per_frame_max": 10})
+    n.settings = n.settings.replace(subjects_per_frame_max=2, subjects_new_per_frame_max=10)
     subjects = [f"k.{i}" for i in range(5)]
     assert (await send(producer, Batch.build(subjects, [b"w"] * 5, [f"w{i}" for i in range(5)], 0))).codes.tolist() \
         == [pb.OK] * 5  # new subjects within subjects_new_per_frame_max, but 5 > 2 subjects: three frames
@@ -362,7 +362,7 @@ async def test_a_send_of_many_known_subjects_is_stored_in_frames_of_a_few_subjec
 
 async def test_a_refusal_after_the_first_frame_refuses_the_rest_and_a_retry_stores_it_once(node, monkeypatch):
     n, producer, consumer, _ = node
-    n.settings = n.settings.model_copy(update={"subjects_new_per_frame_max": 2})
+    n.settings = n.settings.replace(subjects_new_per_frame_max=2)
     frames = _count_appends(n, monkeypatch)
     spied = n.store.append
 

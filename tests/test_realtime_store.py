@@ -867,9 +867,9 @@ def test_a_dispatch_lead_beyond_the_real_time_hold_is_refused(tmp_path):
     from node.config import NodeSettings
 
     base = dict(role="delay", node_id="n", data_dir=tmp_path)
-    assert NodeSettings(**base).dispatch_lead_ms < NodeSettings(**base).visible_hold_ms_max
-    assert NodeSettings(**base, dispatch_lead_ms=99).dispatch_lead_ms == 99
+    assert NodeSettings(**base).delay.dispatch_lead_ms < NodeSettings(**base).realtime.visible_hold_ms_max
+    assert NodeSettings(**base, dispatch_lead_ms=99).delay.dispatch_lead_ms == 99
     for lead, hold in ((100, 100), (200, 100), (20, 10)):
         with pytest.raises(ValidationError, match="dispatch_lead_ms .* must be below visible_hold_ms_max"):
             NodeSettings(**base, dispatch_lead_ms=lead, visible_hold_ms_max=hold)
-    assert NodeSettings(**base, dispatch_lead_ms=0, visible_hold_ms_max=0).dispatch_lead_ms == 0
+    assert NodeSettings(**base, dispatch_lead_ms=0, visible_hold_ms_max=0).delay.dispatch_lead_ms == 0

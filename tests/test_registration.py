@@ -84,7 +84,7 @@ async def test_the_lease_is_renewed_while_the_loop_is_blocked_past_the_ttl(meta_
     """The loop is held until more than 1.5 TTL has passed and the thread confirmed renewals
     meanwhile: the node is still registered under the same lease, never lost."""
     settings = _settings(meta_server)
-    metrics = NodeMetrics("delay", settings.node_id)
+    metrics = NodeMetrics("delay", settings.server.node_id)
     r = Registrar(settings, "127.0.0.1:1", describe=lambda: {"master": False}, metrics=metrics)
     lost, beats = [], []
     r.on_lost = lost.append
@@ -96,13 +96,13 @@ async def test_the_lease_is_renewed_while_the_loop_is_blocked_past_the_ttl(meta_
         t0 = time.monotonic()
         _hold_the_loop_until(lambda: time.monotonic() - t0 > 1.5 * TTL_MS / 1000 and r.heartbeats >= before + 3)
         renewed_while_held = r.heartbeats - before
-        still_listed = _listed(meta_server.address, settings.node_id)  # asked while the loop is still held
+        still_listed = _listed(meta_server.address, settings.server.node_id)  # asked while the loop is still held
         await asyncio.sleep(0)
         assert renewed_while_held >= 3 and still_listed
         # and the same lease is still good: a renewal by hand is accepted, nothing was lost
         await r.meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=r._info))
         assert not lost and r.lease_id == lease
-        assert {t for _, t in beats} == {_heartbeat_threads(settings.node_id)[0].ident}  # on_beat: the thread's
+        assert {t for _, t in beats} == {_heartbeat_threads(settings.server.node_id)[0].ident}  # on_beat: the thread's
         # every confirmed call is in the round-trip histogram, every one after the Register in the gap one
         assert _count(metrics.heartbeat_rtt) >= renewed_while_held
         assert _count(metrics.heartbeat_gap) >= renewed_while_held - 1
@@ -123,7 +123,7 @@ async def test_a_loop_wedged_past_loop_stall_max_gives_the_lease_up(meta_server)
         gone = []
 
         def expired() -> bool:
-            gone.append(not _listed(meta_server.address, settings.node_id))
+            gone.append(not _listed(meta_server.address, settings.server.node_id))
             return gone[-1]
 
         _hold_the_loop_until(expired)
@@ -134,7 +134,7 @@ async def test_a_loop_wedged_past_loop_stall_max_gives_the_lease_up(meta_server)
             await asyncio.sleep(0.05)
         assert lost == [lease]
         assert r.lease_id not in (None, lease) and r.registered.is_set()
-        assert _listed(meta_server.address, settings.node_id)
+        assert _listed(meta_server.address, settings.server.node_id)
     finally:
         await _stop(r, task)
 
@@ -148,7 +148,7 @@ async def test_on_lost_is_told_before_the_node_registers_again(meta_server):
     events: list[tuple] = []
 
     def on_lost(lease_id: int) -> None:
-        events.append(("lost", lease_id, _listed(meta_server.address, settings.node_id)))
+        events.append(("lost", lease_id, _listed(meta_server.address, settings.server.node_id)))
 
     r.on_lost = on_lost
     r.on_beat = lambda lease_id, sent_ms: events.append(("beat", lease_id))
@@ -156,7 +156,7 @@ async def test_on_lost_is_told_before_the_node_registers_again(meta_server):
     task = await _started(r)
     try:
         old = r.lease_id
-        await r.meta.call("Deregister", mpb.DeregisterRequest(lease_id=old, node_id=settings.node_id))
+        await r.meta.call("Deregister", mpb.DeregisterRequest(lease_id=old, node_id=settings.server.node_id))
         for _ in range(WAIT_S * 20):
             views.append(r.lease_id)
             if r.lease_id not in (None, old):
@@ -195,10 +195,10 @@ async def test_close_stops_the_thread_and_revokes_the_lease(meta_server):
     settings = _settings(meta_server)
     r = Registrar(settings, "127.0.0.1:1", describe=lambda: {})
     task = await _started(r)
-    assert _heartbeat_threads(settings.node_id)
+    assert _heartbeat_threads(settings.server.node_id)
     await r.close()
-    assert not _heartbeat_threads(settings.node_id)
-    assert not _listed(meta_server.address, settings.node_id)  # gone at once, not after the TTL
+    assert not _heartbeat_threads(settings.server.node_id)
+    assert not _listed(meta_server.address, settings.server.node_id)  # gone at once, not after the TTL
     await asyncio.wait_for(task, WAIT_S)  # run() ends by itself once the thread stopped
 
 
@@ -209,15 +209,15 @@ async def test_a_cancelled_run_leaves_no_thread(meta_server):
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert task.cancelled()
-    assert not _heartbeat_threads(settings.node_id)
+    assert not _heartbeat_threads(settings.server.node_id)
     await r.close()
 
 
 async def test_bad_settings_stop_run_with_invalid_argument(meta_server):
     """A node that cannot describe itself must not run unregistered: run() raises, no thread stays."""
-    settings = _settings(meta_server).model_copy(update={"group": ""})
+    settings = _settings(meta_server).replace(group="")
     r = Registrar(settings, "127.0.0.1:1", describe=lambda: {})
     with pytest.raises(E.InvalidArgument):
         await asyncio.wait_for(r.run(), WAIT_S)
-    assert not _heartbeat_threads(settings.node_id)
+    assert not _heartbeat_threads(settings.server.node_id)
     await r.close()

@@ -14,7 +14,7 @@ from node.metrics import NodeMetrics
 from node.role import SINGLE, Role
 from node.store.group_commit import GroupCommitter
 from node.store.log import SegmentedLog
-from node.store.scrub import IDLE_WAIT_MS, ScrubPlan, ScrubStep, ScrubTarget, check_span
+from node.store.scrub import SCRUB_IDLE_WAIT_MS, ScrubPlan, ScrubStep, ScrubTarget, check_span
 from tests.test_delay_store import T0, msg
 from tests.test_healing import HOUR, flip, scenario
 
@@ -76,7 +76,7 @@ def test_plan_skips_a_deleted_target_and_picks_up_new_ones():
     ts = targets({"b": 8 * KIB, "c": 8 * KIB})  # "a" deleted by retention
     got = plan.next(ts, 2000)
     assert (got.target.key, got.pos) == ("b", 0)
-    assert plan.next([], 3000) == IDLE_WAIT_MS
+    assert plan.next([], 3000) == SCRUB_IDLE_WAIT_MS
 
 
 def test_check_span_finds_every_flipped_byte_of_a_sealed_segment(tmp_path):
@@ -171,10 +171,7 @@ async def test_replicated_master_fetches_a_corrupt_sealed_segment_again_from_its
 
     from cluster.client import Producer, StaticResolver
     from cluster.devcluster import LocalCluster
-    from node.config import NodeSettings
 
-    if "message_segment_bytes" not in NodeSettings.model_fields:
-        pytest.skip("needs the message_segment_bytes setting (issue 14 A)")
     env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "64", "HOURGLASS_SCRUB_PASS_INTERVAL_MS": "100",
            "HOURGLASS_RETENTION_INTERVAL_MS": "3600000"}  # retention would delete the segment first
     with LocalCluster(tmp_path, n_delay=2, n_realtime=1, meta=True, delay_replicas=2, ack_mode="sync",

@@ -1,7 +1,7 @@
 """Every default of a setting is written once, in the settings models (issue 29).
 
-The models: the node's tree (``node.config.NodeSettings`` and its sections in
-``node/store/settings.py``), the meta server's (``MetaSettings``), the SDK's
+The models: the node's tree (``node.config.NodeSettings``, its sections, and the storage
+sections' dataclasses in ``node/store/settings.py``), the meta server's (``MetaSettings``), the SDK's
 (``cluster.clientsettings.ClientSettings``), ``SecuritySettings`` and ``Limits``. Elsewhere,
 a constructor's keyword default for a setting refers to the model (``window_ms: int =
 STORE_DEFAULTS.window_ms``), never a literal of its own: a second literal is how the wheel
@@ -30,7 +30,7 @@ from cluster.discovery import MetaClient, MetaResolver
 from cluster.codec import Limits
 from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
-from node.config import SECTION_DEFAULTS, NodeSettings
+from node.config import FLAT_NAMES, SECTION_DEFAULTS, TREE, NodeSettings, StoreSection
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,7 +50,7 @@ SOURCES = {
     ("cluster/auththrottle.py", "AUTH_FAILURES_MAX"),   # SecuritySettings.auth_failures_max
     ("cluster/auththrottle.py", "AUTH_FAILURES_WINDOW_MS"),
     ("cluster/auththrottle.py", "AUTH_THROTTLE_PEERS_MAX"),
-    ("cluster/transport.py", "MESSAGE_BYTES_MAX"),      # NodeSettings.request_bytes_max
+    ("cluster/transport.py", "MESSAGE_BYTES_MAX"),      # NodeSettings.limits.request_bytes_max
 }
 # bounds of a format, not settings, named ``*_DEFAULT`` for the readers that import them
 NOT_SETTINGS = {
@@ -84,14 +84,17 @@ def _fields(model) -> dict[str, object]:
 
 
 def settings() -> dict[str, set]:
-    """Every setting's name -> its defaults (a name may be in several models)."""
-    models = [NodeSettings, MetaSettings, SecuritySettings, Limits(), *SECTION_DEFAULTS.values()]
+    """Every setting's name -> its defaults (a name may be in several models). A node setting
+    counts under its name in its section and under its flat name."""
+    models = [*TREE.values(), MetaSettings, SecuritySettings, Limits(), *SECTION_DEFAULTS.values()]
     client = ClientSettings.model_construct()
     models += [v if dataclasses.is_dataclass(v) else type(v) for v in (getattr(client, n) for n in ClientSettings.model_fields)]
     out: dict[str, set] = {}
     for model in models:
         for name, default in _fields(model).items():
             out.setdefault(name, set()).add(default if isinstance(default, (int, float)) else None)
+    for flat, (section, field) in FLAT_NAMES.items():
+        out.setdefault(flat, set()).update(out[field] if field in out else {None})
     return out
 
 
@@ -229,4 +232,5 @@ def test_the_spark_reader_takes_the_bucket_default_from_the_node_without_loading
     tree = ast.parse(Path(logformat.__file__).read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert StoreSettings().bucket_ms == layout.BUCKET_MS_DEFAULT == logformat.BUCKET_MS_DEFAULT
-    assert NodeSettings.model_fields["bucket_ms"].default == logformat.BUCKET_MS_DEFAULT
+    assert StoreSection.model_fields["bucket_ms"].default == logformat.BUCKET_MS_DEFAULT
+    assert NodeSettings.model_construct().store.bucket_ms == logformat.BUCKET_MS_DEFAULT

@@ -35,8 +35,6 @@ dev = typer.Typer(help="Local development cluster.", no_args_is_help=True)
 console = Console()
 err_console = Console(stderr=True)
 
-LEASE_TTL_MS = 6000         # nodes' meta lease: a paused master keeps its seat this long (a killed one's port
-                            # refuses connections: its slave reports it and takes over at once, docs/replication.md)
 DEFAULT_DATA = Path("var/dev")
 _DEFAULT_POLICY = RestartPolicy()
 
@@ -111,8 +109,10 @@ def up(data: Path = typer.Option(DEFAULT_DATA, help="data folder of the whole cl
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    cluster = LocalCluster(data, meta=meta, **shape.cluster_kwargs(), ack_mode=ack_mode.value,
-                           lease_ttl_ms=LEASE_TTL_MS if meta else None, secure=secure)
+    # the nodes keep their own meta lease (NodeSettings meta.lease_ttl_ms): a paused master keeps its
+    # seat that long (a killed one's port refuses connections: its slave reports it and takes over
+    # at once, docs/replication.md)
+    cluster = LocalCluster(data, meta=meta, **shape.cluster_kwargs(), ack_mode=ack_mode.value, secure=secure)
     say(f"starting in {data}: " + ("etcd, a meta server, " if meta else "")
         + f"{shape.describe()} (ack_mode={ack_mode.value})")
     if secure:

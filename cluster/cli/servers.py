@@ -15,10 +15,10 @@ from cluster.cli.common import CliError, _split, app
 # ---------------------------------------------------------------------- node
 
 
-def _serve(settings_cls, overrides: dict, serve) -> None:
+def _serve(settings_cls, overrides: dict, serve, log_level=lambda s: s.log_level) -> None:
     """Validate settings (a clear message and exit 2 when bad), then serve until SIGINT/SIGTERM.
-    A server that fails logs its traceback (operators read the log) before the boundary
-    prints its one line."""
+    ``log_level`` reads the level from the settings. A server that fails logs its traceback
+    (operators read the log) before the boundary prints its one line."""
     import logging
 
     from pydantic import ValidationError
@@ -31,7 +31,7 @@ def _serve(settings_cls, overrides: dict, serve) -> None:
     except ValidationError as e:
         raise CliError("bad settings: " + "; ".join(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}"
                                                    for x in e.errors())) from None
-    configure_logging(settings.log_level)
+    configure_logging(log_level(settings))
     profile_to = os.environ.get("HOURGLASS_PROFILE_TO")  # benchmarks: cProfile of the serving thread
     try:
         if not profile_to:
@@ -78,7 +78,7 @@ def node(
         overrides["delay_nodes"] = _split(delay_nodes)
     if meta:
         overrides["meta_servers"] = _split(meta)
-    _serve(NodeSettings, overrides, serve)
+    _serve(NodeSettings, overrides, serve, log_level=lambda s: s.server.log_level)
 
 
 # ---------------------------------------------------------------------- meta server

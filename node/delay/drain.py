@@ -169,7 +169,7 @@ class DrainTask:
     def check_accepting(self) -> None:
         """``Unavailable`` while draining: the producer refreshes its view and sends elsewhere."""
         if self.draining:
-            raise Unavailable(f"delay group {self.node.settings.group!r} is draining (hourglass admin drain): "
+            raise Unavailable(f"delay group {self.node.settings.server.group!r} is draining (hourglass admin drain): "
                               f"send to another delay group")
 
     def moved(self, msg_id: str) -> str | None:
@@ -211,7 +211,7 @@ class DrainTask:
         if meta is None:  # static lists: no meta server, no drain
             return
         resp = await meta.call("GetServers", mpb.GetServersRequest(kind=mpb.DELAYED_PRODUCER, include_draining=True))
-        me = self.node.settings.group
+        me = self.node.settings.server.group
         self.masters = {g.name: g.master for g in resp.groups}
         self.groups = sorted((g.name, g.master) for g in resp.groups if not g.draining and g.name != me)
         if any(g.name == me and g.draining for g in resp.groups) and not self.draining:
@@ -219,7 +219,7 @@ class DrainTask:
             log.warning("draining group=%s: moving pending messages to %s", me, ",".join(n for n, _ in self.groups))
 
     async def run(self) -> None:
-        poll_s = self.node.settings.drain_poll_ms / 1000
+        poll_s = self.node.settings.delay.drain_poll_ms / 1000
         while True:
             try:
                 await self.refresh()
@@ -266,16 +266,16 @@ class DrainTask:
                     voided = store.voided_mask(b.seq)
                     if voided is not None:
                         live &= ~voided
-                    plan = plan_moves(b, live, now_ms=now, horizon_ms=st.drain_horizon_ms, groups=self.groups)
+                    plan = plan_moves(b, live, now_ms=now, horizon_ms=st.delay.drain_horizon_ms, groups=self.groups)
                     near += plan.near
                     unplaced += plan.unplaced
                     for target, idx in plan.moves.items():
                         todo.setdefault(target, []).append(b.take(idx))
                         queued += len(idx)
-                if queued >= st.drain_batch_max:
+                if queued >= st.delay.drain_batch_max:
                     await self._send_all(todo)
                     sent, todo, queued = sent + queued, {}, 0
-                    if sent >= st.drain_round_max:
+                    if sent >= st.delay.drain_round_max:
                         self._resume = second  # the rest next round
                         self.near, self.unplaced = near, unplaced
                         return

@@ -43,11 +43,12 @@ from node.delay.subjects import OTHER, SubjectPending, minute_of
 
 class ScheduleStatus:
     def __init__(self, settings) -> None:
-        self.buckets_max = settings.status_buckets_max
-        self.subjects_max = settings.status_subjects_max
-        self.horizon_ms = settings.pending_by_minute_horizon_ms
-        self.minutes = PendingMinutes(buckets_max=settings.pending_by_minute_buckets_max)
-        self.lateness = LatenessWindow(window_ms=settings.lateness_window_ms, slot_ms=settings.lateness_slot_ms)
+        self.buckets_max = settings.status.buckets_max
+        self.subjects_max = settings.status.subjects_max
+        self.horizon_ms = settings.status.pending_by_minute_horizon_ms
+        self.minutes = PendingMinutes(buckets_max=settings.status.pending_by_minute_buckets_max)
+        self.lateness = LatenessWindow(window_ms=settings.status.lateness_window_ms,
+                                       slot_ms=settings.status.lateness_slot_ms)
 
     def stats(self, store, *, now_ms: int, subject: str = "") -> dict:
         pending = store.pending_by_bucket()

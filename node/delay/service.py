@@ -77,28 +77,28 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None, router=None) -> None:
         self.settings = settings
-        self.clock = clock or SystemClock(settings.clock_offset_ms)
-        store = DelayStore.open(settings.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
+        self.clock = clock or SystemClock(settings.clock.offset_ms)
+        store = DelayStore.open(settings.server.data_dir, settings.store_settings(), now_ms=self.clock.now_ms(),
                                 follower=self.STORE_FOLLOWER)
         # the store and its committer belong to the node's role (node/role.py); a replicated
         # node replaces the role on a switch, so a handler captures it once per call
         self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         # store epoch -> the node that took it: a lookup names the node that accepted a message
         # (node/delay/terms.py); a group of one took its epoch at open, a replica at promotion
-        self.terms = TermTable(settings.data_dir)
+        self.terms = TermTable(settings.server.data_dir)
         if not self.STORE_FOLLOWER:
-            self.terms.take(store.epoch, settings.node_id)
+            self.terms.take(store.epoch, settings.server.node_id)
         self.channels = Channels()
-        if router is None and settings.meta_servers:
+        if router is None and settings.meta.servers:
             router = MetaResolver(  # subject -> real-time group through the meta server
-                settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
+                settings.meta.servers, refresh_ms=settings.meta.refresh_ms, timeout_s=settings.meta.timeout_ms / 1000)
         # subject -> real-time node: the SDK's resolvers, one hash rule (cluster.client)
-        self.router = router or StaticResolver(realtime=settings.realtime_nodes)
+        self.router = router or StaticResolver(realtime=settings.meta.realtime_nodes)
         self.registrar = None
-        self.metrics = NodeMetrics("delay", settings.node_id)
+        self.metrics = NodeMetrics("delay", settings.server.node_id)
         # the filer writes a batch's schedule copy after its group commit: a disk reading begun
         # before that cannot show it (node/store/diskspace.py)
-        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark(), address=lambda: self.address,
+        self.disk = DiskMonitor(settings.server.data_dir, settings.disk_watermark(), address=lambda: self.address,
                                 pending=lambda: self.store.unfiled_bytes_bound())
         self.last_retention: tuple[retention.Report, dict[str, int]] | None = None
         self._durable_moved = asyncio.Event()
@@ -108,16 +108,16 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         # a dispatch round holds a slot until it is settled: while every slot is taken, due
         # messages gather in the wheel and go out together in the next round (batches grow
         # with load, a lone message still leaves at once)
-        self._dispatch_slots = asyncio.Semaphore(settings.dispatch_concurrency_max)
+        self._dispatch_slots = asyncio.Semaphore(settings.delay.dispatch_concurrency_max)
         self._permanent_failures: dict[int, int] = {}  # seq -> permanent refusals so far (rare path)
         self.schedule_status = ScheduleStatus(settings)  # what the console's Schedule page reads (Status)
         self.address = ""
         self.server: grpc.aio.Server | None = None
         self.drain = DrainTask(self)  # moves pending messages away while an operator drains the group
         # background CRC re-checks of segments at rest (node/delay/scrub.py)
-        self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * MIB),
-                                  step_bytes_max=settings.scrub_step_bytes_max,
-                                  pass_interval_ms=settings.scrub_pass_interval_ms)
+        self.scrubber = DelayScrubTask(self, rate_bytes_per_s=int(settings.scrub.rate_mib_s * MIB),
+                                  step_bytes_max=settings.scrub.step_bytes_max,
+                                  pass_interval_ms=settings.scrub.pass_interval_ms)
 
     @property
     def store(self) -> DelayStore:
@@ -143,7 +143,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         try:
             role.check()
             if role.store.epoch not in self.terms.terms:  # never: taken at open or promotion (a safety net)
-                self.terms.take(role.store.epoch, self.settings.node_id)
+                self.terms.take(role.store.epoch, self.settings.server.node_id)
             self.drain.check_accepting()  # a draining group takes nothing new (node/delay/drain.py)
             self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
             res = role.store.accept(batch, now_ms=now)
@@ -230,7 +230,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                                  cancelled_ms=r.cancelled_ms, store_epoch=r.store_epoch,
                                  dispatched_ms=r.dispatched_ms, dead_lettered=r.dead_lettered,
                                  realtime_group=rt_group, realtime_address=rt_address,
-                                 group=self.settings.group, node_id=self.settings.node_id,
+                                 group=self.settings.server.group, node_id=self.settings.server.node_id,
                                  accepted_node_id=self.terms.node_of(r.store_epoch))
 
     # ------------------------------------------------------------------ gRPC: admin
@@ -239,7 +239,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         s = self.store
         now = self.clock.now_ms()
         return {
-            "role": "delay", "node_id": self.settings.node_id, "group": self.settings.group,
+            "role": "delay", "node_id": self.settings.server.node_id, "group": self.settings.server.group,
             "epoch": s.epoch, "address": self.address, "now_ms": now,
             "counters": dict(s.counters), "wheel_held": len(s.wheel), "in_flight": s.inflight,
             "pending": sum(s.pending_by_bucket().values()),
@@ -262,7 +262,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                             "dispatch_log_end": s.dispatch.end_offset}}
 
     async def Status(self, request, context) -> pb.StatusResponse:
-        return pb.StatusResponse(node_id=self.settings.node_id, role="delay", group=self.settings.group,
+        return pb.StatusResponse(node_id=self.settings.server.node_id, role="delay", group=self.settings.server.group,
                                  master=True, epoch=self.store.epoch, json=json.dumps(self.stats(request.subject)))
 
     def health_stats(self) -> dict:
@@ -272,7 +272,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     async def Verify(self, request, context) -> pb.VerifyResponse:
         """Check this node's files now (throttled, on a worker thread), heal derived data."""
-        report = await verify_online(self, self.settings.verify_rate_mib_s * MIB)
+        report = await verify_online(self, self.settings.scrub.verify_rate_mib_s * MIB)
         return pb.VerifyResponse(summary=report.summary(), corrupt=report.corrupt_count,
                                  unrepaired=report.unrepaired, json=report.to_json())
 
@@ -291,13 +291,13 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
             try:
-                while self.store.iterate(limit=self.settings.file_step_max):
+                while self.store.iterate(limit=self.settings.store.file_step_max):
                     self._wake_wheel()
                     await asyncio.sleep(0)
             except DiskFull as e:  # accepted records are durable in the message log: filing waits for space
                 self.disk.note_enospc(str(e))
                 self._durable_moved.set()
-                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
+                await asyncio.sleep(self.settings.disk.check_interval_ms / 1000)
             self._wake_wheel()
 
     def _wake_wheel(self) -> None:
@@ -317,11 +317,11 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         message or a thousand, so under load messages due within that interval leave together
         and the CPU per message falls, while at low rates a message leaves within a couple
         of milliseconds of its due time (a lone message at its due time)."""
-        idle_s = max(self.settings.tick_ms, self.settings.wheel_idle_wait_ms_max) / 1000
-        round_s = self.settings.dispatch_round_interval_ms / 1000
-        busy_s = max(round_s, self.settings.dispatch_round_interval_busy_ms / 1000)
-        busy_n = self.settings.dispatch_round_busy_messages
-        lead = self.settings.dispatch_lead_ms
+        idle_s = max(self.settings.store.tick_ms, self.settings.delay.wheel_idle_wait_ms_max) / 1000
+        round_s = self.settings.delay.dispatch_round_interval_ms / 1000
+        busy_s = max(round_s, self.settings.delay.dispatch_round_interval_busy_ms / 1000)
+        busy_n = self.settings.delay.dispatch_round_busy_messages
+        lead = self.settings.delay.dispatch_lead_ms
         loop = asyncio.get_running_loop()
         next_metrics = next_pending = next_round = 0.0
         while True:
@@ -365,7 +365,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
             except DiskFull as e:  # the dispatch record could not be written: deliver again later
                 self.disk.note_enospc(str(e))
                 self.store.release(unit, idx)
-                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
+                await asyncio.sleep(self.settings.disk.check_interval_ms / 1000)
             except Exception:  # a bug: give the messages back rather than lose them
                 log.exception("dispatch failed; messages go back to the wheel")
                 self.store.release(unit, idx)
@@ -394,7 +394,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         left = [idx]
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(Unavailable),
-            wait=wait_exponential(multiplier=0.05, max=self.settings.dispatch_backoff_ms_max / 1000),
+            wait=wait_exponential(multiplier=0.05, max=self.settings.delay.dispatch_backoff_ms_max / 1000),
             reraise=True,
         )
         async for attempt in retrying:  # transient failures: keep trying, the messages stay in flight
@@ -408,7 +408,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         # route each entry of the subject table once, then group the messages with numpy;
         # a subject over several real-time groups: by id hash (node/delay/targets.py)
         targets, stuck = targets_split(b, idx, [await route_of(self.router, s) for s in b.subjects])
-        step = self.settings.dispatch_batch_max  # a real-time node refuses larger batches whole
+        step = self.settings.delay.dispatch_batch_max  # a real-time node refuses larger batches whole
         parts = [(addr, part[i:i + step]) for addr, part in targets.items() for i in range(0, len(part), step)]
         results = await asyncio.gather(*(self._send_part(addr, unit, b, part) for addr, part in parts),
                                        return_exceptions=True)
@@ -467,8 +467,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         for i in idx.tolist():
             self.metrics.errors.labels(kind=pb.Code.Name(why[i][0])).inc()
         refused = deadletter.sort_refused(b, idx, self._permanent_failures,
-                                          attempts_max=self.settings.dispatch_attempts_max,
-                                          backoff_ms_max=self.settings.dispatch_backoff_ms_max)
+                                          attempts_max=self.settings.delay.dispatch_attempts_max,
+                                          backoff_ms_max=self.settings.delay.dispatch_backoff_ms_max)
         dead = refused.dead
         if refused.again:
             asyncio.get_running_loop().call_later(refused.again_ms / 1000, self._requeue, unit,
@@ -523,11 +523,11 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                     tg.create_task(self._retention_loop(), name="retention"),
                     tg.create_task(self.drain.run(), name="drain"),
                     *[tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
-                      for i in range(self.settings.dispatch_concurrency_max)],
+                      for i in range(self.settings.delay.dispatch_concurrency_max)],
                 ]
                 tasks += side_tasks(tg, self, log)
-                log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.node_id,
-                         self.address, self.store.epoch, self.settings.data_dir)
+                log.info("delay node serving node_id=%s address=%s epoch=%d data=%s", self.settings.server.node_id,
+                         self.address, self.store.epoch, self.settings.server.data_dir)
                 if on_ready:
                     on_ready(self.address)
                 await stop.wait()
@@ -544,4 +544,4 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                 await self.server.stop(grace=None)
             self.store.close()
             self.metrics.stop()
-            log.info("delay node stopped node_id=%s", self.settings.node_id)
+            log.info("delay node stopped node_id=%s", self.settings.server.node_id)

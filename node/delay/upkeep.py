@@ -38,14 +38,14 @@ class DelayUpkeep:
         (a rebuilt bucket or a retention round waits for the idle checkpoint at most).
         ``_checkpointed`` is told whether the key changed."""
         loop = asyncio.get_running_loop()
-        idle_s = self.settings.checkpoint_idle_interval_ms / 1000
+        idle_s = self.settings.delay.checkpoint_idle_interval_ms / 1000
         last: tuple[object, tuple] | None = None  # (store, key) of the last checkpoint written
         last_at = loop.time()
         resting = False
         while True:
             if resting:  # nothing changed at the last look: sleep until a write or the idle checkpoint
                 await wait_event(self._checkpoint_wake, max(0.0, last_at + idle_s - loop.time()))
-            await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
+            await asyncio.sleep(self.settings.delay.checkpoint_interval_ms / 1000)
             store = self.store
             self._checkpoint_wake.clear()  # before the key: a write from here on wakes the next rest
             key = store.checkpoint_key()
@@ -61,7 +61,7 @@ class DelayUpkeep:
                 if not is_enospc(e):
                     raise
                 self.disk.note_enospc("checkpoint")  # the previous checkpoint stands; next round tries again
-                log.error("checkpoint not written (no space left) path=%s", self.settings.data_dir)
+                log.error("checkpoint not written (no space left) path=%s", self.settings.server.data_dir)
                 continue
             if self.store is store:
                 plan.finish()
@@ -79,7 +79,7 @@ class DelayUpkeep:
 
     async def _disk_loop(self) -> None:
         """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
-        await self.disk.run(self.settings.disk_check_interval_ms / 1000, self.metrics)
+        await self.disk.run(self.settings.disk.check_interval_ms / 1000, self.metrics)
 
     def _retention_slave_holds(self) -> dict[str, dict[str, int]] | None:
         return None  # no replicas (ReplicatedDelayNode: its registered slaves)
@@ -92,7 +92,7 @@ class DelayUpkeep:
         schedule buckets are asked for (``fetch_lost_buckets``, node/delay/heal.py) and the
         healing metrics brought up to date. Nothing healing meets stops this loop: it is reported (log, metrics)."""
         loop = asyncio.get_running_loop()
-        interval_s = self.settings.retention_interval_ms / 1000
+        interval_s = self.settings.disk.retention_interval_ms / 1000
         next_round = loop.time() + interval_s
         while True:
             poll_s = HEAL_POLL_S if self.store.healer.missing else HEAL_IDLE_POLL_S

@@ -86,22 +86,22 @@ POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (
 class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.ConsumerServicer, rpc.AdminServicer):
     def __init__(self, settings: NodeSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
-        self.clock = clock or SystemClock(settings.clock_offset_ms)
-        store = RealtimeStore.open(settings.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
-        store.create_subjects(settings.subjects, now_ms=self.clock.now_ms())
+        self.clock = clock or SystemClock(settings.clock.offset_ms)
+        store = RealtimeStore.open(settings.server.data_dir, settings.realtime_settings(), now_ms=self.clock.now_ms())
+        store.create_subjects(settings.realtime.subjects, now_ms=self.clock.now_ms())
         # the store and its committer belong to the node's role (node/role.py); a replicated
         # node replaces the role on a switch, so a handler captures it once per call
         self.role = Role(SINGLE, store, GroupCommitter(store.messages))
         self._flushed: tuple | None = None  # (store, flush_key, loop time) of the last periodic flush
         self.creator = SubjectCreator(lambda: self.store, self._new_quotas(), self.clock,
-                                      round_max=settings.subjects_round_max)
+                                      round_max=settings.realtime.subjects_round_max)
         # background CRC re-checks of the message log's sealed segments (node/store/scrubtask.py)
-        self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub_rate_mib_s * (1 << 20)),
-                                  step_bytes_max=settings.scrub_step_bytes_max,
-                                  pass_interval_ms=settings.scrub_pass_interval_ms)
+        self.scrubber = ScrubTask(self, rate_bytes_per_s=int(settings.scrub.rate_mib_s * (1 << 20)),
+                                  step_bytes_max=settings.scrub.step_bytes_max,
+                                  pass_interval_ms=settings.scrub.pass_interval_ms)
         self.channels = Channels()
-        self.metrics = NodeMetrics("realtime", settings.node_id)
-        self.disk = DiskMonitor(settings.data_dir, settings.disk_watermark(), address=lambda: self.address)
+        self.metrics = NodeMetrics("realtime", settings.server.node_id)
+        self.disk = DiskMonitor(settings.server.data_dir, settings.disk_watermark(), address=lambda: self.address)
         self.last_retention: tuple[RetentionReport, dict[str, int]] | None = None
         self._counted: tuple[object, dict[str, int]] = (None, {})  # store counters already put into metrics
         self._new_data: dict[str, set[asyncio.Event]] = {}  # subject -> events of the pulls waiting on it
@@ -114,9 +114,9 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self.address = ""
         self.registrar = None
         self.resolver = None
-        if settings.meta_servers:
+        if settings.meta.servers:
             self.resolver = MetaResolver(  # delay nodes for nacks through the meta server
-                settings.meta_servers, refresh_ms=settings.meta_refresh_ms, timeout_s=settings.meta_timeout_ms / 1000)
+                settings.meta.servers, refresh_ms=settings.meta.refresh_ms, timeout_s=settings.meta.timeout_ms / 1000)
 
     @property
     def store(self) -> RealtimeStore:
@@ -129,7 +129,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
     def _new_quotas(self) -> SubjectQuotas:
         """Quotas counting what the store's subjects journal says each principal owns."""
         s = self.settings
-        return SubjectQuotas(SubjectQuota(s.subjects_new_per_minute_max, s.subjects_owned_max),
+        return SubjectQuotas(SubjectQuota(s.realtime.subjects_new_per_minute_max, s.realtime.subjects_owned_max),
                              self.store.owned_counts(), where="on this node")
 
     @staticmethod
@@ -143,7 +143,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
 
     async def _create_subjects(self, subjects) -> dict[str, HourglassError]:
         """Create the subjects the store lacks (a shared round, off the loop); returns those refused."""
-        if not self.settings.auto_create_subjects or not self.store.missing_subjects(subjects):
+        if not self.settings.realtime.auto_create_subjects or not self.store.missing_subjects(subjects):
             return {}
         return await self.creator.create(subjects, self._quota_owner())
 
@@ -208,8 +208,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         held every other send for 8-10 ms); returns the message indexes of each, in order,
         or None for one frame. A subject's messages all stay in one frame, in their order, so
         de-duplication inside the batch and per-subject order are those of one frame."""
-        per_new = self.settings.subjects_new_per_frame_max
-        per_all = self.settings.subjects_per_frame_max
+        per_new = self.settings.realtime.subjects_new_per_frame_max
+        per_all = self.settings.realtime.subjects_per_frame_max
         if len(new) <= per_new and len(batch.subjects) <= per_all:
             return None
         fresh = set(new)
@@ -309,7 +309,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         naming no subject, as an empty Ack does, needs a consume grant for the group all the
         same), and only then this node says whether it serves (``_serving``)."""
         subjects = list(subjects)
-        limit = self.settings.subject_bytes_max
+        limit = self.settings.limits.subject_bytes_max
         try:
             if not group:
                 raise InvalidArgument("group", "is required")
@@ -326,7 +326,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         if not subjects:
             await status.abort(context, InvalidArgument("subject", "name a subject (subject or subjects)"))
         await self._authorize_consume(context, request.group, [*subjects, *(sh.subject for sh in request.acks)])
-        max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
+        max_messages = min(request.max_messages or self.settings.realtime.pull_max, self.settings.realtime.pull_max)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         role = self.role  # a replicated node may switch roles meanwhile: this call stops polling then
         store = role.store
@@ -345,7 +345,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         if refused:
             await status.abort(context, next(iter(refused.values())))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(request.wait_ms, self.settings.pull_wait_ms_max) / 1000
+        deadline = loop.time() + min(request.wait_ms, self.settings.realtime.pull_wait_ms_max) / 1000
         batch, handles = _EMPTY_BATCH, _NO_HANDLES
         created: set[str] = set()
         while self.role is role and not role.ended:
@@ -354,7 +354,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
                                             now_ms=self.clock.now_ms())
             except UnknownSubject as e:
-                if not self.settings.auto_create_subjects or e.subject in created:
+                if not self.settings.realtime.auto_create_subjects or e.subject in created:
                     await status.abort(context, e)
                 try:  # the store was swapped (a role change) after the round above: one subject, here
                     store.create_subject(e.subject, owner=self._quota_owner() or "", now_ms=self.clock.now_ms())
@@ -405,7 +405,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         """What the group has not acked, read without consuming (``node/realtime/browse.py``)."""
         await self._authorize_consume(context, request.group, [request.subject])
         self.calls["browse"] += 1
-        max_messages = min(request.max_messages or self.settings.pull_max, self.settings.pull_max)
+        max_messages = min(request.max_messages or self.settings.realtime.pull_max, self.settings.realtime.pull_max)
         try:
             batch, positions, nxt, end = self.role.store.browse(request.subject, request.group,
                                                                 from_position=request.from_position,
@@ -419,7 +419,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         """Consumer/Trace (the real-time lookup): where one message is here and what each group did with it
         (``node/realtime/lookup.py``). A cancel or consume grant on the subject."""
         try:
-            check_subject(request.subject, "subject", self.settings.subject_bytes_max)
+            check_subject(request.subject, "subject", self.settings.limits.subject_bytes_max)
             if not request.id:
                 raise InvalidArgument("id", "is required")
         except HourglassError as e:
@@ -432,8 +432,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         except HourglassError as e:
             await status.abort(context, e)
         return pb.TraceResponse(
-            position=f.position, seq=f.seq, stored_ms=f.stored_ms, node_id=self.settings.node_id,
-            group=self.settings.group, attempts=f.attempts, found_by=f.found_by,
+            position=f.position, seq=f.seq, stored_ms=f.stored_ms, node_id=self.settings.server.node_id,
+            group=self.settings.server.group, attempts=f.attempts, found_by=f.found_by,
             groups=[pb.GroupTrace(group=g.group, state=g.state, copy_id=g.copy_id, copy_subject=g.copy_subject,
                                   copy_ms=g.copy_ms) for g in f.groups])
 
@@ -481,7 +481,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             try:
                 got, handles = store.nack(subject, request.group, ranges, now_ms=now)
                 to_retry, to_dlq = nack_copies(got, now_ms=now, retry_after_ms=request.retry_after_ms,
-                                               max_attempts=self.settings.max_attempts, group=request.group)
+                                               max_attempts=self.settings.realtime.max_attempts, group=request.group)
                 if to_retry.n:
                     await self._send_to_delay(to_retry)
                     self._still_serving(role)
@@ -509,7 +509,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             raise NotLeader()
 
     async def _send_to_delay(self, batch: Batch) -> None:
-        nodes = self.settings.delay_nodes
+        nodes = self.settings.meta.delay_nodes
         if not nodes and self.resolver is not None:
             nodes = await self.resolver.delay_nodes()
         await send_retries(self.channels, nodes, batch)
@@ -517,7 +517,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
     # ------------------------------------------------------------------ admin
 
     def stats(self) -> dict:
-        return {"role": "realtime", "node_id": self.settings.node_id, "group": self.settings.group,
+        return {"role": "realtime", "node_id": self.settings.server.node_id, "group": self.settings.server.group,
                 "epoch": self.store.epoch, "address": self.address, "now_ms": self.clock.now_ms(),
                 "subjects": self.store.subjects(), "message_log_end": self.store.messages.end_offset,
                 "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
@@ -526,7 +526,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1])}
 
     def _group_stats(self) -> dict:
-        rows, left_out = self.store.group_rows(self.settings.status_groups_max)
+        rows, left_out = self.store.group_rows(self.settings.status.groups_max)
         return {"groups": rows, "groups_left_out": left_out}
 
     def registration_info(self) -> dict:
@@ -534,8 +534,9 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 "offsets": {"message_log_end": self.store.messages.end_offset}}
 
     async def Status(self, request, context) -> pb.StatusResponse:
-        return pb.StatusResponse(node_id=self.settings.node_id, role="realtime", group=self.settings.group,
-                                 master=True, epoch=self.store.epoch, json=json.dumps(self.stats()))
+        sv = self.settings.server
+        return pb.StatusResponse(node_id=sv.node_id, role="realtime", group=sv.group, master=True,
+                                 epoch=self.store.epoch, json=json.dumps(self.stats()))
 
     async def Verify(self, request, context) -> pb.VerifyResponse:
         """Check this node's files now (throttled, on a worker thread); a corrupt sealed
@@ -543,7 +544,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         from a member of its group)."""
         store = self.store
         report = await asyncio.get_running_loop().run_in_executor(None, lambda: verify_dir(
-            store.root, online=True, rate_bytes_per_s=self.settings.verify_rate_mib_s * (1 << 20),
+            store.root, online=True, rate_bytes_per_s=self.settings.scrub.verify_rate_mib_s * (1 << 20),
             record_bytes_max=store.messages.record_bytes_max))
         await self.scrubber.take_findings(report)
         return pb.VerifyResponse(summary=report.summary(), corrupt=report.corrupt_count,
@@ -566,7 +567,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                          tg.create_task(self._disk_loop(), name="disk"),
                          tg.create_task(self._retention_loop(), name="retention")]
                 tasks += side_tasks(tg, self, log)
-                log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.node_id,
+                log.info("real-time node serving node_id=%s address=%s epoch=%d", self.settings.server.node_id,
                          self.address, self.store.epoch)
                 if on_ready:
                     on_ready(self.address)
@@ -586,5 +587,5 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             except OSError as e:  # the last checkpoint cannot be written: the log is fsynced, replay covers it
                 if not is_enospc(e):
                     raise
-                log.error("checkpoint at close not written (no space left) path=%s", self.settings.data_dir)
+                log.error("checkpoint at close not written (no space left) path=%s", self.settings.server.data_dir)
             self.metrics.stop()

@@ -24,7 +24,7 @@ log = logging.getLogger("hourglass.realtime")
 class RealtimeUpkeep:
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
+            await asyncio.sleep(self.settings.delay.checkpoint_interval_ms / 1000)
             await self._flush_once(at_rest_skip=True)
 
     async def _flush_once(self, *, at_rest_skip: bool = False) -> None:
@@ -38,7 +38,7 @@ class RealtimeUpkeep:
         key = store.flush_key()
         last = self._flushed
         if at_rest_skip and last is not None and last[0] is store and last[1] == key \
-                and loop.time() - last[2] < self.settings.checkpoint_idle_interval_ms / 1000:
+                and loop.time() - last[2] < self.settings.delay.checkpoint_idle_interval_ms / 1000:
             return
         plan = store.flush_plan(index_bytes_min=store.settings.checkpoint_bytes_min,
                                 fsyncs_max=store.settings.checkpoint_index_fsyncs_max)
@@ -49,7 +49,7 @@ class RealtimeUpkeep:
             if not is_enospc(e):
                 raise
             self.disk.note_enospc("checkpoint")  # the previous checkpoint stands; the next flush tries again
-            log.error("checkpoint not written (no space left) path=%s", self.settings.data_dir)
+            log.error("checkpoint not written (no space left) path=%s", self.settings.server.data_dir)
             return
         if self.store is not store:
             return  # reopened meanwhile (a role change): its own flush covers it
@@ -66,18 +66,18 @@ class RealtimeUpkeep:
 
     async def _disk_loop(self) -> None:
         """Free space, every ``disk_check_interval_ms`` (statvfs off the loop): the watermark."""
-        await self.disk.run(self.settings.disk_check_interval_ms / 1000, self.metrics)
+        await self.disk.run(self.settings.disk.check_interval_ms / 1000, self.metrics)
 
     def _retention_slave_holds(self) -> dict[str, int] | None:
         return None  # no replicas (ReplicatedRealtimeNode: its registered slaves)
 
     async def _retention_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.retention_interval_ms / 1000)
+            await asyncio.sleep(self.settings.disk.retention_interval_ms / 1000)
             try:
                 await self.retention_once()
             except OSError as e:  # ENOSPC renaming or copying: nothing was half done; next round again
-                log.error("retention round failed path=%s error=%s", self.settings.data_dir, e)
+                log.error("retention round failed path=%s error=%s", self.settings.server.data_dir, e)
 
     async def retention_once(self) -> RetentionReport:
         """One retention round (node/realtime/retention.py): decide and detach on the loop,

@@ -65,7 +65,7 @@ class AckJournal:
     @classmethod
     def from_settings(cls, settings) -> "AckJournal":
         """The journal a node's settings ask for (a no-op one when ``ack_journal`` is unset)."""
-        return cls(settings.ack_journal, node=settings.node_id, group=settings.group)
+        return cls(settings.replication.ack_journal, node=settings.server.node_id, group=settings.server.group)
 
     @property
     def enabled(self) -> bool:

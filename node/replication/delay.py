@@ -74,9 +74,9 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         super().__init__(settings, **kw)
         self.store.follow()  # the election decides; promote() makes it the master in place
         self.role = Role("opening", self.store, GroupCommitter(self.store.messages))  # the first _switch ends it
-        root = Path(settings.data_dir)
+        root = Path(settings.server.data_dir)
         self._init_replica(settings, {name: HistoryFile(root / f"{name}.epochs") for name in LOGS})
-        self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)
+        self.tracker = SyncTracker(timeout_ms=settings.replication.sync_timeout_ms)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.ack_journal = AckJournal.from_settings(settings)  # off unless HOURGLASS_ACK_JOURNAL is set
         self._active_at = time.monotonic()  # last append, dispatch or checkpoint beyond the clock (_poll_cap_ms)
@@ -118,7 +118,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             if b is None:
                 return pb.ReadLogResponse(error=f"{NO_BUCKET} {start} here")
             data = b.data.read_bytes(request.offset, min(request.max_bytes or (1 << 20),
-                                                         self.settings.replication_chunk_bytes))
+                                                         self.settings.replication.chunk_bytes))
         except (ValueError, HourglassError) as e:
             return pb.ReadLogResponse(error=str(e))
         return pb.ReadLogResponse(data=data)
@@ -134,7 +134,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         async with asyncio.timeout(REPAIR_TIMEOUT_S):
             for _ in range(BUCKET_FETCH_CHUNKS_MAX):
                 r = await stub.ReadLog(pb.ReadLogRequest(log=f"{BUCKET_LOG_PREFIX}{start}", offset=offset,
-                                                         max_bytes=self.settings.replication_chunk_bytes),
+                                                         max_bytes=self.settings.replication.chunk_bytes),
                                        timeout=10)
                 if r.error.startswith(NO_BUCKET):
                     return []
@@ -202,10 +202,11 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             if unanswered or not members:
                 if not members:
                     log.warning("bucket fetch: no other member of group %s is registered; asking again later bucket=%d",
-                                self.settings.group, start)
+                                self.settings.server.group, start)
                 healer.fetch_failed(start, int(loop.time() * 1000))
             else:
-                healer.give_up(start, f"no member of group {self.settings.group} has them (asked {', '.join(members)})")
+                healer.give_up(start, f"no member of group {self.settings.server.group} has them "
+                                      f"(asked {', '.join(members)})")
 
     def _note_durable(self) -> None:
         super()._note_durable()
@@ -237,8 +238,8 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         ``_checkpointed``), so bytes and tick states never wait for the longer cap."""
         s = self.settings
         if time.monotonic() - self._active_at < REST_AFTER_S:
-            return s.replication_wait_ms
-        return max(s.replication_wait_ms, s.replication_idle_wait_ms)
+            return s.replication.wait_ms
+        return max(s.replication.wait_ms, s.replication.idle_wait_ms)
 
     # ------------------------------------------------------------------ producer API (master only)
 
@@ -275,7 +276,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
 
     def _tick_doc(self) -> str:
         # acked_offset: what every required slave holds (sync mode); a slave never cuts below it
-        acked = self.tracker.acked_offset if self.settings.ack_mode == "sync" else -1
+        acked = self.tracker.acked_offset if self.settings.replication.ack_mode == "sync" else -1
         doc = json.dumps({**self.store.replication_doc(), "acked_offset": acked})
         return doc[:-1] + ', "terms": ' + self.terms.encoded() + "}"  # the term table, kept encoded
 
@@ -291,7 +292,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             await self._wait_for_change(req, lg)
             data = b""
             if req.offset < lg.end_offset:
-                data = lg.read_bytes(req.offset, min(req.max_bytes or (1 << 20), self.settings.replication_chunk_bytes))
+                data = lg.read_bytes(req.offset, min(req.max_bytes or (1 << 20), self.settings.replication.chunk_bytes))
             yield pb.FetchResponse(**dict(base, end_offset=lg.end_offset, data=data, checkpoint=self._tick_doc(),
                                           tick_state=self.store.tick_state().encode()))
 
@@ -342,11 +343,11 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             await wait_event(self._durable_moved, 1.0)  # every answer sets it; the timeout is a safety net
             self._durable_moved.clear()
             try:
-                while self.store.iterate(limit=self.settings.follower_file_step_max):
+                while self.store.iterate(limit=self.settings.store.follower_file_step_max):
                     await asyncio.sleep(0)
             except DiskFull as e:  # filing waits for space; the replicated bytes are safe in the log
                 self.disk.note_enospc(str(e))
-                await asyncio.sleep(self.settings.disk_check_interval_ms / 1000)
+                await asyncio.sleep(self.settings.disk.check_interval_ms / 1000)
 
     def _retention_slave_holds(self) -> dict[str, dict[str, int]] | None:
         """A master keeps message-log and dispatch-log segments until every registered slave
@@ -368,7 +369,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         tg.create_task(self._disk_loop(), name="disk")
         tg.create_task(self._retention_loop(), name="retention")
         tg.create_task(self.drain.run(), name="drain")  # a new master carries on a drain (node/delay/drain.py)
-        for i in range(self.settings.dispatch_concurrency_max):
+        for i in range(self.settings.delay.dispatch_concurrency_max):
             tg.create_task(self._dispatch_worker(), name=f"dispatch-{i}")
 
     def _slave_tasks(self, tg: asyncio.TaskGroup) -> None:
@@ -387,13 +388,13 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
         if mode == "master":
             t0 = time.perf_counter()
             self._promote_steps = store.promote(now_ms, store_epoch) if store.follower else {}
-            self.terms.take(store.epoch, self.settings.node_id)  # before this term accepts a record
+            self.terms.take(store.epoch, self.settings.server.node_id)  # before this term accepts a record
             self._promote_steps["total"] = round((time.perf_counter() - t0) * 1000, 1)
             return store
         if not store.follower:
             store.checkpoint()
             store.close()
-            store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now_ms,
+            store = DelayStore.open(self.settings.server.data_dir, self.settings.store_settings(), now_ms=now_ms,
                                     follower=True)
         store.follow()
         return store
@@ -403,23 +404,24 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             store.close()
         except Exception as e:  # noqa: BLE001 - the half-promoted store is dropped either way
             log.warning("closing a half-promoted store: %r", e)
-        store = DelayStore.open(self.settings.data_dir, self.settings.store_settings(), now_ms=now_ms, follower=True)
+        store = DelayStore.open(self.settings.server.data_dir, self.settings.store_settings(), now_ms=now_ms,
+                                follower=True)
         store.follow()
         return store
 
     def _role_began(self, mode: str) -> None:
         # a new term's dispatch queue: what the old one held was loaded by the old wheel
         self._dispatch_q = asyncio.Queue()
-        self._dispatch_slots = asyncio.Semaphore(self.settings.dispatch_concurrency_max)
+        self._dispatch_slots = asyncio.Semaphore(self.settings.delay.dispatch_concurrency_max)
         if mode != "master":
             return
         self._master_history_begins({n: self._log(n).end_offset for n in LOGS})
-        self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+        self.tracker = SyncTracker(timeout_ms=self.settings.replication.sync_timeout_ms)
         self.tracker.set_slaves(self._required_slaves())
         self._term_start_ms = mono_ms()
         now, steps = self.clock.now_ms(), self._promote_steps
         log.warning("became MASTER group=%s epoch=%d store_epoch=%d completed_ms=%d (now %d, %+d ms) pending=%d "
-                    "promote_ms=%.1f steps_ms=%s", self.settings.group, self.member.epoch, self.store.epoch,
+                    "promote_ms=%.1f steps_ms=%s", self.settings.server.group, self.member.epoch, self.store.epoch,
                     self.store.completed_ms, now, now - self.store.completed_ms,
                     sum(self.store.pending_by_bucket().values()), steps.get("total", 0.0), json.dumps(steps))
 
@@ -448,5 +450,5 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
             if self.role is role and not role.ended:  # the role loop may have stood it down meanwhile
                 role.start(self._tg, self._master_tasks)
             return pb.HandoverResponse(done=False, error="no slave caught up in time; still master")
-        await asyncio.sleep(2 * self.settings.replication_wait_ms / 1000)  # the final tick state reaches them
+        await asyncio.sleep(2 * self.settings.replication.wait_ms / 1000)  # the final tick state reaches them
         return await self._resign_and_follow()

@@ -2,7 +2,7 @@
 
 Same rules (``node/replication/core.py``) and the same shape as ``ReplicatedDelayNode``:
 
-* **role loop** - role ``realtime``, group ``settings.group``: watch the leader through the
+* **role loop** - role ``realtime``, group ``settings.server.group``: watch the leader through the
   meta server, campaign with the registration lease when the seat is empty (most
   caught-up slave first), act as master only while the lease is surely alive (``Member``).
 * **master** - the plain ``RealtimeNode`` (SendBatch, Pull, Ack, Nack) plus ``Replicate``
@@ -68,10 +68,11 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
 
     def __init__(self, settings, **kw) -> None:
         super().__init__(settings, **kw)
-        self._init_replica(settings, {LOG: HistoryFile(Path(settings.data_dir) / f"{LOG}.epochs")})
+        self._init_replica(settings, {LOG: HistoryFile(Path(settings.server.data_dir) / f"{LOG}.epochs")})
         self.history = self.histories[LOG]
-        self.tracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)    # message-log bytes
-        self.gtracker = SyncTracker(timeout_ms=settings.sync_timeout_ms)   # group documents (store group_seq)
+        sync_ms = settings.replication.sync_timeout_ms
+        self.tracker = SyncTracker(timeout_ms=sync_ms)    # message-log bytes
+        self.gtracker = SyncTracker(timeout_ms=sync_ms)   # group documents (store group_seq)
         self.scrubber.repair = self.repair_segment  # a corrupt sealed segment: fetched again from a member
         self.server = None
         self._handing_over = False
@@ -121,8 +122,8 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         never wait for the longer cap."""
         s = self.settings
         if time.monotonic() - self._active_at < REST_AFTER_S:
-            return s.replication_wait_ms
-        return max(s.replication_wait_ms, s.replication_idle_wait_ms)
+            return s.replication.wait_ms
+        return max(s.replication.wait_ms, s.replication.idle_wait_ms)
 
     # ------------------------------------------------------------------ client API (master only)
 
@@ -149,7 +150,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         resp = await super().Nack(request, context)
         if self._term_over(term):
             await self._term_ended(context)
-        if self.settings.ack_mode == "sync":
+        if self.settings.replication.ack_mode == "sync":
             await self._wait(self.tracker, "bytes", self.store.messages.end_offset, context)  # dead letters
         await self._groups_replicated([(sh.subject, request.group) for sh in request.nacks], context)
         return resp
@@ -157,14 +158,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
     async def _groups_replicated(self, keys: list[tuple[str, str]], context) -> None:
         """Sync mode: answer once every slave holds the newest written document of these groups."""
         self._wake_slaves()
-        if self.settings.ack_mode == "sync":
+        if self.settings.replication.ack_mode == "sync":
             seq = max((self.store.group_written_seq(s, g) for s, g in keys), default=0)
             if seq:
                 await self._wait(self.gtracker, "groups", seq, context)
 
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.checkpoint_interval_ms / 1000)
+            await asyncio.sleep(self.settings.delay.checkpoint_interval_ms / 1000)
             seq = self.store.group_seq
             await self._flush_once(at_rest_skip=True)
             if self.store.group_seq != seq:
@@ -196,7 +197,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
             sent_subjects += len(owners)
             data = b""
             if req.offset < lg.end_offset:
-                data = lg.read_bytes(req.offset, min(req.max_bytes or (1 << 20), self.settings.replication_chunk_bytes))
+                data = lg.read_bytes(req.offset, min(req.max_bytes or (1 << 20), self.settings.replication.chunk_bytes))
             upto = store.group_seq
             keys = backlog + [k for k in store.changed_groups(sent_seq) if k not in set(backlog)]
             docs, size, backlog = [], 0, []
@@ -262,14 +263,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
     def _role_store(self, mode: str, store: RealtimeStore, now_ms: int, store_epoch: int) -> RealtimeStore:
         """Both ways the store is closed and opened again (on a worker thread: ``_switch``)."""
         store.close()
-        return RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
+        return RealtimeStore.open(self.settings.server.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
 
     def _recover_store(self, store: RealtimeStore, now_ms: int) -> RealtimeStore:
         try:
             store.close()
         except Exception as e:  # noqa: BLE001 - the half-opened store is dropped either way
             log.warning("closing a store after a failed promotion: %r", e)
-        return RealtimeStore.open(self.settings.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
+        return RealtimeStore.open(self.settings.server.data_dir, self.settings.realtime_settings(), now_ms=now_ms)
 
     def _role_began(self, mode: str) -> None:
         self.creator.quotas = self._new_quotas()  # what this store's journal says each principal owns
@@ -279,14 +280,14 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
         self._new_data.clear()
         if mode == "master":
             self._master_history_begins({LOG: self.store.messages.end_offset})
-            self.tracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
-            self.gtracker = SyncTracker(timeout_ms=self.settings.sync_timeout_ms)
+            self.tracker = SyncTracker(timeout_ms=self.settings.replication.sync_timeout_ms)
+            self.gtracker = SyncTracker(timeout_ms=self.settings.replication.sync_timeout_ms)
             self.tracker.set_slaves(self._required_slaves())
             self.gtracker.set_slaves(self._required_slaves())
             self._term_start_ms = mono_ms()
             self.slave_offsets = {}
             log.warning("became MASTER group=%s epoch=%d store_epoch=%d log_end=%d groups=%d",
-                        self.settings.group, self.member.epoch, self.store.epoch,
+                        self.settings.server.group, self.member.epoch, self.store.epoch,
                         self.store.messages.end_offset, self.store.group_seq)
 
     # ------------------------------------------------------------------ handover

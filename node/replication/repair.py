@@ -43,7 +43,7 @@ class SegmentRepair:
         lg = self._log(request.log)
         try:
             data = lg.read_bytes(request.offset, min(request.max_bytes or (1 << 20),
-                                                     self.settings.replication_chunk_bytes))
+                                                     self.settings.replication.chunk_bytes))
         except HourglassError as e:  # out of range here, or corrupt here too
             return pb.ReadLogResponse(error=str(e))
         return pb.ReadLogResponse(data=data)
@@ -51,8 +51,8 @@ class SegmentRepair:
     async def _member_addresses(self) -> list[str]:
         resp = await self.registrar.meta.call("GetServers", mpb.GetServersRequest(kind=self.DISCOVERY_KIND,
                                                                                    include_draining=True))
-        return [m.address for g in resp.groups if g.name == self.settings.group for m in g.members
-                if m.node_id != self.settings.node_id and m.address]
+        return [m.address for g in resp.groups if g.name == self.settings.server.group for m in g.members
+                if m.node_id != self.settings.server.node_id and m.address]
 
     async def _fetch_segment(self, address: str, kind: str, base: int, size: int) -> bytes:
         stub = rpc.ReplicationStub(self.channels.get(address))
@@ -60,8 +60,8 @@ class SegmentRepair:
         got = 0
         async with asyncio.timeout(REPAIR_TIMEOUT_S):
             while got < size:
-                r = await stub.ReadLog(pb.ReadLogRequest(log=kind, offset=base + got,
-                                                         max_bytes=min(size - got, self.settings.replication_chunk_bytes)),
+                chunk = min(size - got, self.settings.replication.chunk_bytes)
+                r = await stub.ReadLog(pb.ReadLogRequest(log=kind, offset=base + got, max_bytes=chunk),
                                        timeout=10)
                 if r.error or not r.data:
                     raise CorruptRecord(address, base + got, r.error or "no bytes in the answer")

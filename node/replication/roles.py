@@ -60,8 +60,8 @@ class ReplicaRoles:
 
     def _init_replica(self, settings, histories: dict[str, HistoryFile]) -> None:
         self.mode = "slave"
-        self.member = Member(settings.node_id, lease_ttl_ms=settings.meta_lease_ttl_ms,
-                             margin_ms=max(200, settings.meta_lease_ttl_ms // 5))
+        self.member = Member(settings.server.node_id, lease_ttl_ms=settings.meta.lease_ttl_ms,
+                             margin_ms=max(200, settings.meta.lease_ttl_ms // 5))
         self.histories = histories
         known = [h.history.last_epoch for h in histories.values() if h.history.entries]
         self.member.epoch = max(known) if known else 0
@@ -90,8 +90,8 @@ class ReplicaRoles:
         self.lag_bytes = 0
         self._caught_up_at = time.monotonic()
         self.failovers = 0
-        self.role_changes = RoleChanges(window_ms=settings.master_changes_window_ms,
-                                        kept_max=settings.master_changes_kept_max)
+        self.role_changes = RoleChanges(window_ms=settings.status.master_changes_window_ms,
+                                        kept_max=settings.status.master_changes_kept_max)
         self.acked_known = {name: h.acked for name, h in histories.items()}  # slave: acknowledged point per log
         self._member_lock = threading.Lock()  # the heartbeat thread renews the member's lease (_on_beat)
         self._described: dict = {}  # the last registration_info (what a switch in progress answers)
@@ -114,7 +114,8 @@ class ReplicaRoles:
         await self._refuse_newer_term(epoch, context)
 
     async def _not_master(self, context):
-        hint = self.member.leader_address if self.member.leader and self.member.leader != self.settings.node_id else ""
+        leader = self.member.leader
+        hint = self.member.leader_address if leader and leader != self.settings.server.node_id else ""
         await status.abort(context, E.NotLeader(hint or None))
 
     async def _refuse_newer_term(self, request_epoch: int, context) -> None:
@@ -131,23 +132,24 @@ class ReplicaRoles:
         most once per ``leader_poll_ms`` (the role loop asks that often anyway), so a flood of
         such claims costs the meta server nothing more."""
         now = mono_ms()
-        if now < self._term_checked_at + self.settings.leader_poll_ms:
+        if now < self._term_checked_at + self.settings.replication.leader_poll_ms:
             return
         self._term_checked_at = now
         try:
-            lr = await self.registrar.meta.call("Leader", mpb.LeaderRequest(role=self.ROLE, group=self.settings.group))
+            lr = await self.registrar.meta.call("Leader",
+                                                mpb.LeaderRequest(role=self.ROLE, group=self.settings.server.group))
         except E.HourglassError as e:
             log.warning("a request claimed epoch %d of group %s; the election could not be asked: %s",
-                        claimed, self.settings.group, e)
+                        claimed, self.settings.server.group, e)
             return
         if lr.present and lr.leader.epoch > self.member.epoch:
             self.member.observed(lr.leader.node_id, lr.leader.address, lr.leader.epoch)
             log.warning("a request showed a newer term of group %s; the election confirms epoch %d (leader %s)",
-                        self.settings.group, lr.leader.epoch, lr.leader.node_id)
+                        self.settings.server.group, lr.leader.epoch, lr.leader.node_id)
         else:
             self.metrics.errors.labels(kind="UnconfirmedEpoch").inc()
             log.warning("a request claimed epoch %d of group %s; the election says %d: not believed",
-                        claimed, self.settings.group, lr.leader.epoch if lr.present else self.member.epoch)
+                        claimed, self.settings.server.group, lr.leader.epoch if lr.present else self.member.epoch)
 
     def lag_ms(self) -> int:
         if self.mode == "master" or self.lag_bytes == 0:
@@ -178,18 +180,18 @@ class ReplicaRoles:
     def stats(self, *asked) -> dict:
         """``asked``: what the Status request asks for (a delay node's subject)."""
         if self.mode == "switching":  # the store is the switch's worker thread's now (registration_info)
-            s = {"role": self.ROLE, "node_id": self.settings.node_id, "group": self.settings.group}
+            s = {"role": self.ROLE, "node_id": self.settings.server.node_id, "group": self.settings.server.group}
         else:
             s = super().stats(*asked)
         s.update({"mode": self.mode, "election_epoch": self.member.epoch, "leader": self.member.leader,
-                  "ack_mode": self.settings.ack_mode, "replication_lag_bytes": self.lag_bytes,
+                  "ack_mode": self.settings.replication.ack_mode, "replication_lag_bytes": self.lag_bytes,
                   "replication_lag_ms": self.lag_ms(), "slaves": self.slave_offsets, "failovers": self.failovers,
                   "master_changes_1h": self.role_changes.count(mono_ms())})
         return s
 
     async def Status(self, request, context) -> pb.StatusResponse:
         asked = (request.subject,) if request.subject and self.ROLE == "delay" else ()  # a subject's schedule
-        return pb.StatusResponse(node_id=self.settings.node_id, role=self.ROLE, group=self.settings.group,
+        return pb.StatusResponse(node_id=self.settings.server.node_id, role=self.ROLE, group=self.settings.server.group,
                                  master=self.mode == "master", epoch=self.member.epoch,
                                  json=json.dumps(self.stats(*asked)))
 
@@ -234,7 +236,7 @@ class ReplicaRoles:
         refilled meanwhile) must not answer OK for bytes the group may not hold: it answers
         NotLeader, whose outcome is "unknown, retry with the same ids" (ids are idempotent).
         """
-        if tracker is not None and self.settings.ack_mode == "sync":
+        if tracker is not None and self.settings.replication.ack_mode == "sync":
             if self._term_over(term):
                 await self._term_ended(context)
             await self._wait(tracker, kind, offset, context)
@@ -266,7 +268,7 @@ class ReplicaRoles:
                 await wait_event(self._ticket_added, 1.0)
                 continue  # a waiter was added (or a second passed): its deadline is 5 s away
             now = mono_ms()
-            err = E.ReplicationTimeout(f"no slave confirmed within {self.settings.sync_timeout_ms} ms "
+            err = E.ReplicationTimeout(f"no slave confirmed within {self.settings.replication.sync_timeout_ms} ms "
                                        "(ack_mode=sync); stored on the master and may still take effect: retry")
             for kind, tr in self._trackers().items():
                 self._release(kind, tr.expire(now), err)
@@ -304,14 +306,14 @@ class ReplicaRoles:
                 # a promotion that failed half-way (a corrupt record read while restoring the
                 # wheel) must not leave a half-made master behind: back to a follower store
                 # read from disk, following, and the seat given up so another member can serve
-                log.error("promotion failed group=%s epoch=%d: %r; staying a slave", self.settings.group,
+                log.error("promotion failed group=%s epoch=%d: %r; staying a slave", self.settings.server.group,
                           self.member.epoch, e)
                 self.metrics.errors.labels(kind="PromotionFailed").inc()
                 store = await off_loop(lambda: self._recover_store(old.store, now), self._abandon)
                 with self._member_lock:
                     self.member.give_up_seat()
                 self._install("slave", store)
-                self._no_campaign_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
+                self._no_campaign_until = mono_ms() + 3 * self.settings.meta.lease_ttl_ms
                 await self._resign_quietly()
                 raise E.StorageError(f"promotion failed: {e}") from e
             self.metrics.master_changes.labels(to=mode).inc()
@@ -320,11 +322,12 @@ class ReplicaRoles:
             if mode == "slave" and was == "master":
                 # stood down (lease not confirmed in time, or deposed): the member elected next keeps
                 # its seat for a minimum term; this one contests it again only if nobody else is there
-                self._no_campaign_until = max(self._no_campaign_until, mono_ms() + self.settings.min_term_ms)
+                self._no_campaign_until = max(self._no_campaign_until,
+                                              mono_ms() + self.settings.replication.min_term_ms)
             if mode == "master":
                 self.failovers += 1
             else:
-                log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.group, self.member.epoch,
+                log.warning("became SLAVE group=%s epoch=%d leader=%s", self.settings.server.group, self.member.epoch,
                             self.member.leader_address)
             self._install(mode, store)
 
@@ -364,15 +367,15 @@ class ReplicaRoles:
 
     async def _resign_quietly(self) -> None:
         try:
-            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.group,
-                                                                       node_id=self.settings.node_id,
+            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.server.group,
+                                                                       node_id=self.settings.server.node_id,
                                                                        epoch=self.member.epoch))
         except E.HourglassError as e:
             log.warning("resign after a failed promotion failed: %s (the seat ends with the lease)", e)
 
     async def _role_loop(self) -> None:
         meta = self.registrar.meta
-        group, me = self.settings.group, self.settings.node_id
+        group, me = self.settings.server.group, self.settings.server.node_id
         await self._switch("slave")
         next_peers = 0.0
         while True:
@@ -422,7 +425,8 @@ class ReplicaRoles:
                                    campaigned_lease=self._campaigned_lease, now_ms=mono_ms(),
                                    campaign_allowed=allowed)
                 if action == "campaign":
-                    wait = campaign_delay_ms(self._role_log_end(), self._peers, step_ms=self.settings.campaign_step_ms)
+                    wait = campaign_delay_ms(self._role_log_end(), self._peers,
+                                             step_ms=self.settings.replication.campaign_step_ms)
                     if wait:
                         await asyncio.sleep(wait / 1000)
                     self._campaigned_lease = lease
@@ -461,7 +465,7 @@ class ReplicaRoles:
                 log.info("role loop: %s", e)
                 if self.mode == "master" and not self.member.is_master(mono_ms()):
                     await self._switch("slave")
-            await asyncio.sleep(self.settings.leader_poll_ms / 1000)
+            await asyncio.sleep(self.settings.replication.leader_poll_ms / 1000)
 
     def _leader_wait_ms(self, next_peers: float) -> int:
         """How long the next Leader call may wait for a change (docs/replication.md, "Leader
@@ -471,8 +475,8 @@ class ReplicaRoles:
             return 0
         until_peers_ms = (next_peers - time.monotonic()) * 1000
         lease_left_ms = self.member.lease_left_ms(mono_ms()) if self.mode == "master" else None
-        return leader_wait_ms(self.settings.leader_wait_ms, until_peers_ms, lease_left_ms,
-                              poll_ms=self.settings.leader_poll_ms)
+        return leader_wait_ms(self.settings.replication.leader_wait_ms, until_peers_ms, lease_left_ms,
+                              poll_ms=self.settings.replication.leader_poll_ms)
 
     def _store_epoch_floor(self) -> int:
         """The highest seq epoch this node's store uses or holds (the election hands the new
@@ -481,16 +485,17 @@ class ReplicaRoles:
 
     def _required_slaves(self) -> set[str]:
         """Whom a sync write waits for: the in-sync set without this node."""
-        return set(self._in_sync) - {self.settings.node_id}
+        return set(self._in_sync) - {self.settings.server.node_id}
 
     async def _maintain_in_sync(self) -> None:
         """The master grows and shrinks its group's in-sync set (``core.in_sync_change``):
         grow = trackers first, then etcd; shrink = etcd first, then trackers."""
-        me = self.settings.node_id
+        me = self.settings.server.node_id
         tr = next(iter(self._trackers().values()))
         change = in_sync_change(me=me, in_sync=set(self._in_sync) | {me}, registered=set(self._peers),
                                 offsets=tr.slave_offsets, log_end=self._role_log_end(), now_ms=mono_ms(),
-                                lag_max_ms=self.settings.in_sync_lag_max_ms, term_start_ms=self._term_start_ms)
+                                lag_max_ms=self.settings.replication.in_sync_lag_max_ms,
+                                term_start_ms=self._term_start_ms)
         if not change.add and not change.drop:
             return
         after = (set(self._in_sync) | {me} | change.add) - change.drop
@@ -498,14 +503,15 @@ class ReplicaRoles:
             for kind, t in self._trackers().items():
                 self._release(kind, t.set_slaves(self._required_slaves() | set(change.add)))
         r = await self.registrar.meta.call("UpdateInSync", mpb.UpdateInSyncRequest(
-            role=self.ROLE, group=self.settings.group, node_id=me, epoch=self.member.epoch, members=sorted(after)))
+            role=self.ROLE, group=self.settings.server.group, node_id=me, epoch=self.member.epoch,
+            members=sorted(after)))
         if not r.updated:
             log.warning("in-sync set not updated (term over?): now %s", list(r.members))
             return
         self._in_sync = list(r.members)
         for kind, t in self._trackers().items():
             self._release(kind, t.set_slaves(self._required_slaves()))
-        log.warning("in-sync set of group %s: %s (added %s, dropped %s)", self.settings.group, self._in_sync,
+        log.warning("in-sync set of group %s: %s (added %s, dropped %s)", self.settings.server.group, self._in_sync,
                     sorted(change.add), sorted(change.drop))
 
     def _on_lease_lost(self, lease_id: int) -> None:
@@ -525,10 +531,10 @@ class ReplicaRoles:
     async def _resign_and_follow(self) -> pb.HandoverResponse:
         """Last step of a graceful handover: give up the seat, become a slave, and stay out of
         the next elections for three lease periods so a caught-up slave wins."""
-        self._no_campaign_until = self._handover_until = mono_ms() + 3 * self.settings.meta_lease_ttl_ms
+        self._no_campaign_until = self._handover_until = mono_ms() + 3 * self.settings.meta.lease_ttl_ms
         try:
-            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.group,
-                                                                       node_id=self.settings.node_id,
+            await self.registrar.meta.call("Resign", mpb.ResignRequest(role=self.ROLE, group=self.settings.server.group,
+                                                                       node_id=self.settings.server.node_id,
                                                                        epoch=self.member.epoch))
         except E.HourglassError as e:
             return pb.HandoverResponse(done=False, error=f"resign failed: {e}")
@@ -541,7 +547,7 @@ class ReplicaRoles:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event, *, on_ready=None) -> None:
-        if not self.settings.meta_servers:
+        if not self.settings.meta.servers:
             raise E.InvalidArgument("meta_servers", "a replicated node needs meta servers (election)")
         self.server, self.address = await start_grpc(
             self.settings, **self._grpc_services(), extra=[lambda srv: rpc.add_ReplicationServicer_to_server(self, srv)])
@@ -558,7 +564,8 @@ class ReplicaRoles:
                 # both roles scrub their segments; the registration above has the heartbeat hook
                 tasks += side_tasks(tg, self, log, register=False, gc_tuned=False)
                 log.info("replicated %s node serving node_id=%s group=%s address=%s ack_mode=%s", self.ROLE,
-                         self.settings.node_id, self.settings.group, self.address, self.settings.ack_mode)
+                         self.settings.server.node_id, self.settings.server.group, self.address,
+                         self.settings.replication.ack_mode)
                 if on_ready:
                     on_ready(self.address)
                 await stop.wait()
@@ -584,4 +591,4 @@ class ReplicaRoles:
                 await self.server.stop(grace=None)
             self.store.close()
             self.metrics.stop()
-            log.info("%s node stopped node_id=%s", self.ROLE, self.settings.node_id)
+            log.info("%s node stopped node_id=%s", self.ROLE, self.settings.server.node_id)

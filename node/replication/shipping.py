@@ -72,7 +72,7 @@ class LogShipping:
         if req.offset >= lg.end_offset and req.wait_ms and idle:
             self._changed.clear()
             cap = self._poll_cap_ms()
-            at_rest = cap > self.settings.replication_wait_ms
+            at_rest = cap > self.settings.replication.wait_ms
             self._idle_polls += at_rest
             try:
                 await wait_event(self._changed, (cap if at_rest else min(req.wait_ms, cap)) / 1000)
@@ -83,12 +83,13 @@ class LogShipping:
 
     def _poll_cap_ms(self) -> int:
         """How long a caught-up slave's fetch may wait for something new."""
-        return self.settings.replication_wait_ms
+        return self.settings.replication.wait_ms
 
     def _fetch_request(self, name: str, lg) -> pb.FetchRequest:
-        return pb.FetchRequest(node_id=self.settings.node_id, epoch=self.member.epoch, log=name, offset=lg.end_offset,
-                               max_bytes=self.settings.replication_chunk_bytes,
-                               wait_ms=self.settings.replication_wait_ms,
+        return pb.FetchRequest(node_id=self.settings.server.node_id, epoch=self.member.epoch, log=name,
+                               offset=lg.end_offset,
+                               max_bytes=self.settings.replication.chunk_bytes,
+                               wait_ms=self.settings.replication.wait_ms,
                                history=self.histories[name].history.encode())
 
     # ------------------------------------------------------------------ slave side
@@ -139,7 +140,7 @@ class LogShipping:
         backoff = 0.05
         while True:
             addr = self.member.leader_address
-            if not addr or self.member.leader == self.settings.node_id:
+            if not addr or self.member.leader == self.settings.server.node_id:
                 await asyncio.sleep(0.05)
                 continue
             call = rpc.ReplicationStub(self.channels.get(addr)).Replicate()
@@ -203,12 +204,12 @@ class LogShipping:
             return
         self._refusals += 1
         epoch = self.member.epoch
-        if self._refusals < self.settings.dead_master_refusals or self._reported_dead == epoch:
+        if self._refusals < self.settings.replication.dead_master_refusals or self._reported_dead == epoch:
             return
         self._reported_dead = epoch
         try:
             r = await self.registrar.meta.call("ReportDead", mpb.ReportDeadRequest(
-                role=self.ROLE, group=self.settings.group, epoch=epoch, reporter=self.settings.node_id))
+                role=self.ROLE, group=self.settings.server.group, epoch=epoch, reporter=self.settings.server.node_id))
             log.warning("reported master %s of epoch %d dead: %s", addr, epoch, "term ended" if r.ended else r.reason)
         except E.HourglassError as e:
             log.info("dead-master report failed: %s", e)

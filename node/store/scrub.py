@@ -34,7 +34,7 @@ from cluster.errors import CorruptRecord
 from .log import HEADER, HEADER_SIZE, RECORD_BYTES_MAX_DEFAULT, TornRecord, decode_frame
 from .settings import SCRUB_DEFAULTS
 
-IDLE_WAIT_MS = 1000  # nothing to scrub: look again after this long
+SCRUB_IDLE_WAIT_MS = 1000  # nothing to scrub: look again after this long
 STEP_COST_MIN_BYTES = 64 * 1024    # a step costs at least this much of the rate (a tiny segment too)
 TARGET_DONE = 1 << 62  # cursor position: the current target is finished for this pass
 
@@ -116,7 +116,7 @@ class ScrubPlan:
         self._refill(now_ms)
         live, keys, _sums = self._indexed(targets)
         if not live:
-            return IDLE_WAIT_MS
+            return SCRUB_IDLE_WAIT_MS
         i = bisect.bisect_left(keys, self._key)
         if i == len(live) or (keys[i] == self._key and self._pos >= live[i].size):
             # the current target is done: the next one, or a new pass
@@ -125,7 +125,7 @@ class ScrubPlan:
                 if self._pass_started_ms is not None and self._key:
                     wait = self._pass_started_ms + self.pass_interval_min_ms - now_ms
                     if wait > 0:
-                        return min(wait, IDLE_WAIT_MS * 10)
+                        return min(wait, SCRUB_IDLE_WAIT_MS * 10)
                 self._finish_pass()
                 self._pass_started_ms = now_ms
                 i = 0

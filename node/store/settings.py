@@ -5,8 +5,9 @@ the scrub (``ScrubSettings``), the disk watermark (``DISK_DEFAULTS``, a
 limits' (``Limits``) are written in ``cluster/codec.py``, shared with the SDK.
 
 ``node.config.NodeSettings`` (the process's settings, ``HOURGLASS_*``) is the root of the tree:
-its fields for these sections take their defaults from here, and it builds these objects
-(``store_settings``, ``realtime_settings``, ``scrub_settings``). The pure cores that tests
+its sections of the same names (``store``, ``realtime``, ``scrub``, ``disk``) take their
+defaults from here, and it builds these objects from them (``section(name)``,
+``store_settings()``, ``realtime_settings()``, ``disk_watermark()``). The pure cores that tests
 construct directly (``TimingWheel``, ``ScheduleLog``, ``IdIndex``, ``SegmentedLog``,
 ``ScrubPlan``) take these values as arguments; a default they have refers to ``STORE_DEFAULTS``
 / ``SCRUB_DEFAULTS``, never a second literal (tests/test_settings_tree.py keeps it so)."""

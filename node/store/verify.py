@@ -50,7 +50,7 @@ SEGMENT_RE = re.compile(r"^\d{20}\.log$")
 CHECKPOINT_NAMES = ("checkpoint", "voided.json", "subjects.json")
 LOST_NAME = "lost.json"        # a schedule bucket's missing records (node/delay/heal.py, docs/format.md)
 IDX_HEADER_SIZE = 64
-CHUNK_BYTES = 1 << 20          # bytes read per step of a segment
+VERIFY_STEP_BYTES = 1 << 20         # bytes read per step of a segment
 FINDINGS_MAX = 1000            # corrupt records listed in one report (the count goes on)
 SKIP_SUFFIXES = (".rebuild", ".ready", ".old", ".deleting", ".tmp")
 
@@ -192,7 +192,7 @@ def _verify_log(d: Path, names: list[str], rep: VerifyReport, thr: Throttle, *, 
         t = ScrubTarget(name, str(p), base, size, d.name, growing=last)
         pos = 0
         while pos < size:
-            r = check_span(t, pos, CHUNK_BYTES, record_bytes_max)
+            r = check_span(t, pos, VERIFY_STEP_BYTES, record_bytes_max)
             rep.bytes += r.checked_bytes
             thr.spent(r.checked_bytes)
             if r.gone:

@@ -6,6 +6,7 @@ again with ``PYTHONPATH=. python3 -m tests.helpers.settings_doc``."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import re
 from pathlib import Path
@@ -13,17 +14,17 @@ from pathlib import Path
 from cluster.clientsettings import ClientSettings
 from cluster.security import SecuritySettings
 from metaserver.config import MetaSettings
-from node.config import SECTION_DEFAULTS, SECTIONS, NodeSettings
+from node.config import FLAT_NAMES, TREE
 
 DOCS = Path(__file__).resolve().parent.parent.parent / "docs"
 PATH = DOCS / "settings.md"
 
 SECTION_HOMES = {"store": "`node/store/settings.py` `StoreSettings`", "realtime": "`node/store/settings.py` "
-                 "`RealtimeSettings`", "scrub": "`node/store/settings.py` `ScrubSettings`",
-                 "disk": "`node/store/settings.py` `DISK_DEFAULTS` (a `DiskWatermark`)",
-                 "limits": "`cluster/codec.py` `Limits` (shared with the SDK)"}
-SECTION_TITLES = {"store": "delay store: wheel, schedule, id index, segments", "realtime": "real-time store",
-                  "scrub": "scrub and verify", "disk": "disk watermark", "limits": "producer limits"}
+                 "`RealtimeSettings` (the real-time service's own settings: `node/config.py`)",
+                 "scrub": "`node/store/settings.py` `ScrubSettings`",
+                 "disk": "`node/store/settings.py` `DISK_DEFAULTS` (a `DiskWatermark`; the intervals: "
+                         "`node/config.py`)",
+                 "limits": "`cluster/codec.py` `Limits` (shared with the SDK; the RPC sizes: `node/config.py`)"}
 
 
 def _value(v, name: str = "") -> str:
@@ -82,7 +83,7 @@ def _pydantic_rows(model, prefix: str, names=None) -> list[tuple[str, str, str, 
 
 
 def render() -> str:
-    node_fields = NodeSettings.model_fields
+    flat = {path: name for name, path in FLAT_NAMES.items()}
     out = ["# Settings reference", "",
            "Every setting of a node, a meta server and the SDK, with its default: written from the",
            "settings models by `tests/helpers/settings_doc.py` (`PYTHONPATH=. python3 -m",
@@ -92,30 +93,25 @@ def render() -> str:
            "documents explain what the settings do; a default they repeat is checked against the",
            "model too.", "",
            "## Node", "",
-           "One model, `node.config.NodeSettings`, environment `HOURGLASS_<NAME>` (`hourglass node`",
-           "options override it). Its storage sections are built from it (`NodeSettings.section(name)`:",
-           "`store_settings()`, `realtime_settings()`, `scrub_settings()`, `disk_watermark()`,",
-           "`limits()`); their defaults are written in the section's class, the node's field refers to it.", ""]
-    in_sections: set[str] = set()
-    for section, (cls, renamed) in SECTIONS.items():
-        mine = {field: node for node, field in renamed.items()}
-        defaults = SECTION_DEFAULTS[section]
+           "One nested model, `node.config.NodeSettings`: a section per concern, each setting read by",
+           "its path (`settings.store.tick_ms`). Each setting also has one flat name, the name it had",
+           "before the tree was nested, and `HOURGLASS_<FLAT>` sets it (`HOURGLASS_TICK_MS`; a list as",
+           "JSON: `HOURGLASS_META_SERVERS='[\"10.0.0.5:7100\"]'`); the nested form",
+           "`HOURGLASS_<SECTION>__<NAME>` works too, and a flat variable wins over it. `hourglass node`",
+           "options override both. The stores take the storage sections as dataclasses built from the",
+           "section of the same name (`NodeSettings.section(name)`; `store_settings()`,",
+           "`realtime_settings()`, `disk_watermark()`); their defaults are written in the dataclass,",
+           "the section's field refers to it.", ""]
+    for section, cls in TREE.items():
         rows = []
-        for f in dataclasses.fields(cls):
-            if f.name == "limits":
-                continue
-            name = mine.get(f.name, f.name)
-            in_sections.add(name)
-            env = f"HOURGLASS_{name.upper()}"
-            label = f"`{name}`" if name == f.name else f"`{name}` (`{section}.{f.name}`)"
-            rows.append((label, env, _value(getattr(defaults, f.name), name),
-                         _what(node_fields[name].description, name, f.name, env)))
-        out += [f"### {section}: {SECTION_TITLES[section]}", "", f"Defaults: {SECTION_HOMES[section]}.", ""]
+        for name, f in cls.model_fields.items():
+            env = f"HOURGLASS_{flat[section, name].upper()}"
+            rows.append((f"`{section}.{name}`", env, _value(f.default, name),
+                         _what(f.description, name, flat[section, name], env)))
+        title = inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0].replace("\n", " ").replace("``", "`")
+        home = SECTION_HOMES.get(section, "`node/config.py`")
+        out += [f"### {section}: `{cls.__name__}`", "", f"{title} Defaults: {home}.", ""]
         out += _table(rows) + [""]
-    rest = [n for n in node_fields if n not in in_sections]
-    out += ["### the process: serving, meta servers, replication, dispatch, real-time service", "",
-            "Defaults: `node/config.py` `NodeSettings`.", ""]
-    out += _table(_pydantic_rows(NodeSettings, "HOURGLASS_", set(rest))) + [""]
     out += ["## Security (nodes, meta servers, the CLI)", "",
             "`cluster.security.SecuritySettings`, environment `HOURGLASS_<NAME>` (docs/security.md).", ""]
     out += _table(_pydantic_rows(SecuritySettings, "HOURGLASS_")) + [""]
