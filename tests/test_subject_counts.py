@@ -47,8 +47,8 @@ def model_minutes(h: Harness, due: dict[str, tuple[str, int]], subject: str) -> 
     """The minute view of ``subject`` a model expects: its pending messages by minute of their
     bucket (a bucket's minutes count from its start), in the buckets the view covers."""
     pending = h.store.pending_by_bucket()
-    near = sorted(b for b in pending if b < h.now + MINUTE_VIEW.pending_by_minute_horizon_ms)
-    near = near[: MINUTE_VIEW.pending_by_minute_buckets_max]
+    near = sorted(b for b in pending if b < h.now + MINUTE_VIEW.status.pending_by_minute_horizon_ms)
+    near = near[: MINUTE_VIEW.status.pending_by_minute_buckets_max]
     out: dict[int, int] = {}
     for s, t in due.values():
         b = t - t % BUCKET_MS
