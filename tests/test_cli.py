@@ -222,10 +222,12 @@ def test_send_lookup_cancel_consume(hg, cluster):
     assert got["accepted_ms"] > 0 and got["effective_ms"] in (0, got["deliver_at_ms"]) and got["store_epoch"] >= 1, r
     varying = {"seq": 0, "deliver_at_ms": 0, "accepted_ms": 0, "effective_ms": 0, "store_epoch": 0,
                "realtime_address": ""}
-    # not dispatched yet; the real-time group its route and id name, the delay group and member that answered
+    # not dispatched yet; the real-time group its route and id name, the delay group and member that
+    # answered, and the node that accepted it (the term table, node/delay/terms.py)
     assert got | varying == {"id": "cli-1", "status": "pending", "subject": "cli.later", "cancelled_ms": 0,
                              "dispatched_ms": 0, "dead_lettered": False, "realtime_group": "realtime-1",
-                             "group": "delay-1", "node_id": "delay-1", **varying}, r
+                             "group": "delay-1", "node_id": "delay-1", "accepted_node_id": "delay-1",
+                             **varying}, r
     r = hg("cancel", "cli-1", "--meta", m)
     assert r.code == 0 and r.out.startswith("cancelled id=cli-1"), r
     fails(hg("lookup", "no-such-id", "--meta", m), 4, "no-such-id")
