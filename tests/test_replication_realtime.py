@@ -150,7 +150,12 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
                 await cons.ack(await cons.pull())  # 20 acked
             await asyncio.sleep(1.0)  # the slave has the bytes and the group document
             s.proc.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(0.3)  # its pending long poll is answered (into its socket buffer) before b*
+            # the slave's pending long poll (a master at rest answers it only after
+            # replication_idle_wait_ms) is answered now, into its socket buffer, by one write: w0
+            # reaches the slave; b* after it cannot, since a stopped slave asks nothing more
+            async with Producer(resolver) as p:
+                await (await p.send("rt.div", "w", id="w0", immediate=True))
+            await asyncio.sleep(0.3)
             async with Producer(resolver) as p:
                 await asyncio.gather(*[await p.send("rt.div", "y", id=f"b{k}", immediate=True) for k in range(50)])
             m.kill()
@@ -167,7 +172,7 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
             got: list[str] = []
             async with Consumer(resolver, "rt.div", group="g", wait_ms=200, batch_max=100) as cons:
                 deadline = time.monotonic() + 20
-                while len(got) < 40 and time.monotonic() < deadline:
+                while len(got) < 41 and time.monotonic() < deadline:
                     try:
                         batch = await cons.pull()
                     except E.Unavailable:
@@ -175,8 +180,8 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
                         continue
                     got += [x.id for x in batch]
                     await cons.ack(batch)
-            # the 20 acked before never come back; b* were never on the new master
-            assert sorted(got) == sorted([f"a{k}" for k in range(20, 50)] + [f"c{k}" for k in range(10)])
+            # the 20 acked before never come back; w0 was; b* were never on the new master
+            assert sorted(got) == sorted([f"a{k}" for k in range(20, 50)] + ["w0"] + [f"c{k}" for k in range(10)])
             await asyncio.sleep(0.5)
         finally:
             await resolver.close()

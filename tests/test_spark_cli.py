@@ -510,3 +510,25 @@ def test_histogram_figures_match_a_sort_of_every_lateness():
     same(overall, model(raw))
     assert [stats.bucket(v) for v in (0, 999, 1000, 12_345, 9_876_543)] == [0, 999, 1000, 12_300, 9_870_000]
     assert stats.percentiles({0: 2, 5: 1, 7: 1, 40: 1}) == {"p50_ms": 5, "p90_ms": 40, "p99_ms": 40, "p999_ms": 40}
+
+
+def test_py4j_tracebacks_on_the_root_logger_are_dropped_when_quiet():
+    """A JVM killed mid-call makes py4j call ``logging.exception`` on the root logger (a
+    traceback on stderr, and ``basicConfig`` on the way): quiet, those records are dropped;
+    the CLI's own and other libraries' records still go out."""
+    import logging
+
+    from cluster.cli.spark import _NotFromPy4j, silence_py4j
+
+    root = logging.getLogger()
+    silence_py4j()
+    silence_py4j()  # once is enough: no second filter
+    try:
+        assert sum(isinstance(f, _NotFromPy4j) for f in root.filters) == 1
+        gone = root.makeRecord("root", logging.ERROR, "/x/site-packages/py4j/java_gateway.py", 1056,
+                               "Exception while sending command.", (), None)
+        kept = root.makeRecord("root", logging.ERROR, "/x/cluster/cli/spark.py", 1, "ours", (), None)
+        assert not root.filter(gone) and root.filter(kept)
+    finally:
+        for f in [f for f in root.filters if isinstance(f, _NotFromPy4j)]:
+            root.removeFilter(f)

@@ -76,6 +76,23 @@ def _quiet() -> bool:
     return os.environ.get("HOURGLASS_DEBUG", "") in ("", "0")
 
 
+class _NotFromPy4j(logging.Filter):
+    """Drops records py4j logs on the root logger: ``java_gateway`` calls
+    ``logging.exception("Exception while sending command.")`` (a traceback) when the JVM dies
+    mid-call; records of other loggers that reach the root are not filtered here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "/py4j/" not in record.pathname.replace("\\", "/")
+
+
+def silence_py4j() -> None:
+    """py4j's own logging off (its logger and its records on the root logger), once."""
+    logging.getLogger("py4j").setLevel(logging.CRITICAL + 1)
+    root = logging.getLogger()
+    if not any(isinstance(f, _NotFromPy4j) for f in root.filters):
+        root.addFilter(_NotFromPy4j())
+
+
 def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] = None):
     try:
         from cluster.spark.session import LOCAL_MASTER, SessionSettings, build_session
@@ -87,7 +104,7 @@ def _session(master: Optional[str], app_name: str, driver_memory: Optional[str] 
     # task) only with HOURGLASS_DEBUG=1
     quiet = _quiet()
     if quiet:  # py4j logs a dead JVM's broken socket with a traceback; the CLI says it in one line
-        logging.getLogger("py4j").setLevel(logging.CRITICAL + 1)
+        silence_py4j()
     conf = {}
     if quiet and LOG4J_QUIET.is_file():  # read only when this process starts the JVM (not under spark-submit)
         conf["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile={LOG4J_QUIET.as_uri()}"
