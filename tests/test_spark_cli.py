@@ -174,12 +174,15 @@ def test_spark_side_failures_are_one_line(tmp_path):
         deadline = time.monotonic() + SPARK_RUN_TIMEOUT_S
         killed = False
         while not killed and p.poll() is None and time.monotonic() < deadline:
-            kids = psutil.Process(p.pid).children(recursive=True)
-            java = [k for k in kids if k.name() == "java"]
-            # a Python worker under the JVM: the session is up and a job is running
-            if java and any("python" in k.name() for k in java[0].children(recursive=True)):
-                java[0].kill()
-                killed = True
+            try:  # processes come and go while this looks (a worker exits): look again
+                kids = psutil.Process(p.pid).children(recursive=True)
+                java = [k for k in kids if k.name() == "java"]
+                # a Python worker under the JVM: the session is up and a job is running
+                if java and any("python" in k.name() for k in java[0].children(recursive=True)):
+                    java[0].kill()
+                    killed = True
+            except psutil.NoSuchProcess:
+                pass
             time.sleep(0.05)
         out, err = p.communicate(timeout=RUN_TIMEOUT_S)
     finally:
