@@ -190,6 +190,7 @@ class StallWatch:
             self.log.warning("stall watch off: this event loop has no selector to watch")
             await asyncio.Event().wait()
         inner = selector.select
+        self.turn_from = time.monotonic()  # the first turn measured starts now, not at construction
         mine = selector.select = self._watched(inner)
         self._loop_thread = threading.get_ident()
         thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
