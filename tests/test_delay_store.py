@@ -54,6 +54,7 @@ class Harness:
         self.now = now
         self.store = DelayStore.open(path, settings, now_ms=now)
         self.delivered: list[str] = []
+        self.sent = 0  # messages sent so far (``model_step`` numbers ids from it)
 
     def send(self, msgs):
         res = self.store.accept(msgs, now_ms=self.now)
@@ -77,6 +78,29 @@ class Harness:
         self.run_until(t, step=step)
         for mid in self.delivered:
             pending.pop(mid, None)
+
+    def model_step(self, op: str, x: int, model: dict, batch_of, value_of) -> None:
+        """One step of a model-driven test: ``send`` the batch ``batch_of(x, first_index)``
+        (its messages into ``model`` as ``value_of(msg)``), ``cancel`` one of the model's ids,
+        ``run`` forward (delivered ids leave the model), ``checkpoint``, ``restart`` or
+        ``crash``. The model holds every message neither delivered nor cancelled."""
+        if op == "send":
+            batch = batch_of(x, self.sent)
+            self.sent += len(batch)
+            self.send(batch)
+            model.update({m.msg_id: value_of(m) for m in batch})
+        elif op == "cancel" and model:
+            mid = sorted(model)[x % len(model)]
+            self.cancel(mid)
+            del model[mid]
+        elif op == "run":
+            self.run_forgetting(self.now + x % 200_000, model, step=997)
+        elif op == "checkpoint":
+            self.store.checkpoint()
+        elif op == "restart":
+            self.restart()
+        elif op == "crash":
+            self.crash()
 
     def crash(self):
         """Reopen without close(): whatever was written is in the page cache, as after a kill."""

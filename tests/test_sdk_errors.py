@@ -91,18 +91,15 @@ def test_a_byte_budget_over_the_grpc_limit_is_refused():
 async def test_a_payload_over_the_limit_fails_at_once_alone_and_is_never_sent(node):
     big = bytes(DEFAULT_LIMITS.payload_bytes_max + 1)
     async with fast(StaticResolver(delay=[node.address])) as p:
-        clock = Clock()
         res = await (await p.send_many("s", [b"a", big, b"c"], ids=["ok-1", "huge", "ok-2"], delay_ms=1000))
         with pytest.raises(E.PayloadTooLarge, match=r"4194305 bytes exceeds payload_bytes_max 4194304"):
             await p.send_and_wait("s", big, delay_ms=1000, id="huge-2")
-        elapsed = clock.s
     assert set(res.errors) == {1} and isinstance(res.errors[1], E.PayloadTooLarge)
     assert "message 1: 4194305 bytes exceeds payload_bytes_max" in str(res.errors[1])
     assert res.seqs[0] and res.seqs[2]
     assert [r.ids for r in node.requests] == [["ok-1", "ok-2"]]  # one request, no retry, no big one
-    # no call waited out its deadline (30 s, the SDK default): a bound that tells the two apart
-    # on a starved machine too, not a speed check
-    assert elapsed < p.call_timeout_s / 2
+    # no call waited out its deadline: a call that does ends Unavailable, and none did
+    assert not any(isinstance(e, E.Unavailable) for e in res.errors.values())
 
 
 # ---------------------------------------------------------------------- bad due times
@@ -112,7 +109,6 @@ async def test_a_message_with_an_out_of_range_due_time_fails_alone_and_the_rest_
     t = now_ms()
     far = t + HORIZON_MS + 3_600_000
     async with fast(StaticResolver(delay=[node.address]), call_timeout_s=5) as p:
-        clock = Clock()
         res = await (await p.send_many("s", [b"x"] * 5, ids=["a", "far", "huge", "neg", "b"],
                                        deliver_at_ms=[t + 1000, far, 1 << 64, -1, t + 2000]))
         rel = await (await p.send_many("s", [b"y"] * 3, ids=["r1", "rfar", "r2"],
@@ -123,7 +119,6 @@ async def test_a_message_with_an_out_of_range_due_time_fails_alone_and_the_rest_
         with pytest.raises(E.InvalidArgument, match="delay_horizon_ms"):
             await p.send_and_wait("s", b"z", deliver_at_ms=1 << 63, id="one-huge")  # used to kill the batcher
         after = await p.send_and_wait("s", b"still", delay_ms=1000, id="after")
-        elapsed = clock.s
     assert set(res.errors) == {1, 2, 3}
     assert "delay_horizon_ms" in str(res.errors[1]) and "not a 64-bit integer" in str(res.errors[2])
     assert "must not be negative" in str(res.errors[3])
@@ -131,7 +126,8 @@ async def test_a_message_with_an_out_of_range_due_time_fails_alone_and_the_rest_
     assert set(alone.errors) == {0} and "not a 64-bit integer" in str(alone.errors[0])
     assert set(rel.errors) == {1} and "exceeds delay_horizon_ms" in str(rel.errors[1])
     assert after.seq and set(node.stored) == {"a", "b", "r1", "r2", "after"}
-    assert elapsed < 5 / 2  # nothing waited for its deadline (call_timeout_s=5): half of it tells them apart
+    # nothing waited out its deadline: each refusal is its own InvalidArgument (a deadline gives
+    # Unavailable) and every good message was stored
 
 
 # ---------------------------------------------------------------------- deadlines

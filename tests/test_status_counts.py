@@ -55,21 +55,9 @@ def test_minute_counts_match_the_messages_pending(tmp_path_factory, steps):
     h = Harness(tmp_path_factory.mktemp("m"), settings=SETTINGS, now=START + 1_000)
     pm = PendingMinutes(buckets_max=8)
     dues: dict[str, int] = {}
-    n = 0
     for op, x in steps:
-        if op == "send":
-            batch = [msg(n + i, h.now + (x * (i + 1)) % (2 * BUCKET_MS)) for i in range(1 + x % 7)]
-            n += len(batch)
-            h.send(batch)
-            dues.update({m.msg_id: m.deliver_at_ms for m in batch})
-        elif op == "cancel" and dues:
-            mid = sorted(dues)[x % len(dues)]
-            h.cancel(mid)
-            del dues[mid]
-        elif op == "run":
-            h.run_forgetting(h.now + x % 200_000, dues, step=997)
-        elif op == "restart":
-            h.restart()
+        h.model_step(op, x, dues, lambda x, n: [msg(n + i, h.now + (x * (i + 1)) % (2 * BUCKET_MS))
+                                                for i in range(1 + x % 7)], lambda m: m.deliver_at_ms)
         assert minutes_of(h, pm) == naive_minutes(dues, h.store.completed_ms)
 
 

@@ -67,26 +67,13 @@ def test_subject_counts_match_a_model_through_accept_cancel_fire_restart_and_cra
     h = Harness(tmp_path_factory.mktemp("s"), settings=SETTINGS, now=START + 1_000)
     ss = ScheduleStatus(MINUTE_VIEW)
     pending: dict[str, tuple[str, int]] = {}  # id -> (subject, due) of every message neither delivered nor cancelled
-    n = 0
-    for op, x in steps:
-        if op == "send":
-            batch = [msg(n + i, h.now + (x * (i + 1)) % (5 * BUCKET_MS), subject=SUBJECTS[(x + i * i) % 3])
-                     for i in range(1 + x % 7)]
-            n += len(batch)
-            h.send(batch)
-            pending.update({m.msg_id: (m.subject, m.deliver_at_ms) for m in batch})
-        elif op == "cancel" and pending:
-            mid = sorted(pending)[x % len(pending)]
-            h.cancel(mid)
-            del pending[mid]
-        elif op == "run":
-            h.run_forgetting(h.now + x % 200_000, pending, step=997)
-        elif op == "checkpoint":
-            h.store.checkpoint()
-        elif op == "restart":
-            h.restart()
-        elif op == "crash":
-            h.crash()  # no close: tables as the last checkpoint left them, later entries from frames
+
+    def batch_of(x, n):
+        return [msg(n + i, h.now + (x * (i + 1)) % (5 * BUCKET_MS), subject=SUBJECTS[(x + i * i) % 3])
+                for i in range(1 + x % 7)]
+
+    for op, x in steps:  # a crash reopens with no close: tables as the last checkpoint left them
+        h.model_step(op, x, pending, batch_of, lambda m: (m.subject, m.deliver_at_ms))
         assert totals(h) == model_totals(s for s, _due in pending.values())
         for subject in SUBJECTS:
             got = ss.stats(h.store, now_ms=h.now, subject=subject)["pending_by_subject_minute"][subject]
