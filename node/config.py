@@ -473,7 +473,10 @@ class FlatEnvSource(PydanticBaseSettingsSource):
             if value is None:
                 continue
             if get_origin(TREE[section].model_fields[field].annotation) is list:
-                value = json.loads(value)
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:  # left as text: validation names the setting and wants a list
+                    pass
             out.setdefault(section, {})[field] = value
         return out
 

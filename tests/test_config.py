@@ -129,3 +129,15 @@ def test_replace_is_a_validated_copy(monkeypatch):
     assert s.realtime.index_files_open_max == SECTION_DEFAULTS["realtime"].index_files_open_max
     with pytest.raises(ValidationError):
         s.replace(dispatch_lead_ms=500)  # the cross-section check runs again
+
+
+def test_a_flat_list_that_is_not_json_is_refused_naming_the_setting(monkeypatch):
+    """``HOURGLASS_META_SERVERS=a:1`` (not a JSON list) is a validation error on
+    ``meta.servers``, which ``hourglass node`` says in one line, not a JSONDecodeError."""
+
+    monkeypatch.setenv("HOURGLASS_META_SERVERS", "127.0.0.1:7000")
+    with pytest.raises(ValidationError) as e:
+        NodeSettings()
+    assert [x["loc"] for x in e.value.errors()] == [("meta", "servers")]
+    monkeypatch.setenv("HOURGLASS_META_SERVERS", '["127.0.0.1:7000"]')
+    assert NodeSettings().meta.servers == ["127.0.0.1:7000"]

@@ -22,6 +22,7 @@ def _serve(settings_cls, overrides: dict, serve, log_level=lambda s: s.log_level
     import logging
 
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from cluster.process import configure_logging, restrict_umask
 
@@ -31,6 +32,8 @@ def _serve(settings_cls, overrides: dict, serve, log_level=lambda s: s.log_level
     except ValidationError as e:
         raise CliError("bad settings: " + "; ".join(f"{'.'.join(map(str, x['loc'])) or 'settings'}: {x['msg']}"
                                                    for x in e.errors())) from None
+    except SettingsError as e:  # an environment value pydantic-settings cannot parse (nested JSON)
+        raise CliError(f"bad settings: {e}") from None
     configure_logging(log_level(settings))
     profile_to = os.environ.get("HOURGLASS_PROFILE_TO")  # benchmarks: cProfile of the serving thread
     try:
