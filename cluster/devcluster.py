@@ -410,6 +410,28 @@ class LocalCluster:
             return out
         return await wait_until(find, timeout_s, f"one master in every {role} group")
 
+    async def wait_in_sync(self, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> None:
+        """Block until every running member of every ``role`` group is in its group's in-sync set
+        (meta ``Leader``). A slave joins only after its fetch reached the master's log end and the
+        master's next role round wrote it; until then it may not campaign, so a test that kills
+        a master right after start-up waits here first."""
+        from cluster.discovery import MetaClient
+        from cluster.proto import meta_pb2 as mpb
+
+        groups = self.groups()[role]
+        meta = MetaClient(self.meta_addresses, timeout_s=5, security=self.node_security())
+        try:
+            async def all_in():
+                for group, members in groups.items():
+                    running = {m for m in members if next(n for n in self.nodes if n.name == m).running}
+                    lr = await meta.call("Leader", mpb.LeaderRequest(role=role, group=group))
+                    if not running <= set(lr.in_sync):
+                        return False
+                return True
+            await wait_until(all_in, timeout_s, f"every running {role} member in its in-sync set")
+        finally:
+            await meta.close()
+
     async def wait_caught_up_slave(self, name: str, role: str = "delay", timeout_s: float = ELECTION_WAIT_S) -> None:
         async def ok():
             st = (await self.statuses(role)).get(name, {})

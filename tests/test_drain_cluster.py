@@ -188,6 +188,7 @@ async def _drain_under_load(c: LocalCluster, drained: str, *, kill: str | None) 
             assert r.returncode in (0, 1) and f"draining: {drained}" in r.stdout, (r.stdout, r.stderr)
             if kill:  # SIGKILL a master (the drained group's or the target's) once some moved, not all
                 masters = await c.wait_masters("delay")
+                await c.wait_in_sync("delay")  # the victim's slave may campaign
                 source = next(n for n in c.delay if n.name == masters[drained])
                 victim_group = drained if kill == "drained" else next(g for g in masters if g != drained)
                 victim = next(n for n in c.delay if n.name == masters[victim_group])

@@ -35,7 +35,11 @@ async def statuses(cluster) -> dict[str, dict]:
 
 
 async def master_of(cluster) -> str:
-    return await cluster.wait_master("delay")
+    """The group's master, once every running member is in the in-sync set: a slave outside
+    it may not campaign, so a test that kills the master waits for this first."""
+    master = await cluster.wait_master("delay")
+    await cluster.wait_in_sync("delay")
+    return master
 
 
 @pytest.fixture

@@ -97,6 +97,7 @@ async def test_master_sigkill_under_load_keeps_messages_and_group_offsets(tmp_pa
             # the kill comes once acks are flowing (an outcome, not a time: a starved CI machine
             # may need far longer than a quiet one to get there)
             await wait_for(lambda: confirmed_and_sent(1, 100), 120, "acks flowing before the kill")
+            await c.wait_in_sync("realtime")  # the slave may campaign
             before_kill = len(confirmed_at)
             old.kill()
             killed.set()
@@ -148,7 +149,11 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
                 await asyncio.gather(*[await p.send("rt.div", "x", id=f"a{k}", immediate=True) for k in range(50)])
             async with Consumer(resolver, "rt.div", group="g", wait_ms=200, batch_max=20) as cons:
                 await cons.ack(await cons.pull())  # 20 acked
-            await asyncio.sleep(1.0)  # the slave has the bytes and the group document
+            # the slave may campaign only once it is in the in-sync set, and it has the bytes and
+            # the group document
+            await c.wait_in_sync("realtime")
+            await caught_up_slave(c, s.name)
+            await asyncio.sleep(1.0)
             s.proc.send_signal(signal.SIGSTOP)
             # the slave's pending long poll (a master at rest answers it only after
             # replication_idle_wait_ms) is answered now, into its socket buffer, by one write: w0
