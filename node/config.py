@@ -248,8 +248,11 @@ class DelaySection(_Section):
     dispatch_backoff_ms_max: int = 2000
     # draining the group (`hourglass admin drain`, docs/design.md "Draining a delay group")
     drain_poll_ms: int = Field(default=1000, ge=50, le=60_000,
-                               description="a delay master asks the meta servers this often whether its group "
-                                           "drains, and moves a round of its pending messages")
+                               description="a draining delay master moves a round of its pending messages "
+                                           "and asks the meta servers again this often")
+    drain_idle_poll_ms: int = Field(default=5000, ge=50, le=600_000,
+                                    description="a delay master whose group does not drain asks this often "
+                                                "(a slave never asks: it starts asking when promoted)")
     drain_horizon_ms: int = Field(default=5000, ge=1000, le=600_000,
                                   description="a draining group fires messages due within this long itself "
                                               "instead of moving them (the wheel's window plus a margin)")

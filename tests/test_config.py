@@ -25,7 +25,8 @@ DEPLOYED = """
     stream_window_max tick_ms window_ms bucket_ms checkpoint_interval_ms checkpoint_idle_interval_ms
     wheel_idle_wait_ms_max iterate_interval_ms dispatch_batch_max dispatch_concurrency_max
     dispatch_round_interval_ms dispatch_round_interval_busy_ms dispatch_round_busy_messages dispatch_lead_ms
-    dispatch_attempts_max dispatch_backoff_ms_max drain_poll_ms drain_horizon_ms drain_batch_max drain_round_max
+    dispatch_attempts_max dispatch_backoff_ms_max drain_poll_ms drain_idle_poll_ms drain_horizon_ms drain_batch_max
+    drain_round_max
     inflight_max unfiled_max wheel_entries_max schedule_cache_bytes_max cache_ahead_ms seconds_load_max
     file_step_max follower_file_step_max frame_bytes_max verify_ahead_ms subject_table_stale_entries_max
     subject_tables_per_checkpoint_max message_segment_bytes dispatch_segment_bytes schedule_segment_bytes

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = "drain.orders"
 REFRESH_MS = 300
 ENV = {"HOURGLASS_META_LEASE_TTL_MS": "2000", "HOURGLASS_META_REFRESH_MS": str(REFRESH_MS),
-       "HOURGLASS_DRAIN_POLL_MS": "300", "HOURGLASS_DRAIN_BATCH_MAX": "20", "HOURGLASS_DRAIN_ROUND_MAX": "20"}
+       "HOURGLASS_DRAIN_POLL_MS": "300", "HOURGLASS_DRAIN_IDLE_POLL_MS": "300",
+       "HOURGLASS_DRAIN_BATCH_MAX": "20", "HOURGLASS_DRAIN_ROUND_MAX": "20"}
 PER_ROUND = 30                 # messages a send round
 ROUNDS_BEFORE = 12             # rounds before the drain starts
 ROUNDS_DURING = 12             # rounds while it drains

@@ -3,7 +3,8 @@
 An operator runs ``hourglass admin drain GROUP``; the meta server writes the drain to etcd
 (``metaserver/drains.py``) and leaves the group out of ``GetServers`` for producers. The
 group's master (``DrainTask``, one of its master tasks, so a new master after a failover
-carries on) learns it from the meta servers every ``drain_poll_ms`` and then:
+carries on) learns it from the meta servers within ``drain_idle_poll_ms`` (5 s; a slave does
+not ask) and then, every ``drain_poll_ms`` (1 s):
 
 1. refuses ``SendBatch`` (``Unavailable``, naming the drain: a producer with a stale view
    refreshes and sends elsewhere; ``check_accepting``);
@@ -219,15 +220,22 @@ class DrainTask:
             log.warning("draining group=%s: moving pending messages to %s", me, ",".join(n for n, _ in self.groups))
 
     async def run(self) -> None:
-        poll_s = self.node.settings.delay.drain_poll_ms / 1000
+        """Ask, and move a round while draining: every ``drain_poll_ms`` (1 s) while the group
+        drains, every ``drain_idle_poll_ms`` (5 s) while it does not (a drain starts at most
+        that much later; a message accepted meanwhile is moved by a later round), and not at
+        all on a slave (a node at rest makes no call a second of its own: issue 28)."""
+        d = self.node.settings.delay
+        busy_s = d.drain_poll_ms / 1000
+        idle_s = max(busy_s, d.drain_idle_poll_ms / 1000)
         while True:
             try:
-                await self.refresh()
-                if self.draining and self._master():
-                    await self.round()
+                if self._master():
+                    await self.refresh()
+                    if self.draining:
+                        await self.round()
             except HourglassError as e:
                 log.info("drain round: %s", e)
-            await asyncio.sleep(poll_s)
+            await asyncio.sleep(busy_s if self.draining else idle_s)
 
     def _master(self) -> bool:
         is_master = getattr(self.node, "is_master", None)
