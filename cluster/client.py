@@ -1189,8 +1189,9 @@ class Producer:
         # ... then the route's groups, the id's own first (a master changed, a route changed)
         view = await route_of(self.resolver, lk.subject)
         k = int(view.targets([lk.id])[0]) if len(view.groups) > 1 else 0
-        for i in [k, *(j for j in range(len(view.groups)) if j != k)]:
-            address = view.masters[i]
+        masters = view.masters + view.draining_masters  # a draining group may hold it still
+        for i in [k, *(j for j in range(len(masters)) if j != k)]:
+            address = masters[i]
             if not address or address in tried:
                 continue
             try:

@@ -255,7 +255,8 @@ class MetaResolver:
         self._last_fetch = time.monotonic()
         resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
         groups = list(resp.groups) or [resp.group]  # a meta server from before routes were lists
-        view = RouteView(tuple(g.name for g in groups), tuple(g.master for g in groups), max(1, resp.epoch))
+        view = RouteView(tuple(g.name for g in groups), tuple(g.master for g in groups), max(1, resp.epoch),
+                         tuple(g.name for g in resp.draining), tuple(g.master for g in resp.draining))
         cached = self._routes.get(subject)
         if cached is not None and cached[0].epoch > view.epoch:  # never step back to an older route
             log.info("ignoring route subject=%s epoch=%d older than cached epoch %d", subject, view.epoch,

@@ -249,8 +249,9 @@ def choose_group(subject: str, groups: list[GroupView]) -> GroupView | None:
     return live[zlib.crc32(subject.encode()) % len(live)]
 
 
-def route_views(route, groups: list[GroupView]) -> list[GroupView]:
-    """The views of a route's groups, in its order; a group with no live node is a view
-    without a master (its share of the subject waits until one is elected)."""
+def route_views(route, groups: list[GroupView], *, draining: bool = False) -> list[GroupView]:
+    """The views of a route's groups (``draining``: of its draining groups), in its order; a
+    group with no live node is a view without a master (its share of the subject waits
+    until one is elected)."""
     by_name = {g.name: g for g in groups}
-    return [by_name.get(name) or GroupView("realtime", name) for name in route.groups]
+    return [by_name.get(name) or GroupView("realtime", name) for name in (route.draining if draining else route.groups)]

@@ -179,9 +179,10 @@ class Registry:
                 log.error("unreadable leader key=%s", kv.key)
         return ks.build_groups(role, records, lead), max(nodes.header.revision, leaders.header.revision)
 
-    async def route(self, subject: str) -> tuple[Route, list[ks.GroupView]]:
-        """The subject's route (created on first use with one group) and a view of each of its
-        groups, in the route's order (a group with no live node is a view without a master)."""
+    async def route(self, subject: str) -> tuple[Route, list[ks.GroupView], list[ks.GroupView]]:
+        """The subject's route (created on first use with one group), a view of each of its
+        groups, in the route's order (a group with no live node is a view without a master),
+        and every real-time group's view (for the draining ones: ``ks.route_views``)."""
         ks.check_subject(subject)
         key = ks.subject_key(subject)
         groups, _ = await self.groups("realtime")
@@ -214,7 +215,7 @@ class Registry:
                 self.route_quotas.refund(owner, 1)  # a concurrent first use created it
         else:
             route = self._decode(subject, kv.value)
-        return route, ks.route_views(route, groups)
+        return route, ks.route_views(route, groups), groups
 
     @staticmethod
     def _decode(subject: str, raw: bytes) -> Route:

@@ -152,11 +152,12 @@ class MetaService(mrpc.MetaServicer):
             if role_for_kind(request.kind) != "realtime":
                 raise InvalidArgument("kind", "subjects route to real-time groups; delayed messages go to any "
                                               "delay group (GetServers DELAYED_PRODUCER)")
-            route, views = await self.registry.route(request.subject)
+            route, views, views_all = await self.registry.route(request.subject)
         except HourglassError as e:
             await self._fail(context, e)
         groups = [group_to_pb(g) for g in views]
-        return mpb.RouteResponse(group=groups[0], groups=groups, epoch=route.epoch)
+        draining = [group_to_pb(g) for g in ks.route_views(route, views_all, draining=True)] if route.draining else []
+        return mpb.RouteResponse(group=groups[0], groups=groups, epoch=route.epoch, draining=draining)
 
     async def SetRoute(self, request: mpb.SetRouteRequest, context) -> mpb.SetRouteResponse:
         """An operator widens a subject's route (``hourglass admin route``). Admin only (the
