@@ -63,6 +63,7 @@ import xxhash
 from cluster.errors import InvalidArgument
 
 ROUTE_GROUPS_MAX = 64  # groups one subject may be spread over (a consumer holds a pull on each)
+FENCE_REVISION_KEY = "fence_revision"  # a real-time node's record offsets entry: the fences it enforces
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,11 @@ from aetcd import exceptions as aex
 from cluster import security
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from cluster.quota import SubjectQuota, SubjectQuotas
-from cluster.routes import Route, parse_groups, widen
+from cluster.routes import Route, change, parse_groups, widen
 from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
+from metaserver.fences import fence_key, fence_ops
 
 log = logging.getLogger("hourglass.registry")
 
@@ -225,11 +226,14 @@ class Registry:
             log.error("unreadable route subject=%s: %s", subject[:200], e)
             raise Unavailable(f"the route of {subject!r} in etcd is unreadable: {e}") from None
 
-    async def set_route(self, subject: str, groups: list[str]) -> tuple[Route | None, Route]:
-        """An operator widens a subject's route to ``groups`` (every one a registered real-time
-        group). Returns (the route before, the route now); a no-op writes nothing. Narrowing
-        is ``InvalidArgument`` (it needs a drain, not built). The write is guarded by the
-        key's mod revision, so two concurrent changes cannot lose one another."""
+    async def set_route(self, subject: str, groups: list[str], *,
+                        narrowing: bool = False) -> tuple[Route | None, Route]:
+        """An operator sets a subject's route to ``groups`` (every one a registered real-time
+        group). Returns (the route before, the route now); a no-op writes nothing. A dropped
+        group drains (``cluster/routes.py`` ``change``) when ``narrowing`` is allowed, else
+        it is ``InvalidArgument``. The route and its fences (``metaserver/fences.py``) are
+        one transaction guarded by the key's mod revision, so two concurrent changes cannot
+        lose one another and no node sees a narrowed route without its fence."""
         ks.check_subject(subject)
         wanted = parse_groups(groups, ks.check_name)
         known = {g.name for g in (await self.groups("realtime"))[0]}
@@ -237,19 +241,24 @@ class Registry:
         key = ks.subject_key(subject)
         kv = await self.etcd.call(lambda c: c.get(key))
         before = None if kv is None else self._decode(subject, kv.value)
-        after = widen(subject, before, wanted)
+        after = change(subject, before, wanted) if narrowing else widen(subject, before, wanted)
         if after is before:
             return before, after
-        new_groups = [g for g in unknown if before is None or g not in before.groups]
+        new_groups = [g for g in unknown if before is None or g not in before.readable]
         if new_groups:
             raise InvalidArgument("groups", f"no registered real-time group named {', '.join(new_groups)} "
                                             f"(registered: {', '.join(sorted(known)) or 'none'})")
         rev = 0 if kv is None else kv.mod_revision
+        puts, deletes = fence_ops(subject, before, after)
         ok, _ = await self.etcd.call(lambda c: c.transaction(
-            compare=[c.transactions.mod(key) == rev], success=[c.transactions.put(key, after.encode())],
+            compare=[c.transactions.mod(key) == rev],
+            success=[c.transactions.put(key, after.encode()),
+                     *(c.transactions.put(fence_key(g, subject), v.encode()) for g, v in puts.items()),
+                     *(c.transactions.delete(fence_key(g, subject)) for g in deletes)],
             failure=[]))
         if not ok:
             raise Unavailable(f"the route of {subject!r} changed meanwhile; try again")
-        log.warning("route changed subject=%s groups=%s epoch=%d (was %s)", subject[:200], ",".join(after.groups),
-                    after.epoch, ",".join(before.groups) if before else "none")
+        log.warning("route changed subject=%s groups=%s epoch=%d draining=%s (was %s)", subject[:200],
+                    ",".join(after.groups), after.epoch, ",".join(after.draining) or "none",
+                    ",".join(before.groups) if before else "none")
         return before, after

@@ -123,6 +123,12 @@ class Registrar:
         self.registered = asyncio.Event()
         self.heartbeats = 0  # confirmed Register/Heartbeat calls
         self.on_lost: Callable[[int], None] | None = None
+        # a real-time node's fences (node/realtime/fence.py): on_fences(revision, [(subject, draining)])
+        # is called on the main loop with every Register/Heartbeat answer (before ``registered``
+        # is set after a Register); drained() is snapshotted with describe() and sent on heartbeats
+        self.on_fences: Callable[[int, list], None] | None = None
+        self.drained: Callable[[], list[str]] | None = None
+        self._drained: list[str] = []
         self._on_beat: Callable | None = None
         self._beat_on_thread = False
         # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
@@ -199,6 +205,13 @@ class Registrar:
 
     def _snapshot(self) -> None:
         self._info = node_info(self.settings, self.address, self.describe())
+        self._drained = list(self.drained()) if self.drained is not None else []
+
+    def _post_fences(self, resp) -> None:
+        """Heartbeat thread: hand an answer's fences to the main loop (before anything else
+        posted after it, so a node registered again has its fences before it is ``registered``)."""
+        if self.on_fences is not None:
+            self._post(self.on_fences, resp.fence_revision, [(f.subject, f.draining) for f in resp.fences])
 
     def _post(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` on the main loop (from the heartbeat thread)."""
@@ -344,11 +357,14 @@ class Registrar:
                 self.heartbeat_ms = max(BACKOFF_MS_MIN, resp.heartbeat_ms)
             log.info("registered node_id=%s lease=%x ttl_ms=%d heartbeat_ms=%d via=%s", self.settings.server.node_id,
                      lease, resp.ttl_ms, self.heartbeat_ms, meta.current)
+            self._post_fences(resp)
             self._post(self._set_registered, lease)
             self._last_sent_ms = None
         else:
             lease = self._lease
-            await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=self._info))
+            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=self._info,
+                                                                      drained=self._drained))
+            self._post_fences(resp)
         confirmed_ms = mono_ms()
         self.heartbeats += 1
         if self.metrics is not None:
