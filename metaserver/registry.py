@@ -15,8 +15,10 @@ so a node can only ever write its own record.
 Route: read ``/hourglass/subjects/{subject}``; if absent, choose among the live
 real-time groups (``keyspace.choose_group``) and create the key, a route of one group at
 epoch 1 (``cluster/routes.py``), if still absent (a concurrent first use reads the winner's
-choice). A route is only rewritten by an operator (``set_route``, ``hourglass admin route``),
-and only widened: groups are added, the epoch grows by one, nothing stored moves.
+choice). A route is rewritten by an operator (``set_route``, ``hourglass admin route``): widened
+(groups added) or narrowed (a dropped group drains first, its fence written in the same
+transaction: ``metaserver/fences.py``, which also finishes drains), the epoch growing by one;
+nothing stored moves.
 A new route counts against the caller's ``routes_new_per_minute_max`` (a token bucket per
 principal, ``cluster/quota.py``, in this meta server's memory; nodes are not limited), so
 one token cannot fill etcd with keys; at most ``route_creations_max`` creations wait on
@@ -233,8 +235,15 @@ class Registry:
         group drains (``cluster/routes.py`` ``change``) when ``narrowing`` is allowed, else
         it is ``InvalidArgument``. The route and its fences (``metaserver/fences.py``) are
         one transaction guarded by the key's mod revision, so two concurrent changes cannot
-        lose one another and no node sees a narrowed route without its fence."""
+        lose one another and no node sees a narrowed route without its fence. No ``groups``:
+        the route as it is (``NotFound`` when the subject has none)."""
         ks.check_subject(subject)
+        if not groups:  # no list: the route as it is (``hourglass admin route SUBJECT``), nothing written
+            kv = await self.etcd.call(lambda c: c.get(ks.subject_key(subject)))
+            if kv is None:
+                raise NotFound(f"subject {subject!r} has no route yet (it gets one on first use)")
+            now = self._decode(subject, kv.value)
+            return now, now
         wanted = parse_groups(groups, ks.check_name)
         known = {g.name for g in (await self.groups("realtime"))[0]}
         unknown = [g for g in wanted if g not in known]

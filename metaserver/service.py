@@ -32,7 +32,6 @@ CAMPAIGN_CAS_TRIES_MAX = 3   # a campaign retries when the in-sync set changed b
 DEAD_PROBES = 2              # refused TCP connects before a reported master counts as dead
 DEAD_PROBE_GAP_S = 0.1
 DEAD_PROBE_TIMEOUT_S = 0.5
-NARROWING = False            # a route change may drop groups (they drain): off until drains finish by themselves
 FINISH_TASKS_MAX = 16        # drains being finished at once (metaserver/fences.py), off the heartbeat's path
 FINISH_PER_BEAT_MAX = 4      # drained subjects one heartbeat may start finishing
 
@@ -204,7 +203,7 @@ class MetaService(mrpc.MetaServicer):
         interceptor's table, ``cluster/security.py``): a tenant's produce or consume grant
         on the subject is not enough, a route decides where everybody's messages go."""
         try:
-            before, after = await self.registry.set_route(request.subject, list(request.groups), narrowing=NARROWING)
+            before, after = await self.registry.set_route(request.subject, list(request.groups), narrowing=False)
         except HourglassError as e:
             await self._fail(context, e)
         return mpb.SetRouteResponse(groups=list(after.groups), epoch=after.epoch,

@@ -41,6 +41,12 @@ Callbacks (assign as attributes; both optional):
   another registration holds the id), *before* registering again: registering again revokes
   the old lease and so deletes a leader key attached to it.
 
+* ``on_fences(revision, [(subject, draining)])``: a real-time node's fences (``node/realtime/
+  fence.py``), from every Register and Heartbeat answer, called **on the main loop**; after a
+  Register it runs before ``registered`` is set, so a node has its fences before it serves.
+* ``drained()``: called on the main loop with ``describe()``; what it returns (a master's
+  drained subjects) goes on the next heartbeats (``HeartbeatRequest.drained``).
+
 Answers and what the thread does about them:
 
 * ``NotFound`` (the lease expired: the node was frozen, or etcd lost it) -> ``on_lost``,
@@ -205,7 +211,11 @@ class Registrar:
 
     def _snapshot(self) -> None:
         self._info = node_info(self.settings, self.address, self.describe())
-        self._drained = list(self.drained()) if self.drained is not None else []
+        try:
+            self._drained = list(self.drained()) if self.drained is not None else []
+        except Exception:  # noqa: BLE001 - a drain claim is optional; the registration must not stop for it
+            log.exception("drained subjects not reported node_id=%s", self.settings.server.node_id)
+            self._drained = []
 
     def _post_fences(self, resp) -> None:
         """Heartbeat thread: hand an answer's fences to the main loop (before anything else
