@@ -203,7 +203,7 @@ class MetaService(mrpc.MetaServicer):
         interceptor's table, ``cluster/security.py``): a tenant's produce or consume grant
         on the subject is not enough, a route decides where everybody's messages go."""
         try:
-            before, after = await self.registry.set_route(request.subject, list(request.groups), narrowing=False)
+            before, after = await self.registry.set_route(request.subject, list(request.groups), narrowing=True)
         except HourglassError as e:
             await self._fail(context, e)
         return mpb.SetRouteResponse(groups=list(after.groups), epoch=after.epoch,

@@ -134,14 +134,14 @@ class Registrar:
         # is set after a Register); drained() is snapshotted with describe() and sent on heartbeats
         self.on_fences: Callable[[int, list], None] | None = None
         self.drained: Callable[[], list[str]] | None = None
-        self._drained: list[str] = []
         self._on_beat: Callable | None = None
         self._beat_on_thread = False
         # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
         self.health = health
         self.metrics = metrics  # NodeMetrics (side_tasks attaches the node's); observed from the thread
         self.loop_alive_at = time.monotonic()  # stamped by the main loop; read by the thread
-        self._info: mpb.NodeInfo | None = None  # describe() snapshot, replaced (never changed) on the main loop
+        # describe() (and drained()) snapshot, replaced (never changed) on the main loop
+        self._info: mpb.HeartbeatRequest | None = None
         self._lease: int | None = None          # the heartbeat thread's view
         self._last_sent_ms: int | None = None   # send time of the last confirmed call under _lease
         self._main: asyncio.AbstractEventLoop | None = None
@@ -210,12 +210,14 @@ class Registrar:
             await asyncio.sleep(min(stamp_s, self.heartbeat_ms / 2000))
 
     def _snapshot(self) -> None:
-        self._info = node_info(self.settings, self.address, self.describe())
+        info = node_info(self.settings, self.address, self.describe())
         try:
-            self._drained = list(self.drained()) if self.drained is not None else []
+            drained = list(self.drained()) if self.drained is not None else []
         except Exception:  # noqa: BLE001 - a drain claim is optional; the registration must not stop for it
             log.exception("drained subjects not reported node_id=%s", self.settings.server.node_id)
-            self._drained = []
+            drained = []
+        # one object: the thread sends a claim with the record (fence revision) it was made with
+        self._info = mpb.HeartbeatRequest(node=info, drained=drained)
 
     def _post_fences(self, resp) -> None:
         """Heartbeat thread: hand an answer's fences to the main loop (before anything else
@@ -360,7 +362,7 @@ class Registrar:
     async def _beat(self, meta: MetaClient, sent_ms: int) -> None:
         """One Register (no lease) or Heartbeat, sent at ``sent_ms``."""
         if self._lease is None:
-            resp = await meta.call("Register", mpb.RegisterRequest(node=self._info,
+            resp = await meta.call("Register", mpb.RegisterRequest(node=self._info.node,
                                                                    ttl_ms=self.settings.meta.lease_ttl_ms))
             lease = self._lease = resp.lease_id
             if not self.settings.meta.heartbeat_ms:
@@ -372,8 +374,9 @@ class Registrar:
             self._last_sent_ms = None
         else:
             lease = self._lease
-            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=self._info,
-                                                                      drained=self._drained))
+            snap = self._info
+            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=snap.node,
+                                                                      drained=snap.drained))
             self._post_fences(resp)
         confirmed_ms = mono_ms()
         self.heartbeats += 1

@@ -27,7 +27,7 @@ from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.routes import FENCE_REVISION_KEY, group_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = "hot.narrowed"

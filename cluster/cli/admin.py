@@ -255,7 +255,11 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
         try:
             r = await resolver.meta.call("SetRoute", mpb.SetRouteRequest(subject=subject,
                                                                           groups=_split(groups or "")))
-            return r, (await _left(resolver, subject, list(r.draining)) if r.draining else {})
+            try:  # progress of a drain, best effort: the route is what was asked for
+                left = await _left(resolver, subject, list(r.draining)) if r.draining else {}
+            except E.HourglassError:
+                left = {}
+            return r, left
         finally:
             await resolver.close()
     r, left = asyncio.run(_run())
