@@ -4,8 +4,8 @@ under load (delayed and immediate messages, two consumer groups pulling and acki
 acknowledged message is delivered to each consumer group, exactly once (the bound on
 duplicates in a run without failures is zero: a refused message was stored nowhere, and the
 retry of an id goes to one group under one route), none before its due time; a producer
-whose route is cached from before the narrowing is refused by the dropped group and its
-messages land in the remaining ones; the route ends without the dropped group, by itself,
+and a delay node whose route is cached from before the narrowing are refused by the dropped
+group and their messages land in the remaining ones; the route ends without the dropped group, by itself,
 once the consumers acked everything there (not before: while one consumer group holds back,
 `hourglass admin route SUBJECT` says how many of its messages are left there)."""
 
@@ -33,8 +33,10 @@ pytestmark = pytest.mark.slow  # real processes, over 20 s
 ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = "hot.narrowed"
 GROUPS = ("billing", "audit")   # two consumer groups: each must see every message once
-REFRESH_MS = 300                # clients and the delay node ask for routes this often
-ENV = {"HOURGLASS_META_LEASE_TTL_MS": "2000", "HOURGLASS_META_REFRESH_MS": str(REFRESH_MS)}
+REFRESH_MS = 300                # the test's clients ask for routes this often
+# the delay node keeps a route an hour: after the narrowing it learns the new one only from the
+# dropped group's "route moved" refusal of its dispatch
+ENV = {"HOURGLASS_META_LEASE_TTL_MS": "2000", "HOURGLASS_META_REFRESH_MS": "3600000"}
 ALL = ("realtime-1", "realtime-2", "realtime-3")
 KEPT = ("realtime-1", "realtime-2")
 DROPPED = "realtime-3"
@@ -159,6 +161,12 @@ async def test_a_subject_narrowed_under_load_loses_nothing_and_the_dropped_group
                 assert not res.errors, res.errors
                 sent.update({i: int(res.deliver_at_ms[j]) for j, i in enumerate(res.ids)})
                 assert stale._routes[SUBJECT][0].epoch >= 3  # the refusal made it ask again
+                # delayed ones the delay node dispatches with its hour-old route: refused there too
+                d_ids = [i for i in (f"ds-{n}" for n in range(1000)) if group_of(i, ALL) == DROPPED][:STALE_MESSAGES]
+                res = await (await p.send_many(SUBJECT, [b"w"] * len(d_ids), ids=d_ids, delay_ms=300))
+                assert not res.errors, res.errors
+                sent.update({i: int(res.deliver_at_ms[j]) for j, i in enumerate(res.ids)})
+                ids += d_ids
                 # audit has not acked the dropped group's messages: it drains, and says how many are left
                 r = _cli("admin", "route", SUBJECT, "--meta", meta)
                 assert r.returncode == 0 and r.stdout.startswith(f"route: {SUBJECT} routes to {','.join(KEPT)}") \
