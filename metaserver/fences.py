@@ -80,12 +80,14 @@ def fence_ops(subject: str, before: Route | None, after: Route) -> tuple[dict[st
 
 
 def finish_refusal(*, members: list[tuple[str, int]], needed_revision: int, reporter: str, master: str,
-                   reporter_revision: int) -> str:
+                   reporter_revision: int, drained: bool = True) -> str:
     """Why a draining group may not leave the route yet ("" when it may). ``members``:
     ``(node_id, fence revision reported)`` of every registered member; ``needed_revision``:
     the fence's mod revision; ``reporter``/``master``: addresses of the member that said
-    "drained" and of the group's master now; ``reporter_revision``: the fence revision of the
-    snapshot the claim was made from."""
+    "drained" (``drained``) and of the group's master now; ``reporter_revision``: the fence
+    revision of the snapshot the claim was made from."""
+    if not drained:
+        return "the master holds messages a consumer group has not acked"
     if not master:
         return "the group has no master"
     if reporter != master:

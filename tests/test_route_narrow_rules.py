@@ -192,6 +192,7 @@ def test_a_drain_finishes_when_every_member_enforces_the_fence_and_the_master_sa
 
 
 @pytest.mark.parametrize("change_, words", [
+    (dict(drained=False), "not acked"),
     (dict(master=""), "no master"),
     (dict(reporter="h:2"), "master is h:1"),
     (dict(reporter_revision=99), "predates"),
