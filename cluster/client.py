@@ -909,6 +909,8 @@ class Producer:
         if retry.any():
             first = int(np.flatnonzero(retry)[0])
             why = status.from_code(int(res.codes[first]), res.errors.get(first, ""))
+            if res.errors:
+                self._note_moved(pieces, res.errors)
         pos = 0
         for job, idx, group in pieces:
             sl = slice(pos, pos + len(idx))
@@ -931,6 +933,21 @@ class Producer:
             if len(fidx):
                 self._settle(job, fidx)
         return again, why
+
+    def _note_moved(self, pieces: list[_Piece], errors: dict[int, str]) -> None:
+        """Messages a real-time node refused as "route moved" (a narrowing dropped its group):
+        their subjects' routes are asked again before the retry, which hashes them over the
+        groups of the new route (``_route_immediate``)."""
+        moved = [i for i, e in errors.items() if e.startswith(status.ROUTE_MOVED_PREFIX)]
+        note = getattr(self.resolver, "route_moved", None)
+        if not moved or note is None:
+            return
+        pos, at = 0, sorted(moved)
+        for job, idx, _ in pieces:
+            for i in at:
+                if pos <= i < pos + len(idx):
+                    note(job.subjects if isinstance(job.subjects, str) else job.subjects[int(idx[i - pos])])
+            pos += len(idx)
 
     # ------------------------------------------------------------------ the wire
 
@@ -1189,8 +1206,9 @@ class Producer:
         # ... then the route's groups, the id's own first (a master changed, a route changed)
         view = await route_of(self.resolver, lk.subject)
         k = int(view.targets([lk.id])[0]) if len(view.groups) > 1 else 0
-        for i in [k, *(j for j in range(len(view.groups)) if j != k)]:
-            address = view.masters[i]
+        masters = view.masters + view.draining_masters  # a draining group may hold it still
+        for i in [k, *(j for j in range(len(masters)) if j != k)]:
+            address = masters[i]
             if not address or address in tried:
                 continue
             try:

@@ -126,6 +126,8 @@ class MetaResolver:
         self._stale_since: float | None = None
         self._last_fetch = float("-inf")
         self._refreshing: dict[str, asyncio.Task] = {}  # key -> its background refresh (``_behind``)
+        self._moved: dict[str, float] = {}  # subject -> when a node said "route moved" (``route_moved``)
+        self._moved_fetch: dict[str, float] = {}  # subject -> when its route was last asked for that
         self.delay: list[str] = []     # every delay node seen by the last load() (status, tools)
         self.realtime: list[str] = []  # every real-time node seen by the last load()
 
@@ -239,7 +241,8 @@ class MetaResolver:
         """The subject's real-time groups with their masters (``cluster/routes.py``). At
         least one group has a master, else ``Unavailable``."""
         cached = self._routes.get(subject)
-        if cached is not None and not self._stale(cached[1]):
+        moved = subject in self._moved and self._ask_moved(subject)
+        if cached is not None and not moved and not self._stale(cached[1]):
             if self._aged(cached[1]):
                 self._behind(subject, lambda: self._fetch_route(subject))
             return cached[0]
@@ -255,7 +258,8 @@ class MetaResolver:
         self._last_fetch = time.monotonic()
         resp = await self.meta.call("Route", mpb.RouteRequest(kind=self.realtime_kind, subject=subject))
         groups = list(resp.groups) or [resp.group]  # a meta server from before routes were lists
-        view = RouteView(tuple(g.name for g in groups), tuple(g.master for g in groups), max(1, resp.epoch))
+        view = RouteView(tuple(g.name for g in groups), tuple(g.master for g in groups), max(1, resp.epoch),
+                         tuple(g.name for g in resp.draining), tuple(g.master for g in resp.draining))
         cached = self._routes.get(subject)
         if cached is not None and cached[0].epoch > view.epoch:  # never step back to an older route
             log.info("ignoring route subject=%s epoch=%d older than cached epoch %d", subject, view.epoch,
@@ -270,6 +274,25 @@ class MetaResolver:
         while len(self._routes) > self.routes_max:
             self._routes.popitem(last=False)
         return view
+
+    def route_moved(self, subject: str) -> None:
+        """A real-time node refused messages of ``subject``: the route moved (a narrowing,
+        docs/design.md "Narrowing drains first"). The next lookup of the subject asks a meta
+        server before it answers (once per ``refresh_min_ms`` at most)."""
+        if len(self._moved) < self.routes_max:
+            self._moved[subject] = time.monotonic()
+
+    def _ask_moved(self, subject: str) -> bool:
+        """A node said the subject's route moved: ask a meta server now, unless it was asked
+        for that within ``refresh_min_ms`` (the cached route answers; the sender retries)."""
+        now = time.monotonic()
+        self._moved.pop(subject, None)
+        if now - self._moved_fetch.get(subject, float("-inf")) < self.refresh_min_ms / 1000:
+            return False
+        self._moved_fetch[subject] = now
+        while len(self._moved_fetch) > self.routes_max:
+            self._moved_fetch.pop(next(iter(self._moved_fetch)))
+        return True
 
     async def refresh(self) -> None:
         """A call failed: the next lookup asks a meta server again (rate limited)."""

@@ -108,6 +108,16 @@ class NotLeader(Unavailable):
         self.leader_hint = leader_hint
 
 
+class RouteMoved(Unavailable):
+    """This real-time group no longer takes the subject: a narrowing dropped it from the
+    subject's route (it drains, docs/design.md "Narrowing drains first"). Nothing of the
+    refused messages was stored here; refresh the route and send them to the group it names
+    now (the SDK and the delay nodes do)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail if detail.startswith("route moved") else f"route moved: {detail}")
+
+
 class StaleEpoch(HourglassError):
     """A request carried an epoch older than the current term (fencing)."""
 

@@ -8,10 +8,16 @@ picks a message's group lives here, once, so all of them agree.
 Value format (JSON, keys sorted)::
 
     {"epoch": 2, "groups": ["rt-1", "rt-2", "rt-3"]}
+    {"draining": ["rt-3"], "epoch": 3, "groups": ["rt-1", "rt-2"]}
 
 * ``groups``: sorted, distinct real-time group names, at least one (``ROUTE_GROUPS_MAX`` at
-  most). Sorted so that the order (and with it the hash choice) does not depend on how an
-  operator spelled the list.
+  most): the groups written to. Sorted so that the order (and with it the hash choice) does
+  not depend on how an operator spelled the list.
+* ``draining``: sorted, distinct, disjoint from ``groups``, often absent (written only when
+  not empty, so a route that never narrowed keeps its bytes): groups dropped by a narrowing
+  that may still hold messages. Nobody writes to them (their nodes refuse the subject, the
+  fence: ``metaserver/fences.py``); consumers still pull from them. ``readable`` is
+  ``groups`` and ``draining`` together: where a consumer pulls.
 * ``epoch``: 1 when the route is created, +1 on every change. A reader keeps the route with
   the larger epoch (a cached answer never replaces a newer one).
 * A value written before routes were lists is the bare group name (``rt-1``); it reads as
@@ -23,16 +29,27 @@ and is de-duplicated there. It is not ``crc32``, the hash that pins an id to a d
 (``cluster.client.group_for``): with the same hash, all of one delay group's messages of a
 subject would go to one real-time group whenever the two counts share a factor.
 
-Changes: only widening (``widen``): the new list must contain every group of the old one.
-New messages spread over all listed groups at once; nothing already stored moves, and the
-consumers pull from every listed group, so messages stored before the change stay
-deliverable. Narrowing would leave messages in a group nobody pulls any more: it needs a
-drain first (not built), so it is refused (``narrowing_refusal``).
+Changes (``change``, an operator's ``--groups``; each raises the epoch by one):
+
+* widening adds groups: new messages spread over all listed groups at once; nothing stored
+  moves, consumers pull from every readable group, so nothing is lost;
+* narrowing drains first: a dropped group moves from ``groups`` to ``draining``; its nodes
+  refuse new messages of the subject (``RouteMoved``: the writer refreshes its route and
+  sends again), consumers keep pulling what it holds, and once every consumer group has
+  acked everything there the meta server ``finish``es it: the group leaves the route;
+* listing a draining group again takes it back (out of ``draining``, written to again).
+
+So the readable set only loses a group by ``finish``, and ``groups`` is never empty.
+``widen`` is the same rule refusing any drop (``narrowing_refusal``), for callers that may
+not narrow.
 
 Worked example: ``orders`` routed to ``["rt-1"]`` (epoch 1) is widened with
 ``--groups rt-1,rt-3,rt-2``: the route becomes ``["rt-1", "rt-2", "rt-3"]``, epoch 2. An id
 whose xxh3 is 7 went to ``rt-1`` before and goes to ``groups[7 % 3] = rt-2`` now; a
-consumer pulls from all three and finds the old copy in ``rt-1``.
+consumer pulls from all three and finds the old copy in ``rt-1``. Narrowed with
+``--groups rt-1,rt-2``: groups ``["rt-1", "rt-2"]``, draining ``["rt-3"]``, epoch 3; the id
+goes to ``groups[7 % 2] = rt-2``; consumers pull from all three until ``rt-3`` is drained,
+then the route is ``["rt-1", "rt-2"]`` at epoch 4.
 """
 
 from __future__ import annotations
@@ -46,21 +63,34 @@ import xxhash
 from cluster.errors import InvalidArgument
 
 ROUTE_GROUPS_MAX = 64  # groups one subject may be spread over (a consumer holds a pull on each)
+FENCE_REVISION_KEY = "fence_revision"  # a real-time node's record offsets entry: the fences it enforces
 
 
 @dataclass(frozen=True)
 class Route:
-    """A subject's real-time groups (sorted, distinct) and the route's epoch."""
+    """A subject's real-time groups written to (sorted, distinct), the groups only read from
+    while they drain (sorted, distinct, disjoint from ``groups``) and the route's epoch."""
 
     groups: tuple[str, ...]
     epoch: int = 1
+    draining: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.groups and list(self.groups) == sorted(set(self.groups)), self.groups
+        assert list(self.draining) == sorted(set(self.draining)), self.draining
+        assert not set(self.groups) & set(self.draining), (self.groups, self.draining)
         assert self.epoch >= 1, self.epoch
 
+    @property
+    def readable(self) -> tuple[str, ...]:
+        """Where consumers pull: ``groups`` and ``draining``, sorted."""
+        return tuple(sorted(self.groups + self.draining))
+
     def encode(self) -> bytes:
-        return json.dumps({"epoch": self.epoch, "groups": list(self.groups)}, sort_keys=True).encode()
+        d: dict = {"epoch": self.epoch, "groups": list(self.groups)}
+        if self.draining:  # absent when empty: a route that never narrowed keeps its bytes
+            d["draining"] = list(self.draining)
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "Route":
@@ -75,10 +105,14 @@ class Route:
         groups = d.get("groups")
         if not isinstance(groups, list) or not groups or not all(isinstance(g, str) and g for g in groups):
             raise ValueError(f"route without groups: {text[:200]!r}")
+        draining = d.get("draining", [])
+        if not isinstance(draining, list) or not all(isinstance(g, str) and g for g in draining):
+            raise ValueError(f"route with unreadable draining groups: {text[:200]!r}")
         epoch = d.get("epoch", 1)
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"route epoch {epoch!r} is not a positive integer")
-        return cls(tuple(sorted(set(groups))), epoch)
+        written = set(groups)
+        return cls(tuple(sorted(written)), epoch, tuple(sorted(set(draining) - written)))
 
 
 def parse_groups(groups: list[str] | str, check_name) -> tuple[str, ...]:
@@ -97,25 +131,57 @@ def parse_groups(groups: list[str] | str, check_name) -> tuple[str, ...]:
 
 
 def narrowing_refusal(subject: str, current: Route, wanted: tuple[str, ...]) -> str:
-    """Why ``wanted`` may not replace ``current`` ("" when it may: it keeps every group)."""
+    """Why ``wanted`` may not replace ``current`` where narrowing is not allowed ("" when it
+    may: it keeps every group)."""
     dropped = sorted(set(current.groups) - set(wanted))
     if not dropped:
         return ""
-    return (f"route of {subject!r} would drop {', '.join(dropped)}: narrowing needs a drain of the dropped "
-            f"groups first (not built yet); the route stays {','.join(current.groups)}")
+    return (f"route of {subject!r} would drop {', '.join(dropped)}: this caller only widens; "
+            f"the route stays {','.join(current.groups)}")
+
+
+def change(subject: str, current: Route | None, wanted: tuple[str, ...]) -> Route:
+    """The route after an operator's ``--groups wanted``: ``current`` itself when nothing
+    changes, else a new route at epoch + 1 whose ``groups`` are ``wanted``; a dropped group
+    goes to ``draining``, a listed draining group comes back out of it."""
+    if current is None:
+        return Route(tuple(sorted(set(wanted))), 1)
+    groups = tuple(sorted(set(wanted)))
+    if groups == current.groups:
+        return current
+    draining = (set(current.draining) | set(current.groups)) - set(groups)
+    return Route(groups, current.epoch + 1, tuple(sorted(draining)))
+
+
+narrow = change  # the name the design uses for a change that drops groups: drop means drain
+
+
+def dropped(current: Route | None, after: Route) -> tuple[str, ...]:
+    """Groups ``after`` starts draining (written to under ``current``, not any more)."""
+    return tuple(g for g in after.draining if current is None or g not in current.draining)
+
+
+def taken_back(current: Route | None, after: Route) -> tuple[str, ...]:
+    """Draining groups of ``current`` that ``after`` writes to again."""
+    return tuple(g for g in after.groups if current is not None and g in current.draining)
+
+
+def finish(current: Route, group: str) -> Route:
+    """The route once ``group`` (draining) holds nothing any consumer group still needs: it
+    leaves the route, epoch + 1. ``InvalidArgument`` when it is not draining."""
+    if group not in current.draining:
+        raise InvalidArgument("group", f"{group!r} is not draining in this route")
+    return Route(current.groups, current.epoch + 1, tuple(g for g in current.draining if g != group))
 
 
 def widen(subject: str, current: Route | None, wanted: tuple[str, ...]) -> Route:
-    """The route after an operator's ``--groups wanted``: ``current`` itself when nothing
-    changes, a new route (epoch + 1) when groups are added. Narrowing is ``InvalidArgument``."""
-    if current is None:
-        return Route(wanted, 1)
-    why = narrowing_refusal(subject, current, wanted)
-    if why:
-        raise InvalidArgument("groups", why)
-    if set(wanted) == set(current.groups):
-        return current
-    return Route(tuple(sorted(set(wanted) | set(current.groups))), current.epoch + 1)
+    """``change`` for callers that may only widen: dropping a group is ``InvalidArgument``."""
+    if current is not None:
+        why = narrowing_refusal(subject, current, wanted)
+        if why:
+            raise InvalidArgument("groups", why)
+        wanted = tuple(sorted(set(wanted) | set(current.groups)))
+    return change(subject, current, wanted)
 
 
 def id_hash(msg_id: bytes | str) -> int:
@@ -141,14 +207,18 @@ def group_index(ids: list[bytes] | list[str], n_groups: int) -> np.ndarray:
 @dataclass(frozen=True)
 class RouteView:
     """What a client knows of a subject's route: its groups (the route's order), each one's
-    master address ("" while it has none) and the route's epoch."""
+    master address ("" while it has none), the route's epoch, and the draining groups with
+    their masters (read only: consumers pull from them, nobody sends there)."""
 
     groups: tuple[str, ...]
     masters: tuple[str, ...]
     epoch: int = 1
+    draining: tuple[str, ...] = ()
+    draining_masters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         assert len(self.groups) == len(self.masters) >= 1, (self.groups, self.masters)
+        assert len(self.draining) == len(self.draining_masters), (self.draining, self.draining_masters)
 
     @classmethod
     def single(cls, address: str) -> "RouteView":
@@ -156,8 +226,17 @@ class RouteView:
         return cls((address,), (address,), 1)
 
     def live(self) -> list[str]:
-        """Masters of the groups that have one (consumers pull from each)."""
+        """Masters of the readable groups that have one (consumers pull from each): the
+        groups written to first, then the draining ones."""
+        return [m for m in self.masters + self.draining_masters if m]
+
+    def writable_live(self) -> list[str]:
+        """Masters of the groups written to that have one."""
         return [m for m in self.masters if m]
+
+    def readable(self) -> list[tuple[str, str]]:
+        """``(group, master)`` of every readable group: written ones first, then draining."""
+        return list(zip(self.groups + self.draining, self.masters + self.draining_masters))
 
     def first_master(self) -> str:
         return next((m for m in self.masters if m), "")

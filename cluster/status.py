@@ -28,6 +28,7 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
     (E.DiskFull, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts DISK_FULL_PREFIX
     (E.QuotaExceeded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),  # message starts QUOTA_PREFIX
     (E.Overloaded, pb.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (E.RouteMoved, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),  # message starts ROUTE_MOVED_PREFIX
     (E.StaleEpoch, pb.NOT_LEADER, grpc.StatusCode.FAILED_PRECONDITION),
     (E.Unavailable, pb.OVERLOADED, grpc.StatusCode.UNAVAILABLE),
     (E.OffsetOutOfRange, pb.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE),
@@ -40,6 +41,9 @@ TABLE: list[tuple[type[Exception], int, grpc.StatusCode]] = [
 RETRYABLE_CODES = {pb.OVERLOADED, pb.NOT_LEADER, pb.REPLICATION_TIMEOUT, pb.INTERNAL}
 DISK_FULL_PREFIX = "disk full"
 QUOTA_PREFIX = "quota exceeded"  # a QuotaExceeded's text: final for the SDK, as a full disk
+# a RouteMoved's text: retryable (an SDK from before it retries and refreshes its routes as for
+# any OVERLOADED); a writer that knows it refreshes the subject's route at once
+ROUTE_MOVED_PREFIX = "route moved"
 # "node ADDRESS has N bytes ..." in a DiskFull's text (node/store/diskspace.py, ``Refusal.text``):
 # a per-message answer carries only the text, the attributes are read back from it
 _DISK_FULL_WHERE = re.compile(r"node (\S+) has (\d+) bytes")
@@ -101,6 +105,8 @@ def from_code(code: int, message: str, *, leader_hint: str | None = None) -> E.H
     if code == pb.OVERLOADED:
         if message.startswith(QUOTA_PREFIX):
             return E.QuotaExceeded(message)
+        if message.startswith(ROUTE_MOVED_PREFIX):
+            return E.RouteMoved(message)
         return disk_full(message) if message.startswith(DISK_FULL_PREFIX) else E.Overloaded(message)
     return E.HourglassError(message or f"code {code}")
 

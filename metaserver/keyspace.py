@@ -5,7 +5,8 @@ Keys (all under ``/hourglass``)::
     /hourglass/ids/{node_id}                   -> claim {"lease", "role", "group"}    (node's lease)
     /hourglass/nodes/{role}/{group}/{node_id}  -> NodeRecord JSON                    (node's lease)
     /hourglass/leaders/{role}/{group}          -> {"node_id", "address"}             (leader's lease)
-    /hourglass/subjects/{subject}              -> route {"epoch", "groups"}          (no lease: permanent)
+    /hourglass/subjects/{subject}              -> route {"epoch", "groups", "draining"?} (no lease: permanent)
+    /hourglass/fences/{group}/{subject}        -> {"draining", "epoch"}             (no lease: metaserver/fences.py)
 
 Invariants:
 
@@ -15,9 +16,10 @@ Invariants:
 * the epoch of a leader is the create revision of its leader key; etcd
   revisions only grow, so every new term has a larger epoch than all before;
 * a subject's route is created once (create-if-absent, one group, epoch 1) and afterwards
-  only widened by an operator, each change guarded by the key's mod revision and raising
-  the epoch by one (``cluster/routes.py``: the format, and a bare group name written before
-  routes were lists reads as a list of one).
+  changed by an operator (widened, or narrowed: a dropped group drains first) or by a drain
+  that finished, each change guarded by the key's mod revision and raising the epoch by one
+  (``cluster/routes.py``: the format, and a bare group name written before routes were lists
+  reads as a list of one); the fences a narrowing writes beside it: ``metaserver/fences.py``.
 
 Worked example of discovery (``build_groups``): records for realtime/rt-1/{a, b}
 where ``a`` says master and no leader key -> group rt-1, master = a's address;
@@ -249,8 +251,9 @@ def choose_group(subject: str, groups: list[GroupView]) -> GroupView | None:
     return live[zlib.crc32(subject.encode()) % len(live)]
 
 
-def route_views(route, groups: list[GroupView]) -> list[GroupView]:
-    """The views of a route's groups, in its order; a group with no live node is a view
-    without a master (its share of the subject waits until one is elected)."""
+def route_views(route, groups: list[GroupView], *, draining: bool = False) -> list[GroupView]:
+    """The views of a route's groups (``draining``: of its draining groups), in its order; a
+    group with no live node is a view without a master (its share of the subject waits
+    until one is elected)."""
     by_name = {g.name: g for g in groups}
-    return [by_name.get(name) or GroupView("realtime", name) for name in route.groups]
+    return [by_name.get(name) or GroupView("realtime", name) for name in (route.draining if draining else route.groups)]

@@ -15,8 +15,10 @@ so a node can only ever write its own record.
 Route: read ``/hourglass/subjects/{subject}``; if absent, choose among the live
 real-time groups (``keyspace.choose_group``) and create the key, a route of one group at
 epoch 1 (``cluster/routes.py``), if still absent (a concurrent first use reads the winner's
-choice). A route is only rewritten by an operator (``set_route``, ``hourglass admin route``),
-and only widened: groups are added, the epoch grows by one, nothing stored moves.
+choice). A route is rewritten by an operator (``set_route``, ``hourglass admin route``): widened
+(groups added) or narrowed (a dropped group drains first, its fence written in the same
+transaction: ``metaserver/fences.py``, which also finishes drains), the epoch growing by one;
+nothing stored moves.
 A new route counts against the caller's ``routes_new_per_minute_max`` (a token bucket per
 principal, ``cluster/quota.py``, in this meta server's memory; nodes are not limited), so
 one token cannot fill etcd with keys; at most ``route_creations_max`` creations wait on
@@ -36,10 +38,11 @@ from aetcd import exceptions as aex
 from cluster import security
 from cluster.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from cluster.quota import SubjectQuota, SubjectQuotas
-from cluster.routes import Route, parse_groups, widen
+from cluster.routes import Route, change, parse_groups, widen
 from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.etcd import EtcdClient
+from metaserver.fences import fence_key, fence_ops
 
 log = logging.getLogger("hourglass.registry")
 
@@ -179,9 +182,10 @@ class Registry:
                 log.error("unreadable leader key=%s", kv.key)
         return ks.build_groups(role, records, lead), max(nodes.header.revision, leaders.header.revision)
 
-    async def route(self, subject: str) -> tuple[Route, list[ks.GroupView]]:
-        """The subject's route (created on first use with one group) and a view of each of its
-        groups, in the route's order (a group with no live node is a view without a master)."""
+    async def route(self, subject: str) -> tuple[Route, list[ks.GroupView], list[ks.GroupView]]:
+        """The subject's route (created on first use with one group), a view of each of its
+        groups, in the route's order (a group with no live node is a view without a master),
+        and every real-time group's view (for the draining ones: ``ks.route_views``)."""
         ks.check_subject(subject)
         key = ks.subject_key(subject)
         groups, _ = await self.groups("realtime")
@@ -214,7 +218,7 @@ class Registry:
                 self.route_quotas.refund(owner, 1)  # a concurrent first use created it
         else:
             route = self._decode(subject, kv.value)
-        return route, ks.route_views(route, groups)
+        return route, ks.route_views(route, groups), groups
 
     @staticmethod
     def _decode(subject: str, raw: bytes) -> Route:
@@ -224,31 +228,46 @@ class Registry:
             log.error("unreadable route subject=%s: %s", subject[:200], e)
             raise Unavailable(f"the route of {subject!r} in etcd is unreadable: {e}") from None
 
-    async def set_route(self, subject: str, groups: list[str]) -> tuple[Route | None, Route]:
-        """An operator widens a subject's route to ``groups`` (every one a registered real-time
-        group). Returns (the route before, the route now); a no-op writes nothing. Narrowing
-        is ``InvalidArgument`` (it needs a drain, not built). The write is guarded by the
-        key's mod revision, so two concurrent changes cannot lose one another."""
+    async def set_route(self, subject: str, groups: list[str], *,
+                        narrowing: bool = False) -> tuple[Route | None, Route]:
+        """An operator sets a subject's route to ``groups`` (every one a registered real-time
+        group). Returns (the route before, the route now); a no-op writes nothing. A dropped
+        group drains (``cluster/routes.py`` ``change``) when ``narrowing`` is allowed, else
+        it is ``InvalidArgument``. The route and its fences (``metaserver/fences.py``) are
+        one transaction guarded by the key's mod revision, so two concurrent changes cannot
+        lose one another and no node sees a narrowed route without its fence. No ``groups``:
+        the route as it is (``NotFound`` when the subject has none)."""
         ks.check_subject(subject)
+        if not groups:  # no list: the route as it is (``hourglass admin route SUBJECT``), nothing written
+            kv = await self.etcd.call(lambda c: c.get(ks.subject_key(subject)))
+            if kv is None:
+                raise NotFound(f"subject {subject!r} has no route yet (it gets one on first use)")
+            now = self._decode(subject, kv.value)
+            return now, now
         wanted = parse_groups(groups, ks.check_name)
         known = {g.name for g in (await self.groups("realtime"))[0]}
         unknown = [g for g in wanted if g not in known]
         key = ks.subject_key(subject)
         kv = await self.etcd.call(lambda c: c.get(key))
         before = None if kv is None else self._decode(subject, kv.value)
-        after = widen(subject, before, wanted)
+        after = change(subject, before, wanted) if narrowing else widen(subject, before, wanted)
         if after is before:
             return before, after
-        new_groups = [g for g in unknown if before is None or g not in before.groups]
+        new_groups = [g for g in unknown if before is None or g not in before.readable]
         if new_groups:
             raise InvalidArgument("groups", f"no registered real-time group named {', '.join(new_groups)} "
                                             f"(registered: {', '.join(sorted(known)) or 'none'})")
         rev = 0 if kv is None else kv.mod_revision
+        puts, deletes = fence_ops(subject, before, after)
         ok, _ = await self.etcd.call(lambda c: c.transaction(
-            compare=[c.transactions.mod(key) == rev], success=[c.transactions.put(key, after.encode())],
+            compare=[c.transactions.mod(key) == rev],
+            success=[c.transactions.put(key, after.encode()),
+                     *(c.transactions.put(fence_key(g, subject), v.encode()) for g, v in puts.items()),
+                     *(c.transactions.delete(fence_key(g, subject)) for g in deletes)],
             failure=[]))
         if not ok:
             raise Unavailable(f"the route of {subject!r} changed meanwhile; try again")
-        log.warning("route changed subject=%s groups=%s epoch=%d (was %s)", subject[:200], ",".join(after.groups),
-                    after.epoch, ",".join(before.groups) if before else "none")
+        log.warning("route changed subject=%s groups=%s epoch=%d draining=%s (was %s)", subject[:200],
+                    ",".join(after.groups), after.epoch, ",".join(after.draining) or "none",
+                    ",".join(before.groups) if before else "none")
         return before, after

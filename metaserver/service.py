@@ -16,10 +16,12 @@ from cluster import security, status
 from cluster.errors import HourglassError, InvalidArgument, NotLeader, QuotaExceeded, Unavailable
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.routes import FENCE_REVISION_KEY
 from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.drains import Drains
 from metaserver.election import Election
+from metaserver.fences import Fences
 from metaserver.etcd import EtcdClient
 from metaserver.registry import Registry
 
@@ -30,6 +32,8 @@ CAMPAIGN_CAS_TRIES_MAX = 3   # a campaign retries when the in-sync set changed b
 DEAD_PROBES = 2              # refused TCP connects before a reported master counts as dead
 DEAD_PROBE_GAP_S = 0.1
 DEAD_PROBE_TIMEOUT_S = 0.5
+FINISH_TASKS_MAX = 16        # drains being finished at once (metaserver/fences.py), off the heartbeat's path
+FINISH_PER_BEAT_MAX = 4      # drained subjects one heartbeat may start finishing
 
 
 async def port_refuses(address: str, timeout_s: float) -> bool:
@@ -90,6 +94,8 @@ class MetaService(mrpc.MetaServicer):
         self.etcd = etcd
         self.registry = Registry(etcd, settings)
         self.drains = Drains(etcd)
+        self.fences = Fences(etcd)
+        self._finishing: dict[tuple[str, str], asyncio.Task] = {}  # (group, subject) -> its finishing try
         self.healthy = False
         self.health_error = "not checked yet"
         self.leader_waits = 0  # Leader long polls waiting now (at most settings.leader_waits_max)
@@ -106,18 +112,51 @@ class MetaService(mrpc.MetaServicer):
             ttl_s = Registry.ttl_s(request.ttl_ms, self.registry.default_ttl_s)
             record = record_from_pb(request.node)
             lease_id = await self.registry.register(record, ttl_s=ttl_s)
+            fences, revision = await self._fences_of(record)
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.RegisterResponse(lease_id=lease_id, ttl_ms=ttl_s * 1000, heartbeat_ms=min(HEARTBEAT_MS_MAX, ttl_s * 1000 // 3))
+        return mpb.RegisterResponse(lease_id=lease_id, ttl_ms=ttl_s * 1000,
+                                    heartbeat_ms=min(HEARTBEAT_MS_MAX, ttl_s * 1000 // 3),
+                                    fences=fences, fence_revision=revision)
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
         try:
             if request.lease_id <= 0:
                 raise InvalidArgument("lease_id", "must be > 0")
-            ttl = await self.registry.heartbeat(request.lease_id, record_from_pb(request.node))
+            record = record_from_pb(request.node)
+            ttl = await self.registry.heartbeat(request.lease_id, record)
+            fences, revision = await self._fences_of(record)
         except HourglassError as e:
             await self._fail(context, e)
-        return mpb.HeartbeatResponse(ttl_ms=ttl * 1000)
+        if request.drained and record.role == "realtime":
+            self._finish_drains(record, list(request.drained), {f.subject for f in fences if f.draining})
+        return mpb.HeartbeatResponse(ttl_ms=ttl * 1000, fences=fences, fence_revision=revision)
+
+    async def _fences_of(self, record: ks.NodeRecord) -> tuple[list[mpb.Fence], int]:
+        """A real-time node's group's fences and the revision they were read at (others: none)."""
+        if record.role != "realtime":
+            return [], 0
+        fences, revision = await self.fences.of_group(record.group)
+        return [mpb.Fence(subject=s, draining=d) for s, d in fences], revision
+
+    def _finish_drains(self, record: ks.NodeRecord, drained: list[str], draining: set[str]) -> None:
+        """A real-time master says these draining subjects hold nothing unacknowledged: try to
+        finish them off the heartbeat's path (at most ``FINISH_TASKS_MAX`` at once; one that
+        is not started now is tried on a later heartbeat)."""
+        for subject in drained[:FINISH_PER_BEAT_MAX]:
+            key = (record.group, subject)
+            if subject not in draining or key in self._finishing or len(self._finishing) >= FINISH_TASKS_MAX:
+                continue
+            revision = record.offsets.get(FENCE_REVISION_KEY, 0)
+
+            async def run(key=key, subject=subject, revision=revision) -> None:
+                try:
+                    await self.fences.try_finish(self.registry, record.group, subject, record.address, revision)
+                except (HourglassError, aex.ClientError, ValueError) as e:
+                    log.info("finishing the drain of subject=%s group=%s failed: %s", subject[:200], record.group, e)
+                finally:
+                    self._finishing.pop(key, None)
+            self._finishing[key] = asyncio.get_running_loop().create_task(run(), name=f"finish-{record.group}")
 
     async def Deregister(self, request: mpb.DeregisterRequest, context) -> mpb.DeregisterResponse:
         try:
@@ -152,22 +191,24 @@ class MetaService(mrpc.MetaServicer):
             if role_for_kind(request.kind) != "realtime":
                 raise InvalidArgument("kind", "subjects route to real-time groups; delayed messages go to any "
                                               "delay group (GetServers DELAYED_PRODUCER)")
-            route, views = await self.registry.route(request.subject)
+            route, views, views_all = await self.registry.route(request.subject)
         except HourglassError as e:
             await self._fail(context, e)
         groups = [group_to_pb(g) for g in views]
-        return mpb.RouteResponse(group=groups[0], groups=groups, epoch=route.epoch)
+        draining = [group_to_pb(g) for g in ks.route_views(route, views_all, draining=True)] if route.draining else []
+        return mpb.RouteResponse(group=groups[0], groups=groups, epoch=route.epoch, draining=draining)
 
     async def SetRoute(self, request: mpb.SetRouteRequest, context) -> mpb.SetRouteResponse:
         """An operator widens a subject's route (``hourglass admin route``). Admin only (the
         interceptor's table, ``cluster/security.py``): a tenant's produce or consume grant
         on the subject is not enough, a route decides where everybody's messages go."""
         try:
-            before, after = await self.registry.set_route(request.subject, list(request.groups))
+            before, after = await self.registry.set_route(request.subject, list(request.groups), narrowing=True)
         except HourglassError as e:
             await self._fail(context, e)
         return mpb.SetRouteResponse(groups=list(after.groups), epoch=after.epoch,
-                                    previous=list(before.groups) if before else [], changed=after is not before)
+                                    previous=list(before.groups) if before else [], changed=after is not before,
+                                    draining=list(after.draining))
 
     async def Drain(self, request: mpb.DrainRequest, context) -> mpb.DrainResponse:
         """An operator drains a delay group (``hourglass admin drain``). Admin only, like

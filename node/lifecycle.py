@@ -28,6 +28,11 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
     if getattr(node, "registrar", None) is not None:
         # its own or the replicated node's: renewal timing goes to this node's metrics
         node.registrar.metrics = node.metrics
+        fences = getattr(node, "fences", None)  # a real-time node's (node/realtime/fence.py)
+        if fences is not None:
+            node.registrar.on_fences = fences.load
+            node.registrar.drained = lambda: fences.drained(node.store) if getattr(node, "mode", "master") == "master" \
+                else []
     if settings.loop.stall_report_ms:
         watch = StallWatch(settings.loop.stall_report_ms, log, histogram=node.metrics.loop_stall)
         tasks.append(tg.create_task(watch.run(), name="stall-watch"))

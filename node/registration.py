@@ -41,6 +41,12 @@ Callbacks (assign as attributes; both optional):
   another registration holds the id), *before* registering again: registering again revokes
   the old lease and so deletes a leader key attached to it.
 
+* ``on_fences(revision, [(subject, draining)])``: a real-time node's fences (``node/realtime/
+  fence.py``), from every Register and Heartbeat answer, called **on the main loop**; after a
+  Register it runs before ``registered`` is set, so a node has its fences before it serves.
+* ``drained()``: called on the main loop with ``describe()``; what it returns (a master's
+  drained subjects) goes on the next heartbeats (``HeartbeatRequest.drained``).
+
 Answers and what the thread does about them:
 
 * ``NotFound`` (the lease expired: the node was frozen, or etcd lost it) -> ``on_lost``,
@@ -123,13 +129,19 @@ class Registrar:
         self.registered = asyncio.Event()
         self.heartbeats = 0  # confirmed Register/Heartbeat calls
         self.on_lost: Callable[[int], None] | None = None
+        # a real-time node's fences (node/realtime/fence.py): on_fences(revision, [(subject, draining)])
+        # is called on the main loop with every Register/Heartbeat answer (before ``registered``
+        # is set after a Register); drained() is snapshotted with describe() and sent on heartbeats
+        self.on_fences: Callable[[int, list], None] | None = None
+        self.drained: Callable[[], list[str]] | None = None
         self._on_beat: Callable | None = None
         self._beat_on_thread = False
         # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
         self.health = health
         self.metrics = metrics  # NodeMetrics (side_tasks attaches the node's); observed from the thread
         self.loop_alive_at = time.monotonic()  # stamped by the main loop; read by the thread
-        self._info: mpb.NodeInfo | None = None  # describe() snapshot, replaced (never changed) on the main loop
+        # describe() (and drained()) snapshot, replaced (never changed) on the main loop
+        self._info: mpb.HeartbeatRequest | None = None
         self._lease: int | None = None          # the heartbeat thread's view
         self._last_sent_ms: int | None = None   # send time of the last confirmed call under _lease
         self._main: asyncio.AbstractEventLoop | None = None
@@ -198,7 +210,20 @@ class Registrar:
             await asyncio.sleep(min(stamp_s, self.heartbeat_ms / 2000))
 
     def _snapshot(self) -> None:
-        self._info = node_info(self.settings, self.address, self.describe())
+        info = node_info(self.settings, self.address, self.describe())
+        try:
+            drained = list(self.drained()) if self.drained is not None else []
+        except Exception:  # noqa: BLE001 - a drain claim is optional; the registration must not stop for it
+            log.exception("drained subjects not reported node_id=%s", self.settings.server.node_id)
+            drained = []
+        # one object: the thread sends a claim with the record (fence revision) it was made with
+        self._info = mpb.HeartbeatRequest(node=info, drained=drained)
+
+    def _post_fences(self, resp) -> None:
+        """Heartbeat thread: hand an answer's fences to the main loop (before anything else
+        posted after it, so a node registered again has its fences before it is ``registered``)."""
+        if self.on_fences is not None:
+            self._post(self.on_fences, resp.fence_revision, [(f.subject, f.draining) for f in resp.fences])
 
     def _post(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` on the main loop (from the heartbeat thread)."""
@@ -337,18 +362,22 @@ class Registrar:
     async def _beat(self, meta: MetaClient, sent_ms: int) -> None:
         """One Register (no lease) or Heartbeat, sent at ``sent_ms``."""
         if self._lease is None:
-            resp = await meta.call("Register", mpb.RegisterRequest(node=self._info,
+            resp = await meta.call("Register", mpb.RegisterRequest(node=self._info.node,
                                                                    ttl_ms=self.settings.meta.lease_ttl_ms))
             lease = self._lease = resp.lease_id
             if not self.settings.meta.heartbeat_ms:
                 self.heartbeat_ms = max(BACKOFF_MS_MIN, resp.heartbeat_ms)
             log.info("registered node_id=%s lease=%x ttl_ms=%d heartbeat_ms=%d via=%s", self.settings.server.node_id,
                      lease, resp.ttl_ms, self.heartbeat_ms, meta.current)
+            self._post_fences(resp)
             self._post(self._set_registered, lease)
             self._last_sent_ms = None
         else:
             lease = self._lease
-            await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=self._info))
+            snap = self._info
+            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=snap.node,
+                                                                      drained=snap.drained))
+            self._post_fences(resp)
         confirmed_ms = mono_ms()
         self.heartbeats += 1
         if self.metrics is not None:

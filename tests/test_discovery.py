@@ -140,3 +140,38 @@ async def test_an_old_meta_servers_answer_without_a_list_is_a_route_of_one(clock
     view = await r.realtime_route("s")
     assert view.groups == ("r1",) and view.masters == ("n1:1",) and view.epoch == 1
     await r.close()
+
+
+class DrainingMeta(ListMeta):
+    """ListMeta whose answers may carry draining groups: ``(groups, epoch, draining)``."""
+
+    async def call(self, name, req, **_):
+        assert name == "Route"
+        self.calls += 1
+        groups, epoch, draining = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        pb = [mpb.Group(name=g, master=m) for g, m in groups]
+        return mpb.RouteResponse(group=pb[0], groups=pb, epoch=epoch,
+                                 draining=[mpb.Group(name=g, master=m) for g, m in draining])
+
+
+async def test_a_route_moved_refusal_makes_the_next_lookup_ask_at_once_but_not_more_often_than_refresh_min(clock):
+    """A node said "route moved" (a narrowing drains its group): the subject's route is asked
+    again before the retry although it is fresh; a narrowed route is read with its draining
+    groups (consumers pull them, writers hash over the written groups only)."""
+    wide = ([("r1", "n1:1"), ("r2", "n2:1"), ("r3", "n3:1")], 2, [])
+    narrowed = ([("r1", "n1:1"), ("r2", "n2:1")], 3, [("r3", "n3:1")])
+    r = D.MetaResolver(["meta:1"], refresh_ms=3_600_000, refresh_min_ms=200)
+    await r.meta.close()
+    r.meta = meta = DrainingMeta([wide, narrowed])
+    assert (await r.realtime_route("s")).epoch == 2
+    r.route_moved("s")
+    view = await r.realtime_route("s")
+    assert meta.calls == 2 and view.epoch == 3 and view.groups == ("r1", "r2") and view.draining == ("r3",)
+    assert view.live() == ["n1:1", "n2:1", "n3:1"] and view.writable_live() == ["n1:1", "n2:1"]
+    r.route_moved("s")  # again at once: within refresh_min_ms the cached route answers
+    assert (await r.realtime_route("s")).epoch == 3 and meta.calls == 2
+    clock[0] += 0.3
+    r.route_moved("s")
+    await r.realtime_route("s")
+    assert meta.calls == 3
+    await r.close()

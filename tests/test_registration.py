@@ -100,7 +100,7 @@ async def test_the_lease_is_renewed_while_the_loop_is_blocked_past_the_ttl(meta_
         await asyncio.sleep(0)
         assert renewed_while_held >= 3 and still_listed
         # and the same lease is still good: a renewal by hand is accepted, nothing was lost
-        await r.meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=r._info))
+        await r.meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=r._info.node))
         assert not lost and r.lease_id == lease
         assert {t for _, t in beats} == {_heartbeat_threads(settings.server.node_id)[0].ident}  # on_beat: the thread's
         # every confirmed call is in the round-trip histogram, every one after the Register in the gap one

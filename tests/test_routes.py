@@ -1,5 +1,5 @@
 """A subject's route over several real-time groups (cluster/routes.py, node/delay/targets.py):
-the stored format (an old bare group name still reads), widening and the refusal to narrow,
+the stored format (an old bare group name still reads), widening (``widen`` refusing a drop),
 and the pure choice of a message's group by the hash of its id."""
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ def test_the_same_list_is_a_no_op_and_keeps_the_epoch():
     assert widen("s", cur, ("rt-1", "rt-2")) is cur
 
 
-def test_narrowing_is_refused_with_one_line_naming_what_would_be_dropped():
+def test_widen_refuses_a_drop_with_one_line_naming_what_would_be_dropped():
+    """``widen`` is for callers that may only widen; a narrowing drains (test_route_narrow_rules.py)."""
     with pytest.raises(InvalidArgument) as e:
         widen("orders", Route(("rt-1", "rt-2", "rt-3"), 2), ("rt-1", "rt-3"))
     msg = str(e.value)
-    assert "rt-2" in msg and "drain" in msg and "\n" not in msg
+    assert "rt-2" in msg and "widens" in msg and "\n" not in msg
 
 
 def test_an_operators_list_is_checked():

@@ -37,6 +37,7 @@ EVERY_ERROR = [
     E.OffsetOutOfRange(5, 0, 4, "past the end"), E.Unauthenticated("unauthenticated: unknown token"),
     E.PermissionDenied("permission denied: 'orders' may not consume subject 'pay.x'"),
     E.CannotListen("cannot listen on 127.0.0.1:1"),
+    E.RouteMoved("real-time group rt-3 no longer takes subject 'orders'"),
 ]
 
 
@@ -107,3 +108,13 @@ def test_disk_full_without_metadata_is_still_disk_full_with_its_node_and_free_sp
         assert not status.retryable(back)
     assert status.retryable(E.Overloaded("queue full")) and status.retryable(E.NotLeader("a:1"))
     assert not status.retryable(E.InvalidArgument("subject", "empty"))
+
+
+def test_route_moved_is_told_by_its_text_and_is_retried():
+    """A real-time node's per-message "route moved" (a narrowing drains its group) comes back as
+    ``RouteMoved`` from the code and text alone; the SDK retries it after asking for the route."""
+    err = E.RouteMoved("real-time group rt-3 no longer takes subject 'orders'")
+    assert str(err).startswith(status.ROUTE_MOVED_PREFIX)
+    back = status.from_code(status.to_code(err), str(err))
+    assert type(back) is E.RouteMoved and str(back) == str(err)
+    assert status.retryable(back) and not status.final_refusal(str(err))

@@ -4,7 +4,7 @@
     hourglass admin verify --data DIR            a stopped node's data folder, offline, read-only
     hourglass admin handover GROUP               graceful handover of a delay group's master
     hourglass admin force-in-sync GROUP NODE     unclean election: NODE may become master (may lose acks)
-    hourglass admin route SUBJECT --groups r1,r2 widen SUBJECT over these real-time groups (online)
+    hourglass admin route SUBJECT [--groups r1,r2] show SUBJECT's route, or set it (online; dropped groups drain)
     hourglass admin drain GROUP [--wait-s S]     move a delay group's pending messages away; 'empty' when done
 
 Part of the ``hourglass`` app (``cluster/cli/__init__.py`` adds this sub-app). It uses the
@@ -236,14 +236,16 @@ def admin_force_in_sync(group: str = typer.Argument(..., help="the group with no
 
 
 @admin.command("route")
-def admin_route(subject: str = typer.Argument(..., help="the subject whose route changes"),
-                groups: str = typer.Option(..., "--groups", help="every real-time group of the subject, comma "
-                                                                  "separated: the current ones and those to add"),
+def admin_route(subject: str = typer.Argument(..., help="the subject whose route is shown or changed"),
+                groups: Optional[str] = typer.Option(None, "--groups", help="every real-time group the subject is "
+                                                     "written to, comma separated; left out: show the route"),
                 meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt) -> None:
-    """Widen SUBJECT over real-time GROUPS, online: new messages of the subject spread over every
-    listed group by id hash, consumers pull from all of them, nothing already stored moves
-    (docs/design.md, "A subject over several real-time groups"). Narrowing (leaving out a current
-    group) is refused: it needs a drain, not built yet. A list equal to the route is a no-op."""
+    """Show SUBJECT's route, or set it to real-time GROUPS online (docs/design.md, "A subject over
+    several real-time groups"): new messages of the subject spread over every listed group by id
+    hash and consumers pull from all of them; nothing stored moves. A group left out drains
+    first: it takes no new messages of the subject, consumers keep pulling what it holds, and it
+    leaves the route by itself once every consumer group acked it all ("draining: GROUP (N
+    left)" meanwhile). A list equal to the route is a no-op."""
     resolver = _resolver(None, None, cluster_file, meta)
 
     async def _run():
@@ -251,15 +253,56 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
         if not hasattr(resolver, "meta"):
             raise CliError("route needs the meta servers", hint="hint: give --meta, or a --cluster-file")
         try:
-            return await resolver.meta.call("SetRoute", mpb.SetRouteRequest(subject=subject, groups=_split(groups)))
+            r = await resolver.meta.call("SetRoute", mpb.SetRouteRequest(subject=subject,
+                                                                          groups=_split(groups or "")))
+            try:  # progress of a drain, best effort: the route is what was asked for
+                left = await _left(resolver, subject, list(r.draining)) if r.draining else {}
+            except E.HourglassError:
+                left = {}
+            return r, left
         finally:
             await resolver.close()
-    r = asyncio.run(_run())
+    r, left = asyncio.run(_run())
     now = ",".join(r.groups)
+    draining = "; ".join(f"draining: {g} ({left.get(g, '?')} left)" for g in r.draining)
     if not r.changed:
-        _say(f"unchanged: {subject} routes to {now} (epoch {r.epoch})")
+        _say(f"{'route' if not groups else 'unchanged'}: {subject} routes to {now} (epoch {r.epoch})"
+             + (f"; {draining}" if draining else ""))
         return
-    _say(f"routed: {subject} -> {now} (epoch {r.epoch}; was {','.join(r.previous) or 'none'})")
+    newly = [g for g in r.draining if g in r.previous]
+    if newly:
+        _say(f"narrowing: {subject} -> {now} (epoch {r.epoch}); draining {','.join(newly)}: its stored messages "
+             f"stay readable until every consumer group acked them")
+        return
+    _say(f"routed: {subject} -> {now} (epoch {r.epoch}; was {','.join(r.previous) or 'none'})"
+         + (f"; {draining}" if draining else ""))
+
+
+async def _left(resolver, subject: str, groups: list[str]) -> dict[str, str]:
+    """Draining group -> entries of ``subject`` its master holds that a consumer group has not
+    acked ("?" when its master cannot be asked)."""
+    import json
+
+    from cluster.proto import hourglass_pb2 as pb
+    from cluster.transport import Channels
+    out: dict[str, str] = {}
+    ch = Channels(getattr(resolver, "security", None))
+    try:
+        masters = {g["group"]: g["master"] for g in (await resolver.load())["realtime"]}
+        for g in groups:
+            if not masters.get(g):
+                out[g] = "no master now: ?"
+                continue
+            try:
+                st = json.loads((await ch.admin(masters[g]).Status(pb.StatusRequest(),
+                                                                    timeout=RPC_TIMEOUT_S_MAX)).json)
+            except grpc.RpcError as e:
+                out[g] = f"master did not answer ({e.code().name}): ?"
+                continue
+            out[g] = str(sum(row["lag_messages"] for row in st.get("groups", []) if row["subject"] == subject))
+    finally:
+        await ch.close()
+    return out
 
 
 DRAIN_POLL_S = 1.0  # `admin drain --wait-s`: the master's status is asked this often

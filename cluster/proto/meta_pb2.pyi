@@ -57,29 +57,47 @@ class RegisterRequest(_message.Message):
     ttl_ms: int
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
+class Fence(_message.Message):
+    __slots__ = ("subject", "draining")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    draining: bool
+    def __init__(self, subject: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_ms", "heartbeat_ms")
+    __slots__ = ("lease_id", "ttl_ms", "heartbeat_ms", "fences", "fence_revision")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    FENCES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_ms: int
     heartbeat_ms: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ...) -> None: ...
+    fences: _containers.RepeatedCompositeFieldContainer[Fence]
+    fence_revision: int
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("lease_id", "node")
+    __slots__ = ("lease_id", "node", "drained")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     node: NodeInfo
-    def __init__(self, lease_id: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ...) -> None: ...
+    drained: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., drained: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("ttl_ms",)
+    __slots__ = ("ttl_ms", "fences", "fence_revision")
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    FENCES_FIELD_NUMBER: _ClassVar[int]
+    FENCE_REVISION_FIELD_NUMBER: _ClassVar[int]
     ttl_ms: int
-    def __init__(self, ttl_ms: _Optional[int] = ...) -> None: ...
+    fences: _containers.RepeatedCompositeFieldContainer[Fence]
+    fence_revision: int
+    def __init__(self, ttl_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("lease_id", "node_id")
@@ -134,14 +152,16 @@ class RouteRequest(_message.Message):
     def __init__(self, kind: _Optional[_Union[Kind, str]] = ..., subject: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("group", "groups", "epoch")
+    __slots__ = ("group", "groups", "epoch", "draining")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     group: Group
     groups: _containers.RepeatedCompositeFieldContainer[Group]
     epoch: int
-    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    draining: _containers.RepeatedCompositeFieldContainer[Group]
+    def __init__(self, group: _Optional[_Union[Group, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., epoch: _Optional[int] = ..., draining: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
 
 class SetRouteRequest(_message.Message):
     __slots__ = ("subject", "groups")
@@ -152,16 +172,18 @@ class SetRouteRequest(_message.Message):
     def __init__(self, subject: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetRouteResponse(_message.Message):
-    __slots__ = ("groups", "epoch", "previous", "changed")
+    __slots__ = ("groups", "epoch", "previous", "changed", "draining")
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     groups: _containers.RepeatedScalarFieldContainer[str]
     epoch: int
     previous: _containers.RepeatedScalarFieldContainer[str]
     changed: bool
-    def __init__(self, groups: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., previous: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ...) -> None: ...
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., epoch: _Optional[int] = ..., previous: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("group",)

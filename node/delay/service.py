@@ -459,6 +459,10 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                                                               for i in np.flatnonzero(perm).tolist()})
         rest = ~ok & ~perm
         if rest.any():
+            note = getattr(self.router, "route_moved", None)
+            if note is not None and res.errors:  # a narrowing moved the route: ask for it before the retry
+                for s in {sub.subject(i) for i, e in res.errors.items() if e.startswith(status.ROUTE_MOVED_PREFIX)}:
+                    note(s)
             self.store.release(unit, part[rest])
 
     async def _handle_permanent(self, unit: int, b: Batch, idx: np.ndarray, why: dict[int, tuple[int, str]]) -> None:

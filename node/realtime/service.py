@@ -70,6 +70,7 @@ from node.realtime.retries import send_retries
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.realtime.upkeep import RealtimeUpkeep
 from node.role import SINGLE, Role
+from node.realtime.fence import FENCE_REVISION_KEY, NodeFences
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 from node.store.scrubtask import ScrubTask
@@ -113,6 +114,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                       "browse": 0, "trace": 0}
         self.address = ""
         self.registrar = None
+        # subjects this group no longer takes (a narrowing): from the meta server's answers
+        self.fences = NodeFences(settings.server.group, required=bool(settings.meta.servers))
         self.resolver = None
         if settings.meta.servers:
             self.resolver = MetaResolver(  # delay nodes for nacks through the meta server
@@ -160,6 +163,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         role = self.role  # this call's store and committer, whatever a role switch does meanwhile
         try:
             role.check()
+            self.fences.check_loaded()  # after a (re)start: not before the meta server said what is fenced
             self._admit_batch(batch, role.store.write_bytes_bound)  # refused whole, nothing stored
             new = self.store.missing_subjects(batch.subjects)
             refused = await self._create_subjects(batch.subjects) if new else {}
@@ -266,13 +270,17 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 refused: dict[str, HourglassError] | None = None) -> BatchResult:
         """Append what a real-time node takes (``node/realtime/immediate.py``: without
         ``immediate``, messages due later are refused, they belong on a delay node); messages
-        of ``refused`` subjects (a quota) are refused with their error."""
+        of ``refused`` subjects (a quota) are refused with their error, those of fenced
+        subjects with ``RouteMoved`` (``node/realtime/fence.py``; no await before the append)."""
         late = due_later(batch.deliver_at_ms, now_ms=now_ms, immediate=immediate)
-        if not len(late):
+        fenced = self.fences.fenced(batch)
+        if not len(late) and not len(fenced):
             return self.store.append(batch, now_ms=now_ms, refused_subjects=refused)
-        keep = np.setdiff1d(np.arange(batch.n), late)
+        keep = np.setdiff1d(np.arange(batch.n), np.union1d(late, fenced))
         part = self.store.append(batch.take(keep), now_ms=now_ms, refused_subjects=refused)
-        return refuse_due_later(batch.deliver_at_ms, keep, part, late)
+        res = refuse_due_later(batch.deliver_at_ms, keep, part, late)
+        self.metrics.errors.labels(kind="route_moved").inc(self.fences.refuse(res, batch, fenced))
+        return res
 
     async def _wait_new_data(self, subjects: list[str], timeout_s: float) -> None:
         """Wait until a SendBatch stores a message of one of ``subjects`` (or ``timeout_s``).
@@ -531,7 +539,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
 
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,
-                "offsets": {"message_log_end": self.store.messages.end_offset}}
+                "offsets": {"message_log_end": self.store.messages.end_offset,
+                            FENCE_REVISION_KEY: self.fences.revision}}
 
     async def Status(self, request, context) -> pb.StatusResponse:
         sv = self.settings.server

@@ -462,6 +462,15 @@ class RealtimeStore:
         g = self._groups.get(subject, group)
         return ix.count if g is None else ix.count - g.next_pos + len(g.inflight)
 
+    def unacked(self, subject: str) -> tuple[int | None, list[tuple[int, bool]]]:
+        """``(entries in the subject's index or None when unknown here, [(unacked entries,
+        idle) per consumer group]``: what a drain waits for (``node/realtime/fence.py``)."""
+        ix = self._indexes.by_subject.get(subject)
+        if ix is None:
+            return None, []
+        groups = [g for (s, _), g in self._groups.by_key.items() if s == subject]
+        return ix.count, [(ix.count - g.next_pos + len(g.inflight), bool(g.idle)) for g in groups]
+
     def committed(self, subject: str, group: str) -> int:
         """The group's lowest unacked position (0 for a group not seen yet)."""
         self._indexes.index(subject)

@@ -1,0 +1,221 @@
+"""Narrowing drains first, on real processes (etcd, a meta server, a delay node, three real-time
+groups; docs/design.md "Narrowing drains first"): a subject over three groups is narrowed to two
+under load (delayed and immediate messages, two consumer groups pulling and acking). Every
+acknowledged message is delivered to each consumer group, exactly once (the bound on
+duplicates in a run without failures is zero: a refused message was stored nowhere, and the
+retry of an id goes to one group under one route), none before its due time; a producer
+and a delay node whose route is cached from before the narrowing are refused by the dropped
+group and their messages land in the remaining ones; the route ends without the dropped group, by itself,
+once the consumers acked everything there (not before: while one consumer group holds back,
+`hourglass admin route SUBJECT` says how many of its messages are left there)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.client import Consumer, Producer
+from cluster.devcluster import LocalCluster
+from cluster.discovery import MetaResolver
+from cluster.proto import meta_pb2 as mpb
+from cluster.proto import meta_pb2_grpc as mrpc
+from cluster.routes import FENCE_REVISION_KEY, group_of
+
+pytestmark = pytest.mark.slow  # real processes, over 20 s
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBJECT = "hot.narrowed"
+GROUPS = ("billing", "audit")   # two consumer groups: each must see every message once
+REFRESH_MS = 300                # the test's clients ask for routes this often
+# the delay node keeps a route an hour: after the narrowing it learns the new one only from the
+# dropped group's "route moved" refusal of its dispatch
+ENV = {"HOURGLASS_META_LEASE_TTL_MS": "2000", "HOURGLASS_META_REFRESH_MS": "3600000"}
+ALL = ("realtime-1", "realtime-2", "realtime-3")
+KEPT = ("realtime-1", "realtime-2")
+DROPPED = "realtime-3"
+ROUNDS_BEFORE = 10              # send rounds on three groups
+ROUNDS_AFTER = 20               # and after the narrowing
+PER_ROUND = 20                  # delayed messages a round (plus PER_ROUND // 2 immediate)
+STALE_MESSAGES = 10             # immediate messages of the stale producer, each hashed to DROPPED by its old route
+WAIT_S_MAX = 120                # bounds of the waits below (outcomes, not timings)
+CLI_TIMEOUT_S = 60
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+async def _route(meta: str) -> mpb.RouteResponse:
+    async with grpc.aio.insecure_channel(meta) as ch:
+        return await mrpc.MetaStub(ch).Route(mpb.RouteRequest(kind=mpb.CONSUMER, subject=SUBJECT), timeout=10)
+
+
+async def _fence_revisions(meta: str, group: str) -> list[int]:
+    async with grpc.aio.insecure_channel(meta) as ch:
+        r = await mrpc.MetaStub(ch).GetServers(mpb.GetServersRequest(kind=mpb.CONSUMER), timeout=10)
+    return [m.offsets.get(FENCE_REVISION_KEY, 0) for g in r.groups if g.name == group for m in g.members]
+
+
+async def _until(pred, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S_MAX
+    while not await pred():
+        assert time.monotonic() < deadline, f"not within {WAIT_S_MAX} s: {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_subject_narrowed_under_load_loses_nothing_and_the_dropped_group_leaves_the_route(tmp_path):
+    from metaserver.etcd import EtcdClient
+    from metaserver.fences import fence_key
+
+    c = LocalCluster(tmp_path / "c", n_delay=1, n_realtime=3, meta=True, env=ENV)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        node_group = {n.address: c.group_of[n.name] for n in c.realtime}
+        assert sorted(node_group.values()) == list(ALL)
+        await _route(meta)  # first use: one group
+        r = _cli("admin", "route", SUBJECT, "--groups", ",".join(ALL), "--meta", meta)
+        assert r.returncode == 0 and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+
+        sent: dict[str, int] = {}          # acknowledged id -> deliver_at_ms
+        got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}   # consumer group -> id -> times received
+        where: dict[str, str] = {}         # id -> real-time group it was received from
+        early: list[tuple[str, int]] = []
+        stop = asyncio.Event()
+        held = asyncio.Event()  # set: the "audit" consumer group pulls nothing (the drain must wait for it)
+
+        async def consume(group: str) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, SUBJECT, group=group) as cons:
+                    while not stop.is_set():
+                        if group == "audit" and held.is_set():
+                            await asyncio.sleep(0.05)
+                            continue
+                        for rb in await cons.pull_batch(wait_ms=200):
+                            for i, lateness in zip(rb.ids, rb.lateness_ms.tolist()):
+                                got[group][i] = got[group].get(i, 0) + 1
+                                where[i] = node_group[rb.node]
+                                if lateness < 0:
+                                    early.append((i, lateness))
+                            await rb.ack(wait=True)
+            finally:
+                await res.close()
+
+        consumers = [asyncio.create_task(consume(g)) for g in GROUPS]
+        resolver = MetaResolver([meta], refresh_ms=REFRESH_MS)
+        stale = MetaResolver([meta], refresh_ms=3_600_000)  # a route cached for an hour: older than the narrowing
+        etcd = EtcdClient(c.etcd_endpoints)
+        try:
+            old = await stale.realtime_route(SUBJECT)
+            assert old.groups == ALL and old.epoch == 2
+            async with Producer(resolver) as p, Producer(stale) as sp:
+                async def send_round(k: int) -> None:
+                    d_ids = [f"d-{k}-{j}" for j in range(PER_ROUND)]
+                    i_ids = [f"i-{k}-{j}" for j in range(PER_ROUND // 2)]
+                    fd = await p.send_many(SUBJECT, [b"x"] * len(d_ids), ids=d_ids,
+                                           delay_ms=[300 + 37 * j for j in range(len(d_ids))])
+                    fi = await p.send_many(SUBJECT, [b"y"] * len(i_ids), ids=i_ids, immediate=True)
+                    for res in (await fd, await fi):
+                        for j, msg_id in enumerate(res.ids):
+                            if j not in res.errors:
+                                sent[msg_id] = int(res.deliver_at_ms[j])
+
+                for k in range(ROUNDS_BEFORE):
+                    if k == ROUNDS_BEFORE - 1:
+                        held.set()  # audit stops before the last round: the dropped group holds its share
+                        await asyncio.sleep(0.5)  # a pull in flight ends (wait_ms=200)
+                    await send_round(k)
+                assert any(group_of(f"i-{ROUNDS_BEFORE - 1}-{j}", ALL) == DROPPED for j in range(PER_ROUND // 2))
+                # narrow online, while messages are due, in flight and unacked in the dropped group
+                r = _cli("admin", "route", SUBJECT, "--groups", ",".join(KEPT), "--meta", meta)
+                assert r.returncode == 0, r.stderr
+                assert r.stdout.startswith("narrowing: ") and "epoch 3" in r.stdout and f"draining {DROPPED}" \
+                    in r.stdout, r.stdout
+                narrowed = await _route(meta)
+                assert [g.name for g in narrowed.groups] == list(KEPT) and narrowed.epoch >= 3
+                for k in range(ROUNDS_BEFORE, ROUNDS_BEFORE + ROUNDS_AFTER):
+                    await send_round(k)
+
+                # the stale producer, once the dropped group enforces its fence: refused there,
+                # it asks for the route again and its messages land in the kept groups
+                fence = await etcd.call(lambda cl: cl.get(fence_key(DROPPED, SUBJECT)))
+                assert fence is not None
+
+                async def fenced() -> bool:
+                    revs = await _fence_revisions(meta, DROPPED)
+                    return bool(revs) and min(revs) >= fence.mod_revision
+                await _until(fenced, f"{DROPPED} enforces its fence")
+                assert stale._routes[SUBJECT][0].epoch == 2  # still the old route
+                ids = [i for i in (f"s-{n}" for n in range(1000)) if group_of(i, ALL) == DROPPED][:STALE_MESSAGES]
+                res = await (await sp.send_many(SUBJECT, [b"z"] * len(ids), ids=ids, immediate=True))
+                assert not res.errors, res.errors
+                sent.update({i: int(res.deliver_at_ms[j]) for j, i in enumerate(res.ids)})
+                assert stale._routes[SUBJECT][0].epoch >= 3  # the refusal made it ask again
+                # delayed ones the delay node dispatches with its hour-old route: refused there too
+                d_ids = [i for i in (f"ds-{n}" for n in range(1000)) if group_of(i, ALL) == DROPPED][:STALE_MESSAGES]
+                res = await (await p.send_many(SUBJECT, [b"w"] * len(d_ids), ids=d_ids, delay_ms=300))
+                assert not res.errors, res.errors
+                sent.update({i: int(res.deliver_at_ms[j]) for j, i in enumerate(res.ids)})
+                ids += d_ids
+                # audit has not acked the dropped group's messages: it drains, and says how many are left
+                r = _cli("admin", "route", SUBJECT, "--meta", meta)
+                assert r.returncode == 0 and r.stdout.startswith(f"route: {SUBJECT} routes to {','.join(KEPT)}") \
+                    and f"draining: {DROPPED} (" in r.stdout, (r.stdout, r.stderr)
+                left = int(r.stdout.split(f"draining: {DROPPED} (")[1].split(" left)")[0])
+                assert left > 0, r.stdout
+                assert [g.name for g in (await _route(meta)).draining] == [DROPPED]
+                held.clear()
+        finally:
+            await resolver.close()
+            await stale.close()
+            await etcd.close()
+
+        async def delivered() -> bool:
+            return all(set(got[g]) >= set(sent) for g in GROUPS)
+        await _until(delivered, "every acknowledged message delivered to both consumer groups")
+
+        async def finished() -> bool:
+            now = await _route(meta)
+            return not now.draining and [g.name for g in now.groups] == list(KEPT)
+        await _until(finished, f"{DROPPED} leaves the route once drained")
+        await asyncio.sleep(1.0)  # a redelivery, if any, would show by now
+        stop.set()
+        await asyncio.gather(*consumers)
+
+        after = await _route(meta)
+        assert after.epoch == 4 and not after.draining  # widened 2, narrowed 3, finished 4
+        assert len(sent) >= (ROUNDS_BEFORE + ROUNDS_AFTER) * PER_ROUND
+        for g in GROUPS:
+            missing = set(sent) - set(got[g])
+            assert not missing, f"{g}: {len(missing)} acknowledged messages never delivered, e.g. {sorted(missing)[:5]}"
+            twice = {i: n for i, n in got[g].items() if n > 1}
+            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]}"
+            assert set(got[g]) <= set(sent)
+        assert not early, f"delivered before due: {early[:5]}"
+        assert {where[i] for i in ids} <= set(KEPT), {i: where[i] for i in ids}
+        assert any(where[i] == DROPPED for i in sent), "the dropped group held messages before the narrowing"
+
+        r = _cli("admin", "route", SUBJECT, "--meta", meta)
+        assert r.returncode == 0 and r.stdout.startswith("route: ") and ",".join(KEPT) in r.stdout \
+            and "epoch 4" in r.stdout and "draining" not in r.stdout, (r.stdout, r.stderr)
+        # listing the dropped group again takes it back: no fence left, it is written to again
+        r = _cli("admin", "route", SUBJECT, "--groups", ",".join(ALL), "--meta", meta)
+        assert r.returncode == 0 and r.stdout.startswith("routed: ") and "epoch 5" in r.stdout, (r.stdout, r.stderr)
+        etcd = EtcdClient(c.etcd_endpoints)
+        try:
+            assert await etcd.call(lambda cl: cl.get(fence_key(DROPPED, SUBJECT))) is None
+        finally:
+            await etcd.close()
+        r = _cli("admin", "route", "no.such.subject", "--meta", meta)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
