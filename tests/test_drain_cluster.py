@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,6 +22,7 @@ from cluster import errors as E
 from cluster.client import Consumer, Producer
 from cluster.codec import Batch
 from cluster.devcluster import LocalCluster
+from tests.helpers import admin
 from cluster.discovery import MetaResolver
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import meta_pb2 as mpb
@@ -34,7 +32,6 @@ from cluster.wire import make_request
 
 pytestmark = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
-ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = "drain.orders"
 REFRESH_MS = 300
 ENV = {"HOURGLASS_META_LEASE_TTL_MS": "2000", "HOURGLASS_META_REFRESH_MS": str(REFRESH_MS),
@@ -52,9 +49,7 @@ KILL_POLLS_MAX = 400           # the drained master's status asked at most this 
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")} | {"PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    return admin.cli(*args, timeout_s=CLI_TIMEOUT_S)
 
 
 async def _delay_groups(meta: str, include_draining: bool) -> dict[str, mpb.Group]:

@@ -7,24 +7,19 @@ and consumers pull from all of them. The same list is a no-op; an unknown group 
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-import grpc
 import pytest
 
 from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster
+from tests.helpers import admin
 from cluster.discovery import MetaResolver
 from cluster.proto import meta_pb2 as mpb
-from cluster.proto import meta_pb2_grpc as mrpc
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = "hot.orders"
 GROUPS = ("billing", "audit")  # two consumer groups: each must see every message once
 REFRESH_MS = 300               # clients and the delay node ask for routes this often
@@ -38,14 +33,11 @@ CLI_TIMEOUT_S = 60
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOURGLASS_")} | {"PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    return admin.cli(*args, timeout_s=CLI_TIMEOUT_S)
 
 
 async def _route(meta: str) -> mpb.RouteResponse:
-    async with grpc.aio.insecure_channel(meta) as ch:
-        return await mrpc.MetaStub(ch).Route(mpb.RouteRequest(kind=mpb.CONSUMER, subject=SUBJECT), timeout=10)
+    return await admin.route(meta, SUBJECT)
 
 
 async def test_a_subject_widened_to_three_groups_under_load_delivers_each_message_once(tmp_path):
@@ -85,15 +77,7 @@ async def test_a_subject_widened_to_three_groups_under_load_delivers_each_messag
         try:
             async with Producer(resolver) as p:
                 async def send_round(k: int) -> None:
-                    d_ids = [f"d-{k}-{j}" for j in range(PER_ROUND)]
-                    i_ids = [f"i-{k}-{j}" for j in range(PER_ROUND // 2)]
-                    fd = await p.send_many(SUBJECT, [b"x"] * len(d_ids), ids=d_ids,
-                                           delay_ms=[300 + 37 * j for j in range(len(d_ids))])
-                    fi = await p.send_many(SUBJECT, [b"y"] * len(i_ids), ids=i_ids, immediate=True)
-                    for res in (await fd, await fi):
-                        for j, msg_id in enumerate(res.ids):
-                            if j not in res.errors:
-                                sent[msg_id] = int(res.deliver_at_ms[j])
+                    await admin.send_round(p, SUBJECT, k, PER_ROUND, sent)
 
                 for k in range(ROUNDS_BEFORE):
                     await send_round(k)
