@@ -47,11 +47,28 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+SESSION_TRIES = 2  # the JVM this test process forks may exit at once: one more try, then the error
+
+
 @pytest.fixture(scope="module")
 def spark():
+    """One local session for the module. This pytest process has run gRPC servers and clients
+    before (their threads may be inside gRPC when pyspark forks the JVM's launcher: "Other
+    threads are currently calling into gRPC, skipping fork() handlers"); once, a full suite
+    saw that launcher exit before it wrote its port (JAVA_GATEWAY_EXITED) and every test of
+    the module error at setup. A second launch is tried; a second failure is the error."""
+    from pyspark.errors import PySparkRuntimeError
+
     from cluster.spark.session import SessionSettings, build_session
 
-    s = build_session(SessionSettings(master="local[2]", shuffle_partitions=2, app_name="hourglass-tests"))
+    for attempt in range(1, SESSION_TRIES + 1):
+        try:
+            s = build_session(SessionSettings(master="local[2]", shuffle_partitions=2, app_name="hourglass-tests"))
+            break
+        except PySparkRuntimeError as e:
+            if "JAVA_GATEWAY_EXITED" not in str(e) or attempt == SESSION_TRIES:
+                raise
+            print(f"spark session: the JVM gateway exited at launch (try {attempt} of {SESSION_TRIES}); again")
     yield s
     s.stop()
 
