@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import time
 
 import grpc
 import pytest
 
 from cluster.client import Consumer, Producer
-from cluster.devcluster import LocalCluster
+from cluster.devcluster import LocalCluster, wait_until
 from tests.helpers import admin
 from cluster.discovery import MetaResolver
 from cluster.proto import meta_pb2 as mpb
@@ -60,10 +59,8 @@ async def _fence_revisions(meta: str, group: str) -> list[int]:
 
 
 async def _until(pred, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S_MAX
-    while not await pred():
-        assert time.monotonic() < deadline, f"not within {WAIT_S_MAX} s: {what}"
-        await asyncio.sleep(0.2)
+    """Wait for an outcome (``LocalCluster``'s ``wait_until``), bounded by ``WAIT_S_MAX``."""
+    await wait_until(pred, WAIT_S_MAX, what)
 
 
 async def test_a_subject_narrowed_under_load_loses_nothing_and_the_dropped_group_leaves_the_route(tmp_path):
