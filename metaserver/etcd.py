@@ -42,6 +42,8 @@ log = logging.getLogger("hourglass.etcd")
 T = TypeVar("T")
 
 RETRYABLE = (aex.ConnectionFailedError, aex.ConnectionTimeoutError, asyncio.TimeoutError)
+UNWIND_S = 1.0  # how long an attempt cancelled at its timeout may take to unwind before its client is dropped
+UNWIND_MIN_S = 0.05  # ... when the call's budget is spent already
 
 
 _SECURE_TARGETS: dict[str, grpc.ChannelCredentials] = {}
@@ -81,6 +83,7 @@ class EtcdClient:
         self.budget_s = budget_s if budget_s is not None else timeout_s * (len(self.endpoints) + 1)
         self._index = 0
         self._client: aetcd.Client | None = None
+        self._stuck: set[asyncio.Future] = set()  # abandoned attempts and closes, until they end
 
     @property
     def endpoint(self) -> str:
@@ -109,10 +112,7 @@ class EtcdClient:
         old, self._client = self._client, None
         self._index = (self._index + 1) % len(self.endpoints)
         if old is not None:
-            try:
-                await old.close()
-            except Exception:  # closing a broken channel may fail; it is gone either way
-                pass
+            await self._close(old)
 
     async def call(self, fn: Callable[[aetcd.Client], Awaitable[T]], *, wait_s: float = 0.0) -> T:
         """Run ``fn(client)``; on connection errors rotate and retry, then raise Unavailable.
@@ -130,7 +130,7 @@ class EtcdClient:
                         left = deadline - loop.time()
                         if left <= 0:
                             raise asyncio.TimeoutError(f"no time left of the {budget_s:g} s budget")
-                        return await asyncio.wait_for(fn(self.client()), min(self.timeout_s + wait_s, left))
+                        return await self._attempt(fn, min(self.timeout_s + wait_s, left), deadline)
                     except RETRYABLE:
                         log.info("etcd endpoint=%s failed; trying the next one", self.endpoint)
                         await self.rotate()
@@ -143,10 +143,65 @@ class EtcdClient:
             raise
         raise AssertionError("unreachable")
 
+    async def _attempt(self, fn: Callable[[aetcd.Client], Awaitable[T]], timeout_s: float, deadline: float) -> T:
+        """One attempt, in its own task, bounded even if it does not unwind when cancelled.
+
+        ``asyncio.wait_for`` waits for a cancelled awaitable to finish, and an aetcd call need
+        not: ``watch_once`` cancels its watch in a ``finally`` that awaits the watcher's lock and
+        request queue (maxsize 10), which a stuck stream handler can hold or fill. The likely
+        cause of a CI run where the election race test waited 420 s with no campaign ending.
+        Here an attempt that has not unwound ``UNWIND_S`` after its cancel (or by the call's
+        deadline, when that comes first) is left behind with its connection, which is dropped:
+        the next attempt opens a fresh one."""
+        task = asyncio.ensure_future(fn(self.client()))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        task.cancel()
+        loop = asyncio.get_running_loop()
+        done, _ = await asyncio.wait({task}, timeout=min(UNWIND_S, max(UNWIND_MIN_S, deadline - loop.time())))
+        if not done:
+            log.warning("etcd endpoint=%s: a call did not unwind after its timeout; dropping the connection",
+                        self.endpoint)
+            old, self._client = self._client, None  # rotate() must not close it: close() takes the stuck lock
+            channel = getattr(old, "channel", None)
+            if channel is not None:  # closing the channel ends the stuck stream; no lock involved
+                self._keep(asyncio.ensure_future(channel.close()))
+            self._keep(task)
+        elif not task.cancelled():
+            return task.result()  # it finished (an answer or an error) as it was cancelled
+        raise asyncio.TimeoutError(f"no answer within {timeout_s:g} s")
+
+    def _keep(self, task: asyncio.Future) -> None:
+        self._stuck.add(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Future) -> None:
+        self._stuck.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a late error of an abandoned call is not an unhandled one
+
     async def status(self):
         return await self.call(lambda c: c.status())
+
+    async def _close(self, client: aetcd.Client) -> None:
+        """Close a client, bounded: aetcd's close takes the watcher's lock, which a stuck call may
+        hold; then only its channel is closed."""
+        task = asyncio.ensure_future(client.close())
+        done, _ = await asyncio.wait({task}, timeout=UNWIND_S)
+        if not done:
+            task.cancel()
+            self._keep(task)
+            if getattr(client, "channel", None) is not None:
+                self._keep(asyncio.ensure_future(client.channel.close()))
+        elif not task.cancelled() and task.exception() is not None:
+            log.debug("closing etcd client: %s", task.exception())  # a broken channel is gone either way
 
     async def close(self) -> None:
         if self._client is not None:
             c, self._client = self._client, None
-            await c.close()
+            await self._close(c)
