@@ -29,6 +29,7 @@ log = logging.getLogger("hourglass.meta")
 
 HEARTBEAT_MS_MAX = 1000     # renewal interval told to nodes: a third of the TTL, at most this (docs/replication.md)
 CAMPAIGN_CAS_TRIES_MAX = 3   # a campaign retries when the in-sync set changed between its read and its transaction
+LEADER_READS_MAX = 3         # a Leader read retries when the seat was taken between its two reads (then it answers at once)
 DEAD_PROBES = 2              # refused TCP connects before a reported master counts as dead
 DEAD_PROBE_GAP_S = 0.1
 DEAD_PROBE_TIMEOUT_S = 0.5
@@ -403,16 +404,31 @@ class MetaService(mrpc.MetaServicer):
 
     async def _leader_state(self, role: str, group: str) -> tuple[ks.LeaderInfo | None, list[str], str, int]:
         """The leader (or None), the in-sync set, the token naming both keys' versions, and
-        the etcd revision the leader key was read at (a watch from the next one misses no
-        change of either key made after these reads)."""
-        lkey = ks.leader_key(role, group)
-        r = await self.etcd.call(lambda c: c.get_range(lkey, lkey + b"\0"))
-        current, lcreate, lmod = None, 0, 0
-        if r.count:
-            kv = r[0]
-            current, lcreate, lmod = ks.LeaderInfo.from_kv(kv.value, kv.create_revision), kv.create_revision, kv.mod_revision
-        isr, isr_mod = await self._read_in_sync(role, group)
-        return current, (list(isr.members) if isr else []), f"{lcreate}.{lmod}.{isr_mod}", r.header.revision
+        the etcd revision they were read at (a watch from the next one misses no change of
+        either key made after these reads)."""
+        lkey, ikey = ks.leader_key(role, group), ks.in_sync_key(role, group)
+        for _ in range(LEADER_READS_MAX):
+            # both keys in one transaction: two reads could pair an empty seat with the in-sync
+            # set written when it was taken in between (present=False, in_sync=[the new master])
+            _, (lkvs, ikvs) = await self.etcd.call(lambda c: c.transaction(
+                compare=[], success=[c.transactions.get(lkey), c.transactions.get(ikey)], failure=[]))
+            current, lcreate, lmod, isr, isr_mod, revision = None, 0, 0, None, 0, 0
+            if lkvs:
+                kv = lkvs[0][1]
+                current, lcreate, lmod = ks.LeaderInfo.from_kv(kv.value, kv.create_revision), kv.create_revision, kv.mod_revision
+                revision = kv.header.revision
+            if ikvs:
+                kv = ikvs[0][1]
+                isr, isr_mod, revision = ks.InSync.decode(kv.value), kv.mod_revision, kv.header.revision
+            if not revision:
+                # neither key exists, so the answer names no revision: take a later read's,
+                # which holds while the seat is still empty there (else read both again)
+                r = await self.etcd.call(lambda c: c.get_range(lkey, lkey + b"\0"))
+                if r.count:
+                    continue
+                revision = r.header.revision
+            break
+        return current, (list(isr.members) if isr else []), f"{lcreate}.{lmod}.{isr_mod}", revision
 
     async def _leader_changed(self, role: str, group: str, from_revision: int, wait_s: float) -> None:
         """Returns when the leader key or the in-sync set of the group changes at or after
