@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import struct
 import time
 import zlib
 from collections import deque
@@ -85,13 +86,14 @@ from cluster.trace import hops as trace_hops
 from cluster.clientsettings import ACK_LINGER_MS_MAX, CLIENT_DEFAULTS, ClientSettings
 from cluster.security import ClientSecurity
 from cluster.transport import MESSAGE_BYTES_MAX, Channels
-from cluster.wire import BatchResult, make_request, pack_ranges
+from cluster.wire import SMALL_RANGES_MAX, BatchResult, make_request, pack_ranges, range_pairs
 
 log = logging.getLogger("hourglass.client")
 
 ORIGIN_ID = "hourglass.origin_id"  # a retried message's original id (set by the real-time node)
 ID_PREFIX_BYTES = 8                # random bytes of a producer's id prefix (16 hex characters)
-_RETRYABLE = np.array(sorted(status.RETRYABLE_CODES), np.uint8)
+_RETRYABLE = np.zeros(256, bool)  # per-message answer code (u8) -> retried (one lookup per answer)
+_RETRYABLE[sorted(status.RETRYABLE_CODES)] = True
 
 # every default of the SDK: cluster/clientsettings.py (the keyword defaults below refer to it)
 _CALLS, _PRODUCER, _CONSUMER = CLIENT_DEFAULTS.calls, CLIENT_DEFAULTS.producer, CLIENT_DEFAULTS.consumer
@@ -276,6 +278,11 @@ class StaticResolver:
 
     async def refresh(self) -> None:
         pass
+
+    @property
+    def routes_version(self) -> int:
+        """Changes when the lists do (``MetaResolver.routes_version``)."""
+        return hash(tuple(self.realtime))
 
     def invalidate(self, subject: str) -> None:
         """A route failed (the delay node's dispatch says so): fixed lists have nothing to forget."""
@@ -899,7 +906,7 @@ class Producer:
     def _answer(self, pieces: list[_Piece], res: BatchResult) -> tuple[list[_Piece], E.HourglassError | None]:
         """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
         Messages that expired while the request was out keep their deadline error."""
-        retry = np.isin(res.codes, _RETRYABLE)
+        retry = _RETRYABLE[res.codes]
         if res.errors and retry.any():  # refused for a full disk or a quota: final (``status.retryable``)
             for i in np.flatnonzero(retry & (res.codes == pb.OVERLOADED)).tolist():
                 if status.final_refusal(res.errors.get(i, "")):
@@ -956,22 +963,36 @@ class Producer:
         deadline of the latest job among them passes (each job's own timer fails its
         messages at its own deadline)."""
         jobs = {id(j): j for j, _, _ in pieces}.values()
+
+        async def round_(pieces: list[_Piece]) -> tuple[list[_Piece], E.Unavailable | None]:
+            pieces = _unanswered(pieces)
+            if not pieces:
+                return pieces, None
+            pieces, why = await self._attempt(immediate, pieces)
+            if pieces:
+                why = why if isinstance(why, E.Unavailable) else E.Unavailable(str(why))
+                for job in {id(j): j for j, _, _ in pieces}.values():
+                    job.note(why=why)
+                await self.resolver.refresh()
+            return pieces, why
+
         try:
             async with asyncio.timeout_at(max(j.deadline for j in jobs)):
+                # the first attempt outside the retry loop: tenacity's per-attempt bookkeeping
+                # cost about a tenth of a producer's CPU per call, and most calls need no retry
+                pieces, first = await round_(pieces)
+                if not pieces:
+                    return
                 async for attempt in AsyncRetrying(stop=stop_after_attempt(self.retries_max + 1),
                                                    wait=_backoff(self.backoff_ms_min, self.backoff_ms_max),
                                                    retry=retry_if_exception(status.retryable), reraise=True):
                     with attempt:
-                        pieces = _unanswered(pieces)
-                        if not pieces:
-                            return
-                        pieces, why = await self._attempt(immediate, pieces)
+                        if first is not None:  # the loop's attempt 1 is the one above: wait, then retry
+                            failed, first = first, None
+                            raise failed
+                        pieces, failed = await round_(pieces)
                         if pieces:
-                            why = why if isinstance(why, E.Unavailable) else E.Unavailable(str(why))
-                            for job in {id(j): j for j, _, _ in pieces}.values():
-                                job.note(why=why)
-                            await self.resolver.refresh()
-                            raise why
+                            raise failed
         except TimeoutError:
             for job in jobs:
                 self._fail([p for p in pieces if p[0] is job], self._deadline_error(job))
@@ -1268,6 +1289,7 @@ class Producer:
 NODE_OK = "ok"                    # ``NodeHealth.state``: the node's last pull answered
 NODE_UNREACHABLE = "unreachable"  # ... failed (down, not the master, no answer in time): retried with backoff
 HEALTH_ERROR_CHARS_MAX = 300      # ``NodeHealth.last_error`` is cut to this
+ROUTES_RECHECK_S = 0.25           # a consumer asks its resolver for its subjects' routes at least this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -1440,6 +1462,15 @@ def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandle
     every subject at once: one sort by (subject, handle), ranges cut where either jumps)."""
     if len(batch.subjects) == 1:
         return [pb.SubjectHandles(subject=batch.subjects[0], ranges=pack_ranges(handles))]
+    if len(handles) <= SMALL_RANGES_MAX:  # the same answer from a loop (a small batch: most pulls)
+        by: dict[int, list[int]] = {}
+        for s, h in zip(batch.subject_idx.tolist(), handles.tolist()):
+            by.setdefault(s, []).append(h)
+        out = []
+        for s in sorted(by):
+            pairs = range_pairs(sorted(by[s]))
+            out.append(pb.SubjectHandles(subject=batch.subjects[s], ranges=struct.pack(f"<{len(pairs)}Q", *pairs)))
+        return out
     sidx = batch.subject_idx.astype(np.int64)
     order = np.lexsort((handles, sidx))
     h, s = handles[order].astype(np.int64), sidx[order]
@@ -1487,6 +1518,7 @@ class Consumer:
         self._health: dict[str, NodeHealth] = {}    # node -> what its last pulls said (``health()``)
         self._buffer: deque[Received] = deque()
         self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
+        self._routes_kept: tuple[float, object, dict[str, list[str]]] | None = None  # ``_routes``
         self.ack_linger_ms = ack_linger_ms
         self.nack_retry_after_ms = nack_retry_after_ms  # a nack that names no retry_after_ms
         self._ack_flushers: dict[str, asyncio.Task] = {}  # node -> the Ack call its queued acks get if no pull takes them
@@ -1514,6 +1546,11 @@ class Consumer:
         spread over several real-time groups is pulled from all of them; each message is
         acked to the node it came from). A subject whose nodes are unknown is left out this
         round; none known at all raises Unavailable."""
+        version = getattr(self.resolver, "routes_version", None)
+        kept = self._routes_kept
+        if kept is not None and version is not None and kept[1] == version \
+                and time.monotonic() - kept[0] < ROUTES_RECHECK_S:
+            return kept[2]
         routes: dict[str, list[str]] = {}
         last: E.Unavailable | None = None
         for s in self.subjects:
@@ -1523,8 +1560,14 @@ class Consumer:
             except E.Unavailable as err:
                 last = err
         if not routes:
+            self._routes_kept = None
             await self.resolver.refresh()
             raise last or E.Unavailable("no real-time node known")
+        # kept while the resolver's routes stay as they were, and asked again every
+        # ROUTES_RECHECK_S (a resolver's own refresh runs from these asks): one ask per
+        # subject per round cost about a fifth of a consumer's CPU at small batches
+        version = getattr(self.resolver, "routes_version", None)
+        self._routes_kept = None if last is not None or version is None else (time.monotonic(), version, routes)
         return routes
 
     async def _pull_node(self, node: str, subjects: list[str], max_messages: int, wait_ms: int,

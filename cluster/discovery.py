@@ -130,6 +130,9 @@ class MetaResolver:
         self._moved_fetch: dict[str, float] = {}  # subject -> when its route was last asked for that
         self.delay: list[str] = []     # every delay node seen by the last load() (status, tools)
         self.realtime: list[str] = []  # every real-time node seen by the last load()
+        # grows whenever a cached route may have changed or must be asked again: a consumer
+        # keeps its node -> subjects map while this stays (``Consumer._routes``)
+        self.routes_version = 0
 
     @classmethod
     def from_settings(cls, meta_servers: list[str] | str, settings: ClientSettings, *,
@@ -265,6 +268,8 @@ class MetaResolver:
             log.info("ignoring route subject=%s epoch=%d older than cached epoch %d", subject, view.epoch,
                      cached[0].epoch)
             return cached[0]
+        if cached is None or cached[0] != view:
+            self.routes_version += 1
         if not view.live():
             self._routes.pop(subject, None)
             raise E.Unavailable(f"no real-time group of subject {subject!r} ({', '.join(view.groups)}) "
@@ -281,6 +286,7 @@ class MetaResolver:
         server before it answers (once per ``refresh_min_ms`` at most)."""
         if len(self._moved) < self.routes_max:
             self._moved[subject] = time.monotonic()
+        self.routes_version += 1
 
     def _ask_moved(self, subject: str) -> bool:
         """A node said the subject's route moved: ask a meta server now, unless it was asked
@@ -297,9 +303,11 @@ class MetaResolver:
     async def refresh(self) -> None:
         """A call failed: the next lookup asks a meta server again (rate limited)."""
         self._stale_since = time.monotonic()
+        self.routes_version += 1
 
     def invalidate(self, subject: str) -> None:
         self._stale_since = time.monotonic()
+        self.routes_version += 1
 
     def describe(self) -> str:
         """Where this resolver looks (for errors that say what was tried)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -110,8 +111,28 @@ class BatchResult:
         return cls(codes, seqs, due, dup, {e.index: e.error for e in resp.errors})
 
 
+SMALL_RANGES_MAX = 64  # at most this many handles, a Python loop costs less than a dozen numpy calls
+
+
+def range_pairs(hs: list[int]) -> list[int]:
+    """Sorted non-negative handles as flat ``[lo, hi)`` pairs: runs of consecutive handles
+    merged, a repeated handle starting a new pair (as ``pack_ranges``'s arrays do)."""
+    out: list[int] = []
+    lo = prev = hs[0]
+    for h in hs[1:]:
+        if h != prev + 1:
+            out += (lo, prev + 1)
+            lo = h
+        prev = h
+    out += (lo, prev + 1)
+    return out
+
+
 def pack_ranges(handles) -> bytes:
     """Handles (any order) as sorted, merged u64 pairs ``[lo, hi)``."""
+    if isinstance(handles, np.ndarray) and handles.dtype == np.uint64 and 0 < handles.size <= SMALL_RANGES_MAX:
+        pairs = range_pairs(sorted(set(handles.tolist())))
+        return struct.pack(f"<{len(pairs)}Q", *pairs)
     h = np.unique(np.asarray(handles, np.uint64))
     if not len(h):
         return b""

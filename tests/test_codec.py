@@ -266,3 +266,26 @@ def test_one_subject_rule_matches_the_whole_subject(subject, ok):
     if not ok:
         with pytest.raises(InvalidArgument, match="invalid topic"):
             check_subject(subject, "topic")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_ack_ranges_of_small_batches_equal_the_array_rule(data):
+    """The consumer's ack ranges (``client._subject_handles``) and ``wire.pack_ranges`` take a
+    Python loop for small batches (most pulls); the bytes are those of the array rule."""
+    import cluster.client as client
+    import cluster.wire as wire
+
+    n = data.draw(st.integers(1, wire.SMALL_RANGES_MAX))
+    subjects = data.draw(st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=n, max_size=n))
+    handles = np.array(data.draw(st.lists(st.integers(0, 3 * n), min_size=n, max_size=n)), np.uint64)
+    batch = Batch.build(subjects, [b"x"] * n, [f"m{i}" for i in range(n)], np.zeros(n, np.int64))
+    small = [(h.subject, h.ranges) for h in client._subject_handles(batch, handles)]
+    packed = wire.pack_ranges(handles)
+    limit = wire.SMALL_RANGES_MAX
+    try:
+        client.SMALL_RANGES_MAX = wire.SMALL_RANGES_MAX = -1  # the array rule
+        assert small == [(h.subject, h.ranges) for h in client._subject_handles(batch, handles)]
+        assert packed == wire.pack_ranges(handles)
+    finally:
+        client.SMALL_RANGES_MAX = wire.SMALL_RANGES_MAX = limit
