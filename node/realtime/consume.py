@@ -222,12 +222,19 @@ class Delivery:
             chunk = max(1, min(chunk, SCAN_CHUNK_ENTRIES, scan_left // len(live)))
             cands = []
             for g, ix, room in live:
+                if ix.held_pos == g.next_pos and now_ms < ix.held_visible_ms <= now_ms + hold_window:
+                    # its next entry is one a pull found held, still held (``held_mask``): no read
+                    at = ix.held_visible_ms
+                    self.held_next_ms = at if self.held_next_ms is None else min(self.held_next_ms, at)
+                    held.add(id(g))
+                    continue
                 e = ix.read(fd(ix), g.next_pos, chunk)
                 if ix.held_until > now_ms:
                     late = np.flatnonzero(held_mask(e["visible_ms"], now_ms, hold_window))
                     if len(late):
                         cut = int(late[0])
                         at = int(e["visible_ms"][cut])
+                        ix.held_pos, ix.held_visible_ms = g.next_pos + cut, at
                         self.held_next_ms = at if self.held_next_ms is None else min(self.held_next_ms, at)
                         held.add(id(g))
                         e = e[:cut]
@@ -236,6 +243,8 @@ class Delivery:
                     cands.append((g, e, sel, min(room, len(sel))))
                 else:  # every entry matches: prefixes are slices
                     cands.append((g, e, None, min(room, len(e))))
+            if not cands:  # every live group was held at its next entry: the next round finds none live
+                continue
             offsets = np.concatenate([e["offset"][:k] if sel is None else e["offset"][sel[:k]]
                                       for _, e, sel, k in cands])
             index = np.concatenate([e["index"][:k] if sel is None else e["index"][sel[:k]] for _, e, sel, k in cands])

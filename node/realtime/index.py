@@ -231,7 +231,7 @@ class SubjectIndex:
     ``live_from``: the first handle whose frame is still in the message log (retention)."""
 
     __slots__ = ("subject", "path", "base", "count", "last_offset", "last_index", "fd", "dirty", "dirty_from",
-                 "trusted_from", "live_from", "held_until")
+                 "trusted_from", "live_from", "held_until", "held_pos", "held_visible_ms")
 
     def __init__(self, subject: str, path: Path, base: int = 0) -> None:
         self.subject = subject
@@ -247,6 +247,10 @@ class SubjectIndex:
         self.trusted_from = 0  # entries from here on were written by this process: read without CRC checks
         # no entry has visible_ms past this (pulls skip the check until then); set by the store
         self.held_until = 0
+        # the last entry a pull found held (not visible yet) and when it becomes visible: a pull
+        # that starts there before then has nothing to read (``Delivery.take_new``)
+        self.held_pos = -1
+        self.held_visible_ms = 0
 
     def repair_tail(self, log_end: int, log_start: int) -> int | None:
         """Cut a torn tail (see module docstring); set count and last entry. Returns the
@@ -345,6 +349,7 @@ class SubjectIndex:
         os.fsync(fd)
         self.dirty = False
         self.count = keep
+        self.held_pos = -1
         self.trusted_from = min(self.trusted_from, keep)
         if keep > self.base:
             e = self.read(fd, keep - 1, 1)
