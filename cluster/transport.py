@@ -171,7 +171,10 @@ class OrderedStream:
                            else _error(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stream closed ({e})"))
             except asyncio.CancelledError:
                 # the request may or may not have gone out: the responses can no longer be
-                # matched to their callers, so this stream ends (the next call opens another)
+                # matched to their callers, so this stream ends (the next call opens another);
+                # this caller's own slot is cancelled, not failed: nobody would read its error
+                # ("Future exception was never retrieved" when a consumer closes mid-pull)
+                fut.cancel()
                 self._fail(st, _error(grpc.StatusCode.CANCELLED, f"{self.name}: a write was cancelled"))
                 raise
         try:

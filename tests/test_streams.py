@@ -7,6 +7,7 @@ new one; an unparsable request is refused alone."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -152,12 +153,19 @@ async def test_a_write_cancelled_midway_ends_the_stream_and_later_calls_still_ma
     stream = channels.send_stream(address)
     assert _got(await stream.call(_req(1), timeout=5)) == 1
     big = pb.SendBatchRequest(epoch=2, batch=bytes(8 << 20))  # a write that takes a while
+    loop = asyncio.get_running_loop()
+    unretrieved = []
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx.get("message")))
     task = asyncio.create_task(stream.call(big, timeout=5))
     await asyncio.sleep(0)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     got = await asyncio.gather(*(stream.call(_req(d), timeout=5) for d in (3, 4, 5)))
     assert [_got(r) for r in got] == [3, 4, 5]  # every later caller gets its own answer
+    del task
+    gc.collect()  # a failed future nobody awaited says so when it is collected
+    loop.set_exception_handler(None)
+    assert not unretrieved, unretrieved
 
 
 def _requests_counted(method: str) -> float:
