@@ -222,7 +222,7 @@ class Fences:
             if name != group:
                 v = views.get(name)
                 rec = next((m for m in v.members if m.address == v.master), None) if v and v.master else None
-                others.append((name, rec.address if rec else "", rec.offsets.get(CONSUMERS_REVISION_KEY, 0) if rec else 0))
+                others.append((name, rec.address, rec.offsets.get(CONSUMERS_REVISION_KEY, 0)) if rec else (name, "", 0))
         why = finish_refusal(members=members, needed_revision=fkv.mod_revision, reporter=reporter,
                              master=view.master if view else "", reporter_revision=reporter_revision, others=others)
         if why:

@@ -202,3 +202,121 @@ async def test_a_subject_narrowed_under_load_loses_nothing_and_the_dropped_group
         r = _cli("admin", "route", "no.such.subject", "--meta", meta)
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+async def _drain_of(address: str, subject: str) -> dict | None:
+    """A real-time master's drain of ``subject`` as its Status says (``route_drains``)."""
+    import json
+
+    from cluster.cli.status import drain_of
+    from cluster.proto import hourglass_pb2 as pb
+    from cluster.proto import hourglass_pb2_grpc as rpc
+    async with grpc.aio.insecure_channel(address) as ch:
+        st = json.loads((await rpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=10)).json)
+    return drain_of(st, subject)
+
+
+async def test_a_consumer_group_that_never_pulled_from_the_dropped_group_still_gets_every_message_it_held(tmp_path):
+    """``audit`` consumes the subject on its first group only, then stops; the subject is widened
+    to a second group, which ``billing`` drains to the last message, and narrowed back. The
+    dropped group has no state of ``audit``, yet its drain waits for it by name (``N left``,
+    ``waiting for audit`` in ``hourglass status``) and ends only once ``audit``, back, got every
+    message the dropped group held, exactly once like every other."""
+    subject = "hot.narrowed.late"
+    c = LocalCluster(tmp_path / "c", n_delay=1, n_realtime=2, meta=True, env=ENV)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        first = (await admin.route(meta, subject)).groups[0].name  # first use: one group
+        masters = {c.group_of[n.name]: n.address for n in c.realtime}
+        other = next(g for g in masters if g != first)
+        node_group = {a: g for g, a in masters.items()}
+        got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}
+        where: dict[str, str] = {}
+        sent: list[str] = []
+        stop = {g: asyncio.Event() for g in GROUPS}
+
+        async def consume(group: str) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, subject, group=group) as cons:
+                    while not stop[group].is_set():
+                        for rb in await cons.pull_batch(wait_ms=200):
+                            for i in rb.ids:
+                                got[group][i] = got[group].get(i, 0) + 1
+                                where[i] = node_group[rb.node]
+                            await rb.ack(wait=True)
+            finally:
+                await res.close()
+
+        async def send(ids: list[str]) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS)  # a new producer: the route as it is now
+            try:
+                async with Producer(res) as p:
+                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
+            finally:
+                await res.close()
+            assert not out.errors, out.errors
+            sent.extend(ids)
+
+        async def both_have(ids) -> bool:
+            return all(set(got[g]) >= set(ids) for g in GROUPS)
+
+        tasks = {g: asyncio.create_task(consume(g)) for g in GROUPS}
+        try:
+            await send([f"a-{j}" for j in range(10)])  # one group: both consumer groups get them there
+            await _until(lambda: both_have(sent), "both consumer groups got the first messages")
+            stop["audit"].set()
+            await tasks.pop("audit")  # audit has state on `first` only, and stops
+            r = _cli("admin", "route", subject, "--groups", f"{first},{other}", "--meta", meta)
+            assert r.returncode == 0 and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+            ids = [f"b-{j}" for j in range(60)]
+            await send(ids)
+            dropped = [i for i in ids if group_of(i, tuple(sorted((first, other)))) == other]
+            assert dropped
+
+            async def billing_has_all() -> bool:
+                return set(got["billing"]) >= set(sent)
+            await _until(billing_has_all, "billing got every message, from both groups")
+            assert {where[i] for i in dropped} == {other}
+            r = _cli("admin", "route", subject, "--groups", first, "--meta", meta)
+            assert r.returncode == 0 and r.stdout.startswith("narrowing: "), (r.stdout, r.stderr)
+
+            # billing acked all of `other`; audit never pulled there: the drain waits for it by name
+            async def waits_for_audit():
+                d = await _drain_of(masters[other], subject)
+                return d if d and d["left"] == len(dropped) and d["waiting_for"] == ["audit"] else None
+            await _until_value(waits_for_audit, f"{other}'s drain waits for audit")
+            assert [g.name for g in (await admin.route(meta, subject)).draining] == [other]
+            st = _cli("status", "--meta", meta)
+            assert st.returncode == 0, (st.stdout, st.stderr)
+            line = f"route: {subject} draining: {other} ({len(dropped)} left), waiting for audit"
+            assert line in st.stdout.splitlines(), st.stdout
+            r = _cli("admin", "route", subject, "--meta", meta)
+            assert f"draining: {other} ({len(dropped)} left)" in r.stdout, r.stdout
+
+            stop["audit"].clear()
+            tasks["audit"] = asyncio.create_task(consume("audit"))  # audit is back: it reads both groups
+
+            async def finished() -> bool:
+                now = await admin.route(meta, subject)
+                return not now.draining and [g.name for g in now.groups] == [first]
+            await _until(lambda: both_have(sent), "audit got every message, the dropped group's too")
+            await _until(finished, f"{other} leaves the route once audit acked it all")
+            await send([f"c-{j}" for j in range(10)])  # after the drain: the kept group only
+            await _until(lambda: both_have(sent), "the last messages")
+        finally:
+            for g in GROUPS:
+                stop[g].set()
+            await asyncio.gather(*tasks.values())
+        st = _cli("status", "--meta", meta)
+        assert st.returncode == 0 and "draining" not in st.stdout, st.stdout
+        for g in GROUPS:
+            assert set(got[g]) == set(sent), g
+            twice = {i: n for i, n in got[g].items() if n > 1}
+            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]}"
+        assert {where[i] for i in dropped} == {other} and {where[i] for i in sent if i.startswith("c-")} == {first}
+
+
+async def _until_value(pred, what: str):
+    return await wait_until(pred, WAIT_S_MAX, what)

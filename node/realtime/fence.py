@@ -43,7 +43,8 @@ import numpy as np
 from cluster import status
 from cluster.codec import Batch
 from cluster.errors import RouteMoved, Unavailable
-from cluster.routes import CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY  # noqa: F401 - record offsets entries, re-exported
+# the record's offsets entries, re-exported
+from cluster.routes import CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY  # noqa: F401
 
 log = logging.getLogger("hourglass.fence")
 
