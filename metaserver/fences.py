@@ -4,11 +4,12 @@ is the etcd shell.
 
 Keys (no lease: they outlive every process)::
 
-    /hourglass/fences/{group}/{subject} -> {"draining": true, "epoch": 3}
+    /hourglass/fences/{group}/{subject} -> {"consumers": ["audit", "billing"], "draining": true, "epoch": 3}
 
 * written in the same transaction as the route that drops ``group`` from ``subject``
   (``Registry.set_route``), so no node can see the narrowed route without the fence existing;
   its mod revision is the narrowing's revision;
+* ``consumers``: the consumer groups the drain waits for (below), absent while none is known;
 * ``draining`` true while the route lists the group as draining; set false, in the same
   transaction that takes the group out of the route, when the drain finishes. The key stays:
   a writer with a route cached from before the narrowing is refused for as long as the group
@@ -23,16 +24,30 @@ reports that revision back (``offsets["fence_revision"]`` of its record).
 registered member of the group reports a fence revision at or above the fence's mod revision
 (the fence is in force wherever a write could land, a slave that may be promoted included),
 and (b) the group's master (the reporter: it must be the master the meta server knows) says,
-from a snapshot taken with its fence in force, that every consumer group of the subject on it
-acked its index end. The master says (b) on its heartbeats (``HeartbeatRequest.drained``);
+from a snapshot taken with its fence in force, that every consumer group the drain waits for
+(those with state on it and those the fence names) acked its index end. The master says (b) on its heartbeats (``HeartbeatRequest.drained``);
 the meta server that gets it checks (a) and writes the new route and the finished fence in
 one transaction guarded by both keys' mod revisions, so several meta servers may try at once
 and one wins. A group with no master, or a member that does not report, is not finished
 yet; the next heartbeat tries again.
 
+**Who a drain waits for** (``consumers``): every consumer group of the subject, by name, not
+only those with state on the draining group. Each answer to a real-time node carries ``watch``
+(the subjects draining in any group); every master reports its consumer groups (not idle) of
+them on its heartbeats (``HeartbeatRequest.consumers``, against the watch list read at
+``watch_revision``); the meta server adds new names to the subject's draining fences
+(``consumers_after``, ``merge_consumers``: guarded by each fence's mod revision) and answers
+``consumers_merged``, which the master reports back (``offsets["consumers_revision"]``). A
+finish also needs (c): the master of every other readable group of the route reports a
+consumers revision at or above the fence's mod revision. A new name rewrites the fence, so a
+claim or a report older than it does not count.
+
 Example: ``orders`` narrowed from rt-1,rt-2,rt-3 to rt-1,rt-2 at revision 900: fence
-``rt-3/orders`` (mod revision 900). rt-3's members report fence revisions 905 and 903; its
-master reports ``orders`` drained -> route ``rt-1,rt-2`` (draining none), fence draining false.
+``rt-3/orders`` (mod revision 900). rt-1's master reports consumer groups ``audit`` (it never
+pulled from rt-3) and ``billing``: the fence names them (mod revision 910). rt-3's members
+report fence revisions 915 and 913; the masters of rt-1 and rt-2 consumers revisions 912 and
+914; rt-3's master, once ``audit`` pulled and acked all of it there too, reports ``orders``
+drained -> route ``rt-1,rt-2`` (draining none), fence draining false.
 """
 
 from __future__ import annotations

@@ -456,3 +456,23 @@ def test_a_seeded_drain_loses_no_message_accepted_before_the_narrowing(seed):
         got = sim.got.get(g, {})
         assert not [i for i in sim.before_narrow if i not in got], g
         assert all(k == 1 for k in got.values()), g
+
+
+# ---------------------------------------------------------------------- what hourglass status says of a drain
+
+
+def test_status_shows_each_drain_in_progress_from_the_draining_masters_rows():
+    from cluster.cli.status import drain_lines, drain_of, draining_text
+
+    drains = [{"subject": "orders", "left": 12, "waiting_for": ["audit"]},
+              {"subject": "billing.v2", "left": 0, "waiting_for": []}]
+    rows = [{"role": "realtime", "group": "rt-3", "mode": "master", "route_drains": drains},
+            {"role": "realtime", "group": "rt-3", "mode": "slave", "route_drains": drains},  # the master's word only
+            {"role": "realtime", "group": "rt-1", "route_drains": []},                        # unreplicated: a master
+            {"role": "realtime", "group": "rt-2", "error": "UNAVAILABLE: gone"},
+            {"role": "delay", "group": "delay-1", "drain": {"state": "draining", "pending": 3}}]
+    assert drain_lines(rows) == ["route: billing.v2 draining: rt-3 (0 left)",
+                                 "route: orders draining: rt-3 (12 left), waiting for audit"]
+    assert drain_lines([{"role": "realtime", "group": "rt-1"}]) == []  # a node from before: nothing
+    assert drain_of({"route_drains": drains}, "orders")["left"] == 12 and drain_of({}, "orders") is None
+    assert draining_text("rt-3", "?") == "draining: rt-3 (? left)"  # what `admin route` prints too
