@@ -67,6 +67,7 @@ FENCE_REVISION_KEY = "fence_revision"  # a real-time node's record offsets entry
 # a real-time master's record offsets entry: the fence revision up to which its consumer groups of
 # every draining subject are recorded in the fences (metaserver/fences.py, "Who a drain waits for")
 CONSUMERS_REVISION_KEY = "consumers_revision"
+CONSUMERS_REPORT_MAX = 10_000  # consumer group names one master's heartbeat reports at most
 
 
 @dataclass(frozen=True)

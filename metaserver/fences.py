@@ -56,7 +56,9 @@ import json
 import logging
 from dataclasses import dataclass
 
-from cluster.routes import CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY, Route, dropped, finish
+from cluster.codec import check_subject
+from cluster.errors import InvalidArgument
+from cluster.routes import CONSUMERS_REPORT_MAX, CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY, Route, dropped, finish
 from metaserver import keyspace as ks
 
 log = logging.getLogger("hourglass.fences")
@@ -121,6 +123,23 @@ def fence_ops(subject: str, before: Route | None, after: Route) -> tuple[dict[st
     an earlier drain finished)."""
     puts = {g: FenceValue(after.epoch, True) for g in dropped(before, after)}
     return puts, list(after.groups)
+
+
+def report_refusal(reported: dict[str, list[str]]) -> str:
+    """Why a master's report of consumer groups is not merged ("" when it is): more than
+    ``CONSUMERS_REPORT_MAX`` names, or a subject or group name outside the subject rule (a
+    consumer group's name follows it too, ``node/realtime/groups.py``)."""
+    n = sum(len(g) for g in reported.values())
+    if n > CONSUMERS_REPORT_MAX:
+        return f"{n} consumer group names, more than {CONSUMERS_REPORT_MAX}"
+    try:
+        for subject, groups in reported.items():
+            check_subject(subject, "subject", ks.SUBJECT_BYTES_MAX)
+            for g in groups:
+                check_subject(g, "consumer group", ks.SUBJECT_BYTES_MAX)
+    except InvalidArgument as e:
+        return str(e)
+    return ""
 
 
 def finish_refusal(*, members: list[tuple[str, int]], needed_revision: int, reporter: str, master: str,

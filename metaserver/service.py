@@ -21,7 +21,7 @@ from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.drains import Drains
 from metaserver.election import Election
-from metaserver.fences import Fences
+from metaserver.fences import Fences, report_refusal
 from metaserver.etcd import EtcdClient
 from metaserver.registry import Registry
 
@@ -130,7 +130,10 @@ class MetaService(mrpc.MetaServicer):
             merged = 0
             if record.role == "realtime" and request.watch_revision > 0:
                 reported = {c.subject: list(c.groups) for c in request.consumers}
-                if await self.fences.merge_consumers(stored, reported):
+                why = report_refusal(reported)
+                if why:  # not merged: the drains of these subjects wait (the node keeps its registration)
+                    log.error("consumer groups reported by node_id=%s not recorded: %s", record.node_id, why[:300])
+                elif await self.fences.merge_consumers(stored, reported):
                     merged = request.watch_revision
         except HourglassError as e:
             await self._fail(context, e)

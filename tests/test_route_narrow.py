@@ -7,7 +7,10 @@ retry of an id goes to one group under one route), none before its due time; a p
 and a delay node whose route is cached from before the narrowing are refused by the dropped
 group and their messages land in the remaining ones; the route ends without the dropped group, by itself,
 once the consumers acked everything there (not before: while one consumer group holds back,
-`hourglass admin route SUBJECT` says how many of its messages are left there)."""
+`hourglass admin route SUBJECT` says how many of its messages are left there). Then: a consumer
+group that pulled only from the kept group before the narrowing is waited for by name and gets
+every message the dropped group held (`hourglass status` shows the drain and who it waits
+for); and a drain whose group is a master and a slave survives a SIGKILL of that master."""
 
 from __future__ import annotations
 

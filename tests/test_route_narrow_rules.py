@@ -16,7 +16,7 @@ from cluster.errors import InvalidArgument, RouteMoved, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import Route, RouteView, change, dropped, finish, taken_back
 from cluster.wire import BatchResult
-from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal
+from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal, report_refusal
 from node.realtime.fence import NodeFences, drain_left, subject_drained, waiting_for
 
 pytestmark = pytest.mark.unit
@@ -210,6 +210,13 @@ def test_every_master_reports_its_consumer_groups_of_the_watched_subjects():
     f.merged(10)
     f.merged(7)  # an older answer does not go back
     assert f.consumers_revision == 10
+
+
+def test_a_report_outside_the_name_rule_or_too_long_is_not_recorded_and_says_why():
+    assert report_refusal({"orders": ["audit", "billing"]}) == ""
+    assert "consumer group" in report_refusal({"orders": ["bad name"]})
+    assert "subject" in report_refusal({"": ["audit"]})
+    assert "more than" in report_refusal({"orders": [f"g{i}" for i in range(10_001)]})
 
 
 def test_a_reported_consumer_group_is_added_to_a_draining_fence_only():

@@ -44,12 +44,11 @@ from cluster import status
 from cluster.codec import Batch
 from cluster.errors import RouteMoved, Unavailable
 # the record's offsets entries, re-exported
-from cluster.routes import CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY  # noqa: F401
+from cluster.routes import CONSUMERS_REPORT_MAX, CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY  # noqa: F401
 
 log = logging.getLogger("hourglass.fence")
 
 _NONE = np.zeros(0, np.int64)
-CONSUMERS_REPORT_MAX = 10_000  # consumer group names one heartbeat reports at most
 WAITING_SHOWN_MAX = 20         # consumer groups a drain's progress names
 
 
