@@ -357,17 +357,15 @@ class _Sim:
         fence_rev, consumers_rev, (watch_rev, report), drained = node.snap
         self.records[node.group] = (fence_rev, consumers_rev)
         self._write()
-        if watch_rev:
-            ok = True
+        if watch_rev:  # merged (one meta server here: no write is lost to a concurrent one)
             for fg, (v, mod) in list(self.fences.items()):
                 after = consumers_after(v, dict(report).get(self.S, ()))
                 if after is not None:
                     self.fences[fg] = (after, self._write())
-            if ok:
-                node.fences.merged(watch_rev)
-                if self.route.draining and self.S in dict(report):
-                    # the groups this merged report carried are in every draining fence now
-                    self.protected |= set(dict(report)[self.S])
+            node.fences.merged(watch_rev)
+            if self.route.draining and self.S in dict(report):
+                # the groups this merged report carried are in every draining fence now
+                self.protected |= set(dict(report)[self.S])
         if self.S in drained:
             self.try_finish(node, fence_rev)
         own = [(self.S, v.draining, v.consumers) for g, (v, _) in self.fences.items() if g == node.group]
