@@ -64,6 +64,10 @@ from cluster.errors import InvalidArgument
 
 ROUTE_GROUPS_MAX = 64  # groups one subject may be spread over (a consumer holds a pull on each)
 FENCE_REVISION_KEY = "fence_revision"  # a real-time node's record offsets entry: the fences it enforces
+# a real-time master's record offsets entry: the fence revision up to which its consumer groups of
+# every draining subject are recorded in the fences (metaserver/fences.py, "Who a drain waits for")
+CONSUMERS_REVISION_KEY = "consumers_revision"
+CONSUMERS_REPORT_MAX = 10_000  # consumer group names one master's heartbeat reports at most
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@ is the etcd shell.
 
 Keys (no lease: they outlive every process)::
 
-    /hourglass/fences/{group}/{subject} -> {"draining": true, "epoch": 3}
+    /hourglass/fences/{group}/{subject} -> {"consumers": ["audit", "billing"], "draining": true, "epoch": 3}
 
 * written in the same transaction as the route that drops ``group`` from ``subject``
   (``Registry.set_route``), so no node can see the narrowed route without the fence existing;
   its mod revision is the narrowing's revision;
+* ``consumers``: the consumer groups the drain waits for (below), absent while none is known;
 * ``draining`` true while the route lists the group as draining; set false, in the same
   transaction that takes the group out of the route, when the drain finishes. The key stays:
   a writer with a route cached from before the narrowing is refused for as long as the group
@@ -23,16 +24,30 @@ reports that revision back (``offsets["fence_revision"]`` of its record).
 registered member of the group reports a fence revision at or above the fence's mod revision
 (the fence is in force wherever a write could land, a slave that may be promoted included),
 and (b) the group's master (the reporter: it must be the master the meta server knows) says,
-from a snapshot taken with its fence in force, that every consumer group of the subject on it
-acked its index end. The master says (b) on its heartbeats (``HeartbeatRequest.drained``);
+from a snapshot taken with its fence in force, that every consumer group the drain waits for
+(those with state on it and those the fence names) acked its index end. The master says (b) on its heartbeats (``HeartbeatRequest.drained``);
 the meta server that gets it checks (a) and writes the new route and the finished fence in
 one transaction guarded by both keys' mod revisions, so several meta servers may try at once
 and one wins. A group with no master, or a member that does not report, is not finished
 yet; the next heartbeat tries again.
 
+**Who a drain waits for** (``consumers``): every consumer group of the subject, by name, not
+only those with state on the draining group. Each answer to a real-time node carries ``watch``
+(the subjects draining in any group); every master reports its consumer groups (not idle) of
+them on its heartbeats (``HeartbeatRequest.consumers``, against the watch list read at
+``watch_revision``); the meta server adds new names to the subject's draining fences
+(``consumers_after``, ``merge_consumers``: guarded by each fence's mod revision) and answers
+``consumers_merged``, which the master reports back (``offsets["consumers_revision"]``). A
+finish also needs (c): the master of every other readable group of the route reports a
+consumers revision at or above the fence's mod revision. A new name rewrites the fence, so a
+claim or a report older than it does not count.
+
 Example: ``orders`` narrowed from rt-1,rt-2,rt-3 to rt-1,rt-2 at revision 900: fence
-``rt-3/orders`` (mod revision 900). rt-3's members report fence revisions 905 and 903; its
-master reports ``orders`` drained -> route ``rt-1,rt-2`` (draining none), fence draining false.
+``rt-3/orders`` (mod revision 900). rt-1's master reports consumer groups ``audit`` (it never
+pulled from rt-3) and ``billing``: the fence names them (mod revision 910). rt-3's members
+report fence revisions 915 and 913; the masters of rt-1 and rt-2 consumers revisions 912 and
+914; rt-3's master, once ``audit`` pulled and acked all of it there too, reports ``orders``
+drained -> route ``rt-1,rt-2`` (draining none), fence draining false.
 """
 
 from __future__ import annotations
@@ -41,12 +56,16 @@ import json
 import logging
 from dataclasses import dataclass
 
-from cluster.routes import FENCE_REVISION_KEY, Route, dropped, finish
+from cluster.codec import check_subject
+from cluster.errors import InvalidArgument
+from cluster.routes import CONSUMERS_REPORT_MAX, CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY, Route, dropped, finish
 from metaserver import keyspace as ks
 
 log = logging.getLogger("hourglass.fences")
 
 FENCES_PER_GROUP_MAX = 10_000  # fences one answer carries (a node enforces those; more is an operator's mess)
+CONSUMERS_PER_FENCE_MAX = 1_000  # consumer groups one drain waits for by name (more: reports are not merged)
+WATCH_MAX = 10_000             # subjects draining at once that masters report their consumer groups of
 
 
 def fence_key(group: str, subject: str) -> bytes:
@@ -61,14 +80,41 @@ def fences_prefix(group: str) -> bytes:
 class FenceValue:
     epoch: int          # the route epoch that dropped the group
     draining: bool = True
+    consumers: tuple[str, ...] = ()  # draining: the consumer groups the drain waits for (sorted)
 
     def encode(self) -> bytes:
-        return json.dumps({"draining": self.draining, "epoch": self.epoch}, sort_keys=True).encode()
+        d: dict = {"draining": self.draining, "epoch": self.epoch}
+        if self.consumers:  # absent when none: a fence from before keeps its bytes
+            d["consumers"] = sorted(self.consumers)
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "FenceValue":
         d = json.loads(raw)
-        return cls(int(d.get("epoch", 0)), bool(d.get("draining", True)))
+        consumers = d.get("consumers", [])
+        if not isinstance(consumers, list) or not all(isinstance(g, str) and g for g in consumers):
+            raise ValueError(f"fence with unreadable consumers: {raw[:200]!r}")
+        return cls(int(d.get("epoch", 0)), bool(d.get("draining", True)), tuple(sorted(set(consumers))))
+
+
+@dataclass(frozen=True)
+class StoredFence:
+    group: str
+    subject: str
+    value: FenceValue
+    mod_revision: int
+
+
+def consumers_after(value: FenceValue, reported) -> FenceValue | None:
+    """``value`` with the consumer groups ``reported`` (a master's, for the fence's subject)
+    added, or None when nothing is new or the fence is not draining. Add only: a group
+    that stops consuming stays required (``drain_left``: an idle one holds nothing back)."""
+    if not value.draining:
+        return None
+    new = set(reported) - set(value.consumers)
+    if not new:
+        return None
+    return FenceValue(value.epoch, True, tuple(sorted(set(value.consumers) | new)))
 
 
 def fence_ops(subject: str, before: Route | None, after: Route) -> tuple[dict[str, FenceValue], list[str]]:
@@ -79,13 +125,34 @@ def fence_ops(subject: str, before: Route | None, after: Route) -> tuple[dict[st
     return puts, list(after.groups)
 
 
+def report_refusal(reported: dict[str, list[str]]) -> str:
+    """Why a master's report of consumer groups is not merged ("" when it is): more than
+    ``CONSUMERS_REPORT_MAX`` names, or a subject or group name outside the subject rule (a
+    consumer group's name follows it too, ``node/realtime/groups.py``)."""
+    n = sum(len(g) for g in reported.values())
+    if n > CONSUMERS_REPORT_MAX:
+        return f"{n} consumer group names, more than {CONSUMERS_REPORT_MAX}"
+    try:
+        for subject, groups in reported.items():
+            check_subject(subject, "subject", ks.SUBJECT_BYTES_MAX)
+            for g in groups:
+                check_subject(g, "consumer group", ks.SUBJECT_BYTES_MAX)
+    except InvalidArgument as e:
+        return str(e)
+    return ""
+
+
 def finish_refusal(*, members: list[tuple[str, int]], needed_revision: int, reporter: str, master: str,
-                   reporter_revision: int, drained: bool = True) -> str:
+                   reporter_revision: int, drained: bool = True,
+                   others: list[tuple[str, str, int]] | None = None) -> str:
     """Why a draining group may not leave the route yet ("" when it may). ``members``:
     ``(node_id, fence revision reported)`` of every registered member; ``needed_revision``:
     the fence's mod revision; ``reporter``/``master``: addresses of the member that said
     "drained" (``drained``) and of the group's master now; ``reporter_revision``: the fence
-    revision of the snapshot the claim was made from."""
+    revision of the snapshot the claim was made from; ``others``: ``(group, its master
+    ("" none), the consumers revision its master's record reports)`` of every other readable
+    group of the route: each must have reported its consumer groups of the subject at or
+    after ``needed_revision`` (so the fence names them all: a new name rewrites the fence)."""
     if not drained:
         return "the master holds messages a consumer group has not acked"
     if not master:
@@ -99,6 +166,12 @@ def finish_refusal(*, members: list[tuple[str, int]], needed_revision: int, repo
     behind = [f"{n} ({r})" for n, r in members if r < needed_revision]
     if behind:
         return f"fence revision {needed_revision} not reported by {', '.join(behind)}"
+    unknown = [g for g, m, _ in others or [] if not m]
+    if unknown:
+        return f"{', '.join(unknown)} of the route has no master: its consumer groups are not known"
+    behind = [f"{g} ({r})" for g, m, r in others or [] if m and r < needed_revision]
+    if behind:
+        return f"consumer groups as of revision {needed_revision} not reported by the master of {', '.join(behind)}"
     return ""
 
 
@@ -106,21 +179,63 @@ class Fences:
     def __init__(self, etcd) -> None:
         self.etcd = etcd
 
-    async def of_group(self, group: str) -> tuple[list[tuple[str, bool]], int]:
-        """The group's fences ``(subject, draining)`` and the etcd revision they were read at."""
-        prefix = fences_prefix(group)
+    async def read_all(self) -> tuple[list[StoredFence], int]:
+        """Every fence and the etcd revision they were read at (an unreadable one is a
+        draining fence without consumers: a fence all the same)."""
+        prefix = f"{ks.PREFIX}/fences/".encode()
         resp = await self.etcd.call(lambda c: c.get_prefix(prefix))
         out = []
         for kv in resp:
+            group, _, subject = kv.key[len(prefix):].decode().partition("/")
             try:
-                out.append((kv.key[len(prefix):].decode(), FenceValue.decode(kv.value).draining))
-            except (ValueError, TypeError) as e:  # written by something else: a fence all the same
+                value = FenceValue.decode(kv.value)
+            except (ValueError, TypeError) as e:  # written by something else
                 log.error("unreadable fence key=%s: %s", kv.key, e)
-                out.append((kv.key[len(prefix):].decode(), True))
-            if len(out) >= FENCES_PER_GROUP_MAX:
-                log.error("group=%s has more than %d fences; the rest are not sent", group, FENCES_PER_GROUP_MAX)
-                break
+                value = FenceValue(0, True)
+            out.append(StoredFence(group, subject, value, kv.mod_revision))
         return out, resp.header.revision
+
+    @staticmethod
+    def answer(stored: list[StoredFence], group: str) -> tuple[list[tuple[str, bool, tuple[str, ...]]], list[str]]:
+        """What a member of ``group`` is told: its fences ``(subject, draining, consumers)``
+        and the subjects draining in any group (``watch``)."""
+        own = [(f.subject, f.value.draining, f.value.consumers) for f in stored if f.group == group]
+        if len(own) > FENCES_PER_GROUP_MAX:
+            log.error("group=%s has more than %d fences; the rest are not sent", group, FENCES_PER_GROUP_MAX)
+            own = own[:FENCES_PER_GROUP_MAX]
+        watch = sorted({f.subject for f in stored if f.value.draining})
+        if len(watch) > WATCH_MAX:
+            log.error("%d subjects drain at once, more than %d: the rest are not watched", len(watch), WATCH_MAX)
+            watch = watch[:WATCH_MAX]
+        return own, watch
+
+    async def merge_consumers(self, stored: list[StoredFence], reported: dict[str, list[str]]) -> bool:
+        """Add a master's consumer groups (``subject -> names``) to every draining fence of
+        their subjects (``consumers_after``), each write guarded by the fence's mod revision
+        as read (``stored``). True when every fence names them now (nothing to add, or every
+        write done); False when a fence changed meanwhile or would name too many (the master
+        reports again on its next heartbeat)."""
+        ok = True
+        for f in stored:
+            names = reported.get(f.subject)
+            after = consumers_after(f.value, names) if names else None
+            if after is None:
+                continue
+            if len(after.consumers) > CONSUMERS_PER_FENCE_MAX:
+                log.error("drain of subject=%s group=%s would wait for %d consumer groups, more than %d: not "
+                          "recorded (it does not finish)", f.subject[:200], f.group, len(after.consumers),
+                          CONSUMERS_PER_FENCE_MAX)
+                ok = False
+                continue
+            fkey = fence_key(f.group, f.subject)
+            done, _ = await self.etcd.call(lambda c, fkey=fkey, after=after, f=f: c.transaction(
+                compare=[c.transactions.mod(fkey) == f.mod_revision],
+                success=[c.transactions.put(fkey, after.encode())], failure=[]))
+            if done:
+                log.warning("drain of subject=%s group=%s waits for consumer groups %s too", f.subject[:200],
+                            f.group, ",".join(sorted(set(after.consumers) - set(f.value.consumers)))[:500])
+            ok = ok and bool(done)
+        return ok
 
     async def try_finish(self, registry, group: str, subject: str, reporter: str, reporter_revision: int) -> str:
         """Finish ``group``'s drain of ``subject`` if ``finish_refusal`` allows: "" when
@@ -133,10 +248,17 @@ class Fences:
         route = Route.decode(kv.value)
         if group not in route.draining or not FenceValue.decode(fkv.value).draining:
             return "not draining"
-        view = next((g for g in (await registry.groups("realtime"))[0] if g.name == group), None)
+        views = {g.name: g for g in (await registry.groups("realtime"))[0]}
+        view = views.get(group)
         members = [(m.node_id, m.offsets.get(FENCE_REVISION_KEY, 0)) for m in (view.members if view else [])]
+        others = []
+        for name in route.readable:
+            if name != group:
+                v = views.get(name)
+                rec = next((m for m in v.members if m.address == v.master), None) if v and v.master else None
+                others.append((name, rec.address, rec.offsets.get(CONSUMERS_REVISION_KEY, 0)) if rec else (name, "", 0))
         why = finish_refusal(members=members, needed_revision=fkv.mod_revision, reporter=reporter,
-                             master=view.master if view else "", reporter_revision=reporter_revision)
+                             master=view.master if view else "", reporter_revision=reporter_revision, others=others)
         if why:
             log.info("drain not finished subject=%s group=%s: %s", subject[:200], group, why)
             return why

@@ -21,7 +21,7 @@ from metaserver import keyspace as ks
 from metaserver.config import MetaSettings
 from metaserver.drains import Drains
 from metaserver.election import Election
-from metaserver.fences import Fences
+from metaserver.fences import Fences, report_refusal
 from metaserver.etcd import EtcdClient
 from metaserver.registry import Registry
 
@@ -113,12 +113,12 @@ class MetaService(mrpc.MetaServicer):
             ttl_s = Registry.ttl_s(request.ttl_ms, self.registry.default_ttl_s)
             record = record_from_pb(request.node)
             lease_id = await self.registry.register(record, ttl_s=ttl_s)
-            fences, revision = await self._fences_of(record)
+            fences, watch, revision, _ = await self._fences_of(record)
         except HourglassError as e:
             await self._fail(context, e)
         return mpb.RegisterResponse(lease_id=lease_id, ttl_ms=ttl_s * 1000,
                                     heartbeat_ms=min(HEARTBEAT_MS_MAX, ttl_s * 1000 // 3),
-                                    fences=fences, fence_revision=revision)
+                                    fences=fences, fence_revision=revision, watch=watch)
 
     async def Heartbeat(self, request: mpb.HeartbeatRequest, context) -> mpb.HeartbeatResponse:
         try:
@@ -126,19 +126,30 @@ class MetaService(mrpc.MetaServicer):
                 raise InvalidArgument("lease_id", "must be > 0")
             record = record_from_pb(request.node)
             ttl = await self.registry.heartbeat(request.lease_id, record)
-            fences, revision = await self._fences_of(record)
+            fences, watch, revision, stored = await self._fences_of(record)
+            merged = 0
+            if record.role == "realtime" and request.watch_revision > 0:
+                reported = {c.subject: list(c.groups) for c in request.consumers}
+                why = report_refusal(reported)
+                if why:  # not merged: the drains of these subjects wait (the node keeps its registration)
+                    log.error("consumer groups reported by node_id=%s not recorded: %s", record.node_id, why[:300])
+                elif await self.fences.merge_consumers(stored, reported):
+                    merged = request.watch_revision
         except HourglassError as e:
             await self._fail(context, e)
         if request.drained and record.role == "realtime":
             self._finish_drains(record, list(request.drained), {f.subject for f in fences if f.draining})
-        return mpb.HeartbeatResponse(ttl_ms=ttl * 1000, fences=fences, fence_revision=revision)
+        return mpb.HeartbeatResponse(ttl_ms=ttl * 1000, fences=fences, fence_revision=revision, watch=watch,
+                                     consumers_merged=merged)
 
-    async def _fences_of(self, record: ks.NodeRecord) -> tuple[list[mpb.Fence], int]:
-        """A real-time node's group's fences and the revision they were read at (others: none)."""
+    async def _fences_of(self, record: ks.NodeRecord) -> tuple[list[mpb.Fence], list[str], int, list]:
+        """A real-time node's group's fences, the subjects draining in any group (``watch``),
+        the revision they were read at and every fence as stored (others: none)."""
         if record.role != "realtime":
-            return [], 0
-        fences, revision = await self.fences.of_group(record.group)
-        return [mpb.Fence(subject=s, draining=d) for s, d in fences], revision
+            return [], [], 0, []
+        stored, revision = await self.fences.read_all()
+        own, watch = self.fences.answer(stored, record.group)
+        return ([mpb.Fence(subject=s, draining=d, consumers=c) for s, d, c in own], watch, revision, stored)
 
     def _finish_drains(self, record: ks.NodeRecord, drained: list[str], draining: set[str]) -> None:
         """A real-time master says these draining subjects hold nothing unacknowledged: try to

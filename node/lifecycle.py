@@ -31,8 +31,12 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
         fences = getattr(node, "fences", None)  # a real-time node's (node/realtime/fence.py)
         if fences is not None:
             node.registrar.on_fences = fences.load
-            node.registrar.drained = lambda: fences.drained(node.store) if getattr(node, "mode", "master") == "master" \
-                else []
+            node.registrar.on_merged = fences.merged
+
+            def master() -> bool:
+                return getattr(node, "mode", "master") == "master"
+            node.registrar.drained = lambda: fences.drained(node.store) if master() else []
+            node.registrar.consumers = lambda: fences.report(node.store) if master() else (0, [])
     if settings.loop.stall_report_ms:
         watch = StallWatch(settings.loop.stall_report_ms, log, histogram=node.metrics.loop_stall)
         tasks.append(tg.create_task(watch.run(), name="stall-watch"))

@@ -41,11 +41,16 @@ Callbacks (assign as attributes; both optional):
   another registration holds the id), *before* registering again: registering again revokes
   the old lease and so deletes a leader key attached to it.
 
-* ``on_fences(revision, [(subject, draining)])``: a real-time node's fences (``node/realtime/
-  fence.py``), from every Register and Heartbeat answer, called **on the main loop**; after a
-  Register it runs before ``registered`` is set, so a node has its fences before it serves.
+* ``on_fences(revision, [(subject, draining, consumers)], watch)``: a real-time node's fences
+  (``node/realtime/fence.py``) and the subjects draining anywhere, from every Register and
+  Heartbeat answer, called **on the main loop**; after a Register it runs before
+  ``registered`` is set, so a node has its fences before it serves.
 * ``drained()``: called on the main loop with ``describe()``; what it returns (a master's
   drained subjects) goes on the next heartbeats (``HeartbeatRequest.drained``).
+* ``consumers()``: likewise; ``(watch revision, [(subject, [consumer group])])``, a master's
+  consumer groups of the watched subjects (``HeartbeatRequest.consumers``).
+* ``on_merged(revision)``: called on the main loop when an answer says the report made at
+  watch ``revision`` is recorded (``HeartbeatResponse.consumers_merged``).
 
 Answers and what the thread does about them:
 
@@ -134,6 +139,8 @@ class Registrar:
         # is set after a Register); drained() is snapshotted with describe() and sent on heartbeats
         self.on_fences: Callable[[int, list], None] | None = None
         self.drained: Callable[[], list[str]] | None = None
+        self.consumers: Callable[[], tuple[int, list]] | None = None
+        self.on_merged: Callable[[int], None] | None = None
         self._on_beat: Callable | None = None
         self._beat_on_thread = False
         # the node's grpc.health.v1 servicer (start_grpc's): its readiness service follows the registration
@@ -216,14 +223,22 @@ class Registrar:
         except Exception:  # noqa: BLE001 - a drain claim is optional; the registration must not stop for it
             log.exception("drained subjects not reported node_id=%s", self.settings.server.node_id)
             drained = []
+        try:
+            watch_revision, consumers = self.consumers() if self.consumers is not None else (0, [])
+        except Exception:  # noqa: BLE001 - likewise optional: the drains wait for it, nothing else does
+            log.exception("consumer groups not reported node_id=%s", self.settings.server.node_id)
+            watch_revision, consumers = 0, []
         # one object: the thread sends a claim with the record (fence revision) it was made with
-        self._info = mpb.HeartbeatRequest(node=info, drained=drained)
+        self._info = mpb.HeartbeatRequest(
+            node=info, drained=drained, watch_revision=watch_revision,
+            consumers=[mpb.SubjectConsumers(subject=s, groups=g) for s, g in consumers])
 
     def _post_fences(self, resp) -> None:
         """Heartbeat thread: hand an answer's fences to the main loop (before anything else
         posted after it, so a node registered again has its fences before it is ``registered``)."""
         if self.on_fences is not None:
-            self._post(self.on_fences, resp.fence_revision, [(f.subject, f.draining) for f in resp.fences])
+            self._post(self.on_fences, resp.fence_revision,
+                       [(f.subject, f.draining, tuple(f.consumers)) for f in resp.fences], tuple(resp.watch))
 
     def _post(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` on the main loop (from the heartbeat thread)."""
@@ -375,9 +390,12 @@ class Registrar:
         else:
             lease = self._lease
             snap = self._info
-            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(lease_id=lease, node=snap.node,
-                                                                      drained=snap.drained))
+            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(
+                lease_id=lease, node=snap.node, drained=snap.drained, consumers=snap.consumers,
+                watch_revision=snap.watch_revision))
             self._post_fences(resp)
+            if resp.consumers_merged and self.on_merged is not None:
+                self._post(self.on_merged, resp.consumers_merged)
         confirmed_ms = mono_ms()
         self.heartbeats += 1
         if self.metrics is not None:

@@ -7,7 +7,10 @@ retry of an id goes to one group under one route), none before its due time; a p
 and a delay node whose route is cached from before the narrowing are refused by the dropped
 group and their messages land in the remaining ones; the route ends without the dropped group, by itself,
 once the consumers acked everything there (not before: while one consumer group holds back,
-`hourglass admin route SUBJECT` says how many of its messages are left there)."""
+`hourglass admin route SUBJECT` says how many of its messages are left there). Then: a consumer
+group that pulled only from the kept group before the narrowing is waited for by name and gets
+every message the dropped group held (`hourglass status` shows the drain and who it waits
+for); and a drain whose group is a master and a slave survives a SIGKILL of that master."""
 
 from __future__ import annotations
 
@@ -202,3 +205,244 @@ async def test_a_subject_narrowed_under_load_loses_nothing_and_the_dropped_group
         r = _cli("admin", "route", "no.such.subject", "--meta", meta)
         lines = r.stderr.strip().splitlines()
         assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+
+
+async def _drain_of(address: str, subject: str) -> dict | None:
+    """A real-time master's drain of ``subject`` as its Status says (``route_drains``)."""
+    import json
+
+    from cluster.cli.status import drain_of
+    from cluster.proto import hourglass_pb2 as pb
+    from cluster.proto import hourglass_pb2_grpc as rpc
+    async with grpc.aio.insecure_channel(address) as ch:
+        st = json.loads((await rpc.AdminStub(ch).Status(pb.StatusRequest(), timeout=10)).json)
+    return drain_of(st, subject)
+
+
+async def test_a_consumer_group_that_never_pulled_from_the_dropped_group_still_gets_every_message_it_held(tmp_path):
+    """``audit`` consumes the subject on its first group only, then stops; the subject is widened
+    to a second group, which ``billing`` drains to the last message, and narrowed back. The
+    dropped group has no state of ``audit``, yet its drain waits for it by name (``N left``,
+    ``waiting for audit`` in ``hourglass status``) and ends only once ``audit``, back, got every
+    message the dropped group held, exactly once like every other."""
+    subject = "hot.narrowed.late"
+    c = LocalCluster(tmp_path / "c", n_delay=1, n_realtime=2, meta=True, env=ENV)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        first = (await admin.route(meta, subject)).groups[0].name  # first use: one group
+        masters = {c.group_of[n.name]: n.address for n in c.realtime}
+        other = next(g for g in masters if g != first)
+        node_group = {a: g for g, a in masters.items()}
+        got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}
+        where: dict[str, str] = {}
+        sent: list[str] = []
+        stop = {g: asyncio.Event() for g in GROUPS}
+
+        async def consume(group: str) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, subject, group=group) as cons:
+                    while not stop[group].is_set():
+                        for rb in await cons.pull_batch(wait_ms=200):
+                            for i in rb.ids:
+                                got[group][i] = got[group].get(i, 0) + 1
+                                where[i] = node_group[rb.node]
+                            await rb.ack(wait=True)
+            finally:
+                await res.close()
+
+        async def send(ids: list[str]) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS)  # a new producer: the route as it is now
+            try:
+                async with Producer(res) as p:
+                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
+            finally:
+                await res.close()
+            assert not out.errors, out.errors
+            sent.extend(ids)
+
+        async def both_have(ids) -> bool:
+            return all(set(got[g]) >= set(ids) for g in GROUPS)
+
+        tasks = {g: asyncio.create_task(consume(g)) for g in GROUPS}
+        try:
+            await send([f"a-{j}" for j in range(10)])  # one group: both consumer groups get them there
+            await _until(lambda: both_have(sent), "both consumer groups got the first messages")
+            stop["audit"].set()
+            await tasks.pop("audit")  # audit has state on `first` only, and stops
+            r = _cli("admin", "route", subject, "--groups", f"{first},{other}", "--meta", meta)
+            assert r.returncode == 0 and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+            ids = [f"b-{j}" for j in range(60)]
+            await send(ids)
+            dropped = [i for i in ids if group_of(i, tuple(sorted((first, other)))) == other]
+            assert dropped
+
+            async def billing_has_all() -> bool:
+                return set(got["billing"]) >= set(sent)
+            await _until(billing_has_all, "billing got every message, from both groups")
+            assert {where[i] for i in dropped} == {other}
+            r = _cli("admin", "route", subject, "--groups", first, "--meta", meta)
+            assert r.returncode == 0 and r.stdout.startswith("narrowing: "), (r.stdout, r.stderr)
+
+            # billing acked all of `other`; audit never pulled there: the drain waits for it by name
+            async def waits_for_audit():
+                d = await _drain_of(masters[other], subject)
+                return d if d and d["left"] == len(dropped) and d["waiting_for"] == ["audit"] else None
+            await _until_value(waits_for_audit, f"{other}'s drain waits for audit")
+            assert [g.name for g in (await admin.route(meta, subject)).draining] == [other]
+            st = _cli("status", "--meta", meta)
+            assert st.returncode == 0, (st.stdout, st.stderr)
+            line = f"route: {subject} draining: {other} ({len(dropped)} left), waiting for audit"
+            assert line in st.stdout.splitlines(), st.stdout
+            r = _cli("admin", "route", subject, "--meta", meta)
+            assert f"draining: {other} ({len(dropped)} left)" in r.stdout, r.stdout
+
+            stop["audit"].clear()
+            tasks["audit"] = asyncio.create_task(consume("audit"))  # audit is back: it reads both groups
+
+            async def finished() -> bool:
+                now = await admin.route(meta, subject)
+                return not now.draining and [g.name for g in now.groups] == [first]
+            await _until(lambda: both_have(sent), "audit got every message, the dropped group's too")
+            await _until(finished, f"{other} leaves the route once audit acked it all")
+            await send([f"c-{j}" for j in range(10)])  # after the drain: the kept group only
+            await _until(lambda: both_have(sent), "the last messages")
+        finally:
+            for g in GROUPS:
+                stop[g].set()
+            await asyncio.gather(*tasks.values())
+        st = _cli("status", "--meta", meta)
+        assert st.returncode == 0 and "draining" not in st.stdout, st.stdout
+        for g in GROUPS:
+            assert set(got[g]) == set(sent), g
+            twice = {i: n for i, n in got[g].items() if n > 1}
+            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]}"
+        assert {where[i] for i in dropped} == {other} and {where[i] for i in sent if i.startswith("c-")} == {first}
+
+
+async def _until_value(pred, what: str):
+    return await wait_until(pred, WAIT_S_MAX, what)
+
+
+async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path):
+    """Both real-time groups are a master and a slave (``sync`` acks). The subject over both is
+    narrowed to one while ``audit`` holds back: the dropped group drains, ``N left``. Its master
+    is SIGKILLed mid-drain (and restarted, as a supervisor would: a ``sync`` group takes writes
+    with a slave); the slave takes over with the fence, the group positions and the messages,
+    and the drain goes on there: it does not finish while ``audit`` holds back, and once
+    ``audit`` is back it finishes, every message delivered to each consumer group exactly once."""
+    from cluster import errors as E
+
+    subject = "hot.narrowed.failover"
+    c = LocalCluster(tmp_path / "c", n_delay=0, n_realtime=4, meta=True, env=ENV, realtime_replicas=2,
+                     ack_mode="sync", lease_ttl_ms=2000)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        masters = await c.wait_masters("realtime")  # group -> its master's name
+        assert sorted(masters) == ["realtime-g1", "realtime-g2"]
+        first = (await admin.route(meta, subject)).groups[0].name
+        other = next(g for g in masters if g != first)
+        by_address = {n.address: c.group_of[n.name] for n in c.realtime}
+        r = _cli("admin", "route", subject, "--groups", "realtime-g1,realtime-g2", "--meta", meta)
+        assert r.returncode == 0 and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+        got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}
+        where: dict[str, str] = {}
+        sent: list[str] = []
+        unconfirmed: list[str] = []  # acks that failed (those may come again)
+        held, paused, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def consume(group: str) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, subject, group=group) as cons:
+                    while not stop.is_set():
+                        if group == "audit" and held.is_set():
+                            paused.set()  # nothing of audit's is in flight: each batch was acked
+                            await asyncio.sleep(0.05)
+                            continue
+                        if group == "audit":
+                            paused.clear()
+                        try:
+                            batches = await cons.pull_batch(wait_ms=200)
+                        except E.HourglassError:  # the killed master's pull: the next round asks again
+                            await asyncio.sleep(0.1)
+                            continue
+                        for rb in batches:
+                            for i in rb.ids:
+                                got[group][i] = got[group].get(i, 0) + 1
+                                where[i] = by_address.get(rb.node, rb.node)
+                            try:
+                                await rb.ack(wait=True)
+                            except E.HourglassError:
+                                unconfirmed.extend(rb.ids)
+            finally:
+                await res.close()
+
+        async def send(ids: list[str]) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS)
+            try:
+                async with Producer(res, retries_max=40) as p:
+                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
+            finally:
+                await res.close()
+            assert not out.errors, out.errors
+            sent.extend(ids)
+
+        async def has(group: str, ids) -> bool:
+            return set(got[group]) >= set(ids)
+
+        tasks = [asyncio.create_task(consume(g)) for g in GROUPS]
+        try:
+            await send([f"a-{j}" for j in range(40)])
+            await _until(lambda: has("audit", sent), "audit got the first messages")
+            held.set()
+            await _until(lambda: _set(paused), "audit holds back")
+            ids = [f"b-{j}" for j in range(60)]
+            await send(ids)
+            behind = [i for i in ids if group_of(i, ("realtime-g1", "realtime-g2")) == other]
+            assert behind
+            await _until(lambda: has("billing", sent), "billing got every message")
+            r = _cli("admin", "route", subject, "--groups", first, "--meta", meta)
+            assert r.returncode == 0 and r.stdout.startswith("narrowing: "), (r.stdout, r.stderr)
+
+            old = next(n for n in c.realtime if n.name == masters[other])
+
+            async def draining(address: str):
+                d = await _drain_of(address, subject)
+                return d if d and d["left"] == len(behind) and d["waiting_for"] == ["audit"] else None
+            await _until_value(lambda: draining(old.address), f"{other}'s master drains, audit holding back")
+            await c.wait_in_sync("realtime")  # the slave may be elected
+            old.kill()
+            new = next(n for n in c.realtime if c.group_of[n.name] == other and n is not old)
+
+            async def promoted() -> bool:
+                return bool((await c.statuses("realtime")).get(new.name, {}).get("master"))
+            await _until(promoted, f"{new.name} takes over {other}")
+            old.start()  # a supervisor restarts it: a sync group takes writes with a slave
+            await asyncio.to_thread(old.wait_ready)
+            assert (await c.wait_masters("realtime"))[other] == new.name
+            # the drain goes on at the new master: same count, still waiting for audit
+            await _until_value(lambda: draining(new.address), f"{other}'s new master drains, audit holding back")
+            assert [g.name for g in (await admin.route(meta, subject)).draining] == [other]
+
+            held.clear()
+
+            async def finished() -> bool:
+                route = await admin.route(meta, subject)
+                return not route.draining and [g.name for g in route.groups] == [first]
+            await _until(lambda: has("audit", sent), "audit got every message, the dropped group's too")
+            await _until(finished, f"{other} leaves the route once audit acked it all")
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+        assert {where[i] for i in behind} == {other}
+        for g in GROUPS:
+            assert set(got[g]) == set(sent), g
+            twice = {i: n for i, n in got[g].items() if n > 1}
+            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]} (acks failed: {unconfirmed[:5]})"
+
+
+async def _set(event: asyncio.Event) -> bool:
+    return event.is_set()

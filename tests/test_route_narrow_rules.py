@@ -16,8 +16,8 @@ from cluster.errors import InvalidArgument, RouteMoved, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import Route, RouteView, change, dropped, finish, taken_back
 from cluster.wire import BatchResult
-from metaserver.fences import FenceValue, fence_ops, finish_refusal
-from node.realtime.fence import NodeFences, subject_drained
+from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal, report_refusal
+from node.realtime.fence import NodeFences, drain_left, subject_drained, waiting_for
 
 pytestmark = pytest.mark.unit
 
@@ -151,16 +151,28 @@ def test_a_node_without_meta_servers_has_nothing_to_wait_for():
     NodeFences("rt-1", required=False).check_loaded()
 
 
-@pytest.mark.parametrize("count, groups, drained", [
-    (None, [], True),                      # the node never had the subject
-    (0, [], True),
-    (5, [], False),                        # messages nobody ever pulled here are not given up
-    (5, [(0, False), (0, False)], True),   # every consumer group acked the end
-    (5, [(0, False), (2, False)], False),  # one still has two to ack
-    (5, [(0, False), (3, True)], True),    # an idle group holds nothing back (as for retention)
+@pytest.mark.parametrize("count, groups, required, drained", [
+    (None, {}, (), True),                              # the node never had the subject
+    (0, {}, (), True),
+    (5, {}, (), False),                                # messages nobody ever pulled here are not given up
+    (5, {"a": (0, False), "b": (0, False)}, (), True),  # every consumer group acked the end
+    (5, {"a": (0, False), "b": (2, False)}, (), False),  # one still has two to ack
+    (5, {"a": (0, False), "b": (3, True)}, (), True),   # an idle group holds nothing back (as for retention)
+    (5, {"a": (0, False)}, ("a", "b"), False),         # b consumes elsewhere and never pulled here
+    (5, {"a": (0, False), "b": (0, False)}, ("b",), True),
+    (0, {}, ("a",), True),                             # nothing here: nothing to wait for
+    (None, {}, ("a",), True),
 ])
-def test_a_subject_is_drained_when_every_consumer_group_acked_its_end(count, groups, drained):
-    assert subject_drained(count, groups) is drained
+def test_a_subject_is_drained_when_every_consumer_group_acked_its_end(count, groups, required, drained):
+    assert subject_drained(count, groups, required) is drained
+    assert (drain_left(count, groups, required) == 0) is drained
+
+
+def test_what_is_left_counts_a_required_group_without_state_as_all_unacked():
+    assert drain_left(40, {"billing": (0, False)}, ("audit", "billing")) == 40
+    assert drain_left(40, {"billing": (3, False), "x": (9, True)}, ("audit",)) == 43
+    assert waiting_for(40, {"billing": (3, False), "x": (9, True)}, ("audit",)) == ["audit", "billing"]
+    assert waiting_for(40, {}, ()) == []
 
 
 class _Store:
@@ -168,14 +180,54 @@ class _Store:
         self.rows = rows
 
     def unacked(self, subject):
-        return self.rows.get(subject, (None, []))
+        return self.rows.get(subject, (None, {}))
 
 
 def test_a_master_reports_the_draining_subjects_it_holds_nothing_of():
     f = NodeFences("rt-3", required=True)
     assert f.drained(_Store({})) == []  # nothing loaded: nothing claimed
     f.load(10, [("a", True), ("b", True), ("c", False)])
-    assert f.drained(_Store({"a": (3, [(0, False)]), "b": (3, [(1, False)]), "c": (0, [])})) == ["a"]
+    assert f.drained(_Store({"a": (3, {"g": (0, False)}), "b": (3, {"g": (1, False)}), "c": (0, {})})) == ["a"]
+
+
+def test_a_draining_fence_names_the_consumer_groups_it_waits_for():
+    f = NodeFences("rt-3", required=True)
+    f.load(10, [("a", True, ("audit", "billing")), ("c", False, ("x",))], ("a", "other"))
+    store = _Store({"a": (3, {"billing": (0, False)})})
+    assert f.drained(store) == []  # audit never pulled here: its three entries are left
+    assert f.progress(store) == [{"subject": "a", "left": 3, "waiting_for": ["audit"]}]
+    assert f.consumers == {"a": ("audit", "billing")}  # a finished fence waits for nobody
+    store.rows["a"] = (3, {"billing": (0, False), "audit": (0, False)})
+    assert f.drained(store) == ["a"] and f.progress(store)[0]["left"] == 0
+
+
+def test_every_master_reports_its_consumer_groups_of_the_watched_subjects():
+    f = NodeFences("rt-1", required=True)
+    store = _Store({"a": (3, {"billing": (0, False), "old": (2, True)}), "b": (1, {"x": (1, False)})})
+    assert f.report(store) == (0, [])  # nothing loaded: no report (it never counts as complete)
+    f.load(10, [], ("a", "z"))
+    assert f.report(store) == (10, [("a", ["billing"])])  # idle groups are not reported; z: no groups here
+    f.merged(10)
+    f.merged(7)  # an older answer does not go back
+    assert f.consumers_revision == 10
+
+
+def test_a_report_outside_the_name_rule_or_too_long_is_not_recorded_and_says_why():
+    assert report_refusal({"orders": ["audit", "billing"]}) == ""
+    assert "consumer group" in report_refusal({"orders": ["bad name"]})
+    assert "subject" in report_refusal({"": ["audit"]})
+    assert "more than" in report_refusal({"orders": [f"g{i}" for i in range(10_001)]})
+
+
+def test_a_reported_consumer_group_is_added_to_a_draining_fence_only():
+    v = FenceValue(3, True, ("billing",))
+    assert consumers_after(v, ["billing"]) is None
+    assert consumers_after(v, ["audit", "billing"]) == FenceValue(3, True, ("audit", "billing"))
+    assert consumers_after(FenceValue(3, False), ["audit"]) is None
+    assert FenceValue.decode(FenceValue(3, True, ("b", "a")).encode()).consumers == ("a", "b")
+    assert FenceValue(3, True).encode() == b'{"draining": true, "epoch": 3}'  # a fence from before keeps its bytes
+    with pytest.raises(ValueError):
+        FenceValue.decode(b'{"consumers": "audit", "draining": true, "epoch": 3}')
 
 
 # ---------------------------------------------------------------------- when a drain finishes
@@ -189,6 +241,7 @@ def _why(**kw):
 
 def test_a_drain_finishes_when_every_member_enforces_the_fence_and_the_master_says_drained():
     assert _why() == ""
+    assert _why(others=[("rt-1", "h:9", 100), ("rt-2", "h:8", 130)]) == ""
 
 
 @pytest.mark.parametrize("change_, words", [
@@ -199,7 +252,232 @@ def test_a_drain_finishes_when_every_member_enforces_the_fence_and_the_master_sa
     (dict(members=[("n1", 120), ("n2", 99)]), "n2"),
     (dict(members=[("n1", 120), ("n2", 0)]), "n2"),   # a member that reports no fence revision
     (dict(members=[]), "no registered member"),
+    (dict(others=[("rt-1", "", 0)]), "rt-1 of the route has no master"),
+    (dict(others=[("rt-1", "h:9", 120), ("rt-2", "h:8", 99)]), "rt-2 (99)"),  # its report predates the fence
 ])
 def test_a_drain_does_not_finish_otherwise(change_, words):
     why = _why(**change_)
     assert why and words in why, why
+
+
+# ---------------------------------------------------------------------- a seeded simulation of the finish rule
+
+
+class _Node:
+    """One real-time group's master as the drain sees it: its store (one subject's index and
+    each consumer group's position and in-flight entries), its fences (``NodeFences``, lost by
+    a restart) and the registration snapshot its next heartbeat sends."""
+
+    def __init__(self, group: str):
+        self.group = group
+        self.entries: list[str] = []
+        self.pos: dict[str, int] = {}
+        self.inflight: dict[str, set[int]] = {}
+        self.fences = NodeFences(group, required=True)
+        self.snap = None
+
+    def unacked(self, subject):
+        if not self.entries and not self.pos:
+            return None, {}
+        n = len(self.entries)
+        return n, {g: (n - p + len(self.inflight[g]), False) for g, p in self.pos.items()}
+
+    def snapshot(self):
+        self.snap = (self.fences.revision, self.fences.consumers_revision, self.fences.report(self),
+                     self.fences.drained(self))
+
+
+class _Sim:
+    """The etcd keys a drain touches (the route, the fences, the masters' records) with one
+    revision counter, and the meta server's steps on them, written with the pure rules."""
+
+    S = "orders"
+
+    def __init__(self, rnd, groups):
+        self.rnd = rnd
+        self.rev = 1
+        self.route = Route(tuple(groups), 1)
+        self.fences: dict[str, tuple[FenceValue, int]] = {}  # group -> (value, mod revision)
+        self.records: dict[str, tuple[int, int]] = {}        # group -> (fence revision, consumers revision)
+        self.nodes = {g: _Node(g) for g in groups}
+        self.got: dict[str, dict[str, int]] = {}             # consumer group -> id -> times received
+        self.before_narrow: list[str] = []                   # ids accepted before the narrowing
+        self.protected: set[str] = set()                     # consumer groups the drain must wait for
+        self.finished = False
+        self.n = 0
+
+    def _write(self) -> int:
+        self.rev += 1
+        return self.rev
+
+    def send(self):
+        i = f"m{self.n}"
+        self.n += 1
+        node = self.nodes[self.route.groups[self.n % len(self.route.groups)]]
+        if self.rnd.random() < 0.2:  # a writer with a route from before the narrowing
+            node = self.nodes[self.rnd.choice(sorted(self.nodes))]
+        if self.S in node.fences.subjects or node.group not in self.route.readable:
+            return  # refused: route moved (stored nowhere)
+        node.entries.append(i)
+        if not self.route.draining:
+            self.before_narrow.append(i)
+
+    def pull(self, g, node):
+        if node.group not in self.route.readable:
+            return
+        node.pos.setdefault(g, 0)
+        node.inflight.setdefault(g, set())
+        if node.pos[g] < len(node.entries):
+            node.inflight[g].add(node.pos[g])
+            node.pos[g] += 1
+
+    def ack(self, g, node):
+        if node.inflight.get(g):
+            k = self.rnd.choice(sorted(node.inflight[g]))
+            node.inflight[g].discard(k)
+            self.got.setdefault(g, {})
+            self.got[g][node.entries[k]] = self.got[g].get(node.entries[k], 0) + 1
+
+    def narrow(self):
+        keep = self.route.groups[:1]
+        before, after = self.route, change(self.S, self.route, keep)
+        puts, deletes = fence_ops(self.S, before, after)
+        rev = self._write()  # one transaction: the route and its fences
+        self.route = after
+        for g, v in puts.items():
+            self.fences[g] = (v, rev)
+        for g in deletes:
+            self.fences.pop(g, None)
+        self.protected |= {g for n in self.nodes.values() for g in n.pos}  # every group at the narrowing
+
+    def heartbeat(self, node):
+        """The meta server's Heartbeat: the record, the report merged, the drain claimed, the answer."""
+        if node.snap is None:
+            return
+        fence_rev, consumers_rev, (watch_rev, report), drained = node.snap
+        self.records[node.group] = (fence_rev, consumers_rev)
+        self._write()
+        if watch_rev:  # merged (one meta server here: no write is lost to a concurrent one)
+            for fg, (v, mod) in list(self.fences.items()):
+                after = consumers_after(v, dict(report).get(self.S, ()))
+                if after is not None:
+                    self.fences[fg] = (after, self._write())
+            node.fences.merged(watch_rev)
+            if self.route.draining and self.S in dict(report):
+                # the groups this merged report carried are in every draining fence now
+                self.protected |= set(dict(report)[self.S])
+        if self.S in drained:
+            self.try_finish(node, fence_rev)
+        own = [(self.S, v.draining, v.consumers) for g, (v, _) in self.fences.items() if g == node.group]
+        watch = [self.S] if any(v.draining for v, _ in self.fences.values()) else []
+        node.fences.load(self.rev, own, watch)
+
+    def try_finish(self, node, reporter_revision):
+        if node.group not in self.route.draining or node.group not in self.fences:
+            return
+        v, mod = self.fences[node.group]
+        if not v.draining:
+            return
+        others = [(g, f"h:{g}" if g in self.records else "", self.records.get(g, (0, 0))[1])
+                  for g in self.route.readable if g != node.group]
+        why = finish_refusal(members=[(node.group, self.records[node.group][0])], needed_revision=mod,
+                             reporter=node.group, master=node.group, reporter_revision=reporter_revision,
+                             others=others)
+        if why:
+            return
+        # the drain finishes: every protected consumer group has every message the group held
+        for g in sorted(self.protected):
+            missing = [i for i in node.entries if i not in self.got.get(g, {})]
+            assert not missing, f"consumer group {g} loses {missing[:5]} of {node.group}"
+        self.route = finish(self.route, node.group)
+        self.fences[node.group] = (FenceValue(self.route.epoch, False), self._write())
+        self.finished = True
+
+    def restart(self, node):
+        node.fences = NodeFences(node.group, required=True)  # fences and reports come again from the meta server
+        node.snap = None
+        self.records.pop(node.group, None)  # its registration is gone until it registers again
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_seeded_drain_loses_no_message_accepted_before_the_narrowing(seed):
+    """Random interleavings of sends (some by writers with an old route), pulls and acks by
+    consumer groups that pull from only some of the groups for a while, the narrowing,
+    consumer groups appearing later, snapshots, heartbeats (reports merged, drains claimed and
+    finished) and restarts of a master. Whenever a drain finishes, every consumer group that
+    consumed the subject at the narrowing or in a report merged since (``protected``) has every
+    message the dropped group held; after it, each protected group got every message accepted
+    before the narrowing exactly once."""
+    import random
+
+    rnd = random.Random(seed)
+    sim = _Sim(rnd, ["rt-1", "rt-2"])
+    consumer_groups = ["g0", "g1"]
+    narrowed_at = rnd.randint(30, 150)
+    # g1 pulls only from rt-1 until a random step after the narrowing (a consumer that is slow to
+    # reach rt-2, or down there); g0 pulls from both all along
+    wakes = {"g0": 0, "g1": narrowed_at + rnd.randint(0, 400)}
+    for step in range(800):
+        if step == narrowed_at:
+            sim.narrow()
+        if sim.finished and step > max(wakes.values()):
+            break
+        r = rnd.random()
+        node = sim.nodes[rnd.choice(sorted(sim.nodes))]
+        if r < 0.12 and step < narrowed_at + 100:
+            sim.send()
+        elif r < 0.45:
+            g = rnd.choice(consumer_groups)
+            sim.pull(g, sim.nodes[rnd.choice(["rt-1", "rt-2"] if step >= wakes[g] else ["rt-1"])])
+        elif r < 0.7:
+            sim.ack(rnd.choice(consumer_groups), node)
+        elif r < 0.8:
+            node.snapshot()
+        elif r < 0.96:
+            sim.heartbeat(node)
+        elif r < 0.98:
+            sim.restart(node)
+        elif len(consumer_groups) < 4 and step > narrowed_at:  # a consumer group appears after the narrowing,
+            g = f"g{len(consumer_groups)}"                       # on the written group first
+            consumer_groups.append(g)
+            wakes[g] = step + rnd.randint(0, 300)
+            sim.pull(g, sim.nodes["rt-1"])
+    # everybody catches up: consumers pull and ack everything readable; heartbeats until it finishes
+    for _ in range(200):
+        for g in consumer_groups:
+            for name in sim.route.readable:
+                n = sim.nodes[name]
+                for _ in range(len(n.entries) + 1):
+                    sim.pull(g, n)
+                while n.inflight.get(g):
+                    sim.ack(g, n)
+        for n in sim.nodes.values():
+            n.snapshot()
+            sim.heartbeat(n)
+        if sim.finished:
+            break
+    assert sim.finished, f"the drain never finished: route {sim.route}, fences {sim.fences}"
+    for g in sorted(sim.protected):
+        got = sim.got.get(g, {})
+        assert not [i for i in sim.before_narrow if i not in got], g
+        assert all(k == 1 for k in got.values()), g
+
+
+# ---------------------------------------------------------------------- what hourglass status says of a drain
+
+
+def test_status_shows_each_drain_in_progress_from_the_draining_masters_rows():
+    from cluster.cli.status import drain_lines, drain_of, draining_text
+
+    drains = [{"subject": "orders", "left": 12, "waiting_for": ["audit"]},
+              {"subject": "billing.v2", "left": 0, "waiting_for": []}]
+    rows = [{"role": "realtime", "group": "rt-3", "mode": "master", "route_drains": drains},
+            {"role": "realtime", "group": "rt-3", "mode": "slave", "route_drains": drains},  # the master's word only
+            {"role": "realtime", "group": "rt-1", "route_drains": []},                        # unreplicated: a master
+            {"role": "realtime", "group": "rt-2", "error": "UNAVAILABLE: gone"},
+            {"role": "delay", "group": "delay-1", "drain": {"state": "draining", "pending": 3}}]
+    assert drain_lines(rows) == ["route: billing.v2 draining: rt-3 (0 left)",
+                                 "route: orders draining: rt-3 (12 left), waiting for audit"]
+    assert drain_lines([{"role": "realtime", "group": "rt-1"}]) == []  # a node from before: nothing
+    assert drain_of({"route_drains": drains}, "orders")["left"] == 12 and drain_of({}, "orders") is None
+    assert draining_text("rt-3", "?") == "draining: rt-3 (? left)"  # what `admin route` prints too

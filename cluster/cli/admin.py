@@ -49,7 +49,7 @@ from cluster.cli.common import (
     shorten,
     shown,
 )
-from cluster.cli.status import _status_rows
+from cluster.cli.status import _status_rows, drain_of, draining_text
 
 admin = typer.Typer(help="Operations on a running cluster (verify, handover).", no_args_is_help=True)
 
@@ -264,7 +264,7 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
             await resolver.close()
     r, left = asyncio.run(_run())
     now = ",".join(r.groups)
-    draining = "; ".join(f"draining: {g} ({left.get(g, '?')} left)" for g in r.draining)
+    draining = "; ".join(draining_text(g, left.get(g, "?")) for g in r.draining)
     if not r.changed:
         _say(f"{'route' if not groups else 'unchanged'}: {subject} routes to {now} (epoch {r.epoch})"
              + (f"; {draining}" if draining else ""))
@@ -279,8 +279,9 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
 
 
 async def _left(resolver, subject: str, groups: list[str]) -> dict[str, str]:
-    """Draining group -> entries of ``subject`` its master holds that a consumer group has not
-    acked ("?" when its master cannot be asked)."""
+    """Draining group -> entries of ``subject`` its master holds that a consumer group the drain
+    waits for has not acked (``drain_of``; "?" when its master cannot be asked or has not
+    loaded the fence yet)."""
     import json
 
     from cluster.proto import hourglass_pb2 as pb
@@ -299,7 +300,8 @@ async def _left(resolver, subject: str, groups: list[str]) -> dict[str, str]:
             except grpc.RpcError as e:
                 out[g] = f"master did not answer ({e.code().name}): ?"
                 continue
-            out[g] = str(sum(row["lag_messages"] for row in st.get("groups", []) if row["subject"] == subject))
+            d = drain_of(st, subject)
+            out[g] = "?" if d is None else str(d["left"])
     finally:
         await ch.close()
     return out

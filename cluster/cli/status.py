@@ -1,4 +1,13 @@
-"""``hourglass status``: role, group, master/slave, epoch and replication lag of every node."""
+"""``hourglass status``: role, group, master/slave, epoch and replication lag of every node, then
+one line per route drain in progress (a narrowing's dropped group, docs/design.md "Narrowing
+drains first")::
+
+    route: orders draining: realtime-3 (12 left), waiting for audit
+
+The ``draining: GROUP (N left)`` part is ``draining_text``, shared with ``hourglass admin route``;
+N is what the draining group's master counts (``drain_left``, node/realtime/fence.py): entries of
+the subject there that a consumer group the drain waits for has not acknowledged, summed over
+those consumer groups."""
 
 from __future__ import annotations
 
@@ -44,7 +53,7 @@ def status(delay: Optional[str] = DelayOpt, realtime: Optional[str] = RealtimeOp
     if as_json:
         console.print_json(json.dumps(rows))
     else:
-        for line in status_table(rows):
+        for line in status_table(rows) + drain_lines(rows):
             console.print(line, markup=False, highlight=False)
     down = [r["address"] for r in rows if "error" in r]
     if down:
@@ -102,3 +111,29 @@ def status_table(rows: list[dict]) -> list[str]:
     table = [[STATUS_COLUMNS[i] for i in keep]] + [[c[i] for i in keep] for c in cells]
     widths = [max(len(line[j]) for line in table) for j in range(len(keep))]
     return ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in table]
+
+
+def draining_text(group: str, left: str) -> str:
+    """``draining: GROUP (N left)``: a route's draining group and what its master still holds
+    for a consumer group (``hourglass status``, ``hourglass admin route``)."""
+    return f"draining: {group} ({left} left)"
+
+
+def drain_of(st: dict, subject: str) -> dict | None:
+    """A real-time master's Status (its JSON) on its drain of ``subject``: ``{"subject",
+    "left", "waiting_for"}``, None when it does not drain it (or has not loaded the fence yet)."""
+    return next((d for d in st.get("route_drains") or [] if d.get("subject") == subject), None)
+
+
+def drain_lines(rows: list[dict]) -> list[str]:
+    """One line per drain in progress, from the status rows of real-time masters, sorted by
+    subject then group."""
+    found = []
+    for r in rows:
+        if r.get("role") != "realtime" or "error" in r or r.get("mode", "master") != "master":
+            continue
+        for d in r.get("route_drains") or []:
+            found.append((str(d.get("subject", "?")), str(r.get("group", "?")), str(d.get("left", "?")),
+                          list(d.get("waiting_for") or [])))
+    return [f"route: {s} {draining_text(g, left)}" + (f", waiting for {','.join(waiting)}" if waiting else "")
+            for s, g, left, waiting in sorted(found)]

@@ -58,46 +58,66 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("subject", "draining")
+    __slots__ = ("subject", "draining", "consumers")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
     subject: str
     draining: bool
-    def __init__(self, subject: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    consumers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., draining: _Optional[bool] = ..., consumers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubjectConsumers(_message.Message):
+    __slots__ = ("subject", "groups")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., groups: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("lease_id", "ttl_ms", "heartbeat_ms", "fences", "fence_revision")
+    __slots__ = ("lease_id", "ttl_ms", "heartbeat_ms", "fences", "fence_revision", "watch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     FENCES_FIELD_NUMBER: _ClassVar[int]
     FENCE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     ttl_ms: int
     heartbeat_ms: int
     fences: _containers.RepeatedCompositeFieldContainer[Fence]
     fence_revision: int
-    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ...) -> None: ...
+    watch: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., heartbeat_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ..., watch: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("lease_id", "node", "drained")
+    __slots__ = ("lease_id", "node", "drained", "consumers", "watch_revision")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    WATCH_REVISION_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     node: NodeInfo
     drained: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, lease_id: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., drained: _Optional[_Iterable[str]] = ...) -> None: ...
+    consumers: _containers.RepeatedCompositeFieldContainer[SubjectConsumers]
+    watch_revision: int
+    def __init__(self, lease_id: _Optional[int] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., drained: _Optional[_Iterable[str]] = ..., consumers: _Optional[_Iterable[_Union[SubjectConsumers, _Mapping]]] = ..., watch_revision: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("ttl_ms", "fences", "fence_revision")
+    __slots__ = ("ttl_ms", "fences", "fence_revision", "watch", "consumers_merged")
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     FENCES_FIELD_NUMBER: _ClassVar[int]
     FENCE_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_MERGED_FIELD_NUMBER: _ClassVar[int]
     ttl_ms: int
     fences: _containers.RepeatedCompositeFieldContainer[Fence]
     fence_revision: int
-    def __init__(self, ttl_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ...) -> None: ...
+    watch: _containers.RepeatedScalarFieldContainer[str]
+    consumers_merged: int
+    def __init__(self, ttl_ms: _Optional[int] = ..., fences: _Optional[_Iterable[_Union[Fence, _Mapping]]] = ..., fence_revision: _Optional[int] = ..., watch: _Optional[_Iterable[str]] = ..., consumers_merged: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("lease_id", "node_id")

@@ -70,7 +70,7 @@ from node.realtime.retries import send_retries
 from node.realtime.store import DLQ_SUBJECT, RealtimeStore, RetentionReport
 from node.realtime.upkeep import RealtimeUpkeep
 from node.role import SINGLE, Role
-from node.realtime.fence import FENCE_REVISION_KEY, NodeFences
+from node.realtime.fence import CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY, NodeFences
 from node.store.diskspace import DiskMonitor, is_enospc
 from node.store.group_commit import GroupCommitter
 from node.store.scrubtask import ScrubTask
@@ -531,6 +531,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 "fsyncs": self.committer.fsyncs, "counters": dict(self.store.counters), "calls": dict(self.calls),
                 "subject_rounds": self.creator.rounds, "subjects_created": self.creator.created,
                 "scrub": self.scrubber.status(), **self._group_stats(), "master_changes_1h": 0,
+                "route_drains": self.fences.progress(self.store),
                 "disk": disk_status(self.disk, None if self.last_retention is None else self.last_retention[1])}
 
     def _group_stats(self) -> dict:
@@ -540,7 +541,8 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
     def registration_info(self) -> dict:
         return {"master": True, "epoch": self.store.epoch,
                 "offsets": {"message_log_end": self.store.messages.end_offset,
-                            FENCE_REVISION_KEY: self.fences.revision}}
+                            FENCE_REVISION_KEY: self.fences.revision,
+                            CONSUMERS_REVISION_KEY: self.fences.consumers_revision}}
 
     async def Status(self, request, context) -> pb.StatusResponse:
         sv = self.settings.server

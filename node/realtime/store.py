@@ -462,14 +462,14 @@ class RealtimeStore:
         g = self._groups.get(subject, group)
         return ix.count if g is None else ix.count - g.next_pos + len(g.inflight)
 
-    def unacked(self, subject: str) -> tuple[int | None, list[tuple[int, bool]]]:
-        """``(entries in the subject's index or None when unknown here, [(unacked entries,
-        idle) per consumer group]``: what a drain waits for (``node/realtime/fence.py``)."""
+    def unacked(self, subject: str) -> tuple[int | None, dict[str, tuple[int, bool]]]:
+        """``(entries in the subject's index or None when unknown here, {consumer group:
+        (unacked entries, idle)})``: what a drain waits for (``node/realtime/fence.py``)."""
         ix = self._indexes.by_subject.get(subject)
         if ix is None:
-            return None, []
-        groups = [g for (s, _), g in self._groups.by_key.items() if s == subject]
-        return ix.count, [(ix.count - g.next_pos + len(g.inflight), bool(g.idle)) for g in groups]
+            return None, {}
+        return ix.count, {name: (ix.count - g.next_pos + len(g.inflight), bool(g.idle))
+                          for (s, name), g in self._groups.by_key.items() if s == subject}
 
     def committed(self, subject: str, group: str) -> int:
         """The group's lowest unacked position (0 for a group not seen yet)."""
