@@ -873,3 +873,33 @@ def test_a_dispatch_lead_beyond_the_real_time_hold_is_refused(tmp_path):
         with pytest.raises(ValidationError, match="dispatch_lead_ms .* must be below visible_hold_ms_max"):
             NodeSettings(**base, dispatch_lead_ms=lead, visible_hold_ms_max=hold)
     assert NodeSettings(**base, dispatch_lead_ms=0, visible_hold_ms_max=0).delay.dispatch_lead_ms == 0
+
+
+_U64 = st.one_of(st.sampled_from([0, 1, (1 << 62) - 1, 1 << 62, (1 << 62) + 1, (1 << 64) - 1]),
+                 st.integers(0, (1 << 64) - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.tuples(_U64, _U64), max_size=10), st.booleans()), min_size=1, max_size=4))
+def test_acked_ranges_of_small_acks_decode_as_the_array_rule(subjects):
+    """``consume.unpack_ranges`` decodes an ack of a small batch by a loop: the same pairs,
+    and the same refusal (odd sizes, lo >= hi, an end past 2**62), as the array rule."""
+    import struct
+
+    import node.realtime.consume as consume
+
+    items = []
+    for k, (pairs, torn) in enumerate(subjects):
+        raw = struct.pack(f"<{2 * len(pairs)}Q", *(v for p in pairs for v in p))
+        items.append((f"s{k}", raw + (b"x" if torn else b"")))
+
+    def decode(limit):
+        saved, consume.SMALL_RANGES_MAX = consume.SMALL_RANGES_MAX, limit
+        try:
+            return consume.unpack_ranges(items)
+        except InvalidArgument as e:
+            return str(e)
+        finally:
+            consume.SMALL_RANGES_MAX = saved
+
+    assert decode(consume.SMALL_RANGES_MAX) == decode(-1)

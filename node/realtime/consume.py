@@ -37,12 +37,14 @@ Example::
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
 
 from cluster.codec import Batch
 from cluster.errors import InvalidArgument, Overloaded
+from cluster.wire import SMALL_RANGES_MAX
 from node.realtime.frames import FrameCache
 from node.realtime.groups import ConsumerGroups, Group
 from node.realtime.index import SubjectIndex, held_mask, tags_mask
@@ -50,6 +52,7 @@ from node.realtime.indexfiles import IndexFiles
 from node.realtime.nack import other_groups_retries
 from node.store.settings import RealtimeSettings
 
+RANGE_END_MAX = 1 << 62  # an acked handle range ends at most here (handles are i64 positions)
 SCAN_CHUNK_ENTRIES = 4096  # index entries read at once while a tag filter skips entries
 SETTLE_ROUNDS_MAX = 4  # pull rounds when a round's whole batch was other groups' retry copies
 EMPTY_BATCH = Batch.empty()
@@ -81,10 +84,17 @@ def unpack_ranges(items: Sequence[tuple[str, bytes]]) -> list[list[list[int]]]:
     sizes = [len(raw) for _, raw in items]
     if any(n % 16 for n in sizes):
         raise InvalidArgument("ranges", "not a whole number of [lo, hi) pairs")
-    r = np.frombuffer(b"".join([raw for _, raw in items]), "<u8").reshape(-1, 2)
-    if len(r) and bool((r[:, 1] <= r[:, 0]).any() or (r[:, 1] > np.uint64(1 << 62)).any()):
-        raise InvalidArgument("ranges", "every range must have 0 <= lo < hi")
-    flat = r.astype(np.int64).tolist()
+    joined = b"".join([raw for _, raw in items])
+    if len(joined) <= 16 * SMALL_RANGES_MAX:  # the same rule by a loop: an ack of a small batch
+        v = struct.unpack(f"<{len(joined) // 8}Q", joined)
+        flat = [[v[i], v[i + 1]] for i in range(0, len(v), 2)]
+        if not all(lo < hi <= RANGE_END_MAX for lo, hi in flat):
+            raise InvalidArgument("ranges", "every range must have 0 <= lo < hi")
+    else:
+        r = np.frombuffer(joined, "<u8").reshape(-1, 2)
+        if len(r) and bool((r[:, 1] <= r[:, 0]).any() or (r[:, 1] > np.uint64(RANGE_END_MAX)).any()):
+            raise InvalidArgument("ranges", "every range must have 0 <= lo < hi")
+        flat = r.astype(np.int64).tolist()
     out, at = [], 0
     for size in sizes:
         out.append(flat[at:at + size // 16])
