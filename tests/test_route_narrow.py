@@ -331,7 +331,10 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
     is SIGKILLed mid-drain (and restarted, as a supervisor would: a ``sync`` group takes writes
     with a slave); the slave takes over with the fence, the group positions and the messages,
     and the drain goes on there: it does not finish while ``audit`` holds back, and once
-    ``audit`` is back it finishes, every message delivered to each consumer group exactly once."""
+    ``audit`` is back it finishes, every message delivered to each consumer group, and none again
+    after its ack was answered. A long poll of ``audit``'s left in flight at the old master may
+    fetch a batch there before the kill: its ack can only go there and fails, and the new master
+    delivers those messages again (at least once, docs/replication.md)."""
     from cluster import errors as E
 
     subject = "hot.narrowed.failover"
@@ -350,7 +353,7 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
         got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}
         where: dict[str, str] = {}
         sent: list[str] = []
-        unconfirmed: list[str] = []  # acks that failed (those may come again)
+        unconfirmed: dict[str, set[str]] = {g: set() for g in GROUPS}  # acks that failed: those may come again
         held, paused, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def consume(group: str) -> None:
@@ -359,7 +362,7 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
                 async with Consumer(res, subject, group=group) as cons:
                     while not stop.is_set():
                         if group == "audit" and held.is_set():
-                            paused.set()  # nothing of audit's is in flight: each batch was acked
+                            paused.set()  # no pull_batch now (a long poll left in flight may still fetch one)
                             await asyncio.sleep(0.05)
                             continue
                         if group == "audit":
@@ -376,7 +379,7 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
                             try:
                                 await rb.ack(wait=True)
                             except E.HourglassError:
-                                unconfirmed.extend(rb.ids)
+                                unconfirmed[group].update(rb.ids)
             finally:
                 await res.close()
 
@@ -441,7 +444,8 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
         for g in GROUPS:
             assert set(got[g]) == set(sent), g
             twice = {i: n for i, n in got[g].items() if n > 1}
-            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]} (acks failed: {unconfirmed[:5]})"
+            again = sorted(set(twice) - unconfirmed[g])  # at least once: only what was never acked OK comes again
+            assert not again, f"{g}: delivered again after an answered ack: {again[:5]} ({len(twice)} twice in all)"
 
 
 async def _set(event: asyncio.Event) -> bool:
