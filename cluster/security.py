@@ -488,6 +488,7 @@ METHOD_ACTIONS: dict[str, tuple[Action, ...]] = {
     "/hourglass.meta.v1.Meta/ForceInSync": _ADMIN,
     "/hourglass.meta.v1.Meta/SetRoute": _ADMIN,  # where every tenant's messages of a subject go: operators
     "/hourglass.meta.v1.Meta/Drain": _ADMIN,     # moves every tenant's pending messages of a delay group: operators
+    "/hourglass.meta.v1.Meta/ReleaseConsumerGroup": _ADMIN,  # gives up a consumer group's messages on a drain
     "/hourglass.meta.v1.Meta/Leader": _ADMIN,   # a group's master, epoch and in-sync set: nodes and operators
     "/hourglass.meta.v1.Meta/Health": _ADMIN,   # the etcd endpoint and its error text: operators
     "/hourglass.meta.v1.Meta/Route": (Action.PRODUCE, Action.CONSUME),  # and on that very subject (the servicer)

@@ -4,12 +4,16 @@ is the etcd shell.
 
 Keys (no lease: they outlive every process)::
 
-    /hourglass/fences/{group}/{subject} -> {"consumers": ["audit", "billing"], "draining": true, "epoch": 3}
+    /hourglass/fences/{group}/{subject} -> {"consumers": ["audit", "billing"], "draining": true, "epoch": 3,
+                                            "released": ["audit"]}
 
 * written in the same transaction as the route that drops ``group`` from ``subject``
   (``Registry.set_route``), so no node can see the narrowed route without the fence existing;
   its mod revision is the narrowing's revision;
 * ``consumers``: the consumer groups the drain waits for (below), absent while none is known;
+* ``released``: consumer groups an operator released from the drain (``hourglass admin
+  release``, ``release``): the drain no longer waits for them, their unacked messages here are
+  given up, and a report of them is not added to ``consumers`` again; absent while none;
 * ``draining`` true while the route lists the group as draining; set false, in the same
   transaction that takes the group out of the route, when the drain finishes. The key stays:
   a writer with a route cached from before the narrowing is refused for as long as the group
@@ -57,7 +61,7 @@ import logging
 from dataclasses import dataclass
 
 from cluster.codec import check_subject
-from cluster.errors import InvalidArgument
+from cluster.errors import InvalidArgument, NotFound, Unavailable
 from cluster.routes import CONSUMERS_REPORT_MAX, CONSUMERS_REVISION_KEY, FENCE_REVISION_KEY, Route, dropped, finish
 from metaserver import keyspace as ks
 
@@ -66,6 +70,7 @@ log = logging.getLogger("hourglass.fences")
 FENCES_PER_GROUP_MAX = 10_000  # fences one answer carries (a node enforces those; more is an operator's mess)
 CONSUMERS_PER_FENCE_MAX = 1_000  # consumer groups one drain waits for by name (more: reports are not merged)
 WATCH_MAX = 10_000             # subjects draining at once that masters report their consumer groups of
+RELEASE_TRIES_MAX = 5          # a release reads the fences again this often when one changed meanwhile
 
 
 def fence_key(group: str, subject: str) -> bytes:
@@ -81,20 +86,26 @@ class FenceValue:
     epoch: int          # the route epoch that dropped the group
     draining: bool = True
     consumers: tuple[str, ...] = ()  # draining: the consumer groups the drain waits for (sorted)
+    released: tuple[str, ...] = ()  # draining: consumer groups an operator released from it (sorted)
 
     def encode(self) -> bytes:
         d: dict = {"draining": self.draining, "epoch": self.epoch}
         if self.consumers:  # absent when none: a fence from before keeps its bytes
             d["consumers"] = sorted(self.consumers)
+        if self.released:
+            d["released"] = sorted(self.released)
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "FenceValue":
         d = json.loads(raw)
-        consumers = d.get("consumers", [])
-        if not isinstance(consumers, list) or not all(isinstance(g, str) and g for g in consumers):
-            raise ValueError(f"fence with unreadable consumers: {raw[:200]!r}")
-        return cls(int(d.get("epoch", 0)), bool(d.get("draining", True)), tuple(sorted(set(consumers))))
+        names = {}
+        for key in ("consumers", "released"):
+            v = d.get(key, [])
+            if not isinstance(v, list) or not all(isinstance(g, str) and g for g in v):
+                raise ValueError(f"fence with unreadable {key}: {raw[:200]!r}")
+            names[key] = tuple(sorted(set(v)))
+        return cls(int(d.get("epoch", 0)), bool(d.get("draining", True)), names["consumers"], names["released"])
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,18 @@ def consumers_after(value: FenceValue, reported) -> FenceValue | None:
     that stops consuming stays required (``drain_left``: an idle one holds nothing back)."""
     if not value.draining:
         return None
-    new = set(reported) - set(value.consumers)
+    new = set(reported) - set(value.consumers) - set(value.released)  # a released group stays released
     if not new:
         return None
-    return FenceValue(value.epoch, True, tuple(sorted(set(value.consumers) | new)))
+    return FenceValue(value.epoch, True, tuple(sorted(set(value.consumers) | new)), value.released)
+
+
+def released_after(value: FenceValue, name: str) -> FenceValue | None:
+    """``value`` with the consumer group ``name`` released from the drain (``Fences.release``),
+    or None when the fence is not draining or has released it already."""
+    if not value.draining or name in value.released:
+        return None
+    return FenceValue(value.epoch, True, value.consumers, tuple(sorted({*value.released, name})))
 
 
 def fence_ops(subject: str, before: Route | None, after: Route) -> tuple[dict[str, FenceValue], list[str]]:
@@ -196,10 +215,10 @@ class Fences:
         return out, resp.header.revision
 
     @staticmethod
-    def answer(stored: list[StoredFence], group: str) -> tuple[list[tuple[str, bool, tuple[str, ...]]], list[str]]:
-        """What a member of ``group`` is told: its fences ``(subject, draining, consumers)``
-        and the subjects draining in any group (``watch``)."""
-        own = [(f.subject, f.value.draining, f.value.consumers) for f in stored if f.group == group]
+    def answer(stored: list[StoredFence], group: str) -> tuple[list[tuple], list[str]]:
+        """What a member of ``group`` is told: its fences ``(subject, draining, consumers,
+        released)`` and the subjects draining in any group (``watch``)."""
+        own = [(f.subject, f.value.draining, f.value.consumers, f.value.released) for f in stored if f.group == group]
         if len(own) > FENCES_PER_GROUP_MAX:
             log.error("group=%s has more than %d fences; the rest are not sent", group, FENCES_PER_GROUP_MAX)
             own = own[:FENCES_PER_GROUP_MAX]
@@ -236,6 +255,43 @@ class Fences:
                             f.group, ",".join(sorted(set(after.consumers) - set(f.value.consumers)))[:500])
             ok = ok and bool(done)
         return ok
+
+    async def release(self, subject: str, name: str) -> tuple[list[str], bool]:
+        """An operator releases consumer group ``name`` from every drain of ``subject``
+        (``released_after``, each write guarded by the fence's mod revision; a fence that changed
+        meanwhile is read again, at most ``RELEASE_TRIES_MAX`` times). Returns the real-time groups
+        draining the subject and whether anything was written (False: released from all of them
+        already). ``NotFound`` when the subject drains nowhere."""
+        check_subject(subject, "subject", ks.SUBJECT_BYTES_MAX)
+        check_subject(name, "consumer group", ks.SUBJECT_BYTES_MAX)
+        changed = False
+        for _ in range(RELEASE_TRIES_MAX):
+            stored, _ = await self.read_all()
+            mine = [f for f in stored if f.subject == subject and f.value.draining]
+            if not mine:
+                raise NotFound(f"subject {subject!r} drains in no real-time group: nothing to release "
+                               f"consumer group {name!r} from")
+            ok = True
+            for f in mine:
+                after = released_after(f.value, name)
+                if after is None:
+                    continue
+                if len(after.released) > CONSUMERS_PER_FENCE_MAX:
+                    raise InvalidArgument("consumer_group", f"the drain of {subject!r} on {f.group} has released "
+                                                            f"{CONSUMERS_PER_FENCE_MAX} consumer groups already")
+                fkey = fence_key(f.group, f.subject)
+                done, _ = await self.etcd.call(lambda c, fkey=fkey, after=after, f=f: c.transaction(
+                    compare=[c.transactions.mod(fkey) == f.mod_revision],
+                    success=[c.transactions.put(fkey, after.encode())], failure=[]))
+                if done:
+                    changed = True
+                    log.warning("drain of subject=%s group=%s no longer waits for consumer group %s (released by an "
+                                "operator: its unacked messages there are given up)", subject[:200], f.group, name)
+                ok = ok and bool(done)
+            if ok:
+                return sorted(f.group for f in mine), changed
+        raise Unavailable(f"the fences of subject {subject!r} kept changing while consumer group {name!r} was "
+                          f"released ({RELEASE_TRIES_MAX} tries): run it again")
 
     async def try_finish(self, registry, group: str, subject: str, reporter: str, reporter_revision: int) -> str:
         """Finish ``group``'s drain of ``subject`` if ``finish_refusal`` allows: "" when

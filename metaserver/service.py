@@ -149,7 +149,8 @@ class MetaService(mrpc.MetaServicer):
             return [], [], 0, []
         stored, revision = await self.fences.read_all()
         own, watch = self.fences.answer(stored, record.group)
-        return ([mpb.Fence(subject=s, draining=d, consumers=c) for s, d, c in own], watch, revision, stored)
+        return ([mpb.Fence(subject=s, draining=d, consumers=c, released=r) for s, d, c, r in own], watch, revision,
+                stored)
 
     def _finish_drains(self, record: ks.NodeRecord, drained: list[str], draining: set[str]) -> None:
         """A real-time master says these draining subjects hold nothing unacknowledged: try to
@@ -232,6 +233,16 @@ class MetaService(mrpc.MetaServicer):
         except HourglassError as e:
             await self._fail(context, e)
         return mpb.DrainResponse(group=request.group, since_ms=since, changed=changed, others=others)
+
+    async def ReleaseConsumerGroup(self, request: mpb.ReleaseRequest, context) -> mpb.ReleaseResponse:
+        """An operator releases a consumer group from a subject's drains (``hourglass admin
+        release``). Admin only, like ``SetRoute``: it gives up that group's unacked messages on
+        the draining groups; the rules are ``metaserver/fences.py`` (``released_after``)."""
+        try:
+            groups, changed = await self.fences.release(request.subject, request.consumer_group)
+        except HourglassError as e:
+            await self._fail(context, e)
+        return mpb.ReleaseResponse(groups=groups, changed=changed)
 
     # ------------------------------------------------------------------ election
 

@@ -237,8 +237,8 @@ class Registrar:
         """Heartbeat thread: hand an answer's fences to the main loop (before anything else
         posted after it, so a node registered again has its fences before it is ``registered``)."""
         if self.on_fences is not None:
-            self._post(self.on_fences, resp.fence_revision,
-                       [(f.subject, f.draining, tuple(f.consumers)) for f in resp.fences], tuple(resp.watch))
+            fences = [(f.subject, f.draining, tuple(f.consumers), tuple(f.released)) for f in resp.fences]
+            self._post(self.on_fences, resp.fence_revision, fences, tuple(resp.watch))
 
     def _post(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` on the main loop (from the heartbeat thread)."""

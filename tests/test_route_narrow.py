@@ -321,6 +321,106 @@ async def test_a_consumer_group_that_never_pulled_from_the_dropped_group_still_g
         assert {where[i] for i in dropped} == {other} and {where[i] for i in sent if i.startswith("c-")} == {first}
 
 
+async def test_an_operator_releases_a_consumer_group_that_stopped_for_good_and_the_drain_ends(tmp_path):
+    """``audit`` consumes the subject on its first group, then stops for good; the subject is
+    widened, ``billing`` reads both groups to the end, and it is narrowed back: the drain waits
+    for ``audit`` by name. ``hourglass admin release SUBJECT audit`` says what it gives up and does
+    nothing without ``--yes``; with it the drain ends (the dropped group leaves the route) and
+    ``status`` shows no drain. ``billing`` got every message exactly once; ``audit``, back
+    later, gets everything of the kept group and nothing of the dropped one (given up)."""
+    subject = "hot.narrowed.released"
+    c = LocalCluster(tmp_path / "c", n_delay=0, n_realtime=2, meta=True, env=ENV)
+    with c:
+        c.wait_registered()
+        meta = c.meta_addresses[0]
+        first = (await admin.route(meta, subject)).groups[0].name  # first use: one group
+        masters = {c.group_of[n.name]: n.address for n in c.realtime}
+        other = next(g for g in masters if g != first)
+        got: dict[str, dict[str, int]] = {g: {} for g in GROUPS}
+        sent: list[str] = []
+        stop = {g: asyncio.Event() for g in GROUPS}
+
+        async def consume(group: str) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, subject, group=group) as cons:
+                    while not stop[group].is_set():
+                        for rb in await cons.pull_batch(wait_ms=200):
+                            for i in rb.ids:
+                                got[group][i] = got[group].get(i, 0) + 1
+                            await rb.ack(wait=True)
+            finally:
+                await res.close()
+
+        async def send(ids: list[str]) -> None:
+            res = MetaResolver([meta], refresh_ms=REFRESH_MS)
+            try:
+                async with Producer(res) as p:
+                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
+            finally:
+                await res.close()
+            assert not out.errors, out.errors
+            sent.extend(ids)
+
+        async def has(group: str, ids) -> bool:
+            return set(got[group]) >= set(ids)
+
+        tasks = {g: asyncio.create_task(consume(g)) for g in GROUPS}
+        try:
+            await send([f"a-{j}" for j in range(10)])
+            await _until(lambda: has("audit", sent), "audit got the first messages")
+            stop["audit"].set()
+            await tasks.pop("audit")  # audit stops (for good, as far as the drain can tell)
+            r = _cli("admin", "route", subject, "--groups", f"{first},{other}", "--meta", meta)
+            assert r.returncode == 0 and "epoch 2" in r.stdout, (r.stdout, r.stderr)
+            ids = [f"b-{j}" for j in range(60)]
+            await send(ids)
+            dropped = [i for i in ids if group_of(i, tuple(sorted((first, other)))) == other]
+            assert dropped
+            await _until(lambda: has("billing", sent), "billing got every message, from both groups")
+            r = _cli("admin", "route", subject, "--groups", first, "--meta", meta)
+            assert r.returncode == 0 and r.stdout.startswith("narrowing: "), (r.stdout, r.stderr)
+
+            async def waits_for_audit():
+                d = await _drain_of(masters[other], subject)
+                return d if d and d["left"] == len(dropped) and d["waiting_for"] == ["audit"] else None
+            await _until_value(waits_for_audit, f"{other}'s drain waits for audit")
+
+            r = _cli("admin", "release", subject, "audit", "--meta", meta)  # no --yes: says what, does nothing
+            assert r.returncode == 1 and "--yes" in r.stdout and f"draining: {other} ({len(dropped)} left)" in \
+                r.stdout, (r.stdout, r.stderr)
+            assert [g.name for g in (await admin.route(meta, subject)).draining] == [other]
+            r = _cli("admin", "release", subject, "audit", "--yes", "--meta", meta)
+            assert r.returncode == 0 and r.stdout.startswith(f"released: the drains of {subject} on {other} "), \
+                (r.stdout, r.stderr)
+
+            async def finished() -> bool:
+                now = await admin.route(meta, subject)
+                return not now.draining and [g.name for g in now.groups] == [first]
+            await _until(finished, f"{other} leaves the route: audit no longer holds it back")
+            st = _cli("status", "--meta", meta)
+            assert st.returncode == 0 and "draining" not in st.stdout, st.stdout
+            r = _cli("admin", "release", subject, "audit", "--yes", "--meta", meta)  # nothing drains now
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 4 and len(lines) == 1 and lines[0].startswith("error: "), (r.stdout, r.stderr)
+
+            await send([f"c-{j}" for j in range(10)])
+            stop["audit"].clear()
+            tasks["audit"] = asyncio.create_task(consume("audit"))  # back: it reads the route as it is now
+            kept = [i for i in sent if i not in set(dropped)]
+            await _until(lambda: has("audit", kept), "audit got every message of the kept group")
+            await _until(lambda: has("billing", sent), "billing got the last messages")
+        finally:
+            for g in GROUPS:
+                stop[g].set()
+            await asyncio.gather(*tasks.values())
+        assert set(got["billing"]) == set(sent)
+        assert not set(got["audit"]) & set(dropped), "audit got messages of the drain it was released from"
+        for g in GROUPS:
+            twice = {i: n for i, n in got[g].items() if n > 1}
+            assert not twice, f"{g}: delivered more than once: {list(twice.items())[:5]}"
+
+
 async def _until_value(pred, what: str):
     return await wait_until(pred, WAIT_S_MAX, what)
 

@@ -16,7 +16,7 @@ from cluster.errors import InvalidArgument, RouteMoved, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import Route, RouteView, change, dropped, finish, taken_back
 from cluster.wire import BatchResult
-from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal, report_refusal
+from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal, released_after, report_refusal
 from node.realtime.fence import NodeFences, drain_left, subject_drained, waiting_for
 
 pytestmark = pytest.mark.unit
@@ -228,6 +228,42 @@ def test_a_reported_consumer_group_is_added_to_a_draining_fence_only():
     assert FenceValue(3, True).encode() == b'{"draining": true, "epoch": 3}'  # a fence from before keeps its bytes
     with pytest.raises(ValueError):
         FenceValue.decode(b'{"consumers": "audit", "draining": true, "epoch": 3}')
+
+
+@pytest.mark.parametrize("count,groups,required,released,left", [
+    (5, {"a": (0, False), "b": (2, False)}, (), ("b",), 0),     # b stopped for good: released, a acked all
+    (5, {"a": (1, False), "b": (2, False)}, (), ("b",), 1),     # a still has one to ack
+    (5, {"a": (0, False)}, ("a", "b"), ("b",), 0),              # b required (consumes elsewhere), released
+    (5, {}, ("b",), ("b",), 0),                                 # the only consumer group, released: given up
+    (5, {}, (), (), 5),                                         # nobody ever pulled: not given up
+    (None, {}, ("b",), ("b",), 0),
+])
+def test_a_released_consumer_group_holds_no_drain_back(count, groups, required, released, left):
+    assert drain_left(count, groups, required, released) == left
+    assert subject_drained(count, groups, required, released) is (left == 0)
+    assert not set(waiting_for(count, groups, required, released)) & set(released)
+
+
+def test_a_release_is_kept_by_later_reports_and_sent_to_the_members():
+    v = FenceValue(3, True, ("audit", "billing"))
+    r = released_after(v, "audit")
+    assert r == FenceValue(3, True, ("audit", "billing"), ("audit",))
+    assert released_after(r, "audit") is None  # released already: nothing to write
+    assert released_after(FenceValue(3, False), "audit") is None  # a finished drain waits for nobody
+    assert consumers_after(r, ["audit"]) is None  # a master still reporting it does not bring it back
+    assert consumers_after(r, ["audit", "x"]) == FenceValue(3, True, ("audit", "billing", "x"), ("audit",))
+    assert FenceValue.decode(r.encode()) == r
+    assert b'"released": ["audit"]' in r.encode()
+    assert FenceValue.decode(v.encode()).released == ()  # a fence from before reads as none released
+    with pytest.raises(ValueError):
+        FenceValue.decode(b'{"draining": true, "epoch": 3, "released": [""]}')
+    f = NodeFences("rt-3", required=True)
+    f.load(10, [("a", True, ("audit", "billing"), ("audit",))])
+    store = _Store({"a": (3, {"billing": (0, False), "audit": (2, False)})})
+    assert f.drained(store) == ["a"]
+    assert f.progress(store) == [{"subject": "a", "left": 0, "waiting_for": [], "released": ["audit"]}]
+    f.load(11, [("a", True, ("audit", "billing"))])  # an answer without it (taken back by a widening and a
+    assert f.drained(store) == [] and f.released == {}  # new narrowing): audit's two are left again
 
 
 # ---------------------------------------------------------------------- when a drain finishes
@@ -470,13 +506,13 @@ def test_status_shows_each_drain_in_progress_from_the_draining_masters_rows():
     from cluster.cli.status import drain_lines, drain_of, draining_text
 
     drains = [{"subject": "orders", "left": 12, "waiting_for": ["audit"]},
-              {"subject": "billing.v2", "left": 0, "waiting_for": []}]
+              {"subject": "billing.v2", "left": 0, "waiting_for": [], "released": ["old"]}]
     rows = [{"role": "realtime", "group": "rt-3", "mode": "master", "route_drains": drains},
             {"role": "realtime", "group": "rt-3", "mode": "slave", "route_drains": drains},  # the master's word only
             {"role": "realtime", "group": "rt-1", "route_drains": []},                        # unreplicated: a master
             {"role": "realtime", "group": "rt-2", "error": "UNAVAILABLE: gone"},
             {"role": "delay", "group": "delay-1", "drain": {"state": "draining", "pending": 3}}]
-    assert drain_lines(rows) == ["route: billing.v2 draining: rt-3 (0 left)",
+    assert drain_lines(rows) == ["route: billing.v2 draining: rt-3 (0 left), released old",
                                  "route: orders draining: rt-3 (12 left), waiting for audit"]
     assert drain_lines([{"role": "realtime", "group": "rt-1"}]) == []  # a node from before: nothing
     assert drain_of({"route_drains": drains}, "orders")["left"] == 12 and drain_of({}, "orders") is None

@@ -440,6 +440,13 @@ async def test_route_needs_a_grant_on_its_subject_and_a_valid_subject_and_writes
     for token in ("producer", "orders-reader", "canceller"):
         assert await _meta_code(secure, token, "Drain", drain) == grpc.StatusCode.PERMISSION_DENIED, token
     assert await _meta_code(secure, None, "Drain", drain) == grpc.StatusCode.INVALID_ARGUMENT
+    # releasing a consumer group from a drain gives up its messages: admin only (the admin token's
+    # own attempt finds no drain of the subject: NOT_FOUND, nothing written)
+    release = mpb.ReleaseRequest(subject="orders.routed", consumer_group="audit")
+    for token in ("producer", "orders-reader", "canceller"):
+        assert await _meta_code(secure, token, "ReleaseConsumerGroup", release) == \
+            grpc.StatusCode.PERMISSION_DENIED, token
+    assert await _meta_code(secure, None, "ReleaseConsumerGroup", release) == grpc.StatusCode.NOT_FOUND
 
 
 async def _route_groups(c: LocalCluster, subject: str):

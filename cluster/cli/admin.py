@@ -278,6 +278,52 @@ def admin_route(subject: str = typer.Argument(..., help="the subject whose route
          + (f"; {draining}" if draining else ""))
 
 
+@admin.command("release")
+def admin_release(subject: str = typer.Argument(..., help="the subject whose narrowing waits"),
+                  consumer_group: str = typer.Argument(..., help="the consumer group that stopped for good"),
+                  yes: bool = typer.Option(False, "--yes", help="do it (without it: only say what is given up)"),
+                  meta: Optional[str] = MetaOpt, cluster_file: Optional[Path] = ClusterFileOpt) -> None:
+    """Release CONSUMER_GROUP from SUBJECT's drains (docs/design.md, "Releasing a consumer
+    group"): a narrowing waits until every consumer group of the subject acked what the dropped
+    group holds, so one that stopped for good holds it back for ever. Released, it holds nothing
+    back: its unacked messages of SUBJECT on the draining groups are given up (never delivered to
+    it; every other consumer group still gets them). Says what it would give up and does nothing
+    without --yes."""
+    resolver = _resolver(None, None, cluster_file, meta)
+
+    async def _run():
+        from cluster.proto import meta_pb2 as mpb
+        if not hasattr(resolver, "meta"):
+            raise CliError("release needs the meta servers", hint="hint: give --meta, or a --cluster-file")
+        try:
+            route = await resolver.meta.call("SetRoute", mpb.SetRouteRequest(subject=subject))  # no groups: show
+            draining = list(route.draining)
+            if not draining:
+                raise E.NotFound(f"subject {shown(subject)} drains in no real-time group: nothing to release "
+                                 f"{shown(consumer_group)} from")
+            if not yes:
+                try:  # best effort: what the drains hold back in all
+                    left = await _left(resolver, subject, draining)
+                except E.HourglassError:
+                    left = {}
+                return draining, left, None
+            r = await resolver.meta.call("ReleaseConsumerGroup", mpb.ReleaseRequest(subject=subject,
+                                                                                  consumer_group=consumer_group))
+            return draining, {}, r
+        finally:
+            await resolver.close()
+    draining, left, r = asyncio.run(_run())
+    if r is None:
+        held = "; ".join(draining_text(g, left.get(g, "?")) for g in draining)
+        console.print(f"{subject} {held}; releasing {consumer_group} gives up its unacked messages of {subject} "
+                      f"on {','.join(draining)} (the other consumer groups still get them). Run again with --yes "
+                      f"to do it.")
+        raise typer.Exit(EXIT_FAILED)
+    word = "released" if r.changed else "unchanged"
+    _say(f"{word}: the drains of {subject} on {','.join(r.groups)} no longer wait for {consumer_group}"
+         + ("; its unacked messages there are given up" if r.changed else " (released before)"))
+
+
 async def _left(resolver, subject: str, groups: list[str]) -> dict[str, str]:
     """Draining group -> entries of ``subject`` its master holds that a consumer group the drain
     waits for has not acked (``drain_of``; "?" when its master cannot be asked or has not

@@ -134,6 +134,7 @@ def drain_lines(rows: list[dict]) -> list[str]:
             continue
         for d in r.get("route_drains") or []:
             found.append((str(d.get("subject", "?")), str(r.get("group", "?")), str(d.get("left", "?")),
-                          list(d.get("waiting_for") or [])))
+                          list(d.get("waiting_for") or []), list(d.get("released") or [])))
     return [f"route: {s} {draining_text(g, left)}" + (f", waiting for {','.join(waiting)}" if waiting else "")
-            for s, g, left, waiting in sorted(found)]
+            + (f", released {','.join(released)}" if released else "")
+            for s, g, left, waiting, released in sorted(found)]

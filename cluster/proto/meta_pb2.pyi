@@ -58,14 +58,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeInfo, _Mapping]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("subject", "draining", "consumers")
+    __slots__ = ("subject", "draining", "consumers", "released")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     subject: str
     draining: bool
     consumers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, subject: _Optional[str] = ..., draining: _Optional[bool] = ..., consumers: _Optional[_Iterable[str]] = ...) -> None: ...
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, subject: _Optional[str] = ..., draining: _Optional[bool] = ..., consumers: _Optional[_Iterable[str]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubjectConsumers(_message.Message):
     __slots__ = ("subject", "groups")
@@ -222,6 +224,22 @@ class DrainResponse(_message.Message):
     changed: bool
     others: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, group: _Optional[str] = ..., since_ms: _Optional[int] = ..., changed: _Optional[bool] = ..., others: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("subject", "consumer_group")
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_GROUP_FIELD_NUMBER: _ClassVar[int]
+    subject: str
+    consumer_group: str
+    def __init__(self, subject: _Optional[str] = ..., consumer_group: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("groups", "changed")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedScalarFieldContainer[str]
+    changed: bool
+    def __init__(self, groups: _Optional[_Iterable[str]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class CampaignRequest(_message.Message):
     __slots__ = ("role", "group", "node_id", "lease_id", "wait_ms", "store_epoch_min")

@@ -69,6 +69,11 @@ class MetaStub:
                 request_serializer=meta__pb2.DrainRequest.SerializeToString,
                 response_deserializer=meta__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ReleaseConsumerGroup = channel.unary_unary(
+                '/hourglass.meta.v1.Meta/ReleaseConsumerGroup',
+                request_serializer=meta__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=meta__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.Campaign = channel.unary_unary(
                 '/hourglass.meta.v1.Meta/Campaign',
                 request_serializer=meta__pb2.CampaignRequest.SerializeToString,
@@ -146,6 +151,12 @@ class MetaServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseConsumerGroup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +241,11 @@ def add_MetaServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=meta__pb2.DrainRequest.FromString,
                     response_serializer=meta__pb2.DrainResponse.SerializeToString,
+            ),
+            'ReleaseConsumerGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseConsumerGroup,
+                    request_deserializer=meta__pb2.ReleaseRequest.FromString,
+                    response_serializer=meta__pb2.ReleaseResponse.SerializeToString,
             ),
             'Campaign': grpc.unary_unary_rpc_method_handler(
                     servicer.Campaign,
@@ -456,6 +472,33 @@ class Meta:
             '/hourglass.meta.v1.Meta/Drain',
             meta__pb2.DrainRequest.SerializeToString,
             meta__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseConsumerGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hourglass.meta.v1.Meta/ReleaseConsumerGroup',
+            meta__pb2.ReleaseRequest.SerializeToString,
+            meta__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

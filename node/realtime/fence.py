@@ -57,37 +57,44 @@ def moved(group: str, subject: str) -> RouteMoved:
                       f"it drains): refresh the route and send to the group it names")
 
 
-def drain_left(count: int | None, groups: dict[str, tuple[int, bool]], required=()) -> int:
+def _rows(count: int | None, groups: dict[str, tuple[int, bool]], required, released) -> dict[str, tuple[int, bool]]:
+    """``drain_left``'s consumer groups: those with state here and the required ones (with
+    every entry unacked when they have none), less the released ones."""
+    n = count or 0
+    rows = {g: v for g, v in groups.items() if g not in released}
+    for g in required:
+        if g not in released:
+            rows.setdefault(g, (n, False))
+    return rows
+
+
+def drain_left(count: int | None, groups: dict[str, tuple[int, bool]], required=(), released=()) -> int:
     """Entries of a draining subject a consumer group still needs on this node, summed over
     the consumer groups: ``count`` entries in its index (None: the node never had the
     subject), ``groups`` each consumer group's ``name -> (unacked entries, idle)`` here,
     ``required`` the consumer groups the drain waits for by name (the fence's ``consumers``:
-    seen on any of the subject's groups). A required group with no state here has every entry
-    unacked; an idle group (retention found it idle past ``group_idle_ms_max``) holds nothing
-    back, as for retention; with no consumer group at all, known or required, every entry is
-    left (messages nobody ever pulled are not given up)."""
-    n = count or 0
-    if not groups and not required:
-        return n
-    rows = dict(groups)
-    for g in required:
-        rows.setdefault(g, (n, False))
-    return sum(lag for lag, idle in rows.values() if lag > 0 and not idle)
+    seen on any of the subject's groups), ``released`` those an operator released from the
+    drain (the fence's ``released``: they hold nothing back, whatever they have not acked).
+    A required group with no state here has every entry unacked; an idle group (retention
+    found it idle past ``group_idle_ms_max``) holds nothing back, as for retention; with no
+    consumer group at all, known, required or released, every entry is left (messages nobody
+    ever pulled are not given up)."""
+    if not groups and not required and not released:
+        return count or 0
+    return sum(lag for lag, idle in _rows(count, groups, required, released).values() if lag > 0 and not idle)
 
 
-def subject_drained(count: int | None, groups: dict[str, tuple[int, bool]], required=()) -> bool:
+def subject_drained(count: int | None, groups: dict[str, tuple[int, bool]], required=(), released=()) -> bool:
     """A draining subject holds nothing a consumer group still needs on this node
     (``drain_left`` is 0)."""
-    return drain_left(count, groups, required) == 0
+    return drain_left(count, groups, required, released) == 0
 
 
-def waiting_for(count: int | None, groups: dict[str, tuple[int, bool]], required=()) -> list[str]:
+def waiting_for(count: int | None, groups: dict[str, tuple[int, bool]], required=(), released=()) -> list[str]:
     """The consumer groups a drain waits for on this node (sorted; ``drain_left``'s rule)."""
-    n = count or 0
-    rows = dict(groups)
-    for g in required:
-        rows.setdefault(g, (n, False))
-    return sorted(g for g, (lag, idle) in rows.items() if lag > 0 and not idle)
+    if not groups and not required and not released:
+        return []
+    return sorted(g for g, (lag, idle) in _rows(count, groups, required, released).items() if lag > 0 and not idle)
 
 
 class NodeFences:
@@ -99,6 +106,7 @@ class NodeFences:
         self.group = group
         self.subjects: dict[str, bool] = {}  # subject -> draining (False: finished, still fenced)
         self.consumers: dict[str, tuple[str, ...]] = {}  # draining subject -> consumer groups it waits for
+        self.released: dict[str, tuple[str, ...]] = {}  # draining subject -> consumer groups released from it
         self.watch: tuple[str, ...] = ()  # subjects draining in any group (this one's included)
         self.revision = 0
         self.consumers_revision = 0  # the meta server recorded this node's report of the watch list at it
@@ -106,7 +114,7 @@ class NodeFences:
 
     def load(self, revision: int, fences: list[tuple], watch=()) -> bool:
         """Take the meta server's answer read at ``revision`` (0: a meta server that knows no
-        fences: nothing changes): ``fences`` ``(subject, draining[, consumers])``, ``watch``
+        fences: nothing changes): ``fences`` ``(subject, draining[, consumers[, released]])``, ``watch``
         the subjects draining anywhere; an answer older than the one held is ignored. Returns
         whether the fenced set changed."""
         self.loaded = True
@@ -114,6 +122,7 @@ class NodeFences:
             return False
         new = {f[0]: bool(f[1]) for f in fences}
         consumers = {f[0]: tuple(sorted(f[2])) for f in fences if len(f) > 2 and f[1] and f[2]}
+        released = {f[0]: tuple(sorted(f[3])) for f in fences if len(f) > 3 and f[1] and f[3]}
         changed = new != self.subjects
         if changed:
             added = sorted(set(new) - set(self.subjects))
@@ -123,7 +132,11 @@ class NodeFences:
         if consumers != self.consumers:
             log.info("drains of group=%s wait for consumer groups %s (revision %d)", self.group,
                      "; ".join(f"{s}: {','.join(g)}" for s, g in sorted(consumers.items()))[:500] or "-", revision)
-        self.subjects, self.consumers, self.revision = new, consumers, revision
+        if released != self.released:
+            log.warning("drains of group=%s released consumer groups %s (revision %d): their unacked messages "
+                        "here are given up", self.group,
+                        "; ".join(f"{s}: {','.join(g)}" for s, g in sorted(released.items()))[:500] or "-", revision)
+        self.subjects, self.consumers, self.released, self.revision = new, consumers, released, revision
         self.watch = tuple(sorted(set(watch)))
         return changed
 
@@ -164,7 +177,8 @@ class NodeFences:
         that a consumer group still needs (``subject_drained``, with the fence's consumers)."""
         if not self.loaded:
             return []
-        return [s for s in self.draining() if subject_drained(*store.unacked(s), self.consumers.get(s, ()))]
+        return [s for s in self.draining()
+                if subject_drained(*store.unacked(s), self.consumers.get(s, ()), self.released.get(s, ()))]
 
     def progress(self, store) -> list[dict]:
         """Each draining subject: entries left to acknowledge here (``drain_left``) and the
@@ -174,9 +188,12 @@ class NodeFences:
         out = []
         for s in self.draining():
             count, groups = store.unacked(s)
-            required = self.consumers.get(s, ())
-            out.append({"subject": s, "left": drain_left(count, groups, required),
-                        "waiting_for": waiting_for(count, groups, required)[:WAITING_SHOWN_MAX]})
+            required, released = self.consumers.get(s, ()), self.released.get(s, ())
+            row = {"subject": s, "left": drain_left(count, groups, required, released),
+                   "waiting_for": waiting_for(count, groups, required, released)[:WAITING_SHOWN_MAX]}
+            if released:
+                row["released"] = list(released)[:WAITING_SHOWN_MAX]
+            out.append(row)
         return out
 
     def fenced(self, batch: Batch) -> np.ndarray:
