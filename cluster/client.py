@@ -1656,7 +1656,7 @@ class Consumer:
         self._start_pulls(routes, max_messages, wait_ms, lookahead_ms=lookahead)
         pending = {t: n for n, t in self._pulls.items()}
         timeout = None
-        if self._held:  # a held batch falls due: hand it out then, whatever the pulls do
+        if self._held and lookahead:  # a held batch falls due: hand it out then, whatever the pulls do
             timeout = max(0.0, (self._held[0][0] - time.time() * 1000) / 1000) + RELEASE_SLACK_S
         await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self._closed:
