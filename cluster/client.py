@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import secrets
 import struct
@@ -1289,6 +1290,8 @@ class Producer:
 NODE_OK = "ok"                    # ``NodeHealth.state``: the node's last pull answered
 NODE_UNREACHABLE = "unreachable"  # ... failed (down, not the master, no answer in time): retried with backoff
 HEALTH_ERROR_CHARS_MAX = 300      # ``NodeHealth.last_error`` is cut to this
+RELEASE_STEP_MS = 2               # lookahead: held messages due within this of each other are handed out together
+RELEASE_SLACK_S = 0.0005          # and the consumer wakes this long after the latest due time of a slice
 ROUTES_RECHECK_S = 0.25           # a consumer asks its resolver for its subjects' routes at least this often
 
 
@@ -1490,6 +1493,7 @@ class Consumer:
                  timeout_s: float = _CALLS.timeout_s, call_timeout_s: float = _CALLS.call_timeout_s,
                  backoff_ms_min: int = _CALLS.backoff_ms_min, backoff_ms_max: int = _CALLS.backoff_ms_max,
                  ack_linger_ms: int = _CONSUMER.ack_linger_ms, nack_retry_after_ms: int = _CONSUMER.nack_retry_after_ms,
+                 lookahead_ms: int = _CONSUMER.lookahead_ms,
                  security: ClientSecurity | None = None) -> None:
         if not call_timeout_s > 0:
             raise E.InvalidArgument("call_timeout_s", "must be positive")
@@ -1523,6 +1527,10 @@ class Consumer:
         self.nack_retry_after_ms = nack_retry_after_ms  # a nack that names no retry_after_ms
         self._ack_flushers: dict[str, asyncio.Task] = {}  # node -> the Ack call its queued acks get if no pull takes them
         self._ack_sends: set[asyncio.Task] = set()  # flushers past their linger, sending
+        self.lookahead_ms = lookahead_ms
+        self._held: list[tuple[int, int, ReceivedBatch]] = []  # (release ms, seq, batch): the iterators' lookahead
+        self._held_seq = 0
+        self._looked_ahead = False  # an iterator pulled with lookahead (``_flush_acks_later``)
         self._closed = False
 
     @classmethod
@@ -1571,11 +1579,11 @@ class Consumer:
         return routes
 
     async def _pull_node(self, node: str, subjects: list[str], max_messages: int, wait_ms: int,
-                         pause_s: float) -> ReceivedBatch | None:
+                         pause_s: float, lookahead_ms: int = 0) -> ReceivedBatch | None:
         if pause_s:
             await asyncio.sleep(pause_s)
         req = pb.PullRequest(group=self.group, consumer_id=self.consumer_id, max_messages=max_messages,
-                             wait_ms=wait_ms, tags=self.tags)
+                             wait_ms=wait_ms, tags=self.tags, lookahead_ms=lookahead_ms)
         if len(subjects) == 1:
             req.subject = subjects[0]
         else:
@@ -1620,7 +1628,7 @@ class Consumer:
         return ReceivedBatch(self, rb.node, rb.batch.take(kept), rb.handles[kept], rb.received_ms)
 
     def _start_pulls(self, routes: dict[str, list[str]], max_messages: int | None, wait_ms: int | None,
-                     only: set[str] | None = None) -> None:
+                     only: set[str] | None = None, lookahead_ms: int = 0) -> None:
         """A pull in flight for every node of ``routes`` (of ``only``) that has none."""
         loop = asyncio.get_running_loop()
         for node, subjects in routes.items():
@@ -1628,7 +1636,7 @@ class Consumer:
                 failures = self._failures.get(node, 0)
                 self._pulls[node] = loop.create_task(self._pull_node(
                     node, subjects, max_messages or self.batch_max, self.wait_ms if wait_ms is None else wait_ms,
-                    _pause_s(self._wait, failures) if failures else 0.0))
+                    _pause_s(self._wait, failures) if failures else 0.0, lookahead_ms))
 
     async def _round(self, max_messages: int | None, wait_ms: int | None, *,
                      prefetch: bool = False) -> tuple[list[ReceivedBatch], BaseException | None]:
@@ -1643,9 +1651,14 @@ class Consumer:
         routes = await self._routes()
         for gone in [n for n in self._health if n not in routes and n not in self._pulls]:
             del self._health[gone]  # its subjects moved to another node: it no longer concerns us
-        self._start_pulls(routes, max_messages, wait_ms)
+        lookahead = self.lookahead_ms if prefetch else 0
+        self._looked_ahead = self._looked_ahead or bool(lookahead)
+        self._start_pulls(routes, max_messages, wait_ms, lookahead_ms=lookahead)
         pending = {t: n for n, t in self._pulls.items()}
-        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        timeout = None
+        if self._held and lookahead:  # a held batch falls due: hand it out then, whatever the pulls do
+            timeout = max(0.0, (self._held[0][0] - time.time() * 1000) / 1000) + RELEASE_SLACK_S
+        await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if self._closed:
             raise E.Closed("consumer closed")
         out: list[ReceivedBatch] = []
@@ -1671,8 +1684,43 @@ class Consumer:
                     await self.resolver.refresh()
                 err = exc
         if prefetch and out and not self._closed:
-            self._start_pulls(routes, max_messages, wait_ms, only={rb.node for rb in out})
+            self._start_pulls(routes, max_messages, wait_ms, only={rb.node for rb in out}, lookahead_ms=lookahead)
+        if lookahead:
+            out = self._hold(out)
         return out, err
+
+    def _hold(self, out: list[ReceivedBatch]) -> list[ReceivedBatch]:
+        """Lookahead (``lookahead_ms``): the part of each batch that is due now, and the rest
+        held until due (``_held``), in slices of messages due within ``RELEASE_STEP_MS`` of each
+        other, each handed out at the latest due time in it (never before any message's due
+        time, by this process's clock, nor held past ``lookahead_ms`` after it arrived: a node
+        hands a message out early only when it was stored further ahead than its hold limit,
+        as without lookahead); then every held slice that is due."""
+        now = _now_ms()
+        ready = []
+        for rb in out:
+            due = np.minimum(rb.batch.deliver_at_ms.astype(np.int64), rb.received_ms + self.lookahead_ms)
+            if not len(due) or int(due.max()) <= now:
+                ready.append(rb)
+                continue
+            step = -(-np.maximum(due, now) // RELEASE_STEP_MS)  # the step each message is handed out in
+            order = np.argsort(step, kind="stable")
+            s = step[order]
+            cuts = np.flatnonzero(np.diff(s)) + 1
+            for part in np.split(order, cuts):
+                at = int(due[part].max())
+                piece = rb if len(part) == len(rb) else ReceivedBatch(self, rb.node, rb.batch.take(part),
+                                                                      rb.handles[part], rb.received_ms)
+                if at <= now:
+                    ready.append(piece)
+                else:
+                    self._held_seq += 1
+                    heapq.heappush(self._held, (at, self._held_seq, piece))
+        while self._held and self._held[0][0] <= now:
+            ready.append(heapq.heappop(self._held)[2])
+        for rb in ready:
+            rb.received_ms = now
+        return ready
 
     def _note_health(self, node: str, error: BaseException | None, subjects) -> None:
         """Record one pull's outcome; a change of state is logged once (not once per retry)."""
@@ -1760,7 +1808,8 @@ class Consumer:
         return out
 
     async def batches(self) -> AsyncIterator[ReceivedBatch]:
-        """Batches as they arrive, until ``close()``."""
+        """Batches as they fall due, until ``close()``: what arrives due now at once, what a
+        lookahead pull (``lookahead_ms``) brought ahead at its due time (``_hold``)."""
         while (out := await self._next_batches()) is not None:
             for rb in out:
                 yield rb
@@ -1824,8 +1873,11 @@ class Consumer:
                 self._flush_acks_later(node), name=f"ack-linger-{node}")
 
     async def _flush_acks_later(self, node: str) -> None:
+        # with lookahead the iterators' pulls answer about once per lookahead, not per batch:
+        # the acks wait that much longer for one to ride on before they get a call of their own
+        linger_ms = self.ack_linger_ms + (self.lookahead_ms if self._looked_ahead else 0)
         try:
-            await asyncio.sleep(self.ack_linger_ms / 1000)
+            await asyncio.sleep(linger_ms / 1000)
         finally:
             self._ack_flushers.pop(node, None)  # acks queued from now on get a flusher of their own
         acks = self._deferred.pop(node, None)

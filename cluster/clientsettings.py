@@ -33,6 +33,7 @@ from cluster.codec import DEFAULT_LIMITS, Limits
 
 MIB = 1 << 20
 ACK_LINGER_MS_MAX = 10_000  # the most ``ack_linger_ms`` may be
+LOOKAHEAD_MS_MAX = 100      # the most ``lookahead_ms`` may be (the nodes cut a pull's lookahead to it too)
 
 
 class _Section(BaseModel):
@@ -67,6 +68,9 @@ class ConsumerSettings(_Section):
                                description="a pipelined ack no pull took within this long gets an Ack call "
                                            "of its own")
     nack_retry_after_ms: int = Field(default=1000, ge=0, description="a nacked message is redelivered after this")
+    lookahead_ms: int = Field(default=30, ge=0, le=LOOKAHEAD_MS_MAX,
+                              description="the iterators (batches(), async for) take messages due within this "
+                                          "long and hand each out at its due time; 0: only what is due")
 
 
 class DiscoverySettings(_Section):

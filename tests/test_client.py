@@ -409,3 +409,49 @@ async def test_a_message_of_a_bad_subject_fails_at_once_and_is_never_sent(nodes)
     for subjects, group in ((["orders.a\n"], "g"), (["orders.a"], "billing\n")):
         with pytest.raises(E.InvalidArgument):
             Consumer(r, subjects, group=group)
+
+
+async def test_the_iterators_take_messages_due_soon_and_hand_each_out_at_its_due_time(nodes):
+    """Lookahead (``lookahead_ms``): the iterators' pulls ask for what is due within it; what
+    comes early is held and handed out at its due time by this process's clock, never before,
+    in slices, and never held past ``lookahead_ms`` after it arrived (a node hands a message out early only
+    past its own hold limit). ``pull`` takes what is visible only (lookahead 0)."""
+    (node,) = await nodes()
+    t = now_ms()
+    node.ready("la", ["now"], deliver_at_ms=t - 5)
+    node.ready("la", ["soon-1", "soon-2"], deliver_at_ms=t + 40)  # within the lookahead, as a node hands out
+    node.ready("la", ["later"], deliver_at_ms=t + 80)
+    node.ready("la", ["far"], deliver_at_ms=t + 3_600_000)  # stored past the node's hold limit: handed out early
+    seen: dict[str, tuple[int, int]] = {}  # id -> (handed out at, due)
+    async with Consumer(StaticResolver(realtime=[node.address]), "la", group="g", wait_ms=200, lookahead_ms=100,
+                        batch_max=10) as c:
+        async def take() -> None:
+            async for rb in c.batches():
+                at = now_ms()
+                for i, due in zip(rb.ids, rb.deliver_at_ms.tolist()):
+                    seen[i] = (at, int(due))
+                await rb.ack()
+                if len(seen) == 5:
+                    return
+        await asyncio.wait_for(take(), GUARD_S)
+    assert set(node.lookaheads) == {100}
+    async with Consumer(StaticResolver(realtime=[node.address]), "la", group="g", lookahead_ms=100) as c:
+        assert await c.pull(wait_ms=0) == []  # pull: what is visible only
+    assert node.lookaheads[-1] == 0
+    assert set(seen) == {"now", "soon-1", "soon-2", "later", "far"}
+    for i in ("now", "soon-1", "soon-2", "later"):
+        at, due = seen[i]
+        assert at >= due, (i, at, due)  # never early
+    assert seen["soon-1"][0] == seen["soon-2"][0]  # one slice
+    assert seen["far"][0] < t + 60_000  # held at most lookahead_ms, not an hour
+
+
+async def test_lookahead_zero_hands_out_what_comes_at_once(nodes):
+    (node,) = await nodes()
+    node.ready("l0", ["a"], deliver_at_ms=now_ms() + 60_000)
+    async with Consumer(StaticResolver(realtime=[node.address]), "l0", group="g", wait_ms=200, lookahead_ms=0) as c:
+        async def first():
+            async for rb in c.batches():
+                return rb.ids
+        assert await asyncio.wait_for(first(), GUARD_S) == ["a"]
+    assert set(node.lookaheads) == {0}

@@ -826,14 +826,30 @@ def test_holding_is_bounded_by_the_limit_and_by_a_clock_that_stepped_back(tmp_pa
     assert ids(st_, "orders", "g", 10, T0 - 10_000) == ["late"]
 
 
+def test_a_lookahead_pull_hands_out_what_is_visible_by_its_horizon(tmp_path):
+    """A pull with ``horizon_ms`` (a consumer that holds messages until due: lookahead) takes
+    what becomes visible by then, and says when the first one it left becomes visible."""
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, M("a", deliver_at_ms=T0 + 5), M("b", deliver_at_ms=T0 + 30), M("c", deliver_at_ms=T0 + 60))
+    assert ids(st_, "orders", "g", 10, T0) == [] and st_.held_next_ms == T0 + 8  # no horizon: due rounded up
+    assert ids(st_, "orders", "g", 10, T0, horizon_ms=T0 + 20) == ["a"]  # a: T0 + 8; b: T0 + 32
+    assert st_.held_next_ms == T0 + 32
+    assert ids(st_, "orders", "g", 10, T0 + 1, horizon_ms=T0 + 31) == [] and st_.held_next_ms == T0 + 32
+    assert ids(st_, "orders", "g", 10, T0 + 1, horizon_ms=T0 + 32) == ["b"]
+    assert st_.held_next_ms == T0 + 60
+    assert ids(st_, "orders", "g", 10, T0 + 2, horizon_ms=T0 + 59) == [] and st_.held_next_ms == T0 + 60
+    assert ids(st_, "orders", "g", 10, T0 + 2, horizon_ms=T0 + 60) == ["c"]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.tuples(st.integers(0, 6), st.lists(st.tuples(st.sampled_from(["s1", "s2"]),
                                                                          st.integers(-20, 150)), max_size=6)),
                       min_size=1, max_size=25),
-       step=st.sampled_from([1, 3, 4]))
-def test_property_never_early_never_lost_in_order(tmp_path_factory, steps, step):
+       step=st.sampled_from([1, 3, 4]), lookahead=st.sampled_from([0, 0, 7, 30]))
+def test_property_never_early_never_lost_in_order(tmp_path_factory, steps, step, lookahead):
     """Whatever the dues and pull times: a message is handed out no earlier than its due
-    time (clamped to [stored, stored + hold]), each exactly once, in log order per subject."""
+    time (clamped to [stored, stored + hold]) less the pull's lookahead, each exactly once, in
+    log order per subject."""
     cfg = RealtimeSettings(segment_bytes=1 << 16, ack_timeout_ms=600_000, visible_hold_ms_max=100,
                            visible_step_ms=step)
     st_ = open_store(tmp_path_factory.mktemp("ahead"), cfg)
@@ -848,8 +864,8 @@ def test_property_never_early_never_lost_in_order(tmp_path_factory, steps, step)
             assert (append(st_, *ms, now=now).codes == OK).all()
             for m in ms:
                 sent[m.id] = (m.subject, min(max(m.deliver_at_ms, now), now + 100))
-        for i in ids(st_, ["s1", "s2"], "g", 1000, now):
-            assert i not in got and now >= sent[i][1]
+        for i in ids(st_, ["s1", "s2"], "g", 1000, now, horizon_ms=now + lookahead if lookahead else None):
+            assert i not in got and now + lookahead >= sent[i][1]
             got[i] = now
     got.update(dict.fromkeys(ids(st_, ["s1", "s2"], "g", 1000, now + 1000), now + 1000))
     assert set(got) == set(sent)

@@ -137,7 +137,7 @@ class LookupResponse(_message.Message):
     def __init__(self, code: _Optional[_Union[Code, str]] = ..., status: _Optional[str] = ..., seq: _Optional[int] = ..., deliver_at_ms: _Optional[int] = ..., subject: _Optional[str] = ..., error: _Optional[str] = ..., accepted_ms: _Optional[int] = ..., effective_ms: _Optional[int] = ..., cancelled_ms: _Optional[int] = ..., store_epoch: _Optional[int] = ..., dispatched_ms: _Optional[int] = ..., dead_lettered: _Optional[bool] = ..., realtime_group: _Optional[str] = ..., realtime_address: _Optional[str] = ..., group: _Optional[str] = ..., node_id: _Optional[str] = ..., accepted_node_id: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks")
+    __slots__ = ("subject", "group", "consumer_id", "max_messages", "wait_ms", "tags", "subjects", "acks", "lookahead_ms")
     SUBJECT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PullRequest(_message.Message):
     TAGS_FIELD_NUMBER: _ClassVar[int]
     SUBJECTS_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     subject: str
     group: str
     consumer_id: str
@@ -154,7 +155,8 @@ class PullRequest(_message.Message):
     tags: _containers.RepeatedScalarFieldContainer[str]
     subjects: _containers.RepeatedScalarFieldContainer[str]
     acks: _containers.RepeatedCompositeFieldContainer[SubjectHandles]
-    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ..., acks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ...) -> None: ...
+    lookahead_ms: int
+    def __init__(self, subject: _Optional[str] = ..., group: _Optional[str] = ..., consumer_id: _Optional[str] = ..., max_messages: _Optional[int] = ..., wait_ms: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ..., subjects: _Optional[_Iterable[str]] = ..., acks: _Optional[_Iterable[_Union[SubjectHandles, _Mapping]]] = ..., lookahead_ms: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("batch", "handles", "refused")

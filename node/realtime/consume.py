@@ -128,7 +128,7 @@ class Delivery:
         self.held_next_ms: int | None = None  # after a pull: when the first entry it held back becomes visible
 
     def pull(self, subjects: list[str], group: str, *, max_messages: int, tags: Sequence[str], now_ms: int,
-             start: str) -> tuple[Batch, np.ndarray]:
+             start: str, horizon_ms: int | None = None) -> tuple[Batch, np.ndarray]:
         if not subjects:
             raise InvalidArgument("subjects", "name at least one subject")
         ixs = [self.indexes.index(s) for s in subjects]
@@ -143,7 +143,7 @@ class Delivery:
         for g, ix in zip(groups, ixs):
             self.groups.touch(g, ix, now_ms)
         for _ in range(SETTLE_ROUNDS_MAX):
-            batch, handles = self.pull_once(subjects, groups, ixs, group, left, want, now_ms)
+            batch, handles = self.pull_once(subjects, groups, ixs, group, left, want, now_ms, horizon_ms)
             other = other_groups_retries(batch, group)
             if not other.any():  # first attempts: one compare of the attempts column
                 return batch, handles
@@ -155,7 +155,7 @@ class Delivery:
         return EMPTY_BATCH, NO_HANDLES
 
     def pull_once(self, subjects: list[str], groups: list[Group], ixs: list[SubjectIndex], group: str, left: int,
-                  want: np.uint64, now_ms: int) -> tuple[Batch, np.ndarray]:
+                  want: np.uint64, now_ms: int, horizon_ms: int | None = None) -> tuple[Batch, np.ndarray]:
         """One round of ``pull``: redeliveries, then new positions (module docstring, step 1)."""
         r = self.rotation % len(subjects)
         self.rotation += 1
@@ -176,7 +176,7 @@ class Delivery:
                 self.groups.mark_dirty(g)
 
         self.held_next_ms = None
-        full = self.take_new(groups, ixs, left, want, now_ms, parts)  # 2. new positions
+        full = self.take_new(groups, ixs, left, want, now_ms, parts, horizon_ms)  # 2. new positions
         if not parts:
             if full:
                 raise Overloaded(f"group {group!r} has inflight_per_group_max="
@@ -199,7 +199,7 @@ class Delivery:
             self.counters["skipped_other_group_retry"] += n
 
     def take_new(self, groups: list[Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
-                 parts: list) -> bool:
+                 parts: list, horizon_ms: int | None = None) -> bool:
         """Hand out up to ``left`` new positions over the groups, oldest in the log first, so
         that a pull covers few frames (one ``take`` each). Each round reads a chunk of every
         subject's unread entries (a little more than its share), merges the matching ones by
@@ -209,7 +209,9 @@ class Delivery:
 
         A subject's entries are handed out in order up to the first one not visible yet
         (``visible_ms`` after ``now_ms``: dispatched ahead of its due time); the earliest such
-        time over the subjects is left in ``held_next_ms`` for the caller's wait."""
+        time over the subjects is left in ``held_next_ms`` for the caller's wait. With
+        ``horizon_ms`` (a lookahead pull), "visible" means visible by then."""
+        vis = now_ms if horizon_ms is None else max(now_ms, horizon_ms)
         scan_left = self.settings.pull_scan_entries_max
         full = False
         hold_window = self.settings.visible_hold_ms_max + self.settings.visible_step_ms
@@ -232,15 +234,15 @@ class Delivery:
             chunk = max(1, min(chunk, SCAN_CHUNK_ENTRIES, scan_left // len(live)))
             cands = []
             for g, ix, room in live:
-                if ix.held_pos == g.next_pos and now_ms < ix.held_visible_ms <= now_ms + hold_window:
+                if ix.held_pos == g.next_pos and vis < ix.held_visible_ms <= vis + hold_window:
                     # its next entry is one a pull found held, still held (``held_mask``): no read
                     at = ix.held_visible_ms
                     self.held_next_ms = at if self.held_next_ms is None else min(self.held_next_ms, at)
                     held.add(id(g))
                     continue
                 e = ix.read(fd(ix), g.next_pos, chunk)
-                if ix.held_until > now_ms:
-                    late = np.flatnonzero(held_mask(e["visible_ms"], now_ms, hold_window))
+                if ix.held_until > vis:
+                    late = np.flatnonzero(held_mask(e["visible_ms"], vis, hold_window))
                     if len(late):
                         cut = int(late[0])
                         at = int(e["visible_ms"][cut])

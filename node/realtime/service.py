@@ -82,6 +82,7 @@ _EMPTY_BATCH = Batch.empty()
 _NO_HANDLES = np.zeros(0, np.uint64)
 ANONYMOUS = "anonymous"        # the one tenant of an open cluster (no authentication), for the quotas
 POLL_RECHECK_S = 1.0          # a waiting pull looks again at least this often (redeliveries fall due)
+LOOKAHEAD_MS_MAX = 100        # a pull's lookahead_ms is cut to this (and to visible_hold_ms_max)
 GOOD_NAMES_MAX = 4096         # subject and group names a pull or ack found valid, not checked again (the rule is pure)
 
 
@@ -344,6 +345,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             await status.abort(context, InvalidArgument("subject", "name a subject (subject or subjects)"))
         await self._authorize_consume(context, request.group, [*subjects, *(sh.subject for sh in request.acks)])
         max_messages = min(request.max_messages or self.settings.realtime.pull_max, self.settings.realtime.pull_max)
+        lookahead = min(request.lookahead_ms, self.settings.realtime.visible_hold_ms_max, LOOKAHEAD_MS_MAX)
         group, consumer, tags = request.group, request.consumer_id or "anonymous", list(request.tags)
         role = self.role  # a replicated node may switch roles meanwhile: this call stops polling then
         store = role.store
@@ -368,8 +370,9 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         while self.role is role and not role.ended:
             self.calls["pull_polls"] += 1
             try:
+                now = self.clock.now_ms()
                 batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
-                                            now_ms=self.clock.now_ms())
+                                            now_ms=now, horizon_ms=now + lookahead if lookahead else None)
             except UnknownSubject as e:
                 if not self.settings.realtime.auto_create_subjects or e.subject in created:
                     await status.abort(context, e)
@@ -386,7 +389,10 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
                 break
             wait_s = min(left, POLL_RECHECK_S)
             if store.held_next_ms is not None:  # messages stored ahead of their due time: until the first is due
-                wait_s = max(0.0, min(wait_s, self.clock.seconds_until(store.held_next_ms)))
+                # (a lookahead pull: until it is a third of the lookahead from visible, then it takes
+                # what is visible within the lookahead: about two thirds of it per answer)
+                at = store.held_next_ms - lookahead // 3
+                wait_s = max(0.0, min(wait_s, self.clock.seconds_until(at)))
             await self._wait_new_data(subjects, wait_s)
         self.calls["pull"] += 1
         self.calls["pull_messages"] += batch.n

@@ -401,19 +401,21 @@ class RealtimeStore:
     # ------------------------------------------------------------------ consume (node/realtime/consume.py)
 
     def pull(self, subjects: Sequence[str], group: str, consumer_id: str, *, max_messages: int,
-             tags: Sequence[str] = (), now_ms: int, start: str = START_EARLIEST) -> tuple[Batch, np.ndarray]:
+             tags: Sequence[str] = (), now_ms: int, start: str = START_EARLIEST,
+             horizon_ms: int | None = None) -> tuple[Batch, np.ndarray]:
         """Up to ``max_messages`` messages of ``subjects`` for one consumer of ``group``, as
         ``(batch, handles)`` (``node/realtime/consume.py``, step 1).
 
         ``consumer_id`` only names the caller (handles belong to the group). ``start`` applies
-        to a group seen for the first time. ``Overloaded`` when nothing can be handed out
+        to a group seen for the first time. ``horizon_ms`` (at or after ``now_ms``): entries
+        visible by then are handed out too (a lookahead pull: the client holds them until due). ``Overloaded`` when nothing can be handed out
         because a group's in-flight set is full while its subject has more entries.
         """
         self._check_open()
         if isinstance(subjects, str):
             subjects = [subjects]
         return self._delivery.pull(list(dict.fromkeys(subjects)), group, max_messages=max_messages, tags=tags,
-                                   now_ms=now_ms, start=start)
+                                   now_ms=now_ms, start=start, horizon_ms=horizon_ms)
 
     def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
         """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many

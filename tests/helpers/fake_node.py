@@ -80,6 +80,7 @@ class FakeNode:
     requests: list[SendRecord] = field(default_factory=list)
     stored: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (seq, deliver_at_ms)
     pulls: list[list[str]] = field(default_factory=list)
+    lookaheads: list[int] = field(default_factory=list)  # each pull's lookahead_ms
     acked: list[tuple[str, list[int]]] = field(default_factory=list)
     ack_ranges: list[int] = field(default_factory=list)  # [lo, hi) ranges per SubjectHandles acked
     acks_on_pull: int = 0  # pulls that carried acks
@@ -266,6 +267,7 @@ class _Consumer(rpc.ConsumerServicer):
         if request.acks:  # acks riding on a pull are recorded like an Ack's
             self._record_acks(request.acks)
             self.node.acks_on_pull += 1
+        self.node.lookaheads.append(request.lookahead_ms)
         return await self.node.pull(request)
 
     async def PullStream(self, requests, context):
