@@ -219,6 +219,36 @@ async def _drain_of(address: str, subject: str) -> dict | None:
     return drain_of(st, subject)
 
 
+async def _consume(meta: str, subject: str, group: str, stop: asyncio.Event, got: dict[str, int],
+                   where: dict[str, str] | None = None, node_group: dict[str, str] | None = None) -> None:
+    """One consumer of ``group`` until ``stop``: counts each id it gets in ``got`` (and the
+    real-time group it came from in ``where``), acks each batch and waits for the answer."""
+    res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
+    try:
+        async with Consumer(res, subject, group=group) as cons:
+            while not stop.is_set():
+                for rb in await cons.pull_batch(wait_ms=200):
+                    for i in rb.ids:
+                        got[i] = got.get(i, 0) + 1
+                        if where is not None:
+                            where[i] = node_group[rb.node]
+                    await rb.ack(wait=True)
+    finally:
+        await res.close()
+
+
+async def _send_now(meta: str, subject: str, ids: list[str], sent: list[str]) -> None:
+    """Immediate messages ``ids`` from a new producer (the route as it is now), all accepted."""
+    res = MetaResolver([meta], refresh_ms=REFRESH_MS)
+    try:
+        async with Producer(res) as p:
+            out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
+    finally:
+        await res.close()
+    assert not out.errors, out.errors
+    sent.extend(ids)
+
+
 async def test_a_consumer_group_that_never_pulled_from_the_dropped_group_still_gets_every_message_it_held(tmp_path):
     """``audit`` consumes the subject on its first group only, then stops; the subject is widened
     to a second group, which ``billing`` drains to the last message, and narrowed back. The
@@ -239,28 +269,11 @@ async def test_a_consumer_group_that_never_pulled_from_the_dropped_group_still_g
         sent: list[str] = []
         stop = {g: asyncio.Event() for g in GROUPS}
 
-        async def consume(group: str) -> None:
-            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
-            try:
-                async with Consumer(res, subject, group=group) as cons:
-                    while not stop[group].is_set():
-                        for rb in await cons.pull_batch(wait_ms=200):
-                            for i in rb.ids:
-                                got[group][i] = got[group].get(i, 0) + 1
-                                where[i] = node_group[rb.node]
-                            await rb.ack(wait=True)
-            finally:
-                await res.close()
+        def consume(group: str):
+            return _consume(meta, subject, group, stop[group], got[group], where, node_group)
 
         async def send(ids: list[str]) -> None:
-            res = MetaResolver([meta], refresh_ms=REFRESH_MS)  # a new producer: the route as it is now
-            try:
-                async with Producer(res) as p:
-                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
-            finally:
-                await res.close()
-            assert not out.errors, out.errors
-            sent.extend(ids)
+            await _send_now(meta, subject, ids, sent)
 
         async def both_have(ids) -> bool:
             return all(set(got[g]) >= set(ids) for g in GROUPS)
@@ -340,27 +353,11 @@ async def test_an_operator_releases_a_consumer_group_that_stopped_for_good_and_t
         sent: list[str] = []
         stop = {g: asyncio.Event() for g in GROUPS}
 
-        async def consume(group: str) -> None:
-            res = MetaResolver([meta], refresh_ms=REFRESH_MS, realtime_kind=mpb.CONSUMER)
-            try:
-                async with Consumer(res, subject, group=group) as cons:
-                    while not stop[group].is_set():
-                        for rb in await cons.pull_batch(wait_ms=200):
-                            for i in rb.ids:
-                                got[group][i] = got[group].get(i, 0) + 1
-                            await rb.ack(wait=True)
-            finally:
-                await res.close()
+        def consume(group: str):
+            return _consume(meta, subject, group, stop[group], got[group])
 
         async def send(ids: list[str]) -> None:
-            res = MetaResolver([meta], refresh_ms=REFRESH_MS)
-            try:
-                async with Producer(res) as p:
-                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
-            finally:
-                await res.close()
-            assert not out.errors, out.errors
-            sent.extend(ids)
+            await _send_now(meta, subject, ids, sent)
 
         async def has(group: str, ids) -> bool:
             return set(got[group]) >= set(ids)
