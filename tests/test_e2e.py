@@ -61,6 +61,36 @@ async def test_delays_from_already_due_to_seconds(resolver):
         assert m.received_ms - max(m.deliver_at_ms, t) < 1000  # a past due time means now
 
 
+async def test_the_iterators_hand_each_delayed_message_out_at_its_due_time_never_before(resolver):
+    """``Consumer.batches()`` pulls with lookahead (docs/api.md, "Lookahead"): the real-time
+    node hands out what becomes visible within it and the consumer holds each message until its
+    due time. Against real nodes: every message comes once, none before its due time by this
+    process's clock."""
+    t = now_ms()
+    ids = [f"la-{i}" for i in range(60)]
+    async with Producer(resolver) as p:
+        res = await (await p.send_many("e2e.lookahead", [b"x"] * len(ids), ids=ids,
+                                       deliver_at_ms=[t + 300 + 7 * i for i in range(len(ids))]))
+    assert not res.errors
+    seen: dict[str, tuple[int, int]] = {}  # id -> (handed out at, due)
+
+    async def take(c: Consumer) -> None:
+        async for rb in c.batches():
+            at = now_ms()
+            for i, due in zip(rb.ids, rb.deliver_at_ms.tolist()):
+                assert i not in seen, f"{i} twice"
+                seen[i] = (at, int(due))
+            await rb.ack()
+            if len(seen) == len(ids):
+                return
+    async with Consumer(resolver, "e2e.lookahead", group="g") as c:
+        assert c.lookahead_ms > 0
+        await asyncio.wait_for(take(c), 30)
+    assert set(seen) == set(ids)
+    early = {i: due - at for i, (at, due) in seen.items() if at < due}
+    assert not early, f"handed out before due (ms early): {early}"
+
+
 async def test_cancel_lookup_and_too_late(resolver):
     async with Producer(resolver) as p:
         await p.send_and_wait("e2e.cancel", "keep", delay_ms=500, id="keep-1")
