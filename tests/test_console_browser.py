@@ -200,6 +200,12 @@ async def test_a_delivered_messages_trace_shows_each_hop_in_order(cluster, conso
     try:
         async with Consumer(r, "console.trace", group="g") as cons:
             assert "traced-1" in await receive_ids(cons, {"traced-1"})
+
+        async def recorded() -> bool:  # a consumer may have it before the delay node recorded the dispatch
+            async with Producer(r) as p:
+                return (await p.lookup("traced-1")).status == "dispatched"
+        from cluster.devcluster import wait_until
+        assert await wait_until(recorded, 60, "the delay node recording traced-1 as dispatched")
     finally:
         await r.close()
     browser.get(console.url + "/message?id=traced-1")
