@@ -16,7 +16,8 @@ from cluster.errors import InvalidArgument, RouteMoved, Unavailable
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import Route, RouteView, change, dropped, finish, taken_back
 from cluster.wire import BatchResult
-from metaserver.fences import FenceValue, consumers_after, fence_ops, finish_refusal, released_after, report_refusal
+from metaserver.fences import (FenceValue, Fences, StoredFence, consumers_after, fence_ops, finish_refusal,
+                               released_after, report_refusal)
 from node.realtime.fence import NodeFences, drain_left, subject_drained, waiting_for
 
 pytestmark = pytest.mark.unit
@@ -339,7 +340,9 @@ class _Sim:
         self.got: dict[str, dict[str, int]] = {}             # consumer group -> id -> times received
         self.before_narrow: list[str] = []                   # ids accepted before the narrowing
         self.protected: set[str] = set()                     # consumer groups the drain must wait for
-        self.finished = False
+        self.released: set[str] = set()                      # consumer groups an operator released from it
+        self.given_up: dict[str, int] = {}                   # released group -> messages of the dropped group
+        self.finished = False                                #   it had not got when the drain finished
         self.n = 0
 
     def _write(self) -> int:
@@ -404,9 +407,25 @@ class _Sim:
                 self.protected |= set(dict(report)[self.S])
         if self.S in drained:
             self.try_finish(node, fence_rev)
-        own = [(self.S, v.draining, v.consumers) for g, (v, _) in self.fences.items() if g == node.group]
-        watch = [self.S] if any(v.draining for v, _ in self.fences.values()) else []
-        node.fences.load(self.rev, own, watch)
+        # the answer: the meta server's own (Fences.answer), as node/registration.py hands it to the node
+        stored = [StoredFence(g, self.S, v, mod) for g, (v, mod) in self.fences.items()]
+        own, watch = Fences.answer(stored, node.group)
+        node.fences.load(self.rev, [(s, d, tuple(c), tuple(r)) for s, d, c, r in own], tuple(watch))
+
+    def release(self, name):
+        """An operator releases consumer group ``name`` from the subject's drains (``Fences.release``:
+        ``released_after`` on every draining fence, each a CAS write, so a new mod revision). Returns
+        whether anything was written."""
+        mine = [(g, v) for g, (v, _) in self.fences.items() if v.draining]
+        assert mine and self.route.draining  # the RPC answers NotFound otherwise: the sim only calls it meanwhile
+        changed = False
+        for g, v in mine:
+            after = released_after(v, name)
+            if after is not None:
+                self.fences[g] = (after, self._write())
+                changed = True
+        self.released.add(name)
+        return changed
 
     def try_finish(self, node, reporter_revision):
         if node.group not in self.route.draining or node.group not in self.fences:
@@ -421,10 +440,13 @@ class _Sim:
                              others=others)
         if why:
             return
-        # the drain finishes: every protected consumer group has every message the group held
-        for g in sorted(self.protected):
+        # the drain finishes: every protected consumer group that was not released has every message
+        # the group held (a released one gave up its unacked messages here)
+        for g in sorted(self.protected - self.released):
             missing = [i for i in node.entries if i not in self.got.get(g, {})]
             assert not missing, f"consumer group {g} loses {missing[:5]} of {node.group}"
+        for g in sorted(self.released):
+            self.given_up[g] = sum(i not in self.got.get(g, {}) for i in node.entries)
         self.route = finish(self.route, node.group)
         self.fences[node.group] = (FenceValue(self.route.epoch, False), self._write())
         self.finished = True
@@ -435,38 +457,58 @@ class _Sim:
         self.records.pop(node.group, None)  # its registration is gone until it registers again
 
 
-@pytest.mark.parametrize("seed", range(100))
-def test_a_seeded_drain_loses_no_message_accepted_before_the_narrowing(seed):
-    """Random interleavings of sends (some by writers with an old route), pulls and acks by
-    consumer groups that pull from only some of the groups for a while, the narrowing,
-    consumer groups appearing later, snapshots, heartbeats (reports merged, drains claimed and
-    finished) and restarts of a master. Whenever a drain finishes, every consumer group that
-    consumed the subject at the narrowing or in a report merged since (``protected``) has every
-    message the dropped group held; after it, each protected group got every message accepted
-    before the narrowing exactly once."""
+STOP_P, RELEASE_P = 0.0015, 0.0015  # per step: a consumer group stops for good; the operator releases one
+
+
+def _run(seed):
+    """One seeded run: random interleavings of sends (some by writers with an old route), pulls
+    and acks by consumer groups that pull from only some of the groups for a while, the
+    narrowing, consumer groups appearing later, consumer groups stopping for good (they pull and
+    ack nothing more, their in-flight entries stay unacked), an operator releasing a consumer group
+    from the drain (a stopped one or one still consuming; only while the drain is in progress),
+    snapshots, heartbeats (reports merged, drains claimed and finished) and restarts of a master;
+    then everybody still consuming catches up, and the operator releases each stopped group the
+    drain still waits for (what ``hourglass status``'s "waiting for" would tell them to do).
+    Returns the sim, the stopped groups and the groups released while they were still consuming."""
     import random
 
     rnd = random.Random(seed)
     sim = _Sim(rnd, ["rt-1", "rt-2"])
     consumer_groups = ["g0", "g1"]
+    stopped: set[str] = set()
+    released_live: set[str] = set()
     narrowed_at = rnd.randint(30, 150)
     # g1 pulls only from rt-1 until a random step after the narrowing (a consumer that is slow to
     # reach rt-2, or down there); g0 pulls from both all along
     wakes = {"g0": 0, "g1": narrowed_at + rnd.randint(0, 400)}
+
+    def release(g):
+        if g not in stopped:
+            released_live.add(g)
+        sim.release(g)
+
     for step in range(800):
         if step == narrowed_at:
             sim.narrow()
         if sim.finished and step > max(wakes.values()):
             break
+        if not stopped and step > narrowed_at // 2 and rnd.random() < STOP_P:  # one consumer group stops for good
+            stopped.add(rnd.choice(consumer_groups))
+        if sim.route.draining and rnd.random() < RELEASE_P:  # the operator releases a consumer group
+            waiting = sorted(stopped - sim.released)
+            release(rnd.choice(waiting) if waiting and rnd.random() < 0.7 else rnd.choice(consumer_groups))
         r = rnd.random()
         node = sim.nodes[rnd.choice(sorted(sim.nodes))]
         if r < 0.12 and step < narrowed_at + 100:
             sim.send()
         elif r < 0.45:
             g = rnd.choice(consumer_groups)
-            sim.pull(g, sim.nodes[rnd.choice(["rt-1", "rt-2"] if step >= wakes[g] else ["rt-1"])])
+            if g not in stopped:
+                sim.pull(g, sim.nodes[rnd.choice(["rt-1", "rt-2"] if step >= wakes[g] else ["rt-1"])])
         elif r < 0.7:
-            sim.ack(rnd.choice(consumer_groups), node)
+            g = rnd.choice(consumer_groups)
+            if g not in stopped:
+                sim.ack(g, node)
         elif r < 0.8:
             node.snapshot()
         elif r < 0.96:
@@ -478,25 +520,66 @@ def test_a_seeded_drain_loses_no_message_accepted_before_the_narrowing(seed):
             consumer_groups.append(g)
             wakes[g] = step + rnd.randint(0, 300)
             sim.pull(g, sim.nodes["rt-1"])
-    # everybody catches up: consumers pull and ack everything readable; heartbeats until it finishes
-    for _ in range(200):
+    # everybody still consuming catches up: pulls and acks everything readable; heartbeats until it
+    # finishes; the operator releases the stopped groups the drain still waits for, one at a time
+    for round_ in range(200):
         for g in consumer_groups:
+            if g in stopped:
+                continue
             for name in sim.route.readable:
                 n = sim.nodes[name]
                 for _ in range(len(n.entries) + 1):
                     sim.pull(g, n)
                 while n.inflight.get(g):
                     sim.ack(g, n)
+        waiting = sorted(stopped - sim.released)
+        if round_ >= 2 and waiting and sim.route.draining and rnd.random() < 0.5:
+            release(rnd.choice(waiting))
         for n in sim.nodes.values():
             n.snapshot()
             sim.heartbeat(n)
         if sim.finished:
             break
-    assert sim.finished, f"the drain never finished: route {sim.route}, fences {sim.fences}"
-    for g in sorted(sim.protected):
+    return sim, stopped, released_live
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_seeded_drain_loses_no_message_accepted_before_the_narrowing(seed):
+    """``_run``. Whenever a drain finishes, every consumer group that consumed the subject at the
+    narrowing or in a report merged since (``protected``) and was not released has every message
+    the dropped group held; the drain always finishes, a released group that stopped for good
+    does not keep it open; after it, each protected group that was neither released nor stopped
+    got every message accepted before the narrowing exactly once, one released while still
+    consuming got every such message the kept group holds (it reads the live groups as before),
+    and no consumer group got a message twice."""
+    sim, stopped, released_live = _run(seed)
+    assert sim.finished, (f"the drain never finished: route {sim.route}, fences {sim.fences}, stopped "
+                          f"{sorted(stopped)}, released {sorted(sim.released)}")
+    for g in sorted(sim.protected - sim.released - stopped):
         got = sim.got.get(g, {})
         assert not [i for i in sim.before_narrow if i not in got], g
+    kept = {i for name in sim.route.readable for i in sim.nodes[name].entries}
+    for g in sorted(released_live - stopped):
+        got = sim.got.get(g, {})
+        assert not [i for i in sim.before_narrow if i in kept and i not in got], g
+    for g, got in sorted(sim.got.items()):
         assert all(k == 1 for k in got.values()), g
+
+
+def test_the_seeded_drains_release_stopped_and_live_consumer_groups():
+    """The runs above are not vacuous: in some, a consumer group that stopped for good is released
+    while the dropped group holds messages it never got (it gave them up: without the release the
+    drain could not have finished), in some a group still consuming is released, in some nothing
+    is; and in every run some protected group is not released (the finish check has a group to check)."""
+    stopped_gave_up = live = none = checked = 0
+    for seed in range(100):
+        sim, stopped, released_live = _run(seed)
+        stopped_gave_up += any(sim.given_up.get(g, 0) for g in stopped & sim.released)
+        live += bool(released_live)
+        none += not sim.released
+        checked += bool(sim.protected - sim.released)
+    counts = (stopped_gave_up, live, none, checked)
+    assert stopped_gave_up >= 20 and live >= 20 and none >= 10 and checked == 100, counts
 
 
 # ---------------------------------------------------------------------- what hourglass status says of a drain
