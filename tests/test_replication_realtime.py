@@ -6,12 +6,15 @@ immediate message is lost, no message whose Ack was answered is delivered again 
 group offsets survive the failover), duplicates are bounded by what was pulled and not yet
 acked at the kill; the old master returns as a slave and its log ends byte-identical with
 the new master's. In ``async`` mode a returning old master truncates the divergent suffix
-(log and consume index) it had alone.
+(log and consume index) it had alone. Lookahead consumers (``Consumer.batches()`` with
+``lookahead_ms``) of delayed messages across a SIGKILL of the master in ``sync`` mode:
+nothing lost, nothing handed out before its due time, nothing again after an answered ack.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import time
 
@@ -22,10 +25,15 @@ from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster, wait_until as wait_for
 from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
+from cluster.proto import meta_pb2 as mpb
 
 needs_etcd = pytest.mark.skipif(not __import__("shutil").which("etcd"), reason="etcd binary not installed")
 
 BATCH = 50  # consumer pull size: bounds the duplicates a failover may cause
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 async def statuses(cluster) -> dict[str, dict]:
@@ -193,3 +201,158 @@ async def test_returning_master_truncates_divergent_suffix_and_index(tmp_path):
         assert "truncated" in m.log_path.read_text(), "the old master did not truncate its suffix"
         assert log_bytes(m.data_dir / "messages") == log_bytes(s.data_dir / "messages")
         assert index_bytes(m, "rt.div") == index_bytes(s, "rt.div")
+
+
+
+LA_LOOKAHEAD_MS = 50      # the consumers' lookahead (a node cuts it to 100 ms)
+LA_ROUND = 150            # messages sent before the kill, as many during the failover, as many once the slave is back
+LA_DELAY_MS_MAX = 2000    # each due 0 .. this after it was sent
+LA_ACK_TIMEOUT_MS = 8000  # the nodes redeliver what was not acked this long after it was handed out
+LA_ACK_CALL_S = 3.0       # the waited group's Ack calls give up after this (well inside LA_ACK_TIMEOUT_MS)
+LA_WAIT_S_MAX = 120       # bounds of the waits below (outcomes, not timings)
+
+
+@needs_etcd
+async def test_lookahead_consumers_across_a_master_sigkill_lose_nothing_never_early_no_redelivery_after_answered_ack(
+        tmp_path):
+    """Lookahead across a failover: a delay node and a real-time group of a master and a slave
+    (``sync``); two consumer groups read one subject with ``batches()`` and ``lookahead_ms``
+    (docs/api.md, "Lookahead"): ``waited`` acks each batch with ``ack(wait=True)`` and records
+    whether the ack was answered, ``piped`` acks pipelined (``await rb.ack()``, whose answer it
+    cannot see). Delayed messages (due 0-2 s after sending) are sent in three rounds: before
+    the master is SIGKILLed (once acks are answered), during the failover, and once the old
+    master is back as a slave (restarted as a supervisor would: a ``sync`` group takes writes
+    with a slave). After every message came, the consumers go on for longer than the nodes'
+    ack timeout, so that whatever is still in flight unacked comes again within the test.
+    Outcomes: every message reaches both groups (nothing lost); none is handed out before its
+    due time, by the producer's due time and this process's clock (no slack, as
+    ``test_the_iterators_hand_each_delayed_message_out_at_its_due_time_never_before``), held
+    batches from the dead master included; ``waited`` gets nothing again after an ack of it
+    was answered (what was in a batch whose ack failed, e.g. one of the dead master's handed
+    out from the hold after the kill, or one the new master took while it had no slave, may
+    come again: at least once)."""
+    subject = "rt.lookahead"
+    rng = random.Random(20261127)
+    with LocalCluster(tmp_path, n_delay=1, n_realtime=2, meta=True, realtime_replicas=2, ack_mode="sync",
+                      lease_ttl_ms=2000, env={"HOURGLASS_ACK_TIMEOUT_MS": str(LA_ACK_TIMEOUT_MS)}) as c:
+        c.wait_registered()
+        master = await master_of(c)
+        old = next(n for n in c.realtime if n.name == master)
+        new = next(n for n in c.realtime if n is not old)
+        await c.wait_in_sync("realtime")  # the slave acknowledges: acks are answered from the start
+        due: dict[str, int] = {}            # id -> deliver_at_ms the producer gave it (set before it is sent)
+        seen: dict[str, dict[str, list[tuple[int, str]]]] = {"waited": {}, "piped": {}}  # group -> id -> [(at, node)]
+        confirmed_at: dict[str, int] = {}   # waited: id -> its deliveries when an ack of it was answered
+        confirmed_by: set[str] = set()      # waited: the nodes that answered acks
+        failed: dict[str, int] = {}         # waited: ids of batches whose ack failed (those may come again) -> times
+        errors: dict[str, int] = {}         # waited: "node: error" -> batches whose ack failed so
+        late: list[tuple[str, int]] = []    # waited: (id, delivery) after an answered ack
+        early: list[tuple[str, str, int]] = []  # (group, id, ms before due)
+        all_sent = asyncio.Event()
+
+        def complete(group: str) -> bool:
+            return all_sent.is_set() and set(due) <= set(seen[group])
+
+        async def consume(group: str) -> None:
+            res = MetaResolver(c.meta_addresses, refresh_ms=500, realtime_kind=mpb.CONSUMER)
+            try:
+                async with Consumer(res, subject, group=group, lookahead_ms=LA_LOOKAHEAD_MS, timeout_s=5,
+                                    call_timeout_s=LA_ACK_CALL_S) as cons:
+                    async for rb in cons.batches():
+                        at = now_ms()
+                        got = seen[group]
+                        for i in rb.ids:
+                            got.setdefault(i, []).append((at, rb.node))
+                            if at < due[i]:
+                                early.append((group, i, due[i] - at))
+                            if group == "waited" and i in confirmed_at:
+                                late.append((i, len(got[i])))
+                        if group == "piped":
+                            await rb.ack()
+                            continue
+                        try:
+                            await rb.ack(wait=True)
+                        except E.HourglassError as e:
+                            for i in rb.ids:
+                                failed[i] = failed.get(i, 0) + 1
+                            key = f"{'old' if rb.node == old.address else 'new'} master: {type(e).__name__}"
+                            errors[key] = errors.get(key, 0) + 1
+                        else:
+                            confirmed_by.add(rb.node)
+                            for i in rb.ids:
+                                confirmed_at.setdefault(i, len(got[i]))
+            finally:
+                await res.close()
+
+        async def send(prefix: str) -> None:
+            ids = [f"{prefix}{k}" for k in range(LA_ROUND)]
+            t = now_ms()
+            at = [t + rng.randrange(LA_DELAY_MS_MAX + 1) for _ in ids]
+            due.update(zip(ids, at))  # before the send: a message due now may be handed out before it returns
+            res = MetaResolver(c.meta_addresses, refresh_ms=500)
+            try:
+                async with Producer(res, retries_max=40) as p:
+                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, deliver_at_ms=at))
+            finally:
+                await res.close()
+            assert not out.errors, out.errors
+
+        async def answered(n: int) -> bool:
+            return len(confirmed_at) >= n
+
+        async def promoted() -> bool:
+            return bool((await statuses(c)).get(new.name, {}).get("master"))
+
+        async def everything_came() -> bool:
+            return all(complete(g) for g in seen)
+
+        tasks = {g: asyncio.create_task(consume(g)) for g in seen}
+
+        async def consumers_ok() -> None:
+            for t in tasks.values():
+                if t.done():
+                    t.result()  # a consumer that raised fails the test with its error
+                    raise AssertionError("a consumer stopped by itself")
+
+        try:
+            await send("la-a")
+            await wait_for(lambda: answered(LA_ROUND // 3), LA_WAIT_S_MAX, "acks answered before the kill")
+            at_kill = {g: len(seen[g]) for g in seen}
+            confirmed_before = len(confirmed_at)
+            old.kill()
+            await send("la-b")  # the delay node dispatches them to whoever is master
+            await wait_for(promoted, LA_WAIT_S_MAX, f"{new.name} takes over")
+            old.start()  # a supervisor restarts it: a sync group takes writes with a slave
+            await asyncio.to_thread(old.wait_ready)
+            await c.wait_in_sync("realtime")
+            await send("la-c")
+            all_sent.set()
+            await wait_for(everything_came, LA_WAIT_S_MAX, "every message in both consumer groups")
+            await consumers_ok()
+            # what is in flight unacked (an ack that failed and did not take effect) comes again
+            # after the ack timeout: the consumers go on past it so that it comes within the test
+            await asyncio.sleep(LA_ACK_TIMEOUT_MS / 1000 + 2)
+            await consumers_ok()
+        finally:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+        twice = {g: sorted(i for i, d in seen[g].items() if len(d) > 1) for g in seen}
+        print(f"at the kill: delivered {at_kill}, {confirmed_before} acks answered; in all: delivered twice or "
+              f"more {({g: len(v) for g, v in twice.items()})}; waited: acks answered for {len(confirmed_at)} "
+              f"ids, failed for {len(failed)} ids, failed batches {errors}")
+        for g in seen:
+            missing = sorted(set(due) - set(seen[g]))
+            assert not missing, f"{g}: {len(missing)} of {len(due)} messages never delivered, e.g. {missing[:5]}"
+        assert len(due) == 3 * LA_ROUND
+        assert not early, f"handed out before due (group, id, ms early): {early[:10]} ({len(early)} in all)"
+        assert not late, f"waited: delivered again after an ack of it was answered (id, delivery): {late[:10]} " \
+                         f"({len(late)} in all)"
+        again = sorted(set(twice["waited"]) - set(failed))
+        assert not again, f"waited: delivered twice without a failed ack: {again[:10]}"
+        # the failover happened under this flow: what was sent after the kill came from the new
+        # master, and it answered acks (so "never again after an answered ack" covers both masters)
+        for g in seen:
+            nodes = {node for k in range(LA_ROUND) for _, node in seen[g][f"la-b{k}"]}
+            assert new.address in nodes, (g, nodes)
+        assert confirmed_by == {old.address, new.address}, confirmed_by
