@@ -238,6 +238,7 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
             ticks = Ticks(cfg["seconds"])
             ticks.start(loop.time())
             sent = 0
+            call_s: list[float] = []  # each answered call's time, payloads built to answer (awaited mode)
             total = ticks.n_max * per  # what the open loop owes by its end
             while sent + per <= n_max and not ctl.exit.is_set():
                 # awaited: one tick's messages per call. open: what the clock owes so far (a tick the
@@ -247,8 +248,10 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
                     ids = [f"{prefix}{base + i}" for i in range(sent, sent + n)]
                     subjects = [SUBJECTS[i % 16] for i in range(sent, sent + n)]
                     delays = rnd.integers(SUSTAIN_DELAY_MS[0], SUSTAIN_DELAY_MS[1], n, endpoint=True).tolist()
+                    t_call = loop.time()
                     try:
                         errors += await send(sent, ids, subjects, _payloads(n), delays)
+                        call_s.append(loop.time() - t_call)
                     except Exception as e:  # a whole call failed: its messages are not acknowledged
                         errors += n
                         out.setdefault("call_errors", []).append(repr(e)[:200])
@@ -271,7 +274,7 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
                 if msgs:
                     out.setdefault("call_errors", []).extend(msgs)
             out.update(sent=sent, per_call=per, calls=ticks.calls, ticks_missed=ticks.missed,
-                       mode="open" if opened else "awaited")
+                       mode="open" if opened else "awaited", call_ms=_call_ms(call_s))
         else:  # burst: built first, then timed from the first call to the last answer
             n, step = cfg["n"], cfg["call"] or cfg["n"]
             chunks = []
@@ -295,6 +298,15 @@ async def _produce(cfg: dict, ctl: Control) -> dict:
     out["acked"] = int((due >= 0).sum())
     np.save(cfg["out"] + ".npy", due)
     return out
+
+
+def _call_ms(call_s: list[float]) -> dict:
+    """p50 / p99 / max of the producer's answered calls, ms (what a tick's ``send_many`` took)."""
+    if not call_s:
+        return {}
+    a = np.asarray(call_s) * 1000
+    return {"p50": round(float(np.percentile(a, 50)), 2), "p99": round(float(np.percentile(a, 99)), 2),
+            "max": round(float(a.max()), 2)}
 
 
 def producer_main(cfg: dict) -> None:
@@ -739,6 +751,7 @@ def merge_reports(reps: list[dict]) -> dict:
     for k in ("sent", "calls", "ticks_missed", "errors", "acked"):
         out[k] = sum(r.get(k, 0) for r in reps)
     out["per_call"] = [r.get("per_call") for r in reps]
+    out["call_ms"] = [r.get("call_ms") for r in reps]
     errs = [e for r in reps for e in r.get("call_errors", [])]
     if errs:
         out["call_errors"] = errs
@@ -812,7 +825,7 @@ def run_step(system, work: Path, args, kind: str, rate: int | None) -> dict:
     counts = {name: acked.count for name in cpu}
     counts["consumer"] = sc["received"]
     r = {"bench": "e2e", "client": "user", "phase": kind, "system": system.name, "acked": acked.count,
-         "send_errors": rep["errors"], **{k: rep[k] for k in ("sent", "per_call", "calls") if k in rep}}
+         "send_errors": rep["errors"], **{k: rep[k] for k in ("sent", "per_call", "calls", "call_ms") if k in rep}}
     if kind == "sustain":
         seconds = max((rep["end_ms"] - rep["start_ms"]) / 1000, args.sustain_s)
         r.update(rate=rate, offered_per_s=offered, producers=n_prod, seconds=args.sustain_s,

@@ -68,7 +68,7 @@ class ConsumerSettings(_Section):
                                description="a pipelined ack no pull took within this long gets an Ack call "
                                            "of its own")
     nack_retry_after_ms: int = Field(default=1000, ge=0, description="a nacked message is redelivered after this")
-    lookahead_ms: int = Field(default=30, ge=0, le=LOOKAHEAD_MS_MAX,
+    lookahead_ms: int = Field(default=60, ge=0, le=LOOKAHEAD_MS_MAX,
                               description="the iterators (batches(), async for) take messages due within this "
                                           "long and hand each out at its due time; 0: only what is due")
 

@@ -232,17 +232,22 @@ class DelaySection(_Section):
                                         description="the wheel loop, with nothing due and no second to load, "
                                                     "sleeps at most this long (woken at once by new work)")
     iterate_interval_ms: int = 2
+    file_linger_ms: int = Field(default=20, ge=0, le=1000,
+                                description="the filer waits up to this long after a write for more to file "
+                                            "together (fewer, fuller schedule frames), unless a message waiting "
+                                            "is due within dispatch_lead_ms + this + 50 ms; 0: file at once")
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
     dispatch_concurrency_max: int = 2      # dispatch rounds in flight; due messages gather while they run
     # firing rounds at least this far apart (batches under load); with the lead below, a round
-    # leaves 10-30 ms before its messages are due, so the interval costs no lateness, and each
+    # leaves 20-60 ms before its messages are due, so the interval costs no lateness (a message
+    # filed too late for the spacing fires a round at once: DelayNode._wheel_loop), and each
     # round (one stream message each way, ~220 us of CPU per side: bench/bench_grpc.py) carries
-    # more (issue 28: 3 -> 7 -> 20 ms with the lead 15 -> 30 ms, docs/benchmarks.md "Fewer, fuller
-    # rounds" and "Where a node's CPU goes at a low rate": 15-30% less node CPU, the same lateness)
-    dispatch_round_interval_ms: int = 20
-    dispatch_round_interval_busy_ms: int = 20  # ... and this far after a round of dispatch_round_busy_messages or more
+    # more (issue 28: 3 -> 7 -> 20 -> 40 ms with the lead 15 -> 30 -> 60 ms, docs/benchmarks.md
+    # "Fewer, fuller rounds", "Where a node's CPU goes at a low rate", "Fewer rounds, fewer filings")
+    dispatch_round_interval_ms: int = 40
+    dispatch_round_interval_busy_ms: int = 40  # ... and this far after a round of dispatch_round_busy_messages or more
     dispatch_round_busy_messages: int = 32
-    dispatch_lead_ms: int = Field(default=30, ge=0, le=1000,
+    dispatch_lead_ms: int = Field(default=60, ge=0, le=1000,
                                   description="a firing round takes messages due this far ahead; the real-time "
                                               "node holds them until due (must stay below visible_hold_ms_max)")
     dispatch_attempts_max: int = 8         # permanent errors: dead letter after this many tries

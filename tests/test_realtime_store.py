@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -839,6 +840,46 @@ def test_a_lookahead_pull_hands_out_what_is_visible_by_its_horizon(tmp_path):
     assert st_.held_next_ms == T0 + 60
     assert ids(st_, "orders", "g", 10, T0 + 2, horizon_ms=T0 + 59) == [] and st_.held_next_ms == T0 + 60
     assert ids(st_, "orders", "g", 10, T0 + 2, horizon_ms=T0 + 60) == ["c"]
+
+
+def test_a_lookahead_pull_waits_until_something_is_a_third_of_it_from_visible_then_takes_all_of_it(tmp_path):
+    """``pull_ahead``: with messages stored further ahead than the lookahead (a delay node's
+    dispatch lead of 60 ms against a consumer's 30), a pull takes nothing until one is within a
+    third of the lookahead of visible, then everything visible within the whole lookahead, so a
+    consumer that pulls again at once gets nothing more until the next third."""
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, *[M(f"m{k}", deliver_at_ms=T0 + 20 + 4 * k) for k in range(12)])  # visible T0+20 .. T0+64
+
+    def ahead(now):
+        b, h = st_.pull_ahead(["orders"], "g", "c", max_messages=100, now_ms=now, lookahead_ms=30)
+        assert len(h) == b.n
+        return b.id_list()
+
+    assert ahead(T0) == [] and st_.held_next_ms == T0 + 20  # m0 is 20 ms away, the trigger is 10
+    assert ahead(T0 + 9) == []
+    assert ahead(T0 + 10) == [f"m{k}" for k in range(6)]  # within T0+10+30: m0 (20) .. m5 (40)
+    assert ahead(T0 + 11) == [] and st_.held_next_ms == T0 + 44  # at once again: nothing (m6 is 33 ms away)
+    assert ahead(T0 + 34) == [f"m{k}" for k in range(6, 12)]
+    b, _ = st_.pull_ahead(["orders"], "g", "c", max_messages=2, now_ms=T0 + 100, lookahead_ms=30)
+    assert b.n == 0  # everything was handed out; max_messages is kept below (next test)
+
+
+def test_a_lookahead_pull_keeps_max_messages(tmp_path):
+    st_ = open_store(tmp_path, AHEAD)
+    append(st_, *[M(f"m{k}", deliver_at_ms=T0 + k) for k in range(10)])
+    b, h = st_.pull_ahead(["orders"], "g", "c", max_messages=4, now_ms=T0, lookahead_ms=30)
+    assert b.id_list() == ["m0", "m1", "m2", "m3"] and len(h) == 4
+    b, h = st_.pull_ahead(["orders"], "g", "c", max_messages=20, now_ms=T0, lookahead_ms=30)
+    assert b.id_list() == [f"m{k}" for k in range(4, 10)]  # the first step's part and the rest, in order
+
+
+def test_a_lookahead_pull_answers_its_first_step_when_the_in_flight_set_fills(tmp_path):
+    """The first step's messages are in flight once taken: a second step refused for a full
+    in-flight set (``Overloaded``) must not lose them from the answer."""
+    st_ = open_store(tmp_path, dataclasses.replace(AHEAD, inflight_per_group_max=2))
+    append(st_, *[M(f"m{k}", deliver_at_ms=T0 + 4 * k) for k in range(6)])
+    b, h = st_.pull_ahead(["orders"], "g", "c", max_messages=100, now_ms=T0, lookahead_ms=30)
+    assert b.id_list() == ["m0", "m1"] and len(h) == 2
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

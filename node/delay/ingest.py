@@ -178,6 +178,7 @@ class UnfiledFrame:
     end: int
     batch: Batch
     hashes: np.ndarray
+    first_due_ms: int  # its earliest deliver_at_ms (the filer's linger: ``Unfiled.earliest_due_ms``)
 
 
 class Unfiled:
@@ -193,8 +194,13 @@ class Unfiled:
         return bool(self.frames)
 
     def append(self, offset: int, end: int, batch: Batch, hashes: np.ndarray) -> None:
-        self.frames.append(UnfiledFrame(offset, end, batch, hashes))
+        first = int(batch.deliver_at_ms.min()) if batch.n else 0
+        self.frames.append(UnfiledFrame(offset, end, batch, hashes, first))
         self.count += batch.n
+
+    def earliest_due_ms(self) -> int | None:
+        """The earliest due time of a record accepted and not filed yet (None: none)."""
+        return min((u.first_due_ms for u in self.frames), default=None)
 
     def popleft(self) -> UnfiledFrame:
         u = self.frames.popleft()

@@ -44,6 +44,7 @@ from cluster.wire import BatchResult, make_request
 from node.aio import wait_event
 from node.config import NodeSettings
 from node.delay import deadletter, retention
+from node.delay import pacing
 from node.delay.drain import DrainTask
 from node.delay.schedule_status import ScheduleStatus
 from node.delay.upkeep import DelayUpkeep
@@ -67,6 +68,7 @@ log = logging.getLogger("hourglass.delay")
 PERMANENT_CODES = np.array([pb.INVALID_ARGUMENT, pb.PAYLOAD_TOO_LARGE, pb.UNKNOWN_SUBJECT, pb.ALREADY_EXISTS],
                            np.uint8)
 METRICS_INTERVAL_S = 0.1
+FILE_URGENT_MARGIN_MS = 50   # the filer's linger ends this far before a waiting record's due time minus the lead
 ITERATE_IDLE_S = 1.0          # the filer looks again this often though no write woke it (a safety net)
 DISPATCH_TIMEOUT_S = 10.0     # one dispatch round's answer from a real-time node
 MIB = 1 << 20
@@ -288,6 +290,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         while True:
             # every durable write sets the event (_note_durable); the timeout is a safety net
             await wait_event(self._durable_moved, ITERATE_IDLE_S)
+            await self._file_linger()
             self._durable_moved.clear()
             self.store.durable_offset = max(self.store.durable_offset, self.committer.durable_offset)
             try:
@@ -299,6 +302,29 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
                 self._durable_moved.set()
                 await asyncio.sleep(self.settings.disk.check_interval_ms / 1000)
             self._wake_wheel()
+
+    async def _file_linger(self) -> None:
+        """Before a filing round: wait up to ``file_linger_ms`` for more writes, so that the
+        round files them together (a frame per due second per round: under load the producers'
+        calls of 10 ms apart become one round, and fewer, fuller frames are also fewer wheel
+        chunks to fire), but never while a record waiting is due within the dispatch lead plus
+        the linger plus ``FILE_URGENT_MARGIN_MS`` (a short delay is filed at once, as before).
+        Bounded by the linger; each durable write looks again."""
+        linger_ms = self.settings.delay.file_linger_ms
+        if not linger_ms or self.store.follower:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + linger_ms / 1000
+        room_ms = self.settings.delay.dispatch_lead_ms + linger_ms + FILE_URGENT_MARGIN_MS
+        while True:
+            earliest = self.store.unfiled.earliest_due_ms()  # wall clock; the deadline loop time: ms from now
+            wait = pacing.linger_wait_ms(0.0, (deadline - loop.time()) * 1000,
+                                         None if earliest is None else self.clock.seconds_until(earliest) * 1000,
+                                         room_ms)
+            if wait <= 0:
+                return
+            self._durable_moved.clear()
+            await wait_event(self._durable_moved, wait / 1000)
 
     def _wake_wheel(self) -> None:
         if self.store.wheel_changed:
@@ -322,13 +348,25 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         busy_s = max(round_s, self.settings.delay.dispatch_round_interval_busy_ms / 1000)
         busy_n = self.settings.delay.dispatch_round_busy_messages
         lead = self.settings.delay.dispatch_lead_ms
+        # a held message never waits for the spacing past the point where it would leave less
+        # than this before its due time: one filed late (a short delay, a catch-up) fires at once;
+        # in the steady state (due times entering the lead in order) the spacing alone leaves
+        # every message at least this early, so the rule does not add rounds
+        urgent_ms = max(0, lead - self.settings.delay.dispatch_round_interval_busy_ms)
         loop = asyncio.get_running_loop()
         next_metrics = next_pending = next_round = 0.0
         while True:
             self._wheel_wake.clear()
             t = loop.time()
-            if t < next_round:
-                await asyncio.sleep(next_round - t)
+            while t < next_round:  # the spacing (bounded by it); filing wakes it to look again
+                nxt = self.store.next_due_ms()  # wall clock, as the spacing is loop time: both as ms from now
+                held = None if nxt is None else self.clock.seconds_until(nxt) * 1000
+                wait = pacing.round_wait_ms(0.0, (next_round - t) * 1000, held, urgent_ms)
+                if wait <= 0:
+                    break
+                self._wheel_wake.clear()
+                await wait_event(self._wheel_wake, wait / 1000)
+                t = loop.time()
             await self._dispatch_slots.acquire()
             now = self.clock.now_ms()
             due = self.store.poll_due(now_ms=now + lead)  # the real-time node holds them until due

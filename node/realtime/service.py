@@ -371,8 +371,12 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
             self.calls["pull_polls"] += 1
             try:
                 now = self.clock.now_ms()
-                batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
-                                            now_ms=now, horizon_ms=now + lookahead if lookahead else None)
+                if lookahead:  # answers once something is a third of the lookahead from visible
+                    batch, handles = store.pull_ahead(subjects, group, consumer, max_messages=max_messages,
+                                                      tags=tags, now_ms=now, lookahead_ms=lookahead)
+                else:
+                    batch, handles = store.pull(subjects, group, consumer, max_messages=max_messages, tags=tags,
+                                                now_ms=now)
             except UnknownSubject as e:
                 if not self.settings.realtime.auto_create_subjects or e.subject in created:
                     await status.abort(context, e)

@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.codec import Batch
-from cluster.errors import Closed, HourglassError
+from cluster.errors import Closed, HourglassError, Overloaded
 from cluster.files import DATA_DIR_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
 from node.realtime.accept import write_bytes_bound
@@ -416,6 +416,28 @@ class RealtimeStore:
             subjects = [subjects]
         return self._delivery.pull(list(dict.fromkeys(subjects)), group, max_messages=max_messages, tags=tags,
                                    now_ms=now_ms, start=start, horizon_ms=horizon_ms)
+
+    def pull_ahead(self, subjects: Sequence[str], group: str, consumer_id: str, *, max_messages: int,
+                   tags: Sequence[str] = (), now_ms: int, lookahead_ms: int) -> tuple[Batch, np.ndarray]:
+        """A lookahead pull's take (``lookahead_ms`` > 0; docs/api.md "Lookahead"): nothing until
+        something is visible within a third of the lookahead, then everything visible within all
+        of it (about two thirds of it per answer). Taking within the whole lookahead as soon as
+        anything is there would answer every pull at once with the little that came within it
+        since the last one when this node holds messages further ahead than the lookahead (the
+        delay nodes' ``dispatch_lead_ms``): pulls at the consumer's pace instead of the
+        messages'. ``held_next_ms`` is left for the caller's wait, as by ``pull``."""
+        batch, handles = self.pull(subjects, group, consumer_id, max_messages=max_messages, tags=tags,
+                                   now_ms=now_ms, horizon_ms=now_ms + lookahead_ms // 3)
+        if not batch.n or batch.n >= max_messages:
+            return batch, handles
+        try:  # the first step's messages are in flight now: they are answered whatever this step does
+            more, more_handles = self.pull(subjects, group, consumer_id, max_messages=max_messages - batch.n,
+                                           tags=tags, now_ms=now_ms, horizon_ms=now_ms + lookahead_ms)
+        except Overloaded:  # the group's in-flight set filled with the first step's
+            return batch, handles
+        if not more.n:
+            return batch, handles
+        return Batch.concat([batch, more]), np.concatenate([handles, more_handles])
 
     def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
         """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many
