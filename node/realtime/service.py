@@ -50,7 +50,7 @@ from cluster.clock import Clock, SystemClock
 from cluster.codec import Batch, check_subject
 from cluster.quota import SubjectQuota, SubjectQuotas
 from cluster.discovery import MetaResolver
-from cluster.errors import DiskFull, HourglassError, InvalidArgument, NotLeader, UnknownSubject
+from cluster.errors import HourglassError, InvalidArgument, NotLeader, UnknownSubject
 from cluster.proto import hourglass_pb2 as pb
 from cluster.proto import hourglass_pb2_grpc as rpc
 from cluster.security import Action
