@@ -45,15 +45,20 @@ def _fire(arrivals: list[tuple[int, int]], end_ms: int) -> tuple[dict[int, int],
     return sent, rounds
 
 
+def _arrivals(seed: int, n: tuple[int, int], short: tuple[float, int], long: tuple[int, int]) -> list[tuple[int, int]]:
+    """``(arrival, due)`` at random times in 0..3 s: a share ``short[0]`` due within ``short[1]``
+    ms (a short delay, a catch-up), the others ``long`` ms later."""
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(rnd.randint(*n)):
+        a = rnd.randint(0, 3000)
+        out.append((a, a + (rnd.randint(0, short[1]) if rnd.random() < short[0] else rnd.randint(*long))))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_the_spacing_never_makes_a_message_late_and_never_fires_before_the_lead(seed):
-    rnd = random.Random(seed)
-    arrivals = []
-    for _ in range(rnd.randint(50, 400)):
-        a = rnd.randint(0, 3000)
-        # most due seconds later; some filed late (a short delay, a catch-up): due within the lead
-        delay = rnd.randint(0, 50) if rnd.random() < 0.2 else rnd.randint(100, 2000)
-        arrivals.append((a, a + delay))
+    arrivals = _arrivals(seed, (50, 400), (0.2, 50), (100, 2000))
     sent, rounds = _fire(arrivals, 6000)
     assert len(sent) == len(arrivals)
     for k, (a, due) in enumerate(arrivals):
@@ -120,11 +125,7 @@ def _file(writes: list[tuple[int, int]], end_ms: int) -> dict[int, int]:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_the_filer_lingers_at_most_its_linger_and_never_into_a_records_room(seed):
-    rnd = random.Random(seed)
-    writes = []
-    for _ in range(rnd.randint(20, 300)):
-        a = rnd.randint(0, 3000)
-        writes.append((a, a + (rnd.randint(0, 200) if rnd.random() < 0.3 else rnd.randint(1000, 5000))))
+    writes = _arrivals(seed, (20, 300), (0.3, 200), (1000, 5000))
     filed = _file(writes, 4000)
     assert len(filed) == len(writes)
     for k, (a, due) in enumerate(writes):
