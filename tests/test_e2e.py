@@ -221,6 +221,26 @@ async def test_unknown_subject_goes_to_dead_letter(tmp_path):
         assert [m.properties.get("dlq.subject") for m in dead] == ["no.such.subject"]
 
 
+async def test_a_status_read_counts_every_acknowledged_message_though_the_filer_lingers(tmp_path):
+    """The delay node's filer waits up to ``file_linger_ms`` to file writes together; a status
+    read (the console's Schedule page, ``hourglass status``) files what waits first, so its
+    pending count includes every message whose send was answered. With a linger of a second
+    the count read right after the answer would otherwise miss them."""
+    with LocalCluster(tmp_path, env={"HOURGLASS_FILE_LINGER_MS": "1000"}) as c:
+        r = StaticResolver(delay=[c.delay[0].address], realtime=[c.realtime[0].address])
+        ids = [f"linger-{i}" for i in range(20)]
+        async with Producer(r) as p:
+            res = await (await p.send_many("e2e.linger", [b"x"] * len(ids), ids=ids, delay_ms=[600_000] * len(ids)))
+            assert res.ok, res.errors
+        ch = Channels()
+        try:
+            st = json.loads((await ch.admin(c.delay[0].address).Status(pb.StatusRequest(), timeout=10)).json)
+        finally:
+            await ch.close()
+        assert st["pending"] == 20, st["pending"]
+        assert st["counters"]["filed"] >= 20
+
+
 async def test_bad_input_gets_clear_errors_and_node_keeps_serving(cluster, resolver):
     delay = cluster.delay[0].address
     ch = Channels()

@@ -237,7 +237,20 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     # ------------------------------------------------------------------ gRPC: admin
 
+    def file_waiting(self) -> None:
+        """File now what the filer's linger holds back (``file_linger_ms``), so that what a
+        status read counts includes every acknowledged message. A full disk is left to the
+        filer's loop, which waits for space."""
+        if self.store.follower or not self.store.unfiled:
+            return
+        try:
+            self.store.iterate(limit=None)
+        except DiskFull:
+            return
+        self._wake_wheel()
+
     def stats(self, subject: str = "") -> dict:
+        self.file_waiting()
         s = self.store
         now = self.clock.now_ms()
         return {
