@@ -239,6 +239,10 @@ async def test_a_status_read_counts_every_acknowledged_message_though_the_filer_
             await ch.close()
         assert st["pending"] == 20, st["pending"]
         assert st["counters"]["filed"] >= 20
+        async with Producer(r) as p:  # and a lookup reads a new message as filed (its effective time)
+            await (await p.send("e2e.linger", b"y", id="linger-late", delay_ms=600_000))  # answered
+            lk = await p.lookup("linger-late")
+        assert lk.status == "pending" and lk.effective_ms > 0, lk
 
 
 async def test_bad_input_gets_clear_errors_and_node_keeps_serving(cluster, resolver):

@@ -221,6 +221,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         if self.drain.moved(request.id) is not None:  # checked as Cancel, then asked there
             await self._may_cancel(context, request.id)
             return await self._forwarded("Lookup", request, context)
+        self.file_waiting()  # a message whose send was answered reads as filed, as before the linger
         try:
             r = self.store.lookup(request.id)
         except HourglassError as e:
@@ -239,8 +240,8 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
 
     def file_waiting(self) -> None:
         """File now what the filer's linger holds back (``file_linger_ms``), so that what a
-        status read counts includes every acknowledged message. A full disk is left to the
-        filer's loop, which waits for space."""
+        status read counts, and a lookup's filing time, include every acknowledged message. A
+        full disk is left to the filer's loop, which waits for space."""
         if self.store.follower or not self.store.unfiled:
             return
         try:
