@@ -94,6 +94,13 @@ def shot(driver, name: str) -> Path:
 
 
 def wait_for(driver, condition, what: str, timeout_s: float = WAIT_S_MAX):
+    """Poll ``condition`` until it is true. A page that refreshes itself replaces its elements:
+    an element found in one poll and gone by the next call on it (stale) is looked up again
+    at the next poll, not an error (the suite's one failure at 2224dea+: the cluster page's
+    ``#live`` replaced between ``find`` and ``get_attribute``)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(condition, message=what)
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.2,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+                         ).until(condition, message=what)
