@@ -64,3 +64,52 @@ async def test_a_failed_fsync_answers_the_writes_queued_behind_it(tmp_path):
             await asyncio.wait_for(fut, GUARD_S)
     del log.flush  # the real one again, for close
     log.close()
+
+
+async def test_writes_that_come_during_an_fsync_share_the_next_one(tmp_path):
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    release, in_fsync = threading.Event(), threading.Event()
+    real_flush = log.flush
+
+    def slow_flush():
+        in_fsync.set()
+        release.wait(GUARD_S)
+        real_flush()
+    log.flush = slow_flush
+    task = gc.start()
+    _, first = gc.append_nowait([b"a"])
+    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    later = [gc.append_nowait([bytes([65 + i])])[1] for i in range(5)]  # queued behind the fsync in flight
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, *later), GUARD_S)
+    assert gc.fsyncs == 2 and gc.durable_offset == log.end_offset
+    await gc.close()
+    assert task.done() and not task.cancelled()
+    del log.flush
+    log.close()
+
+
+async def test_after_a_failed_fsync_no_later_write_is_acknowledged(tmp_path):
+    """fsync failed once: the kernel may have dropped the dirty pages, and a later fsync can
+    report success for them. Every write after it fails with the first error."""
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    calls = []
+
+    def flush_failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "I/O error")
+    log.flush = flush_failing_once
+    task = gc.start()
+    _, first = gc.append_nowait([b"a"])
+    with pytest.raises(OSError):
+        await asyncio.wait_for(task, GUARD_S)
+    _, later = gc.append_nowait([b"b"])
+    for fut in (first, later):
+        with pytest.raises(OSError, match="I/O error"):
+            await asyncio.wait_for(fut, GUARD_S)
+    assert calls == [1] and gc.fsyncs == 0
+    del log.flush
+    log.close()

@@ -2,11 +2,11 @@
 
 ``await GroupCommitter.append(bodies)`` writes the records to the log at once
 (page cache, in arrival order) and returns their offsets only after an fsync
-that covers them. One flusher task runs fsync in a worker thread; while it runs,
-new appends pile up and the next fsync covers all of them (the worker is a thread of
-the committer's own, ``SyncThread``: a handoff costs the loop a future and a queue put,
-about a third of ``run_in_executor``'s machinery, and it is paid once per commit round,
-hundreds of times a second under load). ``durable_offset``
+that covers them. The fsync runs in a worker thread; while it runs, new appends pile
+up and the next fsync covers all of them (the worker is a thread of the committer's
+own, ``SyncThread``: a handoff costs the loop a queue put and one wake-up, far less
+than ``run_in_executor``'s machinery, and it is paid once per commit round, hundreds of
+times a second under load). ``durable_offset``
 is the end of the bytes known to be on disk: the iterator and replication never
 go past it.
 """
@@ -14,14 +14,14 @@ go past it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable
 
 from cluster.errors import Closed
-from node.aio import finish_then_cancel
-
 from .log import SegmentedLog
 
 log = logging.getLogger("hourglass.store.group_commit")
@@ -38,7 +38,9 @@ def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
 
 class SyncThread:
     """One thread that runs blocking calls (fsyncs) for an event loop, in submission order.
-    ``await sync.call(fn)``; ``stop()`` ends the thread after the calls already queued."""
+    ``await sync.call(fn)``, or ``sync.submit(fn, done)`` to have ``done(result, error)`` run
+    on the loop (one loop wake-up, no future in between); ``stop()`` ends the thread after
+    the calls already queued."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -48,18 +50,21 @@ class SyncThread:
     def call(self, fn: Callable[[], object]) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._q.put((fn, fut, loop))
+        self._q.put((fn, functools.partial(_settle, fut), loop))
         return fut
+
+    def submit(self, fn: Callable[[], object], done: Callable[[object, BaseException | None], None]) -> None:
+        self._q.put((fn, done, asyncio.get_running_loop()))
 
     def _serve(self) -> None:
         while (item := self._q.get()) is not None:
-            fn, fut, loop = item
+            fn, done, loop = item
             try:
                 result, error = fn(), None
             except BaseException as e:  # handed to the waiter, raised there
                 result, error = None, e
             try:
-                loop.call_soon_threadsafe(_settle, fut, result, error)
+                loop.call_soon_threadsafe(done, result, error)
             except RuntimeError:  # the loop closed meanwhile: nobody waits any more
                 pass
 
@@ -68,14 +73,28 @@ class SyncThread:
 
 
 class GroupCommitter:
+    """Commit rounds driven by callbacks (issue 28): a write that finds no fsync in flight
+    hands one to the thread at once, and the thread's completion, run on the loop, marks the
+    round durable, answers its writers and starts the next round for the writes that came
+    meanwhile. A write is answered two loop wake-ups after its fsync returns (the completion,
+    then its caller's task); a committer task between them (woken by an event, waiting on the
+    thread's future through a shield) cost three more, each a wait behind whatever else the
+    loop was running. ``run()`` owns the thread and ends with the committer: on a fsync error
+    (raised, after failing every waiting write) or cancelled (a role switch: it waits for the
+    fsync in flight, then fails every waiting write with the stop error)."""
+
     def __init__(self, seglog: SegmentedLog) -> None:
         self.log = seglog
         self.durable_offset = seglog.end_offset
         self._waiters: list[tuple[int, asyncio.Future]] = []
-        self._dirty = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
         self._stop_error: BaseException | None = None  # what a cancelled committer answers (``fail_waiting``)
+        self._sync: SyncThread | None = None  # while run() runs
+        self._round: asyncio.Future | None = None  # the round in flight: resolved when its fsync returned
+        self._ended: asyncio.Future | None = None  # run()'s end: closed and idle, or the fsync error
+        self._cancelled = False
+        self._failed: BaseException | None = None  # a failed fsync: no later one may acknowledge anything
         self.fsyncs = 0
 
     def start(self) -> asyncio.Task:
@@ -90,7 +109,7 @@ class GroupCommitter:
         offsets = self.log.append(bodies)
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append((self.log.end_offset, fut))
-        self._dirty.set()
+        self._kick()
         return offsets, fut
 
     def sync_to(self, offset: int) -> asyncio.Future:
@@ -103,7 +122,7 @@ class GroupCommitter:
         if self._closed:
             raise Closed("log is closed")
         self._waiters.append((offset, fut))
-        self._dirty.set()
+        self._kick()
         return fut
 
     async def append(self, bodies: list[bytes]) -> list[int]:
@@ -111,32 +130,87 @@ class GroupCommitter:
         await fut
         return offsets
 
-    async def run(self) -> None:
-        sync = SyncThread("group-commit")
-        try:
-            await self._run(sync)
-        finally:
-            sync.stop()
+    def _kick(self) -> None:
+        """Start a round for the writes waiting (and, once closed, for bytes appended without
+        a waiter), unless one is in flight (its completion starts the next) or the committer
+        does not run. After a failed fsync, writes fail with its error: a later fsync may
+        report success for pages the kernel already dropped."""
+        if self._failed is not None:
+            self._settle_all([], self._failed)
+            return
+        if self._cancelled and self._sync is None:  # the committer ended with its role: nothing will answer
+            self._settle_all([], self._stop_answer())
+            return
+        if self._round is not None or self._sync is None or self._cancelled:
+            return
+        if not self._waiters and not (self._closed and self.log.end_offset > self.durable_offset):
+            return
+        target = self.log.end_offset
+        waiters, self._waiters = self._waiters, []
+        self._round = asyncio.get_running_loop().create_future()
+        self._sync.submit(self.log.flush, functools.partial(self._round_done, target, waiters))
 
-    async def _run(self, sync: SyncThread) -> None:
-        waiters: list[tuple[int, asyncio.Future]] = []
+    def _round_done(self, target: int, waiters: list[tuple[int, asyncio.Future]], _result,
+                    error: BaseException | None) -> None:
+        """On the loop, when a round's fsync returned."""
+        done, self._round = self._round, None
+        if done is not None and not done.done():
+            done.set_result(None)
+        if self._cancelled:  # a role switch came while the fsync ran: run() answers them (stop error)
+            self._waiters[:0] = waiters
+            return
+        if error is not None:  # nothing in this round is acknowledged, nor anything queued behind it
+            log.error("fsync failed path=%s error=%r", self.log.directory, error)
+            self._failed = error
+            self._settle_all(waiters, error)
+            if self._ended is not None and not self._ended.done():
+                self._ended.set_exception(error)
+            return
+        self.fsyncs += 1
+        self.durable_offset = max(self.durable_offset, target)
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._kick()
+        self._end_if_idle()
+
+    def _end_if_idle(self) -> None:
+        if self._closed and self._round is None and not self._waiters and self._ended is not None \
+                and self.durable_offset >= self.log.end_offset and not self._ended.done():
+            self._ended.set_result(None)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        sync = SyncThread("group-commit")
+        self._sync, self._ended, self._cancelled = sync, loop.create_future(), False
         try:
-            await self._commit_rounds(sync, waiters)
+            self._kick()
+            self._end_if_idle()
+            await self._ended
         except asyncio.CancelledError:
             # a role switch cancelled the committer: no fsync will come for the writes still
             # waiting, so each is answered now (retryable; a retry is de-duplicated by id)
-            # instead of hanging until its caller's deadline (issue 29)
-            self._settle_all(waiters, self._stop_error or Closed("the log's committer stopped (a role change): "
-                                                                 "the write's outcome is not known; retry it"))
+            # instead of hanging until its caller's deadline (issue 29). The fsync in flight
+            # is waited for first: the thread holds the log's descriptor, and the store is
+            # closed or cut after this
+            self._cancelled = True
+            if self._round is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait([self._round])  # bounded by the work itself (one fsync)
+            self._settle_all([], self._stop_answer())
             raise
-        except Exception as e:  # an fsync failed: the writes queued behind it are not durable either
-            self._settle_all(waiters, e)
-            raise
+        finally:
+            self._sync = None
+            sync.stop()
+
+    def _stop_answer(self) -> BaseException:
+        return self._stop_error or Closed("the log's committer stopped (a role change): "
+                                          "the write's outcome is not known; retry it")
 
     def fail_waiting(self, err: BaseException) -> None:
         """Fail every write queued for the next fsync with ``err`` (its role ended: no fsync
         of this committer will answer them). The round in flight, if any, is answered by
-        ``_run`` when its task is cancelled, with ``err`` too."""
+        ``run`` when its task is cancelled, with ``err`` too."""
         self._stop_error = err
         self._settle_all([], err)
 
@@ -146,32 +220,11 @@ class GroupCommitter:
             if not fut.done():
                 fut.set_exception(err)
 
-    async def _commit_rounds(self, sync: SyncThread, waiters: list[tuple[int, asyncio.Future]]) -> None:
-        """The commit loop; ``waiters`` holds the round in flight (for ``_run`` to settle if
-        the task is cancelled)."""
-        while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            target = self.log.end_offset
-            waiters[:], self._waiters = self._waiters, []
-            try:
-                # a cancelled committer (a role switch) waits for the fsync in flight before
-                # the store is closed or cut: the thread holds the log's descriptor
-                await finish_then_cancel(sync.call(self.log.flush))
-            except Exception as e:  # fsync failed: nothing in this group is acknowledged (_run answers them)
-                log.error("fsync failed path=%s error=%r", self.log.directory, e)
-                raise
-            self.fsyncs += 1
-            self.durable_offset = max(self.durable_offset, target)
-            for _, fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
-            if self._closed and not self._waiters:
-                return
-
     async def close(self) -> None:
+        """Fsync what was appended, then end ``run()`` (bounded: 10 s, then it is cancelled)."""
         self._closed = True
-        self._dirty.set()
+        self._kick()
+        self._end_if_idle()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, 10)
