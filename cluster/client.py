@@ -573,6 +573,14 @@ def _unsorted(res: BatchResult, order: np.ndarray | None) -> BatchResult:
     return out
 
 
+# A wire batch up to this size goes on the node's ordered stream (``SendBatchStream``,
+# docs/api.md "Ordered streams"): a message on an open stream costs the node about a third of
+# a unary call's CPU and the round trip about half its time (``bench/bench_grpc.py``), paid
+# once per call. A larger one goes as a unary ``SendBatch``: its own cost dwarfs the call's,
+# and it does not hold the stream's later requests behind its transfer.
+STREAM_REQUEST_BYTES_MAX = 1 << 20
+
+
 def _too_large_for_grpc(err: grpc.RpcError) -> bool:
     """gRPC's own refusal to send a request over its message size limit: never worth a retry."""
     return err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or "")
@@ -1099,7 +1107,10 @@ class Producer:
         for job in {id(j): j for j, _, _ in pieces}.values():
             job.note(address)
         try:
-            resp = await self.channels.producer(address).SendBatch(req, timeout=self.timeout_s)
+            if len(req.batch) + len(req.delay_ms) <= STREAM_REQUEST_BYTES_MAX:
+                resp = await self.channels.send_stream(address).call(req, timeout=self.timeout_s)
+            else:
+                resp = await self.channels.producer(address).SendBatch(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
             if _too_large_for_grpc(e):  # the estimate is meant to prevent this; a retry cannot help
                 self._fail(pieces, E.InvalidArgument("request", f"{batch.n} messages to {address}: {e.details()}"))

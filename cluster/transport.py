@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2_grpc
 from cluster.errors import CannotListen
 from cluster.security import ClientSecurity, ServerSecurity
 from cluster.proto import hourglass_pb2_grpc as rpc
-from cluster.status import status_code
+from cluster.status import ERROR_ARGS_KEY, ERROR_KEY, status_code
 
 MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -86,8 +86,20 @@ class WithProbes:
         return getattr(self.main, name)
 
 
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def _error(code: grpc.StatusCode, details: str, trailing: grpc.aio.Metadata | None = None) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details=details)
+
+
+def _refused_error(refused) -> grpc.aio.AioRpcError:
+    """The error the unary call would have raised for a request an ordered stream refused:
+    its status, details and the server's error class and arguments as trailing metadata
+    (``status.from_rpc_error`` rebuilds the same error from either)."""
+    trailing = grpc.aio.Metadata()
+    if refused.error:
+        trailing.add(ERROR_KEY, refused.error)
+        if refused.error_args:
+            trailing.add(ERROR_ARGS_KEY, refused.error_args)
+    return _error(status_code(refused.code), refused.details, trailing)
 
 
 # A stream that ends with one of these did not refuse a request (refusals travel in the
@@ -149,9 +161,8 @@ class OrderedStream:
                 raise
             self.unary_only = True
             return await self._unary(request, timeout=timeout)
-        refused = resp.refused
-        if refused.code:
-            raise _error(status_code(refused.code), refused.details)
+        if resp.refused.code:
+            raise _refused_error(resp.refused)
         return resp
 
     async def _call(self, request, timeout: float):

@@ -170,10 +170,11 @@ def expand_ranges(ranges: np.ndarray, count_max: int = 1 << 20) -> np.ndarray:
 class _Refused(Exception):
     """A unary handler's ``context.abort`` while it answers one request of an ordered stream."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, metadata=()) -> None:
         super().__init__(details)
         self.code = code
         self.details = details
+        self.metadata = metadata
 
 
 class _OneRequestContext:
@@ -187,17 +188,24 @@ class _OneRequestContext:
         self._context = context
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        raise _Refused(code, details)
+        raise _Refused(code, details, trailing_metadata)
 
     def __getattr__(self, name: str):
         return getattr(self._context, name)
 
 
-def refused_response(make: Callable[[], object], code: grpc.StatusCode, details: str):
-    """A response of type ``make`` that refuses its request whole with ``code``."""
+def refused_response(make: Callable[[], object], code: grpc.StatusCode, details: str, metadata=()):
+    """A response of type ``make`` that refuses its request whole with ``code``; the error's
+    class and arguments (``status.to_metadata``, what a unary call's trailing metadata
+    carries) go in ``error`` / ``error_args``, so the client rebuilds the same error."""
     resp = make()
     resp.refused.code = code.value[0]
     resp.refused.details = details
+    for key, value in metadata or ():
+        if key == status.ERROR_KEY:
+            resp.refused.error = value
+        elif key == status.ERROR_ARGS_KEY:
+            resp.refused.error_args = value
     return resp
 
 
@@ -217,7 +225,7 @@ async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[obj
         try:
             return await handler(req, ctx)
         except _Refused as e:
-            return refused_response(response, e.code, e.details)
+            return refused_response(response, e.code, e.details, e.metadata)
         except Exception as e:  # a bug answering one request must not fail the others on the stream
             log.exception("ordered stream: request failed")
             return refused_response(response, grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")

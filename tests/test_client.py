@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from cluster import client as client_mod
 from cluster import errors as E
 from cluster.client import BatchSendResult, Consumer, Producer, SendResult, StaticResolver, group_for
 from cluster.proto import hourglass_pb2 as pb
@@ -171,6 +172,46 @@ async def test_a_call_refused_for_good_fails_every_message_of_it(nodes):
     assert sorted(res.errors) == [0, 1, 2, 3]
     assert all(isinstance(e, E.InvalidArgument) for e in res.errors.values())
     assert not node.stored
+
+
+async def test_sends_ride_one_stream_and_fall_back_to_unary_on_an_older_node(nodes):
+    new, old = await nodes(2)
+    old.streams = False  # a node of an older version: no SendBatchStream
+    for node in (new, old):
+        async with fast(StaticResolver(delay=[node.address])) as p:
+            for k in range(3):
+                assert (await (await p.send_many("s", [b"a", b"b"], ids=[f"a{k}", f"b{k}"], delay_ms=10))).ok
+            stream = p.channels.send_stream(node.address)
+            assert (stream.opened, stream.unary_only) == ((1, False) if node is new else (1, True))
+    assert len(new.requests) == len(old.requests) == 3 and len(new.stored) == len(old.stored) == 6
+
+
+async def test_a_wire_batch_over_the_stream_limit_goes_as_a_unary_call(nodes, monkeypatch):
+    (node,) = await nodes()
+    monkeypatch.setattr(client_mod, "STREAM_REQUEST_BYTES_MAX", 1000)
+    async with fast(StaticResolver(delay=[node.address])) as p:
+        assert (await (await p.send_many("s", [b"x" * 300] * 2, ids=["s1", "s2"], delay_ms=10))).ok
+        assert p.channels.send_stream(node.address).opened == 1  # 2 x 300 B: on the stream
+        assert (await (await p.send_many("s", [b"x" * 300] * 4, ids=[f"u{i}" for i in range(4)], delay_ms=10))).ok
+        assert p.channels.send_stream(node.address).opened == 1  # 4 x 300 B: unary, the stream untouched
+    assert len(node.requests) == 2 and len(node.stored) == 6
+
+
+async def test_a_refusal_on_the_stream_is_the_same_error_as_the_unary_calls(nodes):
+    """A request the ordered stream refuses whole carries the server's error class and
+    arguments (``StreamStatus.error``/``error_args``), so the caller gets the very error a unary
+    call gives, also one its status and text alone would not rebuild (the epochs of a
+    ``StaleEpoch``; from the status alone they read 0, 0)."""
+    new, old = await nodes(2)
+    old.streams = False
+    errs = []
+    for node in (new, old):
+        node.fail_error = [E.StaleEpoch(5, 7)]
+        async with fast(StaticResolver(delay=[node.address])) as p:
+            res = await (await p.send_many("s", [b"a"], delay_ms=10))
+            assert p.channels.send_stream(node.address).unary_only is (node is old)
+        errs.append(res.errors[0])
+    assert [(type(e), e.got, e.current, str(e)) for e in errs] == [(E.StaleEpoch, 5, 7, "stale epoch 5, current epoch is 7")] * 2
 
 
 async def test_relative_delays_travel_as_delay_column_and_absolute_times_as_they_are(nodes):

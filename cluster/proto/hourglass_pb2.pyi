@@ -69,12 +69,16 @@ class SendBatchResponse(_message.Message):
     def __init__(self, codes: _Optional[bytes] = ..., seqs: _Optional[bytes] = ..., deliver_at_ms: _Optional[bytes] = ..., duplicates: _Optional[bytes] = ..., errors: _Optional[_Iterable[_Union[BatchError, _Mapping]]] = ..., refused: _Optional[_Union[StreamStatus, _Mapping]] = ...) -> None: ...
 
 class StreamStatus(_message.Message):
-    __slots__ = ("code", "details")
+    __slots__ = ("code", "details", "error", "error_args")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_ARGS_FIELD_NUMBER: _ClassVar[int]
     code: int
     details: str
-    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    error: str
+    error_args: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., error: _Optional[str] = ..., error_args: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("id",)

@@ -77,6 +77,7 @@ class FakeNode:
     endless: bytes | None = None
     script: dict[str, list[int]] = field(default_factory=dict)
     fail_rpc: list[grpc.StatusCode] = field(default_factory=list)
+    fail_error: list[E.HourglassError] = field(default_factory=list)  # SendBatch: end calls with these, one each
     requests: list[SendRecord] = field(default_factory=list)
     stored: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (seq, deliver_at_ms)
     pulls: list[list[str]] = field(default_factory=list)
@@ -87,7 +88,7 @@ class FakeNode:
     nacked: list[tuple[str, list[int], int]] = field(default_factory=list)
     pulls_cancelled: int = 0
     stall: bool = False
-    streams: bool = True  # serves PullStream (False: a node of an older version, unary Pull only)
+    streams: bool = True  # serves PullStream and SendBatchStream (False: a node of an older version, unary calls only)
     cancelled: set[str] = field(default_factory=set)
     disk_full: bool = False
     disk_full_refusals: int = 0
@@ -232,7 +233,15 @@ class _Producer(rpc.ProducerServicer):
             await status.abort(context, self._disk_full())
         if self.node.fail_rpc:
             await context.abort(self.node.fail_rpc.pop(0), "scripted failure")
+        if self.node.fail_error:
+            await status.abort(context, self.node.fail_error.pop(0))
         return self.node.send_batch(request)
+
+    async def SendBatchStream(self, requests, context):
+        if not self.node.streams:  # a node of an older version: no SendBatchStream (UNIMPLEMENTED)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse, window=8):
+            yield resp
 
     async def Lookup(self, request, context):
         await self._maybe_stall()
