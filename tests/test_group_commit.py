@@ -16,20 +16,35 @@ pytestmark = pytest.mark.unit
 GUARD_S = 10  # bounds a wait that must end long before it (a hang fails instead)
 
 
-async def test_cancelling_the_committer_answers_every_waiting_write(tmp_path):
-    log = SegmentedLog.open(tmp_path / "log")
-    gc = GroupCommitter(log)
+def held_fsync(log: SegmentedLog, error: OSError | None = None) -> tuple[threading.Event, threading.Event]:
+    """Make ``log.flush`` wait for ``release`` (set ``in_fsync`` first), then fsync, or raise
+    ``error``; ``del log.flush`` puts the real one back."""
     release, in_fsync = threading.Event(), threading.Event()
     real_flush = log.flush
 
-    def slow_flush():  # the fsync in flight when the switch comes
+    def flush():
         in_fsync.set()
         release.wait(GUARD_S)
+        if error is not None:
+            raise error
         real_flush()
-    log.flush = slow_flush
+    log.flush = flush
+    return release, in_fsync
+
+
+async def started_with_one_write_in_fsync(gc: GroupCommitter, in_fsync: threading.Event):
+    """Start the committer, append one write and wait until its fsync runs: (task, its future)."""
     task = gc.start()
     _, first = gc.append_nowait([b"a"])
     await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    return task, first
+
+
+async def test_cancelling_the_committer_answers_every_waiting_write(tmp_path):
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    release, in_fsync = held_fsync(log)  # the fsync in flight when the switch comes
+    task, first = await started_with_one_write_in_fsync(gc, in_fsync)
     _, second = gc.append_nowait([b"b"])  # queued behind the fsync in flight
     task.cancel()
     release.set()
@@ -45,16 +60,8 @@ async def test_cancelling_the_committer_answers_every_waiting_write(tmp_path):
 async def test_a_failed_fsync_answers_the_writes_queued_behind_it(tmp_path):
     log = SegmentedLog.open(tmp_path / "log")
     gc = GroupCommitter(log)
-    release, in_fsync = threading.Event(), threading.Event()
-
-    def failing_flush():
-        in_fsync.set()
-        release.wait(GUARD_S)
-        raise OSError(5, "I/O error")
-    log.flush = failing_flush
-    task = gc.start()
-    _, first = gc.append_nowait([b"a"])
-    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    release, in_fsync = held_fsync(log, OSError(5, "I/O error"))
+    task, first = await started_with_one_write_in_fsync(gc, in_fsync)
     _, second = gc.append_nowait([b"b"])
     release.set()
     with pytest.raises(OSError):
@@ -69,17 +76,8 @@ async def test_a_failed_fsync_answers_the_writes_queued_behind_it(tmp_path):
 async def test_writes_that_come_during_an_fsync_share_the_next_one(tmp_path):
     log = SegmentedLog.open(tmp_path / "log")
     gc = GroupCommitter(log)
-    release, in_fsync = threading.Event(), threading.Event()
-    real_flush = log.flush
-
-    def slow_flush():
-        in_fsync.set()
-        release.wait(GUARD_S)
-        real_flush()
-    log.flush = slow_flush
-    task = gc.start()
-    _, first = gc.append_nowait([b"a"])
-    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    release, in_fsync = held_fsync(log)
+    task, first = await started_with_one_write_in_fsync(gc, in_fsync)
     later = [gc.append_nowait([bytes([65 + i])])[1] for i in range(5)]  # queued behind the fsync in flight
     release.set()
     await asyncio.wait_for(asyncio.gather(first, *later), GUARD_S)
