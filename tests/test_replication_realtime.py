@@ -23,6 +23,7 @@ import pytest
 from cluster import errors as E
 from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster, wait_until as wait_for
+from tests.helpers.flow import send_all
 from tests.helpers.logs import log_bytes
 from cluster.discovery import MetaResolver
 from cluster.proto import meta_pb2 as mpb
@@ -289,13 +290,7 @@ async def test_lookahead_consumers_across_a_master_sigkill_lose_nothing_never_ea
             t = now_ms()
             at = [t + rng.randrange(LA_DELAY_MS_MAX + 1) for _ in ids]
             due.update(zip(ids, at))  # before the send: a message due now may be handed out before it returns
-            res = MetaResolver(c.meta_addresses, refresh_ms=500)
-            try:
-                async with Producer(res, retries_max=40) as p:
-                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, deliver_at_ms=at))
-            finally:
-                await res.close()
-            assert not out.errors, out.errors
+            await send_all(c.meta_addresses, subject, ids, refresh_ms=500, deliver_at_ms=at)
 
         async def answered(n: int) -> bool:
             return len(confirmed_at) >= n

@@ -23,6 +23,7 @@ import pytest
 from cluster.client import Consumer, Producer
 from cluster.devcluster import LocalCluster, wait_until
 from tests.helpers import admin
+from tests.helpers.flow import send_all
 from cluster.discovery import MetaResolver
 from cluster.proto import meta_pb2 as mpb
 from cluster.proto import meta_pb2_grpc as mrpc
@@ -481,13 +482,7 @@ async def test_a_drain_survives_a_sigkill_of_the_draining_groups_master(tmp_path
                 await res.close()
 
         async def send(ids: list[str]) -> None:
-            res = MetaResolver([meta], refresh_ms=REFRESH_MS)
-            try:
-                async with Producer(res, retries_max=40) as p:
-                    out = await (await p.send_many(subject, [b"x"] * len(ids), ids=ids, immediate=True))
-            finally:
-                await res.close()
-            assert not out.errors, out.errors
+            await send_all([meta], subject, ids, refresh_ms=REFRESH_MS, immediate=True)
             sent.extend(ids)
 
         async def has(group: str, ids) -> bool:
