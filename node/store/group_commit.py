@@ -22,36 +22,22 @@ import threading
 from collections.abc import Callable
 
 from cluster.errors import Closed
+
 from .log import SegmentedLog
 
 log = logging.getLogger("hourglass.store.group_commit")
 
 
-def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
-    if fut.done():  # the waiter was cancelled
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
-
-
 class SyncThread:
-    """One thread that runs blocking calls (fsyncs) for an event loop, in submission order.
-    ``await sync.call(fn)``, or ``sync.submit(fn, done)`` to have ``done(result, error)`` run
-    on the loop (one loop wake-up, no future in between); ``stop()`` ends the thread after
-    the calls already queued."""
+    """One thread that runs blocking calls (fsyncs) for an event loop, in submission order:
+    ``sync.submit(fn, done)`` has ``done(result, error)`` run on the loop when ``fn`` returns
+    (one loop wake-up, no future in between); ``stop()`` ends the thread after the calls
+    already queued."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
-
-    def call(self, fn: Callable[[], object]) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._q.put((fn, functools.partial(_settle, fut), loop))
-        return fut
 
     def submit(self, fn: Callable[[], object], done: Callable[[object, BaseException | None], None]) -> None:
         self._q.put((fn, done, asyncio.get_running_loop()))
