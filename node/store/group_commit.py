@@ -124,10 +124,11 @@ class GroupCommitter:
         if self._failed is not None:
             self._settle_all([], self._failed)
             return
-        if self._cancelled and self._sync is None:  # the committer ended with its role: nothing will answer
-            self._settle_all([], self._stop_answer())
+        if self._cancelled:  # a role switch: run() answers what waits once the fsync in flight returned
+            if self._sync is None:  # it has ended: nothing else will answer
+                self._settle_all([], self._stop_answer())
             return
-        if self._round is not None or self._sync is None or self._cancelled:
+        if self._round is not None or self._sync is None:
             return
         if not self._waiters and not (self._closed and self.log.end_offset > self.durable_offset):
             return
@@ -140,8 +141,7 @@ class GroupCommitter:
                     error: BaseException | None) -> None:
         """On the loop, when a round's fsync returned."""
         done, self._round = self._round, None
-        if done is not None and not done.done():
-            done.set_result(None)
+        done.set_result(None)
         if self._cancelled:  # a role switch came while the fsync ran: run() answers them (stop error)
             self._waiters[:0] = waiters
             return
