@@ -864,6 +864,29 @@ def test_a_lookahead_pull_waits_until_something_is_a_third_of_it_from_visible_th
     assert b.n == 0  # everything was handed out; max_messages is kept below (next test)
 
 
+def test_a_lookahead_pull_reads_each_subject_once(tmp_path, monkeypatch):
+    """``pull_ahead`` is one pass: each subject's entries are read once per pull, whether the
+    third of the lookahead opens it (everything within the whole lookahead handed out) or not
+    (nothing moves, ``held_next_ms`` says when it opens). It was a pull within the third and a
+    second within the whole lookahead, which read every subject again."""
+    from node.realtime.index import SubjectIndex
+
+    st_ = open_store(tmp_path, AHEAD)
+    for s in ("a", "b", "c"):
+        st_.create_subject(s)
+    append(st_, *[M(f"{s}{k}", subject=s, deliver_at_ms=T0 + 20 + 4 * k) for s in ("a", "b", "c") for k in range(6)])
+    reads = []
+    real = SubjectIndex.read
+    monkeypatch.setattr(SubjectIndex, "read", lambda self, fd, pos, n: reads.append(self) or real(self, fd, pos, n))
+
+    b, _ = st_.pull_ahead(["a", "b", "c"], "g", "c", max_messages=100, now_ms=T0, lookahead_ms=30)
+    assert b.n == 0 and st_.held_next_ms == T0 + 20 and len(reads) == 3  # closed: a0/b0/c0 are 20 ms away
+    reads.clear()
+    b, h = st_.pull_ahead(["a", "b", "c"], "g", "c", max_messages=100, now_ms=T0 + 10, lookahead_ms=30)
+    assert sorted(b.id_list()) == sorted(f"{s}{k}" for s in ("a", "b", "c") for k in range(6)) and len(h) == 18
+    assert len(reads) == 3  # open: everything within T0+40, one read per subject
+
+
 def test_a_lookahead_pull_keeps_max_messages(tmp_path):
     st_ = open_store(tmp_path, AHEAD)
     append(st_, *[M(f"m{k}", deliver_at_ms=T0 + k) for k in range(10)])

@@ -128,7 +128,7 @@ class Delivery:
         self.held_next_ms: int | None = None  # after a pull: when the first entry it held back becomes visible
 
     def pull(self, subjects: list[str], group: str, *, max_messages: int, tags: Sequence[str], now_ms: int,
-             start: str, horizon_ms: int | None = None) -> tuple[Batch, np.ndarray]:
+             start: str, horizon_ms: int | None = None, gate_ms: int | None = None) -> tuple[Batch, np.ndarray]:
         if not subjects:
             raise InvalidArgument("subjects", "name at least one subject")
         ixs = [self.indexes.index(s) for s in subjects]
@@ -143,7 +143,7 @@ class Delivery:
         for g, ix in zip(groups, ixs):
             self.groups.touch(g, ix, now_ms)
         for _ in range(SETTLE_ROUNDS_MAX):
-            batch, handles = self.pull_once(subjects, groups, ixs, group, left, want, now_ms, horizon_ms)
+            batch, handles = self.pull_once(subjects, groups, ixs, group, left, want, now_ms, horizon_ms, gate_ms)
             other = other_groups_retries(batch, group)
             if not other.any():  # first attempts: one compare of the attempts column
                 return batch, handles
@@ -155,7 +155,8 @@ class Delivery:
         return EMPTY_BATCH, NO_HANDLES
 
     def pull_once(self, subjects: list[str], groups: list[Group], ixs: list[SubjectIndex], group: str, left: int,
-                  want: np.uint64, now_ms: int, horizon_ms: int | None = None) -> tuple[Batch, np.ndarray]:
+                  want: np.uint64, now_ms: int, horizon_ms: int | None = None,
+                  gate_ms: int | None = None) -> tuple[Batch, np.ndarray]:
         """One round of ``pull``: redeliveries, then new positions (module docstring, step 1)."""
         r = self.rotation % len(subjects)
         self.rotation += 1
@@ -176,7 +177,8 @@ class Delivery:
                 self.groups.mark_dirty(g)
 
         self.held_next_ms = None
-        full = self.take_new(groups, ixs, left, want, now_ms, parts, horizon_ms)  # 2. new positions
+        gate = gate_ms if not parts else None  # a redelivery answers the pull: nothing to wait for
+        full = self.take_new(groups, ixs, left, want, now_ms, parts, horizon_ms, gate)  # 2. new positions
         if not parts:
             if full:
                 raise Overloaded(f"group {group!r} has inflight_per_group_max="
@@ -199,7 +201,7 @@ class Delivery:
             self.counters["skipped_other_group_retry"] += n
 
     def take_new(self, groups: list[Group], ixs: list[SubjectIndex], left: int, want: np.uint64, now_ms: int,
-                 parts: list, horizon_ms: int | None = None) -> bool:
+                 parts: list, horizon_ms: int | None = None, gate_ms: int | None = None) -> bool:
         """Hand out up to ``left`` new positions over the groups, oldest in the log first, so
         that a pull covers few frames (one ``take`` each). Each round reads a chunk of every
         subject's unread entries (a little more than its share), merges the matching ones by
@@ -210,7 +212,10 @@ class Delivery:
         A subject's entries are handed out in order up to the first one not visible yet
         (``visible_ms`` after ``now_ms``: dispatched ahead of its due time); the earliest such
         time over the subjects is left in ``held_next_ms`` for the caller's wait. With
-        ``horizon_ms`` (a lookahead pull), "visible" means visible by then."""
+        ``horizon_ms`` (a lookahead pull), "visible" means visible by then. With ``gate_ms``
+        too (``RealtimeStore.pull_ahead``), nothing is handed out unless one of the entries it
+        would hand out is visible by ``gate_ms``; then ``held_next_ms`` is the earliest of them
+        (the caller waits for the gate), and nothing moves."""
         vis = now_ms if horizon_ms is None else max(now_ms, horizon_ms)
         scan_left = self.settings.pull_scan_entries_max
         full = False
@@ -257,6 +262,12 @@ class Delivery:
                     cands.append((g, e, None, min(room, len(e))))
             if not cands:  # every live group was held at its next entry: the next round finds none live
                 continue
+            if gate_ms is not None:  # the first round only: is one of these visible by the gate?
+                early = self._gate_closed(cands, gate_ms, hold_window)
+                if early is not None:
+                    self.held_next_ms = early if self.held_next_ms is None else min(self.held_next_ms, early)
+                    return full
+                gate_ms = None
             offsets = np.concatenate([e["offset"][:k] if sel is None else e["offset"][sel[:k]]
                                       for _, e, sel, k in cands])
             index = np.concatenate([e["index"][:k] if sel is None else e["index"][sel[:k]] for _, e, sel, k in cands])
@@ -286,6 +297,22 @@ class Delivery:
                 left -= t
                 scan_left -= used
         return full
+
+    @staticmethod
+    def _gate_closed(cands: list, gate_ms: int, hold_window: int) -> int | None:
+        """None when an entry ``take_new`` would hand out of ``cands`` is visible by
+        ``gate_ms``; else when the first of them becomes so."""
+        early = None
+        for _, e, sel, k in cands:
+            vis = e["visible_ms"][:k] if sel is None else e["visible_ms"][sel[:k]]
+            if not len(vis):
+                continue
+            later = held_mask(vis, gate_ms, hold_window)
+            if not later.all():
+                return None
+            at = int(vis.min())
+            early = at if early is None else min(early, at)
+        return early
 
     def gather(self, entries: np.ndarray, handles: np.ndarray) -> tuple[Batch, np.ndarray]:
         """The messages ``entries`` point at, in log order: one take per frame, one concat."""

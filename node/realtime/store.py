@@ -425,19 +425,15 @@ class RealtimeStore:
         anything is there would answer every pull at once with the little that came within it
         since the last one when this node holds messages further ahead than the lookahead (the
         delay nodes' ``dispatch_lead_ms``): pulls at the consumer's pace instead of the
-        messages'. ``held_next_ms`` is left for the caller's wait, as by ``pull``."""
-        batch, handles = self.pull(subjects, group, consumer_id, max_messages=max_messages, tags=tags,
-                                   now_ms=now_ms, horizon_ms=now_ms + lookahead_ms // 3)
-        if not batch.n or batch.n >= max_messages:
-            return batch, handles
-        try:  # the first step's messages are in flight now: they are answered whatever this step does
-            more, more_handles = self.pull(subjects, group, consumer_id, max_messages=max_messages - batch.n,
-                                           tags=tags, now_ms=now_ms, horizon_ms=now_ms + lookahead_ms)
-        except Overloaded:  # the group's in-flight set filled with the first step's
-            return batch, handles
-        if not more.n:
-            return batch, handles
-        return Batch.concat([batch, more]), np.concatenate([handles, more_handles])
+        messages'. One pass over the subjects (``gate_ms``): what is visible within the whole
+        lookahead is read once, and handed out only if one of it is within the third.
+        ``held_next_ms`` is left for the caller's wait, as by ``pull``."""
+        self._check_open()
+        if isinstance(subjects, str):
+            subjects = [subjects]
+        return self._delivery.pull(list(dict.fromkeys(subjects)), group, max_messages=max_messages, tags=tags,
+                                   now_ms=now_ms, start=START_EARLIEST, horizon_ms=now_ms + lookahead_ms,
+                                   gate_ms=now_ms + lookahead_ms // 3)
 
     def ack(self, subject: str, group: str, ranges, *, now_ms: int) -> int:
         """Drop handle ranges ``[lo, hi)`` from the group's in-flight set; returns how many
