@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -50,7 +51,7 @@ from cluster.proto import meta_pb2_grpc as mrpc
 from cluster.clientsettings import CLIENT_DEFAULTS, ClientSettings
 from cluster.routes import RouteView
 from cluster.security import ClientSecurity
-from cluster.transport import Channels
+from cluster.transport import CHANNEL_OPTIONS, Channels
 
 log = logging.getLogger("hourglass.discovery")
 
@@ -61,15 +62,31 @@ SKIP_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, gr
               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
 
+def _meta_servers(meta_servers: list[str]) -> list[str]:
+    servers = [a.strip() for a in meta_servers if a.strip()]
+    if not servers:
+        raise E.InvalidArgument("meta_servers", "give at least one meta server address")
+    return servers
+
+
+def _passed_over(e: grpc.RpcError, address: str, method: str) -> None:
+    """A meta server's error: raised as the domain error unless the next server is tried."""
+    if e.code() not in SKIP_CODES:
+        raise status.from_rpc_error(e) from None
+    log.info("meta server %s did not answer %s (%s); trying the next", address, method, e.code().name)
+
+
+def _none_answered(method: str, servers: list[str], last: BaseException | None) -> E.Unavailable:
+    detail = last.details() if isinstance(last, grpc.RpcError) else str(last)
+    return E.Unavailable(f"no meta server answered {method} ({', '.join(servers)}): {detail}{status.tls_note(detail)}")
+
+
 class MetaClient:
     """Calls one RPC on the first meta server that answers, remembering which one did."""
 
     def __init__(self, meta_servers: list[str], *, timeout_s: float = _DISCOVERY.meta_timeout_ms / 1000,
                  security: ClientSecurity | None = None) -> None:
-        servers = [a.strip() for a in meta_servers if a.strip()]
-        if not servers:
-            raise E.InvalidArgument("meta_servers", "give at least one meta server address")
-        self.servers = servers
+        self.servers = _meta_servers(meta_servers)
         self.timeout_s = timeout_s
         self._current = 0
         self._channels = Channels(security)
@@ -89,19 +106,88 @@ class MetaClient:
             try:
                 resp = await getattr(self.stub(address), method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
-                if e.code() not in SKIP_CODES:
-                    raise status.from_rpc_error(e) from None
+                _passed_over(e, address, method)
                 last = e
-                log.info("meta server %s did not answer %s (%s); trying the next", address, method, e.code().name)
                 continue
             self._current = index
             return resp
-        detail = last.details() if isinstance(last, grpc.RpcError) else str(last)
-        raise E.Unavailable(f"no meta server answered {method} ({', '.join(self.servers)}): {detail}"
-                            f"{status.tls_note(detail)}")
+        raise _none_answered(method, self.servers, last)
 
     async def close(self) -> None:
         await self._channels.close()
+
+
+class BlockingMetaClient:
+    """``MetaClient`` for a thread without an event loop: blocking calls on plain gRPC
+    channels, one call at a time; ``cancel()`` (from any thread) ends the call in flight and
+    every later one. A node's heartbeat thread uses it (node/registration.py): every asyncio
+    loop that makes a ``grpc.aio`` channel is bound to the process's one aio poller, and each
+    gRPC event of the process wakes every loop bound to it, so a second loop for heartbeats
+    woke on each of the main loop's calls (docs/benchmarks.md, "Heartbeats off grpc.aio")."""
+
+    def __init__(self, meta_servers: list[str], *, timeout_s: float = _DISCOVERY.meta_timeout_ms / 1000,
+                 security: ClientSecurity | None = None) -> None:
+        self.servers = _meta_servers(meta_servers)
+        self.timeout_s = timeout_s
+        self._current = 0
+        self.security = security if security is not None else ClientSecurity()
+        self._generation = self.security.generation()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()  # guards the two below (cancel() comes from another thread)
+        self._in_flight: grpc.Future | None = None
+        self._cancelled = False
+
+    @property
+    def current(self) -> str:
+        return self.servers[self._current]
+
+    def _stub(self, address: str) -> mrpc.MetaStub:
+        gen = self.security.generation()
+        if gen != self._generation:  # new certificate files or token: dial again (as ``Channels``)
+            self._generation = gen
+            self.close()
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = self.security.channel(address, CHANNEL_OPTIONS, blocking=True)
+        return mrpc.MetaStub(ch)
+
+    def call(self, method: str, request, *, timeout_s: float | None = None):
+        last: BaseException | None = None
+        for i in range(len(self.servers)):
+            index = (self._current + i) % len(self.servers)
+            address = self.servers[index]
+            fut = getattr(self._stub(address), method).future(request, timeout=timeout_s or self.timeout_s)
+            with self._lock:
+                self._in_flight = fut
+                if self._cancelled:
+                    fut.cancel()
+            try:
+                resp = fut.result()
+            except grpc.FutureCancelledError:
+                raise E.Unavailable(f"{method} to {address} cancelled: the client is closing") from None
+            except grpc.RpcError as e:
+                _passed_over(e, address, method)
+                last = e
+                continue
+            finally:
+                with self._lock:
+                    self._in_flight = None
+            self._current = index
+            return resp
+        raise _none_answered(method, self.servers, last)
+
+    def cancel(self) -> None:
+        """End the call in flight, if any, and every later one (any thread)."""
+        with self._lock:
+            self._cancelled = True
+            fut = self._in_flight
+        if fut is not None:
+            fut.cancel()
+
+    def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for ch in channels.values():
+            ch.close()
 
 
 class MetaResolver:

@@ -295,16 +295,19 @@ class ClientSecurity:
             self._generation += 1
         return self._generation
 
-    def channel(self, address: str, options: list) -> grpc.aio.Channel:
+    def channel(self, address: str, options: list, *, blocking: bool = False) -> grpc.aio.Channel | grpc.Channel:
+        """A channel to ``address``: ``grpc.aio``'s, or with ``blocking`` a plain one for a
+        thread without an event loop (``cluster.discovery.BlockingMetaClient``)."""
+        api = grpc if blocking else grpc.aio
         if self.files is None:
-            return grpc.aio.insecure_channel(address, options=options)
+            return api.insecure_channel(address, options=options)
         creds = self.files.channel_credentials()
         if self._token:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(self._token))
         opts = list(options)
         if self.settings.tls_server_name:
             opts.append(("grpc.ssl_target_name_override", self.settings.tls_server_name))
-        return grpc.aio.secure_channel(address, creds, options=opts)
+        return api.secure_channel(address, creds, options=opts)
 
 
 def client_security_from(cluster_file_entry: dict | None) -> ClientSecurity:

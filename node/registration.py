@@ -12,8 +12,10 @@ Why a thread (issue 26): renewals used to run on the node's event loop and queue
 message work; a promotion holding the loop 0.4-0.7 s plus a paused meta server let 2 s
 leases expire under live masters, and the group flapped. Now:
 
-* **The heartbeat thread** runs its own asyncio loop with its own ``MetaClient`` (a
-  ``grpc.aio`` channel belongs to the loop that made it) and sends Register and Heartbeat.
+* **The heartbeat thread** sends Register and Heartbeat with blocking calls on plain gRPC
+  channels (``BlockingMetaClient``), with no event loop of its own: every asyncio loop that
+  uses ``grpc.aio`` is woken by every gRPC event of the process (the aio poller is shared),
+  so a loop of its own woke on each of the main loop's calls and handed half of them over.
   A heartbeat is sent ``heartbeat_ms`` after the previous one was *sent* (not answered).
 * **The main loop** keeps ``self.meta`` (its own ``MetaClient`` for every other call: the
   role loop's Leader, Campaign, GetServers ...), ``registered`` and ``lease_id`` (changed
@@ -81,7 +83,7 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2
 
 from cluster import errors as E
-from cluster.discovery import MetaClient
+from cluster.discovery import BlockingMetaClient, MetaClient
 from cluster.proto import meta_pb2 as mpb
 from node.config import NodeSettings
 from node.grpcserver import READY_SERVICE
@@ -154,10 +156,10 @@ class Registrar:
         self._main: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._ended: asyncio.Future | None = None  # main-loop future: the thread ended (its error, if any)
-        self._lock = threading.Lock()  # guards the three below
+        self._lock = threading.Lock()  # guards the two below
         self._stopping = False
-        self._beat_loop: asyncio.AbstractEventLoop | None = None
-        self._beat_task: asyncio.Task | None = None
+        self._beat_meta: BlockingMetaClient | None = None  # the thread's client (cancelled to stop it)
+        self._stop = threading.Event()  # the thread's sleeps end at once when set
         self._ready_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ callbacks
@@ -267,12 +269,10 @@ class Registrar:
         """Ask the heartbeat thread to stop and wait (bounded) until it has."""
         with self._lock:
             self._stopping = True
-            loop, task = self._beat_loop, self._beat_task
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(task.cancel)
-            except RuntimeError:  # its loop already closed: it is ending
-                pass
+            meta = self._beat_meta
+        self._stop.set()
+        if meta is not None:
+            meta.cancel()  # a call in flight ends now
         thread = self._thread
         if thread is None or not thread.is_alive():
             return
@@ -306,9 +306,7 @@ class Registrar:
     def _thread_main(self) -> None:
         err: BaseException | None = None
         try:
-            asyncio.run(self._beat_main())
-        except asyncio.CancelledError:
-            pass
+            self._beat_main()
         except BaseException as e:  # noqa: BLE001 - handed to run() on the main loop, which raises it
             err = e
         self._post(self._thread_ended, err)
@@ -320,26 +318,28 @@ class Registrar:
             else:
                 self._ended.set_exception(err)
 
-    async def _beat_main(self) -> None:
+    def _beat_main(self) -> None:
+        meta = BlockingMetaClient(self.settings.meta.servers, timeout_s=self.settings.meta.timeout_ms / 1000)
         with self._lock:
             if self._stopping:
+                meta.close()
                 return
-            self._beat_loop, self._beat_task = asyncio.get_running_loop(), asyncio.current_task()
-        meta = MetaClient(self.settings.meta.servers, timeout_s=self.settings.meta.timeout_ms / 1000)
+            self._beat_meta = meta
         try:
-            await self._beat_forever(meta)
+            self._beat_forever(meta)
         finally:
             with self._lock:
-                self._beat_loop = self._beat_task = None
-            await meta.close()
+                self._beat_meta = None
+            meta.close()
 
     def _loop_stalled_ms(self) -> int:
         return int((time.monotonic() - self.loop_alive_at) * 1000)
 
-    async def _beat_forever(self, meta: MetaClient) -> None:
+    def _beat_forever(self, meta: BlockingMetaClient) -> None:
+        """Until ``_stop`` is set."""
         failures = 0
         withheld_since: float | None = None
-        while True:
+        while not self._stop.is_set():
             stalled_ms = self._loop_stalled_ms()
             if stalled_ms > self.settings.loop.stall_max_ms:
                 if withheld_since is None:  # once per stall
@@ -349,7 +349,7 @@ class Registrar:
                                 self.settings.server.node_id, stalled_ms, self.settings.loop.stall_max_ms)
                     if self.metrics is not None:
                         self.metrics.heartbeats_withheld.inc()
-                await asyncio.sleep(STAMP_INTERVAL_MS / 1000)
+                self._stop.wait(STAMP_INTERVAL_MS / 1000)
                 continue
             if withheld_since is not None:
                 log.warning("heartbeats resume node_id=%s: the event loop turned again after %.0f ms withheld",
@@ -358,7 +358,7 @@ class Registrar:
             sent_ms = mono_ms()
             next_ms = sent_ms + self.heartbeat_ms
             try:
-                await self._beat(meta, sent_ms)
+                self._beat(meta, sent_ms)
                 failures = 0
             except E.NotFound as e:
                 self._lost(e)
@@ -369,15 +369,17 @@ class Registrar:
             except E.InvalidArgument:
                 raise
             except E.HourglassError as e:  # Unavailable and anything unexpected from the meta side
+                if self._stop.is_set():  # the call was cancelled to stop the thread
+                    return
                 failures += 1
                 next_ms = mono_ms() + min(self.heartbeat_ms, BACKOFF_MS_MIN * 2 ** min(failures, 8))
                 log.warning("heartbeat failed node_id=%s attempt=%d: %s", self.settings.server.node_id, failures, e)
-            await asyncio.sleep(max(0, next_ms - mono_ms()) / 1000)
+            self._stop.wait(max(0, next_ms - mono_ms()) / 1000)
 
-    async def _beat(self, meta: MetaClient, sent_ms: int) -> None:
+    def _beat(self, meta: BlockingMetaClient, sent_ms: int) -> None:
         """One Register (no lease) or Heartbeat, sent at ``sent_ms``."""
         if self._lease is None:
-            resp = await meta.call("Register", mpb.RegisterRequest(node=self._info.node,
+            resp = meta.call("Register", mpb.RegisterRequest(node=self._info.node,
                                                                    ttl_ms=self.settings.meta.lease_ttl_ms))
             lease = self._lease = resp.lease_id
             if not self.settings.meta.heartbeat_ms:
@@ -390,7 +392,7 @@ class Registrar:
         else:
             lease = self._lease
             snap = self._info
-            resp = await meta.call("Heartbeat", mpb.HeartbeatRequest(
+            resp = meta.call("Heartbeat", mpb.HeartbeatRequest(
                 lease_id=lease, node=snap.node, drained=snap.drained, consumers=snap.consumers,
                 watch_revision=snap.watch_revision))
             self._post_fences(resp)

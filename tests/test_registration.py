@@ -221,3 +221,59 @@ async def test_bad_settings_stop_run_with_invalid_argument(meta_server):
         await asyncio.wait_for(r.run(), WAIT_S)
     assert not _heartbeat_threads(settings.server.node_id)
     await r.close()
+
+
+async def test_the_heartbeat_thread_runs_no_event_loop(meta_server):
+    """The thread's calls are blocking ones on plain gRPC channels: no asyncio loop of its
+    own, which the process's one grpc.aio poller would wake on every gRPC event of the node
+    (it used to: half of the main loop's events were handed over through it)."""
+    settings = _settings(meta_server)
+    r = Registrar(settings, "127.0.0.1:1", describe=lambda: {"master": False})
+    loops = []
+    r.on_beat = lambda lease_id, sent_ms: loops.append(asyncio._get_running_loop())
+    task = await _started(r)
+    try:
+        before = r.heartbeats
+        for _ in range(WAIT_S * 20):  # bounded: a renewal or two after the Register
+            if r.heartbeats >= before + 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(loops) >= 2 and loops == [None] * len(loops)
+    finally:
+        await _stop(r, task)
+
+
+def test_a_blocking_meta_call_in_flight_ends_when_cancelled():
+    """``BlockingMetaClient.cancel()`` (the heartbeat thread's stop) ends a call to a meta
+    server that never answers, well inside the call's own deadline, and every later call."""
+    import socket
+
+    from cluster.discovery import BlockingMetaClient
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never speaks HTTP/2: a call waits for its deadline
+    client = BlockingMetaClient([f"127.0.0.1:{silent.getsockname()[1]}"], timeout_s=3600)
+    errors = []
+
+    def call():
+        try:
+            client.call("Heartbeat", mpb.HeartbeatRequest(lease_id=1))
+        except E.HourglassError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    try:
+        t.start()
+        for _ in range(WAIT_S * 20):  # until the call is in flight
+            if client._in_flight is not None:
+                break
+            time.sleep(0.05)
+        client.cancel()
+        t.join(WAIT_S)
+        assert not t.is_alive() and isinstance(errors[0], E.Unavailable) and "cancelled" in str(errors[0])
+        with pytest.raises(E.Unavailable, match="cancelled"):
+            client.call("Heartbeat", mpb.HeartbeatRequest(lease_id=1))
+    finally:
+        client.close()
+        silent.close()
