@@ -1457,12 +1457,12 @@ class ReceivedBatch:
         ``wait=True``: one Ack request now, returning once the node made the ack durable
         (``Unavailable`` after ``call_timeout_s``). ``defer=True``: only on the next pull
         of that node (or at ``close()``), never a call of its own."""
-        acks = _subject_handles(self.batch, self.handles)
-        if not wait:
-            self._consumer._queue_acks(self.node, acks, linger=not defer)
+        b = self.batch
+        if not wait:  # queued as arrays: made into ranges once per request that carries them
+            self._consumer._queue_acks(self.node, (b.subjects, b.subject_idx, self.handles), linger=not defer)
             return len(self.handles)
         async with self._consumer._deadline("ack", [self.node]):
-            return await self._consumer._ack_handles(self.node, acks)
+            return await self._consumer._ack_handles(self.node, _subject_handles(b, self.handles))
 
     async def nack(self, retry_after_ms: int | None = None) -> tuple[int, int]:
         """Retry every message after ``retry_after_ms``; returns (retried, dead-lettered)."""
@@ -1472,20 +1472,27 @@ class ReceivedBatch:
 
 
 def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandles]:
-    """The handles of a batch as ``[lo, hi)`` ranges per subject (``wire.pack_ranges`` for
-    every subject at once: one sort by (subject, handle), ranges cut where either jumps)."""
-    if len(batch.subjects) == 1:
-        return [pb.SubjectHandles(subject=batch.subjects[0], ranges=pack_ranges(handles))]
+    """The handles of a batch as ``[lo, hi)`` ranges per subject."""
+    return _ranges_by_subject(batch.subjects, batch.subject_idx, handles)
+
+
+def _ranges_by_subject(subjects: tuple[str, ...], subject_idx: np.ndarray,
+                       handles: np.ndarray) -> list[pb.SubjectHandles]:
+    """Handles as ``[lo, hi)`` ranges per subject (``subject_idx`` numbers ``subjects``;
+    ``wire.pack_ranges`` for every subject at once: one sort by (subject, handle), ranges
+    cut where either jumps)."""
+    if len(subjects) == 1:
+        return [pb.SubjectHandles(subject=subjects[0], ranges=pack_ranges(handles))]
     if len(handles) <= SMALL_RANGES_MAX:  # the same answer from a loop (a small batch: most pulls)
         by: dict[int, list[int]] = {}
-        for s, h in zip(batch.subject_idx.tolist(), handles.tolist()):
+        for s, h in zip(subject_idx.tolist(), handles.tolist()):
             by.setdefault(s, []).append(h)
         out = []
         for s in sorted(by):
             pairs = range_pairs(sorted(by[s]))
-            out.append(pb.SubjectHandles(subject=batch.subjects[s], ranges=struct.pack(f"<{len(pairs)}Q", *pairs)))
+            out.append(pb.SubjectHandles(subject=subjects[s], ranges=struct.pack(f"<{len(pairs)}Q", *pairs)))
         return out
-    sidx = batch.subject_idx.astype(np.int64)
+    sidx = subject_idx.astype(np.int64)
     order = np.lexsort((handles, sidx))
     h, s = handles[order].astype(np.int64), sidx[order]
     cut = np.flatnonzero((np.diff(h) != 1) | (np.diff(s) != 0)) + 1
@@ -1494,8 +1501,52 @@ def _subject_handles(batch: Batch, handles: np.ndarray) -> list[pb.SubjectHandle
     pairs = np.column_stack((h[first], h[last] + 1)).astype("<u8")
     owner = s[first]
     bounds = np.flatnonzero(np.diff(owner)) + 1
-    return [pb.SubjectHandles(subject=batch.subjects[int(owner[a])], ranges=pairs[a:b].tobytes())
+    return [pb.SubjectHandles(subject=subjects[int(owner[a])], ranges=pairs[a:b].tobytes())
             for a, b in zip(np.concatenate(([0], bounds)).tolist(), np.concatenate((bounds, [len(owner)])).tolist())]
+
+
+async def _first_done(tasks, timeout: float | None) -> None:
+    """``asyncio.wait(tasks, timeout=timeout, return_when=FIRST_COMPLETED)`` without its
+    result sets and its per-call checks of every argument (the iterators wait once per
+    slice they hand out): returns once a task is done (one already done: on the loop's next
+    turn, as ``asyncio.wait``) or ``timeout`` seconds passed."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_=None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for t in tasks:
+        t.add_done_callback(wake)
+    timer = loop.call_later(timeout, wake) if timeout is not None else None
+    try:
+        await waiter
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for t in tasks:
+            t.remove_done_callback(wake)
+
+
+# a pipelined ack as ``ReceivedBatch.ack`` queues it: the batch's subject table, its subject_idx, its handles
+_QueuedAck = tuple[tuple[str, ...], np.ndarray, np.ndarray]
+
+
+def _queued_ranges(queued: list[_QueuedAck]) -> list[pb.SubjectHandles]:
+    """The acks queued for one node as ranges per subject, made once for the request that
+    carries them: every batch's handles in one ``_ranges_by_subject`` (their subject tables
+    merged; the batches of one pull share one), not a protobuf message per subject per batch."""
+    if len(queued) == 1:
+        return _ranges_by_subject(*queued[0])
+    first = queued[0][0]
+    handles = np.concatenate([h for _, _, h in queued])
+    if all(t is first or t == first for t, _, _ in queued):
+        return _ranges_by_subject(first, np.concatenate([i for _, i, _ in queued]), handles)
+    number: dict[str, int] = {}
+    idx = np.concatenate([np.array([number.setdefault(x, len(number)) for x in t], np.int64)[i.astype(np.int64)]
+                          for t, i, _ in queued])
+    return _ranges_by_subject(tuple(number), idx, handles)
 
 
 class Consumer:
@@ -1532,7 +1583,7 @@ class Consumer:
         self._route_failures = 0                    # rounds in a row without any node known
         self._health: dict[str, NodeHealth] = {}    # node -> what its last pulls said (``health()``)
         self._buffer: deque[Received] = deque()
-        self._deferred: dict[str, list[pb.SubjectHandles]] = {}  # node -> acks for its next pull
+        self._deferred: dict[str, list[_QueuedAck]] = {}  # node -> acks for its next pull
         self._routes_kept: tuple[float, object, dict[str, list[str]]] | None = None  # ``_routes``
         self.ack_linger_ms = ack_linger_ms
         self.nack_retry_after_ms = nack_retry_after_ms  # a nack that names no retry_after_ms
@@ -1601,7 +1652,7 @@ class Consumer:
             req.subjects.extend(subjects)
         acks = self._deferred.pop(node, None)
         if acks:
-            req.acks.extend(acks)
+            req.acks.extend(_queued_ranges(acks))
         try:
             resp = await self.channels.pull_stream(node).call(req, timeout=self.timeout_s + wait_ms / 1000)
         except grpc.RpcError as e:
@@ -1669,7 +1720,7 @@ class Consumer:
         timeout = None
         if self._held and lookahead:  # a held batch falls due: hand it out then, whatever the pulls do
             timeout = max(0.0, (self._held[0][0] - time.time() * 1000) / 1000) + RELEASE_SLACK_S
-        await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        await _first_done(pending, timeout)
         if self._closed:
             raise E.Closed("consumer closed")
         out: list[ReceivedBatch] = []
@@ -1715,13 +1766,18 @@ class Consumer:
                 ready.append(rb)
                 continue
             step = -(-np.maximum(due, now) // RELEASE_STEP_MS)  # the step each message is handed out in
-            order = np.argsort(step, kind="stable")
-            s = step[order]
-            cuts = np.flatnonzero(np.diff(s)) + 1
-            for part in np.split(order, cuts):
-                at = int(due[part].max())
-                piece = rb if len(part) == len(rb) else ReceivedBatch(self, rb.node, rb.batch.take(part),
-                                                                      rb.handles[part], rb.received_ms)
+            if bool((step[1:] >= step[:-1]).all()):  # in step order already (a stable sort keeps it)
+                batch, handles, s, d = rb.batch, rb.handles, step, due
+            else:  # one gather into step order; each slice is then a contiguous run (views, no copy)
+                order = np.argsort(step, kind="stable")
+                batch, handles, s, d = rb.batch.take(order), rb.handles[order], step[order], due[order]
+            starts = np.flatnonzero(np.diff(s)) + 1
+            ends = np.append(starts, len(s)).tolist()
+            starts = np.insert(starts, 0, 0)
+            ats = np.maximum.reduceat(d, starts).tolist()  # the latest due time of each slice
+            for a, b, at in zip(starts.tolist(), ends, ats):
+                piece = rb if b - a == len(rb) else ReceivedBatch(self, rb.node, batch.take(slice(a, b)),
+                                                                  handles[a:b], rb.received_ms)
                 if at <= now:
                     ready.append(piece)
                 else:
@@ -1875,10 +1931,10 @@ class Consumer:
         return {node: [pb.SubjectHandles(subject=s, ranges=pack_ranges(h)) for s, h in subs.items()]
                 for node, subs in groups.items()}
 
-    def _queue_acks(self, node: str, acks: list[pb.SubjectHandles], *, linger: bool) -> None:
+    def _queue_acks(self, node: str, ack: _QueuedAck, *, linger: bool) -> None:
         """Pipelined acks (``ReceivedBatch.ack``): for the next pull of ``node``; with
         ``linger``, an Ack call of their own after ``ack_linger_ms`` if no pull took them."""
-        self._deferred.setdefault(node, []).extend(acks)
+        self._deferred.setdefault(node, []).append(ack)
         if linger and not self._closed and node not in self._ack_flushers:
             self._ack_flushers[node] = asyncio.get_running_loop().create_task(
                 self._flush_acks_later(node), name=f"ack-linger-{node}")
@@ -1898,7 +1954,7 @@ class Consumer:
         self._ack_sends.add(task)
         try:
             async with self._deadline("ack", [node]):
-                await self._ack_handles(node, acks)
+                await self._ack_handles(node, _queued_ranges(acks))
         except E.HourglassError as e:
             log.warning("pipelined acks not applied node=%s: %s (their messages come again after "
                         "ack_timeout_ms)", node, e)
@@ -1966,7 +2022,7 @@ class Consumer:
         deferred, self._deferred = self._deferred, {}
         for node, acks in deferred.items():  # acks still waiting for a pull: send them now
             try:
-                await self._ack_handles(node, acks)
+                await self._ack_handles(node, _queued_ranges(acks))
             except E.HourglassError as e:
                 log.warning("deferred acks not sent node=%s: %s (their messages come again)", node, e)
         await self.channels.close()

@@ -15,10 +15,13 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster import client as client_mod
 from cluster import errors as E
 from cluster.client import BatchSendResult, Consumer, Producer, SendResult, StaticResolver, group_for
+from cluster.codec import Batch
 from cluster.proto import hourglass_pb2 as pb
 from tests.helpers.fake_node import FakeNode, now_ms
 
@@ -405,6 +408,71 @@ async def test_deferred_acks_ride_on_the_next_pull_and_close_sends_the_rest(node
         assert node.acks_on_pull == 1 and len(node.acked_handles()) == 10
         await rb2.ack(defer=True)
     assert len(node.acked_handles()) == 11  # close() sent the last deferred acks with an Ack
+
+
+async def test_queued_acks_of_several_batches_reach_the_node_as_one_range_per_subject(nodes):
+    """Pipelined acks are queued as arrays and made into ranges once, for the request that
+    carries them: three batches' acks (each pull with its own subject table) ride on one
+    pull as one ``SubjectHandles`` per subject, each a single [lo, hi) range, covering
+    exactly the handles handed out (not one entry per subject per batch)."""
+    (node,) = await nodes()
+    ha = node.ready("ma", ["a0", "a1", "a2"])
+    hb = node.ready("mb", ["b0", "b1", "b2"])
+    async with Consumer(StaticResolver(realtime=[node.address]), ["ma", "mb"], group="g", wait_ms=0) as c:
+        got = [(await c.pull_batch(max_messages=2))[0] for _ in range(3)]
+        assert [rb.subjects for rb in got] == [["ma", "ma"], ["ma", "mb"], ["mb", "mb"]]
+        for rb in got:
+            assert await rb.ack(defer=True) == 2
+        assert node.acked == []
+        node.ready("ma", ["a3"])
+        (rb,) = await c.pull_batch()  # carries the three batches' acks
+        assert node.acks_on_pull == 1
+        assert sorted(node.acked) == [("ma", ha), ("mb", hb)] and node.ack_ranges == [1, 1]
+        await rb.ack(defer=True)
+    assert node.acked_handles() == {("ma", h) for h in ha} | {("mb", h) for h in hb} | {("ma", 7)}
+
+
+def _slices_model(batch: Batch, handles: np.ndarray, received_ms: int, lookahead_ms: int, now: int):
+    """``Consumer._hold``'s slicing as first written (a stable sort by release step, one
+    ``take`` per slice): [(release ms, ids, handles)]."""
+    due = np.minimum(batch.deliver_at_ms.astype(np.int64), received_ms + lookahead_ms)
+    if int(due.max()) <= now:
+        return [(None, batch.id_list(), handles.tolist())]
+    step = -(-np.maximum(due, now) // client_mod.RELEASE_STEP_MS)
+    order = np.argsort(step, kind="stable")
+    cuts = np.flatnonzero(np.diff(step[order])) + 1
+    return [(int(due[part].max()), batch.take(part).id_list(), handles[part].tolist())
+            for part in np.split(order, cuts)]
+
+
+@pytest.mark.unit
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_lookahead_slices_equal_the_sort_and_take_per_slice_rule(data):
+    """``_hold`` puts a batch in release-step order once and cuts slices as runs of it; the
+    slices, their order, messages, handles and release times are those of a stable sort
+    and one ``take`` per slice (what a node sends is seldom in due order: many subjects)."""
+    now = 1_000_000
+    lookahead = data.draw(st.integers(0, 100))
+    n = data.draw(st.integers(1, 40))
+    offsets = data.draw(st.lists(st.integers(-20, 120), min_size=n, max_size=n))
+    subjects = data.draw(st.lists(st.sampled_from(["s0", "s1", "s2"]), min_size=n, max_size=n))
+    received = now - data.draw(st.integers(0, 30))
+    batch = Batch.build(subjects, [b"p%d" % i for i in range(n)], [f"m{i}" for i in range(n)],
+                        np.array([now + o for o in offsets], np.int64))
+    handles = np.array(data.draw(st.permutations(range(100, 100 + n))), np.uint64)
+    c = Consumer(StaticResolver(realtime=["127.0.0.1:1"]), "s0", group="g", lookahead_ms=lookahead)
+    clock, client_mod._now_ms = client_mod._now_ms, lambda: now
+    try:
+        ready = c._hold([client_mod.ReceivedBatch(c, "n1", batch, handles, received)])
+    finally:
+        client_mod._now_ms = clock
+    want = _slices_model(batch, handles, received, lookahead, now)
+    assert [(rb.ids, rb.handles.tolist()) for rb in ready] == \
+        [(ids, hs) for at, ids, hs in want if at is None or at <= now]
+    assert [(at, rb.ids, rb.handles.tolist()) for at, _, rb in sorted(c._held, key=lambda e: e[:2])] == \
+        [w for w in want if w[0] is not None and w[0] > now]
+    assert all(rb.received_ms == now for rb in ready)
 
 
 async def test_an_awaited_batch_ack_is_pipelined_and_wait_true_is_a_round_trip(nodes):
