@@ -380,7 +380,7 @@ class Registrar:
         """One Register (no lease) or Heartbeat, sent at ``sent_ms``."""
         if self._lease is None:
             resp = meta.call("Register", mpb.RegisterRequest(node=self._info.node,
-                                                                   ttl_ms=self.settings.meta.lease_ttl_ms))
+                                                             ttl_ms=self.settings.meta.lease_ttl_ms))
             lease = self._lease = resp.lease_id
             if not self.settings.meta.heartbeat_ms:
                 self.heartbeat_ms = max(BACKOFF_MS_MIN, resp.heartbeat_ms)
