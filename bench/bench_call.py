@@ -30,6 +30,7 @@ from cluster.discovery import MetaResolver  # noqa: E402
 SUBJECTS = [f"probe.s{i}" for i in range(16)]
 TICK_S = 0.01
 WARM_CALLS = 20
+FAILED_CALLS_MAX = 3  # calls in a row refused whole before the bench stops (one line, non-zero exit)
 
 
 def cpu_s(pid: int) -> float:
@@ -47,7 +48,7 @@ async def main(meta: str, n: int, calls: int, delay_pid: int) -> None:
     try:
         for _ in range(WARM_CALLS):  # connections and routes, as a running service has them
             await (await producer.send_many(SUBJECTS, [os.urandom(256) for _ in SUBJECTS], delay_ms=100))
-        walls, errors = [], 0
+        walls, errors, failed_whole = [], 0, 0
         c0, d0, t0 = time.process_time(), cpu_s(delay_pid), time.perf_counter()
         for k in range(calls):
             subjects = [SUBJECTS[i % len(SUBJECTS)] for i in range(n)]
@@ -58,6 +59,10 @@ async def main(meta: str, n: int, calls: int, delay_pid: int) -> None:
             res = await (await producer.send_many(subjects, payloads, ids=ids, delay_ms=delays))
             walls.append((time.perf_counter() - a) * 1000)
             errors += len(res.errors)
+            failed_whole = failed_whole + 1 if len(res.errors) == n else 0
+            if failed_whole >= FAILED_CALLS_MAX:  # the cluster is gone: each call waits out its timeout
+                sys.exit(f"bench_call: {FAILED_CALLS_MAX} calls in a row failed whole (is the cluster up?): "
+                         f"{next(iter(res.errors.values()))}")
             wait = t0 + (k + 1) * TICK_S - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
