@@ -302,17 +302,11 @@ class Delivery:
     def _gate_closed(cands: list, gate_ms: int, hold_window: int) -> int | None:
         """None when an entry ``take_new`` would hand out of ``cands`` is visible by
         ``gate_ms``; else when the first of them becomes so."""
-        early = None
-        for _, e, sel, k in cands:
-            vis = e["visible_ms"][:k] if sel is None else e["visible_ms"][sel[:k]]
-            if not len(vis):
-                continue
-            later = held_mask(vis, gate_ms, hold_window)
-            if not later.all():
-                return None
-            at = int(vis.min())
-            early = at if early is None else min(early, at)
-        return early
+        vis = np.concatenate([e["visible_ms"][:k] if sel is None else e["visible_ms"][sel[:k]]
+                              for _, e, sel, k in cands])
+        if not len(vis) or not held_mask(vis, gate_ms, hold_window).all():
+            return None
+        return int(vis.min())
 
     def gather(self, entries: np.ndarray, handles: np.ndarray) -> tuple[Batch, np.ndarray]:
         """The messages ``entries`` point at, in log order: one take per frame, one concat."""

@@ -76,7 +76,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.codec import Batch
-from cluster.errors import Closed, HourglassError, Overloaded
+from cluster.errors import Closed, HourglassError
 from cluster.files import DATA_DIR_MODE, remove_leftover_temps
 from cluster.wire import BatchResult
 from node.realtime.accept import write_bytes_bound
