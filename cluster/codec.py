@@ -581,15 +581,23 @@ class Batch:
         return Batch(subjects=self.subjects, **cols)
 
     @staticmethod
-    def gather(parts: Sequence[tuple["Batch", np.ndarray]]) -> "Batch":
+    def gather(parts: Sequence[tuple["Batch", np.ndarray]], *, due_order: bool = False) -> "Batch":
         """``Batch.concat([b.take(idx) for b, idx in parts])`` in a fixed number of numpy
         calls: a firing round takes a message or two from each of many small frames, and a
         take is mostly fixed cost. Small sources are joined whole (columns concatenated,
         blobs not copied) and indexed once; a large source (a loaded second) is taken
-        first, so nothing scales with its size."""
+        first, so nothing scales with its size.
+
+        ``due_order``: the same messages stably sorted by ``deliver_at_ms`` (what
+        ``.take(np.argsort(b.deliver_at_ms, kind="stable"))`` of the result gives), sorted
+        before the blobs are cut, so each message's bytes are copied once, not twice (a
+        firing round gathers from many frames and is almost never in due order as taken)."""
         parts = [(b, i) for b, i in parts if len(i)]
         if len(parts) <= 1:
-            return parts[0][0].take(parts[0][1]) if parts else Batch.empty()
+            if not parts:
+                return Batch.empty()
+            one = parts[0][0].take(parts[0][1])
+            return one.take(_due_sort(one.deliver_at_ms)) if due_order and _out_of_order(one.deliver_at_ms) else one
         srcs, idxs = [], []
         for b, i in parts:
             if b.n > _GATHER_WHOLE_MAX:
@@ -600,12 +608,18 @@ class Batch:
         counts = np.fromiter((b.n for b in srcs), np.int64, len(srcs))
         takes = np.fromiter(map(len, idxs), np.int64, len(idxs))
         gidx = np.concatenate(idxs) + np.repeat(np.cumsum(counts) - counts, takes)
+        src_of = np.repeat(np.arange(len(srcs)), takes)
+        local_idx = np.concatenate(idxs)
+        if due_order:
+            due = np.concatenate([b.deliver_at_ms for b in srcs])[gidx]
+            if _out_of_order(due):
+                order = _due_sort(due)
+                gidx, src_of, local_idx = gidx[order], src_of[order], local_idx[order]
         subjects, subject_idx = _merged_subjects(srcs)
         subject_idx = subject_idx[gidx]
         cols = {name: np.concatenate([getattr(b, name) for b in srcs])[gidx]
                 for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
-        src_of = np.repeat(np.arange(len(srcs)), takes).tolist()
-        local_idx = np.concatenate(idxs)
+        src_of = src_of.tolist()
         at_first = local_idx == 0
         for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
             blobs = [getattr(b, blob_name) for b in srcs]
@@ -749,6 +763,14 @@ def _check_extra(tags, props, limits: Limits) -> None:
             raise InvalidArgument("property key", f"must be 1..{limits.property_key_bytes_max} bytes")
         if len(v.encode()) > limits.property_value_bytes_max:
             raise InvalidArgument("property value", f"must be at most {limits.property_value_bytes_max} bytes")
+
+
+def _out_of_order(due: np.ndarray) -> bool:
+    return len(due) > 1 and bool((due[1:] < due[:-1]).any())
+
+
+def _due_sort(due: np.ndarray) -> np.ndarray:
+    return np.argsort(due, kind="stable")
 
 
 def _pack_columns(b: Batch) -> bytes | None:

@@ -80,6 +80,13 @@ def test_gather_is_take_then_concat(sources, data, whole_max):
         codec._GATHER_WHOLE_MAX = old
     assert as_rows(Batch.decode(g.encode())) == want
     assert g.seq.tolist() == [int(b.seq[k]) for b, i in parts for k in i.tolist()]
+    # due_order (a firing round): the stable sort by due time of the same gather, blobs cut once
+    old, codec._GATHER_WHOLE_MAX = codec._GATHER_WHOLE_MAX, whole_max
+    try:
+        d = Batch.gather(parts, due_order=True)
+    finally:
+        codec._GATHER_WHOLE_MAX = old
+    assert as_rows(Batch.decode(d.encode())) == as_rows(g.take(np.argsort(g.deliver_at_ms, kind="stable")))
 
 
 COLUMNS = ("seq", "deliver_at_ms", "effective_ms", "store_ms", "id_end", "payload_end", "extra_end", "attempts",

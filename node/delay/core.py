@@ -340,10 +340,8 @@ class DelayCore:
     def unit_of(self, fired) -> list[DueBatch]:
         if not fired:
             return []
-        b = Batch.gather([(f.ref.batch, f.idx) for f in fired])
-        due = b.deliver_at_ms
-        if len(due) > 1 and (due[1:] < due[:-1]).any():  # in due order: a real-time node holds a
-            b = b.take(np.argsort(due, kind="stable"))   # subject at its first message not due yet
+        # in due order: a real-time node holds a subject at its first message not due yet
+        b = Batch.gather([(f.ref.batch, f.idx) for f in fired], due_order=True)
         return [self.flight.add(b)]
 
     @property
