@@ -356,15 +356,15 @@ class DelayCore:
         if got is None:
             return None
         u, idx = got
-        b = u.batch.take(idx)
-        return idx, DispatchBatch(b.seq, b.effective_ms, b.deliver_at_ms, now_ms, outcome)
+        b = u.batch  # three columns, not a take: the record carries no blob (ids, payloads)
+        return idx, DispatchBatch(b.seq[idx], b.effective_ms[idx], b.deliver_at_ms[idx], now_ms, outcome)
 
     def acked(self, unit: int, idx: np.ndarray, rec: DispatchBatch, offset: int, *, dead_letter: bool) -> int:
         """The dispatch record ``rec`` of a unit's messages ``idx`` is appended at ``offset``."""
-        b = self.flight.settle(unit, idx)
+        b, idx = self.flight.settle_indexes(unit, idx)
         self.note_dispatched(rec.seq, rec.effective_ms)
         self.dispatch_trail.append((int(rec.effective_ms.max()), offset))
-        self.pending_add(rec.effective_ms, -1, (b.subjects, b.subject_idx))
+        self.pending_add(rec.effective_ms, -1, (b.subjects, b.subject_idx[idx]))
         self.counters["dead_lettered" if dead_letter else "dispatched"] += rec.n
         self.advance_completed()
         return rec.n

@@ -63,6 +63,13 @@ class InFlight:
 
     def settle(self, unit: int, idx) -> Batch | None:
         """Messages ``idx`` of a unit leave flight: those that were live (None: none were)."""
+        got = self.settle_indexes(unit, idx)
+        return None if got is None else got[0].take(got[1])
+
+    def settle_indexes(self, unit: int, idx) -> tuple[Batch, np.ndarray] | None:
+        """``settle`` as the unit's batch and the positions in it that left flight, each once
+        (None: none were live): an acknowledgement needs two columns of them, not a copy of
+        their payloads."""
         got = self.live(unit, idx)
         if got is None:
             return None
@@ -72,7 +79,7 @@ class InFlight:
         assert self.count >= 0, self.count
         if not u.live.any():
             del self.units[unit]
-        return u.batch.take(idx)
+        return u.batch, idx
 
     def clear(self) -> None:
         """Every unit forgotten (unit ids go on growing)."""
