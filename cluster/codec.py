@@ -170,7 +170,36 @@ def _merged_subjects(batches: Sequence["Batch"]) -> tuple[tuple[str, ...], np.nd
     return tuple(table), number[base + local]
 
 
-_GATHER_WHOLE_MAX = 1024  # Batch.gather joins sources this small whole; larger ones are taken first
+_GATHER_WHOLE_MAX = 1024  # Batch.gather joins sources this small whole; larger ones are picked first
+
+
+class _Picked:
+    """Messages ``idx`` of a large source of ``Batch.gather`` (a loaded second): their columns
+    indexed, and for each blob its start and end offsets in the source's own blob (``starts``
+    by end column, ``*_end`` the ends: not a partition of the blob, as a Batch's are), so
+    their bytes are cut once, with the other sources', never copied into a taken batch first."""
+
+    __slots__ = ("n", "seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind", "subject_idx",
+                 "subjects", "ids", "payloads", "extras", "id_end", "payload_end", "extra_end", "starts")
+
+    def __init__(self, b: "Batch", idx: np.ndarray) -> None:
+        self.n = len(idx)
+        for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind", "subject_idx"):
+            setattr(self, name, getattr(b, name)[idx])
+        self.subjects = b.subjects
+        self.starts = {}
+        for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
+            blob = getattr(b, blob_name)
+            setattr(self, blob_name, blob)
+            if not blob:
+                setattr(self, name, np.zeros(self.n, np.int64))
+                self.starts[name] = np.zeros(self.n, np.int64)
+                continue
+            ends = getattr(b, name)
+            setattr(self, name, ends[idx].astype(np.int64))
+            st = ends[idx - 1].astype(np.int64)  # idx - 1 is -1 for the first message: its start is 0
+            st[idx == 0] = 0
+            self.starts[name] = st
 
 
 def _pieces(blob, ends: np.ndarray) -> list:
@@ -600,36 +629,41 @@ class Batch:
             return one.take(_due_sort(one.deliver_at_ms)) if due_order and _out_of_order(one.deliver_at_ms) else one
         srcs, idxs = [], []
         for b, i in parts:
-            if b.n > _GATHER_WHOLE_MAX:
-                b = b.take(i)
+            i = np.asarray(i, np.int64)
+            if b.n > _GATHER_WHOLE_MAX:  # a loaded second: its messages' columns and blob ranges now,
+                b = _Picked(b, i)        # their bytes cut once below with the others'
                 i = np.arange(b.n)
             srcs.append(b)
-            idxs.append(np.asarray(i, np.int64))
+            idxs.append(i)
         counts = np.fromiter((b.n for b in srcs), np.int64, len(srcs))
         takes = np.fromiter(map(len, idxs), np.int64, len(idxs))
-        gidx = np.concatenate(idxs) + np.repeat(np.cumsum(counts) - counts, takes)
+        firsts = np.cumsum(counts) - counts  # where each source starts in the joined columns
+        gidx = np.concatenate(idxs) + np.repeat(firsts, takes)
         src_of = np.repeat(np.arange(len(srcs)), takes)
-        local_idx = np.concatenate(idxs)
         if due_order:
             due = np.concatenate([b.deliver_at_ms for b in srcs])[gidx]
             if _out_of_order(due):
                 order = _due_sort(due)
-                gidx, src_of, local_idx = gidx[order], src_of[order], local_idx[order]
+                gidx, src_of = gidx[order], src_of[order]
         subjects, subject_idx = _merged_subjects(srcs)
         subject_idx = subject_idx[gidx]
         cols = {name: np.concatenate([getattr(b, name) for b in srcs])[gidx]
                 for name in ("seq", "deliver_at_ms", "effective_ms", "store_ms", "attempts", "kind")}
         src_of = src_of.tolist()
-        at_first = local_idx == 0
+        picked = [k for k, b in enumerate(srcs) if isinstance(b, _Picked)]
         for name, blob_name in (("id_end", "ids"), ("payload_end", "payloads"), ("extra_end", "extras")):
             blobs = [getattr(b, blob_name) for b in srcs]
             if not any(blobs):
                 cols[name], cols[blob_name] = np.zeros(len(gidx), np.uint32), b""
                 continue
             ends = np.concatenate([getattr(b, name) for b in srcs]).astype(np.int64)
+            starts = np.empty_like(ends)  # a whole source's message starts where the one before ends,
+            starts[1:] = ends[:-1]        # its first at 0; a picked one's starts are its own
+            starts[firsts] = 0
+            for k in picked:
+                starts[firsts[k]:firsts[k] + counts[k]] = srcs[k].starts[name]
             e = ends[gidx]
-            st = ends[gidx - 1]  # a source's first message starts at 0 (gidx - 1 is the previous source's)
-            st[at_first] = 0
+            st = starts[gidx]
             cols[blob_name] = b"".join([blobs[k][x:y] for k, x, y in zip(src_of, st.tolist(), e.tolist())])
             out = np.cumsum(e - st)
             if int(out[-1]) >= 1 << 32:
