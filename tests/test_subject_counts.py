@@ -266,9 +266,16 @@ def test_grouped_sums_alike_in_a_dict_and_in_numpy(rows, scalar):
     starts = np.array([r[0] * 60_000 for r in rows], np.int64)
     sidx = np.array([r[1] for r in rows], np.uint16)
     sign = -1 if scalar else np.array([r[2] for r in rows], np.int64)
-    small = S.grouped(starts, names, sidx, sign)
+    one = np.full(len(rows), starts[0])  # one start (a round within one minute): by subject alone
+    small, small_one = S.grouped(starts, names, sidx, sign), S.grouped(one, names, sidx, sign)
     old, S.GROUPED_PY_MAX = S.GROUPED_PY_MAX, 0
     try:
-        assert S.grouped(starts, names, sidx, sign) == small
+        assert S.grouped(starts, names, sidx, sign) == small  # counted in bins
+        assert S.grouped(one, names, sidx, sign) == small_one
+        old_bins, S.GROUPED_BINS_MAX = S.GROUPED_BINS_MAX, 0
+        try:
+            assert S.grouped(starts, names, sidx, sign) == small  # too many keys for bins: sorted
+        finally:
+            S.GROUPED_BINS_MAX = old_bins
     finally:
         S.GROUPED_PY_MAX = old

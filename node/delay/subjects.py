@@ -41,6 +41,7 @@ OTHER = "(other)"
 
 
 GROUPED_PY_MAX = 64  # records ``grouped`` sums in a dict; more go through numpy (bench: equal near 200)
+GROUPED_BINS_MAX = 1 << 16  # (start, subject) keys ``grouped`` counts in bins rather than sorts
 
 
 def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
@@ -62,15 +63,28 @@ def grouped(starts: np.ndarray, subjects: Sequence[str], sidx: np.ndarray,
         for k, v in zip(keys, np.asarray(sign).tolist()):
             sums[k] = sums.get(k, 0) + int(v)
         return [(b, subjects[k], v) for (b, k), v in sorted(sums.items())]
-    weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
-    if len(subjects) == 1 and int(starts.min()) == int(starts.max()):  # the usual case: one of each
-        return [(int(starts[0]), subjects[0], int(weights.sum()))]
-    ub, binv = np.unique(starts, return_inverse=True)
+    scalar = isinstance(sign, (int, np.integer))
+    starts = np.asarray(starts)
+    lo, hi = int(starts.min()), int(starts.max())
     nsub = len(subjects)
-    key = binv.reshape(-1).astype(np.int64) * nsub + np.asarray(sidx, np.int64)
-    uk, kinv = np.unique(key, return_inverse=True)
-    sums = np.bincount(kinv.reshape(-1), weights=weights, minlength=len(uk)).astype(np.int64)
-    return [(int(ub[k // nsub]), subjects[k % nsub], v) for k, v in zip(uk.tolist(), sums.tolist())]
+    if nsub == 1 and lo == hi:  # one of each
+        return [(lo, subjects[0], n * int(sign) if scalar else int(np.sum(sign)))]
+    if lo == hi:  # one start (a round within one minute or bucket: the usual case): by subject alone
+        ub, key = [lo], np.asarray(sidx, np.int64)
+    else:
+        ub, binv = np.unique(starts, return_inverse=True)
+        ub = ub.tolist()
+        key = binv.reshape(-1).astype(np.int64) * nsub + np.asarray(sidx, np.int64)
+    if len(ub) * nsub <= GROUPED_BINS_MAX:  # counted in bins: no sort
+        counts = np.bincount(key, minlength=len(ub) * nsub)
+        uk = np.flatnonzero(counts)
+        sums = counts[uk] * int(sign) if scalar else \
+            np.bincount(key, weights=np.asarray(sign, np.int64), minlength=len(counts))[uk].astype(np.int64)
+    else:
+        uk, kinv = np.unique(key, return_inverse=True)
+        weights = np.broadcast_to(np.asarray(sign, np.int64), (n,))
+        sums = np.bincount(kinv.reshape(-1), weights=weights, minlength=len(uk)).astype(np.int64)
+    return [(ub[k // nsub], subjects[k % nsub], v) for k, v in zip(uk.tolist(), sums.tolist())]
 
 
 MINUTE_MS = 60_000
