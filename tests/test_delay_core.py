@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cluster.codec import Batch
 from cluster.errors import CorruptRecord, Overloaded
@@ -239,3 +241,26 @@ def test_the_healer_needs_only_its_interface_and_takes_time_as_an_argument(tmp_p
     s.healer.rebuild(start, why, now_ms=T0 + REBUILD_WINDOW_MS)  # the window passed
     assert s.lookup("m3").status == "pending"
     s.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "popleft", "cut"]),
+                          st.lists(st.integers(0, 12), max_size=6)), max_size=25),
+       st.lists(st.integers(0, 14), max_size=10))
+def test_unfiled_holds_what_an_isin_over_its_frames_finds(steps, probe):
+    """``Unfiled.holds`` (a send's check of the ids waiting to be filed) answers as ``np.isin``
+    over every waiting frame's hashes, through appends, filings and cuts, with an id hash in
+    several frames (a cancel and its target) and twice in one."""
+    unfiled, offset = Unfiled(), 0
+    for op, hs in steps:
+        if op == "append":
+            b = Batch.build(["s"] * len(hs), [b""] * len(hs), [f"i{h}" for h in hs], [0] * len(hs))
+            unfiled.append(offset, offset + 10, b, np.array(hs, np.uint64))
+            offset += 10
+        elif op == "popleft" and unfiled:
+            unfiled.popleft()
+        elif op == "cut" and unfiled:
+            unfiled.cut(unfiled.frames[len(unfiled.frames) // 2].offset)
+        q = np.array(probe, np.uint64)
+        want = np.isin(q, unfiled.hashes()) if unfiled else np.zeros(len(q), bool)
+        assert unfiled.holds(q).tolist() == want.tolist()

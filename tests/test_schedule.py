@@ -108,6 +108,26 @@ def test_an_unsorted_batch_is_sorted_not_cut_into_tiny_frames(tmp_path):
     assert len(f2.frames) <= 2 * len({d // 1000 for d in dues})  # one per (run, second)
 
 
+def test_many_calls_filed_together_are_sorted_and_two_long_runs_stay_slices(tmp_path):
+    """The filer's round of many calls (each a due-ordered run over the same few seconds) is
+    sorted first: one frame per second, where slices would make one per call and second; two
+    long runs are cheaper as slices (a frame per run and second, nothing copied per record)."""
+    rnd = random.Random(5)
+    calls = [sorted(T0 + rnd.randrange(0, 5000) for _ in range(50)) for _ in range(20)]
+    dues = [d for c in calls for d in c]
+    s = ScheduleLog(tmp_path / "many")
+    f = s.file(batch(range(1, len(dues) + 1), dues))
+    assert len(f.frames) == len({d // 1000 for d in dues})  # 5, not about 20 x 5
+    long_runs = sorted(T0 + rnd.randrange(0, 2000) for _ in range(400)) * 2
+    s2 = ScheduleLog(tmp_path / "two")
+    f2 = s2.file(batch(range(1, 801), long_runs))
+    assert len(f2.frames) == 2 * len({d // 1000 for d in long_runs})  # slices: per run and second
+    for fr in f.frames + f2.frames:
+        assert (np.diff(fr.batch.effective_ms) >= 0).all()
+    s.close()
+    s2.close()
+
+
 def test_bucket_size_fixed_at_creation(tmp_path):
     ScheduleLog(tmp_path, bucket_ms=60_000).close()
     assert ScheduleLog(tmp_path, bucket_ms=H).bucket_ms == 60_000

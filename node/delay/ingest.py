@@ -124,8 +124,8 @@ def admit(batch: Batch, *, now_ms: int, settings: StoreSettings, unfiled: "Unfil
         ok[i] = False
     # ids seen before (candidates: the 8-byte hash may collide; confirmed on the record)
     cand = probe(hashes, id_bytes)
-    if unfiled:  # accepted and not filed yet (not in the id index): one isin, nothing per message
-        cand |= np.isin(hashes, unfiled.hashes())
+    if unfiled:  # accepted and not filed yet (not in the id index)
+        cand |= unfiled.holds(hashes)
     for i in np.flatnonzero(cand & ok).tolist():
         found = find(batch.id(i))
         if found is not None:
@@ -189,6 +189,10 @@ class Unfiled:
     def __init__(self) -> None:
         self.frames: deque[UnfiledFrame] = deque()
         self.count = 0  # records
+        # id hash -> records waiting with it (a cancel shares its target's id): what ``holds``
+        # answers from, kept as frames come and go; a send asks about its ids whatever the
+        # number of frames waiting (the filer lingers: several calls' frames wait together)
+        self._hash_counts: dict[int, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.frames)
@@ -197,6 +201,9 @@ class Unfiled:
         first = int(batch.deliver_at_ms.min()) if batch.n else 0
         self.frames.append(UnfiledFrame(offset, end, batch, hashes, first))
         self.count += batch.n
+        counts = self._hash_counts
+        for h in hashes.tolist():
+            counts[h] = counts.get(h, 0) + 1
 
     def earliest_due_ms(self) -> int | None:
         """The earliest due time of a record accepted and not filed yet (None: none)."""
@@ -205,6 +212,13 @@ class Unfiled:
     def popleft(self) -> UnfiledFrame:
         u = self.frames.popleft()
         self.count -= u.batch.n
+        counts = self._hash_counts
+        for h in u.hashes.tolist():
+            left = counts[h] - 1
+            if left:
+                counts[h] = left
+            else:
+                del counts[h]
         return u
 
     def cut(self, offset: int) -> None:
@@ -212,9 +226,18 @@ class Unfiled:
         kept = [u for u in self.frames if u.offset < offset]
         self.frames = deque(kept)
         self.count = sum(u.batch.n for u in kept)
+        self._hash_counts = {}
+        for u in kept:
+            for h in u.hashes.tolist():
+                self._hash_counts[h] = self._hash_counts.get(h, 0) + 1
 
     def hashes(self) -> np.ndarray:
         return np.concatenate([u.hashes for u in self.frames])
+
+    def holds(self, hashes: np.ndarray) -> np.ndarray:
+        """For each of ``hashes``: whether a record waiting has that id hash (``isin`` of
+        ``hashes()``, without joining and sorting every frame's hashes at each send)."""
+        return np.fromiter(map(self._hash_counts.__contains__, hashes.tolist()), bool, len(hashes))
 
     def due_ms(self) -> np.ndarray:
         return np.concatenate([u.batch.deliver_at_ms for u in self.frames]).astype(np.int64) \

@@ -77,8 +77,20 @@ META_VERSIONS_READ = (2, 3)
 MEMO_FRAMES_MAX = 4096  # frames one ``ScheduleLog.memo`` block keeps (a batch's duplicates)
 OPEN_BUCKETS_MAX = 32  # buckets kept open (LRU) unless ``open_buckets_max`` says otherwise
 REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is rebuilt (bounds memory)
-FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs is filed as slices,
-FILE_SORTED_RUN_MIN = 16  # ... of this many records each on average (else sorted: no tiny frames)
+FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs may be filed as slices,
+FILE_FRAME_RECORDS = 64  # ... when the frames the slices add cost less than sorting: a frame costs
+# about as much as copying this many records once (a frame is a take, an encode, an index entry, a
+# wheel chunk; a sort copies each record's blobs once: docs/benchmarks.md, fifteenth session)
+
+
+def _slices_pay(slice_frames: int, secs: np.ndarray, n: int) -> bool:
+    """Whether filing ``n`` records as ``slice_frames`` slices costs less than sorting them
+    first: the slices' frames beyond one per due second (at most the seconds spanned, at most
+    ``n``), each worth ``FILE_FRAME_RECORDS`` records copied, against the ``n`` records the
+    sort copies. Several calls filed in one round are as many runs, each cut at every second
+    it covers: 20 calls due over 5 s are 100 slices against 5 frames sorted."""
+    seconds = min(int(secs.max() - secs.min()) + 1, n)
+    return (slice_frames - seconds) * FILE_FRAME_RECORDS <= n
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,13 +297,14 @@ class ScheduleLog:
         # each group in due order: the wheel fires ranges of it
         descents = eff[1:] < eff[:-1]
         runs = int(np.count_nonzero(descents)) + 1
-        if runs <= FILE_SORTED_RUNS_MAX and runs * FILE_SORTED_RUN_MIN <= n:
+        secs = eff // 1000
+        slice_cuts = np.flatnonzero((secs[1:] != secs[:-1]) | descents) + 1 if runs <= FILE_SORTED_RUNS_MAX else None
+        if slice_cuts is not None and (runs == 1 or _slices_pay(len(slice_cuts) + 1, secs, n)):
             # a few runs already in due order (the SDK sorts each wire batch; the iterator
             # files several batches at once): a group is a run's slice within one second,
             # so nothing is copied record by record
             order = np.arange(n)
-            secs = eff // 1000
-            cuts = np.flatnonzero((secs[1:] != secs[:-1]) | descents) + 1
+            cuts = slice_cuts
             in_order = batch
         else:
             order = np.argsort(eff, kind="stable")
