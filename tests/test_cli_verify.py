@@ -96,7 +96,10 @@ async def test_admin_verify_lists_the_ids_a_single_node_lost(tmp_path):
     import asyncio
 
     env = {"HOURGLASS_MESSAGE_SEGMENT_BYTES": "65536", "HOURGLASS_SCRUB_RATE_MIB_S": "0",
-           "HOURGLASS_RETENTION_INTERVAL_MS": "300", "HOURGLASS_CHECKPOINT_INTERVAL_MS": "200"}
+           "HOURGLASS_RETENTION_INTERVAL_MS": "300", "HOURGLASS_CHECKPOINT_INTERVAL_MS": "200",
+           # each call filed by itself, so the first frame holds the first call's records alone (those
+           # whose message-log segment retention deletes); a lingering filer sorts several calls into one
+           "HOURGLASS_FILE_LINGER_MS": "0"}
     with LocalCluster(tmp_path / "c", n_realtime=1, env=env) as c:
         node = c.delay[0]
         resolver = StaticResolver(delay=[node.address], realtime=[n.address for n in c.realtime])
