@@ -74,6 +74,20 @@ async def test_calls_queued_together_share_one_request(nodes):
     assert ra.ok and rb.ok and set(ra.ids).isdisjoint(rb.ids)
 
 
+async def test_an_awaited_callers_next_call_is_not_held_by_the_linger(nodes):
+    """The batcher lingers only while messages are on the wire without their answer: the
+    next call of a caller that awaited its last one goes at once, though the task that sent
+    the last one may not have finished yet (a linger longer than the call's deadline would
+    fail it)."""
+    three = await nodes(3)  # a call's messages over three groups: its send waits on three nodes at once
+    async with fast(StaticResolver(delay=[n.address for n in three]), linger_ms=600_000, call_timeout_s=5) as p:
+        for _ in range(4):
+            res = await (await p.send_many("s", [b"x"] * 30, delay_ms=1000))
+            assert res.ok
+            assert p._unanswered == p._queued == 0  # nothing on the wire, whatever ``_sending`` holds
+    assert sum(len(r.ids) for n in three for r in n.requests) == 120
+
+
 async def test_generated_ids_are_unique_with_one_prefix_per_producer(nodes):
     (node,) = await nodes()
     r = StaticResolver(delay=[node.address])
