@@ -548,15 +548,20 @@ def _subject_idx(pieces: list[_Piece], order: np.ndarray | None) -> tuple[tuple[
     g = parts[0] if len(parts) == 1 else np.concatenate(parts)
     if order is not None:
         g = g[order]
-    # renumber by first appearance: the codec's table order for the same list of names
-    used, first = np.unique(g, return_index=True)
-    rank = np.empty(len(names), np.int64)
+    # renumber by first appearance: the codec's table order for the same list of names (each
+    # name's first position by ``minimum.at``, a third of ``np.unique``'s cost; a name the
+    # batch does not carry keeps len(g) and sorts last)
+    k, m = len(names), len(g)
+    first = np.full(k, m, np.int64)
+    np.minimum.at(first, g, np.arange(m))
     by_first = np.argsort(first, kind="stable")
-    rank[used[by_first]] = np.arange(len(used))
-    if len(used) > SUBJECTS_MAX:
+    used = int(np.count_nonzero(first < m))
+    if used > SUBJECTS_MAX:
         raise E.InvalidArgument("batch", f"more than {SUBJECTS_MAX} subjects in one batch")
+    rank = np.empty(k, np.int64)
+    rank[by_first] = np.arange(k)
     table = tuple(names)
-    return tuple(table[int(k)] for k in used[by_first].tolist()), rank[g].astype(np.uint16)
+    return tuple(table[i] for i in by_first[:used].tolist()), rank[g].astype(np.uint16)
 
 
 def _build(pieces: list[_Piece], *, immediate: bool = False) -> tuple[Batch, np.ndarray | None, np.ndarray | None]:
