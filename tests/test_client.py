@@ -601,7 +601,7 @@ def _build_model(pieces, now_ms):
 
 
 @pytest.mark.unit
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_a_wire_batch_is_the_sorted_list_of_its_pieces_messages(data):
     """``_build`` numbers subjects once per job and permutes ids and payloads with C calls;
