@@ -8,6 +8,11 @@ running in its own process, so that this process's CPU is the SDK's (and gRPC's)
   ``--call``-message batch; per batch the loop reads ids and ``lateness_ms`` (what the
   benchmark consumer records) and acks the batch.
 
+``--user``: the calls as ``bench/e2e_user.py``'s client makes them (issue 28): every producer
+call awaited before the next, with its own ids, a subject per message and a delay per message
+(built before the clock starts: the SDK's cost alone); the consumer reads ``ids`` and
+``payloads`` of each batch (``--call 40``: the small batches a 20k/s lookahead consumer gets).
+
 One JSON line per path; ``--profile`` writes a cProfile of each path next to it.
 
     python bench/bench_sdk.py --n 200000
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import subprocess
 import sys
 import tempfile
@@ -77,6 +83,40 @@ async def produce(address: str, n: int, call: int, inflight: int) -> int:
     return accepted
 
 
+async def produce_user(address: str, n: int, call: int, inflight: int) -> int:
+    calls = []
+    for k in range(n // call):
+        blob = os.urandom(256 * call)
+        calls.append(([SUBJECTS[i % 16] for i in range(call)], [blob[j:j + 256] for j in range(0, len(blob), 256)],
+                      [f"user-{k}-{i}" for i in range(call)], [1000 + (i * 37 + k) % 4000 for i in range(call)]))
+    accepted = 0
+    async with Producer(StaticResolver(delay=[address])) as p:
+        c0 = cpu_s()
+        for subjects, payloads, ids, delays in calls:
+            accepted += len((await (await p.send_many(subjects, payloads, ids=ids, delay_ms=delays))).ids)
+        MEASURED["cpu_s"] = cpu_s() - c0
+    return accepted
+
+
+async def consume_user(address: str, n: int) -> int:
+    got = 0
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    async with Consumer(StaticResolver(realtime=[address]), SUBJECTS, group="bench") as c:
+        c0 = cpu_s()
+        async for rb in c.batches():
+            ids, payloads = rb.ids, rb.payloads
+            got += len(ids)
+            assert len(payloads) == len(ids)
+            await rb.ack()
+            if got >= n or time.monotonic() > deadline:
+                break
+        MEASURED["cpu_s"] = cpu_s() - c0
+    return got
+
+
+MEASURED: dict[str, float] = {}  # a path's own measured CPU (the user paths leave out their inputs' building)
+
+
 async def consume(address: str, n: int) -> int:
     got = 0
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -100,7 +140,7 @@ def measure(name: str, fn, args, profile: str | None) -> dict:
     if prof:
         prof.disable()
         prof.dump_stats(f"{profile}.{name}.prof")
-    cpu, wall = cpu_s() - c0, time.perf_counter() - t0
+    cpu, wall = MEASURED.pop("cpu_s", cpu_s() - c0), time.perf_counter() - t0
     return {"bench": "sdk", "path": name, "messages": count, "cpu_s": round(cpu, 3),
             "us_per_msg": round(cpu / max(1, count) * 1e6, 2), "msgs_per_s_wall": round(count / wall),
             "budget_us_per_msg": 2.0}
@@ -111,16 +151,19 @@ def main() -> None:
     p.add_argument("--n", type=int, default=200_000)
     p.add_argument("--call", type=int, default=1000, help="messages per send_many call / per pulled batch")
     p.add_argument("--inflight", type=int, default=8)
+    p.add_argument("--user", action="store_true", help="the calls as bench/e2e_user.py's client makes them")
     p.add_argument("--profile", default=None, help="write cProfile stats to PROFILE.<path>.prof")
     a = p.parse_args()
     fake = FakeNodeProcess()
     try:
-        emit(measure("producer.send_many", produce, (fake.address, a.n, a.call, a.inflight), a.profile))
+        emit(measure("producer.send_many" + ".user" * a.user, produce_user if a.user else produce,
+                     (fake.address, a.n, a.call, a.inflight), a.profile))
     finally:
         fake.stop()
     fake = FakeNodeProcess(endless_n=a.call)
     try:
-        emit(measure("consumer.batches", consume, (fake.address, a.n), a.profile))
+        emit(measure("consumer.batches" + ".user" * a.user, consume_user if a.user else consume, (fake.address, a.n),
+                     a.profile))
     finally:
         fake.stop()
 

@@ -71,6 +71,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from operator import itemgetter
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -80,7 +81,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from cluster import errors as E
 from cluster import status
 from cluster.clock import wall_ms as _now_ms
-from cluster.codec import COLUMN_BYTES, DEFAULT_LIMITS, OK, Batch, Limits, check_subject, encode_extra, subject_problem
+from cluster.codec import (COLUMN_BYTES, DEFAULT_LIMITS, OK, SUBJECTS_MAX, Batch, Limits, check_subject, encode_extra,
+                           subject_problem)
 from cluster.proto import hourglass_pb2 as pb
 from cluster.routes import RouteView
 from cluster.trace import hops as trace_hops
@@ -432,7 +434,7 @@ class _Job:
 
     __slots__ = ("n", "ids", "subjects", "payloads", "extras", "deliver", "delay", "immediate", "future",
                  "futures", "sealed", "taken", "crc", "size_end", "seqs", "due", "dups", "done", "left", "errors",
-                 "refused", "deadline", "timer", "tried", "attempts", "why")
+                 "refused", "deadline", "timer", "tried", "attempts", "why", "subject_col")
 
     def __init__(self, ids: list[str], subjects, payloads: list[bytes], extras: list[bytes] | None, deliver,
                  delay, immediate: bool, future: asyncio.Future | None, futures: list | None = None, *,
@@ -456,6 +458,7 @@ class _Job:
         self.tried: dict[str, int] = {}  # address -> requests sent there carrying messages of this job
         self.attempts = 0
         self.why: BaseException | None = None  # the last reason a retry was needed
+        self.subject_col: tuple[tuple[str, ...], np.ndarray] | None = None  # ``_subject_column``, once sealed
 
     def seal(self, sizes: np.ndarray | None = None) -> None:
         """No more messages join; build the arrays the batcher cuts and answers fill.
@@ -517,25 +520,66 @@ def _pick(values: list, idx: np.ndarray) -> list:
     return [values[i] for i in idx.tolist()]
 
 
+def _subject_column(job: _Job) -> tuple[tuple[str, ...], np.ndarray]:
+    """A job's subjects as a table (first appearance) and an index per message, made once per
+    job and in C loops (``dict.fromkeys``, ``map``), not a Python step per message."""
+    if job.subject_col is None:
+        table = tuple(dict.fromkeys(job.subjects))
+        number = {s: k for k, s in enumerate(table)}
+        job.subject_col = table, np.fromiter(map(number.__getitem__, job.subjects), np.int64, len(job.subjects))
+    return job.subject_col
+
+
+def _subject_idx(pieces: list[_Piece], order: np.ndarray | None) -> tuple[tuple[str, ...], np.ndarray] | str:
+    """The subject table and index column of a wire batch of ``pieces`` (in ``order``), as
+    ``Batch.build`` makes them from a list of names: the table in order of first appearance,
+    only subjects the batch carries; or the one subject when every message has it."""
+    names: dict[str, int] = {}
+    parts = []
+    for job, idx, _ in pieces:
+        if isinstance(job.subjects, str):
+            parts.append(np.full(len(idx), names.setdefault(job.subjects, len(names)), np.int64))
+        else:
+            table, col = _subject_column(job)
+            remap = np.fromiter((names.setdefault(t, len(names)) for t in table), np.int64, len(table))
+            parts.append(remap[col[idx]])
+    if len(names) == 1:
+        return next(iter(names))
+    g = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if order is not None:
+        g = g[order]
+    # renumber by first appearance: the codec's table order for the same list of names (each
+    # name's first position by ``minimum.at``, a third of ``np.unique``'s cost; a name the
+    # batch does not carry keeps len(g) and sorts last)
+    k, m = len(names), len(g)
+    first = np.full(k, m, np.int64)
+    np.minimum.at(first, g, np.arange(m))
+    by_first = np.argsort(first, kind="stable")
+    used = int(np.count_nonzero(first < m))
+    if used > SUBJECTS_MAX:
+        raise E.InvalidArgument("batch", f"more than {SUBJECTS_MAX} subjects in one batch")
+    rank = np.empty(k, np.int64)
+    rank[by_first] = np.arange(k)
+    table = tuple(names)
+    return tuple(table[i] for i in by_first[:used].tolist()), rank[g].astype(np.uint16)
+
+
 def _build(pieces: list[_Piece], *, immediate: bool = False) -> tuple[Batch, np.ndarray | None, np.ndarray | None]:
     """The codec batch (and delay column) of a wire request made of ``pieces``, sorted by
     due time (stable), and the order that sorted it (None: it already was, or the batch is
     ``immediate``: a real-time node stores it in the order it was sent). A delay node files
     a batch by due second: records already in due order are filed as slices of the frame
     it received, with no per-record copy (``ScheduleLog.file``); the sort is done here, in
-    the producer's process, once per wire batch."""
+    the producer's process, once per wire batch. Nothing here steps through the messages in
+    Python: lists are sliced and permuted by C calls (``itemgetter``), subjects are numbered
+    once per job (``_subject_column``)."""
     ids: list[str] = []
     payloads: list[bytes] = []
-    subject_set = {j.subjects for j, _, _ in pieces if isinstance(j.subjects, str)}
-    one_subject = len(subject_set) == 1 and all(isinstance(j.subjects, str) for j, _, _ in pieces)
-    subjects: list[str] = []
     any_extras = any(j.extras is not None for j, _, _ in pieces)
     extras: list[bytes] = []
     for job, idx, _ in pieces:
         ids += _pick(job.ids, idx)
         payloads += _pick(job.payloads, idx)
-        if not one_subject:
-            subjects += [job.subjects] * len(idx) if isinstance(job.subjects, str) else _pick(job.subjects, idx)
         if any_extras:
             extras += _pick(job.extras, idx) if job.extras is not None else [b""] * len(idx)
     deliver = np.concatenate([j.deliver[idx] for j, idx, _ in pieces])
@@ -547,16 +591,19 @@ def _build(pieces: list[_Piece], *, immediate: bool = False) -> tuple[Batch, np.
     order = None
     if not immediate and len(key) > 1 and bool((key[1:] < key[:-1]).any()):
         order = np.argsort(key, kind="stable")
-        ol = order.tolist()
-        ids, payloads, deliver = [ids[i] for i in ol], [payloads[i] for i in ol], deliver[order]
-        if not one_subject:
-            subjects = [subjects[i] for i in ol]
+        permute = itemgetter(*order.tolist())  # at least two: a tuple
+        ids, payloads, deliver = permute(ids), permute(payloads), deliver[order]
         if any_extras:
-            extras = [extras[i] for i in ol]
+            extras = permute(extras)
         if delay is not None:
             delay = delay[order]
-    batch = Batch.build(subject_set.pop() if one_subject else subjects, payloads, ids, deliver,
-                        extras=extras if any_extras else None)
+    subjects = _subject_idx(pieces, order)
+    if isinstance(subjects, str):
+        batch = Batch.build(subjects, payloads, ids, deliver, extras=extras if any_extras else None)
+    else:
+        table, sidx = subjects
+        batch = Batch.build(table[0], payloads, ids, deliver, extras=extras if any_extras else None)
+        batch = batch.replace(subjects=table, subject_idx=sidx)
     return batch, delay, order
 
 
@@ -774,6 +821,8 @@ class Producer:
 
     async def _wait_room(self, n: int, deadline: float) -> None:
         """Wait while ``queue_max`` messages are queued; ``Unavailable`` at ``deadline``."""
+        if not (self._queued and self._queued + n > self.queue_max):
+            return  # room now (nearly every call): no timeout armed and cancelled for nothing
         try:
             async with asyncio.timeout_at(deadline):
                 while self._queued and self._queued + n > self.queue_max:
@@ -845,8 +894,11 @@ class Producer:
                 await self._wake.wait()
             # linger only while requests are on the wire (issue 28): a message queued when none
             # is leaves at once (an awaited send pays no linger), and under load the messages
-            # queued while requests run gather into the next one (batches grow with the rate)
-            deadline = loop.time() + (self.linger_ms / 1000 if self._sending else 0.0)
+            # queued while requests run gather into the next one (batches grow with the rate).
+            # On the wire: taken messages still without their answer (``_unanswered`` less the
+            # queued), not the send tasks: an awaited caller's next call comes while the task
+            # that answered its last one is still finishing, and lingered ``linger_ms`` for it
+            deadline = loop.time() + (self.linger_ms / 1000 if self._unanswered > self._queued else 0.0)
             while self._queued < self.batch_max and (left := deadline - loop.time()) > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -915,6 +967,18 @@ class Producer:
     def _answer(self, pieces: list[_Piece], res: BatchResult) -> tuple[list[_Piece], E.HourglassError | None]:
         """Write one SendBatch answer into the jobs; returns the pieces to retry and why.
         Messages that expired while the request was out keep their deadline error."""
+        if not res.codes.any() and not any(job.done[idx].any() for job, idx, _ in pieces):
+            # every message OK and still waiting (nearly every answer): its columns, written
+            # as they came; the same as below with nothing to retry, refuse or pass over
+            pos = 0
+            for job, idx, _ in pieces:
+                sl = slice(pos, pos + len(idx))
+                job.seqs[idx] = res.seqs[sl]
+                job.due[idx] = res.deliver_at_ms[sl]
+                job.dups[idx] = res.duplicates[sl] != 0
+                pos += len(idx)
+                self._settle(job, idx)
+            return [], None
         retry = _RETRYABLE[res.codes]
         if res.errors and retry.any():  # refused for a full disk or a quota: final (``status.retryable``)
             for i in np.flatnonzero(retry & (res.codes == pb.OVERLOADED)).tolist():
@@ -1024,7 +1088,11 @@ class Producer:
             routes, stuck, why = await (self._route_immediate(pieces) if immediate else self._route_delayed(pieces))
         except E.Unavailable as err:
             return pieces, err
-        outs = await asyncio.gather(*(self._send_to(a, ps, immediate) for a, ps in routes.items()))
+        if len(routes) == 1:  # one node (most calls): no task and gather of its own to wait for
+            ((address, ps),) = routes.items()
+            outs = [await self._send_to(address, ps, immediate)]
+        else:
+            outs = await asyncio.gather(*(self._send_to(a, ps, immediate) for a, ps in routes.items()))
         left = list(stuck)
         for again, err in outs:
             left += again

@@ -188,13 +188,21 @@ class OrderedStream:
                 fut.cancel()
                 self._fail(st, _error(grpc.StatusCode.CANCELLED, f"{self.name}: a write was cancelled"))
                 raise
+        # the deadline as one timer that fails the stream (this caller's slot with it), not an
+        # ``asyncio.timeout`` around the wait: a context and a cancellation per call for nothing
+        timer = loop.call_later(timeout, self._expire, st, fut, timeout)
         try:
-            async with asyncio.timeout(timeout):
-                resp = await fut
-        except TimeoutError:
+            return await fut
+        finally:
+            timer.cancel()
+
+    def _expire(self, st: _OpenStream, fut: asyncio.Future, timeout: float) -> None:
+        """A caller's deadline passed without its answer: the stream ends (its later answers could
+        no longer be matched to their callers) and every caller waiting on it, this one too,
+        gets DEADLINE_EXCEEDED. A slot not done is still in ``st.waiting`` (answers, failures
+        and cancellations all make it done)."""
+        if not fut.done():
             self._fail(st, _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s"))
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s") from None
-        return resp
 
     async def _read(self, st: _OpenStream) -> None:
         try:

@@ -74,6 +74,20 @@ async def test_calls_queued_together_share_one_request(nodes):
     assert ra.ok and rb.ok and set(ra.ids).isdisjoint(rb.ids)
 
 
+async def test_an_awaited_callers_next_call_is_not_held_by_the_linger(nodes):
+    """The batcher lingers only while messages are on the wire without their answer: the
+    next call of a caller that awaited its last one goes at once, though the task that sent
+    the last one may not have finished yet (a linger longer than the call's deadline would
+    fail it)."""
+    three = await nodes(3)  # a call's messages over three groups: its send waits on three nodes at once
+    async with fast(StaticResolver(delay=[n.address for n in three]), linger_ms=600_000, call_timeout_s=5) as p:
+        for _ in range(4):
+            res = await (await p.send_many("s", [b"x"] * 30, delay_ms=1000))
+            assert res.ok
+            assert p._unanswered == p._queued == 0  # nothing on the wire, whatever ``_sending`` holds
+    assert sum(len(r.ids) for n in three for r in n.requests) == 120
+
+
 async def test_generated_ids_are_unique_with_one_prefix_per_producer(nodes):
     (node,) = await nodes()
     r = StaticResolver(delay=[node.address])
@@ -564,3 +578,63 @@ async def test_lookahead_zero_hands_out_what_comes_at_once(nodes):
                 return rb.ids
         assert await asyncio.wait_for(first(), GUARD_S) == ["a"]
     assert set(node.lookaheads) == {0}
+
+
+def _build_model(pieces, now_ms):
+    """The wire batch of ``pieces`` as a list per message, sorted by due time (stable): what
+    ``_build`` made before it numbered subjects and permuted with C calls."""
+    rows = []
+    for job, idx, _ in pieces:
+        for i in idx.tolist():
+            subject = job.subjects if isinstance(job.subjects, str) else job.subjects[i]
+            delay = int(job.delay[i]) if job.delay is not None else 0
+            extra = job.extras[i] if job.extras is not None else b""
+            rows.append((subject, job.payloads[i], job.ids[i], int(job.deliver[i]), delay, extra))
+    key = [now_ms + d if d else t for _, _, _, t, d, _ in rows]
+    order = sorted(range(len(rows)), key=key.__getitem__)
+    rows = [rows[k] for k in order]
+    any_extras = any(j.extras is not None for j, _, _ in pieces)
+    batch = Batch.build([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                        np.array([r[3] for r in rows], np.int64), extras=[r[5] for r in rows] if any_extras else None)
+    any_delay = any(j.delay is not None for j, _, _ in pieces)
+    return batch, [r[4] for r in rows] if any_delay else None
+
+
+@pytest.mark.unit
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_wire_batch_is_the_sorted_list_of_its_pieces_messages(data):
+    """``_build`` numbers subjects once per job and permutes ids and payloads with C calls;
+    the batch it encodes (subject table order included), its delay column and its order are
+    those of the per-message list sorted by due time, whatever the pieces, subjects, extras
+    and delays."""
+    now = 1_000_000
+    pool = ["s.a", "s.b", "s.c", "s.d"]
+    jobs = []
+    for j in range(data.draw(st.integers(1, 3))):
+        n = data.draw(st.integers(1, 12))
+        subjects = data.draw(st.one_of(st.sampled_from(pool), st.lists(st.sampled_from(pool), min_size=n, max_size=n)))
+        extras = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([b"", b"x", b"yz"]), min_size=n, max_size=n)))
+        relative = data.draw(st.booleans())
+        times = data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+        job = client_mod._Job([f"j{j}-{i}" for i in range(n)], subjects, [b"p%d.%d" % (j, i) for i in range(n)], extras,
+                              [0] * n if relative else [now + t for t in times],
+                              times if relative else None, False, None)
+        job.seal()
+        jobs.append(job)
+    pieces = []
+    for job in jobs:
+        idx = np.array(sorted(data.draw(st.sets(st.integers(0, job.n - 1), min_size=1))), np.int64)
+        cut = data.draw(st.integers(1, len(idx)))
+        pieces += [(job, part, None) for part in (idx[:cut], idx[cut:]) if len(part)]
+    clock, client_mod._now_ms = client_mod._now_ms, lambda: now
+    try:
+        batch, delay, order = client_mod._build(pieces)
+    finally:
+        client_mod._now_ms = clock
+    want, want_delay = _build_model(pieces, now)
+    assert batch.encode() == want.encode()
+    assert (None if delay is None else delay.tolist()) == want_delay
+    # ``order`` takes the pieces' messages (in piece order) to the batch's positions
+    flat = [j.ids[i] for j, idx, _ in pieces for i in idx.tolist()]
+    assert batch.id_list() == (flat if order is None else [flat[k] for k in order.tolist()])
