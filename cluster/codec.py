@@ -413,16 +413,21 @@ class Batch:
         """The body bytes. ``packed``: the packed column layout when it is smaller (a frame
         kept on disk for a long time; the wire and the logs that are read back at once keep
         the plain layout, whose columns decode as views without a copy)."""
+        return b"".join(self.encode_parts(packed=packed))
+
+    def encode_parts(self, *, packed: bool = False) -> tuple[bytes, ...]:
+        """``encode()`` as its pieces, not joined: a writer that hands them to ``os.writev``
+        (the real-time node's frame append) saves a copy of the whole body."""
         n = self.n
         table = _subject_table(self.subjects)
         cols = _pack_columns(self) if packed and n >= PACKED_N_MIN else None
         if cols is not None:
             head = HEADER.pack(VERSION, FLAG_PACKED, len(self.subjects), n, len(self.ids), len(self.payloads),
                                len(self.extras), len(table))
-            return b"".join((head, cols, table, self.ids, self.payloads, self.extras))
+            return head, cols, table, self.ids, self.payloads, self.extras
         head = HEADER.pack(VERSION, 0, len(self.subjects), n, len(self.ids), len(self.payloads), len(self.extras),
                            len(table))
-        return b"".join((
+        return (
             head,
             np.ascontiguousarray(self.seq, "<u8").tobytes(),
             np.ascontiguousarray(self.deliver_at_ms, "<i8").tobytes(),
@@ -435,7 +440,7 @@ class Batch:
             np.ascontiguousarray(self.subject_idx, "<u2").tobytes(),
             np.ascontiguousarray(self.kind, "u1").tobytes(),
             table, self.ids, self.payloads, self.extras,
-        ))
+        )
 
     @classmethod
     def decode(cls, body: bytes | bytearray | memoryview) -> "Batch":

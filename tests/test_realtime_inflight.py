@@ -4,6 +4,8 @@ the index entry codec (round trip, every bit flip), a group's resume decision.""
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,6 +17,7 @@ from node.realtime.dedup import DedupWindow
 from node.realtime.groups import Resume, resume_of
 from node.realtime.index import ENTRY_SIZE, decode_entries, encode_entries, frame_runs
 from node.realtime.inflight import InflightRanges
+from node.realtime.span_crc import SPAN_CRC_N_MIN, span_crcs
 
 TIMEOUT = 100
 
@@ -160,3 +163,26 @@ def test_a_group_resumes_only_when_idle_or_behind_what_retention_kept():
     assert resume_of(idle=False, committed=40, live_from=100) == Resume(was_idle=False, live_from=100, skip=True)
     assert resume_of(idle=True, committed=40, live_from=100) == Resume(was_idle=True, live_from=100, skip=True)
     assert resume_of(idle=True, committed=120, live_from=100) == Resume(was_idle=True, live_from=100, skip=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200).flatmap(lambda n: st.tuples(st.just(n), st.binary(min_size=n * 32, max_size=n * 32 + 7))))
+def test_span_crcs_equal_zlib_per_span(case):
+    """The table CRC (``node/realtime/span_crc.py``) is zlib.crc32 of each span, on both
+    sides of SPAN_CRC_N_MIN and for random bytes (entries on disk are any bytes)."""
+    n, raw = case
+    want = [zlib.crc32(raw[i * 32:i * 32 + 28]) for i in range(n)]
+    got = span_crcs(raw, n, span=28, stride=32)
+    assert got.dtype == np.uint32 and got.tolist() == want
+
+
+def test_span_crcs_of_encoded_entries_check_on_decode():
+    """A frame's runs of every size (table path included) decode with their CRCs intact."""
+    for n in (1, SPAN_CRC_N_MIN - 1, SPAN_CRC_N_MIN, 500):
+        raw = encode_entries(offset=7, index=np.arange(n), visible_ms=np.arange(n) * 3, masks=np.full(n, 5, np.uint64))
+        e = decode_entries(raw, path="x", first_pos=0)
+        assert e["index"].tolist() == list(range(n))
+        bad = bytearray(raw)
+        bad[(n - 1) * ENTRY_SIZE + 3] ^= 1
+        with pytest.raises(CorruptRecord):
+            decode_entries(bytes(bad), path="x", first_pos=0)

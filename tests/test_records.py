@@ -34,3 +34,13 @@ def test_make_seq_epoch_and_counter():
     assert records.make_seq(1, records.SEQ_COUNTER_MAX) < records.make_seq(2, 0)
     with pytest.raises(Overloaded):
         records.make_seq(1, records.SEQ_COUNTER_MAX + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["", "a", "id-7", "é"]), st.binary(max_size=8)), min_size=1, max_size=12))
+def test_encoded_bytes_max_is_the_plain_body_with_the_ids_a_node_makes(rows):
+    """The bound is the plain body's size, plus ``MADE_ID_BYTES`` for every message sent
+    without an id (the node makes one), wherever those sit in the batch."""
+    b = Batch.build("s", [p for _, p in rows], [i for i, _ in rows], 0)
+    made = sum(1 for i, _ in rows if not i)
+    assert records.encoded_bytes_max(b) == len(b.encode()) + made * records.MADE_ID_BYTES

@@ -76,12 +76,21 @@ def assign_seqs(keys: list[tuple[str, str]], known: dict[tuple[str, str], int], 
     each is answered with (u64), whether it is a duplicate, and the sorted indexes of the
     messages to store."""
     m = len(keys)
-    first = dict(zip(reversed(keys), range(m - 1, -1, -1)))  # key -> its first index in the batch
-    if len(first) == m:  # no id twice in this batch (the common case: skip the per-message arrays)
+    distinct = len(set(keys)) == m  # a set, not the key -> first index dict: 3x cheaper at 400 keys
+    fresh = known.keys().isdisjoint(keys)
+    if distinct and fresh:  # the common case (every message new): no per-message arrays but the seqs
+        seqs = np.zeros(m, np.uint64)
+        if m:
+            make_seq(epoch, counter + m - 1)  # Overloaded once the epoch's seqs run out
+            base = make_seq(epoch, counter)
+            seqs[:] = np.arange(base, base + m, dtype=np.uint64)
+        return seqs, np.zeros(m, bool), np.arange(m)
+    if distinct:
         first_idx = np.arange(m)
     else:
+        first = dict(zip(reversed(keys), range(m - 1, -1, -1)))  # key -> its first index in the batch
         first_idx = np.fromiter(map(first.get, keys), np.int64, m)
-    if known.keys().isdisjoint(first):
+    if fresh:
         prior = np.full(m, -1, np.int64)
     else:
         prior = np.fromiter(map(known.get, keys, repeat(-1)), np.int64, m)

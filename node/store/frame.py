@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from cluster.errors import CorruptRecord
 
@@ -37,6 +37,19 @@ def frame(body: bytes) -> bytes:
     """Encode one record frame (header + body)."""
     prefix = PREFIX.pack(len(body), zlib.crc32(body))
     return prefix + struct.pack("<I", zlib.crc32(prefix)) + body
+
+
+def frame_head(parts: Sequence[bytes]) -> tuple[bytes, int]:
+    """The header of one record whose body is ``b"".join(parts)``, without joining them (the
+    body CRC runs over the pieces in turn), and the body's length: ``frame(body) ==
+    head + body``."""
+    crc = 0
+    size = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+        size += len(p)
+    prefix = PREFIX.pack(size, crc)
+    return prefix + struct.pack("<I", zlib.crc32(prefix)), size
 
 
 def frame_many(bodies: Iterable[bytes]) -> tuple[bytes, list[int]]:

@@ -43,7 +43,7 @@ import struct
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
@@ -52,7 +52,7 @@ from cluster.logformat import RECORD_BYTES_MAX_DEFAULT  # a format bound, shared
 from node.store.diskspace import enospc, is_enospc
 from node.store.settings import STORE_DEFAULTS
 
-from .frame import HEADER, HEADER_SIZE, PREFIX, TornRecord, decode_frame, frame, frame_many
+from .frame import HEADER, HEADER_SIZE, PREFIX, TornRecord, decode_frame, frame, frame_head, frame_many
 from .segments import (DELETING_SUFFIX, SUFFIX, RecoveryReport, Segment, open_segments, recover_tail, segment_name,
                        unlink_segments)
 
@@ -179,6 +179,23 @@ class SegmentedLog:
             i = j
         return offsets
 
+    def append_parts(self, parts: Sequence[bytes]) -> int:
+        """``append([b"".join(parts)])[0]``, byte for byte the same file, without joining: the
+        header and the pieces go to one ``os.writev`` (a real-time frame of 400 messages is
+        ~130 KB: one copy less per append). Returns the record's offset."""
+        head, size = frame_head(parts)
+        if size > self.record_bytes_max:
+            raise InvalidArgument("record", f"{size} bytes exceeds record_bytes_max {self.record_bytes_max}")
+        seg = self._segments[-1]
+        if seg.size and seg.size + HEADER_SIZE + size > self.segment_bytes_max:  # as ``append``: a full segment rolls
+            self._roll()
+            seg = self._segments[-1]
+        self._write_parts([head, *parts], HEADER_SIZE + size)
+        off = seg.base + seg.size
+        seg.size += HEADER_SIZE + size
+        seg.mtime = time.time()
+        return off
+
     def append_raw(self, offset: int, data: bytes) -> int:
         """Append already-framed records (replication). Checks every record; returns new end offset.
 
@@ -212,6 +229,21 @@ class SegmentedLog:
             if is_enospc(e):
                 raise enospc(e, str(seg.path)) from None
             raise
+
+    def _write_parts(self, parts: list[bytes], total: int) -> None:
+        """``_write(b"".join(parts))`` by one ``os.writev``; a short write (rare: a signal,
+        a full disk) finishes the rest by ``_write``'s loop, and a failure cuts the file back
+        the same way."""
+        try:
+            n = os.writev(self._active_fd, parts)
+        except OSError as e:
+            seg = self._segments[-1]
+            os.ftruncate(self._active_fd, seg.size)
+            if is_enospc(e):
+                raise enospc(e, str(seg.path)) from None
+            raise
+        if n < total:
+            self._write(memoryview(b"".join(parts))[n:])
 
     def _roll(self) -> None:
         """Seal the active segment (fsync) and start a new one at end_offset. The new file

@@ -99,6 +99,7 @@ def encoded_bytes_max(batch: Batch) -> int:
     writes (``DelayStore`` / ``RealtimeStore.write_bytes_bound``)."""
     if not batch.n:
         return BATCH_HEADER_SIZE
-    made = int(np.count_nonzero(np.diff(batch.id_end.astype(np.int64), prepend=0) == 0))
+    ends = batch.id_end  # an id of length 0 (made by the node): its end equals the previous one
+    made = int(ends[0] == 0) + int(np.count_nonzero(ends[1:] == ends[:-1]))  # np.diff(prepend=) costs 5x
     return (BATCH_HEADER_SIZE + subject_table_bytes(batch) + batch.n * COLUMN_BYTES + len(batch.ids)
             + len(batch.payloads) + len(batch.extras) + made * MADE_ID_BYTES)
