@@ -234,7 +234,7 @@ class DelaySection(_Section):
     iterate_interval_ms: int = 2
     # 200 ms: an awaited producer's calls of every 10-20 ms file about seven to a round (one
     # frame per due second for all of them), where 20 ms filed 1.3 (docs/benchmarks.md,
-    # "Fifteenth session"); a record due within dispatch_lead_ms + this + 50 ms files at once
+    # "Fourteenth session"); a record due within dispatch_lead_ms + this + 50 ms files at once
     file_linger_ms: int = Field(default=200, ge=0, le=1000,
                                 description="the filer waits up to this long after a write for more to file "
                                             "together (fewer, fuller schedule frames), unless a message waiting "

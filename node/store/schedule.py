@@ -80,7 +80,7 @@ REBUILD_GROUPS_PER_WRITE = 4096  # frames appended per write while a bucket is r
 FILE_SORTED_RUNS_MAX = 64  # a batch of at most this many due-ordered runs may be filed as slices,
 FILE_FRAME_RECORDS = 64  # ... when the frames the slices add cost less than sorting: a frame costs
 # about as much as copying this many records once (a frame is a take, an encode, an index entry, a
-# wheel chunk; a sort copies each record's blobs once: docs/benchmarks.md, fifteenth session)
+# wheel chunk; a sort copies each record's blobs once: docs/benchmarks.md, fourteenth session)
 
 
 def _slices_pay(slice_frames: int, secs: np.ndarray, n: int) -> bool:
