@@ -619,8 +619,9 @@ class Batch:
         """``Batch.concat([b.take(idx) for b, idx in parts])`` in a fixed number of numpy
         calls: a firing round takes a message or two from each of many small frames, and a
         take is mostly fixed cost. Small sources are joined whole (columns concatenated,
-        blobs not copied) and indexed once; a large source (a loaded second) is taken
-        first, so nothing scales with its size.
+        blobs not copied) and indexed once; a large source (a loaded second) is picked
+        first (``_Picked``: its messages' columns and blob offsets), so nothing scales with
+        its size and each message's bytes are cut once.
 
         ``due_order``: the same messages stably sorted by ``deliver_at_ms`` (what
         ``.take(np.argsort(b.deliver_at_ms, kind="stable"))`` of the result gives), sorted
