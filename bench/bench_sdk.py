@@ -98,37 +98,32 @@ async def produce_user(address: str, n: int, call: int, inflight: int) -> int:
     return accepted
 
 
-async def consume_user(address: str, n: int) -> int:
-    got = 0
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    async with Consumer(StaticResolver(realtime=[address]), SUBJECTS, group="bench") as c:
-        c0 = cpu_s()
-        async for rb in c.batches():
-            ids, payloads = rb.ids, rb.payloads
-            got += len(ids)
-            assert len(payloads) == len(ids)
-            await rb.ack()
-            if got >= n or time.monotonic() > deadline:
-                break
-        MEASURED["cpu_s"] = cpu_s() - c0
-    return got
-
-
 MEASURED: dict[str, float] = {}  # a path's own measured CPU (the user paths leave out their inputs' building)
 
 
-async def consume(address: str, n: int) -> int:
+async def consume(address: str, n: int, *, user: bool = False) -> int:
+    """``batches()`` until ``n`` messages: per batch the ids and lateness (what the benchmark
+    consumer records), or with ``user`` the ids and payloads, with the SDK's default pull wait
+    and this path's own CPU in ``MEASURED`` (e2e_user's consumer)."""
     got = 0
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    async with Consumer(StaticResolver(realtime=[address]), SUBJECTS, group="bench", wait_ms=200) as c:
+    kw = {} if user else {"wait_ms": 200}
+    async with Consumer(StaticResolver(realtime=[address]), SUBJECTS, group="bench", **kw) as c:
+        c0 = cpu_s()
         async for rb in c.batches():
-            ids, late = rb.ids, rb.lateness_ms
+            ids, other = rb.ids, (rb.payloads if user else rb.lateness_ms)
             got += len(ids)
-            assert len(late) == len(ids)
+            assert len(other) == len(ids)
             await rb.ack()
             if got >= n or time.monotonic() > deadline:
                 break
+        if user:
+            MEASURED["cpu_s"] = cpu_s() - c0
     return got
+
+
+async def consume_user(address: str, n: int) -> int:
+    return await consume(address, n, user=True)
 
 
 def measure(name: str, fn, args, profile: str | None) -> dict:

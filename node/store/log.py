@@ -45,6 +45,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from cluster.errors import CorruptRecord, InvalidArgument, OffsetOutOfRange
 from cluster.files import DATA_MODE, fsync_dir  # fsync_dir: the stores import it from here too
@@ -222,13 +223,7 @@ class SegmentedLog:
                 n = os.write(self._active_fd, view)
                 view = view[n:]
         except OSError as e:
-            # a short write leaves part of a frame behind: cut the file back to the last whole
-            # record, so the next append (space freed) lands where the offsets say it does
-            seg = self._segments[-1]
-            os.ftruncate(self._active_fd, seg.size)
-            if is_enospc(e):
-                raise enospc(e, str(seg.path)) from None
-            raise
+            self._failed_write(e)
 
     def _write_parts(self, parts: list[bytes], total: int) -> None:
         """``_write(b"".join(parts))`` by one ``os.writev``; a short write (rare: a signal,
@@ -237,13 +232,19 @@ class SegmentedLog:
         try:
             n = os.writev(self._active_fd, parts)
         except OSError as e:
-            seg = self._segments[-1]
-            os.ftruncate(self._active_fd, seg.size)
-            if is_enospc(e):
-                raise enospc(e, str(seg.path)) from None
-            raise
+            self._failed_write(e)
         if n < total:
             self._write(memoryview(b"".join(parts))[n:])
+
+    def _failed_write(self, e: OSError) -> NoReturn:
+        """A write failed part way: it may leave part of a frame behind, so cut the file back
+        to the last whole record (the next append, space freed, lands where the offsets say it
+        does), then raise ``e`` (a full disk as ``enospc``, with the segment's path)."""
+        seg = self._segments[-1]
+        os.ftruncate(self._active_fd, seg.size)
+        if is_enospc(e):
+            raise enospc(e, str(seg.path)) from None
+        raise e
 
     def _roll(self) -> None:
         """Seal the active segment (fsync) and start a new one at end_offset. The new file
