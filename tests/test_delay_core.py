@@ -264,3 +264,7 @@ def test_unfiled_holds_what_an_isin_over_its_frames_finds(steps, probe):
         q = np.array(probe, np.uint64)
         want = np.isin(q, unfiled.hashes()) if unfiled else np.zeros(len(q), bool)
         assert unfiled.holds(q).tolist() == want.tolist()
+        for h in probe:  # the newest waiting record of a hash, as a scan of every frame finds it
+            scan = next(((int(u.batch.seq[int(np.flatnonzero(u.hashes == np.uint64(h))[-1])]), u.offset)
+                         for u in reversed(unfiled.frames) if (u.hashes == np.uint64(h)).any()), None)
+            assert unfiled.lookup(h) == scan

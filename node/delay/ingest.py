@@ -250,10 +250,11 @@ class Unfiled:
         return None
 
     def lookup(self, h: int) -> tuple[int, int] | None:
-        """(seq, message-log offset) of the newest record with id hash ``h``, or None. The
-        records waiting to be filed are few (filing follows each group commit): a scan of
-        their hash arrays costs less than keeping a map with one entry per message on the
-        ingest path."""
+        """(seq, message-log offset) of the newest record with id hash ``h``, or None: the
+        hash counts say whether one waits; only then are the waiting frames' hash arrays
+        scanned, newest first (a lookup by id, a cancel, a duplicate's confirmation)."""
+        if int(h) not in self._hash_counts:
+            return None
         hh = np.uint64(h)
         for u in reversed(self.frames):
             at = np.flatnonzero(u.hashes == hh)
