@@ -7,7 +7,9 @@ drains first")::
 The ``draining: GROUP (N left)`` part is ``draining_text``, shared with ``hourglass admin route``;
 N is what the draining group's master counts (``drain_left``, node/realtime/fence.py): entries of
 the subject there that a consumer group the drain waits for has not acknowledged, summed over
-those consumer groups."""
+those consumer groups. Being the masters' own report, a drain the meta server has just finished
+(``hourglass admin route`` no longer lists it) shows here until its master has loaded the new
+route."""
 
 from __future__ import annotations
 
