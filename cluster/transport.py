@@ -202,7 +202,10 @@ class OrderedStream:
         gets DEADLINE_EXCEEDED. A slot not done is still in ``st.waiting`` (answers, failures
         and cancellations all make it done)."""
         if not fut.done():
-            self._fail(st, _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s"))
+            err = _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no answer within {timeout:g} s")
+            self._fail(st, err)
+            if not fut.done():  # never (see above); a caller must not wait past its deadline though
+                fut.set_exception(err)
 
     async def _read(self, st: _OpenStream) -> None:
         try:
