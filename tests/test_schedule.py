@@ -122,8 +122,8 @@ def test_many_calls_filed_together_are_sorted_and_two_long_runs_stay_slices(tmp_
     s2 = ScheduleLog(tmp_path / "two")
     f2 = s2.file(batch(range(1, 801), long_runs))
     assert len(f2.frames) == 2 * len({d // 1000 for d in long_runs})  # slices: per run and second
-    for fr in f.frames + f2.frames:
-        assert (np.diff(fr.batch.effective_ms) >= 0).all()
+    for fr in f.frames + f2.frames:  # each frame's records in due order (the wheel fires ranges of it)
+        assert fr.batch.effective_ms.tolist() == sorted(fr.batch.effective_ms.tolist())
     s.close()
     s2.close()
 

@@ -201,9 +201,7 @@ class Unfiled:
         first = int(batch.deliver_at_ms.min()) if batch.n else 0
         self.frames.append(UnfiledFrame(offset, end, batch, hashes, first))
         self.count += batch.n
-        counts = self._hash_counts
-        for h in hashes.tolist():
-            counts[h] = counts.get(h, 0) + 1
+        self._tally(hashes)
 
     def earliest_due_ms(self) -> int | None:
         """The earliest due time of a record accepted and not filed yet (None: none)."""
@@ -228,15 +226,16 @@ class Unfiled:
         self.count = sum(u.batch.n for u in kept)
         self._hash_counts = {}
         for u in kept:
-            for h in u.hashes.tolist():
-                self._hash_counts[h] = self._hash_counts.get(h, 0) + 1
+            self._tally(u.hashes)
 
-    def hashes(self) -> np.ndarray:
-        return np.concatenate([u.hashes for u in self.frames])
+    def _tally(self, hashes: np.ndarray) -> None:
+        counts = self._hash_counts
+        for h in hashes.tolist():
+            counts[h] = counts.get(h, 0) + 1
 
     def holds(self, hashes: np.ndarray) -> np.ndarray:
-        """For each of ``hashes``: whether a record waiting has that id hash (``isin`` of
-        ``hashes()``, without joining and sorting every frame's hashes at each send)."""
+        """For each of ``hashes``: whether a record waiting has that id hash (an ``isin`` over
+        every waiting frame's hashes, without joining and sorting them at each send)."""
         return np.fromiter(map(self._hash_counts.__contains__, hashes.tolist()), bool, len(hashes))
 
     def due_ms(self) -> np.ndarray:
