@@ -170,7 +170,9 @@ class LimitsSection(_Section):
     property_value_bytes_max: int = Field(default=DEFAULT_LIMITS.property_value_bytes_max, ge=1,
                                           description="bytes of one property's value")
     request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
-    stream_window_max: int = Field(default=8, ge=1,
+    # as many as the delay nodes' dispatch rounds in flight (dispatch_concurrency_max): a round
+    # past the window waits unread while the earlier ones wait for their fsync
+    stream_window_max: int = Field(default=16, ge=1,
                                    description="requests of one SendBatchStream answered at once (in order)")
 
 
@@ -240,7 +242,14 @@ class DelaySection(_Section):
                                             "together (fewer, fuller schedule frames), unless a message waiting "
                                             "is due within dispatch_lead_ms + this + 50 ms; 0: file at once")
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
-    dispatch_concurrency_max: int = 2      # dispatch rounds in flight; due messages gather while they run
+    # dispatch rounds in flight; due messages gather while they run. A round is answered after the
+    # real-time node's fsync, so rounds in flight x the round spacing (16 x 40 ms) is how long an
+    # fsync there may stall before delivery waits for it (2 gave the 100-600 ms tail of issue 28
+    # whenever this VM's disk took 100+ ms: docs/benchmarks.md "A slow fsync at the real-time node")
+    dispatch_concurrency_max: int = Field(default=16, ge=1, le=256,
+                                          description="dispatch rounds in flight (each answered after the "
+                                                      "real-time node's fsync); the real-time nodes' "
+                                                      "stream_window_max should be at least this")
     # firing rounds at least this far apart (batches under load); with the lead below, a round
     # leaves 20-60 ms before its messages are due, so the interval costs no lateness (a message
     # filed too late for the spacing fires a round at once: DelayNode._wheel_loop), and each

@@ -61,6 +61,7 @@ MODULE_TIERS = {
     "test_delay_deadletter.py": "unit",
     "test_delay_store_machine.py": "unit",
     "test_disk_full.py": "integration",
+    "test_dispatch_stall.py": "integration",
     "test_diskspace.py": "unit",
     "test_bench_e2e_user.py": "unit",
     "test_bench_cgroupquota.py": "unit",
