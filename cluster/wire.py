@@ -9,6 +9,7 @@ Nothing here is per message in Python: arrays go in and out as packed bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import struct
@@ -210,13 +211,18 @@ def refused_response(make: Callable[[], object], code: grpc.StatusCode, details:
 
 
 async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[object, object], Awaitable],
-                        response: Callable[[], object], *, window: int) -> AsyncIterator:
+                        response: Callable[[], object], *, window: int,
+                        window_bytes: int | None = None) -> AsyncIterator:
     """The server side of an ordered stream (docs/api.md, "Ordered streams"): every request
     of ``requests`` is answered by ``handler`` (the unary handler of the same call), one
     response per request, in request order. Up to ``window`` requests are answered at once
-    (a SendBatch waits for its group commit while the next one is appended); with
-    ``window`` 1 each request is answered before the next is read (a pull). A refusal or a
-    failure of one request becomes that request's ``refused`` status; the stream stays open."""
+    (a SendBatch waits for its group commit while the next one is appended), and, with
+    ``window_bytes``, only while the requests being answered hold at most that many bytes
+    (one request alone is always read): the next one stays unread in the stream, so a
+    client's stream holds at most about ``window_bytes`` of the node's memory whatever its
+    requests' sizes. With ``window`` 1 each request is answered before the next is read (a
+    pull). A refusal or a failure of one request becomes that request's ``refused``
+    status; the stream stays open."""
     ctx = _OneRequestContext(context)
 
     async def answer(req):
@@ -236,11 +242,27 @@ async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[obj
         return
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue(window)
+    held = [0]  # bytes of the requests being answered (window_bytes)
+    room = asyncio.Event()
+
+    def answered(size: int, _task) -> None:
+        held[0] -= size
+        room.set()
 
     async def read() -> None:
         try:
             async for req in requests:
-                await answers.put(loop.create_task(answer(req)))
+                if window_bytes is not None:
+                    size = 0 if isinstance(req, _Undecodable) else req.ByteSize()
+                    while held[0] and held[0] + size > window_bytes:
+                        room.clear()
+                        await room.wait()
+                    held[0] += size
+                    task = loop.create_task(answer(req))
+                    task.add_done_callback(functools.partial(answered, size))
+                else:
+                    task = loop.create_task(answer(req))
+                await answers.put(task)
         finally:
             answers.put_nowait(None) if not answers.full() else None
 

@@ -172,8 +172,11 @@ class LimitsSection(_Section):
     request_bytes_max: int = Field(default=MESSAGE_BYTES_MAX, ge=1, description="gRPC message size, both ways")
     # as many as the delay nodes' dispatch rounds in flight (dispatch_concurrency_max): a round
     # past the window waits unread while the earlier ones wait for their fsync
-    stream_window_max: int = Field(default=16, ge=1,
+    stream_window_max: int = Field(default=64, ge=1,
                                    description="requests of one SendBatchStream answered at once (in order)")
+    stream_window_bytes_max: int = Field(default=64 * 1024 * 1024, ge=1,
+                                         description="bytes of the requests of one SendBatchStream answered at "
+                                                     "once: the next stays unread (one alone is always read)")
 
 
 class StoreSection(_Section):
@@ -243,10 +246,11 @@ class DelaySection(_Section):
                                             "is due within dispatch_lead_ms + this + 50 ms; 0: file at once")
     dispatch_batch_max: int = 10_000       # messages per dispatch RPC (a larger due batch is split)
     # dispatch rounds in flight; due messages gather while they run. A round is answered after the
-    # real-time node's fsync, so rounds in flight x the round spacing (16 x 40 ms) is how long an
-    # fsync there may stall before delivery waits for it (2 gave the 100-600 ms tail of issue 28
-    # whenever this VM's disk took 100+ ms: docs/benchmarks.md "A slow fsync at the real-time node")
-    dispatch_concurrency_max: int = Field(default=16, ge=1, le=256,
+    # real-time node's fsync, so rounds in flight x the round spacing (64 x 40 ms = 2.56 s) is how
+    # long an fsync there may stall before delivery waits for it (2 gave the 100-600 ms tail of
+    # issue 28 whenever this VM's disk took 100+ ms; 16 ran out under load in a 1 s stall:
+    # docs/benchmarks.md "A slow fsync at the real-time node")
+    dispatch_concurrency_max: int = Field(default=64, ge=1, le=256,
                                           description="dispatch rounds in flight (each answered after the "
                                                       "real-time node's fsync); the real-time nodes' "
                                                       "stream_window_max should be at least this")

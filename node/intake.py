@@ -40,7 +40,8 @@ class SendIntake:
     async def SendBatchStream(self, requests, context):
         """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
         async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
-                                        window=self.settings.limits.stream_window_max):
+                                        window=self.settings.limits.stream_window_max,
+                                        window_bytes=self.settings.limits.stream_window_bytes_max):
             yield resp
 
     def _admit_batch(self, batch: Batch, write_bytes_bound: Callable[[Batch], int]) -> None:

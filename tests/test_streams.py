@@ -193,3 +193,53 @@ async def test_every_request_is_counted_by_method_a_refused_one_too(server):
     assert [_got(a) for a in answers if not a.HasField("refused")] == [1, 2]
     assert _requests_counted("Producer/SendBatch") - unary0 == 2
     assert _requests_counted("Producer/SendBatchStream") - stream0 == 3
+
+
+class _Sized:
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+
+    def ByteSize(self) -> int:
+        return self.size
+
+
+async def test_the_window_reads_no_further_while_the_requests_answered_hold_its_bytes():
+    """``window_bytes``: a request is read only while the ones being answered hold at most
+    that many bytes with it (one alone is always read, however large): a client's stream
+    holds a bounded part of the node's memory whatever its requests' sizes."""
+    sizes = [40, 40, 40, 100, 10]
+    release = {i: asyncio.Event() for i in range(len(sizes))}
+    started: list[int] = []
+    read: list[int] = []
+
+    async def requests():
+        for i, size in enumerate(sizes):
+            read.append(i)
+            yield _Sized(i, size)
+
+    async def handler(req, ctx):
+        started.append(req.n)
+        await release[req.n].wait()
+        return req.n
+
+    out: list[int] = []
+
+    async def consume():
+        async for r in serve_ordered(requests(), None, handler, lambda: None, window=16, window_bytes=100):
+            out.append(r)
+
+    task = asyncio.create_task(consume())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert started == [0, 1]  # 40 + 40 held; the third (40) would pass 100
+    release[0].set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert started == [0, 1, 2] and out == [0]
+    release[1].set(), release[2].set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert started == [0, 1, 2, 3] and out == [0, 1, 2]  # 100 alone: read once nothing else is held
+    release[3].set(), release[4].set()
+    await asyncio.wait_for(task, 5)
+    assert out == [0, 1, 2, 3, 4]
