@@ -22,7 +22,7 @@ DEPLOYED = """
     campaign_step_ms min_term_ms leader_poll_ms leader_wait_ms ack_journal payload_bytes_max subject_bytes_max
     id_bytes_max delay_horizon_ms batch_messages_max batch_bytes_max tags_max tag_bytes_max properties_max
     property_key_bytes_max property_value_bytes_max request_bytes_max loop_stall_report_ms loop_stall_max_ms
-    stream_window_max tick_ms window_ms bucket_ms checkpoint_interval_ms checkpoint_idle_interval_ms
+    stream_window_max stream_window_bytes_max tick_ms window_ms bucket_ms checkpoint_interval_ms checkpoint_idle_interval_ms
     wheel_idle_wait_ms_max iterate_interval_ms file_linger_ms dispatch_batch_max dispatch_concurrency_max
     dispatch_round_interval_ms dispatch_round_interval_busy_ms dispatch_round_busy_messages dispatch_lead_ms
     dispatch_attempts_max dispatch_backoff_ms_max drain_poll_ms drain_idle_poll_ms drain_horizon_ms drain_batch_max
