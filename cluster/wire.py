@@ -242,7 +242,7 @@ async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[obj
         return
     loop = asyncio.get_running_loop()
     answers: asyncio.Queue = asyncio.Queue(window)
-    held = [0]  # bytes of the requests being answered (window_bytes)
+    held = [0]  # bytes of the requests being answered (only counted with window_bytes)
     room = asyncio.Event()
 
     def answered(size: int, _task) -> None:
@@ -252,16 +252,14 @@ async def serve_ordered(requests: AsyncIterator, context, handler: Callable[[obj
     async def read() -> None:
         try:
             async for req in requests:
-                if window_bytes is not None:
-                    size = 0 if isinstance(req, _Undecodable) else req.ByteSize()
-                    while held[0] and held[0] + size > window_bytes:
-                        room.clear()
-                        await room.wait()
+                size = 0 if window_bytes is None or isinstance(req, _Undecodable) else req.ByteSize()
+                while held[0] and held[0] + size > window_bytes:  # held stays 0 without window_bytes
+                    room.clear()
+                    await room.wait()
+                task = loop.create_task(answer(req))
+                if size:
                     held[0] += size
-                    task = loop.create_task(answer(req))
                     task.add_done_callback(functools.partial(answered, size))
-                else:
-                    task = loop.create_task(answer(req))
                 await answers.put(task)
         finally:
             answers.put_nowait(None) if not answers.full() else None

@@ -13,7 +13,6 @@ lateness (docs/benchmarks.md, "A slow fsync at the real-time node").
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
@@ -26,13 +25,14 @@ from cluster.wire import BatchResult, make_request
 from node.config import NodeSettings
 from node.delay.service import DelayNode
 from node.realtime.service import RealtimeNode
+from tests.helpers.fsync import held_fsync
 from tests.helpers.inprocess import serving
 
 ROUNDS = 6              # messages due this many distinct times, one dispatch round each
 SPACING_MS = 150        # apart: more than the round spacing (40 ms), so no two share a round
 FIRST_DUE_MS = 800      # after the send: filed and in the wheel before the first is due
 SEEN_WAIT_S = 20.0      # bound on the wait for every message while the fsync is held
-GATE_WAIT_S = 60.0      # bound on the held fsync (the test releases it long before)
+GATE_WAIT_S = 60.0      # bound on the held fsync: longer than SEEN_WAIT_S, so it cannot free the rounds first
 
 
 def now_ms() -> int:
@@ -48,17 +48,10 @@ async def test_rounds_keep_going_out_while_the_realtime_nodes_fsync_is_held(tmp_
         warm = await rpc.ProducerStub(rt_channel).SendBatch(
             make_request(Batch.build("stall.s", [b"w"], ["warm"], 0), immediate=True))
         assert BatchResult.from_pb(warm, 1).codes.tolist() == [pb.OK]
-        gate = threading.Event()
-        flush = rt.committer.log.flush
-
-        def held_flush():  # on the real-time node's group-commit thread
-            gate.wait(GATE_WAIT_S)
-            flush()
-
         delay = DelayNode(NodeSettings(role="delay", node_id="d-stall", data_dir=tmp_path / "d", port=0,
                                        realtime_nodes=[rt.address]))
         async with serving(delay) as d_channel:
-            rt.committer.log.flush = held_flush
+            gate, in_fsync = held_fsync(rt.committer.log, guard_s=GATE_WAIT_S)
             try:
                 t0 = now_ms()
                 ids = [f"m{i}" for i in range(ROUNDS)]
@@ -72,11 +65,11 @@ async def test_rounds_keep_going_out_while_the_realtime_nodes_fsync_is_held(tmp_
                     r = await consumer.Pull(pb.PullRequest(subjects=["stall.s"], group="g", consumer_id="c",
                                                            max_messages=100, wait_ms=1_000))
                     seen += Batch.decode(r.batch).id_list()
-                assert not gate.is_set()  # every message below reached the consumer with no round answered
+                assert in_fsync.is_set() and not gate.is_set()  # every message below came while it was held
                 assert sorted(set(seen) - {"warm"}) == ids, f"seen while the fsync was held: {seen}"
             finally:
                 gate.set()
-                rt.committer.log.flush = flush
+                del rt.committer.log.flush
             # once the fsync returns, every round is answered and recorded as dispatched
             deadline = time.monotonic() + SEEN_WAIT_S
             while delay.store.inflight and time.monotonic() < deadline:

@@ -11,25 +11,10 @@ import pytest
 from cluster.errors import Closed
 from node.store.group_commit import GroupCommitter
 from node.store.log import SegmentedLog
+from tests.helpers.fsync import held_fsync
 
 pytestmark = pytest.mark.unit
 GUARD_S = 10  # bounds a wait that must end long before it (a hang fails instead)
-
-
-def held_fsync(log: SegmentedLog, error: OSError | None = None) -> tuple[threading.Event, threading.Event]:
-    """Make ``log.flush`` wait for ``release`` (set ``in_fsync`` first), then fsync, or raise
-    ``error``; ``del log.flush`` puts the real one back."""
-    release, in_fsync = threading.Event(), threading.Event()
-    real_flush = log.flush
-
-    def flush():
-        in_fsync.set()
-        release.wait(GUARD_S)
-        if error is not None:
-            raise error
-        real_flush()
-    log.flush = flush
-    return release, in_fsync
 
 
 async def started_with_one_write_in_fsync(gc: GroupCommitter, in_fsync: threading.Event):
