@@ -91,6 +91,60 @@ def test_dedup_window_expires_by_time_and_evicts_whole_frames_by_size():
     assert len(d) == 0 and d.oldest_offset() is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "expire", "truncate"]),
+                          st.lists(st.sampled_from("abcdefgh"), min_size=1, max_size=5, unique=True),
+                          st.integers(0, 400)), max_size=40),
+       st.integers(1, 12))
+def test_dedup_window_in_generations_against_one_dict(ops, entries_max):
+    """The generations answer every lookup as one dict of frames would (the model: frames
+    in order, a key's newest copy wins, expiry by store time, early eviction of whole
+    oldest frames beyond entries_max, truncation of a log suffix), and none grows past
+    its share but for one frame bigger than that."""
+    d = DedupWindow(window_ms=1000, entries_max=entries_max)
+    frames, now, off, seq = [], 0, 0, 0  # model: [store_ms, offset, {key: seq}] oldest first
+
+    def model_len():
+        return len({(k, s) for *_, m in frames for k, s in m.items() if current(k) == s})
+
+    def current(k):
+        for *_, m in reversed(frames):
+            if k in m:
+                return m[k]
+        return None
+
+    for op, ids, arg in ops:
+        if op == "add":
+            now += arg
+            d.expire(now)
+            frames[:] = [f for f in frames if f[0] > now - 1000]
+            keys = [("s", i) for i in ids if d.get(("s", i)) is None]  # what an append stores: the new ones
+            assert [k for k in keys if current(k) is not None] == []
+            if not keys:
+                continue
+            seqs = list(range(seq, seq + len(keys)))
+            seq += len(keys)
+            d.add(keys, seqs, store_ms=now, offset=off)
+            frames.append([now, off, dict(zip(keys, seqs))])
+            off += 10
+            while model_len() > entries_max and len(frames) > 1:
+                frames.pop(0)
+        elif op == "expire":
+            now += arg
+            d.expire(now)
+            frames[:] = [f for f in frames if f[0] > now - 1000]
+        else:
+            cut = off - 10 * (arg % 3)
+            d.truncate(cut)
+            frames[:] = [f for f in frames if f[1] < cut]
+        every = [("s", i) for i in "abcdefgh"]
+        assert d.lookup(every) == [current(k) for k in every] == [d.get(k) for k in every]
+        assert d.isdisjoint(every) == all(current(k) is None for k in every)
+        assert len(d) == model_len() <= max(entries_max, len(frames[-1][2]) if frames else 0)
+        assert d.oldest_offset() == (frames[0][1] if frames else None)
+        assert all(len(g) <= max(d.gen_entries_max, 5) for g in d.gens) and len(d.gens) >= 1
+
+
 def test_index_entries_round_trip_and_every_bit_flip_is_detected():
     raw = encode_entries(offset=1 << 40, index=np.array([3, 9]), visible_ms=-5, masks=np.array([1, 1 << 63], np.uint64))
     e = decode_entries(raw, path="p", first_pos=0)
@@ -129,7 +183,7 @@ def test_dedup_window_entries_are_not_walked_by_the_cyclic_gc():
     for _ in range(3):
         gc.collect()
     assert not any(gc.is_tracked(entry) for entry in d.order)
-    assert not gc.is_tracked(d.map)
+    assert not any(gc.is_tracked(g) for g in d.gens)
     assert d.lookup([("orders", "id-3-7"), ("orders", "nope")]) == [307, None]
 
 
@@ -142,7 +196,10 @@ def test_assign_seqs_against_a_loop_over_the_batch(ids, known, counter):
     copy's, every other message gets the next seq in batch order."""
     keys = [("s", i) for i in ids]
     known = {("s", i): q for i, q in known.items()}
-    seqs, dup, new = assign_seqs(keys, known, epoch=3, counter=counter)
+    window = DedupWindow(window_ms=1000, entries_max=8)  # generations of one entry: one per known key
+    for off, (k, q) in enumerate(known.items()):
+        window.add([k], [q], store_ms=0, offset=off)
+    seqs, dup, new = assign_seqs(keys, window, epoch=3, counter=counter)
     want, want_dup, want_new, seen, nxt = [], [], [], dict(known), counter
     for pos, key in enumerate(keys):
         if key in seen:

@@ -29,7 +29,7 @@ from cluster.codec import OK, Batch
 from cluster.errors import DiskFull, HourglassError, InvalidArgument, PayloadTooLarge
 from cluster.wire import BatchResult
 from node.realtime.accept import assign_seqs, encoded_size, validate, with_ids
-from node.realtime.dedup import DedupWindow
+from node.realtime.dedup import DedupWindow, keys_of
 from node.realtime.frames import FrameCache
 from node.realtime.index import batch_tag_masks, frame_runs, visible_ms
 from node.realtime.indexfiles import IndexFiles
@@ -82,8 +82,8 @@ class Appender:
 
         ok = np.flatnonzero(codes == OK)
         sub = batch if len(ok) == n else batch.take(ok)  # ok is sorted: all of them is the batch itself
-        keys = list(zip(sub.subject_list(), sub.id_list()))
-        seqs, dup, new = assign_seqs(keys, self._dedup.map, epoch=epoch, counter=self.counter)
+        keys = keys_of(sub.subject_list(), sub.id_list())
+        seqs, dup, new = assign_seqs(keys, self._dedup, epoch=epoch, counter=self.counter)
         res.codes[:] = codes
         res.errors = errors
         res.seqs[ok] = seqs
@@ -126,7 +126,8 @@ class Appender:
         self.counters["dedup_evicted_early"] += evicted
         if now_ms - self._dedup_full_logged_ms >= DEDUP_FULL_LOG_EVERY_MS:
             self._dedup_full_logged_ms = now_ms
-            oldest = self._dedup.order[0][0] if self._dedup.order else now_ms
+            oldest = self._dedup.oldest_store_ms()
+            oldest = now_ms if oldest is None else oldest
             log.warning("dedup map full path=%s dedup_entries_max=%d: ids are remembered for %d ms, not "
                         "dedup_window_ms=%d (evicted early so far: %d)", self.root, self.settings.dedup_entries_max,
                         now_ms - oldest, self.settings.dedup_window_ms, self.counters["dedup_evicted_early"])

@@ -43,6 +43,7 @@ import numpy as np
 
 from cluster.errors import HourglassError, NotFound, UnknownSubject
 from node.realtime.browse import unacked
+from node.realtime.dedup import key_of
 from node.realtime.nack import NACKED_BY, ORIGIN_ID
 from node.realtime.subjects import DLQ_SUBJECT
 
@@ -131,10 +132,10 @@ def _stored(b, i) -> int:
     return int(b.store_ms[i])
 
 
-def find(indexes, frames, dedup_map: dict, subject: str, msg_id: str, *, around_ms: int, scan_max: int):
+def find(indexes, frames, dedup_map, subject: str, msg_id: str, *, around_ms: int, scan_max: int):
     """``(position, batch, index, found_by)`` of ``msg_id`` in ``subject``; ``NotFound``."""
     sub = _Subject(indexes, frames, subject)
-    seq = dedup_map.get((subject, msg_id))
+    seq = dedup_map.get(key_of(subject, msg_id))
     if seq is not None:
         pos = sub.first_at_or_after(_seq, int(seq))
         r = sub.row(pos) if pos < sub.hi else None
@@ -185,7 +186,7 @@ def group_state(g, position: int) -> str:
     return "done"
 
 
-def lookup(indexes, frames, groups, dedup_map: dict, subject: str, msg_id: str, *, around_ms: int,
+def lookup(indexes, frames, groups, dedup_map, subject: str, msg_id: str, *, around_ms: int,
            scan_max: int) -> Found:
     """See the module docstring. ``UnknownSubject``, ``NotFound``."""
     pos, b, i, how = find(indexes, frames, dedup_map, subject, msg_id, around_ms=around_ms, scan_max=scan_max)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from node.realtime.dedup import DedupWindow
+from node.realtime.dedup import DedupWindow, keys_of
 from node.realtime.frames import FrameCache, decode_frame
 from node.realtime.groups import ConsumerGroups
 from node.realtime.index import ENTRY_DTYPE, ENTRY_SIZE, batch_tag_masks, frame_runs, visible_ms
@@ -109,7 +109,7 @@ def index_frames(messages: SegmentedLog, indexes: IndexFiles, dedup: DedupWindow
                         ix.held_until = held
         store_ms = int(b.store_ms[0])
         if off >= dedup_offset and store_ms > cutoff:
-            keys = list(zip(b.subject_list(), b.id_list()))
+            keys = keys_of(b.subject_list(), b.id_list())
             out.dedup_added += len(keys)
             out.dedup_dropped += dedup.add(keys, b.seq.tolist(), store_ms=store_ms, offset=off)
     return out

@@ -468,7 +468,7 @@ class RealtimeStore:
     def lookup(self, subject: str, msg_id: str, *, around_ms: int = 0) -> Found:
         """Where ``msg_id`` is in ``subject`` and each group's state of it (``node/realtime/lookup.py``)."""
         self._check_open()
-        return lookup(self._indexes, self._frames, self._groups, self._dedup.map, subject, msg_id, around_ms=around_ms,
+        return lookup(self._indexes, self._frames, self._groups, self._dedup, subject, msg_id, around_ms=around_ms,
                       scan_max=min(SCAN_ENTRIES_MAX, self.settings.pull_scan_entries_max))
 
     def group_rows(self, rows_max: int) -> tuple[list[dict], int]:
