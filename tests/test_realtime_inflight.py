@@ -145,6 +145,22 @@ def test_dedup_window_in_generations_against_one_dict(ops, entries_max):
         assert all(len(g) <= max(d.gen_entries_max, 5) for g in d.gens) and len(d.gens) >= 1
 
 
+def test_dedup_window_frames_that_outsize_generations_grow_the_filter_and_lose_no_key():
+    """entries_max 80: generations of 10; frames of 6 keys each take a generation of their
+    own, so 13 are alive where 11 filter rows were planned: the filter grows, every key of
+    the window is still found and none of the forgotten ones is."""
+    d = DedupWindow(window_ms=10**9, entries_max=80)
+    rows = len(d._filter)
+    for f in range(40):
+        d.add([f"s\x00{f}-{i}" for i in range(6)], list(range(f * 6, f * 6 + 6)), store_ms=f, offset=f)
+    assert len(d.gens) == 13 and len(d._filter) > rows and len(d) == 78
+    keys = [f"s\x00{f}-{i}" for f in range(40) for i in range(6)]
+    assert d.lookup(keys) == [None] * 162 + list(range(162, 240))
+    assert not d.isdisjoint(keys[-1:]) and d.isdisjoint(keys[:162])
+    d.expire(10**9 + 38)  # all but the last frame (stored at 39)
+    assert len(d) == 6 and len(d.gens) == 1 and d.lookup(keys[-6:]) == list(range(234, 240))
+
+
 def test_index_entries_round_trip_and_every_bit_flip_is_detected():
     raw = encode_entries(offset=1 << 40, index=np.array([3, 9]), visible_ms=-5, masks=np.array([1, 1 << 63], np.uint64))
     e = decode_entries(raw, path="p", first_pos=0)

@@ -11,7 +11,7 @@ its repeats answered with the first copy's seq; the new messages get consecutive
 ``make_seq(epoch, counter + k)`` in batch order (``Overloaded`` once the epoch's counter
 runs out, before anything is written).
 
-``known`` is the window (``dedup.DedupWindow``: ``isdisjoint(keys)`` and ``get(key, default)``).
+``known`` is the window (``dedup.DedupWindow``: ``isdisjoint(keys)`` and ``get_many(keys, default)``).
 
 Worked example: keys ``[a, b, a, c]``, the window holds ``{c: 7}``, epoch 1, counter 5::
 
@@ -22,7 +22,6 @@ Worked example: keys ``[a, b, a, c]``, the window holds ``{c: 7}``, epoch 1, cou
 from __future__ import annotations
 
 import uuid
-from itertools import repeat
 
 import numpy as np
 
@@ -95,7 +94,7 @@ def assign_seqs(keys: list, known, *, epoch: int,
     if fresh:
         prior = np.full(m, -1, np.int64)
     else:
-        prior = np.fromiter(map(known.get, keys, repeat(-1)), np.int64, m)
+        prior = np.fromiter(known.get_many(keys, -1), np.int64, m)
     seen = prior >= 0
     repeated = (first_idx != np.arange(m)) & ~seen
     new = np.flatnonzero(~seen & ~repeated)
