@@ -2,10 +2,11 @@
 
 A message whose (subject, id) was stored less than ``window_ms`` ago is a duplicate: it
 is answered with the first copy's seq and not stored again. RAM per stored message is
-one dict entry ``key_of(subject, id) -> seq`` (the window itself takes any hashable key); the expiry order is kept **per frame** (one
-deque entry per appended batch: its store_ms, keys, seqs, log offset and generation), so
-nothing per message is created besides the dict entry, and every dict operation runs over
-a whole batch at once (``map(dict.get, keys)``, ``dict.update(zip(keys, seqs))``).
+one dict entry ``key_of(subject, id) -> seq`` (the window itself takes any hashable key);
+the expiry order is kept **per frame** (one deque entry per appended batch: its store_ms,
+keys, seqs, log offset and generation), so nothing per message is created besides the dict
+entry, and every dict operation runs over a whole batch at once (``map(dict.get, keys)``,
+``dict.update(zip(keys, seqs))``).
 
 **Generations, not one dict.** The entries live in dicts of at most ``gen_entries_max``
 entries each (``GENERATION_ENTRIES_MAX``, 131,072, or an eighth of a smaller
@@ -19,9 +20,9 @@ entries, which never rebuilds a dict, and the one being filled stays small, so t
 largest rebuild is of about 87,000 entries.
 
 **A filter in front of the generations.** Asking each of 16 dicts about every key would
-cost 16 cache misses a key. Each generation has a row of a Bloom filter (``FILTER_BITS_PER_ENTRY``
-bits per entry it may hold, ``FILTER_PROBES`` probes from the key's own ``hash``, which
-CPython keeps in the str): one numpy gather over all rows says which generations may hold
+cost 16 cache misses a key. Each generation has a row of a Bloom filter
+(``FILTER_BITS_PER_ENTRY`` bits per entry it may hold, ``FILTER_PROBES`` probes from the
+key's own ``hash``, which CPython keeps in the str): one numpy gather over all rows says which generations may hold
 a key, and only those dicts are asked (a false hit costs one dict lookup, about one key in
 a thousand over 16 rows; never a wrong answer: the dict decides). A row is cleared when its
 generation is emptied.
