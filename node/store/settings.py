@@ -36,7 +36,7 @@ class StoreSettings:
     inflight_max: int = 100_000           # fired but not yet acknowledged by the real-time side
     seconds_load_max: int = 64            # seconds loaded from disk per poll (catch-up is gradual)
     file_step_max: int = 2_000            # records a master files per step of its filing loop (it yields between steps:
-                                          # 2,000 is 5-10 ms of the loop; docs/benchmarks.md, "Filing steps")
+                                          # 2,000 is a few ms of the loop; docs/benchmarks.md, "Filing steps")
     follower_file_step_max: int = 5_000   # the same on a slave, which also applies replicated bytes on its loop
     frame_bytes_max: int = 4 * 1024 * 1024  # a batch larger than this is appended as several frames
     id_slots: int = 1 << 20
