@@ -71,8 +71,8 @@ def keys_of(subjects: Iterable[str], ids: Iterable[str]) -> list[str]:
 
 
 class DedupWindow:
-    __slots__ = ("window_ms", "entries_max", "gen_entries_max", "gens", "numbers", "rows", "order", "_n",
-                 "_by_number", "_next_number", "_filter", "_mask", "_free_rows", "_active")
+    __slots__ = ("window_ms", "entries_max", "gen_entries_max", "gens", "numbers", "order", "_n",
+                 "_by_number", "_next_number", "_filter", "_mask", "_free_rows", "_active", "_pos_keys", "_pos")
 
     def __init__(self, *, window_ms: int, entries_max: int) -> None:
         self.window_ms = window_ms
@@ -83,12 +83,13 @@ class DedupWindow:
         rows = -(-entries_max // self.gen_entries_max) + 3  # grown (rarely) when frames outsize generations
         self._filter = np.zeros((rows, bits // 8), np.uint8)  # one row of bits per generation
         self._free_rows = list(range(rows - 1, 0, -1))
-        self.gens: deque[dict] = deque([{}])  # oldest first; new frames go to gens[-1]
-        self.numbers: deque[int] = deque([0])  # gens[i]'s number
-        self.rows: deque[int] = deque([0])  # gens[i]'s filter row
-        self._active = np.array([0], np.intp)  # self.rows as an array
-        self._by_number: dict[int, tuple[dict, int]] = {0: (self.gens[0], 0)}  # number -> (dict, row)
+        self.numbers: deque[int] = deque([0])  # the generations' numbers, oldest first; new frames go to the last
+        self._by_number: dict[int, tuple[dict, int]] = {0: ({}, 0)}  # number -> (its dict, its filter row)
         self._next_number = 1
+        self.gens: list[dict] = []  # derived from numbers (_generations_changed): the dicts, oldest first
+        self._active = np.zeros(0, np.intp)  # ... and their filter rows
+        self._generations_changed()
+        self._pos_keys, self._pos = None, None  # the last keys the filter hashed, and their positions
         # (store_ms, keys, seqs, log offset of the frame, its generation's number) per frame,
         # oldest first; a number, not the dict: a frame's tuple stays untracked by the cyclic GC
         self.order: deque[tuple[int, tuple, tuple, int, int]] = deque()
@@ -102,10 +103,19 @@ class DedupWindow:
 
     # ------------------------------------------------------------------ the filter
 
+    def _generations_changed(self) -> None:
+        self.gens = [self._by_number[n][0] for n in self.numbers]
+        self._active = np.array([self._by_number[n][1] for n in self.numbers], np.intp)
+
     def _positions(self, keys: Sequence) -> np.ndarray:
-        """(FILTER_PROBES, len(keys)) bit positions of ``keys`` in a row (double hashing)."""
+        """(FILTER_PROBES, len(keys)) bit positions of ``keys`` in a row (double hashing). An
+        append asks ``isdisjoint`` then ``add`` with the same list: hashed once."""
+        if keys is self._pos_keys and len(keys) == self._pos.shape[1]:  # the same list, not changed in size
+            return self._pos
         h = np.fromiter(map(hash, keys), np.int64, len(keys)).view(np.uint64)
-        return ((h & _LOW32) + _PROBE_STEPS * ((h >> np.uint64(32)) | np.uint64(1))) & self._mask
+        pos = ((h & _LOW32) + _PROBE_STEPS * ((h >> np.uint64(32)) | np.uint64(1))) & self._mask
+        self._pos_keys, self._pos = keys, pos
+        return pos
 
     def _maybe(self, keys: Sequence) -> np.ndarray:
         """(generations, len(keys)) bools: which generations may hold each key (oldest first)."""
@@ -176,15 +186,14 @@ class DedupWindow:
         Returns how many entries were evicted early (before their window ended)."""
         if not keys:
             return 0
-        gen, number, row = self.gens[-1], self.numbers[-1], self.rows[-1]
+        number = self.numbers[-1]
+        gen, row = self._by_number[number]
         if gen and len(gen) + len(keys) > self.gen_entries_max:
             gen, number, row = {}, self._next_number, self._take_row()
             self._next_number += 1
-            self.gens.append(gen)
             self.numbers.append(number)
-            self.rows.append(row)
             self._by_number[number] = (gen, row)
-            self._active = np.array(self.rows, np.intp)
+            self._generations_changed()
         before = len(gen)
         gen.update(zip(keys, seqs))
         self._mark(row, keys)
@@ -240,10 +249,9 @@ class DedupWindow:
         self._n -= len(gone)
         if not gen:
             self._filter[row] = 0  # nothing in it: its bits would only be false hits
-            if len(self.gens) > 1:  # an emptied generation goes (usually the oldest); one stays
-                i = self.numbers.index(number)
-                del self.gens[i], self.numbers[i], self.rows[i]
+            if len(self.numbers) > 1:  # an emptied generation goes (usually the oldest); one stays
+                self.numbers.remove(number)
                 del self._by_number[number]
                 self._free_rows.append(row)
-                self._active = np.array(self.rows, np.intp)
+                self._generations_changed()
         return len(gone)
