@@ -870,6 +870,8 @@ def main() -> None:
     if user:
         if a.windows_json is None:
             a.windows_json = str(REPO / "bench" / "out" / f"e2e-user-windows-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        if a.dir:
+            Path(a.dir).mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="hg-bench-e2e-user-", dir=a.dir))
         try:
             e2e_user.run(a, work)

@@ -72,7 +72,7 @@ EXIT_TIMEOUT_S = 20.0
 CHILD_RUNTIME_MAX_S = 3600.0    # a client process gives up on its own after this
 CONSUMER_GRACE_S = 1.0          # the consumer's first long poll is out before it says ready
 LEASE_TTL_MS = 6000             # cluster/cli/dev.py LEASE_TTL_MS: ``dev up``'s nodes' meta lease
-STALL_RE = re.compile(r"event loop (still )?stalled stall_ms=(\d+)")
+STALL_RE = re.compile(r"event loop (still )?stalled stall_ms=(\d+)|gc pause (?:generation=\d+ )?ms=(\d+)")
 
 
 def now_ms() -> int:
@@ -641,8 +641,8 @@ def _log_offsets(system) -> dict[str, int]:
 
 
 def _stall_lines(system, offsets: dict[str, int], t0_ms: int) -> list[dict]:
-    """The nodes' ``event loop stalled`` lines logged since ``offsets``, with their time
-    from the step's start (the log's ``asctime``, local time, millisecond)."""
+    """The nodes' ``event loop stalled`` and ``gc pause`` lines (``node/aio.py`` ``GcPauses``)
+    logged since ``offsets``, with their time from the step's start (the log's ``asctime``, local time, millisecond)."""
     out = []
     for name, path in system.logs().items():
         if not path.exists():
@@ -654,7 +654,8 @@ def _stall_lines(system, offsets: dict[str, int], t0_ms: int) -> list[dict]:
             m = STALL_RE.search(line)
             if not m:
                 continue
-            row = {"node": name, "stall_ms": int(m.group(2)), "still": bool(m.group(1)), "line": line.strip()[:500]}
+            row = {"node": name, "stall_ms": int(m.group(2) or m.group(3)), "still": bool(m.group(1)),
+                   "gc": m.group(3) is not None, "line": line.strip()[:500]}
             try:
                 stamp, ms = line[:23].split(",")
                 row["at_s"] = round((time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) * 1000 + int(ms)

@@ -59,15 +59,46 @@ async def finish_then_cancel(aw: Awaitable[T]) -> T:
 GC_GEN0_THRESHOLD = 20_000  # allocations between gen-0 collections (CPython's default: 700)
 
 
-def tune_gc() -> None:
+GC_PAUSE_REPORT_MS = 20  # a collection that held the process this long is logged (it holds the GIL throughout)
+
+
+def tune_gc(log: logging.Logger | None = None, report_ms: float = GC_PAUSE_REPORT_MS) -> None:
     """The cyclic GC ran ~10% of this process's CPU: every call allocates coroutines,
     futures and protobuf objects, and each collection walked the objects of the loaded
     modules again. ``freeze`` moves what exists once serving (modules, the store's
     tables) out of collection; a larger gen-0 threshold collects less often. Reference
-    cycles are rare on the hot path, so memory does not grow for it."""
+    cycles are rare on the hot path, so memory does not grow for it.
+
+    With ``log``, a collection that takes ``report_ms`` or more is logged with its
+    generation and what it found (``GcPauses``): a collection holds the GIL throughout, so
+    the stall watch's sampler cannot say what held the loop (``samples=0/0``)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, 20, 20)
+    gc.callbacks[:] = [cb for cb in gc.callbacks if not isinstance(cb, GcPauses)]  # one, however often tuned
+    if log is not None:
+        gc.callbacks.append(GcPauses(log, report_ms))
+
+
+class GcPauses:
+    """A ``gc.callbacks`` entry: times each collection, logs the long ones, keeps the longest."""
+
+    def __init__(self, log: logging.Logger, report_ms: float) -> None:
+        self.log, self.report_ms = log, report_ms
+        self.started = 0.0
+        self.longest_ms = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self.started) * 1000
+        gen = info.get("generation", -1)
+        self.longest_ms = max(self.longest_ms, ms)
+        if ms >= self.report_ms:
+            self.log.warning("gc pause generation=%d ms=%.0f collected=%d uncollectable=%d collections=%s",
+                             gen, ms, info.get("collected", 0), info.get("uncollectable", 0),
+                             "/".join(str(g["collections"]) for g in gc.get_stats()))
 
 
 MALLOC_TRIM_INTERVAL_S = 2.0  # how often a node hands freed heap back to the OS (malloc_trim)

@@ -45,5 +45,5 @@ def side_tasks(tg: asyncio.TaskGroup, node, log: logging.Logger, *, register: bo
                                        sv.metrics_tls_key_file, sv.metrics_token_file))
     tasks.append(tg.create_task(trim_memory_loop(), name="malloc-trim"))
     if gc_tuned:
-        tune_gc()
+        tune_gc(log)
     return tasks

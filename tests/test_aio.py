@@ -117,3 +117,43 @@ async def test_two_watches_on_one_loop_stop_in_any_order(first_stops_first):
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.01)  # the loop still turns through what is left
     assert "select" not in vars(loop._selector)
+
+
+def test_a_long_collection_is_logged_with_its_generation_and_a_short_one_is_not(caplog):
+    """``GcPauses`` (issue 28): a cyclic collection holds the GIL, so the stall watch cannot
+    name it; the callback does. Clock driven by hand: the outcome, not a time."""
+    from node import aio
+
+    clock = iter([10.0, 10.0005, 20.0, 20.150])
+    watch = aio.GcPauses(logging.getLogger("test.gc"), report_ms=20)
+    real = aio.time.perf_counter
+    aio.time.perf_counter = lambda: next(clock)
+    try:
+        with caplog.at_level(logging.WARNING, logger="test.gc"):
+            watch("start", {"generation": 0})
+            watch("stop", {"generation": 0, "collected": 3, "uncollectable": 0})
+            watch("start", {"generation": 2})
+            watch("stop", {"generation": 2, "collected": 7, "uncollectable": 0})
+    finally:
+        aio.time.perf_counter = real
+    lines = [r.getMessage() for r in caplog.records if r.name == "test.gc"]
+    assert len(lines) == 1
+    assert lines[0].startswith("gc pause generation=2 ms=150 collected=7 uncollectable=0 collections=")
+    assert round(watch.longest_ms) == 150
+
+
+def test_tune_gc_keeps_one_pause_callback_however_often_it_runs():
+    import gc
+
+    from node import aio
+
+    before = gc.get_threshold()
+    try:
+        aio.tune_gc(logging.getLogger("test.gc"))
+        aio.tune_gc(logging.getLogger("test.gc"))
+        assert sum(isinstance(cb, aio.GcPauses) for cb in gc.callbacks) == 1
+        aio.tune_gc()
+        assert not any(isinstance(cb, aio.GcPauses) for cb in gc.callbacks)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
