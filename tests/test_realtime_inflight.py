@@ -203,6 +203,31 @@ def test_dedup_window_entries_are_not_walked_by_the_cyclic_gc():
     assert d.lookup([("orders", "id-3-7"), ("orders", "nope")]) == [307, None]
 
 
+def test_dedup_window_frames_hold_nothing_a_collection_must_walk():
+    """Untracked only after the first collection that meets them is too late: in a node whose
+    allocations balance its frees the first collection came two minutes into a run and
+    walked every frame's keys at once (a 90-200 ms pause at 115 s into every long run).
+    A frame's keys and seqs are never tracked, with no collection at all."""
+    import gc
+
+    gc.disable()
+    try:
+        d = DedupWindow(window_ms=60_000, entries_max=100_000)
+        for f in range(20):
+            keys = [f"orders\x00id-{f}-{i}" for i in range(100)]
+            d.add(keys, np.arange(f * 100, f * 100 + 100, dtype=np.uint64), store_ms=f, offset=f * 1000)
+        d.add([("orders", "a tuple key")], [7], store_ms=20, offset=20_000)  # any hashable key, seqs as a list
+        walked = sum(len(gc.get_referents(x)) for entry in d.order for x in entry if gc.is_tracked(x))
+        assert walked == 0
+        assert d.lookup(["orders\x00id-3-7", ("orders", "a tuple key"), "nope"]) == [307, 7, None]
+        d.expire(now_ms=60_010)  # frames 0..10 expired: their arrays still name the right entries
+        assert d.lookup(["orders\x00id-3-7", "orders\x00id-11-0"]) == [None, 1100] and len(d) == 901
+        d.truncate(15_000)
+        assert d.lookup(["orders\x00id-14-99", "orders\x00id-15-0"]) == [1499, None] and len(d) == 400
+    finally:
+        gc.enable()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from("abcdef"), max_size=12), st.dictionaries(st.sampled_from("abcdef"),
                                                                          st.integers(0, 1 << 50), max_size=4),

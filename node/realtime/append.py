@@ -113,7 +113,7 @@ class Appender:
             self.messages.truncate(off)
             log.error("append undone: index write hit no space left path=%s offset=%d", self.messages.directory, off)
             raise
-        evicted = self._dedup.add(keys, seqs.tolist(), store_ms=now_ms, offset=off)
+        evicted = self._dedup.add(keys, seqs, store_ms=now_ms, offset=off)
         if evicted:
             self._dedup_full(evicted, now_ms)
         self._frames.put(off, stored, sum(map(len, parts)))

@@ -91,8 +91,9 @@ class DedupWindow:
         self._generations_changed()
         self._pos_keys, self._pos = None, None  # the last keys the filter hashed, and their positions
         # (store_ms, keys, seqs, log offset of the frame, its generation's number) per frame,
-        # oldest first; a number, not the dict: a frame's tuple stays untracked by the cyclic GC
-        self.order: deque[tuple[int, tuple, tuple, int, int]] = deque()
+        # oldest first; keys and seqs as numpy arrays (object, uint64) and a number, not the
+        # dict: nothing in a frame is a container the cyclic GC walks (``add``)
+        self.order: deque[tuple[int, np.ndarray, np.ndarray, int, int]] = deque()
         self._n = 0  # entries over all generations
 
     def __len__(self) -> int:
@@ -181,11 +182,14 @@ class DedupWindow:
 
     # ------------------------------------------------------------------ frames in, frames out
 
-    def add(self, keys: list, seqs: list[int], *, store_ms: int, offset: int) -> int:
-        """Remember one frame's keys; evicts the oldest frames beyond ``entries_max``.
-        Returns how many entries were evicted early (before their window ended)."""
-        if not keys:
+    def add(self, keys: list, seqs: Sequence[int] | np.ndarray, *, store_ms: int, offset: int) -> int:
+        """Remember one frame's keys (``seqs``: a list or an int array, copied); evicts the
+        oldest frames beyond ``entries_max``. Returns how many entries were evicted early
+        (before their window ended)."""
+        if not len(keys):
             return 0
+        seq_arr = np.array(seqs, dtype=np.uint64)  # a copy: the caller's array is its own (seqs are uint64)
+        seqs = seq_arr.tolist()
         number = self.numbers[-1]
         gen, row = self._by_number[number]
         if gen and len(gen) + len(keys) > self.gen_entries_max:
@@ -198,10 +202,13 @@ class DedupWindow:
         gen.update(zip(keys, seqs))
         self._mark(row, keys)
         self._n += len(gen) - before
-        # tuples, not the caller's lists: a tuple of strs and ints is untracked by the cyclic GC
-        # after its first collection, so a full collection does not walk every key of the
-        # window (lists would be walked each time: 68 ms at 20,000 msgs/s, docs/benchmarks.md)
-        self.order.append((store_ms, tuple(keys), tuple(seqs), offset, number))
+        # numpy arrays, never tracked by the cyclic GC, so no collection walks a key of the
+        # window. Lists were walked by every full collection (68 ms at 20,000 msgs/s); tuples
+        # only by the first collection that meets them, but in a node whose allocations
+        # balance its frees, that one comes minutes later and walked two minutes of frames
+        # at once: ~3M references, 90-200 ms (docs/benchmarks.md, "The real-time stall near
+        # 115 s is a garbage collection")
+        self.order.append((store_ms, np.fromiter(keys, object, len(keys)), seq_arr, offset, number))
         evicted = 0
         while self._n > self.entries_max and len(self.order) > 1:
             evicted += self._pop_left()
@@ -238,13 +245,14 @@ class DedupWindow:
         _, keys, seqs, _, number = self.order.popleft()
         return self._forget(number, keys, seqs)
 
-    def _forget(self, number: int, keys: Sequence, seqs: Sequence) -> int:
+    def _forget(self, number: int, keys: np.ndarray, seqs: np.ndarray) -> int:
         got = self._by_number.get(number)
         if got is None:  # emptied and dropped already (by the frames that held its other keys)
             return 0
         gen, row = got
+        keys = keys.tolist()  # the frame's arrays as lists: faster to walk than the arrays
         current = map(gen.get, keys)
-        gone = [k for k, c, s in zip(keys, current, seqs) if c == s]
+        gone = [k for k, c, s in zip(keys, current, seqs.tolist()) if c == s]
         deque(map(gen.pop, gone), maxlen=0)  # delete them at C speed
         self._n -= len(gone)
         if not gen:

@@ -111,7 +111,7 @@ def index_frames(messages: SegmentedLog, indexes: IndexFiles, dedup: DedupWindow
         if off >= dedup_offset and store_ms > cutoff:
             keys = keys_of(b.subject_list(), b.id_list())
             out.dedup_added += len(keys)
-            out.dedup_dropped += dedup.add(keys, b.seq.tolist(), store_ms=store_ms, offset=off)
+            out.dedup_dropped += dedup.add(keys, b.seq, store_ms=store_ms, offset=off)
     return out
 
 
