@@ -19,6 +19,7 @@ The node provides ``settings`` (``NodeSettings``), ``clock``, ``disk`` (``DiskMo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from cluster import security
@@ -39,10 +40,18 @@ class SendIntake:
 
     async def SendBatchStream(self, requests, context):
         """SendBatch on an ordered stream (docs/api.md): one response per request, in order."""
-        async for resp in serve_ordered(requests, context, self.SendBatch, pb.SendBatchResponse,
+        async for resp in serve_ordered(requests, context, self._timed_send, pb.SendBatchResponse,
                                         window=self.settings.limits.stream_window_max,
                                         window_bytes=self.settings.limits.stream_window_bytes_max):
             yield resp
+
+    async def _timed_send(self, request: pb.SendBatchRequest, context) -> pb.SendBatchResponse:
+        """``SendBatch``, observed into ``hourglass_send_seconds`` whatever its outcome."""
+        began = time.perf_counter()
+        try:
+            return await self.SendBatch(request, context)
+        finally:
+            self.metrics.send_seconds.observe(time.perf_counter() - began)
 
     def _admit_batch(self, batch: Batch, write_bytes_bound: Callable[[Batch], int]) -> None:
         """Raise unless the whole batch may be stored: ``InvalidArgument`` over

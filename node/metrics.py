@@ -16,6 +16,7 @@ from cluster.wire import REQUESTS
 log = logging.getLogger("hourglass.metrics")
 
 STALL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 10, 30)
+CALL_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 LATENESS_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -83,6 +84,17 @@ class NodeMetrics(ServesMetrics):
         self.loop_stall = Histogram("hourglass_event_loop_stall_seconds",
                                     "How late the stall watch's wake-ups were (one every 50 ms): how long the event "
                                     "loop was held or the process starved", buckets=STALL_BUCKETS_S, registry=r)
+        self.send_seconds = Histogram("hourglass_send_seconds",
+                                      "A SendBatch on the SDK's stream, from its handler's start to its answer "
+                                      "(stored and durable; on a replicated master also confirmed as the ack mode "
+                                      "says; refusals included)", buckets=CALL_BUCKETS_S, registry=r)
+        self.fsync_seconds = Histogram("hourglass_wal_fsync_seconds",
+                                       "One group-commit fsync of the message log, on its thread",
+                                       buckets=CALL_BUCKETS_S, registry=r)
+        self.fsync_handback = Histogram("hourglass_wal_fsync_handback_seconds",
+                                        "From a group-commit fsync's return to its completion running on the event "
+                                        "loop: how long the loop was busy with other work", buckets=CALL_BUCKETS_S,
+                                        registry=r)
         self.heartbeat_rtt = Histogram("hourglass_heartbeat_rtt_seconds",
                                        "Round trip of a registration Register/Heartbeat (heartbeat thread)",
                                        buckets=STALL_BUCKETS_S, registry=r)
@@ -118,6 +130,11 @@ class NodeMetrics(ServesMetrics):
                                    "dispatch: a corrupt record a rebuild read around; fetch: a member that could "
                                    "not give missing records; rebuild: a rebuild that failed)", ["kind"], registry=r)
         self._buckets_shown: set[str] = set()
+
+    def observe_commit(self, fsync_s: float, handback_s: float) -> None:
+        """One group-commit round's timing (``GroupCommitter.run(observe)``)."""
+        self.fsync_seconds.observe(fsync_s)
+        self.fsync_handback.observe(handback_s)
 
     def observe_lateness(self, lateness_s: np.ndarray) -> None:
         """Observe a whole batch of lateness values at once (one bucket count per bucket,

@@ -96,3 +96,28 @@ async def test_after_a_failed_fsync_no_later_write_is_acknowledged(tmp_path):
     assert calls == [1] and gc.fsyncs == 0
     del log.flush
     log.close()
+
+
+async def test_each_round_reports_its_fsync_and_the_wait_for_the_loop(tmp_path):
+    """``run(observe)`` gets one (fsync_s, handback_s) per round; a loop held after the fsync
+    returned shows in the sum (a lower bound, whatever the machine's load)."""
+    import time
+
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    seen: list[tuple[float, float]] = []
+    task = asyncio.get_running_loop().create_task(gc.run(lambda f, h: seen.append((f, h))))
+    await asyncio.sleep(0)
+    release, in_fsync = held_fsync(log)
+    _, first = gc.append_nowait([b"a"])
+    await asyncio.wait_for(asyncio.to_thread(in_fsync.wait, GUARD_S), GUARD_S)
+    _, second = gc.append_nowait([b"b"])  # the next round
+    release.set()
+    time.sleep(0.05)  # the loop held: the first round's completion waits for it
+    await asyncio.wait_for(asyncio.gather(first, second), GUARD_S)
+    assert len(seen) == gc.fsyncs == 2
+    assert all(f >= 0 and h >= 0 for f, h in seen) and sum(seen[0]) >= 0.05
+    await gc.close()
+    await asyncio.wait_for(task, GUARD_S)
+    del log.flush
+    log.close()

@@ -4,6 +4,7 @@ real processes; 127.0.0.2 stands in for a pod IP (Linux answers all of 127.0.0.0
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 import urllib.error
 import urllib.request
@@ -12,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from cluster import certs
+from cluster.client import Producer, StaticResolver
 from cluster.devcluster import LocalCluster
 from cluster.errors import InvalidArgument
 from cluster.metricsserver import MetricsEndpoint, MetricsServer
@@ -34,6 +36,17 @@ def _get(url: str, token: str | None = None, context=None) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+async def _send_one(resolver) -> None:
+    async with Producer(resolver) as p:
+        await p.send_and_wait("metrics.timed", b"x", delay_ms=60_000, id="timed-1")
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a scrape."""
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    return float(line.split()[1])
 
 
 def _refused(url: str, context=None) -> bool:
@@ -105,6 +118,10 @@ def test_node_and_meta_server_processes_bind_the_metrics_host(tmp_path):
         c.wait_registered()
         status, text = _get(f"http://{POD_IP}:{node_port}/metrics")
         assert status == 200 and "hourglass_ingested_messages_total" in text
+        asyncio.run(_send_one(StaticResolver(delay=[c.delay[0].address], realtime=[c.realtime[0].address])))
+        text = _get(f"http://{POD_IP}:{node_port}/metrics")[1]
+        for name in ("hourglass_send_seconds", "hourglass_wal_fsync_seconds", "hourglass_wal_fsync_handback_seconds"):
+            assert _sample(text, name + "_count") >= 1, name  # the send was timed, and its fsync round
         assert _refused(f"http://127.0.0.1:{node_port}/metrics")
         assert _get(f"http://{POD_IP}:{meta_port}/metrics")[0] == 401
         status, text = _get(f"http://{POD_IP}:{meta_port}/metrics", "scrape-me")

@@ -571,7 +571,7 @@ class DelayNode(SendIntake, DelayUpkeep, rpc.ProducerServicer, rpc.AdminServicer
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(self.committer.run(), name="group-commit"),
+                    tg.create_task(self.committer.run(self.metrics.observe_commit), name="group-commit"),
                     tg.create_task(self._iterator_loop(), name="iterator"),
                     tg.create_task(self._wheel_loop(), name="wheel"),
                     tg.create_task(self._checkpoint_loop(), name="checkpoint"),

@@ -591,7 +591,7 @@ class RealtimeNode(SendIntake, RealtimeUpkeep, rpc.ProducerServicer, rpc.Consume
         self.health = server.health
         try:
             async with asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.committer.run(), name="group-commit"),
+                tasks = [tg.create_task(self.committer.run(self.metrics.observe_commit), name="group-commit"),
                          tg.create_task(self.creator.run(), name="subjects"),
                          tg.create_task(self._flush_loop(), name="flush"),
                          tg.create_task(self._disk_loop(), name="disk"),

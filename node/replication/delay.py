@@ -361,7 +361,7 @@ class ReplicatedDelayNode(ReplicaRoles, LogShipping, SegmentRepair, DelayNode, r
     # ------------------------------------------------------------------ roles
 
     def _master_tasks(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self.committer.run(), name="group-commit")
+        tg.create_task(self.committer.run(self.metrics.observe_commit), name="group-commit")
         tg.create_task(self._iterator_loop(), name="iterator")
         tg.create_task(self._wheel_loop(), name="wheel")
         tg.create_task(self._checkpoint_loop(), name="checkpoint")

@@ -248,7 +248,7 @@ class ReplicatedRealtimeNode(ReplicaRoles, LogShipping, SegmentRepair, RealtimeN
     # ------------------------------------------------------------------ roles
 
     def _master_tasks(self, tg: asyncio.TaskGroup) -> None:
-        tg.create_task(self.committer.run(), name="group-commit")
+        tg.create_task(self.committer.run(self.metrics.observe_commit), name="group-commit")
         tg.create_task(self.creator.run(), name="subjects")
         tg.create_task(self._flush_loop(), name="flush")
         tg.create_task(self._sync_expiry_loop(), name="sync-expiry")

@@ -9,6 +9,11 @@ than ``run_in_executor``'s machinery, and it is paid once per commit round, hund
 times a second under load). ``durable_offset``
 is the end of the bytes known to be on disk: the iterator and replication never
 go past it.
+
+``run(observe)`` hands each round's timing to ``observe(fsync_s, handback_s)``: how long the
+fsync took on the thread, and how long its completion then waited for the event loop (the
+loop busy with other work). The node exports both (``hourglass_wal_fsync_seconds``,
+``hourglass_wal_fsync_handback_seconds``, docs/operations.md).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from cluster.errors import Closed
@@ -82,6 +88,7 @@ class GroupCommitter:
         self._cancelled = False
         self._failed: BaseException | None = None  # a failed fsync: no later one may acknowledge anything
         self.fsyncs = 0
+        self._observe: Callable[[float, float], None] | None = None  # run()'s: each round's timing
 
     def start(self) -> asyncio.Task:
         """Run the flusher as a free task (benchmarks); services use ``run()`` in their TaskGroup."""
@@ -135,11 +142,20 @@ class GroupCommitter:
         target = self.log.end_offset
         waiters, self._waiters = self._waiters, []
         self._round = asyncio.get_running_loop().create_future()
-        self._sync.submit(self.log.flush, functools.partial(self._round_done, target, waiters))
+        self._sync.submit(self._timed_flush, functools.partial(self._round_done, target, waiters))
 
-    def _round_done(self, target: int, waiters: list[tuple[int, asyncio.Future]], _result,
+    def _timed_flush(self) -> tuple[float, float]:
+        """On the thread: the fsync, and when it began and returned (``perf_counter``)."""
+        began = time.perf_counter()
+        self.log.flush()
+        return began, time.perf_counter()
+
+    def _round_done(self, target: int, waiters: list[tuple[int, asyncio.Future]], timing: tuple[float, float] | None,
                     error: BaseException | None) -> None:
         """On the loop, when a round's fsync returned."""
+        if timing is not None and self._observe is not None:
+            began, returned = timing
+            self._observe(returned - began, time.perf_counter() - returned)
         done, self._round = self._round, None
         done.set_result(None)
         if self._cancelled:  # a role switch came while the fsync ran: run() answers them (stop error)
@@ -165,8 +181,11 @@ class GroupCommitter:
                 and self.durable_offset >= self.log.end_offset and not self._ended.done():
             self._ended.set_result(None)
 
-    async def run(self) -> None:
+    async def run(self, observe: Callable[[float, float], None] | None = None) -> None:
+        """Serve commit rounds until closed and idle (or cancelled: module docstring);
+        ``observe(fsync_s, handback_s)`` gets each round's timing."""
         loop = asyncio.get_running_loop()
+        self._observe = observe
         sync = SyncThread("group-commit")
         self._sync, self._ended, self._cancelled = sync, loop.create_future(), False
         try:
