@@ -121,3 +121,20 @@ async def test_each_round_reports_its_fsync_and_the_wait_for_the_loop(tmp_path):
     await asyncio.wait_for(task, GUARD_S)
     del log.flush
     log.close()
+
+
+async def test_a_failing_observer_never_stops_the_rounds(tmp_path, caplog):
+    log = SegmentedLog.open(tmp_path / "log")
+    gc = GroupCommitter(log)
+    calls = []
+
+    def broken(f, h):
+        calls.append(f)
+        raise RuntimeError("metrics broke")
+    task = asyncio.get_running_loop().create_task(gc.run(broken))
+    for i in range(3):  # three rounds, each answered
+        await asyncio.wait_for(gc.append([bytes([65 + i])]), GUARD_S)
+    assert gc.fsyncs == 3 and len(calls) == 1 and "timing off" in caplog.text
+    await gc.close()
+    await asyncio.wait_for(task, GUARD_S)
+    log.close()

@@ -153,9 +153,7 @@ class GroupCommitter:
     def _round_done(self, target: int, waiters: list[tuple[int, asyncio.Future]], timing: tuple[float, float] | None,
                     error: BaseException | None) -> None:
         """On the loop, when a round's fsync returned."""
-        if timing is not None and self._observe is not None:
-            began, returned = timing
-            self._observe(returned - began, time.perf_counter() - returned)
+        handed_back = time.perf_counter()
         done, self._round = self._round, None
         done.set_result(None)
         if self._cancelled:  # a role switch came while the fsync ran: run() answers them (stop error)
@@ -175,6 +173,13 @@ class GroupCommitter:
                 fut.set_result(None)
         self._kick()
         self._end_if_idle()
+        if timing is not None and self._observe is not None:  # last: the round is answered whatever it does
+            began, returned = timing
+            try:
+                self._observe(returned - began, handed_back - returned)
+            except Exception:  # noqa: BLE001 - a metrics fault must not stop commit rounds
+                log.exception("group-commit timing off from now on path=%s", self.log.directory)
+                self._observe = None  # said once, not once per round
 
     def _end_if_idle(self) -> None:
         if self._closed and self._round is None and not self._waiters and self._ended is not None \
