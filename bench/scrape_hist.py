@@ -21,18 +21,17 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
 import sys
 import time
 import urllib.request
 
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAMS = ("hourglass_send_seconds", "hourglass_wal_fsync_seconds", "hourglass_wal_fsync_handback_seconds")
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 FIND_TIMEOUT_S = 60.0  # how long to wait for the nodes to come up and listen
 SCRAPE_TIMEOUT_S = 3.0
-SAMPLE_RE = re.compile(r'^(hourglass_[a-z_]+?)(_bucket\{le="([^"]+)"\}|_count|_sum) ([0-9.e+-]+)$')
 
 
 def node_processes(match: str) -> dict[str, int]:
@@ -53,15 +52,15 @@ def scrape(port: int) -> dict | None:
     except (OSError, ValueError, http.client.HTTPException):  # not up yet, or not HTTP (its gRPC port)
         return None
     got: dict = {}
-    for line in text.splitlines():
-        m = SAMPLE_RE.match(line)
-        if not m or m.group(1) not in HISTOGRAMS:
+    for family in text_string_to_metric_families(text):
+        if family.name not in HISTOGRAMS:
             continue
-        h = got.setdefault(m.group(1), {"count": 0.0, "sum": 0.0, "buckets": []})
-        if m.group(3) is not None:
-            h["buckets"].append((float(m.group(3)), float(m.group(4))))
-        else:
-            h[m.group(2)[1:]] = float(m.group(4))
+        h = got[family.name] = {"count": 0.0, "sum": 0.0, "buckets": []}
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                h["buckets"].append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith(("_count", "_sum")):
+                h[sample.name.rsplit("_", 1)[1]] = sample.value
     return got or None
 
 

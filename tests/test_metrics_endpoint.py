@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import certs
 from cluster.client import Producer, StaticResolver
@@ -45,8 +46,7 @@ async def _send_one(resolver) -> None:
 
 def _sample(text: str, name: str) -> float:
     """The value of the unlabelled sample ``name`` in a scrape."""
-    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
-    return float(line.split()[1])
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _refused(url: str, context=None) -> bool:
