@@ -1,6 +1,6 @@
 """Invariant checker for a chaos run (``tests/chaos/harness.py``, ``hourglass dev chaos``). Reads
 the recorded files only (``run.json``, ``sends.jsonl``, ``cancels.jsonl``, ``receives.jsonl``,
-``faults.jsonl`` and the process logs); imports nothing of the broker, so
+``ack_answers.jsonl``, ``faults.jsonl`` and the process logs); imports nothing of the broker, so
 a bug in the broker's code paths cannot hide a violation.
 
 Invariants (violations fail the run):
@@ -25,6 +25,12 @@ Invariants (violations fail the run):
   A run that expects journals (``run.json`` ``ack_journal_expected``) and acknowledged sends
   but holds no window fails: the check would otherwise pass unseen;
 * **expectations** of the scenario (``run.json`` ``expect``): ``master_changes_without_kill_max``.
+
+* **redelivered after an answered ack**: no message received again by a consumer group after
+  the consumer's ack of it was answered OK (``ack_answers.jsonl``), unless a real-time master
+  changed in between and the cluster runs ``async`` acks (``run.json`` ``ack_mode``; its slave
+  may lack the master's last acks). Receives again after an ack that failed or was not yet
+  answered are at-least-once delivery: reported, not failures (``classify_duplicates``);
 
 Reported (not failures): duplicates (receives beyond the first per group), lateness percentiles
 (all, and of messages due while a fault was in progress), failover and recovery times, resume
@@ -196,6 +202,56 @@ def master_changes(changes: list[dict], faults: list[dict], since_ms: int, until
             "unprovoked_examples": [c for i, c in enumerate(changes) if i not in claimed][:EXAMPLES_MAX]}
 
 
+def classify_duplicates(by_group: dict[tuple[str, str], list[dict]], ack_answers: list[dict],
+                        realtime_changes: list[int], ack_mode: str) -> dict:
+    """Every receive of a message in a consumer group after its first, by what the consumer's
+    ack had been told before it (``ack_answers``: one line per acked batch, its ``ids``,
+    ``group``, ``t_req``, ``t_ans``, ``ok``):
+
+    * ``after_no_answered_ack``: no ack of it had been answered OK yet (the ack failed in a
+      failover, or was not answered): at-least-once, allowed;
+    * ``after_answered_ack_across_failover``: an ack answered OK, then a real-time master change
+      (``realtime_changes``: wall ms of real-time master kills and "became MASTER" lines of
+      real-time groups) after that ack was asked and by this receive. Allowed in ``async`` ack
+      mode only (an ack is answered after the master's fsync; its slave may lack the last
+      acks when it takes over, docs/replication.md); in ``sync`` mode an answered ack is held
+      by every slave, so it is a violation;
+    * ``after_answered_ack``: an ack answered OK and no real-time master change since: a
+      violation in either mode (nothing may undo an answered ack).
+    """
+    answered: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)  # -> [(t_ans, t_req)] ok
+    for a in ack_answers:
+        if a.get("ok"):
+            for mid in a["ids"]:
+                answered[(mid, a["group"])].append((a["t_ans"], a["t_req"]))
+    changes = sorted(realtime_changes)
+    counts = Counter()
+    examples: list[dict] = []
+    for key, rs in by_group.items():
+        if len(rs) < 2:
+            continue
+        oks = sorted(answered.get(key, ()))
+        for t in sorted(r["t"] for r in rs)[1:]:
+            done = [req for ans, req in oks if ans <= t]  # the consumer records, then acks, then pulls
+            if not done:
+                counts["after_no_answered_ack"] += 1
+                continue
+            i = bisect.bisect_right(changes, done[0])
+            if i < len(changes) and changes[i] <= t:
+                counts["after_answered_ack_across_failover"] += 1
+                kind = "after_answered_ack_across_failover"
+            else:
+                counts["after_answered_ack"] += 1
+                kind = "after_answered_ack"
+            if len(examples) < EXAMPLES_MAX:
+                examples.append({"id": key[0], "group": key[1], "kind": kind, "ack_asked": done[0], "received": t})
+    bad = counts["after_answered_ack"] + (counts["after_answered_ack_across_failover"] if ack_mode == "sync" else 0)
+    return {"after_no_answered_ack": counts["after_no_answered_ack"],
+            "after_answered_ack_across_failover": counts["after_answered_ack_across_failover"],
+            "after_answered_ack": counts["after_answered_ack"], "violating": bad,
+            "ack_mode": ack_mode, "answered_ack_examples": examples}
+
+
 def resume_times(faults: list[dict], sends: dict[str, dict], receives: list[dict]) -> list[int | None]:
     """Per delay master SIGKILL: ms until the first receive of a message of that delay group due
     after the kill (None: none came). A send record without ``delay_group`` matches any group."""
@@ -221,6 +277,7 @@ def check(out_dir: str | Path) -> dict:
     sends = _lines(out / "sends.jsonl")
     cancels = _lines(out / "cancels.jsonl")
     receives = _lines(out / "receives.jsonl")
+    ack_answers = _lines(out / "ack_answers.jsonl")
     faults = _lines(out / "faults.jsonl")
     groups_of = run["groups"]
     due_limit = run["due_limit_ms"]
@@ -333,6 +390,16 @@ def check(out_dir: str | Path) -> dict:
         violations.append(f"{len(overlaps)} overlapping acknowledgement windows of two members of a group")
     if two_masters:
         violations.append(f"{len(two_masters)} epochs acknowledged by two members")
+    redelivered = None
+    if (out / "ack_answers.jsonl").exists():  # runs recorded before the ack answers were: not checked
+        rt_changes = [c["t"] for c in logs["became_master"] if c["group"].startswith("realtime")]
+        rt_changes += [f["t_start"] for f in faults if f.get("kind") == "realtime_kill" and not f.get("skipped")
+                       and "t_start" in f]
+        redelivered = classify_duplicates(by_group, ack_answers, rt_changes, run.get("ack_mode", "async"))
+        if redelivered["violating"]:
+            violations.append(f"{redelivered['violating']} receives of a message after its ack was answered OK "
+                              f"(ack_mode={redelivered['ack_mode']}; "
+                              f"{redelivered['after_answered_ack']} without a real-time master change)")
     if run.get("ack_journal_expected") and acked and not windows:
         violations.append("no acknowledgement window journaled although sends were acknowledged "
                           "(HOURGLASS_ACK_JOURNAL not in effect?)")
@@ -365,7 +432,7 @@ def check(out_dir: str | Path) -> dict:
         "received_early": {"count": len(early), "examples": early[:EXAMPLES_MAX]},
         "cancelled_received_before_cancel_answer": before_cancel_answer,
         "ambiguous_cancels": {"received": ambiguous_received, "not_received": ambiguous_not_received},
-        "duplicates": {"extra_receives": dup_count, "messages": dup_ids},
+        "duplicates": {"extra_receives": dup_count, "messages": dup_ids, "by_ack": redelivered},
         "unacked_but_received": unacked_received, "unknown_received": unknown_received,
         "lateness_ms": {"all": percentiles(late_all), "due_during_faults": percentiles(late_fault)},
         "restart_errors": restart_errors[:EXAMPLES_MAX],
@@ -402,6 +469,10 @@ def summarize(r: dict) -> str:
         f"duplicates={r['duplicates']['extra_receives']} (messages {r['duplicates']['messages']}) "
         f"ambiguous cancels (error answer) received/not={r['ambiguous_cancels']['received']}/"
         f"{r['ambiguous_cancels']['not_received']}",
+        (f"duplicates by the consumer's ack (ack_mode={d['ack_mode']}): after no answered ack "
+         f"{d['after_no_answered_ack']}, after an answered ack across a real-time failover "
+         f"{d['after_answered_ack_across_failover']}, after an answered ack {d['after_answered_ack']}"
+         if (d := r["duplicates"]["by_ack"]) else "duplicates by the consumer's ack: not recorded"),
         f"lateness ms all: {pct(lat['all'])}",
         f"lateness ms due during faults: {pct(lat['due_during_faults'])}",
         f"restart errors={len(r['restart_errors'])} storage errors in logs={len(r['logs']['storage_errors'])} "

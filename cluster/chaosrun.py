@@ -12,7 +12,9 @@ it finds and hits a fault's target.
 * ``node_statuses``: name -> the node's ``Status`` document; ``wait_until``: a predicate's first
   true answer within a time;
 * ``consume``: one consumer group on one subject, every receive recorded, every batch acked
-  (an unacked message comes again and counts as a duplicate), pulls retried with a backoff;
+  and the ack's answer recorded (``ack_answers``: ok or the error; the checker tells a message that
+  came again after a failed ack, at-least-once, from one that came again after an answered
+  ack), pulls retried with a backoff;
 * ``sample_load``: the machine's 1-minute load average every ``LOAD_SAMPLE_S``;
 * ``play_lanes``: the lanes of a fault plan side by side (``cluster/chaosplan.py`` ``lanes``),
   each fault at ``t0_ms + at_s``, its record written when it is done; a lane stops when the
@@ -35,7 +37,7 @@ from cluster.client import Consumer, group_for
 from cluster.clock import wall_ms as now_ms
 from cluster.proto import hourglass_pb2 as pb
 
-RECORD_NAMES = ("sends", "cancels", "receives", "faults", "load")
+RECORD_NAMES = ("sends", "cancels", "receives", "ack_answers", "faults", "load")
 STATUS_TIMEOUT_S = 2.0
 POLL_S = 0.1
 LOAD_SAMPLE_S = 1.0
@@ -128,9 +130,10 @@ async def wait_until(pred: Callable[[], Awaitable], timeout_s: float):
 async def consume(resolver, subject: str, group: str, rec: Recorder, stop: asyncio.Event, *,
                   on_receive: Callable[[object], None] | None = None, log: logging.Logger | None = None) -> None:
     """Pull ``subject`` in consumer group ``group`` until ``stop``: every message is written to
-    ``receives`` (and given to ``on_receive``), every batch acked. A failed pull is tried again
-    after a backoff (up to ``PULL_BACKOFF_S_MAX``); ``log`` hears of failures other than
-    Unavailable (a failover) and of failed acks."""
+    ``receives`` (and given to ``on_receive``), every batch acked and its answer written to
+    ``ack_answers`` (one line per batch: its ids, when the ack was asked and answered, ok). A failed
+    pull is tried again after a backoff (up to ``PULL_BACKOFF_S_MAX``); ``log`` hears of
+    failures other than Unavailable (a failover) and of failed acks."""
     failures = 0
     async with Consumer(resolver, subject, group=group, wait_ms=CONSUME_WAIT_MS,
                         consumer_id=f"chaos-{group}-{subject}") as c:
@@ -150,11 +153,16 @@ async def consume(resolver, subject: str, group: str, rec: Recorder, stop: async
                           deliver_at=m.deliver_at_ms, attempts=m.attempts)
                 if on_receive is not None:
                     on_receive(m)
+            error = None
             try:
                 await c.ack(batch)
-            except Exception as e:  # unacked messages come back: counted as duplicates
+            except Exception as e:  # unacked messages come back: at-least-once
+                error = f"{type(e).__name__}: {e}"[:200]
                 if log is not None:
                     log.info("ack %s/%s failed: %s", subject, group, e)
+            if batch:
+                rec.write("ack_answers", ids=[m.id for m in batch], subject=subject, group=group, t_req=t,
+                          t_ans=now_ms(), ok=error is None, error=error)
 
 
 async def sample_load(rec: Recorder, stop: asyncio.Event) -> None:

@@ -408,7 +408,7 @@ class DevChaos:
                "due_limit_ms": due_limit, "groups": {s: list(self.cfg.groups) for s in self.subjects},
                "log_dir": str(Path(self.cfg.cluster_file).resolve().parent), "restore_errors": [],
                "scenario": self.cfg.scenario, "schedule": [f.model_dump() for f in plan or []],
-               "ack_journals": [str(p) for p in self.cfg.ack_journals],
+               "ack_mode": info.get("ack_mode", "async"), "ack_journals": [str(p) for p in self.cfg.ack_journals],
                "ack_journal_expected": bool(self.cfg.ack_journals), "teardown_errors": self.teardown_errors,
                "expect": {"master_changes_without_kill_max": sc.master_changes_without_kill_max if sc else None}}
         (self.out / "run.json").write_text(json.dumps(run, indent=2))

@@ -265,6 +265,7 @@ class LocalCluster:
                  realtime_replicas: int = 1, hosts: dict[str, str] | None = None,
                  prefixes: dict[str, list[str]] | None = None, secure: bool = False) -> None:
         self.root = Path(root).resolve()  # children run in the repository, not the caller's cwd
+        self.ack_mode = ack_mode
         self.root.mkdir(mode=DATA_DIR_MODE, parents=True, exist_ok=True)
         # secure: mutual TLS on every port, tokens checked (docs/security.md); the material
         # (a CA, the nodes' certificate, a client certificate, an admin token) is made here
@@ -509,6 +510,7 @@ class LocalCluster:
         for m in self.etcd.members if self.etcd is not None else []:
             out["processes"][m.name] = {"role": "etcd", "address": m.endpoint, "pid": m.proc.pid if m.proc else None}
         out["groups"] = self.groups()
+        out["ack_mode"] = self.ack_mode  # of the replicated groups (a group of one member answers alone)
         if self.meta:
             out["meta"] = self.meta_addresses
             out["etcd"] = self.etcd_endpoints

@@ -387,7 +387,8 @@ def test_dev_up_of_two_delay_and_three_realtime_groups_serves_all_of_them(tmp_pa
 def test_dev_chaos_kills_masters_of_delay_and_replicated_realtime_groups(tmp_path):
     """`dev up --delay-groups 2 --realtime-groups 2 --realtime-replicas 2`; `dev chaos --kill-groups
     any` (seed 3: a real-time master, then a delay master) passes: nothing acknowledged lost, no
-    duplicate, the real-time slave takes over, both killed nodes come back."""
+    message again after an ack answered OK unless a failover came between, the real-time slave
+    takes over, both killed nodes come back."""
     data = tmp_path / "d"
     out_path = tmp_path / "dev-up.out"
     seen: dict = {}
@@ -403,7 +404,12 @@ def test_dev_chaos_kills_masters_of_delay_and_replicated_realtime_groups(tmp_pat
         assert chaos.returncode == 0, chaos.stdout + chaos.stderr
         report = json.loads((tmp_path / "chaos" / "report.json").read_text())
         assert report["faults"]["by_kind"] == {"realtime_kill": 1, "delay_master_kill": 1}, report["faults"]
-        assert report["lost"]["count"] == 0 and report["duplicates"]["extra_receives"] == 0
+        assert report["passed"], report["violations"]
+        # at-least-once: a message comes again only if the consumer's ack of it failed in the
+        # failover, or (async acks, dev up's default) was answered by the killed master before
+        # its slave held it; never after an ack answered OK with no failover since
+        dup = report["duplicates"]
+        assert report["lost"]["count"] == 0 and dup["by_ack"]["after_answered_ack"] == 0, dup
         assert report["messages"]["acked"] > 0
         faults = [json.loads(line) for line in (tmp_path / "chaos" / "faults.jsonl").read_text().splitlines()]
         rt = next(f for f in faults if f["kind"] == "realtime_kill")

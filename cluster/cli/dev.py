@@ -330,6 +330,10 @@ def verdict_table(report: dict) -> Table:
         ("expected deliveries / received", f"{m['expected_deliveries']} / {m['receives']}"),
         ("lost (acknowledged, never received)", str(report["lost"]["count"])),
         ("duplicates (extra receives)", str(report["duplicates"]["extra_receives"])),
+        ("... after an answered ack (allowed across an async failover)",
+         "not recorded" if (d := report["duplicates"].get("by_ack")) is None
+         else f"{d['after_answered_ack'] + d['after_answered_ack_across_failover']} "
+              f"({d['after_answered_ack_across_failover']} across a failover, ack_mode={d['ack_mode']})"),
         ("failover s (kill -> new master) p50 / max",
          "-" if fo["n"] == 0 else f"{fo['p50'] / 1000:.1f} / {fo['max'] / 1000:.1f}"),
         ("resume s (kill -> deliveries again) p50 / max",

@@ -505,6 +505,7 @@ class ChaosRun:
                "groups": {s: self.groups_for(s) for s in cfg.subjects},
                "schedule": [f.model_dump() for f in self.schedule], "scenario": cfg.scenario,
                "log_dir": str(cluster_root), "restore_errors": restore_errors, "teardown_errors": self.teardown_errors,
+               "ack_mode": self.cluster.ack_mode,
                "ack_journals": [str(p) for p in journals], "ack_journal_expected": cfg.ack_journal,
                "expect": {"master_changes_without_kill_max": cfg.master_changes_without_kill_max}}
         (self.out / "run.json").write_text(json.dumps(run, indent=2))

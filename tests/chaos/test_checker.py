@@ -16,7 +16,8 @@ from cluster.chaosplan import (CLASSIC_KINDS, FAULT_KINDS, SCENARIOS, STARVATION
 T0 = 1_800_000_000_000  # wall ms of the synthetic workload start
 
 
-def write_run(tmp_path, *, sends=(), receives=(), faults=(), journals=None, logs=None, load=(), **run) -> None:
+def write_run(tmp_path, *, sends=(), receives=(), faults=(), journals=None, logs=None, load=(), ack_answers=None,
+              **run) -> None:
     log_dir = tmp_path / "logs"
     log_dir.mkdir(exist_ok=True)
     for name, text in (logs or {}).items():
@@ -32,6 +33,8 @@ def write_run(tmp_path, *, sends=(), receives=(), faults=(), journals=None, logs
     for name, rows in (("sends", sends), ("cancels", []), ("receives", receives), ("faults", faults),
                        ("load", load)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if ack_answers is not None:
+        (tmp_path / "ack_answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ack_answers))
 
 
 def send(mid: str, deliver_at: int, group: str = "delay-g1") -> dict:
@@ -168,6 +171,58 @@ def test_a_fault_left_in_force_fails_and_a_skipped_one_says_why(tmp_path):
     r = check(tmp_path)
     assert r["violations"] == ["1 faults not restored"]
     assert "skipped: fault 1 node_throttle: no cgroup v1 cpu controller" in summarize(r)
+
+
+# ---------------------------------------------------------------------- duplicates by the consumer's ack
+
+def answer(ids, t_req: int, ok: bool = True) -> dict:
+    return {"ids": list(ids), "subject": "s", "group": "g1", "t_req": T0 + t_req, "t_ans": T0 + t_req + 5,
+            "ok": ok, "error": None if ok else "Unavailable: not the master"}
+
+
+RT_KILL = kill(0, 5_000, group="realtime-g1", kind="realtime_kill")
+# a: ack failed at the kill, came again (at-least-once); b: acked OK at 4_000, came again after the
+# real-time kill at 5_000 (the async slave lacked the ack); c: acked OK at 6_000 after the kill and
+# came again at 9_000 with no master change since (nothing may undo that ack)
+REDELIVERIES = dict(
+    sends=[send("a", T0 + 100), send("b", T0 + 100), send("c", T0 + 100)],
+    receives=[recv("a", T0 + 4_990, T0 + 100), recv("a", T0 + 7_000, T0 + 100),
+              recv("b", T0 + 3_990, T0 + 100), recv("b", T0 + 7_000, T0 + 100),
+              recv("c", T0 + 5_990, T0 + 100), recv("c", T0 + 9_000, T0 + 100)],
+    ack_answers=[answer(["a"], 4_995, ok=False), answer(["b"], 4_000), answer(["a", "b"], 7_005),
+                 answer(["c"], 6_000), answer(["c"], 9_005)],
+    faults=[RT_KILL],
+    logs={"realtime-2": log_line(T0 + 5_800, "became MASTER group=realtime-g1 epoch=4 store_epoch=2 log_end=9")})
+
+
+@pytest.mark.parametrize("ack_mode, violating", [("async", 1), ("sync", 2)])
+def test_a_receive_after_an_answered_ack_fails_unless_an_async_failover_explains_it(tmp_path, ack_mode, violating):
+    write_run(tmp_path, ack_mode=ack_mode, **REDELIVERIES)
+    r = check(tmp_path)
+    d = r["duplicates"]
+    assert (d["extra_receives"], d["messages"]) == (3, 3)
+    assert d["by_ack"] | {"answered_ack_examples": None} == {
+        "after_no_answered_ack": 1, "after_answered_ack_across_failover": 1, "after_answered_ack": 1,
+        "violating": violating, "ack_mode": ack_mode, "answered_ack_examples": None}
+    assert {(e["id"], e["kind"]) for e in d["by_ack"]["answered_ack_examples"]} == {
+        ("b", "after_answered_ack_across_failover"), ("c", "after_answered_ack")}
+    assert r["violations"] == [f"{violating} receives of a message after its ack was answered OK "
+                               f"(ack_mode={ack_mode}; 1 without a real-time master change)"]
+    assert "after an answered ack across a real-time failover 1, after an answered ack 1" in summarize(r)
+
+
+def test_receives_again_after_failed_acks_only_pass_and_old_runs_are_not_checked(tmp_path):
+    only_failed = {k: v for k, v in REDELIVERIES.items()}
+    only_failed["ack_answers"] = [answer(["a"], 4_995, ok=False), answer(["b"], 3_995, ok=False),
+                                  answer(["c"], 5_995, ok=False), answer(["a", "b", "c"], 9_005)]
+    write_run(tmp_path, ack_mode="sync", **only_failed)
+    r = check(tmp_path)
+    assert r["passed"], r["violations"]
+    assert r["duplicates"]["by_ack"]["after_no_answered_ack"] == 3
+    (tmp_path / "ack_answers.jsonl").unlink()  # recorded before the answers were: reported as not recorded
+    r = check(tmp_path)
+    assert r["passed"] and r["duplicates"]["by_ack"] is None
+    assert "duplicates by the consumer's ack: not recorded" in summarize(r)
 
 
 # ---------------------------------------------------------------------- plans
