@@ -72,6 +72,10 @@ PYEOF
 }
 
 build() {
+  # one build at a time on this machine (two test workers, or two shells): the base tarball,
+  # .cache/wheelhouse and the image tag are shared
+  exec 8>/tmp/hourglass-image.lock
+  flock -w 1800 8 || { log "another image.sh build held /tmp/hourglass-image.lock for 30 min"; exit 1; }
   base_image
   wheelhouse
   log "docker build $IMAGE on $BASE"

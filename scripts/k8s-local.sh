@@ -169,10 +169,13 @@ cmd_crd() {  # the upstream CRD, as the Prometheus Operator's own module ships i
 
 # ------------------------------------------------------------------ up / down
 
-free_port() {  # a port nothing listens on (bash /dev/tcp probe)
-  local p
+free_port() {  # a port nothing listens on (bash /dev/tcp probe), in HOURGLASS_PORT_RANGE=LO-HI when set
+  local p lo=20000 span=30000
+  if [[ "${HOURGLASS_PORT_RANGE:-}" =~ ^([0-9]+)-([0-9]+)$ ]]; then
+    lo=${BASH_REMATCH[1]}; span=$((BASH_REMATCH[2] - lo + 1))
+  fi
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((lo + (RANDOM * 32768 + RANDOM) % span))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then echo "$p"; return; fi
   done
   die "no free port found"

@@ -42,6 +42,7 @@ MODULE_TIERS = {
     "chaos/test_partition.py": "slow",
     "chaos/test_starvation.py": "slow",
     "test_ackjournal.py": "unit",
+    "test_ports.py": "integration",  # binds sockets
     "test_cli.py": "integration",
     "test_cli_dev.py": "integration",
     "test_cli_verify.py": "integration",
@@ -124,6 +125,13 @@ def pytest_configure(config) -> None:
     missing = sorted(m for m in MODULE_TIERS if not (TESTS / m).is_file())
     if missing:
         raise pytest.UsageError(f"tests/conftest.py MODULE_TIERS names modules that do not exist: {missing}")
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:  # a pytest-xdist worker (scripts/test.sh runs two): a port range of its own
+        from cluster.ports import PORT_RANGE_ENV, port_range, split_range
+
+        index = int(worker["workerid"].removeprefix("gw"))
+        lo, hi = split_range(*port_range(), index, int(worker["workercount"]))
+        os.environ[PORT_RANGE_ENV] = f"{lo}-{hi}"  # free_port here and in every child process
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -147,8 +155,16 @@ def pytest_collection_modifyitems(config, items) -> None:
 _DOCKER_WAS_RUNNING: bool | None = None
 
 
+def _is_worker(session) -> bool:
+    return hasattr(session.config, "workerinput")
+
+
 def pytest_sessionstart(session) -> None:
+    """The Docker daemon is the machine's: the main process (not an xdist worker) notes whether
+    one ran before the session and stops it after every worker has ended."""
     global _DOCKER_WAS_RUNNING
+    if _is_worker(session):
+        return
     try:
         _DOCKER_WAS_RUNNING = subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
     except Exception:
@@ -157,6 +173,8 @@ def pytest_sessionstart(session) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Leave no process behind: stop a Docker daemon that this test session started."""
+    if _is_worker(session):
+        return
     if _DOCKER_WAS_RUNNING is False and Path("/tmp/hourglass-dockerd.pid").exists():
         subprocess.run(["bash", str(ROOT / "scripts" / "dockerd.sh"), "stop"], capture_output=True, timeout=120)
 
