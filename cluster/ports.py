@@ -12,6 +12,8 @@ import os
 import random
 import socket
 
+from cluster.errors import InvalidArgument
+
 # Ports this process handed out. A port is only free when checked: two picks for the same
 # cluster (or two clusters of one test run) must not get the same one before either binds.
 _GIVEN: set[int] = set()
@@ -37,9 +39,9 @@ def port_range() -> tuple[int, int]:
             lo_s, hi_s = raw.split("-", 1)
             lo, hi = int(lo_s), int(hi_s)
         except ValueError:
-            raise ValueError(f"{PORT_RANGE_ENV}={raw!r}: expected LO-HI, e.g. 20768-26767") from None
+            raise InvalidArgument(PORT_RANGE_ENV, f"{raw!r}: expected LO-HI, e.g. 20768-26767") from None
         if not 1024 <= lo <= hi <= 65535:
-            raise ValueError(f"{PORT_RANGE_ENV}={raw!r}: expected 1024 <= LO <= HI <= 65535")
+            raise InvalidArgument(PORT_RANGE_ENV, f"{raw!r}: expected 1024 <= LO <= HI <= 65535")
         return lo, hi + 1
     lo, _ = _ephemeral_range()
     return max(1024, lo - 12_000), lo

@@ -7,6 +7,7 @@ import socket
 import pytest
 
 from cluster import ports
+from cluster.errors import InvalidArgument
 
 
 def test_default_range_is_below_the_ephemeral_range(monkeypatch):
@@ -27,7 +28,7 @@ def test_the_environment_narrows_the_range(monkeypatch):
 @pytest.mark.parametrize("raw", ["21000", "a-b", "21010-21000", "80-90", "60000-70000"])
 def test_a_bad_range_is_refused_naming_the_variable(monkeypatch, raw):
     monkeypatch.setenv(ports.PORT_RANGE_ENV, raw)
-    with pytest.raises(ValueError, match=ports.PORT_RANGE_ENV):
+    with pytest.raises(InvalidArgument, match=ports.PORT_RANGE_ENV):
         ports.port_range()
 
 
