@@ -63,7 +63,7 @@ stamp=.setup-stamp
 # installed, and installed from this checkout (an editable install of another clone, or of a
 # folder since deleted, would serve the hourglass command and child processes other code)
 here=$(pwd -P)
-if ! (cd / && "$PY" -c "import sys, cluster, node, grpc, hypothesis, pytest_asyncio
+if ! (cd / && "$PY" -c "import sys, cluster, node, grpc, hypothesis, pytest_asyncio, xdist
 sys.exit(0 if cluster.__file__.startswith('$here/') else 1)") >/dev/null 2>&1 \
    || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: pip install -e .[test,spark] into $PY"
